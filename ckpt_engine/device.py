@@ -1,0 +1,150 @@
+"""Everything device-specific lives here: which accelerator, which collective backend, pinned host memory,
+same-host IPC kind, and synchronisation. Other modules ask this one instead of calling torch.cuda/torch.npu."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ckpt_engine.errors import DeviceError
+
+log = logging.getLogger(__name__)
+
+DeviceKind = Literal["cuda", "npu", "cpu"]
+Backend = Literal["nccl", "hccl", "gloo"]
+IpcKind = Literal["cuda_ipc", "npu_ipc", "shm"]
+DigestAlgo = Literal["xxh3-64", "torch-mix64"]
+
+_BACKEND_FOR: dict[str, Backend] = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+_IPC_FOR: dict[str, IpcKind] = {"cuda": "cuda_ipc", "npu": "npu_ipc", "cpu": "shm"}
+
+
+def npu_module():
+    """``torch.npu`` after importing torch_npu, or None when torch_npu is not installed or has no device."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return None
+    try:
+        importlib.import_module("torch_npu")
+    except Exception as exc:  # a broken torch_npu must not break CPU/CUDA users
+        log.warning("torch_npu is installed but failed to import: %s", exc)
+        return None
+    module = getattr(torch, "npu", None)
+    if module is None or not module.is_available():
+        return None
+    return module
+
+
+def _available(kind: DeviceKind) -> bool:
+    if kind == "cuda":
+        return torch.cuda.is_available()
+    if kind == "npu":
+        return npu_module() is not None
+    return True
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The device this process moves weights on, and what follows from it."""
+
+    kind: DeviceKind
+    index: int | None
+    backend: Backend
+    pinned_memory: bool
+    ipc_kind: IpcKind
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.kind if self.index is None else f"{self.kind}:{self.index}")
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where buffers handed to the collective must live (gloo works on host memory)."""
+        return torch.device("cpu") if self.backend == "gloo" else self.torch_device
+
+    @property
+    def digest_algo(self) -> DigestAlgo:
+        """xxhash over host bytes on CPU; torch ops on the device elsewhere (no copy to host)."""
+        return "xxh3-64" if self.comm_device.type == "cpu" else "torch-mix64"
+
+
+def detect_device(
+    device: str = "auto", backend: str = "auto", index: int | None = None
+) -> DeviceInfo:
+    """Pick the device (auto: cuda, then npu, then cpu) and the backend (auto: nccl / hccl / gloo)."""
+    kind = _pick_kind(device)
+    chosen_backend = _pick_backend(kind, backend)
+    if kind != "cpu" and index is None:
+        index = _module(kind).current_device()
+    return DeviceInfo(
+        kind=kind,
+        index=index if kind != "cpu" else None,
+        backend=chosen_backend,
+        pinned_memory=kind != "cpu" and _available(kind),
+        ipc_kind=_IPC_FOR[kind],
+    )
+
+
+def _pick_kind(device: str) -> DeviceKind:
+    if device == "auto":
+        for kind in ("cuda", "npu"):
+            if _available(kind):  # type: ignore[arg-type]
+                return kind  # type: ignore[return-value]
+        return "cpu"
+    if device not in _BACKEND_FOR:
+        raise DeviceError(f"device must be one of auto, cuda, npu, cpu; got {device!r}")
+    if not _available(device):  # type: ignore[arg-type]
+        raise DeviceError(f"device {device!r} was requested but is not available in this process")
+    return device  # type: ignore[return-value]
+
+
+def _pick_backend(kind: DeviceKind, backend: str) -> Backend:
+    if backend == "auto":
+        return _BACKEND_FOR[kind]
+    if backend not in ("nccl", "hccl", "gloo"):
+        raise DeviceError(f"backend must be one of auto, nccl, hccl, gloo; got {backend!r}")
+    if backend != "gloo" and backend != _BACKEND_FOR[kind]:
+        raise DeviceError(f"backend {backend!r} does not run on device {kind!r}")
+    return backend  # type: ignore[return-value]
+
+
+def _module(kind: DeviceKind):
+    if kind == "cuda":
+        return torch.cuda
+    if kind == "npu":
+        module = npu_module()
+        if module is None:
+            raise DeviceError("torch_npu is not available")
+        return module
+    raise DeviceError("the CPU has no device module")
+
+
+def host_empty(nbytes: int, info: DeviceInfo) -> torch.Tensor:
+    """A uint8 host buffer, pinned where the device runtime supports it, plain memory otherwise."""
+    if info.pinned_memory:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as exc:  # e.g. locked-memory limits: fall back rather than fail the sync
+            log.warning("pinned allocation of %d bytes failed (%s); using pageable memory", nbytes, exc)
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def comm_empty(nbytes: int, info: DeviceInfo) -> torch.Tensor:
+    """A uint8 buffer on the collective's device."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=info.comm_device)
+
+
+def synchronize(info: DeviceInfo) -> None:
+    """Wait for queued device work (copies) to finish; a no-op on CPU."""
+    if info.kind != "cpu":
+        _module(info.kind).synchronize()
+
+
+def set_current(info: DeviceInfo) -> None:
+    """Bind this thread to the device index (collectives on NCCL/HCCL need it)."""
+    if info.kind != "cpu" and info.index is not None:
+        _module(info.kind).set_device(info.index)

@@ -1,0 +1,47 @@
+"""Exception types raised by ckpt-engine. Every failure the library can name has its own type."""
+
+from __future__ import annotations
+
+
+class CkptEngineError(Exception):
+    """Base class of every error raised on purpose by ckpt-engine."""
+
+
+class ConfigError(CkptEngineError, ValueError):
+    """A setting or argument has a bad value."""
+
+
+class DeviceError(CkptEngineError):
+    """The requested device or backend is not available in this process."""
+
+
+class LayoutError(CkptEngineError, ValueError):
+    """A bucket layout cannot be planned from the given tensors."""
+
+
+class LayoutMismatchError(CkptEngineError):
+    """Two ranks hold different layouts for the same version."""
+
+
+class ProtocolError(CkptEngineError):
+    """A message on the wire is malformed, truncated or out of order."""
+
+
+class SyncTimeoutError(CkptEngineError, TimeoutError):
+    """A wait on a peer (rendezvous, collective, acknowledgement) ran past its timeout."""
+
+
+class GroupBrokenError(CkptEngineError):
+    """The sync group failed mid-operation and must be rebuilt before it can be used again."""
+
+
+class VerificationError(CkptEngineError):
+    """Received bytes do not match the version manifest."""
+
+
+class TransferAbortedError(CkptEngineError):
+    """The sender aborted the version; nothing of it was loaded."""
+
+
+class CacheError(CkptEngineError):
+    """A version cache operation cannot be carried out (unknown or evicted version)."""

@@ -1,0 +1,159 @@
+"""The sync group: a process group of its own (sender + receivers), independent of any default group.
+
+It is built directly from a backend class (``ProcessGroupGloo`` / ``ProcessGroupNCCL`` / HCCL) over a
+``PrefixStore`` whose prefix names the group and its generation, so a rebuilt group never reads keys of an
+older one and a trainer's ``torch.distributed`` default group is never touched. Every wait has a timeout;
+after a failed or timed-out collective the group is marked broken and must be rebuilt.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckpt_engine.device import DeviceInfo, set_current
+from ckpt_engine.errors import ConfigError, GroupBrokenError, SyncTimeoutError
+
+log = logging.getLogger(__name__)
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def open_store(host: str, port: int, *, is_master: bool = False, timeout_s: float = 30.0) -> dist.TCPStore:
+    """A TCP store client (or the server, with ``is_master``); ``port=0`` with ``is_master`` picks a free port."""
+    try:
+        return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False, timeout=_td(timeout_s))
+    except (RuntimeError, dist.DistError) as exc:
+        raise SyncTimeoutError(f"cannot reach the rendezvous store at {host}:{port}: {exc}") from exc
+
+
+def store_prefix(name: str, generation: int) -> str:
+    return f"ckpt-engine/{name}/gen-{generation}/"
+
+
+class SyncGroup:
+    """One generation of a sync group. Rank 0 is the sender by convention; the others receive."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        name: str,
+        generation: int,
+        rank: int,
+        world_size: int,
+        device: DeviceInfo,
+        timeout_s: float = 60.0,
+        bind_host: str | None = None,
+    ) -> None:
+        if world_size < 2:
+            raise ConfigError(f"a sync group needs a sender and at least one receiver, got world_size={world_size}")
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} is outside world size {world_size}")
+        if timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+        self.name = name
+        self.generation = generation
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.timeout_s = timeout_s
+        self.broken: str | None = None
+        prefixed = dist.PrefixStore(store_prefix(name, generation), store)
+        prefixed.set_timeout(_td(timeout_s))
+        started = time.monotonic()
+        try:
+            self._pg = _construct(prefixed, rank, world_size, device, timeout_s, bind_host)
+        except Exception as exc:
+            raise SyncTimeoutError(
+                f"sync group {name!r} gen {generation}: rank {rank} could not rendezvous with "
+                f"{world_size - 1} peer(s) within {timeout_s:.1f}s ({time.monotonic() - started:.1f}s): {exc}"
+            ) from exc
+        log.info("sync group %s gen %d up: rank %d/%d on %s", name, generation, rank, world_size, device.backend)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Any:
+        """Start a broadcast from ``src``; returns a work handle for :meth:`wait`."""
+        self._check_usable()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        try:
+            return self._pg.broadcast([tensor], opts)
+        except Exception as exc:
+            raise self._fail(f"broadcast could not start: {exc}") from exc
+
+    def wait(self, work: Any, what: str, timeout_s: float | None = None) -> None:
+        """Wait for ``work``; a timeout or peer failure marks the group broken and raises."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            work.wait(_td(limit))
+        except Exception as exc:
+            text = str(exc)
+            if "imed out" in text or "timeout" in text.lower():
+                raise self._fail(f"{what} timed out after {limit:.1f}s", SyncTimeoutError) from exc
+            raise self._fail(f"{what} failed: {text}") from exc
+
+    def broadcast_and_wait(self, tensor: torch.Tensor, what: str, src: int = 0) -> None:
+        self.wait(self.broadcast(tensor, src), what)
+
+    def allgather(self, tensor: torch.Tensor, what: str, timeout_s: float | None = None) -> list[torch.Tensor]:
+        """Every rank contributes ``tensor`` (same size everywhere); returns one tensor per rank."""
+        self._check_usable()
+        outputs = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        try:
+            work = self._pg.allgather([outputs], [tensor])
+        except Exception as exc:
+            raise self._fail(f"{what} could not start: {exc}") from exc
+        self.wait(work, what, timeout_s)
+        return outputs
+
+    def close(self) -> None:
+        """Release the backend's resources; the group cannot be used afterwards."""
+        if self.broken is None:
+            self.broken = "closed"
+        pg, self._pg = getattr(self, "_pg", None), None
+        if pg is not None:
+            try:
+                pg.abort() if self.broken != "closed" else pg.shutdown()
+            except Exception as exc:  # shutting down a half-dead group must not raise over the real error
+                log.debug("sync group %s shutdown: %s", self.name, exc)
+
+    def _check_usable(self) -> None:
+        if self.broken is not None:
+            raise GroupBrokenError(f"sync group {self.name!r} gen {self.generation} is unusable: {self.broken}")
+
+    def _fail(self, reason: str, kind: type[Exception] = GroupBrokenError) -> Exception:
+        self.broken = reason
+        log.warning("sync group %s gen %d rank %d: %s", self.name, self.generation, self.rank, reason)
+        return kind(f"sync group {self.name!r} gen {self.generation} rank {self.rank}: {reason}")
+
+
+def _construct(
+    store: dist.Store, rank: int, size: int, device: DeviceInfo, timeout_s: float, bind_host: str | None
+) -> Any:
+    if device.backend == "gloo":
+        gloo = dist.ProcessGroupGloo
+        options = gloo._Options()
+        options._timeout = _td(timeout_s)
+        options._devices = [gloo.create_device(hostname=bind_host) if bind_host else gloo.create_default_device()]
+        return gloo(store, rank, size, options)
+    set_current(device)
+    if device.backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = _td(timeout_s)
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    if device.backend == "hccl":
+        # Unverified without Ascend hardware: torch_npu exposes ProcessGroupHCCL with the NCCL-style signature.
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # type: ignore[import-not-found]
+
+        options = ProcessGroupHCCL.Options()
+        options._timeout = _td(timeout_s)
+        return ProcessGroupHCCL(store, rank, size, options)
+    raise ConfigError(f"unknown backend {device.backend!r}")

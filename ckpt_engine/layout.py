@@ -1,0 +1,184 @@
+"""Bucket layout: a pure planner from tensor specs to flat, aligned buckets.
+
+Every rank plans the same layout from the same (names, dtypes, shapes, bucket size, alignment), so no
+per-bucket metadata has to travel; a digest of the plan lets ranks check they agree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import xxhash
+
+from ckpt_engine.dtypes import itemsize
+from ckpt_engine.errors import LayoutError, LayoutMismatchError
+
+DEFAULT_ALIGNMENT = 256
+# Device digests read buckets as 8-byte words, so offsets must stay word-aligned.
+MIN_ALIGNMENT = 8
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a tensor is, independent of where it lives: name, wire dtype name, shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where a tensor sits: bucket index and byte offset inside that bucket."""
+
+    index: int
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    bucket: int
+    offset: int
+    nbytes: int
+
+    @property
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.name, self.dtype, self.shape)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One flat buffer on the wire. ``flat_offset`` is its start in a buffer holding all buckets."""
+
+    index: int
+    nbytes: int
+    flat_offset: int
+    slots: tuple[TensorSlot, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    bucket_size: int
+    alignment: int
+    buckets: tuple[Bucket, ...]
+    digest: str
+
+    @property
+    def slots(self) -> tuple[TensorSlot, ...]:
+        return tuple(slot for bucket in self.buckets for slot in bucket.slots)
+
+    @property
+    def specs(self) -> tuple[TensorSpec, ...]:
+        return tuple(slot.spec for slot in self.slots)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all buckets, padding included: the size of a flat buffer holding the version."""
+        return sum(bucket.nbytes for bucket in self.buckets)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of tensor data alone."""
+        return sum(slot.nbytes for bucket in self.buckets for slot in bucket.slots)
+
+    @property
+    def max_bucket_bytes(self) -> int:
+        return max((bucket.nbytes for bucket in self.buckets), default=0)
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(bucket.slots) for bucket in self.buckets)
+
+
+def align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def _validate(specs: Sequence[TensorSpec], bucket_size: int, alignment: int) -> None:
+    if bucket_size <= 0:
+        raise LayoutError(f"bucket_size must be positive, got {bucket_size}")
+    if alignment < MIN_ALIGNMENT or alignment & (alignment - 1):
+        raise LayoutError(f"alignment must be a power of two >= {MIN_ALIGNMENT}, got {alignment}")
+    seen: set[str] = set()
+    for spec in specs:
+        if not spec.name:
+            raise LayoutError("tensor names must be non-empty")
+        if spec.name in seen:
+            raise LayoutError(f"tensor name {spec.name!r} appears twice")
+        if any(dim < 0 for dim in spec.shape):
+            raise LayoutError(f"tensor {spec.name!r} has a negative dimension: {spec.shape}")
+        seen.add(spec.name)
+
+
+def plan_layout(
+    specs: Sequence[TensorSpec], bucket_size: int, alignment: int = DEFAULT_ALIGNMENT
+) -> Layout:
+    """Pack tensors into buckets in the given order.
+
+    Offsets are aligned to ``alignment``; a tensor larger than ``bucket_size`` gets a bucket of its own.
+    A bucket's size is its last tensor's end rounded up to the alignment, so no bucket exceeds
+    ``max(bucket_size rounded up, largest tensor rounded up)``.
+    """
+    _validate(specs, bucket_size, alignment)
+    groups: list[list[tuple[TensorSpec, int]]] = [[]]
+    cursor = 0
+    for spec in specs:
+        nbytes = spec.nbytes
+        oversize = nbytes > bucket_size
+        if groups[-1] and (oversize or cursor + nbytes > bucket_size):
+            groups.append([])
+            cursor = 0
+        groups[-1].append((spec, cursor))
+        cursor = align_up(cursor + nbytes, alignment)
+        if oversize:
+            groups.append([])
+            cursor = 0
+    if not groups[-1]:
+        groups.pop()
+    return _build(groups, bucket_size, alignment)
+
+
+def _build(groups: list[list[tuple[TensorSpec, int]]], bucket_size: int, alignment: int) -> Layout:
+    buckets: list[Bucket] = []
+    flat_offset = 0
+    index = 0
+    for bucket_index, group in enumerate(groups):
+        slots = []
+        for spec, offset in group:
+            slots.append(TensorSlot(index, spec.name, spec.dtype, spec.shape, bucket_index, offset, spec.nbytes))
+            index += 1
+        end = max((slot.offset + slot.nbytes for slot in slots), default=0)
+        nbytes = align_up(end, alignment)
+        buckets.append(Bucket(bucket_index, nbytes, flat_offset, tuple(slots)))
+        flat_offset += nbytes
+    specs = [slot.spec for bucket in buckets for slot in bucket.slots]
+    return Layout(bucket_size, alignment, tuple(buckets), layout_digest(specs, bucket_size, alignment))
+
+
+def layout_digest(specs: Iterable[TensorSpec], bucket_size: int, alignment: int) -> str:
+    """Hex digest of everything the plan depends on; equal digests mean equal layouts."""
+    hasher = xxhash.xxh3_64()
+    hasher.update(f"ckpt-layout-v1|{bucket_size}|{alignment}|".encode())
+    for spec in specs:
+        hasher.update(spec.name.encode())
+        hasher.update(b"\0")
+        hasher.update(f"{spec.dtype}|{','.join(map(str, spec.shape))}\n".encode())
+    return hasher.hexdigest()
+
+
+def check_same_layout(local: Layout, remote_digest: str, *, peer: str = "peer") -> None:
+    """Raise LayoutMismatchError when a peer's layout digest differs from ours."""
+    if local.digest != remote_digest:
+        raise LayoutMismatchError(
+            f"layout mismatch with {peer}: local digest {local.digest} ({local.num_tensors} tensors, "
+            f"{len(local.buckets)} buckets) != remote digest {remote_digest}; both sides must list the same "
+            "tensors (names, dtypes, shapes) in the same order with the same bucket size and alignment"
+        )

@@ -1,0 +1,112 @@
+"""Messages that travel between sender and receivers, as typed msgpack maps (never pickle).
+
+Rules that keep older peers working: unknown fields are ignored, every field added after protocol 1 is
+optional with a safe default, and required fields are only ever added with a new ``proto`` number.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypeVar
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ckpt_engine.errors import ProtocolError
+from ckpt_engine.layout import Layout, TensorSpec, check_same_layout, plan_layout
+
+PROTO_VERSION = 1
+MAX_MESSAGE_BYTES = 64 << 20
+
+Mode = Literal["cached", "bypass_cpu"]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class LayoutMessage(_Message):
+    """A layout as columns (cheap to encode and validate for tens of thousands of tensors)."""
+
+    bucket_size: int = Field(gt=0)
+    alignment: int = Field(gt=0)
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    digest: str
+
+    @classmethod
+    def of(cls, layout: Layout) -> "LayoutMessage":
+        slots = layout.slots
+        return cls(
+            bucket_size=layout.bucket_size,
+            alignment=layout.alignment,
+            names=[s.name for s in slots],
+            dtypes=[s.dtype for s in slots],
+            shapes=[list(s.shape) for s in slots],
+            digest=layout.digest,
+        )
+
+    def to_layout(self) -> Layout:
+        """Re-plan locally and check the result against the sender's digest."""
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ProtocolError("layout columns names/dtypes/shapes differ in length")
+        specs = [TensorSpec(n, d, tuple(s)) for n, d, s in zip(self.names, self.dtypes, self.shapes)]
+        layout = plan_layout(specs, self.bucket_size, self.alignment)
+        check_same_layout(layout, self.digest, peer="sender")
+        return layout
+
+
+class VersionHeader(_Message):
+    proto: int = PROTO_VERSION
+    version: int = Field(ge=0)
+    mode: Mode
+    digest_algo: str
+    layout: LayoutMessage
+    step: int | None = None
+    aliases: dict[str, str] = Field(default_factory=dict)
+    created_at: float | None = None
+
+
+class VersionTrailer(_Message):
+    version: int
+    version_digest: str
+
+
+class AbortMessage(_Message):
+    version: int
+    reason: str
+
+
+class Ack(_Message):
+    """A rank's outcome for one version, exchanged by every rank of the group after the version ends."""
+
+    version: int
+    rank: int
+    ok: bool
+    version_digest: str | None = None
+    reason: str | None = None
+    bad_tensors: list[str] = Field(default_factory=list)
+    seconds: dict[str, float] = Field(default_factory=dict)
+
+
+M = TypeVar("M", bound=_Message)
+
+
+def encode(message: _Message) -> bytes:
+    return msgpack.packb(message.model_dump(mode="json"), use_bin_type=True)
+
+
+def decode(kind: type[M], raw: bytes) -> M:
+    """Parse a message; anything malformed, truncated or oversized is a ProtocolError."""
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"{kind.__name__} of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise ProtocolError(f"undecodable {kind.__name__}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ProtocolError(f"{kind.__name__} must be a map, got {type(data).__name__}")
+    try:
+        return kind.model_validate(data)
+    except ValidationError as exc:
+        raise ProtocolError(f"invalid {kind.__name__}: {exc.errors()[0]}") from exc

@@ -1,0 +1,323 @@
+"""The sending side of a version: fills buckets (from the cache or straight from live tensors), digests them,
+and broadcasts them double-buffered, so bucket k+1 is being filled while bucket k is on the wire.
+
+A transfer runs on a background thread. ``Transfer.params_released`` is set as soon as the source tensors
+are no longer read: right away for a cached version (the cache holds the bytes), after the last bucket has
+been filled for a live (``bypass_cpu``) version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Mapping, Protocol
+
+import torch
+
+from ckpt_engine.cache import VersionCache
+from ckpt_engine.device import DigestAlgo, comm_empty
+from ckpt_engine.errors import CkptEngineError, ProtocolError, SyncTimeoutError
+from ckpt_engine.group import SyncGroup
+from ckpt_engine.hashing import bucket_digests, version_digest
+from ckpt_engine.layout import Layout
+from ckpt_engine.protocol import AbortMessage, Ack, LayoutMessage, Mode, VersionHeader, VersionTrailer, encode
+from ckpt_engine.tensors import check_matches_layout, fill_bucket
+from ckpt_engine.wire import Channel, Frame, FrameKind
+
+log = logging.getLogger(__name__)
+
+# Called with (bucket index, bucket bytes) after the digests are taken; returns the bytes to put on the wire.
+# Fault injection for tests and chaos runs: the source (cache or live tensors) is never modified by it.
+WireHook = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class TransferResult:
+    version: int
+    mode: Mode
+    ok: bool
+    reason: str | None
+    version_digest: str | None
+    receivers: list[Ack]
+    bytes_sent: int
+    buckets: int
+    tensors: int
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def committed_ranks(self) -> list[int]:
+        return [ack.rank for ack in self.receivers if ack.ok]
+
+
+class Transfer:
+    """Handle of one version being sent."""
+
+    def __init__(self, version: int, mode: Mode) -> None:
+        self.version = version
+        self.mode = mode
+        self.params_released = threading.Event()
+        self._done = threading.Event()
+        self._result: TransferResult | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout_s: float | None = None) -> TransferResult:
+        if not self._done.wait(timeout_s):
+            raise SyncTimeoutError(f"version {self.version} still in transfer after {timeout_s}s")
+        if self._result is None:
+            raise CkptEngineError(f"version {self.version}: transfer ended without a result")
+        return self._result
+
+    def _finish(self, result: TransferResult) -> None:
+        self._result = result
+        self.params_released.set()
+        self._done.set()
+
+
+class _Source(Protocol):
+    mode: Mode
+    layout: Layout
+    version: int
+    step: int | None
+    aliases: Mapping[str, str]
+
+    def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor: ...
+
+    def all_filled(self) -> None: ...
+
+
+class _LiveSource:
+    """bypass_cpu: bucket bytes come straight from the live tensors into the send slot."""
+
+    mode: Mode = "bypass_cpu"
+
+    def __init__(self, version: int, layout: Layout, tensors: Mapping[str, torch.Tensor],
+                 aliases: Mapping[str, str], step: int | None, released: threading.Event) -> None:
+        self.version, self.layout, self.tensors, self.aliases, self.step = version, layout, tensors, aliases, step
+        self._released = released
+
+    def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:
+        bucket = self.layout.buckets[index]
+        if slot is None:
+            raise ValueError("a live source needs a send slot")
+        fill_bucket(slot, bucket.slots, self.tensors, bucket.nbytes)
+        return slot[: bucket.nbytes]
+
+    def all_filled(self) -> None:
+        self.tensors = {}
+        self._released.set()
+
+
+class _CacheSource:
+    """cached: bucket bytes are read from the version cache (copied to the device when the wire needs it)."""
+
+    mode: Mode = "cached"
+
+    def __init__(self, cached, on_host_wire: bool) -> None:
+        self.cached = cached
+        self.version, self.layout, self.aliases, self.step = cached.version, cached.layout, cached.aliases, cached.step
+        self._on_host_wire = on_host_wire
+
+    def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:
+        view = self.cached.bucket(index)
+        if self._on_host_wire:
+            return view  # gloo sends host memory: no copy at all
+        if slot is None:
+            raise ValueError("a device wire needs a send slot")
+        nbytes = view.numel()
+        slot[:nbytes].copy_(view, non_blocking=True)
+        return slot[:nbytes]
+
+    def all_filled(self) -> None:
+        pass
+
+
+class Sender:
+    """Sends versions on a sync group where this process is the source rank (0)."""
+
+    def __init__(self, group: SyncGroup, *, digest_algo: DigestAlgo | None = None,
+                 ack_timeout_s: float | None = None, wire_hook: WireHook | None = None) -> None:
+        self.group = group
+        self.channel = Channel(group)
+        if not self.channel.is_src:
+            raise ProtocolError(f"rank {group.rank} cannot send: the sender is rank {self.channel.src}")
+        self.digest_algo: DigestAlgo = digest_algo or group.device.digest_algo
+        self.ack_timeout_s = ack_timeout_s if ack_timeout_s is not None else 2 * group.timeout_s
+        self.wire_hook = wire_hook
+        self._slots: list[torch.Tensor] = []
+        self._busy = threading.Lock()
+
+    def send_cached(self, cache: VersionCache, version: int) -> Transfer:
+        """Send a version held in ``cache``; the cache keeps its buffer alive until the transfer ends."""
+        lease = cache.lease(version)
+        cached = lease.__enter__()
+        source = _CacheSource(cached, self.group.device.comm_device.type == "cpu")
+        transfer = Transfer(version, "cached")
+        transfer.params_released.set()
+        return self._start(source, transfer, lease)
+
+    def send_live(self, version: int, layout: Layout, tensors: Mapping[str, torch.Tensor], *,
+                  aliases: Mapping[str, str] | None = None, step: int | None = None) -> Transfer:
+        """Send live tensors without a host copy; read them until ``params_released`` is set."""
+        check_matches_layout(layout, tensors)
+        transfer = Transfer(version, "bypass_cpu")
+        source = _LiveSource(version, layout, tensors, aliases or {}, step, transfer.params_released)
+        return self._start(source, transfer, contextlib.nullcontext())
+
+    def close(self) -> None:
+        """Tell receivers the group is closing, then release it."""
+        with self._busy:
+            if self.group.broken is None:
+                try:
+                    self.channel.frame(Frame(FrameKind.CLOSE), 0, "close")
+                except CkptEngineError as exc:
+                    log.warning("could not announce close: %s", exc)
+            self.group.close()
+
+    def _start(self, source: _Source, transfer: Transfer, lease: contextlib.AbstractContextManager) -> Transfer:
+        if not self._busy.acquire(blocking=False):
+            lease.__exit__(None, None, None)
+            raise CkptEngineError(f"version {source.version}: another version is still being sent")
+
+        def run() -> None:
+            try:
+                transfer._finish(self._run(source))
+            finally:
+                lease.__exit__(None, None, None)
+                self._busy.release()
+
+        threading.Thread(target=run, name=f"ckpt-send-v{source.version}", daemon=True).start()
+        return transfer
+
+    def _run(self, source: _Source) -> TransferResult:
+        timer = _Timer()
+        layout = source.layout
+        result = TransferResult(source.version, source.mode, False, None, None, [], 0, len(layout.buckets),
+                                layout.num_tensors)
+        try:
+            with timer.stage("header"):
+                self._send_header(source)
+            digests = self._send_buckets(source, timer, result)
+            digest = version_digest(self.digest_algo, layout.digest, digests)
+            trailer = encode(VersionTrailer(version=source.version, version_digest=digest))
+            self.channel.frame(Frame(FrameKind.END, source.version, len(trailer)), 0, "version end")
+            self.channel.payload(trailer, len(trailer), "version trailer")
+            result.version_digest = digest
+            with timer.stage("ack"):
+                self._collect_acks(source.version, digest, result)
+        except _Aborted as exc:
+            result.reason = str(exc)
+        except CkptEngineError as exc:
+            result.reason = str(exc)
+        finally:
+            source.all_filled()
+        result.seconds = timer.finish()
+        log.info("version %d %s: %s in %.3fs (%d bytes, %d buckets)", source.version, source.mode,
+                 "committed" if result.ok else f"failed ({result.reason})", result.seconds["total"],
+                 result.bytes_sent, result.buckets)
+        return result
+
+    def _send_header(self, source: _Source) -> None:
+        header = encode(VersionHeader(
+            version=source.version, mode=source.mode, digest_algo=self.digest_algo,
+            layout=LayoutMessage.of(source.layout), step=source.step, aliases=dict(source.aliases),
+            created_at=time.time(),
+        ))
+        self.channel.frame(Frame(FrameKind.BEGIN, source.version, len(header)), 0, "version begin")
+        self.channel.payload(header, len(header), "version header")
+
+    def _send_buckets(self, source: _Source, timer: "_Timer", result: TransferResult) -> list[int]:
+        layout = source.layout
+        slots = self._ensure_slots(layout, source)
+        pending: list[object | None] = [None, None]
+        in_flight: list[torch.Tensor | None] = [None, None]  # keeps hook-made buffers alive while on the wire
+        digests: list[int] = []
+        for bucket in layout.buckets:
+            k = bucket.index
+            slot_index = k % 2
+            if pending[slot_index] is not None:
+                with timer.stage("broadcast"):
+                    self.channel.wait(pending[slot_index], f"bucket {k - 2} data")
+                pending[slot_index] = None
+            try:
+                with timer.stage("fill"):
+                    buf = source.bucket(k, slots[slot_index] if slots else None)
+                with timer.stage("digest"):
+                    values = bucket_digests(bucket, buf, self.digest_algo, layout.digest).cpu()
+            except Exception as exc:
+                self._abort(source.version, len(bucket.slots), f"bucket {k} could not be prepared: {exc}")
+            if k == len(layout.buckets) - 1:
+                source.all_filled()
+            if self.wire_hook is not None:
+                buf = self.wire_hook(k, buf)
+                in_flight[slot_index] = buf
+            frame = Frame(FrameKind.BUCKET, source.version, k, bucket.nbytes, len(bucket.slots))
+            self.channel.frame(frame, len(bucket.slots), f"bucket {k} header", extra=values)
+            if bucket.nbytes:
+                with timer.stage("broadcast"):
+                    pending[slot_index] = self.channel.data(buf)
+            digests.extend(values.tolist())
+            result.bytes_sent += bucket.nbytes
+        with timer.stage("broadcast"):
+            for work in pending:
+                if work is not None:
+                    self.channel.wait(work, "last bucket data")
+        return digests
+
+    def _abort(self, version: int, extra_len: int, reason: str) -> None:
+        """Tell receivers at the position they expect a frame that this version is abandoned, then stop."""
+        raw = encode(AbortMessage(version=version, reason=reason))
+        self.channel.frame(Frame(FrameKind.ABORT, version, len(raw)), extra_len, "abort")
+        self.channel.payload(raw, len(raw), "abort reason")
+        raise _Aborted(reason)
+
+    def _collect_acks(self, version: int, digest: str, result: TransferResult) -> None:
+        own = Ack(version=version, rank=self.group.rank, ok=True, version_digest=digest)
+        acks = self.channel.exchange_acks(own, self.ack_timeout_s)
+        problems = []
+        for rank, ack in enumerate(acks):
+            if rank == self.channel.src:
+                continue
+            if isinstance(ack, ProtocolError):
+                ack = Ack(version=version, rank=rank, ok=False, reason=f"unreadable acknowledgement: {ack}")
+            elif ack.ok and ack.version_digest != digest:
+                ack = ack.model_copy(update={"ok": False, "reason": f"digest {ack.version_digest} != {digest}"})
+            result.receivers.append(ack)
+            if not ack.ok:
+                problems.append(f"rank {rank}: {ack.reason}")
+        result.ok = not problems
+        result.reason = "; ".join(problems) or None
+
+    def _ensure_slots(self, layout: Layout, source: _Source) -> list[torch.Tensor]:
+        if isinstance(source, _CacheSource) and source._on_host_wire:
+            return []
+        need = max(layout.max_bucket_bytes, 1)
+        if not self._slots or self._slots[0].numel() < need:
+            self._slots = [comm_empty(need, self.group.device) for _ in range(2)]
+        return self._slots
+
+
+class _Aborted(CkptEngineError):
+    pass
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+
+    def finish(self) -> dict[str, float]:
+        self.seconds["total"] = time.perf_counter() - self._start
+        return self.seconds
