@@ -46,6 +46,7 @@ class TransferResult:
     buckets: int
     tensors: int
     seconds: dict[str, float] = field(default_factory=dict)
+    finished_at: float = 0.0  # time.perf_counter() when every acknowledgement was in (or the transfer failed)
 
     @property
     def committed_ranks(self) -> list[int]:
@@ -216,6 +217,7 @@ class Sender:
         finally:
             source.all_filled()
         result.seconds = timer.finish()
+        result.finished_at = time.perf_counter()
         log.info("version %d %s: %s in %.3fs (%d bytes, %d buckets)", source.version, source.mode,
                  "committed" if result.ok else f"failed ({result.reason})", result.seconds["total"],
                  result.bytes_sent, result.buckets)

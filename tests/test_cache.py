@@ -1,0 +1,100 @@
+"""Version cache: retention, eviction accounting, buffer reuse, leases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckpt_engine.cache import VersionCache
+from ckpt_engine.device import detect_device
+from ckpt_engine.errors import CacheError, ConfigError, LayoutMismatchError
+from ckpt_engine.layout import plan_layout
+from ckpt_engine.tensors import specs_of
+
+
+def model(scale: float = 1.0) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((100, 10), scale), "b": torch.arange(7, dtype=torch.int64), "h": torch.ones(3).half()}
+
+
+@pytest.fixture()
+def cache() -> VersionCache:
+    return VersionCache(detect_device("cpu"), keep_versions=2)
+
+
+def snapshot(cache: VersionCache, version: int, tensors: dict[str, torch.Tensor]):
+    layout = plan_layout(specs_of(tensors), bucket_size=1024)
+    return cache.snapshot(version, layout, tensors, step=version)
+
+
+def test_keeps_the_newest_versions_and_accounts_bytes(cache: VersionCache) -> None:
+    first = snapshot(cache, 1, model(1.0))
+    snapshot(cache, 2, model(2.0))
+    snapshot(cache, 3, model(3.0))
+    assert cache.versions() == [2, 3]
+    assert cache.bytes_by_version() == {2: first.nbytes, 3: first.nbytes}
+    assert cache.bytes_held == 2 * first.nbytes
+    assert torch.equal(cache.get(3).tensor("w"), model(3.0)["w"])
+    assert torch.equal(cache.get(2).tensor("b"), model()["b"])
+    with pytest.raises(CacheError, match="version 1 is not in the cache"):
+        cache.get(1)
+
+
+def test_snapshot_is_a_copy_not_a_view(cache: VersionCache) -> None:
+    tensors = model(1.0)
+    snapshot(cache, 1, tensors)
+    tensors["w"].add_(5)
+    assert torch.equal(cache.get(1).tensor("w"), model(1.0)["w"])
+
+
+def test_buffers_are_reused_over_twenty_versions(cache: VersionCache) -> None:
+    for version in range(1, 21):
+        snapshot(cache, version, model(float(version)))
+    assert cache.allocations == 2
+    assert cache.bytes_allocated == 2 * cache.get(20).nbytes
+    assert cache.versions() == [19, 20]
+
+
+def test_explicit_eviction_frees_and_reuses(cache: VersionCache) -> None:
+    snapshot(cache, 1, model())
+    freed = cache.evict(1)
+    assert freed > 0 and cache.versions() == [] and cache.bytes_held == 0
+    snapshot(cache, 2, model())
+    assert cache.allocations == 1
+    with pytest.raises(CacheError):
+        cache.evict(1)
+
+
+def test_a_leased_version_keeps_its_buffer_until_released(cache: VersionCache) -> None:
+    snapshot(cache, 1, model(1.0))
+    with cache.lease(1) as held:
+        snapshot(cache, 2, model(2.0))
+        snapshot(cache, 3, model(3.0))  # evicts 1, but 1 is leased: its buffer must not be reused
+        assert cache.versions() == [2, 3]
+        assert torch.equal(held.tensor("w"), model(1.0)["w"])
+        assert cache.allocations == 3
+    snapshot(cache, 4, model(4.0))  # now the released buffer comes back from the pool
+    assert cache.allocations == 3
+
+
+def test_tensors_must_match_the_layout(cache: VersionCache) -> None:
+    layout = plan_layout(specs_of(model()), bucket_size=1024)
+    wrong = model()
+    wrong["w"] = torch.zeros(10, 100)
+    with pytest.raises(LayoutMismatchError, match="'w'"):
+        cache.snapshot(1, layout, wrong)
+    assert cache.versions() == []
+
+
+def test_rejects_duplicate_versions_and_bad_settings(cache: VersionCache) -> None:
+    snapshot(cache, 1, model())
+    with pytest.raises(CacheError, match="already cached"):
+        snapshot(cache, 1, model())
+    with pytest.raises(ConfigError):
+        VersionCache(detect_device("cpu"), keep_versions=0)
+
+
+def test_latest(cache: VersionCache) -> None:
+    assert cache.latest() is None
+    snapshot(cache, 4, model())
+    snapshot(cache, 9, model())
+    assert cache.latest().version == 9 and 4 in cache and 5 not in cache

@@ -1,0 +1,47 @@
+"""Deployment YAML: the shipped file loads; bad keys and values fail at load, naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ckpt_engine.config import load_config, parse_config
+from ckpt_engine.errors import ConfigError
+
+DEPLOY = Path(__file__).parents[1] / "deploy" / "engine.yaml"
+
+
+def test_shipped_deploy_file_loads() -> None:
+    config = load_config(DEPLOY)
+    assert config.bypass_cpu is False and config.bucket_size == 512 << 20 and config.timeouts.ack_s == 120
+
+
+def test_bypass_cpu_toggle(tmp_path: Path) -> None:
+    path = tmp_path / "engine.yaml"
+    path.write_text("bypass_cpu: true\n")
+    assert load_config(path).bypass_cpu is True
+
+
+@pytest.mark.parametrize("data, key", [
+    ({"bypass_cpu": "maybe"}, "bypass_cpu"),
+    ({"bucket_size_mb": 0}, "bucket_size_mb"),
+    ({"keep_versions": 0}, "keep_versions"),
+    ({"device": "tpu"}, "device"),
+    ({"timeouts": {"ack_s": -1}}, "timeouts.ack_s"),
+    ({"timeouts": {"typo_s": 1}}, "timeouts.typo_s"),
+    ({"bucket_sise_mb": 5}, "bucket_sise_mb"),
+    ({"alignment": 384}, "alignment"),
+])
+def test_bad_values_name_the_key(data: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        parse_config(data)
+
+
+def test_unreadable_or_non_mapping_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)

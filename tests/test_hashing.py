@@ -1,0 +1,118 @@
+"""Digests: deterministic across processes, sensitive to bytes, order, dtype and shape; bf16 works."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ckpt_engine.hashing import bucket_digests, reference_mix64_digest, version_digest, xxh3_digest
+from ckpt_engine.layout import TensorSpec, plan_layout
+from ckpt_engine.tensors import fill_bucket
+
+ALGOS = ["xxh3-64", "torch-mix64"]
+
+
+def digests_of(tensors: dict[str, torch.Tensor], algo: str) -> list[int]:
+    specs = [TensorSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
+    layout = plan_layout(specs, bucket_size=1 << 20)
+    out: list[int] = []
+    for bucket in layout.buckets:
+        buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
+        fill_bucket(buf, bucket.slots, tensors, bucket.nbytes)
+        out += bucket_digests(bucket, buf, algo, layout.digest).tolist()
+    return out
+
+
+def sample() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "f32": torch.randn(17, 3, generator=gen),
+        "bf16": torch.randn(31, generator=gen).bfloat16(),
+        "i64": torch.arange(5),
+        "flag": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 2),
+    }
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_sensitive_to_a_single_bit(algo: str) -> None:
+    base = sample()
+    before = digests_of(base, algo)
+    changed = {k: v.clone() for k, v in base.items()}
+    changed["bf16"].view(torch.int16)[7] ^= 1
+    after = digests_of(changed, algo)
+    assert [a != b for a, b in zip(before, after)] == [False, True, False, False, False, False]
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_sensitive_to_order_within_a_tensor(algo: str) -> None:
+    t = torch.arange(16, dtype=torch.float32)
+    swapped = t.clone()
+    swapped[[2, 9]] = swapped[[9, 2]]
+    assert digests_of({"x": t}, algo) != digests_of({"x": swapped}, algo)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_sensitive_to_dtype_and_shape_with_equal_bytes(algo: str) -> None:
+    t = torch.arange(8, dtype=torch.int32)
+    variants = [{"x": t}, {"x": t.view(torch.float32)}, {"x": t.view(2, 4)}, {"x": t.view(torch.int16)}]
+    assert len({digests_of(v, algo)[0] for v in variants}) == 4
+
+
+def test_device_digest_matches_the_plain_python_reference() -> None:
+    tensors = sample()
+    expected = []
+    for name, t in tensors.items():
+        raw = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        expected.append(reference_mix64_digest(str(t.dtype).removeprefix("torch."), tuple(t.shape), bytes(raw.tolist())))
+    assert digests_of(tensors, "torch-mix64") == expected
+
+
+def test_padding_bytes_do_not_change_digests() -> None:
+    layout = plan_layout([TensorSpec("a", "uint8", (5,)), TensorSpec("b", "uint8", (3,))], 1024)
+    bucket = layout.buckets[0]
+    buf = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    buf[0:5] = 7
+    for algo in ALGOS:
+        clean = bucket_digests(bucket, buf, algo, layout.digest).tolist()
+        dirty = buf.clone()
+        dirty[5:256] = 99  # padding after tensor a
+        assert bucket_digests(bucket, dirty, algo, layout.digest).tolist() == clean
+
+
+def test_chunked_device_digest_matches_reference_across_chunk_boundaries(monkeypatch) -> None:
+    import ckpt_engine.hashing as hashing
+
+    monkeypatch.setattr(hashing, "_CHUNK_WORDS", 5)  # force many chunks and tensors spanning them
+    t = torch.randn(37)
+    raw = bytes(t.view(torch.uint8).tolist())
+    assert digests_of({"x": t}, "torch-mix64") == [reference_mix64_digest("float32", (37,), raw)]
+
+
+def test_same_digests_in_another_process() -> None:
+    code = (
+        "import torch, json; from tests.test_hashing import digests_of, sample;"
+        "print(json.dumps({a: digests_of(sample(), a) for a in ['xxh3-64', 'torch-mix64']}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONHASHSEED": "123", "PATH": ""}, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+    import json
+
+    assert json.loads(out.stdout) == {a: digests_of(sample(), a) for a in ALGOS}
+
+
+def test_version_digest_depends_on_every_input() -> None:
+    base = version_digest("xxh3-64", "abc", [1, 2, 3])
+    assert base == version_digest("xxh3-64", "abc", [1, 2, 3])
+    others = {version_digest("torch-mix64", "abc", [1, 2, 3]), version_digest("xxh3-64", "abd", [1, 2, 3]),
+              version_digest("xxh3-64", "abc", [1, 3, 2]), version_digest("xxh3-64", "abc", [1, 2, 4])}
+    assert base not in others and len(others) == 4
+
+
+def test_xxh3_of_a_bf16_tensor_needs_no_numpy() -> None:
+    t = torch.randn(9).bfloat16()
+    assert isinstance(xxh3_digest("bfloat16", (9,), t.view(torch.uint8)), int)

@@ -1,0 +1,66 @@
+"""Wire messages: round trips, older peers (missing optional fields), malformed input."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from ckpt_engine.errors import LayoutMismatchError, ProtocolError
+from ckpt_engine.layout import TensorSpec, plan_layout
+from ckpt_engine.protocol import Ack, LayoutMessage, VersionHeader, decode, encode
+
+
+def layout():
+    return plan_layout([TensorSpec("a", "bfloat16", (3, 4)), TensorSpec("b", "int64", ())], 1024)
+
+
+def test_header_round_trip_rebuilds_the_same_layout() -> None:
+    header = VersionHeader(version=3, mode="cached", digest_algo="xxh3-64", layout=LayoutMessage.of(layout()),
+                           step=30, aliases={"tied": "a"})
+    back = decode(VersionHeader, encode(header))
+    assert back == header
+    assert back.layout.to_layout() == layout()
+
+
+def test_an_older_peer_without_optional_fields_still_works() -> None:
+    minimal = {"version": 1, "mode": "bypass_cpu", "digest_algo": "xxh3-64",
+               "layout": LayoutMessage.of(layout()).model_dump()}
+    header = decode(VersionHeader, msgpack.packb(minimal))
+    assert header.step is None and header.aliases == {} and header.proto == 1
+
+
+def test_a_newer_peer_with_unknown_fields_still_works() -> None:
+    ack = decode(Ack, msgpack.packb({"version": 1, "rank": 2, "ok": True, "added_in_v7": [1, 2]}))
+    assert ack.ok and ack.bad_tensors == []
+
+
+@pytest.mark.parametrize("raw", [b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"version": "x"}),
+                                 msgpack.packb({"version": 1, "rank": 0})])
+def test_malformed_messages_are_protocol_errors(raw: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode(Ack, raw)
+
+
+def test_truncated_message_is_a_protocol_error() -> None:
+    raw = encode(Ack(version=1, rank=1, ok=True, reason="x" * 50))
+    with pytest.raises(ProtocolError, match="undecodable"):
+        decode(Ack, raw[:-10])
+
+
+def test_layout_with_a_forged_digest_is_rejected() -> None:
+    message = LayoutMessage.of(layout()).model_copy(update={"digest": "0" * 16})
+    with pytest.raises(LayoutMismatchError):
+        message.to_layout()
+
+
+def test_unknown_dtype_on_the_wire_is_rejected() -> None:
+    message = LayoutMessage.of(layout()).model_copy(update={"dtypes": ["__import__", "int64"]})
+    with pytest.raises(ProtocolError, match="unknown dtype"):
+        message.to_layout()
+
+
+def test_mode_is_validated() -> None:
+    raw = msgpack.packb({"version": 1, "mode": "whatever", "digest_algo": "xxh3-64",
+                         "layout": LayoutMessage.of(layout()).model_dump()})
+    with pytest.raises(ProtocolError):
+        decode(VersionHeader, raw)
