@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Mapping, Protocol
 import torch
 
 from ckpt_engine.cache import VersionCache
-from ckpt_engine.device import DigestAlgo, comm_empty
+from ckpt_engine.device import DigestAlgo, comm_empty, set_current
 from ckpt_engine.errors import CkptEngineError, ProtocolError, SyncTimeoutError
 from ckpt_engine.group import SyncGroup
 from ckpt_engine.hashing import bucket_digests, version_digest
@@ -154,12 +154,12 @@ class Sender:
 
     def send_cached(self, cache: VersionCache, version: int) -> Transfer:
         """Send a version held in ``cache``; the cache keeps its buffer alive until the transfer ends."""
-        lease = cache.lease(version)
-        cached = lease.__enter__()
+        hold = contextlib.ExitStack()
+        cached = hold.enter_context(cache.lease(version))
         source = _CacheSource(cached, self.group.device.comm_device.type == "cpu")
         transfer = Transfer(version, "cached")
         transfer.params_released.set()
-        return self._start(source, transfer, lease)
+        return self._start(source, transfer, hold)
 
     def send_live(self, version: int, layout: Layout, tensors: Mapping[str, torch.Tensor], *,
                   aliases: Mapping[str, str] | None = None, step: int | None = None) -> Transfer:
@@ -167,7 +167,7 @@ class Sender:
         check_matches_layout(layout, tensors)
         transfer = Transfer(version, "bypass_cpu")
         source = _LiveSource(version, layout, tensors, aliases or {}, step, transfer.params_released)
-        return self._start(source, transfer, contextlib.nullcontext())
+        return self._start(source, transfer, contextlib.ExitStack())
 
     def close(self) -> None:
         """Tell receivers the group is closing, then release it."""
@@ -179,16 +179,18 @@ class Sender:
                     log.warning("could not announce close: %s", exc)
             self.group.close()
 
-    def _start(self, source: _Source, transfer: Transfer, lease: contextlib.AbstractContextManager) -> Transfer:
+    def _start(self, source: _Source, transfer: Transfer, hold: contextlib.ExitStack) -> Transfer:
+        """Run the transfer on a background thread; ``hold`` (e.g. a cache lease) is released when it ends."""
         if not self._busy.acquire(blocking=False):
-            lease.__exit__(None, None, None)
+            hold.close()
             raise CkptEngineError(f"version {source.version}: another version is still being sent")
 
         def run() -> None:
             try:
+                set_current(self.group.device)  # the current device is per thread on CUDA/NPU
                 transfer._finish(self._run(source))
             finally:
-                lease.__exit__(None, None, None)
+                hold.close()
                 self._busy.release()
 
         threading.Thread(target=run, name=f"ckpt-send-v{source.version}", daemon=True).start()

@@ -229,3 +229,33 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind((HOST, 0))
         return sock.getsockname()[1]
+
+
+def member(rank: int, port: int, generations: list[tuple[int, int]]) -> list:
+    """Take part in each (generation, world_size) the rank belongs to: sender publishes, others receive."""
+    out = []
+    model = AwkwardModel(seed=rank)
+    for generation, world in generations:
+        group = _sync_group(port, rank, world, generation=generation)
+        if rank == 0:
+            publisher = Publisher(group, bucket_size=BUCKET_SIZE)
+            result = publisher.publish(generation + 1, named_tensors_of(model)).result(timeout_s=60)
+            publisher.close()
+            out.append((result.ok, sorted(result.committed_ranks)))
+        else:
+            received = Receiver(group, lambda payload: load_into(model, payload.tensors)).serve()
+            out.append([r.ok for r in received])
+            group.close()
+    return out
+
+
+def test_group_is_rebuilt_for_new_membership_under_a_new_prefix() -> None:
+    store = open_store(HOST, 0, is_master=True, timeout_s=10)
+    # generation 0: sender + receiver 1; generation 1: a second receiver joins.
+    sender, first, second = run_processes([
+        (member, (0, store.port, [(0, 2), (1, 3)])),
+        (member, (1, store.port, [(0, 2), (1, 3)])),
+        (member, (2, store.port, [(1, 3)])),
+    ], timeout_s=120)
+    assert sender == [(True, [1]), (True, [1, 2])]
+    assert first == [[True], [True]] and second == [[True]]
