@@ -212,10 +212,11 @@ class Sender:
             result.version_digest = digest
             with timer.stage("ack"):
                 self._collect_acks(source.version, digest, result)
-        except _Aborted as exc:
+        except CkptEngineError as exc:  # includes _Aborted: receivers were told
             result.reason = str(exc)
-        except CkptEngineError as exc:
-            result.reason = str(exc)
+        except Exception as exc:  # a bug must still end the transfer with a reason, never leave it pending
+            log.exception("version %d: unexpected error while sending", source.version)
+            result.reason = f"internal error: {type(exc).__name__}: {exc}"
         finally:
             source.all_filled()
         result.seconds = timer.finish()
@@ -252,13 +253,12 @@ class Sender:
                     buf = source.bucket(k, slots[slot_index] if slots else None)
                 with timer.stage("digest"):
                     values = bucket_digests(bucket, buf, self.digest_algo, layout.digest).cpu()
-            except Exception as exc:
+                if self.wire_hook is not None:
+                    buf = in_flight[slot_index] = self.wire_hook(k, buf)
+            except Exception as exc:  # anything that stops us preparing a bucket aborts the version for all
                 self._abort(source.version, len(bucket.slots), f"bucket {k} could not be prepared: {exc}")
             if k == len(layout.buckets) - 1:
                 source.all_filled()
-            if self.wire_hook is not None:
-                buf = self.wire_hook(k, buf)
-                in_flight[slot_index] = buf
             frame = Frame(FrameKind.BUCKET, source.version, k, bucket.nbytes, len(bucket.slots))
             self.channel.frame(frame, len(bucket.slots), f"bucket {k} header", extra=values)
             if bucket.nbytes:

@@ -259,3 +259,48 @@ def test_group_is_rebuilt_for_new_membership_under_a_new_prefix() -> None:
     ], timeout_s=120)
     assert sender == [(True, [1]), (True, [1, 2])]
     assert first == [[True], [True]] and second == [[True]]
+
+
+def aborting_sender(port: int) -> list:
+    group = _sync_group(port, 0, 3)
+    model = AwkwardModel(seed=1)
+
+    def hook(k: int, buf: torch.Tensor) -> torch.Tensor:
+        if state["fail"] and k == 1:
+            raise RuntimeError("device fell over while filling")
+        return buf
+
+    state = {"fail": True}
+    publisher = Publisher(group, bucket_size=BUCKET_SIZE, wire_hook=hook)
+    first = publisher.publish(1, named_tensors_of(model), bypass_cpu=True).result(timeout_s=60)
+    state["fail"] = False
+    second = publisher.publish(2, named_tensors_of(model), bypass_cpu=True).result(timeout_s=60)
+    publisher.close()
+    return [(first.ok, first.reason), (second.ok, second.reason)]
+
+
+def recording_receiver(rank: int, port: int) -> list:
+    model = AwkwardModel(seed=rank + 10)
+    loaded: list[int] = []
+
+    def load(payload: VersionPayload) -> None:
+        load_into(model, payload.tensors)
+        loaded.append(payload.version)
+
+    results = Receiver(_sync_group(port, rank, 3), load).serve()
+    return [(r.ok, r.reason) for r in results] + [loaded]
+
+
+def test_sender_abort_mid_version_loads_nothing_and_the_group_stays_usable() -> None:
+    store = open_store(HOST, 0, is_master=True, timeout_s=10)
+    sender, rx1, rx2 = run_processes([
+        (aborting_sender, (store.port,)),
+        (recording_receiver, (1, store.port)),
+        (recording_receiver, (2, store.port)),
+    ], timeout_s=120)
+    assert sender[0][0] is False and "device fell over" in sender[0][1]
+    assert sender[1] == (True, None)
+    for rx in (rx1, rx2):
+        (ok1, reason1), (ok2, _), loaded = rx
+        assert not ok1 and "sender aborted version 1" in reason1 and "device fell over" in reason1
+        assert ok2 and loaded == [2]
