@@ -1,16 +1,20 @@
 """Trainer-side front of the library: plans the layout, snapshots into the version cache (cached mode) or
-sends the live tensors (``bypass_cpu``), and keeps re-sendable versions."""
+sends the live tensors (``bypass_cpu``), and keeps re-sendable versions.
+
+The cache outlives sync groups: when receivers come and go the caller attaches a new group, and cached
+versions stay available for re-sending on it.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
-from ckpt_engine.cache import VersionCache
-from ckpt_engine.device import DigestAlgo
-from ckpt_engine.errors import ConfigError
+from ckpt_engine.cache import CachedVersion, VersionCache
+from ckpt_engine.device import DeviceInfo, DigestAlgo
+from ckpt_engine.errors import CkptEngineError, ConfigError
 from ckpt_engine.group import SyncGroup
 from ckpt_engine.layout import DEFAULT_ALIGNMENT, Layout, plan_layout
 from ckpt_engine.sender import Sender, Transfer, WireHook
@@ -22,22 +26,34 @@ log = logging.getLogger(__name__)
 class Publisher:
     def __init__(
         self,
-        group: SyncGroup,
+        group: SyncGroup | None = None,
         *,
+        device: DeviceInfo | None = None,
         bucket_size: int,
         alignment: int = DEFAULT_ALIGNMENT,
         keep_versions: int = 2,
         digest_algo: DigestAlgo | None = None,
         ack_timeout_s: float | None = None,
         wire_hook: WireHook | None = None,
+        on_stage: Callable[[int, str], None] | None = None,
     ) -> None:
         if bucket_size <= 0:
             raise ConfigError(f"bucket_size must be positive, got {bucket_size}")
+        if group is None and device is None:
+            raise ConfigError("a Publisher needs a sync group or, until one is attached, a device")
         self.bucket_size = bucket_size
         self.alignment = alignment
-        self.cache = VersionCache(group.device, keep_versions)
-        self.sender = Sender(group, digest_algo=digest_algo, ack_timeout_s=ack_timeout_s, wire_hook=wire_hook)
+        self.cache = VersionCache(group.device if group else device, keep_versions)  # type: ignore[union-attr]
+        self._sender_options = dict(digest_algo=digest_algo, ack_timeout_s=ack_timeout_s, wire_hook=wire_hook,
+                                    on_stage=on_stage)
+        self.sender: Sender | None = None
         self._layout: Layout | None = None
+        if group is not None:
+            self.attach(group)
+
+    def attach(self, group: SyncGroup) -> None:
+        """Send on ``group`` from now on (the caller closes the previous group)."""
+        self.sender = Sender(group, **self._sender_options)  # type: ignore[arg-type]
 
     def layout_for(self, tensors: Mapping[str, torch.Tensor]) -> Layout:
         """The layout of these tensors; re-planned only when names, dtypes or shapes changed."""
@@ -48,19 +64,31 @@ class Publisher:
                      self._layout.num_tensors, len(self._layout.buckets), self._layout.total_bytes)
         return self._layout
 
+    def snapshot(self, version: int, named: NamedTensors, *, step: int | None = None) -> CachedVersion:
+        """Copy the tensors into the cache as ``version`` (the only part of cached mode that holds the trainer)."""
+        return self.cache.snapshot(version, self.layout_for(named.tensors), named.tensors, aliases=named.aliases,
+                                   step=step)
+
     def publish(self, version: int, named: NamedTensors, *, bypass_cpu: bool = False,
                 step: int | None = None) -> Transfer:
         """Start sending ``version``. Cached mode returns after the snapshot (``params_released`` is set);
         bypass_cpu returns at once and reads the tensors until ``params_released`` is set."""
-        layout = self.layout_for(named.tensors)
+        sender = self._require_sender()
         if bypass_cpu:
-            return self.sender.send_live(version, layout, named.tensors, aliases=named.aliases, step=step)
-        self.cache.snapshot(version, layout, named.tensors, aliases=named.aliases, step=step)
-        return self.sender.send_cached(self.cache, version)
+            layout = self.layout_for(named.tensors)
+            return sender.send_live(version, layout, named.tensors, aliases=named.aliases, step=step)
+        self.snapshot(version, named, step=step)
+        return sender.send_cached(self.cache, version)
 
-    def republish(self, version: int) -> Transfer:
-        """Send a cached version again (rollback, or a receiver that missed it)."""
-        return self.sender.send_cached(self.cache, version)
+    def republish(self, version: int, *, as_version: int | None = None) -> Transfer:
+        """Send a cached version again (rollback, or a receiver that missed it), optionally under a new id."""
+        return self._require_sender().send_cached(self.cache, version, as_version=as_version)
 
     def close(self) -> None:
-        self.sender.close()
+        if self.sender is not None:
+            self.sender.close()
+
+    def _require_sender(self) -> Sender:
+        if self.sender is None:
+            raise CkptEngineError("no sync group attached to this publisher yet")
+        return self.sender

@@ -118,9 +118,10 @@ class _CacheSource:
 
     mode: Mode = "cached"
 
-    def __init__(self, cached, on_host_wire: bool) -> None:
+    def __init__(self, cached, on_host_wire: bool, as_version: int | None = None) -> None:
         self.cached = cached
-        self.version, self.layout, self.aliases, self.step = cached.version, cached.layout, cached.aliases, cached.step
+        self.layout, self.aliases, self.step = cached.layout, cached.aliases, cached.step
+        self.version = cached.version if as_version is None else as_version
         self._on_host_wire = on_host_wire
 
     def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:
@@ -141,7 +142,8 @@ class Sender:
     """Sends versions on a sync group where this process is the source rank (0)."""
 
     def __init__(self, group: SyncGroup, *, digest_algo: DigestAlgo | None = None,
-                 ack_timeout_s: float | None = None, wire_hook: WireHook | None = None) -> None:
+                 ack_timeout_s: float | None = None, wire_hook: WireHook | None = None,
+                 on_stage: Callable[[int, str], None] | None = None) -> None:
         self.group = group
         self.channel = Channel(group)
         if not self.channel.is_src:
@@ -149,15 +151,17 @@ class Sender:
         self.digest_algo: DigestAlgo = digest_algo or group.device.digest_algo
         self.ack_timeout_s = ack_timeout_s if ack_timeout_s is not None else 2 * group.timeout_s
         self.wire_hook = wire_hook
+        self.on_stage = on_stage  # called with (version, "transferring" | "verifying") from the send thread
         self._slots: list[torch.Tensor] = []
         self._busy = threading.Lock()
 
-    def send_cached(self, cache: VersionCache, version: int) -> Transfer:
-        """Send a version held in ``cache``; the cache keeps its buffer alive until the transfer ends."""
+    def send_cached(self, cache: VersionCache, version: int, *, as_version: int | None = None) -> Transfer:
+        """Send a version held in ``cache`` (labelled ``as_version`` on the wire when given, e.g. a rollback);
+        the cache keeps its buffer alive until the transfer ends."""
         hold = contextlib.ExitStack()
         cached = hold.enter_context(cache.lease(version))
-        source = _CacheSource(cached, self.group.device.comm_device.type == "cpu")
-        transfer = Transfer(version, "cached")
+        source = _CacheSource(cached, self.group.device.comm_device.type == "cpu", as_version)
+        transfer = Transfer(source.version, "cached")
         transfer.params_released.set()
         return self._start(source, transfer, hold)
 
@@ -204,7 +208,9 @@ class Sender:
         try:
             with timer.stage("header"):
                 self._send_header(source)
+            self._stage(source.version, "transferring")
             digests = self._send_buckets(source, timer, result)
+            self._stage(source.version, "verifying")
             digest = version_digest(self.digest_algo, layout.digest, digests)
             trailer = encode(VersionTrailer(version=source.version, version_digest=digest))
             self.channel.frame(Frame(FrameKind.END, source.version, len(trailer)), 0, "version end")
@@ -225,6 +231,13 @@ class Sender:
                  "committed" if result.ok else f"failed ({result.reason})", result.seconds["total"],
                  result.bytes_sent, result.buckets)
         return result
+
+    def _stage(self, version: int, stage: str) -> None:
+        if self.on_stage is not None:
+            try:
+                self.on_stage(version, stage)
+            except Exception:  # a progress observer must never break a transfer
+                log.exception("on_stage callback failed")
 
     def _send_header(self, source: _Source) -> None:
         header = encode(VersionHeader(
