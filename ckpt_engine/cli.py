@@ -1,35 +1,189 @@
-"""``ckpt-engine`` command line."""
+"""``ckpt-engine`` command line: the daemon (``serve``), a client for its HTTP API, the demo, config checks."""
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
 import sys
+import time
+from typing import Any
+
+import httpx
 
 from ckpt_engine import __version__
 from ckpt_engine.config import load_config
 from ckpt_engine.errors import ConfigError
 
+DEFAULT_URL = "http://127.0.0.1:8765"
+TERMINAL = ("committed", "failed", "cancelled")
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ckpt-engine", description="versioned, verified weight sync for RL")
-    parser.add_argument("--version", action="version", version=f"ckpt-engine {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="trainer + 2 receivers doing real syncs on this machine (demo --help for options)")
-    check = sub.add_parser("check-config", help="validate a deployment YAML and print the effective settings")
-    check.add_argument("path")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:  # the demo parses its own options
         from ckpt_engine.examples.e2e import main as demo_main
 
         return demo_main(argv[1:])
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     try:
-        config = load_config(args.path)
+        return args.run(args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(config.model_dump_json(indent=2))
+    except httpx.HTTPError as exc:
+        print(f"error: cannot reach the daemon at {args.url}: {exc}", file=sys.stderr)
+        return 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ckpt-engine", description="versioned, verified weight sync for RL")
+    parser.add_argument("--version", action="version", version=f"ckpt-engine {__version__}")
+    parser.add_argument("--url", default=os.environ.get("CKPT_ENGINE_URL", DEFAULT_URL), help="daemon HTTP address")
+    parser.add_argument("--token", default=os.environ.get("CKPT_ENGINE_TOKEN"), help="bearer token (auth_token)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("demo", help="trainer + 2 receivers doing real syncs on this machine (demo --help for options)")
+    serve = sub.add_parser("serve", help="run the daemon")
+    serve.add_argument("--config", required=True, help="deployment YAML, e.g. deploy/engine.yaml")
+    serve.set_defaults(run=_serve)
+    sync = sub.add_parser("sync", help="start a new version")
+    sync.add_argument("--step", type=int)
+    sync.add_argument("--bypass-cpu", action="store_true", default=None)
+    sync.add_argument("--wait", action="store_true", help="show progress until the version ends")
+    sync.add_argument("--timeout", type=float, default=600.0)
+    sync.set_defaults(run=_sync)
+    versions = sub.add_parser("versions", help="version history, newest first")
+    versions.add_argument("--limit", type=int, default=20)
+    versions.add_argument("--status", choices=["requested", "snapshotting", "transferring", "verifying", *TERMINAL])
+    versions.set_defaults(run=_versions)
+    for name, helptext, run in (("version", "one version's record", _version), ("push", "re-push a cached version",
+                                _push), ("evict", "evict a version from the trainer's cache", _evict)):
+        cmd = sub.add_parser(name, help=helptext)
+        cmd.add_argument("id", type=int)
+        cmd.set_defaults(run=run)
+    sub.add_parser("status", help="daemon status").set_defaults(run=_status)
+    check = sub.add_parser("check-config", help="validate a deployment YAML and print the effective settings")
+    check.add_argument("path")
+    check.set_defaults(run=_check_config)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ckpt_engine.server.daemon import serve
+
+    return serve(load_config(args.config))
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    print(load_config(args.path).model_dump_json(indent=2))
     return 0
+
+
+def _client(args: argparse.Namespace) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+    return httpx.Client(base_url=args.url, headers=headers, timeout=30.0)
+
+
+def _call(args: argparse.Namespace, method: str, path: str, **kwargs: Any) -> tuple[int, dict]:
+    with _client(args) as client:
+        response = client.request(method, path, **kwargs)
+    try:
+        body = response.json()
+    except ValueError:
+        body = {"error": "non-JSON reply", "detail": response.text[:200]}
+    if response.status_code >= 400:
+        print(f"error {response.status_code}: {body.get('error')}: {body.get('detail')}", file=sys.stderr)
+    return response.status_code, body
+
+
+def _sync(args: argparse.Namespace) -> int:
+    status, body = _call(args, "POST", "/sync", json={"step": args.step, "bypass_cpu": args.bypass_cpu})
+    if status >= 400:
+        return 1
+    version = body["version"]
+    print(f"version {version} requested")
+    if not args.wait:
+        return 0
+    return _follow(args, version)
+
+
+def _follow(args: argparse.Namespace, version: int) -> int:
+    """Print each state the version passes through, then its summary."""
+    deadline, last = time.monotonic() + args.timeout, None
+    with _client(args) as client:
+        while time.monotonic() < deadline:
+            record = client.get(f"/versions/{version}").json()
+            if record["status"] != last:
+                last = record["status"]
+                print(f"  {datetime.datetime.now():%H:%M:%S.%f}"[:-3] + f"  {last}")
+            if last in TERMINAL:
+                _print_record(record)
+                return 0 if last == "committed" else 1
+            time.sleep(0.05)
+    print(f"version {version} did not end within {args.timeout}s", file=sys.stderr)
+    return 1
+
+
+def _versions(args: argparse.Namespace) -> int:
+    params = {"limit": args.limit, **({"status": args.status} if args.status else {})}
+    status, body = _call(args, "GET", "/versions", params=params)
+    if status >= 400:
+        return 1
+    print(f"{'id':>5} {'step':>6} {'mode':<10} {'status':<12} {'MiB':>8} {'seconds':>8} {'rx':>4} {'cached':>6}  "
+          "digest / reason")
+    for r in body["versions"]:
+        total = r["stages"].get("total") or sum(v for k, v in r["stages"].items() if k in ("header", "fill", "digest",
+                                                                                         "broadcast", "ack"))
+        ok_rx = sum(1 for x in r["receivers"] if x.get("ok"))
+        print(f"{r['id']:>5} {r['step'] if r['step'] is not None else '-':>6} {r['mode']:<10} {r['status']:<12} "
+              f"{r['bytes'] / (1 << 20):>8.2f} {total:>8.3f} {ok_rx:>4} {'yes' if r['cached'] else 'no':>6}  "
+              f"{r['version_digest'] or ''}{'  ' + r['reason'] if r['reason'] else ''}")
+    return 0
+
+
+def _version(args: argparse.Namespace) -> int:
+    status, body = _call(args, "GET", f"/versions/{args.id}")
+    if status >= 400:
+        return 1
+    _print_record(body)
+    return 0
+
+
+def _push(args: argparse.Namespace) -> int:
+    status, body = _call(args, "POST", f"/versions/{args.id}/push")
+    if status >= 400:
+        return 1
+    print(f"version {body['version']} re-pushes version {args.id}")
+    return 0
+
+
+def _evict(args: argparse.Namespace) -> int:
+    status, body = _call(args, "DELETE", f"/versions/{args.id}")
+    if status >= 400:
+        return 1
+    print(f"version {args.id} evicted from the cache (history kept)")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    status, body = _call(args, "GET", "/status")
+    if status >= 400:
+        return 1
+    for key, value in body.items():
+        print(f"{key:>16}: {value}")
+    return 0
+
+
+def _print_record(r: dict) -> None:
+    print(f"version {r['id']} ({r['mode']}, step {r['step']}): {r['status']}"
+          + (f" - {r['reason']}" if r["reason"] else ""))
+    print(f"  {r['bytes'] / (1 << 20):.2f} MiB in {r['buckets']} bucket(s), {r['tensors_sent']} tensors; "
+          f"digest {r['version_digest']}; cached: {'yes' if r['cached'] else 'no'}")
+    if r["stages"]:
+        print("  stages: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["stages"].items()))
+    for rx in r["receivers"]:
+        print(f"  receiver rank {rx.get('rank')}: {'ok' if rx.get('ok') else 'FAILED'} "
+              f"digest {rx.get('version_digest')}" + (f" - {rx['reason']}" if rx.get("reason") else ""))
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ class SyncGroup:
         device: DeviceInfo,
         timeout_s: float = 60.0,
         bind_host: str | None = None,
+        connect_timeout_s: float | None = None,
     ) -> None:
         if world_size < 2:
             raise ConfigError(f"a sync group needs a sender and at least one receiver, got world_size={world_size}")
@@ -66,15 +67,16 @@ class SyncGroup:
         self.device = device
         self.timeout_s = timeout_s
         self.broken: str | None = None
+        connect_s = timeout_s if connect_timeout_s is None else connect_timeout_s
         prefixed = dist.PrefixStore(store_prefix(name, generation), store)
-        prefixed.set_timeout(_td(timeout_s))
+        prefixed.set_timeout(_td(connect_s))
         started = time.monotonic()
         try:
             self._pg = _construct(prefixed, rank, world_size, device, timeout_s, bind_host)
         except Exception as exc:
             raise SyncTimeoutError(
                 f"sync group {name!r} gen {generation}: rank {rank} could not rendezvous with "
-                f"{world_size - 1} peer(s) within {timeout_s:.1f}s ({time.monotonic() - started:.1f}s): {exc}"
+                f"{world_size - 1} peer(s) within {connect_s:.1f}s ({time.monotonic() - started:.1f}s): {exc}"
             ) from exc
         log.info("sync group %s gen %d up: rank %d/%d on %s", name, generation, rank, world_size, device.backend)
 

@@ -1,0 +1,1 @@
+"""Benchmarks of ckpt-engine (run ``python -m bench.sync_bench``)."""

@@ -1,0 +1,130 @@
+"""Control-plane messages between agents (trainer ranks, receivers), callers and the daemon, over ZMQ.
+
+A frame is one msgpack (or JSON, if it starts with ``{``) map: ``{"id": int, "type": str, "body": {...}}``.
+Replies echo the id: ``{"id", "ok": true, "body": {...}}`` or ``{"id", "ok": false, "error", "detail"}``.
+Never pickle; frames over ``max_bytes`` are refused before parsing.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ckpt_engine.errors import ProtocolError
+
+Role = Literal["trainer", "receiver"]
+Encoding = Literal["msgpack", "json"]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Register(_Body):
+    role: Role
+    rank: int = Field(0, ge=0)
+    host: str
+    pid: int
+    device: str
+    versions: list[int] = Field(default_factory=list)
+    token: str | None = None
+
+
+class RegisterReply(_Body):
+    agent_id: str
+    heartbeat_s: float
+    group_name: str
+    store_host: str
+    store_port: int
+    bucket_size: int
+    alignment: int
+    keep_versions: int
+    verify: bool
+    connect_timeout_s: float
+    collective_timeout_s: float
+    ack_timeout_s: float
+    version_timeout_s: float
+
+
+class Poll(_Body):
+    """Heartbeat and request for work in one: the daemon answers when it has an assignment or after wait_s."""
+
+    agent_id: str
+    versions: list[int] = Field(default_factory=list)
+    wait_s: float = Field(1.0, ge=0, le=30)
+
+
+class Assignment(_Body):
+    kind: Literal["send", "receive", "evict"]
+    version: int
+    mode: Literal["cached", "bypass_cpu"] = "cached"
+    step: int | None = None
+    source_version: int | None = None  # send: re-push this cached version under ``version``
+    generation: int = 0
+    world_size: int = 0
+    rank: int = 0
+
+
+class PollReply(_Body):
+    assignment: Assignment | None = None
+
+
+class Report(_Body):
+    """What an agent tells the daemon about a version it works on."""
+
+    agent_id: str
+    version: int
+    event: Literal["snapshotting", "transferring", "verifying", "done", "received", "evicted"]
+    step: int | None = None  # the training step at which the trainer served the version
+    ok: bool | None = None
+    reason: str | None = None
+    version_digest: str | None = None
+    bytes: int = 0
+    buckets: int = 0
+    tensors: int = 0
+    stages: dict[str, float] = Field(default_factory=dict)
+    receivers: list[dict[str, Any]] = Field(default_factory=list)
+    cache_versions: list[int] | None = None
+    cache_bytes: int | None = None
+    group_broken: bool = False
+
+
+class SyncRequest(_Body):
+    step: int | None = None
+    bypass_cpu: bool | None = None
+    sparse: bool | None = None
+    wait: bool = False
+    timeout_s: float | None = Field(None, gt=0)
+
+
+def encode_frame(message: dict[str, Any], encoding: Encoding = "msgpack") -> bytes:
+    if encoding == "json":
+        return json.dumps(message).encode()
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def decode_frame(raw: bytes, max_bytes: int) -> tuple[dict[str, Any], Encoding]:
+    """Parse one frame; raises ProtocolError for anything oversized, undecodable or not a map."""
+    if len(raw) > max_bytes:
+        raise ProtocolError(f"frame of {len(raw)} bytes exceeds the limit of {max_bytes}")
+    encoding: Encoding = "json" if raw[:1] == b"{" else "msgpack"
+    try:
+        data = json.loads(raw) if encoding == "json" else msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as exc:
+        raise ProtocolError(f"undecodable frame: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ProtocolError(f"a frame must be a map, got {type(data).__name__}")
+    return data, encoding
+
+
+def parse_body(kind: type[_Body], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{kind.__name__}: body must be a map")
+    try:
+        return kind.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ProtocolError(f"{kind.__name__}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from exc

@@ -1,0 +1,306 @@
+"""The controller owns the version lifecycle:
+
+    requested -> snapshotting -> transferring -> verifying -> committed | failed (reason) | cancelled
+
+One version is in flight at a time. A sync request that arrives while one is in flight is rejected
+(HTTP 409 naming the in-flight id) rather than queued: the caller decides whether to retry, and a version
+never interleaves with another. Every outcome, including a refusal for lack of agents, is a history row.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ckpt_engine.config import EngineConfig
+from ckpt_engine.control import Assignment, Poll, Register, RegisterReply, Report
+from ckpt_engine.errors import ProtocolError
+from ckpt_engine.server.agents import Agent, AgentRegistry
+from ckpt_engine.server.errors import BadRequest, Conflict, NotFound, Unavailable
+from ckpt_engine.server.history import TERMINAL, HistoryStore, VersionRecord
+from ckpt_engine.server.metrics import Metrics
+
+log = logging.getLogger(__name__)
+_ORDER = {"requested": 0, "snapshotting": 1, "transferring": 2, "verifying": 3}
+
+
+@dataclass
+class InFlight:
+    version: int
+    mode: str
+    trainer: str
+    quorum: dict[str, int]  # receiver agent id -> rank in the sync group
+    started: float = field(default_factory=time.monotonic)
+    receiver_reports: dict[int, Report] = field(default_factory=dict)
+
+
+class Controller:
+    def __init__(self, config: EngineConfig, history: HistoryStore, metrics: Metrics, *, store_host: str,
+                 store_port: int, group_name: str) -> None:
+        self.config = config
+        self.history = history
+        self.metrics = metrics
+        self.store_host, self.store_port, self.group_name = store_host, store_port, group_name
+        self.agents = AgentRegistry(config.timeouts.heartbeat_s)
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._in_flight: InFlight | None = None
+        self._membership: tuple[str, ...] = ()
+        self._generation = 0
+        self._group_dirty = False
+        self._cache_bytes: dict[int, int] = {}
+        self.started_at = time.time()
+
+    # ---- agents -------------------------------------------------------------------------------------
+    def register(self, message: Register) -> RegisterReply:
+        with self._lock:
+            agent = self.agents.add(message)
+            self._update_gauges()
+        log.info("agent %s registered: %s rank %d on %s (%s)", agent.agent_id, agent.role, agent.rank,
+                 agent.host, agent.device)
+        timeouts = self.config.timeouts
+        return RegisterReply(
+            agent_id=agent.agent_id, heartbeat_s=timeouts.heartbeat_s, group_name=self.group_name,
+            store_host=self.store_host, store_port=self.store_port, bucket_size=self.config.bucket_size,
+            alignment=self.config.alignment, keep_versions=self.config.keep_versions, verify=self.config.verify,
+            connect_timeout_s=timeouts.connect_s, collective_timeout_s=timeouts.collective_s,
+            ack_timeout_s=timeouts.ack_s, version_timeout_s=timeouts.version_s,
+        )
+
+    def poll(self, message: Poll) -> Assignment | None:
+        """Heartbeat; returns the agent's next assignment, if any."""
+        with self._lock:
+            agent = self._agent(message.agent_id)
+            agent.versions = list(message.versions)
+            return agent.pending.popleft() if agent.pending else None
+
+    def has_pending(self, agent_id: str) -> bool:
+        with self._lock:
+            agent = self.agents.get(agent_id)
+            return agent is None or bool(agent.pending)  # a vanished agent's poll is answered at once
+
+    def report(self, message: Report) -> None:
+        with self._lock:
+            agent = self._agent(message.agent_id)
+            if message.cache_versions is not None:
+                agent.versions = list(message.cache_versions)
+                self.history.set_cached(set(message.cache_versions))
+            if message.cache_bytes is not None:
+                self.metrics.cache_bytes.set(message.cache_bytes)
+            flight = self._in_flight
+            if flight is None or message.version != flight.version:
+                if message.event not in ("evicted", "received"):
+                    log.info("ignoring %s report for version %d (not in flight)", message.event, message.version)
+                self._changed.notify_all()
+                return
+            if message.group_broken:
+                self._group_dirty = True
+            if message.event == "received":
+                flight.receiver_reports[flight.quorum.get(agent.agent_id, -1)] = message
+            elif agent.agent_id == flight.trainer and message.event in _ORDER:
+                self._advance(flight.version, message.event, message.step)
+            elif agent.agent_id == flight.trainer and message.event == "done":
+                self._finish(flight, message)
+            self._changed.notify_all()
+
+    def unregister(self, agent_id: str) -> None:
+        """An agent leaving cleanly: gone now instead of after the heartbeat timeout."""
+        with self._lock:
+            agent = self._agent(agent_id)
+            self.agents.remove(agent.agent_id)
+            self._group_dirty = True
+            flight = self._in_flight
+            if flight and agent.agent_id == flight.trainer:
+                self._fail(flight, f"trainer agent {agent.agent_id} left during the version")
+            self._update_gauges()
+        log.info("agent %s (%s rank %d) left", agent.agent_id, agent.role, agent.rank)
+
+    def agents_public(self) -> list[dict]:
+        with self._lock:
+            return [a.public() for a in self.agents.all()]
+
+    # ---- versions -----------------------------------------------------------------------------------
+    def request_sync(self, *, step: int | None, bypass_cpu: bool | None, sparse: bool | None = None,
+                     source_version: int | None = None) -> VersionRecord:
+        if sparse:
+            raise BadRequest("sparse sync is not available in this release")
+        bypass = self.config.bypass_cpu if bypass_cpu is None else bypass_cpu
+        mode = "cached" if source_version is not None else ("bypass_cpu" if bypass else "cached")
+        with self._lock:
+            if self._in_flight is not None:
+                raise Conflict(f"version {self._in_flight.version} is in flight; retry when it has ended",
+                               {"in_flight": self._in_flight.version})
+            trainer, receivers = self.agents.trainer(), self.agents.receivers()
+            record = self.history.create(mode=mode, step=step, source_version=source_version)
+            problem = self._quorum_problem(trainer, receivers)
+            if problem:
+                failed = self.history.update(record.id, status="failed", reason=problem)
+                self.metrics.version_done("failed", 0, {})
+                raise Unavailable(problem, failed.to_dict())
+            self._start(record, trainer, receivers, source_version)  # type: ignore[arg-type]  # checked above
+            return record
+
+    def push(self, version: int) -> VersionRecord:
+        record = self.history.get(version)
+        if record is None:
+            raise NotFound(f"version {version} is unknown")
+        if not record.cached:
+            raise Conflict(f"version {version} is not in the trainer's cache (it was evicted, never cached, or "
+                           f"sent with bypass_cpu)")
+        return self.request_sync(step=record.step, bypass_cpu=False, source_version=version)
+
+    def evict(self, version: int, timeout_s: float = 10.0) -> VersionRecord:
+        record = self.history.get(version)
+        if record is None:
+            raise NotFound(f"version {version} is unknown")
+        if not record.cached:
+            raise Conflict(f"version {version} is not in the trainer's cache")
+        with self._lock:
+            trainer = self.agents.trainer()
+            if trainer is None:
+                raise Unavailable("no trainer agent is registered to evict from")
+            trainer.pending.append(Assignment(kind="evict", version=version))
+            deadline = time.monotonic() + timeout_s
+            while (current := self.history.get(version)) is not None and current.cached:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise Unavailable(f"the trainer did not confirm eviction of version {version} in {timeout_s}s")
+                self._changed.wait(remaining)
+            return current  # type: ignore[return-value]
+
+    def wait(self, version: int, timeout_s: float) -> VersionRecord:
+        """Block until ``version`` is terminal or the timeout passes; returns its record either way."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                record = self.history.get(version)
+                if record is None:
+                    raise NotFound(f"version {version} is unknown")
+                remaining = deadline - time.monotonic()
+                if record.status in TERMINAL or remaining <= 0:
+                    return record
+                self._changed.wait(min(remaining, 1.0))
+
+    def status(self) -> dict:
+        with self._lock:
+            flight = self._in_flight
+            return {
+                "in_flight": flight.version if flight else None,
+                "generation": self._generation,
+                "trainer": self.agents.trainer().agent_id if self.agents.trainer() else None,
+                "receivers": len(self.agents.receivers()),
+                "versions": self.history.counts(),
+                "cache_versions": self.agents.trainer().versions if self.agents.trainer() else [],
+                "started_at": self.started_at,
+            }
+
+    def tick(self) -> None:
+        """Expire silent agents and versions past their time limit (called periodically)."""
+        with self._lock:
+            for agent in self.agents.expire():
+                log.warning("agent %s (%s rank %d) missed heartbeats; marked gone", agent.agent_id, agent.role,
+                            agent.rank)
+                self._group_dirty = True
+                flight = self._in_flight
+                if flight and agent.agent_id == flight.trainer:
+                    self._fail(flight, f"trainer agent {agent.agent_id} went away during the version")
+            flight = self._in_flight
+            if flight and time.monotonic() - flight.started > self.config.timeouts.version_s:
+                state = self.history.get(flight.version)
+                self._fail(flight, f"timed out in state {state.status if state else '?'} after "
+                                   f"{self.config.timeouts.version_s:.0f}s")
+            self._update_gauges()
+
+    def shutdown(self, grace_s: float) -> None:
+        """Give the in-flight version ``grace_s`` to end, then fail it so history is never left dangling."""
+        with self._lock:
+            deadline = time.monotonic() + grace_s
+            while self._in_flight is not None and time.monotonic() < deadline:
+                self._changed.wait(0.2)
+            if self._in_flight is not None:
+                self._fail(self._in_flight, "daemon stopped while the version was in flight")
+
+    # ---- internals ----------------------------------------------------------------------------------
+    def _agent(self, agent_id: str) -> Agent:
+        agent = self.agents.get(agent_id)
+        if agent is None:
+            raise ProtocolError(f"unregistered agent {agent_id!r}: register first")
+        self.agents.seen(agent)
+        return agent
+
+    def _quorum_problem(self, trainer: Agent | None, receivers: list[Agent]) -> str | None:
+        if trainer is None:
+            return "no trainer agent (role trainer, rank 0) is registered"
+        if len(receivers) < max(self.config.min_receivers, 1):
+            return (f"{len(receivers)} receiver(s) registered, at least {max(self.config.min_receivers, 1)} "
+                    "needed (min_receivers)")
+        return None
+
+    def _start(self, record: VersionRecord, trainer: Agent, receivers: list[Agent],
+               source_version: int | None) -> None:
+        membership = (trainer.agent_id, *(r.agent_id for r in receivers))
+        if membership != self._membership or self._group_dirty:
+            self._generation += 1
+            self._membership, self._group_dirty = membership, False
+            log.info("sync group generation %d: trainer %s + %d receiver(s)", self._generation, trainer.agent_id,
+                     len(receivers))
+        world = 1 + len(receivers)
+        common = dict(version=record.id, mode=record.mode, step=record.step, generation=self._generation,
+                      world_size=world)
+        trainer.pending.append(Assignment(kind="send", rank=0, source_version=source_version, **common))
+        quorum = {}
+        for rank, receiver in enumerate(receivers, start=1):
+            receiver.pending.append(Assignment(kind="receive", rank=rank, **common))
+            quorum[receiver.agent_id] = rank
+        self._in_flight = InFlight(record.id, record.mode, trainer.agent_id, quorum)
+        self.history.update(record.id, receivers=[{"rank": r, "agent_id": a} for a, r in quorum.items()])
+        self.metrics.in_flight.set(1)
+
+    def _advance(self, version: int, status: str, step: int | None) -> None:
+        current = self.history.get(version)
+        if current and _ORDER.get(status, 0) > _ORDER.get(current.status, 99):
+            fields = {"step": step} if current.step is None and step is not None else {}
+            self.history.update(version, status=status, **fields)
+
+    def _finish(self, flight: InFlight, report: Report) -> None:
+        agents_by_rank = {rank: agent for agent, rank in flight.quorum.items()}
+        receivers, stages = [], dict(report.stages)
+        for ack in report.receivers:
+            rank = int(ack.get("rank", -1))
+            receivers.append({**ack, "agent_id": agents_by_rank.get(rank)})
+            for stage in ("load", "verify"):
+                seconds = (ack.get("seconds") or {}).get(stage)
+                if seconds is not None:
+                    stages[stage] = max(stages.get(stage, 0.0), float(seconds))
+        committed = [r for r in receivers if r.get("ok")]
+        ok = bool(report.ok) and len(committed) == len(flight.quorum) and len(committed) >= self.config.min_receivers
+        reason = None if ok else (report.reason or f"{len(committed)}/{len(flight.quorum)} receivers committed")
+        status = "committed" if ok else "failed"
+        cached = flight.mode == "cached" and report.cache_versions is not None and flight.version in report.cache_versions
+        self.history.update(flight.version, status=status, reason=reason, bytes=report.bytes, buckets=report.buckets,
+                            tensors_sent=report.tensors, stages=stages, receivers=receivers,
+                            version_digest=report.version_digest, cached=cached)
+        if not ok:
+            self._group_dirty = True
+        self._end(flight, status, report.bytes, stages)
+
+    def _fail(self, flight: InFlight, reason: str) -> None:
+        log.warning("version %d failed: %s", flight.version, reason)
+        self.history.update(flight.version, status="failed", reason=reason)
+        self._group_dirty = True
+        self._end(flight, "failed", 0, {})
+
+    def _end(self, flight: InFlight, outcome: str, nbytes: int, stages: dict[str, float]) -> None:
+        self.metrics.version_done(outcome, nbytes, stages)
+        self.metrics.in_flight.set(0)
+        if self._in_flight is flight:
+            self._in_flight = None
+        for agent in self.agents.all():  # drop leftovers of this version for agents that never picked them up
+            agent.pending = type(agent.pending)(a for a in agent.pending if a.version != flight.version)
+        self._changed.notify_all()
+
+    def _update_gauges(self) -> None:
+        self.metrics.receivers.set(len(self.agents.receivers()))
+        self.metrics.trainers.set(sum(1 for a in self.agents.all() if a.role == "trainer"))

@@ -1,0 +1,105 @@
+"""``ckpt-engine serve``: history, rendezvous store, controller, ZMQ and HTTP control planes in one process.
+
+SIGTERM/SIGINT: uvicorn stops accepting requests, the in-flight version gets a grace period to end and is
+otherwise recorded as failed, sockets close, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import uuid
+from typing import Iterator
+
+import uvicorn
+
+from ckpt_engine.config import EngineConfig
+from ckpt_engine.group import open_store
+from ckpt_engine.server.controller import Controller
+from ckpt_engine.server.history import HistoryStore
+from ckpt_engine.server.http_app import create_app
+from ckpt_engine.server.metrics import Metrics
+from ckpt_engine.server.zmq_server import ZmqServer
+
+log = logging.getLogger("ckpt_engine.daemon")
+_TICK_S = 0.5
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT after its own shutdown, which would kill the process before the
+    in-flight version is recorded; here the signal only asks the server to stop and ``run`` returns."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+class Daemon:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.history = HistoryStore(config.store.history_path)
+        failed = self.history.fail_unfinished("daemon restarted while the version was in flight")
+        if failed:
+            log.warning("marked versions %s failed: they were in flight when the daemon stopped", failed)
+        self.store = open_store(config.store.rendezvous_host, config.store.rendezvous_port, is_master=True,
+                                timeout_s=config.timeouts.connect_s)
+        # A fresh group name per daemon run: store prefixes of an earlier run can never be read by mistake.
+        self.controller = Controller(config, self.history, Metrics(), store_host=config.store.rendezvous_host,
+                                     store_port=self.store.port, group_name=f"ckpt-{uuid.uuid4().hex[:8]}")
+        self.zmq = ZmqServer(self.controller, config.zmq.endpoint, max_frame_bytes=config.zmq.max_frame_bytes,
+                             auth_token=config.auth_token)
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="ckpt-ticker", daemon=True)
+
+    def run(self) -> int:
+        self._warn_if_exposed()
+        self.zmq.start()
+        self._ticker.start()
+        server = _Server(uvicorn.Config(create_app(self.controller, self.config), host=self.config.http.host,
+                                               port=self.config.http.port, log_level="warning", access_log=False))
+        log.warning("ckpt-engine serving: http://%s:%d  zmq %s  rendezvous %s:%d  history %s",
+                    self.config.http.host, self.config.http.port, self.zmq.bound_endpoint,
+                    self.config.store.rendezvous_host, self.store.port, self.config.store.history_path)
+        try:
+            server.run()  # returns after SIGTERM/SIGINT
+        finally:
+            self.shutdown()
+        return 0
+
+    def shutdown(self) -> None:
+        log.warning("shutting down: giving the in-flight version %.0fs to end", self.config.timeouts.ack_s)
+        self.controller.shutdown(grace_s=min(self.config.timeouts.ack_s, 30.0))
+        self._stop.set()
+        self.zmq.stop()
+        self.history.close()
+        log.warning("stopped")
+
+    def _tick(self) -> None:
+        while not self._stop.wait(_TICK_S):
+            try:
+                self.controller.tick()
+            except Exception:
+                log.exception("controller tick failed")
+
+    def _warn_if_exposed(self) -> None:
+        loopback = ("127.", "localhost", "::1", "[::1]")
+        exposed = not self.config.http.host.startswith(loopback) or not any(
+            part in self.config.zmq.endpoint for part in ("127.", "localhost", "ipc://", "[::1]"))
+        if exposed and self.config.auth_token is None:
+            log.warning("WARNING: listening beyond loopback without auth_token: anyone who can reach the ports "
+                        "can trigger syncs and register agents. Set auth_token in the config.")
+
+
+def serve(config: EngineConfig) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return Daemon(config).run()

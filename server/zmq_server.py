@@ -1,0 +1,215 @@
+"""ZMQ control plane: one ROUTER socket for agents and in-process callers (request/reply, never PUB/SUB).
+
+A poll from an agent is parked until the controller has an assignment for it or its wait runs out, so work
+reaches agents at once without busy polling. Every frame gets a reply; a malformed one gets an error reply
+and never disturbs the loop.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import zmq
+
+from ckpt_engine.control import Poll, PollReply, Register, Report, SyncRequest, decode_frame, encode_frame, parse_body
+from ckpt_engine.errors import ProtocolError
+from ckpt_engine.server.controller import Controller
+from ckpt_engine.server.errors import BadRequest, ControlError, NotFound, Unauthorized
+from ckpt_engine.server.history import TERMINAL
+
+log = logging.getLogger(__name__)
+_LOOP_POLL_MS = 20
+
+
+@dataclass
+class _Parked:
+    envelope: list[bytes]
+    request_id: Any
+    encoding: str
+    deadline: float
+    ready: Callable[[], bool]
+    answer: Callable[[], dict]
+
+
+class ZmqServer:
+    def __init__(self, controller: Controller, endpoint: str, *, max_frame_bytes: int,
+                 auth_token: str | None) -> None:
+        self.controller = controller
+        self.endpoint = endpoint
+        self.max_frame_bytes = max_frame_bytes
+        self.auth_token = auth_token
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._parked: list[_Parked] = []  # touched only by the loop thread
+        self._thread = threading.Thread(target=self._run, name="ckpt-zmq", daemon=True)
+        self.bound_endpoint: str | None = None
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        self._thread.start()
+        if not self._ready.wait(timeout_s) or self._error is not None:
+            raise RuntimeError(f"ZMQ server could not bind {self.endpoint}: {self._error}")
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes + 1024)
+        try:
+            sock.bind(self.endpoint)
+            self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as exc:
+            self._error = exc
+            self._ready.set()
+            sock.close()
+            ctx.term()
+            return
+        self._ready.set()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(_LOOP_POLL_MS):
+                    self._drain(sock)
+                self._serve_parked(sock)
+        finally:
+            sock.close()
+            ctx.term()
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._handle(sock, frames)
+            except Exception:  # never let one request kill the loop
+                log.exception("ZMQ request handling failed")
+
+    def _handle(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            log.warning("dropping a ZMQ message without an envelope (%d frame(s))", len(frames))
+            return
+        envelope, payload = frames[:-1], frames[-1]
+        try:
+            message, encoding = decode_frame(payload, self.max_frame_bytes)
+        except ProtocolError as exc:
+            self._reply(sock, envelope, "msgpack", {"id": None, "ok": False, "error": "bad frame", "detail": str(exc)})
+            return
+        request_id = message.get("id")
+        try:
+            result = self._dispatch(message, envelope, encoding)
+            if isinstance(result, _Parked):
+                self._parked.append(result)
+                return
+            reply = {"id": request_id, "ok": True, "body": result}
+        except ControlError as exc:
+            reply = {"id": request_id, "ok": False, "error": exc.error, "detail": exc.detail, "record": exc.record}
+        except ProtocolError as exc:
+            reply = {"id": request_id, "ok": False, "error": "bad request", "detail": str(exc)}
+        self._reply(sock, envelope, encoding, reply)
+
+    def _dispatch(self, message: dict, envelope: list[bytes], encoding: str) -> dict | _Parked:
+        kind, body = message.get("type"), message.get("body", {})
+        if not isinstance(kind, str):
+            raise ProtocolError("frame has no 'type'")
+        if not isinstance(body, dict):
+            raise ProtocolError("'body' must be a map")
+        if kind not in ("register", "poll", "report", "unregister"):
+            self._check_token(message.get("token"))
+        controller = self.controller
+        if kind == "register":
+            request = parse_body(Register, body)
+            self._check_token(request.token)
+            return controller.register(request).model_dump()
+        if kind == "poll":
+            poll = parse_body(Poll, body)
+            assignment = controller.poll(poll)
+            if assignment is None and poll.wait_s > 0:
+                return self._park_poll(message, envelope, encoding, poll)
+            return PollReply(assignment=assignment).model_dump()
+        if kind == "report":
+            controller.report(parse_body(Report, body))
+            return {}
+        if kind == "unregister":
+            controller.unregister(str(body.get("agent_id", "")))
+            return {}
+        if kind == "sync":
+            sync = parse_body(SyncRequest, body)
+            record = controller.request_sync(step=sync.step, bypass_cpu=sync.bypass_cpu, sparse=sync.sparse)
+            if sync.wait:
+                return self._park_until_terminal(message, envelope, encoding, record.id, sync.timeout_s)
+            return record.to_dict()
+        if kind == "versions":
+            limit = body.get("limit", 50)
+            if not isinstance(limit, int) or not 1 <= limit <= 1000:
+                raise BadRequest("'limit' must be an integer from 1 to 1000")
+            return {"versions": [r.to_dict() for r in controller.history.list(limit=limit)]}
+        if kind in ("version", "push"):
+            version = body.get("version")
+            if not isinstance(version, int):
+                raise BadRequest("'version' must be an integer")
+            if kind == "push":
+                return controller.push(version).to_dict()
+            record = controller.history.get(version)
+            if record is None:
+                raise NotFound(f"version {version} is unknown")
+            return record.to_dict()
+        if kind == "status":
+            return controller.status()
+        raise BadRequest(f"unknown message type {kind!r}")
+
+    def _park_until_terminal(self, message: dict, envelope: list[bytes], encoding: str, version: int,
+                             timeout_s: float | None) -> _Parked:
+        history = self.controller.history
+        limit = timeout_s or self.controller.config.timeouts.version_s
+        return _Parked(envelope, message.get("id"), encoding, time.monotonic() + limit,
+                       lambda: history.get(version).status in TERMINAL,  # type: ignore[union-attr]
+                       lambda: history.get(version).to_dict())  # type: ignore[union-attr]
+
+    def _park_poll(self, message: dict, envelope: list[bytes], encoding: str, request: Poll) -> _Parked:
+        agent_id = request.agent_id
+
+        def answer() -> dict:
+            try:
+                return PollReply(assignment=self.controller.poll(request)).model_dump()
+            except ProtocolError:
+                return PollReply().model_dump()
+
+        return _Parked(envelope, message.get("id"), encoding, time.monotonic() + request.wait_s,
+                       lambda: self.controller.has_pending(agent_id), answer)
+
+    def _serve_parked(self, sock: zmq.Socket) -> None:
+        if not self._parked:
+            return
+        now = time.monotonic()
+        keep = []
+        for parked in self._parked:
+            if parked.ready() or now >= parked.deadline:
+                self._reply(sock, parked.envelope, parked.encoding,
+                            {"id": parked.request_id, "ok": True, "body": parked.answer()})
+            else:
+                keep.append(parked)
+        self._parked = keep
+
+    def _check_token(self, token: Any) -> None:
+        if self.auth_token is None:
+            return
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.auth_token.encode()):
+            raise Unauthorized("a valid token is required")
+
+    def _reply(self, sock: zmq.Socket, envelope: list[bytes], encoding: str, reply: dict) -> None:
+        try:
+            sock.send_multipart([*envelope, encode_frame(reply, encoding)], zmq.NOBLOCK)  # type: ignore[arg-type]
+        except zmq.ZMQError as exc:
+            log.warning("could not reply to a ZMQ peer: %s", exc)

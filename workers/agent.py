@@ -1,0 +1,140 @@
+"""What trainer and rollout agents share: registration, a long-polling heartbeat thread that receives
+assignments, reports, and the sync group of the current generation."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from typing import Any
+
+from ckpt_engine.control import Assignment, RegisterReply, Role
+from ckpt_engine.device import DeviceInfo, detect_device
+from ckpt_engine.errors import CkptEngineError
+from ckpt_engine.group import SyncGroup, open_store
+from ckpt_engine.workers.client import ControlClient, ControlReplyError
+
+log = logging.getLogger(__name__)
+
+
+class Agent:
+    role: Role
+
+    def __init__(self, endpoint: str, *, rank: int = 0, token: str | None = None, device: DeviceInfo | None = None,
+                 poll_wait_s: float = 1.0, request_timeout_s: float = 10.0) -> None:
+        self.endpoint = endpoint
+        self.rank = rank
+        self.token = token
+        self.device = device or detect_device()
+        self.poll_wait_s = poll_wait_s
+        self.request_timeout_s = request_timeout_s
+        self.settings: RegisterReply | None = None
+        self._client = ControlClient(endpoint, timeout_s=request_timeout_s, token=token)
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+        self.group: SyncGroup | None = None
+        self._group_lock = threading.Lock()
+
+    @property
+    def agent_id(self) -> str:
+        if self.settings is None:
+            raise CkptEngineError("agent is not registered; call start() first")
+        return self.settings.agent_id
+
+    def start(self) -> "Agent":
+        self._register()
+        self.on_registered()
+        self._poller = threading.Thread(target=self._poll_loop, name=f"ckpt-{self.role}-poll", daemon=True)
+        self._poller.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join(self.poll_wait_s + self.request_timeout_s)
+        if self.settings is not None:
+            try:
+                self._client.request("unregister", {"agent_id": self.settings.agent_id}, timeout_s=2.0)
+            except CkptEngineError as exc:  # the daemon may be gone already; its heartbeat timeout covers us
+                log.info("unregister: %s", exc)
+        if self.group is not None:
+            self.group.close()
+        self._client.close()
+
+    def report(self, version: int, event: str, **fields: Any) -> None:
+        """Tell the daemon about progress; a report that cannot be delivered is logged, never raised."""
+        try:
+            self._client.request("report", {"agent_id": self.agent_id, "version": version, "event": event, **fields})
+        except CkptEngineError as exc:
+            log.warning("could not report %s of version %d: %s", event, version, exc)
+
+    def versions_held(self) -> list[int]:
+        return []
+
+    def on_registered(self) -> None:
+        """Set up what depends on the daemon's settings, before any assignment can arrive."""
+
+    def handle(self, assignment: Assignment) -> None:
+        raise NotImplementedError
+
+    def group_for(self, assignment: Assignment) -> SyncGroup:
+        """The sync group of the assignment's generation, rebuilt when the generation changed or it broke."""
+        settings = self.settings
+        if settings is None:
+            raise CkptEngineError("agent is not registered")
+        with self._group_lock:  # the poll thread may be building it ahead of the step that needs it
+            return self._group_for(assignment, settings)
+
+    def _group_for(self, assignment: Assignment, settings: RegisterReply) -> SyncGroup:
+        current = self.group
+        if current is not None and current.generation == assignment.generation and current.broken is None:
+            return current
+        if current is not None:
+            current.close()
+            self.group = None
+        store = open_store(settings.store_host, settings.store_port, timeout_s=settings.connect_timeout_s)
+        self.group = SyncGroup(store, name=settings.group_name, generation=assignment.generation,
+                               rank=assignment.rank, world_size=assignment.world_size, device=self.device,
+                               timeout_s=settings.collective_timeout_s, connect_timeout_s=settings.connect_timeout_s)
+        return self.group
+
+    def _register(self) -> None:
+        body = {"role": self.role, "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                "device": str(self.device.torch_device), "versions": self.versions_held(), "token": self.token}
+        self.settings = RegisterReply.model_validate(self._client.request("register", body))
+        log.info("registered with %s as %s %s", self.endpoint, self.role, self.settings.agent_id)
+
+    def _poll_loop(self) -> None:
+        poller = ControlClient(self.endpoint, timeout_s=self.poll_wait_s + self.request_timeout_s, token=self.token)
+        try:
+            while not self._stop.is_set():
+                try:
+                    reply = poller.request("poll", {"agent_id": self.agent_id, "versions": self.versions_held(),
+                                                    "wait_s": self.poll_wait_s})
+                except ControlReplyError as exc:
+                    if "unregistered agent" in str(exc.detail):
+                        log.warning("daemon forgot this agent (restart?); registering again")
+                        self._try_register()
+                    continue
+                except CkptEngineError as exc:
+                    log.warning("poll failed: %s", exc)
+                    self._stop.wait(1.0)
+                    continue
+                if reply.get("assignment"):
+                    self._dispatch(Assignment.model_validate(reply["assignment"]))
+        finally:
+            poller.close()
+
+    def _try_register(self) -> None:
+        try:
+            self._register()
+        except CkptEngineError as exc:
+            log.warning("re-registration failed: %s", exc)
+            self._stop.wait(1.0)
+
+    def _dispatch(self, assignment: Assignment) -> None:
+        try:
+            self.handle(assignment)
+        except Exception:  # an assignment that cannot even be queued must not stop the heartbeat
+            log.exception("handling assignment %s failed", assignment)

@@ -1,0 +1,89 @@
+"""Rollout agent: runs inside an inference worker, receives the versions the daemon assigns to it, verifies
+them and applies them through ``load`` (an adapter), then reports the outcome with its recomputed digest.
+
+    agent = RolloutAgent(load, "tcp://127.0.0.1:8766").start()
+
+``load`` gets a whole, verified version (``VersionPayload``) and must copy what it needs during the call.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from ckpt_engine.control import Assignment
+from ckpt_engine.device import DeviceInfo
+from ckpt_engine.errors import CkptEngineError
+from ckpt_engine.receiver import LoadFn, Receiver, ReceiveResult
+from ckpt_engine.workers.agent import Agent
+
+log = logging.getLogger(__name__)
+
+
+class RolloutAgent(Agent):
+    role = "receiver"
+
+    def __init__(self, load: LoadFn, endpoint: str, *, token: str | None = None, device: DeviceInfo | None = None,
+                 poll_wait_s: float = 1.0) -> None:
+        super().__init__(endpoint, token=token, device=device, poll_wait_s=poll_wait_s)
+        self.load = load
+        self.current_version: int | None = None
+        self.results: list[ReceiveResult] = []
+        self._work: queue.Queue[Assignment | None] = queue.Queue()
+        self._receiver: Receiver | None = None
+        self._worker = threading.Thread(target=self._work_loop, name="ckpt-receiver", daemon=True)
+        self.applied = threading.Condition()
+
+    def on_registered(self) -> None:
+        if not self._worker.is_alive():
+            self._worker.start()
+
+    def versions_held(self) -> list[int]:
+        return [] if self.current_version is None else [self.current_version]
+
+    def handle(self, assignment: Assignment) -> None:
+        if assignment.kind == "receive":
+            self._work.put(assignment)
+
+    def close(self) -> None:
+        self._work.put(None)
+        super().close()
+
+    def wait_for_version(self, version: int, timeout_s: float) -> bool:
+        """Block until ``version`` (or a newer one) has been applied; for scripts and tests."""
+        with self.applied:
+            return self.applied.wait_for(
+                lambda: self.current_version is not None and self.current_version >= version, timeout_s)
+
+    def _work_loop(self) -> None:
+        while (assignment := self._work.get()) is not None:
+            try:
+                result = self._receive(assignment)
+            except CkptEngineError as exc:
+                result = ReceiveResult(assignment.version, False, f"{type(exc).__name__}: {exc}")
+            self._record(assignment, result)
+
+    def _receive(self, assignment: Assignment) -> ReceiveResult:
+        settings = self.settings
+        if settings is None:
+            raise CkptEngineError("not registered")
+        group = self.group_for(assignment)
+        if self._receiver is None or self._receiver.group is not group:
+            self._receiver = Receiver(group, self.load, verify=settings.verify)
+        result = self._receiver.receive(begin_timeout_s=settings.version_timeout_s)
+        if result is None:
+            return ReceiveResult(assignment.version, False, "the sender closed the sync group")
+        if result.version is not None and result.version != assignment.version:
+            result.ok, result.reason = False, f"received version {result.version}, expected {assignment.version}"
+        return result
+
+    def _record(self, assignment: Assignment, result: ReceiveResult) -> None:
+        self.results.append(result)
+        if result.ok:
+            with self.applied:
+                self.current_version = assignment.version
+                self.applied.notify_all()
+        self.report(assignment.version, "received", ok=result.ok, reason=result.reason,
+                    version_digest=result.version_digest, bytes=result.bytes_received, stages=result.seconds,
+                    group_broken=self.group is not None and self.group.broken is not None)
