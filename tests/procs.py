@@ -20,40 +20,56 @@ def _child(index: int, target: Callable[..., Any], args: tuple, results: "mp.Que
         results.put((index, "error", traceback.format_exc()))
 
 
-def run_processes(jobs: list[tuple[Callable[..., Any], tuple]], timeout_s: float = 120.0) -> list[Any]:
-    """Run each (target, args) in its own spawned process; return their results in order.
+class Running:
+    """Processes started by :func:`start_processes`; :meth:`collect` waits for their results."""
 
-    Raises AssertionError with the child's traceback when one fails, or when the time runs out.
-    """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(i, fn, args, results), daemon=True) for i, (fn, args) in enumerate(jobs)]
-    for proc in procs:
-        proc.start()
-    collected: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(collected) < len(procs):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise AssertionError(f"processes {sorted(set(range(len(procs))) - set(collected))} "
-                                     f"did not finish within {timeout_s}s")
-            try:
-                index, status, value = results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if i not in collected and p.exitcode not in (None, 0)]
-                if dead:
-                    raise AssertionError(f"process(es) {dead} died with exit codes "
-                                         f"{[procs[i].exitcode for i in dead]} before reporting")
-                continue
-            collected[index] = (status, value)
-    finally:
-        for proc in procs:
+    def __init__(self, jobs: list[tuple[Callable[..., Any], tuple]]) -> None:
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self.procs = [ctx.Process(target=_child, args=(i, fn, args, self._results), daemon=True)
+                      for i, (fn, args) in enumerate(jobs)]
+        for proc in self.procs:
+            proc.start()
+
+    def collect(self, timeout_s: float) -> list[Any]:
+        """Results in job order; AssertionError with the child's traceback when one fails or time runs out."""
+        collected: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(collected) < len(self.procs):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError(f"processes {sorted(set(range(len(self.procs))) - set(collected))} "
+                                         f"did not finish within {timeout_s}s")
+                try:
+                    index, status, value = self._results.get(timeout=min(remaining, 1.0))
+                except queue.Empty:
+                    dead = [i for i, p in enumerate(self.procs) if i not in collected and p.exitcode not in (None, 0)]
+                    if dead:
+                        raise AssertionError(f"process(es) {dead} died with exit codes "
+                                             f"{[self.procs[i].exitcode for i in dead]} before reporting")
+                    continue
+                collected[index] = (status, value)
+        finally:
+            self.kill()
+        errors = {i: v for i, (s, v) in collected.items() if s == "error"}
+        if errors:
+            raise AssertionError("\n".join(f"--- process {i} failed:\n{tb}" for i, tb in errors.items()))
+        return [collected[i][1] for i in range(len(self.procs))]
+
+    def kill(self) -> None:
+        for proc in self.procs:
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
-    errors = {i: v for i, (s, v) in collected.items() if s == "error"}
-    if errors:
-        raise AssertionError("\n".join(f"--- process {i} failed:\n{tb}" for i, tb in errors.items()))
-    return [collected[i][1] for i in range(len(procs))]
+
+
+def start_processes(jobs: list[tuple[Callable[..., Any], tuple]]) -> Running:
+    """Start each (target, args) in its own spawned process."""
+    return Running(jobs)
+
+
+def run_processes(jobs: list[tuple[Callable[..., Any], tuple]], timeout_s: float = 120.0) -> list[Any]:
+    """Run each (target, args) in its own spawned process; return their results in order."""
+    return Running(jobs).collect(timeout_s)

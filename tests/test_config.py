@@ -45,3 +45,24 @@ def test_unreadable_or_non_mapping_files(tmp_path: Path) -> None:
     bad.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(bad)
+
+
+@pytest.mark.parametrize("path", sorted(DEPLOY.parent.glob("engine*.yaml")), ids=lambda p: p.name)
+def test_every_engine_yaml_in_deploy_loads(path: Path) -> None:
+    config = load_config(path, environ={})
+    assert config.bypass_cpu == ("bypass" in path.name)
+
+
+def test_environment_overrides_nested_keys(tmp_path: Path) -> None:
+    path = tmp_path / "engine.yaml"
+    path.write_text("http: {port: 1}\n")
+    config = load_config(path, environ={"CKPT_ENGINE_HTTP__PORT": "9000", "CKPT_ENGINE_BYPASS_CPU": "true",
+                                       "CKPT_ENGINE_TORCH": "not a config key"})
+    assert config.http.port == 9000 and config.bypass_cpu is True
+    with pytest.raises(ConfigError, match="CKPT_ENGINE_KEEP_VERSIONS"):
+        load_config(path, environ={"CKPT_ENGINE_KEEP_VERSIONS": "zero"})
+
+
+def test_sparse_true_is_refused_at_start() -> None:
+    with pytest.raises(ConfigError, match="sparse"):
+        parse_config({"sparse": True})

@@ -42,6 +42,15 @@ class ControlClient:
     def request(self, kind: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> dict:
         """Send one request and wait for its reply; raises SyncTimeoutError or ControlReplyError."""
         limit = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            reply = self._exchange(kind, body, limit)
+        except zmq.ZMQError as exc:  # e.g. the client was closed while another thread still reported
+            raise CkptEngineError(f"control socket to {self.endpoint} failed: {exc}") from exc
+        if not reply.get("ok"):
+            raise ControlReplyError(str(reply.get("error")), reply.get("detail"), reply.get("record"))
+        return reply.get("body") or {}
+
+    def _exchange(self, kind: str, body: dict[str, Any] | None, limit: float) -> dict:
         with self._lock:
             request_id = next(self._ids)
             frame: dict[str, Any] = {"id": request_id, "type": kind, "body": body or {}}
@@ -55,10 +64,7 @@ class ControlClient:
                     raise SyncTimeoutError(f"no reply to {kind!r} from {self.endpoint} within {limit:.1f}s")
                 reply, _ = decode_frame(self._sock.recv(), _MAX_REPLY_BYTES)
                 if reply.get("id") == request_id:
-                    break  # replies to earlier, timed-out requests are dropped
-        if not reply.get("ok"):
-            raise ControlReplyError(str(reply.get("error")), reply.get("detail"), reply.get("record"))
-        return reply.get("body") or {}
+                    return reply  # replies to earlier, timed-out requests are dropped
 
     def close(self) -> None:
         with self._lock:

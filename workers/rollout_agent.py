@@ -48,6 +48,9 @@ class RolloutAgent(Agent):
 
     def close(self) -> None:
         self._work.put(None)
+        if self._worker.is_alive():  # let a version being received finish and report first
+            settings = self.settings
+            self._worker.join(settings.version_timeout_s if settings else 10.0)
         super().close()
 
     def wait_for_version(self, version: int, timeout_s: float) -> bool:

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Launch example: the daemon, then an FSDP trainer under torchrun whose rank 0 runs the TrainerAgent, then
+# rollout workers with a RolloutAgent each. Replace train.py / rollout.py with your programs; the agents
+# need only the ZMQ endpoint (and the token when auth_token is set).
+set -euo pipefail
+CONFIG="${CONFIG:-deploy/engine.yaml}"
+ckpt-engine serve --config "$CONFIG" &
+DAEMON=$!
+trap 'kill -TERM $DAEMON; wait $DAEMON' EXIT
+until curl -sf http://127.0.0.1:8765/health >/dev/null; do sleep 0.2; done
+export CKPT_ENGINE_AGENT_ENDPOINT=tcp://127.0.0.1:8766
+for i in 0 1; do python rollout.py --agent-endpoint "$CKPT_ENGINE_AGENT_ENDPOINT" & done
+torchrun --nproc-per-node=2 train.py --agent-endpoint "$CKPT_ENGINE_AGENT_ENDPOINT"
