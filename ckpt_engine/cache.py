@@ -74,9 +74,12 @@ class VersionCache:
         *,
         aliases: Mapping[str, str] | None = None,
         step: int | None = None,
+        check: bool = True,
     ) -> CachedVersion:
-        """Copy ``tensors`` (device or host) into the cache as ``version``; returns once the copy is done."""
-        check_matches_layout(layout, tensors)
+        """Copy ``tensors`` (device or host) into the cache as ``version``; returns once the copy is done.
+        ``check=False`` skips re-checking tensors against the layout (for callers that planned it from them)."""
+        if check:
+            check_matches_layout(layout, tensors)
         started = time.perf_counter()
         with self._lock:
             if version in self._versions:

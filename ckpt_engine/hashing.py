@@ -148,9 +148,25 @@ def bucket_digests(bucket: Bucket, buf: torch.Tensor, algo: DigestAlgo, layout_d
     if algo == "torch-mix64":
         return mix64_bucket_digests(bucket, buf, layout_digest)
     if buf.device.type != "cpu":
-        raise ValueError("xxh3-64 digests need the bucket in host memory; use torch-mix64 on devices")
-    values = [xxh3_digest(s.dtype, s.shape, buf[s.offset : s.offset + s.nbytes]) for s in bucket.slots]
+        buf = buf.cpu()  # a device receiver of a host-hashing sender: correct, not fast
+    view = host_buffer(buf[: bucket.nbytes])
+    digest = xxhash.xxh3_64_intdigest
+    seeds = _xxh3_seeds(bucket, layout_digest)
+    values = [to_signed64(digest(view[s.offset : s.offset + s.nbytes], seed)) for s, seed in zip(bucket.slots, seeds)]
     return torch.tensor(values, dtype=torch.int64)
+
+
+_seed_cache: dict[tuple[str, int], list[int]] = {}
+
+
+def _xxh3_seeds(bucket: Bucket, layout_digest: str) -> list[int]:
+    key = (layout_digest, bucket.index)
+    seeds = _seed_cache.get(key)
+    if seeds is None:
+        if len(_seed_cache) > 4096:
+            _seed_cache.clear()
+        seeds = _seed_cache[key] = [header_seed(s.dtype, s.shape) & _MASK64 for s in bucket.slots]
+    return seeds
 
 
 def version_digest(algo: str, layout_digest: str, digests: Sequence[int]) -> str:

@@ -6,6 +6,7 @@ per-bucket metadata has to travel; a digest of the plan lets ranks check they ag
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -71,11 +72,11 @@ class Layout:
     buckets: tuple[Bucket, ...]
     digest: str
 
-    @property
+    @functools.cached_property
     def slots(self) -> tuple[TensorSlot, ...]:
         return tuple(slot for bucket in self.buckets for slot in bucket.slots)
 
-    @property
+    @functools.cached_property
     def specs(self) -> tuple[TensorSpec, ...]:
         return tuple(slot.spec for slot in self.slots)
 

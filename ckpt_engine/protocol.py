@@ -57,11 +57,15 @@ class LayoutMessage(_Message):
 
 
 class VersionHeader(_Message):
+    """``layout`` may be omitted when it equals the previous version's on the same group: receivers keep
+    the layouts they were sent, keyed by ``layout_digest``."""
+
     proto: int = PROTO_VERSION
     version: int = Field(ge=0)
     mode: Mode
     digest_algo: str
-    layout: LayoutMessage
+    layout_digest: str
+    layout: LayoutMessage | None = None
     step: int | None = None
     aliases: dict[str, str] = Field(default_factory=dict)
     created_at: float | None = None

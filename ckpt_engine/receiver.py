@@ -20,7 +20,7 @@ from ckpt_engine.errors import CkptEngineError, ProtocolError
 from ckpt_engine.group import SyncGroup
 from ckpt_engine.hashing import bucket_digests, check_algo, version_digest
 from ckpt_engine.layout import Bucket, Layout
-from ckpt_engine.protocol import AbortMessage, Ack, LayoutMessage, VersionHeader, VersionTrailer, decode
+from ckpt_engine.protocol import AbortMessage, Ack, VersionHeader, VersionTrailer, decode
 from ckpt_engine.tensors import slot_view
 from ckpt_engine.wire import Channel, Frame, FrameKind
 
@@ -80,6 +80,8 @@ class Receiver:
         self.committed: VersionPayload | None = None
         self._layouts: dict[str, Layout] = {}
         self._staging: torch.Tensor | None = None
+        self._views_key: tuple[str, int] | None = None
+        self._base_views: dict[str, torch.Tensor] = {}
 
     def receive(self, begin_timeout_s: float | None = None) -> ReceiveResult | None:
         """Receive one version (None when the sender closed the group). Transfer failures come back as a
@@ -132,7 +134,7 @@ class Receiver:
     def _begin(self, frame: Frame) -> _Incoming:
         raw = self._payload_of(frame, FrameKind.BEGIN, "version header")
         header = decode(VersionHeader, raw)
-        layout = self._layout(header.layout)
+        layout = self._layout(header)
         return _Incoming(header, layout, check_algo(header.digest_algo), self._staging_for(layout))
 
     def _payload_of(self, frame: Frame, expected: FrameKind, what: str) -> bytes:
@@ -226,19 +228,33 @@ class Receiver:
         return result
 
     def _views(self, incoming: _Incoming) -> dict[str, torch.Tensor]:
-        layout = incoming.layout
-        views = {s.name: slot_view(incoming.staging, s, layout.buckets[s.bucket].flat_offset) for s in layout.slots}
-        for alias, canonical in incoming.header.aliases.items():
-            if canonical not in views:
-                raise ProtocolError(f"alias {alias!r} points at unknown tensor {canonical!r}")
-            views[alias] = views[canonical]
+        """Named views into staging; built once per (layout, staging buffer) and reused across versions."""
+        layout, staging = incoming.layout, incoming.staging
+        key = (layout.digest, staging.data_ptr())
+        if self._views_key != key:
+            self._base_views = {s.name: slot_view(staging, s, layout.buckets[s.bucket].flat_offset)
+                                for s in layout.slots}
+            self._views_key = key
+        views = self._base_views
+        if incoming.header.aliases:
+            views = dict(views)
+            for alias, canonical in incoming.header.aliases.items():
+                if canonical not in views:
+                    raise ProtocolError(f"alias {alias!r} points at unknown tensor {canonical!r}")
+                views[alias] = views[canonical]
         return views
 
-    def _layout(self, message: LayoutMessage) -> Layout:
-        layout = self._layouts.get(message.digest)
-        if layout is None:
-            layout = message.to_layout()
-            self._layouts = {message.digest: layout}  # keep only the newest: layouts change rarely
+    def _layout(self, header: VersionHeader) -> Layout:
+        layout = self._layouts.get(header.layout_digest)
+        if layout is not None:
+            return layout
+        if header.layout is None:
+            raise ProtocolError(f"version {header.version} names layout {header.layout_digest}, which this "
+                                "receiver was never sent")
+        if header.layout.digest != header.layout_digest:
+            raise ProtocolError("header's layout_digest differs from its layout's digest")
+        layout = header.layout.to_layout()
+        self._layouts = {layout.digest: layout}  # keep only the newest: layouts change rarely
         return layout
 
     def _staging_for(self, layout: Layout) -> torch.Tensor:

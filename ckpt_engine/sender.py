@@ -154,6 +154,7 @@ class Sender:
         self.on_stage = on_stage  # called with (version, "transferring" | "verifying") from the send thread
         self._slots: list[torch.Tensor] = []
         self._busy = threading.Lock()
+        self._layout_sent: str | None = None
 
     def send_cached(self, cache: VersionCache, version: int, *, as_version: int | None = None) -> Transfer:
         """Send a version held in ``cache`` (labelled ``as_version`` on the wire when given, e.g. a rollback);
@@ -166,9 +167,11 @@ class Sender:
         return self._start(source, transfer, hold)
 
     def send_live(self, version: int, layout: Layout, tensors: Mapping[str, torch.Tensor], *,
-                  aliases: Mapping[str, str] | None = None, step: int | None = None) -> Transfer:
-        """Send live tensors without a host copy; read them until ``params_released`` is set."""
-        check_matches_layout(layout, tensors)
+                  aliases: Mapping[str, str] | None = None, step: int | None = None, check: bool = True) -> Transfer:
+        """Send live tensors without a host copy; read them until ``params_released`` is set.
+        ``check=False`` skips re-checking tensors against the layout (for callers that planned it from them)."""
+        if check:
+            check_matches_layout(layout, tensors)
         transfer = Transfer(version, "bypass_cpu")
         source = _LiveSource(version, layout, tensors, aliases or {}, step, transfer.params_released)
         return self._start(source, transfer, contextlib.ExitStack())
@@ -213,8 +216,9 @@ class Sender:
             self._stage(source.version, "verifying")
             digest = version_digest(self.digest_algo, layout.digest, digests)
             trailer = encode(VersionTrailer(version=source.version, version_digest=digest))
-            self.channel.frame(Frame(FrameKind.END, source.version, len(trailer)), 0, "version end")
-            self.channel.payload(trailer, len(trailer), "version trailer")
+            with timer.stage("control"):
+                self.channel.frame(Frame(FrameKind.END, source.version, len(trailer)), 0, "version end")
+                self.channel.payload(trailer, len(trailer), "version trailer")
             result.version_digest = digest
             with timer.stage("ack"):
                 self._collect_acks(source.version, digest, result)
@@ -240,11 +244,14 @@ class Sender:
                 log.exception("on_stage callback failed")
 
     def _send_header(self, source: _Source) -> None:
+        # Receivers of this group keep the layout they were sent; it travels again only when it changes.
+        layout = source.layout
         header = encode(VersionHeader(
-            version=source.version, mode=source.mode, digest_algo=self.digest_algo,
-            layout=LayoutMessage.of(source.layout), step=source.step, aliases=dict(source.aliases),
-            created_at=time.time(),
+            version=source.version, mode=source.mode, digest_algo=self.digest_algo, layout_digest=layout.digest,
+            layout=None if layout.digest == self._layout_sent else LayoutMessage.of(layout), step=source.step,
+            aliases=dict(source.aliases), created_at=time.time(),
         ))
+        self._layout_sent = layout.digest
         self.channel.frame(Frame(FrameKind.BEGIN, source.version, len(header)), 0, "version begin")
         self.channel.payload(header, len(header), "version header")
 
@@ -273,7 +280,8 @@ class Sender:
             if k == len(layout.buckets) - 1:
                 source.all_filled()
             frame = Frame(FrameKind.BUCKET, source.version, k, bucket.nbytes, len(bucket.slots))
-            self.channel.frame(frame, len(bucket.slots), f"bucket {k} header", extra=values)
+            with timer.stage("control"):  # on gloo this also waits behind the previous bucket's data
+                self.channel.frame(frame, len(bucket.slots), f"bucket {k} header", extra=values)
             if bucket.nbytes:
                 with timer.stage("broadcast"):
                     pending[slot_index] = self.channel.data(buf)

@@ -20,7 +20,7 @@ from ckpt_engine.errors import SyncTimeoutError
 from ckpt_engine.group import SyncGroup, open_store
 from ckpt_engine.publisher import Publisher
 from ckpt_engine.receiver import Receiver, VersionPayload
-from ckpt_engine.tensors import named_tensors_of
+from ckpt_engine.tensors import NamedTensors, named_tensors_of
 from tests.models import BUCKET_SIZE, AwkwardModel, load_into, state_bytes
 from tests.procs import run_processes
 
@@ -304,3 +304,28 @@ def test_sender_abort_mid_version_loads_nothing_and_the_group_stays_usable() -> 
         (ok1, reason1), (ok2, _), loaded = rx
         assert not ok1 and "sender aborted version 1" in reason1 and "device fell over" in reason1
         assert ok2 and loaded == [2]
+
+
+def growing_sender(port: int) -> list:
+    group = _sync_group(port, 0, 2)
+    publisher = Publisher(group, bucket_size=BUCKET_SIZE)
+    tensors = {"a": torch.arange(10.0), "b": torch.ones(3, dtype=torch.int64)}
+    first = publisher.publish(1, NamedTensors(dict(tensors))).result(timeout_s=60)
+    tensors["c"] = torch.full((5,), 7, dtype=torch.bfloat16)  # the model changed shape: a new layout
+    second = publisher.publish(2, NamedTensors(dict(tensors))).result(timeout_s=60)
+    third = publisher.publish(3, NamedTensors(dict(tensors))).result(timeout_s=60)  # same layout, not resent
+    publisher.close()
+    return [first.ok, second.ok, third.ok]
+
+
+def names_receiver(port: int) -> list:
+    seen: list[list[str]] = []
+    Receiver(_sync_group(port, 1, 2), lambda payload: seen.append(sorted(payload.tensors))).serve()
+    return seen
+
+
+def test_layout_change_within_a_group_is_sent_again() -> None:
+    store = open_store(HOST, 0, is_master=True, timeout_s=10)
+    sender, seen = run_processes([(growing_sender, (store.port,)), (names_receiver, (store.port,))], timeout_s=120)
+    assert sender == [True, True, True]
+    assert seen == [["a", "b"], ["a", "b", "c"], ["a", "b", "c"]]
