@@ -559,13 +559,13 @@ def render_markdown(report: dict) -> str:
     add("")
     add("Sender stages come from `TransferResult.seconds` (`fill` = copying live tensors into send buckets, "
         "`digest` = xxh3 of every tensor, `broadcast` = waiting on bucket broadcasts, `ack` = acknowledgement "
-        "allgather, `header` = layout/header frames). `snapshot` = trainer held in cached mode (the cache copy "
-        "inside `publish()`). `other` = sender total minus the named stages (per repetition, then median): time in the control frames "
-        "(bucket headers, END/trailer) and bookkeeping, which `TransferResult.seconds` does not attribute; on gloo a "
-        "blocking bucket-header frame waits behind the previous bucket's data broadcast, so wire time lands there "
-        "too. Receiver stages come from the receivers' acknowledgements (both receivers pooled).")
+        "allgather, `header` = version header frames, `control` = per-bucket header frames and the END trailer; on "
+        "gloo a blocking bucket-header frame waits behind the previous bucket's data broadcast, so wire time lands "
+        "there too). `snapshot` = trainer held in cached mode (the cache copy inside `publish()`). `other` = sender "
+        "total minus the named stages (per repetition, then median): bookkeeping. Receiver stages come from the "
+        "receivers' acknowledgements (both receivers pooled).")
     add("")
-    stage_keys = ["header", "fill", "digest", "broadcast", "ack", "total"]
+    stage_keys = ["header", "fill", "digest", "broadcast", "control", "ack", "total"]
     add("| Model | Mode | snapshot/held | " + " | ".join(f"sender {k}" for k in stage_keys[:-1])
         + " | sender other | sender total | recv | verify | load | receiver total |")
     add("|---|---|" + "---:|" * (2 + len(stage_keys) + 4))
@@ -582,6 +582,9 @@ def render_markdown(report: dict) -> str:
                 + " | ".join(rcells) + " |")
     add("")
     add("Raw per-repetition samples of every variant are in the JSON output (`--json PATH`).")
+    add("")
+    add("Why targets are missed on this machine, and what was changed because of them: "
+        "[performance-notes.md](performance-notes.md).")
     add("")
     return "\n".join(lines)
 

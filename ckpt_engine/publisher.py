@@ -48,6 +48,7 @@ class Publisher:
                                     on_stage=on_stage)
         self.sender: Sender | None = None
         self._layout: Layout | None = None
+        self._layout_key: list[tuple[str, torch.dtype, torch.Size]] = []
         if group is not None:
             self.attach(group)
 
@@ -58,9 +59,11 @@ class Publisher:
     def layout_for(self, tensors: Mapping[str, torch.Tensor]) -> Layout:
         """The layout of these tensors; re-planned only when names, dtypes or shapes changed. Either way the
         tensors match the returned layout, so the cache and sender need not check them again."""
-        specs = tuple(specs_of(tensors))
-        if self._layout is None or self._layout.specs != specs:
-            self._layout = plan_layout(specs, self.bucket_size, self.alignment)
+        # Cheap key first (no dtype-name lookups or spec objects): re-plan only when it changes.
+        key = [(name, t.dtype, t.shape) for name, t in tensors.items()]
+        if self._layout is None or key != self._layout_key:
+            self._layout = plan_layout(specs_of(tensors), self.bucket_size, self.alignment)
+            self._layout_key = key
             log.info("planned layout %s: %d tensors in %d buckets, %d bytes", self._layout.digest,
                      self._layout.num_tensors, len(self._layout.buckets), self._layout.total_bytes)
         return self._layout
