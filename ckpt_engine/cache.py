@@ -19,7 +19,7 @@ import torch
 from ckpt_engine.device import DeviceInfo, host_empty, synchronize
 from ckpt_engine.errors import CacheError, ConfigError
 from ckpt_engine.layout import Layout
-from ckpt_engine.tensors import check_matches_layout, fill_bucket, slot_view
+from ckpt_engine.tensors import TensorsOrProvider, check_matches_layout, fill_bucket, provider_of, slot_view
 
 log = logging.getLogger(__name__)
 
@@ -70,16 +70,18 @@ class VersionCache:
         self,
         version: int,
         layout: Layout,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: TensorsOrProvider,
         *,
         aliases: Mapping[str, str] | None = None,
         step: int | None = None,
         check: bool = True,
     ) -> CachedVersion:
         """Copy ``tensors`` (device or host) into the cache as ``version``; returns once the copy is done.
+        ``tensors`` may be a per-bucket provider (sharded models assemble full tensors bucket by bucket).
         ``check=False`` skips re-checking tensors against the layout (for callers that planned it from them)."""
-        if check:
+        if check and not callable(tensors):
             check_matches_layout(layout, tensors)
+        provide = provider_of(tensors)
         started = time.perf_counter()
         with self._lock:
             if version in self._versions:
@@ -87,7 +89,7 @@ class VersionCache:
             self._make_room(self.keep_versions - 1)
             buffer = self._take_buffer(layout)
         for bucket in layout.buckets:
-            fill_bucket(buffer, bucket.slots, tensors, bucket.nbytes, bucket.flat_offset)
+            fill_bucket(buffer, bucket.slots, provide(bucket), bucket.nbytes, bucket.flat_offset)
         synchronize(self.device)
         cached = CachedVersion(
             version, layout, step, dict(aliases or {}), time.time(), time.perf_counter() - started, buffer

@@ -56,13 +56,13 @@ class Publisher:
         """Send on ``group`` from now on (the caller closes the previous group)."""
         self.sender = Sender(group, **self._sender_options)  # type: ignore[arg-type]
 
-    def layout_for(self, tensors: Mapping[str, torch.Tensor]) -> Layout:
+    def layout_for(self, named: NamedTensors) -> Layout:
         """The layout of these tensors; re-planned only when names, dtypes or shapes changed. Either way the
         tensors match the returned layout, so the cache and sender need not check them again."""
         # Cheap key first (no dtype-name lookups or spec objects): re-plan only when it changes.
-        key = [(name, t.dtype, t.shape) for name, t in tensors.items()]
+        key = named.layout_key()
         if self._layout is None or key != self._layout_key:
-            self._layout = plan_layout(specs_of(tensors), self.bucket_size, self.alignment)
+            self._layout = plan_layout(specs_of(named.tensors), self.bucket_size, self.alignment)
             self._layout_key = key
             log.info("planned layout %s: %d tensors in %d buckets, %d bytes", self._layout.digest,
                      self._layout.num_tensors, len(self._layout.buckets), self._layout.total_bytes)
@@ -70,7 +70,7 @@ class Publisher:
 
     def snapshot(self, version: int, named: NamedTensors, *, step: int | None = None) -> CachedVersion:
         """Copy the tensors into the cache as ``version`` (the only part of cached mode that holds the trainer)."""
-        return self.cache.snapshot(version, self.layout_for(named.tensors), named.tensors, aliases=named.aliases,
+        return self.cache.snapshot(version, self.layout_for(named), named.bucket_tensors, aliases=named.aliases,
                                    step=step, check=False)
 
     def publish(self, version: int, named: NamedTensors, *, bypass_cpu: bool = False,
@@ -79,8 +79,9 @@ class Publisher:
         bypass_cpu returns at once and reads the tensors until ``params_released`` is set."""
         sender = self._require_sender()
         if bypass_cpu:
-            layout = self.layout_for(named.tensors)
-            return sender.send_live(version, layout, named.tensors, aliases=named.aliases, step=step, check=False)
+            layout = self.layout_for(named)
+            return sender.send_live(version, layout, named.bucket_tensors, aliases=named.aliases, step=step,
+                                    check=False)
         self.snapshot(version, named, step=step)
         return sender.send_cached(self.cache, version)
 

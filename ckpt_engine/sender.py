@@ -24,7 +24,7 @@ from ckpt_engine.group import SyncGroup
 from ckpt_engine.hashing import bucket_digests, version_digest
 from ckpt_engine.layout import Layout
 from ckpt_engine.protocol import AbortMessage, Ack, LayoutMessage, Mode, VersionHeader, VersionTrailer, encode
-from ckpt_engine.tensors import check_matches_layout, fill_bucket
+from ckpt_engine.tensors import BucketTensors, TensorsOrProvider, check_matches_layout, fill_bucket, provider_of
 from ckpt_engine.wire import Channel, Frame, FrameKind
 
 log = logging.getLogger(__name__)
@@ -96,20 +96,21 @@ class _LiveSource:
 
     mode: Mode = "bypass_cpu"
 
-    def __init__(self, version: int, layout: Layout, tensors: Mapping[str, torch.Tensor],
+    def __init__(self, version: int, layout: Layout, tensors: TensorsOrProvider,
                  aliases: Mapping[str, str], step: int | None, released: threading.Event) -> None:
-        self.version, self.layout, self.tensors, self.aliases, self.step = version, layout, tensors, aliases, step
+        self.version, self.layout, self.aliases, self.step = version, layout, aliases, step
+        self._provide: BucketTensors | None = provider_of(tensors)
         self._released = released
 
     def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:
         bucket = self.layout.buckets[index]
-        if slot is None:
-            raise ValueError("a live source needs a send slot")
-        fill_bucket(slot, bucket.slots, self.tensors, bucket.nbytes)
+        if slot is None or self._provide is None:
+            raise ValueError("a live source needs a send slot and its tensors")
+        fill_bucket(slot, bucket.slots, self._provide(bucket), bucket.nbytes)
         return slot[: bucket.nbytes]
 
     def all_filled(self) -> None:
-        self.tensors = {}
+        self._provide = None  # drop references to the live tensors
         self._released.set()
 
 
@@ -166,11 +167,11 @@ class Sender:
         transfer.params_released.set()
         return self._start(source, transfer, hold)
 
-    def send_live(self, version: int, layout: Layout, tensors: Mapping[str, torch.Tensor], *,
+    def send_live(self, version: int, layout: Layout, tensors: TensorsOrProvider, *,
                   aliases: Mapping[str, str] | None = None, step: int | None = None, check: bool = True) -> Transfer:
         """Send live tensors without a host copy; read them until ``params_released`` is set.
         ``check=False`` skips re-checking tensors against the layout (for callers that planned it from them)."""
-        if check:
+        if check and not callable(tensors):
             check_matches_layout(layout, tensors)
         transfer = Transfer(version, "bypass_cpu")
         source = _LiveSource(version, layout, tensors, aliases or {}, step, transfer.params_released)

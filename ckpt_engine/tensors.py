@@ -3,39 +3,73 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Union
 
 import torch
 
 from ckpt_engine.dtypes import dtype_from_name, dtype_name
 from ckpt_engine.errors import LayoutMismatchError
-from ckpt_engine.layout import Layout, TensorSlot, TensorSpec
+from ckpt_engine.layout import Bucket, Layout, TensorSlot, TensorSpec
 
 NameMap = Callable[[str], str]
+
+
+BucketTensors = Callable[[Bucket], Mapping[str, torch.Tensor]]
+TensorsOrProvider = Union[Mapping[str, torch.Tensor], BucketTensors]
 
 
 @dataclass
 class NamedTensors:
     """Tensors to sync, in registration order, plus names that share storage with one of them (tied weights).
 
-    An alias is sent once under its canonical name and handed to the receiver under both names.
+    An alias is sent once under its canonical name and handed to the receiver under both names. Subclasses
+    whose tensors are sharded (FSDP2 DTensors) override :meth:`bucket_tensors` to assemble full tensors one
+    bucket at a time; shapes and dtypes here are always those of the full tensors.
     """
 
     tensors: dict[str, torch.Tensor]
     aliases: dict[str, str] = field(default_factory=dict)
 
+    def layout_key(self) -> list[tuple[str, torch.dtype, torch.Size]]:
+        """Cheap identity of what the layout depends on (names, dtypes, full shapes, order)."""
+        return [(name, t.dtype, t.shape) for name, t in self.tensors.items()]
+
+    def bucket_tensors(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
+        """The full tensors of ``bucket`` (every rank of a sharded model must call this for the same buckets)."""
+        return self.tensors
+
+
+def provider_of(tensors: TensorsOrProvider) -> BucketTensors:
+    if callable(tensors):
+        return tensors
+    return lambda bucket: tensors
+
+
+# Name components that training wrappers insert and the inference side does not know: torch.compile,
+# FSDP1 and activation checkpointing. (FSDP2's fully_shard keeps names as they are.)
+WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def strip_wrapper_prefixes(name: str) -> str:
+    """``_orig_mod.layers.0._checkpoint_wrapped_module.w`` -> ``layers.0.w``."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_COMPONENTS)
+
 
 def named_tensors_of(
     module: torch.nn.Module, *, include_buffers: bool = True, name_map: NameMap | None = None
 ) -> NamedTensors:
-    """Parameters (then buffers) of ``module`` in registration order; tied tensors become aliases."""
-    rename = name_map or (lambda name: name)
+    """Parameters, then persistent buffers, of ``module`` in registration order; tied tensors become aliases.
+
+    Names go through ``name_map`` (default: wrapper prefixes stripped). Non-persistent buffers (e.g. rotary
+    tables) are left out: the receiver's model computes its own.
+    """
+    rename = name_map or strip_wrapper_prefixes
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     first_name: dict[int, str] = {}
     items = list(module.named_parameters(remove_duplicate=False))
     if include_buffers:
-        items += list(module.named_buffers(remove_duplicate=False))
+        items += persistent_buffers(module)
     for raw_name, tensor in items:
         name = rename(raw_name)
         canonical = first_name.get(id(tensor))
@@ -45,6 +79,17 @@ def named_tensors_of(
         first_name[id(tensor)] = name
         tensors[name] = tensor.detach()
     return NamedTensors(tensors, aliases)
+
+
+def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Buffers that belong to the state dict, with their full names, in registration order."""
+    out = []
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        skip = getattr(sub, "_non_persistent_buffers_set", set())
+        for name, buf in sub.named_buffers(recurse=False):
+            if buf is not None and name not in skip:
+                out.append((f"{prefix}.{name}" if prefix else name, buf))
+    return out
 
 
 def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:

@@ -85,7 +85,7 @@ def trainer(rank: int, default_port: int, sync_port: int, algo: str) -> dict:
             out["allreduce"].append(_default_group_allreduce(rank + 1))
     publisher.close()
     out.update(results=results, states=states, layout_buckets=len(publisher.layout_for(
-        named_tensors_of(model).tensors).buckets), cache_versions=publisher.cache.versions())
+        named_tensors_of(model)).buckets), cache_versions=publisher.cache.versions())
     dist.destroy_process_group()
     return out
 

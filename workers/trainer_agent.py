@@ -1,14 +1,18 @@
-"""Trainer agent: runs inside the training process and serves the daemon's sync assignments at step
-boundaries, so parameters are never read mid-update.
+"""Trainer agent: runs inside every trainer rank (FSDP2 or a plain single-rank module) and serves the
+daemon's sync assignments at step boundaries, so parameters are never read mid-update.
 
-    agent = TrainerAgent(model, "tcp://127.0.0.1:8766").start()
+    agent = TrainerAgent(model, "tcp://127.0.0.1:8766").start()   # in every rank
     for step in ...:
         loss.backward(); optimizer.step()
-        agent.step(step)          # almost free when nothing is pending
+        agent.step(step)          # one tiny broadcast on the trainer group when sharded; else near-free
 
-Cached mode holds the loop only for the device->host snapshot; the broadcast runs in the background.
-bypass_cpu holds it until every bucket has been read from the live parameters. Re-pushes of cached versions
-(rollback) need no parameters and run in the background at once.
+Rank 0 of the trainer's process group talks to the daemon and is the sender of the sync group; at a step
+boundary it tells the other ranks (one small broadcast) whether a version is due, and then every rank
+gathers full tensors bucket by bucket, in registration order, so memory stays at about two buckets.
+
+Cached mode holds the loop for the gather + device->host snapshot only; the broadcast runs in the
+background from the cache. bypass_cpu holds it until every bucket has been read from the live parameters.
+Re-pushes of cached versions (rollback) need no parameters and run in the background at once.
 """
 
 from __future__ import annotations
@@ -19,27 +23,42 @@ import threading
 import time
 from typing import Callable
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from ckpt_engine.control import Assignment
 from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError, SyncTimeoutError
+from ckpt_engine.layout import Bucket, Layout
 from ckpt_engine.publisher import Publisher
 from ckpt_engine.sender import Transfer, TransferResult
-from ckpt_engine.tensors import NamedTensors, named_tensors_of
+from ckpt_engine.tensors import NamedTensors, NameMap
 from ckpt_engine.workers.agent import Agent
+from ckpt_engine.workers.fsdp import sharded_tensors_of
 
 log = logging.getLogger(__name__)
 TensorSource = Callable[[], NamedTensors]
+_MODES = {"cached": 1, "bypass_cpu": 2}
 
 
 class TrainerAgent(Agent):
     role = "trainer"
 
-    def __init__(self, model: nn.Module | TensorSource, endpoint: str, *, rank: int = 0, token: str | None = None,
-                 device: DeviceInfo | None = None, poll_wait_s: float = 1.0) -> None:
-        super().__init__(endpoint, rank=rank, token=token, device=device, poll_wait_s=poll_wait_s)
-        self._tensors: TensorSource = (lambda: named_tensors_of(model)) if isinstance(model, nn.Module) else model
+    def __init__(self, model: nn.Module | TensorSource, endpoint: str, *, process_group: dist.ProcessGroup | None = None,
+                 token: str | None = None, device: DeviceInfo | None = None, poll_wait_s: float = 1.0,
+                 name_map: NameMap | None = None, include_buffers: bool = True) -> None:
+        self.process_group = process_group if process_group is not None else (
+            dist.group.WORLD if dist.is_available() and dist.is_initialized() else None)
+        sharded = self.process_group is not None
+        super().__init__(endpoint, rank=dist.get_rank(self.process_group) if sharded else 0, token=token,
+                         device=device, poll_wait_s=poll_wait_s)
+        self.world_size = dist.get_world_size(self.process_group) if sharded else 1
+        if isinstance(model, nn.Module):
+            self._tensors: TensorSource = lambda: sharded_tensors_of(model, include_buffers=include_buffers,
+                                                                    name_map=name_map)
+        else:
+            self._tensors = model
         self._pending: collections.deque[Assignment] = collections.deque()
         self._background: threading.Thread | None = None
         self.publisher: Publisher | None = None
@@ -66,21 +85,38 @@ class TrainerAgent(Agent):
             # Rendezvous with the receivers now, while the loop runs on to its next step boundary.
             threading.Thread(target=self._prepare_group, args=(assignment,), daemon=True).start()
 
-    def step(self, step: int) -> None:
-        """Call once per training step, after ``optimizer.step()``: serves a pending sync, if any."""
-        while self._pending:
-            self._serve(self._pending.popleft(), step)
+    def step(self, step: int) -> int | None:
+        """Call once per training step on every rank, after ``optimizer.step()``: serves a due sync.
+        Returns the version served at this boundary (on every rank), or None."""
+        assignment = self._agree()
+        if assignment is None:
+            return None
+        started = time.perf_counter()
+        if self.rank == 0:
+            self._serve(assignment, step, started)
+        else:
+            self._assist(assignment)
+        return assignment.version
 
-    def push(self, step: int, *, bypass_cpu: bool | None = None, timeout_s: float = 10.0) -> int:
-        """Ask the daemon for a new version from the training loop itself and serve it now; returns its id."""
-        body = {"step": step, "bypass_cpu": bypass_cpu}
-        version = int(self._client.request("sync", body)["id"])
+    def push(self, step: int, *, bypass_cpu: bool | None = None, timeout_s: float = 10.0) -> int | None:
+        """Ask the daemon for a new version from the training loop and serve it now (call on every rank);
+        returns the version id on rank 0."""
+        version = None
+        if self.rank == 0:
+            try:
+                version = self._request_version(step, bypass_cpu, timeout_s)
+            except CkptEngineError as exc:  # e.g. 409 while a version is in flight: this step syncs nothing
+                log.info("push at step %d: %s", step, exc)
+        self.step(step)  # every rank, also when the request failed: the ranks' agreement stays matched
+        return version
+
+    def _request_version(self, step: int, bypass_cpu: bool | None, timeout_s: float) -> int:
+        version = int(self._client.request("sync", {"step": step, "bypass_cpu": bypass_cpu})["id"])
         deadline = time.monotonic() + timeout_s
         while not any(a.version == version for a in self._pending):
             if time.monotonic() > deadline:
-                raise SyncTimeoutError(f"the daemon did not hand version {version} to this agent in {timeout_s}s")
+                raise SyncTimeoutError(f"the daemon did not hand version {version} over within {timeout_s}s")
             time.sleep(0.005)
-        self.step(step)
         return version
 
     def wait_idle(self, timeout_s: float) -> None:
@@ -88,29 +124,60 @@ class TrainerAgent(Agent):
         if self._background is not None:
             self._background.join(timeout_s)
 
-    # ---- serving --------------------------------------------------------------------------------------
-    def _serve(self, assignment: Assignment, step: int) -> None:
+    # ---- agreement between trainer ranks -------------------------------------------------------------
+    def _agree(self) -> Assignment | None:
+        """Rank 0 decides whether a version is due at this boundary and tells the others (one broadcast)."""
+        if self.world_size == 1:
+            return self._pending.popleft() if self._pending else None
+        mine = self._pending.popleft() if self.rank == 0 and self._pending else None
+        flag = torch.zeros(2, dtype=torch.int64, device=_group_device(self.process_group))
+        if mine is not None:
+            flag[0], flag[1] = mine.version, _MODES[mine.mode]
+        dist.broadcast(flag, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+        version, mode = flag.tolist()
+        if mode == 0:
+            return None
+        return mine or Assignment(kind="send", version=version, mode="cached" if mode == 1 else "bypass_cpu")
+
+    def _assist(self, assignment: Assignment) -> None:
+        """Ranks > 0: take part in every bucket's gather, in the order rank 0 reads them."""
+        named = self._tensors()
+        for bucket in self._publisher().layout_for(named).buckets:
+            named.bucket_tensors(bucket)
+
+    # ---- serving on rank 0 ---------------------------------------------------------------------------
+    def _serve(self, assignment: Assignment, step: int, started: float) -> None:
         version = assignment.version
         self.report(version, "snapshotting", step=step)
-        started = time.perf_counter()
         self.wait_idle(self.settings.version_timeout_s if self.settings else 600)  # one version in flight
         publisher = self._publisher()
+        named = self._tensors()
+        cursor = _GatherCursor(named, publisher.layout_for(named))
         try:
-            named = self._tensors()
             if assignment.mode == "cached":
-                publisher.snapshot(version, named, step=assignment.step if assignment.step is not None else step)
+                publisher.cache.snapshot(version, cursor.layout, cursor.bucket_tensors, aliases=named.aliases,
+                                         step=assignment.step if assignment.step is not None else step, check=False)
                 held = time.perf_counter() - started
                 self._in_background(assignment, lambda a: self._send_cached(a, held))
             else:
-                publisher.attach(self.group_for(assignment))
-                transfer = publisher.publish(version, named, bypass_cpu=True, step=assignment.step or step)
+                transfer = self._send_live(assignment, cursor, step)
                 transfer.params_released.wait()
                 held = time.perf_counter() - started
-                self._in_background(assignment, lambda a: self._finish(a, transfer, held))
-        except CkptEngineError as exc:
+                self._in_background(assignment, lambda a: self._finish(transfer, held))
+        except Exception as exc:  # every failure ends the version with a reason in history
+            log.exception("version %d failed on the trainer", version)
             self._report_failure(version, f"{type(exc).__name__}: {exc}")
-            return
+            held = time.perf_counter() - started
+        finally:
+            cursor.drain()  # other ranks wait in the gathers rank 0 did not reach: let them through
         self.held_seconds.append(held)
+
+    def _send_live(self, assignment: Assignment, cursor: "_GatherCursor", step: int) -> Transfer:
+        publisher = self._publisher()
+        publisher.attach(self.group_for(assignment))
+        return publisher.sender.send_live(  # type: ignore[union-attr]
+            assignment.version, cursor.layout, cursor.bucket_tensors, aliases=cursor.named.aliases,
+            step=assignment.step if assignment.step is not None else step, check=False)
 
     def _prepare_group(self, assignment: Assignment) -> None:
         try:
@@ -121,18 +188,17 @@ class TrainerAgent(Agent):
     def _send_cached(self, assignment: Assignment, held: float) -> None:
         publisher = self._publisher()
         publisher.attach(self.group_for(assignment))
-        self._finish(assignment, publisher.sender.send_cached(publisher.cache, assignment.version), held)  # type: ignore[union-attr]
+        self._finish(publisher.sender.send_cached(publisher.cache, assignment.version), held)  # type: ignore[union-attr]
 
     def _republish(self, assignment: Assignment) -> None:
         publisher = self._publisher()
         publisher.attach(self.group_for(assignment))
         transfer = publisher.republish(assignment.source_version, as_version=assignment.version)  # type: ignore[arg-type]
-        self._finish(assignment, transfer, 0.0)
+        self._finish(transfer, 0.0)
 
-    def _finish(self, assignment: Assignment, transfer: Transfer, held: float) -> None:
+    def _finish(self, transfer: Transfer, held: float) -> None:
         settings = self.settings
-        result = transfer.result(timeout_s=settings.version_timeout_s if settings else None)
-        self._report_result(result, held)
+        self._report_result(transfer.result(timeout_s=settings.version_timeout_s if settings else None), held)
 
     def _report_result(self, result: TransferResult, held: float) -> None:
         publisher = self._publisher()
@@ -177,3 +243,36 @@ class TrainerAgent(Agent):
         if self.publisher is None:
             raise CkptEngineError("trainer agent not started")
         return self.publisher
+
+
+class _GatherCursor:
+    """Hands out full tensors bucket by bucket and remembers how far it got, so that after a failure rank 0
+    can still take part in the remaining gathers the other trainer ranks are waiting in."""
+
+    def __init__(self, named: NamedTensors, layout: Layout) -> None:
+        self.named, self.layout = named, layout
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def bucket_tensors(self, bucket: Bucket):
+        with self._lock:
+            if bucket.index != self._next:
+                raise CkptEngineError(f"bucket {bucket.index} requested out of order (expected {self._next})")
+            self._next += 1
+            return self.named.bucket_tensors(bucket)
+
+    def drain(self) -> None:
+        with self._lock:
+            for bucket in self.layout.buckets[self._next :]:
+                self.named.bucket_tensors(bucket)
+            self._next = len(self.layout.buckets)
+
+
+def _group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a tensor for a collective on the trainer's group must live (NCCL/HCCL: the current device)."""
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "hccl":
+        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
+    return torch.device("cpu")

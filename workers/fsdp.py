@@ -1,0 +1,95 @@
+"""Full tensors from an FSDP2 (``fully_shard``) model, assembled one bucket at a time.
+
+Every trainer rank calls :meth:`ShardedTensors.bucket_tensors` for the same buckets in the same order. For
+the common case (DTensor parameters sharded on dim 0 over a 1-D mesh) a bucket costs one
+``all_gather_into_tensor`` of the ranks' packed local shards, not one collective per tensor; other
+placements fall back to ``full_tensor()``. Memory stays at about one bucket of gathered bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from ckpt_engine.errors import LayoutMismatchError
+from ckpt_engine.layout import Bucket
+from ckpt_engine.tensors import NamedTensors, NameMap, named_tensors_of
+
+
+def rows_per_rank(dim0: int, world: int) -> list[int]:
+    """Rows of dim 0 each rank holds under FSDP2's chunking (``torch.chunk``: ceil-sized, trailing may be 0)."""
+    chunk = math.ceil(dim0 / world) if dim0 else 0
+    return [max(0, min((r + 1) * chunk, dim0) - min(r * chunk, dim0)) for r in range(world)]
+
+
+def _dim0_sharded(tensor: torch.Tensor) -> bool:
+    return (isinstance(tensor, DTensor) and tensor.device_mesh.ndim == 1
+            and tuple(tensor.placements) == (Shard(0),))
+
+
+@dataclass
+class ShardedTensors(NamedTensors):
+    """NamedTensors whose DTensors are gathered per bucket (shapes and dtypes are the full tensors')."""
+
+    def bucket_tensors(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        sharded: list[tuple[str, DTensor]] = []
+        for slot in bucket.slots:
+            tensor = self.tensors[slot.name]
+            if _dim0_sharded(tensor):
+                sharded.append((slot.name, tensor))  # type: ignore[arg-type]
+            elif isinstance(tensor, DTensor):
+                out[slot.name] = tensor.full_tensor()
+            else:
+                out[slot.name] = tensor
+        by_group: dict[int, list[tuple[str, DTensor]]] = {}
+        for name, tensor in sharded:
+            by_group.setdefault(id(tensor.device_mesh.get_group()), []).append((name, tensor))
+        for items in by_group.values():
+            out.update(_gather_dim0(items))
+        return out
+
+
+def _gather_dim0(items: list[tuple[str, DTensor]]) -> dict[str, torch.Tensor]:
+    """One all-gather for every dim-0-sharded tensor of a bucket that shares a process group."""
+    group = items[0][1].device_mesh.get_group()
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    plans, sizes = [], [0] * world
+    for name, tensor in items:
+        rows = rows_per_rank(tensor.shape[0], world)
+        row_bytes = (tensor.numel() // tensor.shape[0] if tensor.shape[0] else 0) * tensor.element_size()
+        local = tensor.to_local()
+        if local.shape[0] != rows[me]:
+            raise LayoutMismatchError(f"{name}: local shard has {local.shape[0]} rows, chunking says {rows[me]}")
+        offsets = list(sizes)
+        for r in range(world):
+            sizes[r] += rows[r] * row_bytes
+        plans.append((name, tensor, local, rows, row_bytes, offsets))
+    stride = max(sizes)
+    device = items[0][1].to_local().device
+    send = torch.empty(stride, dtype=torch.uint8, device=device)
+    for _, _, local, rows, row_bytes, offsets in plans:
+        if rows[me]:
+            send[offsets[me] : offsets[me] + rows[me] * row_bytes] = local.contiguous().reshape(-1).view(torch.uint8)
+    gathered = torch.empty(world * stride, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(gathered, send, group=group)
+    out = {}
+    for name, tensor, _, rows, row_bytes, offsets in plans:
+        parts = [gathered[r * stride + offsets[r] : r * stride + offsets[r] + rows[r] * row_bytes] for r in range(world)]
+        out[name] = torch.cat(parts).view(tensor.dtype).view(tensor.shape)
+    return out
+
+
+def sharded_tensors_of(module: nn.Module, *, include_buffers: bool = True,
+                       name_map: NameMap | None = None) -> NamedTensors:
+    """The model's tensors for syncing: ShardedTensors when any is a DTensor, plain NamedTensors otherwise."""
+    named = named_tensors_of(module, include_buffers=include_buffers, name_map=name_map)
+    if any(isinstance(t, DTensor) for t in named.tensors.values()):
+        return ShardedTensors(named.tensors, named.aliases)
+    return named
