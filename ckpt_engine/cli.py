@@ -21,10 +21,14 @@ TERMINAL = ("committed", "failed", "cancelled")
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["demo"]:  # the demo parses its own options
-        from ckpt_engine.examples.e2e import main as demo_main
+    if argv[:1] == ["demo"]:  # the demos parse their own options
+        from ckpt_engine.examples.fully_async import main as demo_main
 
         return demo_main(argv[1:])
+    if argv[:1] == ["demo-library"]:
+        from ckpt_engine.examples.e2e import main as library_demo_main
+
+        return library_demo_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
@@ -42,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--url", default=os.environ.get("CKPT_ENGINE_URL", DEFAULT_URL), help="daemon HTTP address")
     parser.add_argument("--token", default=os.environ.get("CKPT_ENGINE_TOKEN"), help="bearer token (auth_token)")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="trainer + 2 receivers doing real syncs on this machine (demo --help for options)")
+    sub.add_parser("demo", help="the fully-async demo: daemon + 2-rank FSDP2 trainer + 2 rollouts (demo --help)")
+    sub.add_parser("demo-library", help="the library alone: a trainer and 2 receivers, no daemon")
     serve = sub.add_parser("serve", help="run the daemon")
     serve.add_argument("--config", required=True, help="deployment YAML, e.g. deploy/engine.yaml")
     serve.set_defaults(run=_serve)

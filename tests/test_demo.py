@@ -1,4 +1,4 @@
-"""The quick start's main job runs for real: trainer + 2 receivers, both modes, identical final weights."""
+"""The quick start's main job runs for real, end to end (a smaller model than the default)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,28 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.multiproc
+ROOT = Path(__file__).parents[1]
+SMALL = ["--steps", "8", "--sync-every", "4", "--hidden", "64", "--layers", "2", "--vocab", "256"]
 
 
-def test_demo_syncs_every_version_and_receivers_match_the_trainer() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "ckpt_engine.cli", "demo", "--steps", "8", "--sync-every", "2"],
-        capture_output=True, text=True, timeout=240, cwd=Path(__file__).parents[1],
-    )
+@pytest.mark.parametrize("mode", [[], ["--bypass-cpu"]], ids=["cached", "bypass_cpu"])
+def test_fully_async_demo_commits_every_version_and_rollouts_match(mode: list[str]) -> None:
+    out = subprocess.run([sys.executable, "-m", "ckpt_engine.cli", "demo", *SMALL, *mode],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    text = out.stdout
+    assert text.count("committed:") == 2
+    assert ("bypass_cpu" if mode else "cached") in text.split("version history")[1]
+    assert text.count("final weights digest") == 2 and "RESULT: OK" in text
+    assert "[rollout 1] generating with version 2" in text or "[rollout 2] generating with version 2" in text
+    assert "daemon stopped (exit 0)" in text
+
+
+def test_library_demo_syncs_every_version_and_receivers_match_the_trainer() -> None:
+    out = subprocess.run([sys.executable, "-m", "ckpt_engine.cli", "demo-library", "--steps", "8", "--sync-every",
+                          "2"], capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
-    lines = out.stdout.splitlines()
-    rows = [line for line in lines if line.split() and line.split()[0].isdigit()]
+    rows = [line for line in out.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
     assert len(rows) == 4
     assert {row.split()[2] for row in rows} == {"cached", "bypass_cpu"}
     assert all(" 2/2 " in row for row in rows)

@@ -22,6 +22,10 @@ from ckpt_engine.layout import Bucket
 from ckpt_engine.tensors import NamedTensors, NameMap, named_tensors_of
 
 
+# torch >= 2.13 names it all_gather_single; older releases only have all_gather_into_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def rows_per_rank(dim0: int, world: int) -> list[int]:
     """Rows of dim 0 each rank holds under FSDP2's chunking (``torch.chunk``: ceil-sized, trailing may be 0)."""
     chunk = math.ceil(dim0 / world) if dim0 else 0
@@ -78,7 +82,7 @@ def _gather_dim0(items: list[tuple[str, DTensor]]) -> dict[str, torch.Tensor]:
         if rows[me]:
             send[offsets[me] : offsets[me] + rows[me] * row_bytes] = local.contiguous().reshape(-1).view(torch.uint8)
     gathered = torch.empty(world * stride, dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(gathered, send, group=group)
+    _all_gather_single(gathered, send, group=group)
     out = {}
     for name, tensor, _, rows, row_bytes, offsets in plans:
         parts = [gathered[r * stride + offsets[r] : r * stride + offsets[r] + rows[r] * row_bytes] for r in range(world)]

@@ -2,7 +2,7 @@
 two receiver processes (rollout stand-ins holding their own copy of the model) receive, verify and load each
 version. Everything runs for real on this machine: gloo sync group over a TCP store on 127.0.0.1.
 
-Run: ``ckpt-engine demo`` (or ``python -m ckpt_engine.examples.e2e``).
+Run: ``ckpt-engine demo-library`` (or ``python -m ckpt_engine.examples.e2e``).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _row(transfer, step: int, held: float, started: float, loss: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ckpt-engine demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="ckpt-engine demo-library", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="engine YAML (default: deploy/engine.yaml)")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--sync-every", type=int, default=4)
