@@ -53,7 +53,10 @@ class SyncGroup:
         timeout_s: float = 60.0,
         bind_host: str | None = None,
         connect_timeout_s: float | None = None,
+        prefix: str | None = None,
     ) -> None:
+        """``prefix`` replaces the default store prefix ``ckpt-engine/<name>/gen-<generation>/``; for groups
+        whose other members follow another project's convention (an inference engine's update group)."""
         if world_size < 2:
             raise ConfigError(f"a sync group needs a sender and at least one receiver, got world_size={world_size}")
         if not 0 <= rank < world_size:
@@ -68,7 +71,7 @@ class SyncGroup:
         self.timeout_s = timeout_s
         self.broken: str | None = None
         connect_s = timeout_s if connect_timeout_s is None else connect_timeout_s
-        prefixed = dist.PrefixStore(store_prefix(name, generation), store)
+        prefixed = dist.PrefixStore(prefix if prefix is not None else store_prefix(name, generation), store)
         prefixed.set_timeout(_td(connect_s))
         started = time.monotonic()
         try:

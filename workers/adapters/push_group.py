@@ -1,0 +1,98 @@
+"""The agent as rank 0 of a small group with an inference engine's workers, for engines that take weights
+by collective broadcast: SGLang's ``update_weights_from_distributed`` and vLLM's NCCL weight transfer.
+
+The engine's HTTP call that receives a batch and the broadcasts of that batch rendezvous inside the
+collective, so they must run concurrently: :func:`push_while` runs the HTTP call on a thread while this
+side broadcasts.
+
+Only versions the agent has already verified are pushed; the engine then confirms what it loaded.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+from typing import Callable, Iterable, TypeVar
+
+import torch
+
+from ckpt_engine.device import DeviceInfo, detect_device
+from ckpt_engine.errors import CkptEngineError, SyncTimeoutError
+from ckpt_engine.group import SyncGroup, open_store
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PushSettings:
+    """Where the engine's workers meet the agent: ``world_size`` = engine workers + 1 (the agent, rank 0)."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+    timeout_s: float = 300.0
+    chunk_bytes: int = 512 << 20
+
+
+class PushGroup:
+    def __init__(self, settings: PushSettings, device: DeviceInfo | None = None) -> None:
+        self.settings = settings
+        self.device = device or detect_device(backend="gloo" if settings.backend == "gloo" else "auto")
+        self._store = open_store(settings.master_address, settings.master_port, is_master=True,
+                                 timeout_s=settings.timeout_s)
+        self.group: SyncGroup | None = None
+
+    def join(self) -> None:
+        """Rendezvous with the engine's workers (blocks until they join or the timeout passes)."""
+        s = self.settings
+        self.group = SyncGroup(self._store, name=s.group_name, generation=0, rank=0, world_size=s.world_size,
+                               device=self.device, timeout_s=s.timeout_s, prefix=f"{s.group_name}/")
+
+    def broadcast(self, tensors: Iterable[torch.Tensor]) -> None:
+        if self.group is None:
+            raise CkptEngineError("push group not joined yet")
+        for index, tensor in enumerate(tensors):
+            self.group.broadcast_and_wait(tensor.contiguous().to(self.device.comm_device), f"push tensor {index}")
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+
+
+def push_while(call: Callable[[], T], work: Callable[[], None], timeout_s: float) -> T:
+    """Run ``call`` (the engine's HTTP request) on a thread while ``work`` (our side of the collective)
+    runs here; return the call's result, or raise the first failure of either."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(call)
+        work()
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise SyncTimeoutError(f"the engine did not answer within {timeout_s}s") from None
+
+
+def unique_tensors(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Drop alias names (tied weights share one tensor object in a payload): each tensor is pushed once."""
+    seen: set[int] = set()
+    out = []
+    for name, tensor in tensors.items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            out.append((name, tensor))
+    return out
+
+
+def chunks(named: list[tuple[str, torch.Tensor]], limit: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive batches of at most ``limit`` bytes (a larger tensor goes alone)."""
+    batches: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if batches[-1] and size + nbytes > limit:
+            batches.append([])
+            size = 0
+        batches[-1].append((name, tensor))
+        size += nbytes
+    return [b for b in batches if b]
