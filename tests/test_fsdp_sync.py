@@ -59,6 +59,9 @@ def fsdp_trainer(rank: int, port: int, zmq: str, steps: int) -> dict:
     return {"served": served, "held": held}
 
 
+LOAD_DELAY_S = 0.5  # a rollout engine whose load takes a while, as real ones do
+
+
 def transformers_receiver(zmq: str, seed: int, stop_file: str) -> dict:
     import time
 
@@ -73,6 +76,7 @@ def transformers_receiver(zmq: str, seed: int, stop_file: str) -> dict:
     def load(payload) -> None:
         adapter.load(payload)
         states[payload.version] = tensor_bytes(named_tensors_of(model).tensors)
+        time.sleep(LOAD_DELAY_S)
 
     agent = RolloutAgent(load, zmq, poll_wait_s=0.3).start()
     while not os.path.exists(stop_file):
@@ -109,3 +113,9 @@ def test_fsdp2_trainer_to_transformers_receivers_byte_equal(tmp_path: Path) -> N
             assert receiver["states"][record["id"]] == trainer0["served"][step]
     # Different steps, different weights: the test would notice a stale version.
     assert trainer0["served"][4] != trainer0["served"][9]
+    # Fully async: in cached mode the loop is held for the snapshot, not for the broadcast to slow receivers.
+    cached = history[4]["stages"]
+    transfer = sum(cached[k] for k in ("header", "digest", "broadcast", "control", "ack") if k in cached)
+    assert cached["snapshot"] / transfer < 0.25, cached
+    bypass = history[9]["stages"]
+    assert bypass["held"] < sum(bypass[k] for k in ("header", "fill", "digest", "broadcast", "control", "ack"))

@@ -11,7 +11,8 @@ def tiny_llama(seed: int, *, hidden: int = 64, layers: int = 2, vocab: int = 256
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 8,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, tie_word_embeddings=True)
+                         max_position_embeddings=256, tie_word_embeddings=True,
+                         initializer_range=0.5)  # large enough that two seeds generate differently
     return LlamaForCausalLM(config)
 
 
