@@ -11,8 +11,15 @@ import threading
 import torch
 import torch.distributed as dist
 from fastapi import HTTPException
+from pydantic import BaseModel, ConfigDict
 
 from ckpt_engine.dtypes import DTYPE_BY_NAME
+
+
+class Strict(BaseModel):
+    """Request bodies as the real servers define them; a field they do not know is an error here."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class UpdateGroup:

@@ -11,13 +11,9 @@ from typing import Literal, Optional
 
 import uvicorn
 from fastapi import FastAPI, HTTPException
-from pydantic import BaseModel, ConfigDict
 
+from tests.fakes.engine_base import Strict as _Strict
 from tests.fakes.engine_base import UpdateGroup, checksum
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class InitWeightsUpdateGroupReqInput(_Strict):

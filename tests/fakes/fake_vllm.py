@@ -12,13 +12,10 @@ from typing import Literal, Optional
 
 import uvicorn
 from fastapi import FastAPI, HTTPException
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from tests.fakes.engine_base import Strict as _Strict
 from tests.fakes.engine_base import UpdateGroup, checksum
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class NcclInitInfo(_Strict):

@@ -12,77 +12,42 @@ receiver reports the version failed and the daemon records it. No sglang import 
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
-import httpx
-
-from ckpt_engine.errors import CkptEngineError
-from ckpt_engine.receiver import VersionPayload
 from ckpt_engine.dtypes import dtype_name
-from ckpt_engine.workers.adapters.push_group import PushGroup, PushSettings, chunks, push_while, unique_tensors
+from ckpt_engine.receiver import VersionPayload
+from ckpt_engine.workers.adapters.engine_http import Batch, EngineHttpAdapter, EngineUpdateError
+from ckpt_engine.workers.adapters.push_group import PushGroup, PushSettings
 
-log = logging.getLogger(__name__)
-
-
-class EngineUpdateError(CkptEngineError):
-    """The inference engine refused or failed an update."""
+__all__ = ["EngineUpdateError", "SGLangAdapter"]
 
 
-class SGLangAdapter:
+class SGLangAdapter(EngineHttpAdapter):
     def __init__(self, base_url: str, push: PushSettings, *, pause_mode: str = "retract",
                  api_key: str | None = None, group: PushGroup | None = None) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=base_url, headers=headers, timeout=push.timeout_s)
-        self.push = push
-        self.pause_mode = pause_mode
-        self.group = group or PushGroup(push)
-        self.version: int | None = None
+        super().__init__(base_url, push, pause_mode=pause_mode, api_key=api_key, group=group)
 
     def connect(self) -> None:
         """Create the update group on the server and join it from here, concurrently."""
         body = {"master_address": self.push.master_address, "master_port": self.push.master_port,
                 "rank_offset": 1, "world_size": self.push.world_size, "group_name": self.push.group_name,
                 "backend": self.push.backend}
-        push_while(lambda: self._post("/init_weights_update_group", body), self.group.join, self.push.timeout_s)
+        self.join_while(lambda: self.post("/init_weights_update_group", body))
 
     def load(self, payload: VersionPayload) -> None:
         """LoadFn: push one verified version; raises (so the receiver reports failure) if SGLang refuses it."""
-        self._post("/pause_generation", {"mode": self.pause_mode})
+
+        def update(batch: Batch, last: bool) -> dict:
+            return self.post("/update_weights_from_distributed", {
+                "names": [n for n, _ in batch], "dtypes": [dtype_name(t.dtype) for _, t in batch],
+                "shapes": [list(t.shape) for _, t in batch], "group_name": self.push.group_name,
+                "weight_version": str(payload.version), "flush_cache": last})
+
+        self.post("/pause_generation", {"mode": self.pause_mode})
         try:
-            batches = chunks(unique_tensors(payload.tensors), self.push.chunk_bytes)
-            for index, batch in enumerate(batches):
-                body = {"names": [n for n, _ in batch], "dtypes": [dtype_name(t.dtype) for _, t in batch],
-                        "shapes": [list(t.shape) for _, t in batch], "group_name": self.push.group_name,
-                        "weight_version": str(payload.version), "flush_cache": index == len(batches) - 1}
-                push_while(lambda: self._post("/update_weights_from_distributed", body),
-                           lambda: self.group.broadcast(t for _, t in batch), self.push.timeout_s)
+            self.push_batches(payload, update)
             self.version = payload.version
         finally:
-            self._post("/continue_generation", {})
+            self.post("/continue_generation", {})
 
     def weight_version(self) -> str | None:
         """The version label SGLang reports (``GET /model_info``)."""
-        return self._get("/model_info").get("weight_version")
-
-    def close(self) -> None:
-        self.group.close()
-        self.http.close()
-
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return _checked(self.http.post(path, json=body), path)
-
-    def _get(self, path: str) -> dict[str, Any]:
-        return _checked(self.http.get(path), path)
-
-
-def _checked(response: httpx.Response, path: str) -> dict[str, Any]:
-    if response.status_code >= 400:
-        raise EngineUpdateError(f"{path}: HTTP {response.status_code}: {response.text[:500]}")
-    try:
-        body = response.json() if response.content else {}
-    except ValueError:
-        body = {}
-    if isinstance(body, dict) and body.get("success") is False:
-        raise EngineUpdateError(f"{path}: engine reports failure: {body.get('message')}")
-    return body if isinstance(body, dict) else {}
+        return self.get("/model_info").get("weight_version")

@@ -15,32 +15,24 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable
 
-import httpx
 import torch
 
 from ckpt_engine.dtypes import dtype_name
-from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.receiver import VersionPayload
-from ckpt_engine.workers.adapters.push_group import PushGroup, PushSettings, chunks, push_while, unique_tensors
-from ckpt_engine.workers.adapters.sglang import EngineUpdateError, _checked
+from ckpt_engine.workers.adapters.engine_http import Batch, EngineHttpAdapter, EngineUpdateError
+from ckpt_engine.workers.adapters.push_group import PushGroup, PushSettings, unique_tensors
 
 log = logging.getLogger(__name__)
 
 
-class VLLMWeightTransferClient:
+class VLLMWeightTransferClient(EngineHttpAdapter):
     def __init__(self, base_url: str, push: PushSettings, *, pause_mode: str = "keep", api_key: str | None = None,
                  group: PushGroup | None = None) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=base_url, headers=headers, timeout=push.timeout_s)
-        self.push = push
-        self.pause_mode = pause_mode
-        self.group = group or PushGroup(push)
-        self.version: int | None = None
+        super().__init__(base_url, push, pause_mode=pause_mode, api_key=api_key, group=group)
 
     def supported(self) -> bool:
         """Whether the server exposes the native weight-transfer routes (needs a recent vLLM in dev mode)."""
-        response = self.http.get("/weight_info")
-        return response.status_code == 200
+        return self.http.get("/weight_info").status_code == 200
 
     def connect(self) -> None:
         if not self.supported():
@@ -49,33 +41,27 @@ class VLLMWeightTransferClient:
                                     "CkptEngineWorkerExtension")
         init_info = {"master_address": self.push.master_address, "master_port": self.push.master_port,
                      "rank_offset": 1, "world_size": self.push.world_size}
-        push_while(lambda: self._post("/init_weight_transfer_engine", {"init_info": init_info}), self.group.join,
-                   self.push.timeout_s)
+        self.join_while(lambda: self.post("/init_weight_transfer_engine", {"init_info": init_info}))
 
     def load(self, payload: VersionPayload) -> None:
         """LoadFn: push one verified version and label it; raises if vLLM refuses any step."""
-        self._post(f"/pause?mode={self.pause_mode}", None)
+
+        def update(batch: Batch, last: bool) -> dict:
+            return self.post("/update_weights", {"update_info": {
+                "names": [n for n, _ in batch], "dtype_names": [dtype_name(t.dtype) for _, t in batch],
+                "shapes": [list(t.shape) for _, t in batch], "packed": False}})
+
+        self.post(f"/pause?mode={self.pause_mode}")
         try:
-            self._post("/start_weight_update", {})
-            for batch in chunks(unique_tensors(payload.tensors), self.push.chunk_bytes):
-                update_info = {"names": [n for n, _ in batch], "dtype_names": [dtype_name(t.dtype) for _, t in batch],
-                               "shapes": [list(t.shape) for _, t in batch], "packed": False}
-                push_while(lambda: self._post("/update_weights", {"update_info": update_info}),
-                           lambda: self.group.broadcast(t for _, t in batch), self.push.timeout_s)
-            self._post("/finish_weight_update", {"weight_version": str(payload.version)})
+            self.post("/start_weight_update", {})
+            self.push_batches(payload, update)
+            self.post("/finish_weight_update", {"weight_version": str(payload.version)})
             self.version = payload.version
         finally:
-            self._post("/resume", None)
+            self.post("/resume")
 
     def weight_version(self) -> str | None:
-        return _checked(self.http.get("/weight_info"), "/weight_info").get("weight_version")
-
-    def close(self) -> None:
-        self.group.close()
-        self.http.close()
-
-    def _post(self, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
-        return _checked(self.http.post(path, json=body) if body is not None else self.http.post(path), path)
+        return self.get("/weight_info").get("weight_version")
 
 
 class CkptEngineWorkerExtension:
@@ -123,4 +109,4 @@ def _cloned(named: list[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.
         yield name, tensor.clone()
 
 
-__all__ = ["CkptEngineWorkerExtension", "VLLMWeightTransferClient", "PushSettings", "CkptEngineError"]
+__all__ = ["CkptEngineWorkerExtension", "EngineUpdateError", "VLLMWeightTransferClient"]
