@@ -177,6 +177,14 @@ class Sender:
         source = _LiveSource(version, layout, tensors, aliases or {}, step, transfer.params_released)
         return self._start(source, transfer, contextlib.ExitStack())
 
+    def abort_before_start(self, version: int, reason: str) -> None:
+        """Tell receivers waiting for ``version`` that it will not come (e.g. the snapshot failed), so they
+        stop waiting now instead of at their timeout. Only valid while no version is on the wire."""
+        with self._busy:
+            raw = encode(AbortMessage(version=version, reason=reason))
+            self.channel.frame(Frame(FrameKind.ABORT, version, len(raw)), 0, "abort")
+            self.channel.payload(raw, len(raw), "abort reason")
+
     def close(self) -> None:
         """Tell receivers the group is closing, then release it."""
         with self._busy:

@@ -255,3 +255,47 @@ def test_garbage_zmq_frames_get_error_replies_and_the_daemon_stays_up(guarded: D
         sock.close()
     with guarded.client() as client:
         assert client.get("/health").status_code == 200
+
+
+def flaky_trainer_proc(zmq: str, stop_file: str) -> dict:
+    from ckpt_engine.tensors import named_tensors_of
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
+
+    model = AwkwardModel(seed=1)
+    calls = {"n": 0}
+
+    def tensors():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("device lost while snapshotting")
+        return named_tensors_of(model)
+
+    agent = TrainerAgent(tensors, zmq, poll_wait_s=0.3).start()
+    step = 0
+    while not os.path.exists(stop_file):
+        step += 1
+        agent.step(step)
+        time.sleep(0.01)
+    agent.wait_idle(30)
+    agent.close()
+    return {}
+
+
+def test_a_failed_snapshot_releases_the_receivers_at_once(tmp_path: Path, stop_file: Path) -> None:
+    daemon = start_daemon(write_config(tmp_path))
+    agents = start_processes([(flaky_trainer_proc, (daemon.zmq, str(stop_file))),
+                              (receiver_proc, (daemon.zmq, str(stop_file), 4))])
+    try:
+        with daemon.client() as client:
+            wait_for_agents(client, 2)
+            started = time.monotonic()
+            failed = client.post("/sync", json={"wait": True}).json()
+            assert failed["status"] == "failed" and "device lost while snapshotting" in failed["reason"]
+            ok = client.post("/sync", json={"wait": True}).json()  # the receiver is free again at once
+            assert ok["status"] == "committed", ok
+            assert time.monotonic() - started < 30  # far below the receivers' version timeout (60 s here)
+    finally:
+        stop_file.touch()
+        results = agents.collect(120)
+        daemon.stop()
+    assert [ok for _, ok, _ in results[1]["results"]] == [False, True]

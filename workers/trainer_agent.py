@@ -151,9 +151,11 @@ class TrainerAgent(Agent):
         self.report(version, "snapshotting", step=step)
         self.wait_idle(self.settings.version_timeout_s if self.settings else 600)  # one version in flight
         publisher = self._publisher()
-        named = self._tensors()
-        cursor = _GatherCursor(named, publisher.layout_for(named))
+        cursor: _GatherCursor | None = None
+        transfer: Transfer | None = None
         try:
+            named = self._tensors()
+            cursor = _GatherCursor(named, publisher.layout_for(named))
             if assignment.mode == "cached":
                 publisher.cache.snapshot(version, cursor.layout, cursor.bucket_tensors, aliases=named.aliases,
                                          step=assignment.step if assignment.step is not None else step, check=False)
@@ -166,10 +168,14 @@ class TrainerAgent(Agent):
                 self._in_background(assignment, lambda a: self._finish(transfer, held))
         except Exception as exc:  # every failure ends the version with a reason in history
             log.exception("version %d failed on the trainer", version)
-            self._report_failure(version, f"{type(exc).__name__}: {exc}")
+            reason = f"{type(exc).__name__}: {exc}"
+            if transfer is None:  # nothing went on the wire: release the waiting receivers
+                self._abort_before_start(assignment, reason)
+            self._report_failure(version, reason)
             held = time.perf_counter() - started
         finally:
-            cursor.drain()  # other ranks wait in the gathers rank 0 did not reach: let them through
+            if cursor is not None:
+                cursor.drain()  # other ranks wait in the gathers rank 0 did not reach: let them through
         self.held_seconds.append(held)
 
     def _send_live(self, assignment: Assignment, cursor: "_GatherCursor", step: int) -> Transfer:
@@ -178,6 +184,14 @@ class TrainerAgent(Agent):
         return publisher.sender.send_live(  # type: ignore[union-attr]
             assignment.version, cursor.layout, cursor.bucket_tensors, aliases=cursor.named.aliases,
             step=assignment.step if assignment.step is not None else step, check=False)
+
+    def _abort_before_start(self, assignment: Assignment, reason: str) -> None:
+        try:
+            publisher = self._publisher()
+            publisher.attach(self.group_for(assignment))
+            publisher.sender.abort_before_start(assignment.version, reason)  # type: ignore[union-attr]
+        except CkptEngineError as exc:  # receivers then fall back on their own timeout
+            log.warning("could not tell receivers that version %d is abandoned: %s", assignment.version, exc)
 
     def _prepare_group(self, assignment: Assignment) -> None:
         try:
