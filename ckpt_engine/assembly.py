@@ -1,0 +1,184 @@
+"""Receiving one version, independent of how its bytes arrive (collective or same-host IPC): the layout
+from the header, a reused staging buffer, digest checks per bucket, and ``load`` only for a whole verified
+version."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ckpt_engine.device import DeviceInfo, comm_empty
+from ckpt_engine.errors import CkptEngineError, ProtocolError
+from ckpt_engine.hashing import bucket_digests, check_algo, version_digest
+from ckpt_engine.layout import Bucket, Layout
+from ckpt_engine.protocol import Ack, VersionHeader, VersionTrailer
+from ckpt_engine.tensors import slot_view
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class VersionPayload:
+    """What ``load`` receives: a verified version as named tensor views (aliases included)."""
+
+    version: int
+    step: int | None
+    mode: str
+    version_digest: str
+    tensors: dict[str, torch.Tensor]
+
+
+LoadFn = Callable[[VersionPayload], None]
+
+
+@dataclass
+class ReceiveResult:
+    version: int | None
+    ok: bool
+    reason: str | None = None
+    version_digest: str | None = None
+    bad_tensors: list[str] = field(default_factory=list)
+    loaded: bool = False
+    bytes_received: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def ack(self, rank: int) -> Ack:
+        return Ack(version=self.version or 0, rank=rank, ok=self.ok, version_digest=self.version_digest,
+                   reason=self.reason, bad_tensors=self.bad_tensors, seconds=self.seconds)
+
+
+class SenderAborted(CkptEngineError):
+    """The sender abandoned the version; nothing of it was loaded."""
+
+
+@dataclass
+class Incoming:
+    """A version being received."""
+
+    header: VersionHeader
+    layout: Layout
+    algo: str
+    staging: torch.Tensor
+    result: ReceiveResult
+    started: float = field(default_factory=time.perf_counter)
+    seconds: dict[str, float] = field(default_factory=dict)
+    digests: list[int] = field(default_factory=list)
+    bad: list[str] = field(default_factory=list)
+
+    def bucket_view(self, bucket: Bucket) -> torch.Tensor:
+        return self.staging[bucket.flat_offset : bucket.flat_offset + bucket.nbytes]
+
+    def add_seconds(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+
+class VersionAssembler:
+    def __init__(self, device: DeviceInfo, load: LoadFn, *, verify: bool = True) -> None:
+        self.device = device
+        self.load = load
+        self.verify = verify
+        self.committed: VersionPayload | None = None
+        self._layouts: dict[str, Layout] = {}
+        self._staging: torch.Tensor | None = None
+        self._views_key: tuple[str, int] | None = None
+        self._base_views: dict[str, torch.Tensor] = {}
+
+    def begin(self, header: VersionHeader) -> Incoming:
+        layout = self._layout(header)
+        return Incoming(header, layout, check_algo(header.digest_algo), self._staging_for(layout),
+                        ReceiveResult(header.version, False))
+
+    def check_bucket(self, incoming: Incoming, bucket: Bucket, expected: list[int]) -> None:
+        """Recompute the bucket's digests from staging and note every tensor that differs."""
+        if len(expected) != len(bucket.slots):
+            raise ProtocolError(f"bucket {bucket.index}: {len(expected)} digests for {len(bucket.slots)} tensors")
+        if not self.verify:
+            incoming.digests.extend(expected)
+            return
+        t0 = time.perf_counter()
+        computed = bucket_digests(bucket, incoming.bucket_view(bucket), incoming.algo,  # type: ignore[arg-type]
+                                  incoming.layout.digest).cpu().tolist()
+        incoming.bad.extend(slot.name for slot, got, want in zip(bucket.slots, computed, expected) if got != want)
+        incoming.digests.extend(computed)
+        incoming.add_seconds("verify", time.perf_counter() - t0)
+
+    def conclude(self, incoming: Incoming, trailer: VersionTrailer) -> ReceiveResult:
+        """Compare the whole version with the trailer and, only if everything matches, call ``load``."""
+        header, result = incoming.header, incoming.result
+        digest = version_digest(incoming.algo, incoming.layout.digest, incoming.digests)
+        result.version_digest, result.bad_tensors = digest, incoming.bad
+        if trailer.version != header.version:
+            result.reason = f"trailer is for version {trailer.version}, header for {header.version}"
+        elif incoming.bad:
+            result.reason = (f"digest mismatch in {len(incoming.bad)} tensor(s): {', '.join(incoming.bad[:8])}"
+                             f"{' ...' if len(incoming.bad) > 8 else ''}")
+        elif digest != trailer.version_digest:
+            result.reason = f"version digest {digest} != sender's {trailer.version_digest}"
+        else:
+            self._load(incoming, digest)
+        return self.finish(incoming)
+
+    def finish(self, incoming: Incoming, reason: str | None = None) -> ReceiveResult:
+        result = incoming.result
+        if reason is not None:
+            result.reason = reason
+        incoming.seconds["total"] = time.perf_counter() - incoming.started
+        result.seconds = incoming.seconds
+        if not result.ok:
+            log.warning("version %s not loaded: %s", result.version, result.reason)
+        return result
+
+    def _load(self, incoming: Incoming, digest: str) -> None:
+        header, result = incoming.header, incoming.result
+        t0 = time.perf_counter()
+        try:
+            self.load(VersionPayload(header.version, header.step, header.mode, digest, self._views(incoming)))
+        except Exception as exc:  # the adapter's failure is reported, never swallowed
+            result.reason = f"load failed: {type(exc).__name__}: {exc}"
+            log.exception("load of version %d failed", header.version)
+            return
+        finally:
+            incoming.seconds["load"] = time.perf_counter() - t0
+        result.ok = result.loaded = True
+        self.committed = VersionPayload(header.version, header.step, header.mode, digest, {})
+
+    def _views(self, incoming: Incoming) -> dict[str, torch.Tensor]:
+        """Named views into staging; built once per (layout, staging buffer) and reused across versions."""
+        layout, staging = incoming.layout, incoming.staging
+        key = (layout.digest, staging.data_ptr())
+        if self._views_key != key:
+            self._base_views = {s.name: slot_view(staging, s, layout.buckets[s.bucket].flat_offset)
+                                for s in layout.slots}
+            self._views_key = key
+        views = self._base_views
+        if incoming.header.aliases:
+            views = dict(views)
+            for alias, canonical in incoming.header.aliases.items():
+                if canonical not in views:
+                    raise ProtocolError(f"alias {alias!r} points at unknown tensor {canonical!r}")
+                views[alias] = views[canonical]
+        return views
+
+    def _layout(self, header: VersionHeader) -> Layout:
+        layout = self._layouts.get(header.layout_digest)
+        if layout is not None:
+            return layout
+        if header.layout is None:
+            raise ProtocolError(f"version {header.version} names layout {header.layout_digest}, which this "
+                                "receiver was never sent")
+        if header.layout.digest != header.layout_digest:
+            raise ProtocolError("header's layout_digest differs from its layout's digest")
+        layout = header.layout.to_layout()
+        self._layouts = {layout.digest: layout}  # keep only the newest: layouts change rarely
+        return layout
+
+    def _staging_for(self, layout: Layout) -> torch.Tensor:
+        need = max(layout.total_bytes, 1)
+        if self._staging is None or self._staging.numel() < need:
+            self._staging = None
+            self._staging = comm_empty(need, self.device)
+        return self._staging

@@ -1,0 +1,169 @@
+"""Same-host transport: a colocated receiver maps the sender's double-buffered bucket slots instead of
+receiving them through a collective.
+
+- Slots are memfd segments (``os.memfd_create``) mapped with ``torch.from_file``: they have no name in any
+  filesystem, so nothing can be left behind in ``/dev/shm``, whoever is killed (the kernel frees a segment
+  when its last mapping goes). CUDA: the slots are device buffers shared once by CUDA IPC handle.
+- The control channel is a Unix stream socket in the abstract namespace (no file either): length-prefixed
+  msgpack frames; slot descriptors travel once per slot (fds by SCM_RIGHTS), then only per-bucket metadata.
+- Flow control: a slot is overwritten only after every receiver released the bucket it held; a receiver
+  that does not release within the timeout is dropped, the others go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+from ckpt_engine.device import DeviceInfo
+from ckpt_engine.errors import CkptEngineError, ProtocolError, SyncTimeoutError
+
+log = logging.getLogger(__name__)
+IPC_PROTO = 1
+MAX_FRAME_BYTES = 64 << 20
+_LEN = struct.Struct("<I")
+
+
+def host_identity() -> str:
+    """Equal for processes that can reach each other's abstract sockets and share memory: same kernel boot
+    and same network namespace."""
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return f"{socket.gethostname()}:unknown"
+    return f"{boot}:{netns}"
+
+
+def abstract_address(name: str) -> str:
+    return "\0" + name
+
+
+class PeerGone(CkptEngineError):
+    """The other side of an IPC channel closed it or stopped answering."""
+
+
+class FramedSocket:
+    """Length-prefixed msgpack frames over a Unix stream socket, with file descriptors attached when given."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._lock = threading.Lock()
+
+    def send(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
+        body = msgpack.packb(message, use_bin_type=True)
+        data = _LEN.pack(len(body)) + body
+        try:
+            with self._lock:
+                if fds:
+                    socket.send_fds(self.sock, [data], fds)
+                else:
+                    self.sock.sendall(data)
+        except OSError as exc:
+            raise PeerGone(f"IPC peer unreachable: {exc}") from exc
+
+    def recv(self, timeout_s: float) -> tuple[dict[str, Any], list[int]]:
+        """One frame and the descriptors that came with it; PeerGone / SyncTimeoutError otherwise."""
+        deadline = time.monotonic() + timeout_s
+        head, fds = self._read(_LEN.size, deadline, with_fds=True)
+        (length,) = _LEN.unpack(head)
+        if length > MAX_FRAME_BYTES:
+            raise ProtocolError(f"IPC frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+        body, _ = self._read(length, deadline, with_fds=False)
+        try:
+            message = msgpack.unpackb(body, raw=False, strict_map_key=True)
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+            raise ProtocolError(f"undecodable IPC frame: {exc}") from exc
+        if not isinstance(message, dict) or not isinstance(message.get("type"), str):
+            raise ProtocolError("an IPC frame must be a map with a 'type'")
+        return message, fds
+
+    def _read(self, size: int, deadline: float, with_fds: bool) -> tuple[bytes, list[int]]:
+        chunks, got, fds = [], 0, []
+        while got < size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([self.sock], [], [], remaining)[0]:
+                raise SyncTimeoutError("IPC peer sent nothing within the timeout")
+            try:
+                if with_fds and not fds:
+                    data, new_fds, _, _ = socket.recv_fds(self.sock, size - got, 16)
+                    fds.extend(new_fds)
+                else:
+                    data = self.sock.recv(size - got)
+            except OSError as exc:
+                raise PeerGone(f"IPC peer connection failed: {exc}") from exc
+            if not data:
+                raise PeerGone("IPC peer closed the connection")
+            chunks.append(data)
+            got += len(data)
+        return b"".join(chunks), fds
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+@dataclass
+class SharedSlot:
+    """One bucket-sized buffer both sides map."""
+
+    index: int
+    nbytes: int
+    tensor: torch.Tensor
+    fd: int | None = None  # memfd for host slots
+    cuda_handle: list[Any] | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"index": self.index, "nbytes": self.nbytes, "kind": "cuda" if self.cuda_handle else "memfd",
+                "cuda_handle": self.cuda_handle}
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def create_slot(index: int, nbytes: int, device: DeviceInfo) -> SharedSlot:
+    if device.comm_device.type == "cuda":
+        tensor = torch.empty(nbytes, dtype=torch.uint8, device=device.comm_device)
+        return SharedSlot(index, nbytes, tensor, cuda_handle=_cuda_handle(tensor))
+    fd = os.memfd_create(f"ckpt-engine-slot{index}", os.MFD_CLOEXEC)
+    os.ftruncate(fd, nbytes)
+    tensor = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+    return SharedSlot(index, nbytes, tensor, fd=fd)
+
+
+def map_slot(description: dict[str, Any], fd: int | None, device: DeviceInfo) -> torch.Tensor:
+    """The receiver's view of a sender's slot."""
+    nbytes = int(description["nbytes"])
+    if description.get("kind", "memfd") == "cuda":
+        return _open_cuda_handle(description["cuda_handle"], nbytes, device)
+    if fd is None:
+        raise ProtocolError("a memfd slot arrived without its file descriptor")
+    try:
+        return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+    finally:
+        os.close(fd)  # the mapping keeps the segment alive
+
+
+def _cuda_handle(tensor: torch.Tensor) -> list[Any]:
+    # Unverified without a GPU: torch's CUDA IPC share tuple (device, handle, size, offset, ref-counter
+    # handle, ref-counter offset, event handle, event sync flag); every element is bytes / int / bool.
+    return list(tensor.untyped_storage()._share_cuda_())
+
+
+def _open_cuda_handle(handle: list[Any], nbytes: int, device: DeviceInfo) -> torch.Tensor:
+    storage = torch.UntypedStorage._new_shared_cuda(*handle)  # unverified without a GPU
+    return torch.empty(0, dtype=torch.uint8, device=device.comm_device).set_(storage, 0, (nbytes,))
