@@ -167,3 +167,97 @@ def _cuda_handle(tensor: torch.Tensor) -> list[Any]:
 def _open_cuda_handle(handle: list[Any], nbytes: int, device: DeviceInfo) -> torch.Tensor:
     storage = torch.UntypedStorage._new_shared_cuda(*handle)  # unverified without a GPU
     return torch.empty(0, dtype=torch.uint8, device=device.comm_device).set_(storage, 0, (nbytes,))
+
+
+class IpcHub:
+    """Sender side: listens on an abstract Unix socket; colocated receivers connect and introduce themselves.
+    Owns the two shared slots (created once, grown only when a bucket no longer fits)."""
+
+    def __init__(self, name: str, device: DeviceInfo) -> None:
+        self.name = name
+        self.device = device
+        self.slots: list[SharedSlot] = []
+        self.slots_generation = 0
+        self._peers: dict[str, "IpcPeer"] = {}
+        self._changed = threading.Condition()
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(abstract_address(name))
+        self._listener.listen(64)
+        self._closed = False
+        threading.Thread(target=self._accept_loop, name="ckpt-ipc-accept", daemon=True).start()
+
+    def ensure_slots(self, nbytes: int) -> list[torch.Tensor]:
+        if not self.slots or self.slots[0].nbytes < nbytes:
+            for slot in self.slots:
+                slot.close()
+            self.slots = [create_slot(i, max(nbytes, 1), self.device) for i in range(2)]
+            self.slots_generation += 1
+        return [slot.tensor for slot in self.slots]
+
+    def peers(self, wanted: dict[str, int], timeout_s: float) -> tuple[list["IpcPeer"], dict[str, str]]:
+        """The connected peers among ``wanted`` (agent id -> rank), waiting up to ``timeout_s`` for the rest;
+        returns them and the reasons for those still missing."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while not all(a in self._peers for a in wanted) and time.monotonic() < deadline:
+                self._changed.wait(min(0.1, max(deadline - time.monotonic(), 0.001)))
+            found = [self._peers[a] for a in wanted if a in self._peers]
+        for peer in found:
+            peer.rank = wanted[peer.agent_id]
+        missing = {a: f"colocated receiver {a} did not connect within {timeout_s:.0f}s" for a in wanted
+                   if a not in {p.agent_id for p in found}}
+        return found, missing
+
+    def forget(self, peer: "IpcPeer") -> None:
+        peer.channel.close()
+        with self._changed:
+            if self._peers.get(peer.agent_id) is peer:
+                del self._peers[peer.agent_id]
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        with self._changed:
+            for peer in self._peers.values():
+                peer.channel.close()
+            self._peers.clear()
+        for slot in self.slots:
+            slot.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            channel = FramedSocket(conn)
+            try:
+                hello, _ = channel.recv(5.0)
+                if hello.get("type") != "hello" or not isinstance(hello.get("agent_id"), str):
+                    raise ProtocolError("the first IPC frame must be a hello with an agent_id")
+            except CkptEngineError as exc:
+                log.warning("rejected an IPC connection: %s", exc)
+                channel.close()
+                continue
+            peer = IpcPeer(hello["agent_id"], channel)
+            with self._changed:
+                old = self._peers.pop(peer.agent_id, None)
+                self._peers[peer.agent_id] = peer
+                self._changed.notify_all()
+            if old is not None:
+                old.channel.close()
+
+
+@dataclass
+class IpcPeer:
+    agent_id: str
+    channel: FramedSocket
+    rank: int = 0
+    mapped_generation: int = 0
+    released: int = -1
+    dropped: str | None = None
+    pending_ack: dict[str, Any] | None = field(default=None, repr=False)

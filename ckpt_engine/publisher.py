@@ -16,6 +16,7 @@ from ckpt_engine.cache import CachedVersion, VersionCache
 from ckpt_engine.device import DeviceInfo, DigestAlgo
 from ckpt_engine.errors import CkptEngineError, ConfigError
 from ckpt_engine.group import SyncGroup
+from ckpt_engine.ipc import IpcHub
 from ckpt_engine.layout import DEFAULT_ALIGNMENT, Layout, plan_layout
 from ckpt_engine.sender import Sender, Transfer, WireHook
 from ckpt_engine.tensors import NamedTensors, specs_of
@@ -36,25 +37,32 @@ class Publisher:
         ack_timeout_s: float | None = None,
         wire_hook: WireHook | None = None,
         on_stage: Callable[[int, str], None] | None = None,
+        ipc_hub_name: str | None = None,
+        timeout_s: float = 60.0,
     ) -> None:
+        """``ipc_hub_name``: serve colocated receivers through shared memory under this name (see ipc.py)."""
         if bucket_size <= 0:
             raise ConfigError(f"bucket_size must be positive, got {bucket_size}")
         if group is None and device is None:
             raise ConfigError("a Publisher needs a sync group or, until one is attached, a device")
         self.bucket_size = bucket_size
         self.alignment = alignment
-        self.cache = VersionCache(group.device if group else device, keep_versions)  # type: ignore[union-attr]
+        self.device: DeviceInfo = group.device if group is not None else device  # type: ignore[assignment]
+        self.cache = VersionCache(self.device, keep_versions)
+        self.hub = IpcHub(ipc_hub_name, self.device) if ipc_hub_name else None
         self._sender_options = dict(digest_algo=digest_algo, ack_timeout_s=ack_timeout_s, wire_hook=wire_hook,
-                                    on_stage=on_stage)
+                                    on_stage=on_stage, timeout_s=timeout_s)
         self.sender: Sender | None = None
         self._layout: Layout | None = None
         self._layout_key: list[tuple[str, torch.dtype, torch.Size]] = []
         if group is not None:
             self.attach(group)
 
-    def attach(self, group: SyncGroup) -> None:
-        """Send on ``group`` from now on (the caller closes the previous group)."""
-        self.sender = Sender(group, **self._sender_options)  # type: ignore[arg-type]
+    def attach(self, group: SyncGroup | None, ipc_peers: Mapping[str, int] | None = None) -> None:
+        """Send on ``group`` and to the colocated ``ipc_peers`` (agent id -> rank) from now on; the caller
+        closes the previous group."""
+        self.sender = Sender(group, device=self.device, hub=self.hub, ipc_peers=ipc_peers,
+                             **self._sender_options)  # type: ignore[arg-type]
 
     def layout_for(self, named: NamedTensors) -> Layout:
         """The layout of these tensors; re-planned only when names, dtypes or shapes changed. Either way the
@@ -92,6 +100,8 @@ class Publisher:
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
+        if self.hub is not None:
+            self.hub.close()
 
     def _require_sender(self) -> Sender:
         if self.sender is None:

@@ -18,9 +18,11 @@ from typing import Callable, Iterator, Mapping, Protocol
 import torch
 
 from ckpt_engine.cache import VersionCache
-from ckpt_engine.device import DigestAlgo, comm_empty, set_current
-from ckpt_engine.errors import CkptEngineError, ProtocolError, SyncTimeoutError
+from ckpt_engine.device import DeviceInfo, DigestAlgo, comm_empty, set_current
+from ckpt_engine.errors import CkptEngineError, ConfigError, ProtocolError, SyncTimeoutError
 from ckpt_engine.group import SyncGroup
+from ckpt_engine.ipc import IpcHub
+from ckpt_engine.outlets import CollectiveOutlet, IpcOutlet, Outlet
 from ckpt_engine.hashing import bucket_digests, version_digest
 from ckpt_engine.layout import Layout
 from ckpt_engine.protocol import AbortMessage, Ack, LayoutMessage, Mode, VersionHeader, VersionTrailer, encode
@@ -140,17 +142,28 @@ class _CacheSource:
 
 
 class Sender:
-    """Sends versions on a sync group where this process is the source rank (0)."""
+    """Sends versions as the source (rank 0) of a sync group, to colocated receivers through an IPC hub, or
+    both in the same version. ``ipc_peers`` maps the colocated receivers' agent ids to their ranks."""
 
-    def __init__(self, group: SyncGroup, *, digest_algo: DigestAlgo | None = None,
+    def __init__(self, group: SyncGroup | None, *, device: DeviceInfo | None = None, hub: IpcHub | None = None,
+                 ipc_peers: Mapping[str, int] | None = None, digest_algo: DigestAlgo | None = None,
                  ack_timeout_s: float | None = None, wire_hook: WireHook | None = None,
-                 on_stage: Callable[[int, str], None] | None = None) -> None:
+                 on_stage: Callable[[int, str], None] | None = None, timeout_s: float = 60.0) -> None:
+        if group is None and not ipc_peers:
+            raise ConfigError("a sender needs a sync group, colocated receivers, or both")
+        if ipc_peers and hub is None:
+            raise ConfigError("colocated receivers need an IPC hub")
         self.group = group
-        self.channel = Channel(group)
-        if not self.channel.is_src:
-            raise ProtocolError(f"rank {group.rank} cannot send: the sender is rank {self.channel.src}")
-        self.digest_algo: DigestAlgo = digest_algo or group.device.digest_algo
-        self.ack_timeout_s = ack_timeout_s if ack_timeout_s is not None else 2 * group.timeout_s
+        self.channel = Channel(group) if group is not None else None
+        if self.channel is not None and not self.channel.is_src:
+            raise ProtocolError(f"rank {group.rank} cannot send: the sender is rank {self.channel.src}")  # type: ignore[union-attr]
+        self.device: DeviceInfo = group.device if group is not None else device  # type: ignore[assignment]
+        if self.device is None:
+            raise ConfigError("a sender without a sync group needs a device")
+        self.hub, self.ipc_peers = hub, dict(ipc_peers or {})
+        self.timeout_s = group.timeout_s if group is not None else timeout_s
+        self.digest_algo: DigestAlgo = digest_algo or self.device.digest_algo
+        self.ack_timeout_s = ack_timeout_s if ack_timeout_s is not None else 2 * self.timeout_s
         self.wire_hook = wire_hook
         self.on_stage = on_stage  # called with (version, "transferring" | "verifying") from the send thread
         self._slots: list[torch.Tensor] = []
@@ -162,7 +175,7 @@ class Sender:
         the cache keeps its buffer alive until the transfer ends."""
         hold = contextlib.ExitStack()
         cached = hold.enter_context(cache.lease(version))
-        source = _CacheSource(cached, self.group.device.comm_device.type == "cpu", as_version)
+        source = _CacheSource(cached, self.device.comm_device.type == "cpu", as_version)
         transfer = Transfer(source.version, "cached")
         transfer.params_released.set()
         return self._start(source, transfer, hold)
@@ -182,18 +195,19 @@ class Sender:
         stop waiting now instead of at their timeout. Only valid while no version is on the wire."""
         with self._busy:
             raw = encode(AbortMessage(version=version, reason=reason))
-            self.channel.frame(Frame(FrameKind.ABORT, version, len(raw)), 0, "abort")
-            self.channel.payload(raw, len(raw), "abort reason")
+            for outlet in self._outlets():
+                outlet.abort(version, 0, raw)
 
     def close(self) -> None:
-        """Tell receivers the group is closing, then release it."""
+        """Tell receivers on the sync group that it is closing, then release it (the IPC hub stays)."""
         with self._busy:
-            if self.group.broken is None:
-                try:
-                    self.channel.frame(Frame(FrameKind.CLOSE), 0, "close")
-                except CkptEngineError as exc:
-                    log.warning("could not announce close: %s", exc)
-            self.group.close()
+            if self.group is not None and self.channel is not None:
+                if self.group.broken is None:
+                    try:
+                        self.channel.frame(Frame(FrameKind.CLOSE), 0, "close")
+                    except CkptEngineError as exc:
+                        log.warning("could not announce close: %s", exc)
+                self.group.close()
 
     def _start(self, source: _Source, transfer: Transfer, hold: contextlib.ExitStack) -> Transfer:
         """Run the transfer on a background thread; ``hold`` (e.g. a cache lease) is released when it ends."""
@@ -203,7 +217,7 @@ class Sender:
 
         def run() -> None:
             try:
-                set_current(self.group.device)  # the current device is per thread on CUDA/NPU
+                set_current(self.device)  # the current device is per thread on CUDA/NPU
                 transfer._finish(self._run(source))
             finally:
                 hold.close()
@@ -212,25 +226,38 @@ class Sender:
         threading.Thread(target=run, name=f"ckpt-send-v{source.version}", daemon=True).start()
         return transfer
 
+    def _outlets(self) -> list[Outlet]:
+        outlets: list[Outlet] = []
+        if self.channel is not None:
+            outlets.append(CollectiveOutlet(self.channel))
+        if self.ipc_peers and self.hub is not None:
+            peers, missing = self.hub.peers(self.ipc_peers, self.timeout_s)
+            outlets.append(IpcOutlet(self.hub, peers, missing, self.timeout_s))
+        return outlets
+
     def _run(self, source: _Source) -> TransferResult:
         timer = _Timer()
         layout = source.layout
         result = TransferResult(source.version, source.mode, False, None, None, [], 0, len(layout.buckets),
                                 layout.num_tensors)
         try:
+            slots = self._ensure_slots(layout, source)
+            outlets = self._outlets()
             with timer.stage("header"):
-                self._send_header(source)
+                header = self._header(source)
+                for outlet in outlets:
+                    outlet.begin(source.version, header)
             self._stage(source.version, "transferring")
-            digests = self._send_buckets(source, timer, result)
+            digests = self._send_buckets(source, outlets, slots, timer, result)
             self._stage(source.version, "verifying")
             digest = version_digest(self.digest_algo, layout.digest, digests)
             trailer = encode(VersionTrailer(version=source.version, version_digest=digest))
             with timer.stage("control"):
-                self.channel.frame(Frame(FrameKind.END, source.version, len(trailer)), 0, "version end")
-                self.channel.payload(trailer, len(trailer), "version trailer")
+                for outlet in outlets:
+                    outlet.end(source.version, trailer)
             result.version_digest = digest
             with timer.stage("ack"):
-                self._collect_acks(source.version, digest, result)
+                self._collect_acks(source.version, digest, outlets, result)
         except CkptEngineError as exc:  # includes _Aborted: receivers were told
             result.reason = str(exc)
         except Exception as exc:  # a bug must still end the transfer with a reason, never leave it pending
@@ -252,8 +279,8 @@ class Sender:
             except Exception:  # a progress observer must never break a transfer
                 log.exception("on_stage callback failed")
 
-    def _send_header(self, source: _Source) -> None:
-        # Receivers of this group keep the layout they were sent; it travels again only when it changes.
+    def _header(self, source: _Source) -> bytes:
+        # Receivers keep the layout they were sent; it travels again only when it changes.
         layout = source.layout
         header = encode(VersionHeader(
             version=source.version, mode=source.mode, digest_algo=self.digest_algo, layout_digest=layout.digest,
@@ -261,77 +288,69 @@ class Sender:
             aliases=dict(source.aliases), created_at=time.time(),
         ))
         self._layout_sent = layout.digest
-        self.channel.frame(Frame(FrameKind.BEGIN, source.version, len(header)), 0, "version begin")
-        self.channel.payload(header, len(header), "version header")
+        return header
 
-    def _send_buckets(self, source: _Source, timer: "_Timer", result: TransferResult) -> list[int]:
+    def _send_buckets(self, source: _Source, outlets: list[Outlet], slots: list[torch.Tensor], timer: "_Timer",
+                      result: TransferResult) -> list[int]:
         layout = source.layout
-        slots = self._ensure_slots(layout, source)
-        pending: list[object | None] = [None, None]
-        in_flight: list[torch.Tensor | None] = [None, None]  # keeps hook-made buffers alive while on the wire
         digests: list[int] = []
         for bucket in layout.buckets:
             k = bucket.index
             slot_index = k % 2
-            if pending[slot_index] is not None:
-                with timer.stage("broadcast"):
-                    self.channel.wait(pending[slot_index], f"bucket {k - 2} data")
-                pending[slot_index] = None
+            with timer.stage("broadcast"):
+                for outlet in outlets:
+                    outlet.reclaim(slot_index, k)
             try:
                 with timer.stage("fill"):
                     buf = source.bucket(k, slots[slot_index] if slots else None)
                 with timer.stage("digest"):
                     values = bucket_digests(bucket, buf, self.digest_algo, layout.digest).cpu()
                 if self.wire_hook is not None:
-                    buf = in_flight[slot_index] = self.wire_hook(k, buf)
+                    buf = self.wire_hook(k, buf)
             except Exception as exc:  # anything that stops us preparing a bucket aborts the version for all
-                self._abort(source.version, len(bucket.slots), f"bucket {k} could not be prepared: {exc}")
+                self._abort(source.version, outlets, len(bucket.slots), f"bucket {k} could not be prepared: {exc}")
             if k == len(layout.buckets) - 1:
                 source.all_filled()
-            frame = Frame(FrameKind.BUCKET, source.version, k, bucket.nbytes, len(bucket.slots))
-            with timer.stage("control"):  # on gloo this also waits behind the previous bucket's data
-                self.channel.frame(frame, len(bucket.slots), f"bucket {k} header", extra=values)
-            if bucket.nbytes:
-                with timer.stage("broadcast"):
-                    pending[slot_index] = self.channel.data(buf)
+            with timer.stage("control"):
+                for outlet in outlets:
+                    outlet.bucket(k, bucket, buf, values, slot_index)
             digests.extend(values.tolist())
             result.bytes_sent += bucket.nbytes
         with timer.stage("broadcast"):
-            for work in pending:
-                if work is not None:
-                    self.channel.wait(work, "last bucket data")
+            for outlet in outlets:
+                outlet.flush()
         return digests
 
-    def _abort(self, version: int, extra_len: int, reason: str) -> None:
+    def _abort(self, version: int, outlets: list[Outlet], extra_len: int, reason: str) -> None:
         """Tell receivers at the position they expect a frame that this version is abandoned, then stop."""
         raw = encode(AbortMessage(version=version, reason=reason))
-        self.channel.frame(Frame(FrameKind.ABORT, version, len(raw)), extra_len, "abort")
-        self.channel.payload(raw, len(raw), "abort reason")
+        for outlet in outlets:
+            outlet.abort(version, extra_len, raw)
         raise _Aborted(reason)
 
-    def _collect_acks(self, version: int, digest: str, result: TransferResult) -> None:
-        own = Ack(version=version, rank=self.group.rank, ok=True, version_digest=digest)
-        acks = self.channel.exchange_acks(own, self.ack_timeout_s)
+    def _collect_acks(self, version: int, digest: str, outlets: list[Outlet], result: TransferResult) -> None:
+        own = Ack(version=version, rank=0, ok=True, version_digest=digest)
         problems = []
-        for rank, ack in enumerate(acks):
-            if rank == self.channel.src:
-                continue
-            if isinstance(ack, ProtocolError):
-                ack = Ack(version=version, rank=rank, ok=False, reason=f"unreadable acknowledgement: {ack}")
-            elif ack.ok and ack.version_digest != digest:
-                ack = ack.model_copy(update={"ok": False, "reason": f"digest {ack.version_digest} != {digest}"})
-            result.receivers.append(ack)
-            if not ack.ok:
-                problems.append(f"rank {rank}: {ack.reason}")
+        for outlet in outlets:
+            for ack in outlet.acks(version, own, self.ack_timeout_s):
+                if ack.ok and ack.version_digest != digest:
+                    ack = ack.model_copy(update={"ok": False, "reason": f"digest {ack.version_digest} != {digest}"})
+                result.receivers.append(ack)
+                if not ack.ok:
+                    problems.append(f"rank {ack.rank}: {ack.reason}")
         result.ok = not problems
         result.reason = "; ".join(problems) or None
 
     def _ensure_slots(self, layout: Layout, source: _Source) -> list[torch.Tensor]:
+        need = max(layout.max_bucket_bytes, 1)
+        if self.hub is not None and self.ipc_peers:
+            # Colocated receivers read the send slots themselves: fills land in shared memory directly.
+            shared = self.hub.ensure_slots(need)
+            return [] if isinstance(source, _CacheSource) and source._on_host_wire else shared
         if isinstance(source, _CacheSource) and source._on_host_wire:
             return []
-        need = max(layout.max_bucket_bytes, 1)
         if not self._slots or self._slots[0].numel() < need:
-            self._slots = [comm_empty(need, self.group.device) for _ in range(2)]
+            self._slots = [comm_empty(need, self.device) for _ in range(2)]
         return self._slots
 
 

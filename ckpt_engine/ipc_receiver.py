@@ -1,0 +1,170 @@
+"""Colocated receiver: maps the sender's shared slots once, then per bucket copies the announced slot into
+its staging buffer, releases the slot at once (so the sender can refill it) and verifies the copy while the
+next bucket is prepared. Same checks and the same whole-version rule as the collective receiver."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ckpt_engine.assembly import Incoming, LoadFn, ReceiveResult, VersionAssembler
+from ckpt_engine.device import DeviceInfo
+from ckpt_engine.errors import CkptEngineError, ProtocolError, SyncTimeoutError
+from ckpt_engine.ipc import IPC_PROTO, FramedSocket, PeerGone, abstract_address, map_slot
+from ckpt_engine.protocol import VersionHeader, VersionTrailer, decode
+
+log = logging.getLogger(__name__)
+
+
+class BucketNotice(BaseModel):
+    """Per-bucket metadata. ``seq``, ``slot``, ``index`` and ``digests`` are required; the rest is optional
+    and checked against the layout when present, so an older sender that omits them still works."""
+
+    model_config = ConfigDict(extra="ignore")
+    seq: int
+    slot: int = Field(ge=0, le=1)
+    index: int = Field(ge=0)
+    digests: list[int]
+    nbytes: int | None = None
+    names: list[str] | None = None
+
+
+class IpcReceiver:
+    def __init__(self, name: str, agent_id: str, rank: int, load: LoadFn, *, device: DeviceInfo,
+                 verify: bool = True, timeout_s: float = 60.0, connect_timeout_s: float = 30.0) -> None:
+        self.agent_id, self.rank, self.timeout_s = agent_id, rank, timeout_s
+        self.assembler = VersionAssembler(device, load, verify=verify)
+        self.device = device
+        self.slots: dict[int, torch.Tensor] = {}
+        self.channel = FramedSocket(_connect(name, connect_timeout_s))
+        self.channel.send({"type": "hello", "agent_id": agent_id, "rank": rank, "proto": IPC_PROTO})
+        self.broken: str | None = None
+
+    def receive(self, begin_timeout_s: float | None = None) -> ReceiveResult | None:
+        """One version (None when the sender closed the channel); failures come back with ok=False."""
+        try:
+            message = self._next(begin_timeout_s, {"begin", "abort", "close"})
+            if message["type"] == "close":
+                return None
+            if message["type"] == "abort":
+                return ReceiveResult(None, False, f"sender aborted the version: {_reason(message)}")
+            incoming = self.assembler.begin(decode(VersionHeader, message["header"]))
+        except PeerGone:
+            return None
+        except CkptEngineError as exc:
+            return ReceiveResult(None, False, self._broke(exc))
+        try:
+            trailer = self._receive_buckets(incoming)
+        except CkptEngineError as exc:
+            reason = str(exc) if isinstance(exc, _Aborted) else self._broke(exc)
+            return self.assembler.finish(incoming, reason)
+        result = self.assembler.conclude(incoming, trailer)
+        try:
+            self.channel.send({"type": "ack", "ack": result.ack(self.rank).model_dump()})
+        except CkptEngineError as exc:
+            result.ok, result.reason = False, f"{result.reason or 'loaded'}; acknowledgement failed: {exc}"
+        return result
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _receive_buckets(self, incoming: Incoming) -> VersionTrailer:
+        previous = None
+        for bucket in incoming.layout.buckets:
+            message = self._next(self.timeout_s, {"bucket", "abort"})
+            if message["type"] == "abort":
+                raise _Aborted(f"sender aborted version {incoming.header.version}: {_reason(message)}")
+            notice = _notice(message)
+            if notice.index != bucket.index or (notice.nbytes is not None and notice.nbytes != bucket.nbytes) or (
+                    notice.names is not None and notice.names != [s.name for s in bucket.slots]):
+                raise ProtocolError(f"bucket {bucket.index}: notice for index {notice.index} does not match the layout")
+            t0 = time.perf_counter()
+            if bucket.nbytes:
+                incoming.bucket_view(bucket).copy_(self._slot(notice.slot)[: bucket.nbytes])
+            self.channel.send({"type": "release", "seq": notice.seq})
+            incoming.add_seconds("recv", time.perf_counter() - t0)
+            incoming.result.bytes_received += bucket.nbytes
+            if previous is not None:
+                self.assembler.check_bucket(incoming, *previous)
+            previous = (bucket, notice.digests)
+        if previous is not None:
+            self.assembler.check_bucket(incoming, *previous)
+        message = self._next(self.timeout_s, {"end", "abort"})
+        if message["type"] == "abort":
+            raise _Aborted(f"sender aborted version {incoming.header.version}: {_reason(message)}")
+        return decode(VersionTrailer, message["trailer"])
+
+    def _next(self, timeout_s: float | None, expected: set[str]) -> dict[str, Any]:
+        """The next frame of an expected type; slot maps are handled on the way."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        while True:
+            message, fds = self.channel.recv(limit)
+            if message["type"] == "map":
+                self._map(message, fds)
+                continue
+            if message["type"] not in expected:
+                raise ProtocolError(f"expected one of {sorted(expected)}, got {message['type']!r}")
+            return message
+
+    def _map(self, message: dict[str, Any], fds: list[int]) -> None:
+        slots = message.get("slots")
+        if not isinstance(slots, list):
+            raise ProtocolError("a map frame needs its slots")
+        memfds = iter(fds)
+        self.slots = {}
+        for description in slots:
+            fd = next(memfds, None) if description.get("kind", "memfd") == "memfd" else None
+            self.slots[int(description["index"])] = map_slot(description, fd, self.device)
+        self.channel.send({"type": "mapped", "generation": message.get("generation")})
+
+    def _slot(self, index: int) -> torch.Tensor:
+        slot = self.slots.get(index)
+        if slot is None:
+            raise ProtocolError(f"bucket announced in slot {index}, which was never mapped")
+        return slot
+
+    def _broke(self, exc: CkptEngineError) -> str:
+        self.broken = f"{type(exc).__name__}: {exc}"
+        return self.broken
+
+
+class _Aborted(CkptEngineError):
+    pass
+
+
+def _notice(message: dict[str, Any]) -> BucketNotice:
+    try:
+        return BucketNotice.model_validate(message)
+    except ValidationError as exc:
+        raise ProtocolError(f"invalid bucket notice: {exc.errors()[0]}") from exc
+
+
+def _reason(message: dict[str, Any]) -> str:
+    raw = message.get("reason")
+    if isinstance(raw, bytes):
+        try:
+            from ckpt_engine.protocol import AbortMessage
+
+            return decode(AbortMessage, raw).reason
+        except ProtocolError:
+            return "(unreadable reason)"
+    return str(raw)
+
+
+def _connect(name: str, timeout_s: float) -> socket.socket:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(abstract_address(name))
+            return sock
+        except OSError as exc:
+            sock.close()
+            if time.monotonic() > deadline:
+                raise SyncTimeoutError(f"no IPC hub {name!r} on this host within {timeout_s:.0f}s: {exc}") from exc
+            time.sleep(0.05)

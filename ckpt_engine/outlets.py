@@ -1,0 +1,189 @@
+"""Where a sender's buckets go. One version can go to several outlets at once: the collective sync group
+(remote receivers) and the same-host IPC hub (colocated receivers). The sender drives every outlet through
+the same steps, so both kinds of receiver get the same bytes and the same digests."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import torch
+
+from ckpt_engine.errors import CkptEngineError, ProtocolError, SyncTimeoutError
+from ckpt_engine.ipc import IpcHub, IpcPeer, PeerGone
+from ckpt_engine.layout import Bucket
+from ckpt_engine.protocol import Ack
+from ckpt_engine.wire import Channel, Frame, FrameKind
+
+log = logging.getLogger(__name__)
+
+
+class Outlet(Protocol):
+    def begin(self, version: int, header: bytes) -> None: ...
+
+    def reclaim(self, slot_index: int, k: int) -> None:
+        """Return once send slot ``slot_index`` may be overwritten with bucket ``k``."""
+
+    def bucket(self, k: int, bucket: Bucket, buf: torch.Tensor, digests: torch.Tensor, slot_index: int) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def end(self, version: int, trailer: bytes) -> None: ...
+
+    def abort(self, version: int, extra_len: int, reason: bytes) -> None: ...
+
+    def acks(self, version: int, own: Ack, timeout_s: float) -> list[Ack]: ...
+
+
+class CollectiveOutlet:
+    """The sync group: framed broadcasts (see wire.py); bucket data goes out asynchronously."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self._pending: list[Any] = [None, None]
+        self._in_flight: list[torch.Tensor | None] = [None, None]  # keeps the sent buffer alive
+        self._version = 0
+
+    def begin(self, version: int, header: bytes) -> None:
+        self._version = version
+        self.channel.frame(Frame(FrameKind.BEGIN, version, len(header)), 0, "version begin")
+        self.channel.payload(header, len(header), "version header")
+
+    def reclaim(self, slot_index: int, k: int) -> None:
+        if self._pending[slot_index] is not None:
+            self.channel.wait(self._pending[slot_index], f"bucket {k - 2} data")
+            self._pending[slot_index] = self._in_flight[slot_index] = None
+
+    def bucket(self, k: int, bucket: Bucket, buf: torch.Tensor, digests: torch.Tensor, slot_index: int) -> None:
+        frame = Frame(FrameKind.BUCKET, self._version, k, bucket.nbytes, len(bucket.slots))
+        # On gloo this frame also waits behind the previous bucket's data.
+        self.channel.frame(frame, len(bucket.slots), f"bucket {k} header", extra=digests)
+        if bucket.nbytes:
+            self._pending[slot_index] = self.channel.data(buf)
+            self._in_flight[slot_index] = buf
+
+    def flush(self) -> None:
+        for slot_index, work in enumerate(self._pending):
+            if work is not None:
+                self.channel.wait(work, "last bucket data")
+                self._pending[slot_index] = self._in_flight[slot_index] = None
+
+    def end(self, version: int, trailer: bytes) -> None:
+        self.channel.frame(Frame(FrameKind.END, version, len(trailer)), 0, "version end")
+        self.channel.payload(trailer, len(trailer), "version trailer")
+
+    def abort(self, version: int, extra_len: int, reason: bytes) -> None:
+        self.channel.frame(Frame(FrameKind.ABORT, version, len(reason)), extra_len, "abort")
+        self.channel.payload(reason, len(reason), "abort reason")
+
+    def acks(self, version: int, own: Ack, timeout_s: float) -> list[Ack]:
+        out = []
+        for rank, ack in enumerate(self.channel.exchange_acks(own, timeout_s)):
+            if rank == self.channel.src:
+                continue
+            if isinstance(ack, ProtocolError):
+                ack = Ack(version=version, rank=rank, ok=False, reason=f"unreadable acknowledgement: {ack}")
+            out.append(ack)
+        return out
+
+
+class IpcOutlet:
+    """Colocated receivers: each bucket is placed in a shared slot and announced with its metadata; a slot
+    is reused only after every live receiver released what it held. A receiver that fails or falls silent
+    is dropped and reported; the others go on."""
+
+    def __init__(self, hub: IpcHub, peers: list[IpcPeer], missing: dict[str, str], timeout_s: float) -> None:
+        self.hub, self.peers, self.timeout_s = hub, peers, timeout_s
+        self.missing = missing  # agent id -> why it is not part of this version
+
+    def begin(self, version: int, header: bytes) -> None:
+        slots = self.hub.slots
+        for peer in self._live():
+            self._guard(peer, lambda p: self._map_and_begin(p, slots, header))
+
+    def reclaim(self, slot_index: int, k: int) -> None:
+        for peer in self._live():
+            self._guard(peer, lambda p: self._wait_released(p, k - 2))
+
+    def bucket(self, k: int, bucket: Bucket, buf: torch.Tensor, digests: torch.Tensor, slot_index: int) -> None:
+        target = self.hub.slots[slot_index].tensor
+        if bucket.nbytes and buf.data_ptr() != target.data_ptr():
+            target[: bucket.nbytes].copy_(buf)
+        message = {"type": "bucket", "seq": k, "slot": slot_index, "index": k, "nbytes": bucket.nbytes,
+                   "digests": digests.tolist(), "names": [s.name for s in bucket.slots]}
+        for peer in self._live():
+            self._guard(peer, lambda p: p.channel.send(message))
+
+    def flush(self) -> None:
+        pass
+
+    def end(self, version: int, trailer: bytes) -> None:
+        for peer in self._live():
+            self._guard(peer, lambda p: p.channel.send({"type": "end", "trailer": trailer}))
+
+    def abort(self, version: int, extra_len: int, reason: bytes) -> None:
+        for peer in self._live():
+            self._guard(peer, lambda p: p.channel.send({"type": "abort", "reason": reason}))
+
+    def acks(self, version: int, own: Ack, timeout_s: float) -> list[Ack]:
+        out = []
+        for peer in self.peers:
+            if peer.dropped is None:
+                self._guard(peer, lambda p: self._wait_ack(p, timeout_s))
+            if peer.dropped is not None:
+                out.append(Ack(version=version, rank=peer.rank, ok=False, reason=peer.dropped))
+            else:
+                out.append(Ack.model_validate(peer.pending_ack))
+        out += [Ack(version=version, rank=-1, ok=False, reason=why) for why in self.missing.values()]
+        return out
+
+    # ---- per peer ------------------------------------------------------------------------------------
+    def _live(self) -> list[IpcPeer]:
+        return [p for p in self.peers if p.dropped is None]
+
+    def _guard(self, peer: IpcPeer, step) -> None:
+        """Run one step with a peer; any failure drops that peer only."""
+        try:
+            step(peer)
+        except (CkptEngineError, OSError) as exc:
+            peer.dropped = f"colocated receiver {peer.agent_id} dropped: {exc}"
+            log.warning("%s", peer.dropped)
+            self.hub.forget(peer)
+
+    def _map_and_begin(self, peer: IpcPeer, slots, header: bytes) -> None:
+        peer.released, peer.pending_ack = -1, None
+        if peer.mapped_generation != self.hub.slots_generation:
+            fds = [s.fd for s in slots if s.fd is not None]
+            peer.channel.send({"type": "map", "generation": self.hub.slots_generation,
+                               "slots": [s.describe() for s in slots]}, fds)
+            self._expect(peer, "mapped")
+            peer.mapped_generation = self.hub.slots_generation
+        peer.channel.send({"type": "begin", "header": header})
+
+    def _wait_released(self, peer: IpcPeer, seq: int) -> None:
+        while peer.released < seq:
+            self._expect(peer, "release")
+
+    def _wait_ack(self, peer: IpcPeer, timeout_s: float) -> None:
+        while peer.pending_ack is None:
+            self._expect(peer, "ack", timeout_s)
+
+    def _expect(self, peer: IpcPeer, kind: str, timeout_s: float | None = None) -> None:
+        """Read one frame from the peer; releases and acks update its state, anything else is an error."""
+        try:
+            message, _ = peer.channel.recv(self.timeout_s if timeout_s is None else timeout_s)
+        except SyncTimeoutError:
+            raise SyncTimeoutError(f"no '{kind}' within {self.timeout_s if timeout_s is None else timeout_s:.1f}s")
+        except PeerGone:
+            raise
+        kind_seen = message["type"]
+        if kind_seen == "release":
+            peer.released = max(peer.released, int(message.get("seq", -1)))
+        elif kind_seen == "ack":
+            peer.pending_ack = message.get("ack")
+        elif kind_seen == "mapped" and kind == "mapped":
+            return
+        else:
+            raise ProtocolError(f"expected '{kind}', got '{kind_seen}'")
+
+

@@ -1,0 +1,211 @@
+"""Same-host path between real processes: a colocated receiver maps the sender's shared slots while a
+remote-style receiver gets the same version over the gloo collective; faults on either side."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_engine.device import detect_device
+from ckpt_engine.group import open_store
+from ckpt_engine.ipc import FramedSocket, IpcHub, host_identity
+from ckpt_engine.ipc_receiver import BucketNotice, IpcReceiver
+from ckpt_engine.publisher import Publisher
+from ckpt_engine.receiver import Receiver
+from ckpt_engine.tensors import named_tensors_of
+from tests.models import BUCKET_SIZE, AwkwardModel, load_into, state_bytes
+from tests.procs import run_processes, start_processes
+from tests.test_sync_multiproc import _sync_group
+
+pytestmark = pytest.mark.multiproc
+CPU = detect_device("cpu")
+
+
+def shm_entries() -> set[str]:
+    # sem.mp-* are the test harness's own multiprocessing semaphores (its resource tracker removes them).
+    return {entry for entry in os.listdir("/dev/shm") if not entry.startswith("sem.mp-")}
+
+
+def mixed_sender(port: int, hub: str, versions: int) -> dict:
+    model = AwkwardModel(seed=1)
+    publisher = Publisher(_sync_group(port, 0, 2), bucket_size=BUCKET_SIZE, ipc_hub_name=hub)
+    publisher.attach(publisher.sender.group, ipc_peers={"colocated": 2})
+    results, states = [], []
+    for version in range(1, versions + 1):
+        model.perturb(version)
+        result = publisher.publish(version, named_tensors_of(model), bypass_cpu=version % 2 == 0).result(60)
+        results.append((result.ok, result.reason, sorted(result.committed_ranks), result.version_digest))
+        states.append(state_bytes(model))
+    publisher.close()
+    return {"results": results, "states": states}
+
+
+def collective_receiver(port: int) -> dict:
+    model = AwkwardModel(seed=7)
+    out = []
+    rx = Receiver(_sync_group(port, 1, 2), lambda p: (load_into(model, p.tensors), out.append(state_bytes(model))))
+    results = rx.serve()
+    return {"ok": [r.ok for r in results], "states": out, "digests": [r.version_digest for r in results]}
+
+
+def colocated_receiver(hub: str, slow_bucket: int | None = None, marker: str | None = None) -> dict:
+    model = AwkwardModel(seed=8)
+    out = []
+    rx = IpcReceiver(hub, "colocated", 2, lambda p: (load_into(model, p.tensors), out.append(state_bytes(model))),
+                     device=CPU, timeout_s=20)
+    if slow_bucket is not None:  # fault injection: stall inside the version so the parent can kill -9 us
+        original = rx.assembler.check_bucket
+
+        def stall(incoming, bucket, expected):
+            if bucket.index == slow_bucket:
+                Path(marker).touch()
+                time.sleep(60)
+            return original(incoming, bucket, expected)
+
+        rx.assembler.check_bucket = stall  # type: ignore[method-assign]
+    results = []
+    while (result := rx.receive(begin_timeout_s=60)) is not None:
+        results.append(result)
+    return {"ok": [r.ok for r in results], "states": out, "digests": [r.version_digest for r in results]}
+
+
+def test_colocated_and_collective_receivers_get_identical_versions() -> None:
+    before = shm_entries()
+    store = open_store("127.0.0.1", 0, is_master=True, timeout_s=20)
+    hub = f"ckpt-test-{uuid.uuid4().hex[:8]}"
+    sender, remote, local = run_processes([(mixed_sender, (store.port, hub, 3)), (collective_receiver, (store.port,)),
+                                           (colocated_receiver, (hub,))], timeout_s=120)
+    assert [r[0] for r in sender["results"]] == [True] * 3, sender["results"]
+    assert all(r[2] == [1, 2] for r in sender["results"])  # both receivers committed every version
+    assert remote["ok"] == local["ok"] == [True] * 3
+    assert remote["states"] == local["states"] == sender["states"]  # byte-identical, cached and bypass_cpu
+    assert remote["digests"] == local["digests"] == [r[3] for r in sender["results"]]
+    assert shm_entries() == before  # memfd slots never appear in /dev/shm
+
+
+def old_minimal_sender(hub_name: str) -> dict:
+    """An older sender speaking the IPC protocol by hand, without any optional field."""
+    from ckpt_engine.hashing import bucket_digests, version_digest
+    from ckpt_engine.layout import plan_layout
+    from ckpt_engine.protocol import LayoutMessage, VersionHeader, VersionTrailer, encode
+    from ckpt_engine.tensors import fill_bucket, specs_of
+
+    tensors = {"a": torch.arange(6.0), "b": torch.ones(2, 3, dtype=torch.bfloat16)}
+    layout = plan_layout(specs_of(tensors), bucket_size=64)
+    hub = IpcHub(hub_name, CPU)
+    slots = hub.ensure_slots(layout.max_bucket_bytes)
+    peers, _ = hub.peers({"colocated": 1}, 30)
+    chan: FramedSocket = peers[0].channel
+    chan.send({"type": "map", "slots": [s.describe() for s in hub.slots]}, [s.fd for s in hub.slots])
+    assert chan.recv(10)[0]["type"] == "mapped"
+    header = VersionHeader(version=1, mode="cached", digest_algo="xxh3-64", layout_digest=layout.digest,
+                           layout=LayoutMessage.of(layout))
+    chan.send({"type": "begin", "header": encode(header)})
+    digests = []
+    for bucket in layout.buckets:
+        fill_bucket(slots[bucket.index % 2], bucket.slots, tensors, bucket.nbytes)
+        values = bucket_digests(bucket, slots[bucket.index % 2][: bucket.nbytes], "xxh3-64", layout.digest).tolist()
+        digests += values
+        chan.send({"type": "bucket", "seq": bucket.index, "slot": bucket.index % 2, "index": bucket.index,
+                   "digests": values})
+        while chan.recv(10)[0]["type"] != "release":
+            pass
+    chan.send({"type": "end", "trailer": encode(VersionTrailer(
+        version=1, version_digest=version_digest("xxh3-64", layout.digest, digests)))})
+    ack = chan.recv(10)[0]
+    hub.close()
+    return {"ack": ack["ack"], "buckets": len(layout.buckets)}
+
+
+def minimal_receiver(hub: str) -> dict:
+    got = {}
+    rx = IpcReceiver(hub, "colocated", 1, lambda p: got.update({k: v.clone() for k, v in p.tensors.items()}),
+                     device=CPU, timeout_s=20)
+    result = rx.receive(30)
+    return {"ok": result.ok, "a": got["a"].tolist(), "b": got["b"].float().tolist()}
+
+
+def test_an_older_sender_without_optional_fields_still_works() -> None:
+    assert BucketNotice.model_validate({"seq": 0, "slot": 0, "index": 0, "digests": []}).names is None
+    hub = f"ckpt-test-{uuid.uuid4().hex[:8]}"
+    sender, receiver = run_processes([(old_minimal_sender, (hub,)), (minimal_receiver, (hub,))], timeout_s=60)
+    assert sender["buckets"] == 2 and sender["ack"]["ok"]
+    assert receiver == {"ok": True, "a": [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], "b": [[1.0] * 3] * 2}
+
+
+def test_kill9_of_the_colocated_receiver_mid_version(tmp_path: Path) -> None:
+    before = shm_entries()
+    store = open_store("127.0.0.1", 0, is_master=True, timeout_s=20)
+    hub = f"ckpt-test-{uuid.uuid4().hex[:8]}"
+    marker = tmp_path / "stalled"
+    ctx = mp.get_context("spawn")
+    victim = ctx.Process(target=colocated_receiver, args=(hub, 1, str(marker)), daemon=True)
+    victim.start()
+    others = start_processes([(mixed_sender, (store.port, hub, 1)), (collective_receiver, (store.port,))])
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), "the colocated receiver never reached the stall point"
+    started = time.monotonic()
+    os.kill(victim.pid, signal.SIGKILL)
+    sender, remote = others.collect(90)
+    victim.join(10)
+    ok, reason, committed, _ = sender["results"][0]
+    assert not ok and "rank 2" in reason and "dropped" in reason  # only the dead receiver failed
+    assert committed == [1] and remote["ok"] == [True]  # the remote receiver still got the whole version
+    assert time.monotonic() - started < 30
+    assert shm_entries() == before
+
+
+def stalling_sender(hub: str, marker: str) -> None:
+    model = AwkwardModel(seed=1)
+    publisher = Publisher(device=CPU, bucket_size=BUCKET_SIZE, ipc_hub_name=hub, timeout_s=30)
+    publisher.attach(None, ipc_peers={"colocated": 1})
+
+    def stall(k: int, buf: torch.Tensor) -> torch.Tensor:
+        if k == 2:
+            Path(marker).touch()
+            time.sleep(60)
+        return buf
+
+    publisher.sender.wire_hook = stall
+    publisher.publish(1, named_tensors_of(model)).result(120)
+
+
+def lone_colocated_receiver(hub: str) -> dict:
+    rx = IpcReceiver(hub, "colocated", 1, lambda p: None, device=CPU, timeout_s=30)
+    started = time.monotonic()
+    result = rx.receive(60)
+    return {"result": None if result is None else (result.ok, result.reason), "elapsed": time.monotonic() - started}
+
+
+def test_kill9_of_the_sender_mid_version_releases_the_receiver(tmp_path: Path) -> None:
+    before = shm_entries()
+    hub = f"ckpt-test-{uuid.uuid4().hex[:8]}"
+    marker = tmp_path / "stalled"
+    ctx = mp.get_context("spawn")
+    victim = ctx.Process(target=stalling_sender, args=(hub, str(marker)), daemon=True)
+    victim.start()
+    receiver = start_processes([(lone_colocated_receiver, (hub,))])
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists()
+    os.kill(victim.pid, signal.SIGKILL)
+    (rx,) = receiver.collect(60)
+    victim.join(10)
+    ok, reason = rx["result"]
+    assert not ok and "PeerGone" in reason  # told by the dead socket, not after its 30 s timeout
+    assert rx["elapsed"] < 25
+    assert shm_entries() == before
+
+
+def test_host_identity_is_stable_in_one_process() -> None:
+    assert host_identity() == host_identity() and ":" in host_identity()
