@@ -584,7 +584,8 @@ def render_markdown(report: dict) -> str:
     add("Raw per-repetition samples of every variant are in the JSON output (`--json PATH`).")
     add("")
     add("Why targets are missed on this machine, and what was changed because of them: "
-        "[performance-notes.md](performance-notes.md).")
+        "[performance-notes.md](performance-notes.md). The same-host (shared memory) path has its own "
+        "benchmark: [benchmarks-ipc.md](benchmarks-ipc.md) (`python -m bench.ipc_bench`).")
     add("")
     return "\n".join(lines)
 

@@ -84,13 +84,16 @@ class VersionAssembler:
         self.committed: VersionPayload | None = None
         self._layouts: dict[str, Layout] = {}
         self._staging: torch.Tensor | None = None
-        self._views_key: tuple[str, int] | None = None
-        self._base_views: dict[str, torch.Tensor] = {}
+        self._view_cache: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
 
-    def begin(self, header: VersionHeader) -> Incoming:
+    def begin(self, header: VersionHeader, staging: torch.Tensor | None = None) -> Incoming:
+        """``staging``: a buffer that already holds (or will hold) the version in wire layout, e.g. the
+        sender's shared cache buffer; by default this receiver's own staging buffer."""
         layout = self._layout(header)
-        return Incoming(header, layout, check_algo(header.digest_algo), self._staging_for(layout),
-                        ReceiveResult(header.version, False))
+        if staging is not None and staging.numel() < layout.total_bytes:
+            raise ProtocolError(f"shared buffer of {staging.numel()} bytes cannot hold {layout.total_bytes}")
+        return Incoming(header, layout, check_algo(header.digest_algo),
+                        self._staging_for(layout) if staging is None else staging, ReceiveResult(header.version, False))
 
     def check_bucket(self, incoming: Incoming, bucket: Bucket, expected: list[int]) -> None:
         """Recompute the bucket's digests from staging and note every tensor that differs."""
@@ -150,11 +153,12 @@ class VersionAssembler:
         """Named views into staging; built once per (layout, staging buffer) and reused across versions."""
         layout, staging = incoming.layout, incoming.staging
         key = (layout.digest, staging.data_ptr())
-        if self._views_key != key:
-            self._base_views = {s.name: slot_view(staging, s, layout.buckets[s.bucket].flat_offset)
-                                for s in layout.slots}
-            self._views_key = key
-        views = self._base_views
+        views = self._view_cache.get(key)
+        if views is None:
+            if len(self._view_cache) >= 4:  # staging plus a few shared cache buffers
+                self._view_cache.clear()
+            views = self._view_cache[key] = {s.name: slot_view(staging, s, layout.buckets[s.bucket].flat_offset)
+                                             for s in layout.slots}
         if incoming.header.aliases:
             views = dict(views)
             for alias, canonical in incoming.header.aliases.items():

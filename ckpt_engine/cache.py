@@ -8,6 +8,7 @@ pool and are reused by later versions, so a steady stream of versions allocates 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -18,10 +19,12 @@ import torch
 
 from ckpt_engine.device import DeviceInfo, host_empty, synchronize
 from ckpt_engine.errors import CacheError, ConfigError
+from ckpt_engine.ipc import SharedSlot, create_slot
 from ckpt_engine.layout import Layout
 from ckpt_engine.tensors import TensorsOrProvider, check_matches_layout, fill_bucket, provider_of, slot_view
 
 log = logging.getLogger(__name__)
+_segment_ids = itertools.count(1000)  # ids of shareable cache buffers (slots use 0 and 1)
 
 
 @dataclass
@@ -40,6 +43,11 @@ class CachedVersion:
     def nbytes(self) -> int:
         return self.layout.total_bytes
 
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The flat buffer holding every bucket at its ``flat_offset``."""
+        return self._buffer
+
     def bucket(self, index: int) -> torch.Tensor:
         """uint8 view of bucket ``index`` inside the version's buffer."""
         bucket = self.layout.buckets[index]
@@ -55,10 +63,14 @@ class CachedVersion:
 class VersionCache:
     """Keeps the newest ``keep_versions`` versions; thread-safe."""
 
-    def __init__(self, device: DeviceInfo, keep_versions: int = 2) -> None:
+    def __init__(self, device: DeviceInfo, keep_versions: int = 2, *, shareable: bool = False) -> None:
+        """``shareable``: host buffers are memfd segments that colocated receivers can map (CPU only), so a
+        cached version reaches them without any copy."""
         if keep_versions < 1:
             raise ConfigError(f"keep_versions must be >= 1, got {keep_versions}")
         self.device = device
+        self.shareable = shareable and device.comm_device.type == "cpu"
+        self._shared: dict[int, SharedSlot] = {}  # buffer data_ptr -> its segment
         self.keep_versions = keep_versions
         self._versions: dict[int, CachedVersion] = {}
         self._pool: list[torch.Tensor] = []
@@ -152,6 +164,10 @@ class VersionCache:
                 if cached._evicted and cached._leases == 0:
                     self._pool.append(cached._buffer)
 
+    def shared_segment(self, cached: CachedVersion) -> SharedSlot | None:
+        """The memfd segment behind a cached version, when the cache is shareable."""
+        return self._shared.get(cached.buffer.data_ptr())
+
     def _make_room(self, keep: int) -> None:
         while len(self._versions) > keep:
             oldest = min(self._versions)
@@ -173,8 +189,16 @@ class VersionCache:
         # The model grew: buffers too small for it will never fit again, so free them.
         for small in self._pool:
             self.bytes_allocated -= small.numel()
+            segment = self._shared.pop(small.data_ptr(), None)
+            if segment is not None:
+                segment.close()
         self._pool.clear()
-        buffer = host_empty(need, self.device)
+        if self.shareable:
+            segment = create_slot(next(_segment_ids), need, self.device)
+            self._shared[segment.tensor.data_ptr()] = segment
+            buffer = segment.tensor
+        else:
+            buffer = host_empty(need, self.device)
         self.allocations += 1
         self.bytes_allocated += buffer.numel()
         return buffer

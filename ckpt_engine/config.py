@@ -52,6 +52,8 @@ class EngineConfig(_Strict):
     verify: bool = Field(True, description="receivers recompute and compare every tensor digest before load")
     sparse: bool = Field(False, description="send only changed tensors (not available yet: must stay false)")
     min_receivers: int = Field(1, ge=0, description="receivers that must commit for a version to commit")
+    transport: Literal["auto", "collective", "ipc"] = Field(
+        "auto", description="auto: shared memory for receivers on the sender's host, the collective for others")
     auth_token: str | None = Field(None, min_length=16, description="bearer token for HTTP and agents")
     timeouts: Timeouts = Timeouts()
     http: HttpConfig = HttpConfig()

@@ -31,10 +31,12 @@ class Register(_Body):
     device: str
     versions: list[int] = Field(default_factory=list)
     token: str | None = None
+    host_id: str | None = None  # ipc.host_identity(): equal ids can use the same-host path
 
 
 class RegisterReply(_Body):
     agent_id: str
+    ipc_name: str | None = None  # trainers: the name to serve colocated receivers under
     heartbeat_s: float
     group_name: str
     store_host: str
@@ -64,8 +66,11 @@ class Assignment(_Body):
     step: int | None = None
     source_version: int | None = None  # send: re-push this cached version under ``version``
     generation: int = 0
-    world_size: int = 0
+    world_size: int = 0  # of the collective sync group (1: no collective receivers)
     rank: int = 0
+    transport: Literal["collective", "ipc"] = "collective"  # receive: how this receiver gets the version
+    ipc_name: str | None = None  # receive over ipc: the trainer's hub
+    ipc_peers: dict[str, int] = Field(default_factory=dict)  # send: colocated receivers (agent id -> rank)
 
 
 class PollReply(_Body):

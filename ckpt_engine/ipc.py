@@ -258,6 +258,7 @@ class IpcPeer:
     channel: FramedSocket
     rank: int = 0
     mapped_generation: int = 0
+    mapped_buffers: set[int] = field(default_factory=set)
     released: int = -1
     dropped: str | None = None
     pending_ack: dict[str, Any] | None = field(default=None, repr=False)

@@ -27,9 +27,10 @@ class BucketNotice(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     seq: int
-    slot: int = Field(ge=0, le=1)
     index: int = Field(ge=0)
     digests: list[int]
+    slot: int = Field(0, ge=0, le=1)
+    in_place: bool = False  # the bytes are already in the shared buffer named at begin: nothing to copy
     nbytes: int | None = None
     names: list[str] | None = None
 
@@ -40,7 +41,8 @@ class IpcReceiver:
         self.agent_id, self.rank, self.timeout_s = agent_id, rank, timeout_s
         self.assembler = VersionAssembler(device, load, verify=verify)
         self.device = device
-        self.slots: dict[int, torch.Tensor] = {}
+        self.slots: dict[int, torch.Tensor] = {}  # the sender's two bucket slots
+        self.buffers: dict[int, torch.Tensor] = {}  # the sender's shareable cache buffers (zero-copy versions)
         self.channel = FramedSocket(_connect(name, connect_timeout_s))
         self.channel.send({"type": "hello", "agent_id": agent_id, "rank": rank, "proto": IPC_PROTO})
         self.broken: str | None = None
@@ -53,7 +55,9 @@ class IpcReceiver:
                 return None
             if message["type"] == "abort":
                 return ReceiveResult(None, False, f"sender aborted the version: {_reason(message)}")
-            incoming = self.assembler.begin(decode(VersionHeader, message["header"]))
+            buffer = message.get("buffer")
+            shared = self._buffer(buffer) if buffer is not None else None
+            incoming = self.assembler.begin(decode(VersionHeader, message["header"]), staging=shared)
         except PeerGone:
             return None
         except CkptEngineError as exc:
@@ -84,7 +88,7 @@ class IpcReceiver:
                     notice.names is not None and notice.names != [s.name for s in bucket.slots]):
                 raise ProtocolError(f"bucket {bucket.index}: notice for index {notice.index} does not match the layout")
             t0 = time.perf_counter()
-            if bucket.nbytes:
+            if bucket.nbytes and not notice.in_place:
                 incoming.bucket_view(bucket).copy_(self._slot(notice.slot)[: bucket.nbytes])
             self.channel.send({"type": "release", "seq": notice.seq})
             incoming.add_seconds("recv", time.perf_counter() - t0)
@@ -107,6 +111,12 @@ class IpcReceiver:
             if message["type"] == "map":
                 self._map(message, fds)
                 continue
+            if message["type"] == "map_buffer":
+                description = message.get("buffer") or {}
+                self.buffers[int(description.get("index", -1))] = map_slot(description, fds[0] if fds else None,
+                                                                         self.device)
+                self.channel.send({"type": "mapped"})
+                continue
             if message["type"] not in expected:
                 raise ProtocolError(f"expected one of {sorted(expected)}, got {message['type']!r}")
             return message
@@ -121,6 +131,12 @@ class IpcReceiver:
             fd = next(memfds, None) if description.get("kind", "memfd") == "memfd" else None
             self.slots[int(description["index"])] = map_slot(description, fd, self.device)
         self.channel.send({"type": "mapped", "generation": message.get("generation")})
+
+    def _buffer(self, index: Any) -> torch.Tensor:
+        buffer = self.buffers.get(index) if isinstance(index, int) else None
+        if buffer is None:
+            raise ProtocolError(f"version announced in shared buffer {index!r}, which was never mapped")
+        return buffer
 
     def _slot(self, index: int) -> torch.Tensor:
         slot = self.slots.get(index)

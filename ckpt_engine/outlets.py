@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from ckpt_engine.errors import CkptEngineError, ProtocolError, SyncTimeoutError
-from ckpt_engine.ipc import IpcHub, IpcPeer, PeerGone
+from ckpt_engine.ipc import IpcHub, IpcPeer, PeerGone, SharedSlot
 from ckpt_engine.layout import Bucket
 from ckpt_engine.protocol import Ack
 from ckpt_engine.wire import Channel, Frame, FrameKind
@@ -92,25 +92,32 @@ class IpcOutlet:
     is reused only after every live receiver released what it held. A receiver that fails or falls silent
     is dropped and reported; the others go on."""
 
-    def __init__(self, hub: IpcHub, peers: list[IpcPeer], missing: dict[str, str], timeout_s: float) -> None:
+    def __init__(self, hub: IpcHub, peers: list[IpcPeer], missing: dict[str, str], timeout_s: float, *,
+                 in_place: SharedSlot | None = None) -> None:
+        """``in_place``: the version already sits in a shareable buffer (the cache) in wire layout; receivers
+        map that buffer once and read every bucket where it is, so nothing is copied on either side."""
         self.hub, self.peers, self.timeout_s = hub, peers, timeout_s
         self.missing = missing  # agent id -> why it is not part of this version
+        self.in_place = in_place
 
     def begin(self, version: int, header: bytes) -> None:
-        slots = self.hub.slots
         for peer in self._live():
-            self._guard(peer, lambda p: self._map_and_begin(p, slots, header))
+            self._guard(peer, lambda p: self._map_and_begin(p, header))
 
     def reclaim(self, slot_index: int, k: int) -> None:
+        if self.in_place is not None:
+            return  # every bucket has its own place in the buffer: nothing is overwritten within a version
         for peer in self._live():
             self._guard(peer, lambda p: self._wait_released(p, k - 2))
 
     def bucket(self, k: int, bucket: Bucket, buf: torch.Tensor, digests: torch.Tensor, slot_index: int) -> None:
-        target = self.hub.slots[slot_index].tensor
-        if bucket.nbytes and buf.data_ptr() != target.data_ptr():
-            target[: bucket.nbytes].copy_(buf)
+        if self.in_place is None:
+            target = self.hub.slots[slot_index].tensor
+            if bucket.nbytes and buf.data_ptr() != target.data_ptr():
+                target[: bucket.nbytes].copy_(buf)
         message = {"type": "bucket", "seq": k, "slot": slot_index, "index": k, "nbytes": bucket.nbytes,
-                   "digests": digests.tolist(), "names": [s.name for s in bucket.slots]}
+                   "digests": digests.tolist(), "names": [s.name for s in bucket.slots],
+                   "in_place": self.in_place is not None}
         for peer in self._live():
             self._guard(peer, lambda p: p.channel.send(message))
 
@@ -150,15 +157,20 @@ class IpcOutlet:
             log.warning("%s", peer.dropped)
             self.hub.forget(peer)
 
-    def _map_and_begin(self, peer: IpcPeer, slots, header: bytes) -> None:
+    def _map_and_begin(self, peer: IpcPeer, header: bytes) -> None:
         peer.released, peer.pending_ack = -1, None
-        if peer.mapped_generation != self.hub.slots_generation:
-            fds = [s.fd for s in slots if s.fd is not None]
+        buffer = self.in_place
+        if buffer is not None and buffer.index not in peer.mapped_buffers:
+            peer.channel.send({"type": "map_buffer", "buffer": buffer.describe()}, [buffer.fd] if buffer.fd else None)
+            self._expect(peer, "mapped")
+            peer.mapped_buffers.add(buffer.index)
+        if buffer is None and peer.mapped_generation != self.hub.slots_generation:
+            slots = self.hub.slots
             peer.channel.send({"type": "map", "generation": self.hub.slots_generation,
-                               "slots": [s.describe() for s in slots]}, fds)
+                               "slots": [s.describe() for s in slots]}, [s.fd for s in slots if s.fd is not None])
             self._expect(peer, "mapped")
             peer.mapped_generation = self.hub.slots_generation
-        peer.channel.send({"type": "begin", "header": header})
+        peer.channel.send({"type": "begin", "header": header, "buffer": buffer.index if buffer else None})
 
     def _wait_released(self, peer: IpcPeer, seq: int) -> None:
         while peer.released < seq:

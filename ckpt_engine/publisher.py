@@ -48,7 +48,8 @@ class Publisher:
         self.bucket_size = bucket_size
         self.alignment = alignment
         self.device: DeviceInfo = group.device if group is not None else device  # type: ignore[assignment]
-        self.cache = VersionCache(self.device, keep_versions)
+        # With colocated receivers the cache lives in shareable memory: cached versions reach them zero-copy.
+        self.cache = VersionCache(self.device, keep_versions, shareable=ipc_hub_name is not None)
         self.hub = IpcHub(ipc_hub_name, self.device) if ipc_hub_name else None
         self._sender_options = dict(digest_algo=digest_algo, ack_timeout_s=ack_timeout_s, wire_hook=wire_hook,
                                     on_stage=on_stage, timeout_s=timeout_s)

@@ -121,8 +121,9 @@ class _CacheSource:
 
     mode: Mode = "cached"
 
-    def __init__(self, cached, on_host_wire: bool, as_version: int | None = None) -> None:
+    def __init__(self, cached, on_host_wire: bool, as_version: int | None = None, segment=None) -> None:
         self.cached = cached
+        self.segment = segment  # the cache buffer's shareable segment: colocated receivers read it in place
         self.layout, self.aliases, self.step = cached.layout, cached.aliases, cached.step
         self.version = cached.version if as_version is None else as_version
         self._on_host_wire = on_host_wire
@@ -175,7 +176,7 @@ class Sender:
         the cache keeps its buffer alive until the transfer ends."""
         hold = contextlib.ExitStack()
         cached = hold.enter_context(cache.lease(version))
-        source = _CacheSource(cached, self.device.comm_device.type == "cpu", as_version)
+        source = _CacheSource(cached, self.device.comm_device.type == "cpu", as_version, cache.shared_segment(cached))
         transfer = Transfer(source.version, "cached")
         transfer.params_released.set()
         return self._start(source, transfer, hold)
@@ -226,13 +227,14 @@ class Sender:
         threading.Thread(target=run, name=f"ckpt-send-v{source.version}", daemon=True).start()
         return transfer
 
-    def _outlets(self) -> list[Outlet]:
+    def _outlets(self, source: _Source | None = None) -> list[Outlet]:
         outlets: list[Outlet] = []
         if self.channel is not None:
             outlets.append(CollectiveOutlet(self.channel))
         if self.ipc_peers and self.hub is not None:
             peers, missing = self.hub.peers(self.ipc_peers, self.timeout_s)
-            outlets.append(IpcOutlet(self.hub, peers, missing, self.timeout_s))
+            in_place = source.segment if isinstance(source, _CacheSource) and source._on_host_wire else None
+            outlets.append(IpcOutlet(self.hub, peers, missing, self.timeout_s, in_place=in_place))
         return outlets
 
     def _run(self, source: _Source) -> TransferResult:
@@ -242,7 +244,7 @@ class Sender:
                                 layout.num_tensors)
         try:
             slots = self._ensure_slots(layout, source)
-            outlets = self._outlets()
+            outlets = self._outlets(source)
             with timer.stage("header"):
                 header = self._header(source)
                 for outlet in outlets:

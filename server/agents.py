@@ -20,6 +20,7 @@ class Agent:
     host: str
     pid: int
     device: str
+    host_id: str | None
     registered_at: float
     last_seen: float
     versions: list[int] = field(default_factory=list)
@@ -27,7 +28,7 @@ class Agent:
 
     def public(self) -> dict:
         return {"agent_id": self.agent_id, "role": self.role, "rank": self.rank, "host": self.host, "pid": self.pid,
-                "device": self.device, "versions": self.versions, "registered_at": self.registered_at,
+                "device": self.device, "host_id": self.host_id, "versions": self.versions, "registered_at": self.registered_at,
                 "seconds_since_seen": round(time.monotonic() - self.last_seen, 3)}
 
 
@@ -42,7 +43,7 @@ class AgentRegistry:
     def add(self, message: Register) -> Agent:
         now = time.monotonic()
         agent = Agent(uuid.uuid4().hex[:12], next(self._seq), message.role, message.rank, message.host,
-                      message.pid, message.device, time.time(), now, list(message.versions))
+                      message.pid, message.device, message.host_id, time.time(), now, list(message.versions))
         self._agents[agent.agent_id] = agent
         return agent
 

@@ -62,7 +62,8 @@ class Controller:
                  agent.host, agent.device)
         timeouts = self.config.timeouts
         return RegisterReply(
-            agent_id=agent.agent_id, heartbeat_s=timeouts.heartbeat_s, group_name=self.group_name,
+            agent_id=agent.agent_id, ipc_name=self._ipc_name(agent) if agent.role == "trainer" else None,
+            heartbeat_s=timeouts.heartbeat_s, group_name=self.group_name,
             store_host=self.store_host, store_port=self.store_port, bucket_size=self.config.bucket_size,
             alignment=self.config.alignment, keep_versions=self.config.keep_versions, verify=self.config.verify,
             connect_timeout_s=timeouts.connect_s, collective_timeout_s=timeouts.collective_s,
@@ -135,11 +136,13 @@ class Controller:
             trainer, receivers = self.agents.trainer(), self.agents.receivers()
             record = self.history.create(mode=mode, step=step, source_version=source_version)
             problem = self._quorum_problem(trainer, receivers)
+            if problem is None:
+                colocated, problem = self._transports(trainer, receivers)  # type: ignore[arg-type]
             if problem:
                 failed = self.history.update(record.id, status="failed", reason=problem)
                 self.metrics.version_done("failed", 0, {})
                 raise Unavailable(problem, failed.to_dict())
-            self._start(record, trainer, receivers, source_version)  # type: ignore[arg-type]  # checked above
+            self._start(record, trainer, receivers, colocated, source_version)  # type: ignore[arg-type]
             return record
 
     def push(self, version: int) -> VersionRecord:
@@ -238,25 +241,42 @@ class Controller:
                     "needed (min_receivers)")
         return None
 
-    def _start(self, record: VersionRecord, trainer: Agent, receivers: list[Agent],
+    def _transports(self, trainer: Agent, receivers: list[Agent]) -> tuple[list[Agent], str | None]:
+        """Which receivers take the same-host path (shared memory / CUDA IPC), per ``transport``."""
+        mode = self.config.transport
+        colocated = [r for r in receivers if mode != "collective" and _colocatable(trainer, r)]
+        if mode == "ipc" and len(colocated) < len(receivers):
+            far = [r.agent_id for r in receivers if r not in colocated]
+            return [], f"transport is ipc, but receiver(s) {far} are not on the trainer's host with its device kind"
+        return colocated, None
+
+    def _start(self, record: VersionRecord, trainer: Agent, receivers: list[Agent], colocated: list[Agent],
                source_version: int | None) -> None:
-        membership = (trainer.agent_id, *(r.agent_id for r in receivers))
+        remote = [r for r in receivers if r not in colocated]
+        membership = (trainer.agent_id, *(r.agent_id for r in remote), "|", *(r.agent_id for r in colocated))
         if membership != self._membership or self._group_dirty:
             self._generation += 1
             self._membership, self._group_dirty = membership, False
-            log.info("sync group generation %d: trainer %s + %d receiver(s)", self._generation, trainer.agent_id,
-                     len(receivers))
-        world = 1 + len(receivers)
+            log.info("sync group generation %d: trainer %s + %d remote and %d colocated receiver(s)",
+                     self._generation, trainer.agent_id, len(remote), len(colocated))
         common = dict(version=record.id, mode=record.mode, step=record.step, generation=self._generation,
-                      world_size=world)
-        trainer.pending.append(Assignment(kind="send", rank=0, source_version=source_version, **common))
-        quorum = {}
-        for rank, receiver in enumerate(receivers, start=1):
-            receiver.pending.append(Assignment(kind="receive", rank=rank, **common))
-            quorum[receiver.agent_id] = rank
+                      world_size=1 + len(remote))
+        quorum = {r.agent_id: rank for rank, r in enumerate(remote + colocated, start=1)}
+        for receiver in remote:
+            receiver.pending.append(Assignment(kind="receive", rank=quorum[receiver.agent_id], **common))
+        for receiver in colocated:
+            receiver.pending.append(Assignment(kind="receive", rank=quorum[receiver.agent_id], transport="ipc",
+                                               ipc_name=self._ipc_name(trainer), **common))
+        trainer.pending.append(Assignment(kind="send", rank=0, source_version=source_version,
+                                          ipc_peers={r.agent_id: quorum[r.agent_id] for r in colocated}, **common))
         self._in_flight = InFlight(record.id, record.mode, trainer.agent_id, quorum)
-        self.history.update(record.id, receivers=[{"rank": r, "agent_id": a} for a, r in quorum.items()])
+        self.history.update(record.id, receivers=[
+            {"rank": r, "agent_id": a, "transport": "ipc" if any(c.agent_id == a for c in colocated) else "collective"}
+            for a, r in quorum.items()])
         self.metrics.in_flight.set(1)
+
+    def _ipc_name(self, trainer: Agent) -> str:
+        return f"ckpt-engine/{self.group_name}/{trainer.agent_id}"
 
     def _advance(self, version: int, status: str, step: int | None) -> None:
         current = self.history.get(version)
@@ -267,9 +287,11 @@ class Controller:
     def _finish(self, flight: InFlight, report: Report) -> None:
         agents_by_rank = {rank: agent for agent, rank in flight.quorum.items()}
         receivers, stages = [], dict(report.stages)
+        planned = {r["rank"]: r for r in (self.history.get(flight.version).receivers or [])}  # type: ignore[union-attr]
         for ack in report.receivers:
             rank = int(ack.get("rank", -1))
-            receivers.append({**ack, "agent_id": agents_by_rank.get(rank)})
+            receivers.append({**ack, "agent_id": agents_by_rank.get(rank),
+                              "transport": planned.get(rank, {}).get("transport")})
             for stage in ("load", "verify"):
                 seconds = (ack.get("seconds") or {}).get(stage)
                 if seconds is not None:
@@ -304,3 +326,10 @@ class Controller:
     def _update_gauges(self) -> None:
         self.metrics.receivers.set(len(self.agents.receivers()))
         self.metrics.trainers.set(sum(1 for a in self.agents.all() if a.role == "trainer"))
+
+
+def _colocatable(trainer: Agent, receiver: Agent) -> bool:
+    """Same kernel and network namespace, and the same kind of device where IPC exists (CPU, CUDA)."""
+    kind = trainer.device.split(":")[0]
+    return (trainer.host_id is not None and receiver.host_id == trainer.host_id
+            and receiver.device.split(":")[0] == kind and kind in ("cpu", "cuda"))

@@ -151,7 +151,7 @@ def create_app(controller: Controller, config: EngineConfig) -> FastAPI:
         return {**controller.status(), "config": {
             "bypass_cpu": config.bypass_cpu, "bucket_size_mb": config.bucket_size_mb, "device": config.device,
             "backend": config.backend, "keep_versions": config.keep_versions, "verify": config.verify,
-            "min_receivers": config.min_receivers, "zmq": config.zmq.endpoint, "auth": config.auth_token is not None,
+            "min_receivers": config.min_receivers, "transport": config.transport, "zmq": config.zmq.endpoint, "auth": config.auth_token is not None,
         }, "version": __version__}
 
     @app.get("/health", summary="Liveness (no token needed)")

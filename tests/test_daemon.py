@@ -35,11 +35,12 @@ def trainer_proc(zmq: str, stop_file: str) -> dict:
     return {"state": state_bytes(model), "held": agent.held_seconds}
 
 
-def receiver_proc(zmq: str, stop_file: str, seed: int) -> dict:
+def receiver_proc(zmq: str, stop_file: str, seed: int, host_id: str | None = None) -> dict:
     from ckpt_engine.workers.rollout_agent import RolloutAgent
 
     model = AwkwardModel(seed=seed)
-    agent = RolloutAgent(lambda payload: load_into(model, payload.tensors), zmq, poll_wait_s=0.5).start()
+    agent = RolloutAgent(lambda payload: load_into(model, payload.tensors), zmq, poll_wait_s=0.5,
+                         host_id=host_id).start()
     while not os.path.exists(stop_file):
         time.sleep(0.05)
     agent.close()
@@ -62,9 +63,11 @@ def stop_file(tmp_path: Path) -> Path:
 
 def test_sync_push_evict_end_to_end(tmp_path: Path, stop_file: Path) -> None:
     daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml"))
+    # transport auto: receiver 7 shares the trainer's host (shared memory), receiver 8 claims another host
+    # (collective): one version reaches both ways.
     agents = start_processes([(trainer_proc, (daemon.zmq, str(stop_file))),
                               (receiver_proc, (daemon.zmq, str(stop_file), 7)),
-                              (receiver_proc, (daemon.zmq, str(stop_file), 8))])
+                              (receiver_proc, (daemon.zmq, str(stop_file), 8, "another-host"))])
     try:
         with daemon.client() as client:
             wait_for_agents(client, 3)
@@ -76,6 +79,7 @@ def test_sync_push_evict_end_to_end(tmp_path: Path, stop_file: Path) -> None:
             assert {"snapshot", "fill", "broadcast", "load", "verify"} <= set(first["stages"])
             assert [r["version_digest"] for r in first["receivers"]] == [first["version_digest"]] * 2
             assert all(r["ok"] for r in first["receivers"])
+            assert sorted(r["transport"] for r in first["receivers"]) == ["collective", "ipc"]
 
             bypass = client.post("/sync", json={"bypass_cpu": True, "wait": True}).json()
             assert bypass["status"] == "committed" and bypass["mode"] == "bypass_cpu" and not bypass["cached"]
@@ -120,7 +124,7 @@ def _wait_terminal(client: httpx.Client, version: int, timeout_s: float = 60) ->
 
 def test_bypass_cpu_from_deploy_yaml_with_env_overrides(tmp_path: Path, stop_file: Path) -> None:
     base = write_config(tmp_path, ROOT / "deploy" / "engine-bypass.yaml")
-    daemon = start_daemon(base, env={"CKPT_ENGINE_TIMEOUTS__ACK_S": "25"})
+    daemon = start_daemon(base, env={"CKPT_ENGINE_TIMEOUTS__ACK_S": "25", "CKPT_ENGINE_TRANSPORT": "collective"})
     agents = start_processes([(trainer_proc, (daemon.zmq, str(stop_file))),
                               (receiver_proc, (daemon.zmq, str(stop_file), 3))])
     try:
@@ -129,6 +133,7 @@ def test_bypass_cpu_from_deploy_yaml_with_env_overrides(tmp_path: Path, stop_fil
             record = client.post("/sync", json={"wait": True}).json()
             assert record["status"] == "committed" and record["mode"] == "bypass_cpu"
             assert record["receivers"][0]["version_digest"] == record["version_digest"]
+            assert record["receivers"][0]["transport"] == "collective"  # forced by CKPT_ENGINE_TRANSPORT
             assert client.get("/status").json()["config"]["bypass_cpu"] is True
     finally:
         stop_file.touch()

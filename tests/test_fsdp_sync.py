@@ -86,7 +86,9 @@ def transformers_receiver(zmq: str, seed: int, stop_file: str) -> dict:
 
 
 def test_fsdp2_trainer_to_transformers_receivers_byte_equal(tmp_path: Path) -> None:
-    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", bucket_size_mb=0.05))
+    # collective transport: the FSDP path over the gloo sync group (the demo covers the same-host path)
+    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", bucket_size_mb=0.05,
+                                       transport="collective"))
     stop_file = tmp_path / "stop"
     receivers = start_processes([(transformers_receiver, (daemon.zmq, 5, str(stop_file))),
                                  (transformers_receiver, (daemon.zmq, 6, str(stop_file)))])

@@ -13,6 +13,7 @@ from ckpt_engine.control import Assignment, RegisterReply, Role
 from ckpt_engine.device import DeviceInfo, detect_device
 from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.group import SyncGroup, open_store
+from ckpt_engine.ipc import host_identity
 from ckpt_engine.workers.client import ControlClient, ControlReplyError
 
 log = logging.getLogger(__name__)
@@ -22,12 +23,15 @@ class Agent:
     role: Role
 
     def __init__(self, endpoint: str, *, rank: int = 0, token: str | None = None, device: DeviceInfo | None = None,
-                 poll_wait_s: float = 1.0, request_timeout_s: float = 10.0) -> None:
+                 poll_wait_s: float = 1.0, request_timeout_s: float = 10.0, host_id: str | None = None) -> None:
+        """``host_id`` overrides the same-host identity (ipc.host_identity); a distinct value forces the
+        collective path for this agent."""
         self.endpoint = endpoint
         self.rank = rank
         self.token = token
         self.device = device or detect_device()
         self.poll_wait_s = poll_wait_s
+        self.host_id = host_id or host_identity()
         self.request_timeout_s = request_timeout_s
         self.settings: RegisterReply | None = None
         self._client = ControlClient(endpoint, timeout_s=request_timeout_s, token=token)
@@ -78,16 +82,22 @@ class Agent:
     def handle(self, assignment: Assignment) -> None:
         raise NotImplementedError
 
-    def group_for(self, assignment: Assignment) -> SyncGroup:
-        """The sync group of the assignment's generation, rebuilt when the generation changed or it broke."""
+    def group_for(self, assignment: Assignment) -> SyncGroup | None:
+        """The sync group of the assignment's generation, rebuilt when the generation changed or it broke;
+        None when the version has no collective receivers (all colocated)."""
         settings = self.settings
         if settings is None:
             raise CkptEngineError("agent is not registered")
         with self._group_lock:  # the poll thread may be building it ahead of the step that needs it
             return self._group_for(assignment, settings)
 
-    def _group_for(self, assignment: Assignment, settings: RegisterReply) -> SyncGroup:
+    def _group_for(self, assignment: Assignment, settings: RegisterReply) -> SyncGroup | None:
         current = self.group
+        if assignment.world_size < 2:
+            if current is not None:
+                current.close()
+                self.group = None
+            return None
         if current is not None and current.generation == assignment.generation and current.broken is None:
             return current
         if current is not None:
@@ -101,7 +111,8 @@ class Agent:
 
     def _register(self) -> None:
         body = {"role": self.role, "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
-                "device": str(self.device.torch_device), "versions": self.versions_held(), "token": self.token}
+                "device": str(self.device.torch_device), "versions": self.versions_held(), "token": self.token,
+                "host_id": self.host_id}
         self.settings = RegisterReply.model_validate(self._client.request("register", body))
         log.info("registered with %s as %s %s", self.endpoint, self.role, self.settings.agent_id)
 

@@ -15,6 +15,7 @@ import threading
 from ckpt_engine.control import Assignment
 from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError
+from ckpt_engine.ipc_receiver import IpcReceiver
 from ckpt_engine.receiver import LoadFn, Receiver, ReceiveResult
 from ckpt_engine.workers.agent import Agent
 
@@ -25,13 +26,15 @@ class RolloutAgent(Agent):
     role = "receiver"
 
     def __init__(self, load: LoadFn, endpoint: str, *, token: str | None = None, device: DeviceInfo | None = None,
-                 poll_wait_s: float = 1.0) -> None:
-        super().__init__(endpoint, token=token, device=device, poll_wait_s=poll_wait_s)
+                 poll_wait_s: float = 1.0, host_id: str | None = None) -> None:
+        super().__init__(endpoint, token=token, device=device, poll_wait_s=poll_wait_s, host_id=host_id)
         self.load = load
         self.current_version: int | None = None
         self.results: list[ReceiveResult] = []
         self._work: queue.Queue[Assignment | None] = queue.Queue()
         self._receiver: Receiver | None = None
+        self._ipc: IpcReceiver | None = None
+        self._ipc_name: str | None = None
         self._worker = threading.Thread(target=self._work_loop, name="ckpt-receiver", daemon=True)
         self.applied = threading.Condition()
 
@@ -51,6 +54,8 @@ class RolloutAgent(Agent):
         if self._worker.is_alive():  # let a version being received finish and report first
             settings = self.settings
             self._worker.join(settings.version_timeout_s if settings else 10.0)
+        if self._ipc is not None:
+            self._ipc.close()
         super().close()
 
     def wait_for_version(self, version: int, timeout_s: float) -> bool:
@@ -71,15 +76,35 @@ class RolloutAgent(Agent):
         settings = self.settings
         if settings is None:
             raise CkptEngineError("not registered")
-        group = self.group_for(assignment)
-        if self._receiver is None or self._receiver.group is not group:
-            self._receiver = Receiver(group, self.load, verify=settings.verify)
-        result = self._receiver.receive(begin_timeout_s=settings.version_timeout_s)
+        receiver = self._ipc_receiver(assignment, settings) if assignment.transport == "ipc" else \
+            self._collective_receiver(assignment, settings)
+        result = receiver.receive(begin_timeout_s=settings.version_timeout_s)
         if result is None:
-            return ReceiveResult(assignment.version, False, "the sender closed the sync group")
+            return ReceiveResult(assignment.version, False, "the sender closed the channel")
         if result.version is not None and result.version != assignment.version:
             result.ok, result.reason = False, f"received version {result.version}, expected {assignment.version}"
         return result
+
+    def _collective_receiver(self, assignment: Assignment, settings) -> Receiver:
+        group = self.group_for(assignment)
+        if group is None:
+            raise CkptEngineError("a collective receive needs a sync group of at least two ranks")
+        if self._receiver is None or self._receiver.group is not group:
+            self._receiver = Receiver(group, self.load, verify=settings.verify)
+        return self._receiver
+
+    def _ipc_receiver(self, assignment: Assignment, settings) -> IpcReceiver:
+        """The same-host receiver for the trainer's hub, reconnected when the hub changed or the channel broke."""
+        current = self._ipc
+        if current is None or current.broken is not None or self._ipc_name != assignment.ipc_name \
+                or current.rank != assignment.rank:
+            if current is not None:
+                current.close()
+            self._ipc = IpcReceiver(assignment.ipc_name or "", self.agent_id, assignment.rank, self.load,
+                                    device=self.device, verify=settings.verify,
+                                    timeout_s=settings.collective_timeout_s, connect_timeout_s=settings.connect_timeout_s)
+            self._ipc_name = assignment.ipc_name
+        return self._ipc
 
     def _record(self, assignment: Assignment, result: ReceiveResult) -> None:
         self.results.append(result)

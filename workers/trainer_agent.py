@@ -68,9 +68,12 @@ class TrainerAgent(Agent):
         settings = self.settings
         if settings is None:
             raise CkptEngineError("registration returned no settings")
+        if self.publisher is not None:  # registering again (daemon restart): keep the cache and the hub
+            return
         self.publisher = Publisher(device=self.device, bucket_size=settings.bucket_size, alignment=settings.alignment,
                                    keep_versions=settings.keep_versions, ack_timeout_s=settings.ack_timeout_s,
-                                   on_stage=self._on_stage)
+                                   on_stage=self._on_stage, timeout_s=settings.collective_timeout_s,
+                                   ipc_hub_name=settings.ipc_name if self.rank == 0 else None)
 
     def versions_held(self) -> list[int]:
         return self.publisher.cache.versions() if self.publisher else []
@@ -180,7 +183,7 @@ class TrainerAgent(Agent):
 
     def _send_live(self, assignment: Assignment, cursor: "_GatherCursor", step: int) -> Transfer:
         publisher = self._publisher()
-        publisher.attach(self.group_for(assignment))
+        publisher.attach(self.group_for(assignment), assignment.ipc_peers)
         return publisher.sender.send_live(  # type: ignore[union-attr]
             assignment.version, cursor.layout, cursor.bucket_tensors, aliases=cursor.named.aliases,
             step=assignment.step if assignment.step is not None else step, check=False)
@@ -188,7 +191,7 @@ class TrainerAgent(Agent):
     def _abort_before_start(self, assignment: Assignment, reason: str) -> None:
         try:
             publisher = self._publisher()
-            publisher.attach(self.group_for(assignment))
+            publisher.attach(self.group_for(assignment), assignment.ipc_peers)
             publisher.sender.abort_before_start(assignment.version, reason)  # type: ignore[union-attr]
         except CkptEngineError as exc:  # receivers then fall back on their own timeout
             log.warning("could not tell receivers that version %d is abandoned: %s", assignment.version, exc)
@@ -201,12 +204,12 @@ class TrainerAgent(Agent):
 
     def _send_cached(self, assignment: Assignment, held: float) -> None:
         publisher = self._publisher()
-        publisher.attach(self.group_for(assignment))
+        publisher.attach(self.group_for(assignment), assignment.ipc_peers)
         self._finish(publisher.sender.send_cached(publisher.cache, assignment.version), held)  # type: ignore[union-attr]
 
     def _republish(self, assignment: Assignment) -> None:
         publisher = self._publisher()
-        publisher.attach(self.group_for(assignment))
+        publisher.attach(self.group_for(assignment), assignment.ipc_peers)
         transfer = publisher.republish(assignment.source_version, as_version=assignment.version)  # type: ignore[arg-type]
         self._finish(transfer, 0.0)
 
