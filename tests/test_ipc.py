@@ -209,3 +209,25 @@ def test_kill9_of_the_sender_mid_version_releases_the_receiver(tmp_path: Path) -
 
 def test_host_identity_is_stable_in_one_process() -> None:
     assert host_identity() == host_identity() and ":" in host_identity()
+
+
+def hub_only_sender(hub: str) -> dict:
+    publisher = Publisher(device=CPU, bucket_size=BUCKET_SIZE, ipc_hub_name=hub, timeout_s=3)
+    publisher.attach(None, ipc_peers={"colocated": 2})
+    started = time.monotonic()
+    result = publisher.publish(1, named_tensors_of(AwkwardModel(seed=1)), bypass_cpu=True).result(60)
+    return {"ok": result.ok, "reason": result.reason, "elapsed": time.monotonic() - started}
+
+
+def test_a_receiver_that_stops_releasing_is_timed_out_and_dropped(tmp_path: Path) -> None:
+    hub = f"ckpt-test-{uuid.uuid4().hex[:8]}"
+    ctx = mp.get_context("spawn")
+    stalled = ctx.Process(target=colocated_receiver, args=(hub, 0, str(tmp_path / "stalled")), daemon=True)
+    stalled.start()
+    try:
+        (sender,) = run_processes([(hub_only_sender, (hub,))], timeout_s=60)
+    finally:
+        stalled.kill()
+        stalled.join(10)
+    assert not sender["ok"] and "dropped" in sender["reason"] and "release" in sender["reason"]
+    assert sender["elapsed"] < 3 * 4  # bounded by the timeout, not by the stalled receiver
