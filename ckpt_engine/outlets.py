@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from ckpt_engine.errors import CkptEngineError, ProtocolError, SyncTimeoutError
-from ckpt_engine.ipc import IpcHub, IpcPeer, PeerGone, SharedSlot
+from ckpt_engine.ipc import IpcHub, IpcPeer, SharedSlot
 from ckpt_engine.layout import Bucket
 from ckpt_engine.protocol import Ack
 from ckpt_engine.wire import Channel, Frame, FrameKind
@@ -185,9 +185,8 @@ class IpcOutlet:
         try:
             message, _ = peer.channel.recv(self.timeout_s if timeout_s is None else timeout_s)
         except SyncTimeoutError:
-            raise SyncTimeoutError(f"no '{kind}' within {self.timeout_s if timeout_s is None else timeout_s:.1f}s")
-        except PeerGone:
-            raise
+            limit = self.timeout_s if timeout_s is None else timeout_s
+            raise SyncTimeoutError(f"no '{kind}' within {limit:.1f}s") from None
         kind_seen = message["type"]
         if kind_seen == "release":
             peer.released = max(peer.released, int(message.get("seq", -1)))

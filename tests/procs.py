@@ -43,11 +43,11 @@ class Running:
                                          f"did not finish within {timeout_s}s")
                 try:
                     index, status, value = self._results.get(timeout=min(remaining, 1.0))
-                except queue.Empty:
+                except queue.Empty:  # noqa: PERF203 - poll, then check for dead children
                     dead = [i for i, p in enumerate(self.procs) if i not in collected and p.exitcode not in (None, 0)]
                     if dead:
                         raise AssertionError(f"process(es) {dead} died with exit codes "
-                                             f"{[self.procs[i].exitcode for i in dead]} before reporting")
+                                             f"{[self.procs[i].exitcode for i in dead]} before reporting") from None
                     continue
                 collected[index] = (status, value)
         finally:

@@ -41,7 +41,7 @@ def fake_server(module: str, *flags: str) -> Iterator[str]:
                 break
             except httpx.HTTPError:
                 if time.monotonic() > deadline or proc.poll() is not None:
-                    raise AssertionError(f"{module} did not start")
+                    raise AssertionError(f"{module} did not start") from None
                 time.sleep(0.1)
         yield url
     finally:

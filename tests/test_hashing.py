@@ -66,7 +66,7 @@ def test_sensitive_to_dtype_and_shape_with_equal_bytes(algo: str) -> None:
 def test_device_digest_matches_the_plain_python_reference() -> None:
     tensors = sample()
     expected = []
-    for name, t in tensors.items():
+    for t in tensors.values():
         raw = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
         expected.append(reference_mix64_digest(str(t.dtype).removeprefix("torch."), tuple(t.shape), bytes(raw.tolist())))
     assert digests_of(tensors, "torch-mix64") == expected

@@ -50,7 +50,7 @@ class TinyLM(nn.Module):
 def model_digest(model: nn.Module) -> str:
     """Digest of the model's current bytes, to show receivers end identical to the trainer."""
     values = []
-    for name, tensor in model.state_dict(keep_vars=False).items():
+    for tensor in model.state_dict(keep_vars=False).values():
         raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         values.append(xxh3_digest(str(tensor.dtype), tuple(tensor.shape), raw))
     return version_digest("xxh3-64", "model-state", values)
