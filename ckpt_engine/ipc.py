@@ -199,7 +199,11 @@ class IpcHub:
         returns them and the reasons for those still missing."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
-            while not all(a in self._peers for a in wanted) and time.monotonic() < deadline:
+            while True:
+                for agent_id in [a for a in wanted if a in self._peers and not self._peers[a].alive()]:
+                    self._peers.pop(agent_id).channel.close()  # gone; it may be reconnecting right now
+                if all(a in self._peers for a in wanted) or time.monotonic() >= deadline:
+                    break
                 self._changed.wait(min(0.1, max(deadline - time.monotonic(), 0.001)))
             found = [self._peers[a] for a in wanted if a in self._peers]
         for peer in found:
@@ -259,6 +263,17 @@ class IpcPeer:
     rank: int = 0
     mapped_generation: int = 0
     mapped_buffers: set[int] = field(default_factory=set)
+    layout_digest: str | None = None  # the layout this peer was last sent
     released: int = -1
     dropped: str | None = None
     pending_ack: dict[str, Any] | None = field(default=None, repr=False)
+
+    def alive(self) -> bool:
+        """False once the receiver closed its end (checked between versions, when it has nothing to say)."""
+        sock = self.channel.sock
+        try:
+            if not select.select([sock], [], [], 0)[0]:
+                return True
+            return sock.recv(1, socket.MSG_PEEK) != b""
+        except OSError:
+            return False

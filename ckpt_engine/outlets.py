@@ -19,7 +19,9 @@ log = logging.getLogger(__name__)
 
 
 class Outlet(Protocol):
-    def begin(self, version: int, header: bytes) -> None: ...
+    def begin(self, version: int, layout_digest: str, full: bytes, slim: bytes | None) -> None:
+        """Announce a version: ``full`` carries the layout, ``slim`` (if any) only its digest, for receivers
+        known to hold that layout already."""
 
     def reclaim(self, slot_index: int, k: int) -> None:
         """Return once send slot ``slot_index`` may be overwritten with bucket ``k``."""
@@ -43,9 +45,12 @@ class CollectiveOutlet:
         self._pending: list[Any] = [None, None]
         self._in_flight: list[torch.Tensor | None] = [None, None]  # keeps the sent buffer alive
         self._version = 0
+        self._layout_sent: str | None = None  # receivers of a group hold the layout they were last sent
 
-    def begin(self, version: int, header: bytes) -> None:
+    def begin(self, version: int, layout_digest: str, full: bytes, slim: bytes | None) -> None:
         self._version = version
+        header = slim if slim is not None and self._layout_sent == layout_digest else full
+        self._layout_sent = layout_digest
         self.channel.frame(Frame(FrameKind.BEGIN, version, len(header)), 0, "version begin")
         self.channel.payload(header, len(header), "version header")
 
@@ -100,9 +105,11 @@ class IpcOutlet:
         self.missing = missing  # agent id -> why it is not part of this version
         self.in_place = in_place
 
-    def begin(self, version: int, header: bytes) -> None:
+    def begin(self, version: int, layout_digest: str, full: bytes, slim: bytes | None) -> None:
         for peer in self._live():
+            header = slim if slim is not None and peer.layout_digest == layout_digest else full
             self._guard(peer, lambda p: self._map_and_begin(p, header))
+            peer.layout_digest = layout_digest
 
     def reclaim(self, slot_index: int, k: int) -> None:
         if self.in_place is not None:
@@ -196,5 +203,4 @@ class IpcOutlet:
             return
         else:
             raise ProtocolError(f"expected '{kind}', got '{kind_seen}'")
-
 

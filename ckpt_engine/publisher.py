@@ -61,8 +61,13 @@ class Publisher:
 
     def attach(self, group: SyncGroup | None, ipc_peers: Mapping[str, int] | None = None) -> None:
         """Send on ``group`` and to the colocated ``ipc_peers`` (agent id -> rank) from now on; the caller
-        closes the previous group."""
-        self.sender = Sender(group, device=self.device, hub=self.hub, ipc_peers=ipc_peers,
+        closes the previous group. Attaching the same receivers again keeps the sender (and what it knows
+        its receivers hold, such as the layout)."""
+        peers = dict(ipc_peers or {})
+        current = self.sender
+        if current is not None and current.group is group and current.ipc_peers == peers:
+            return
+        self.sender = Sender(group, device=self.device, hub=self.hub, ipc_peers=peers,
                              **self._sender_options)  # type: ignore[arg-type]
 
     def layout_for(self, named: NamedTensors) -> Layout:

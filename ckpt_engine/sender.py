@@ -169,7 +169,6 @@ class Sender:
         self.on_stage = on_stage  # called with (version, "transferring" | "verifying") from the send thread
         self._slots: list[torch.Tensor] = []
         self._busy = threading.Lock()
-        self._layout_sent: str | None = None
 
     def send_cached(self, cache: VersionCache, version: int, *, as_version: int | None = None) -> Transfer:
         """Send a version held in ``cache`` (labelled ``as_version`` on the wire when given, e.g. a rollback);
@@ -246,9 +245,9 @@ class Sender:
             slots = self._ensure_slots(layout, source)
             outlets = self._outlets(source)
             with timer.stage("header"):
-                header = self._header(source)
+                full, slim = self._headers(source)
                 for outlet in outlets:
-                    outlet.begin(source.version, header)
+                    outlet.begin(source.version, layout.digest, full, slim)
             self._stage(source.version, "transferring")
             digests = self._send_buckets(source, outlets, slots, timer, result)
             self._stage(source.version, "verifying")
@@ -281,16 +280,15 @@ class Sender:
             except Exception:  # a progress observer must never break a transfer
                 log.exception("on_stage callback failed")
 
-    def _header(self, source: _Source) -> bytes:
-        # Receivers keep the layout they were sent; it travels again only when it changes.
+    def _headers(self, source: _Source) -> tuple[bytes, bytes]:
+        """The version header with the layout, and without it for receivers that already hold that layout."""
         layout = source.layout
-        header = encode(VersionHeader(
-            version=source.version, mode=source.mode, digest_algo=self.digest_algo, layout_digest=layout.digest,
-            layout=None if layout.digest == self._layout_sent else LayoutMessage.of(layout), step=source.step,
-            aliases=dict(source.aliases), created_at=time.time(),
-        ))
-        self._layout_sent = layout.digest
-        return header
+        fields = dict(version=source.version, mode=source.mode, digest_algo=self.digest_algo,
+                      layout_digest=layout.digest, step=source.step, aliases=dict(source.aliases),
+                      created_at=time.time())
+        full = encode(VersionHeader(layout=LayoutMessage.of(layout), **fields))
+        slim = encode(VersionHeader(**fields))
+        return full, slim
 
     def _send_buckets(self, source: _Source, outlets: list[Outlet], slots: list[torch.Tensor], timer: "_Timer",
                       result: TransferResult) -> list[int]:

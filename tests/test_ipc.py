@@ -231,3 +231,32 @@ def test_a_receiver_that_stops_releasing_is_timed_out_and_dropped(tmp_path: Path
         stalled.join(10)
     assert not sender["ok"] and "dropped" in sender["reason"] and "release" in sender["reason"]
     assert sender["elapsed"] < 3 * 4  # bounded by the timeout, not by the stalled receiver
+
+
+def two_version_sender(hub: str) -> list:
+    publisher = Publisher(device=CPU, bucket_size=BUCKET_SIZE, ipc_hub_name=hub, timeout_s=20)
+    publisher.attach(None, ipc_peers={"colocated": 1})
+    model = AwkwardModel(seed=1)
+    out = []
+    for version in (1, 2, 3):
+        publisher.attach(None, ipc_peers={"colocated": 1})  # as the trainer agent does for every version
+        out.append(publisher.publish(version, named_tensors_of(model)).result(60).ok)
+    publisher.close()
+    return out
+
+
+def reconnecting_receiver(hub: str) -> list:
+    results = []
+    for _ in range(2):  # a fresh receiver object (e.g. after a restart) knows no layout yet
+        rx = IpcReceiver(hub, "colocated", 1, lambda p: None, device=CPU, timeout_s=20)
+        results.append(rx.receive(30).ok)
+        rx.close()
+    rx = IpcReceiver(hub, "colocated", 1, lambda p: None, device=CPU, timeout_s=20)
+    results.append(rx.receive(30).ok)
+    return results
+
+
+def test_a_reconnected_colocated_receiver_is_sent_the_layout_again() -> None:
+    hub = f"ckpt-test-{uuid.uuid4().hex[:8]}"
+    sender, receiver = run_processes([(two_version_sender, (hub,)), (reconnecting_receiver, (hub,))], timeout_s=90)
+    assert sender == [True, True, True] and receiver == [True, True, True]
