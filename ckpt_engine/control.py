@@ -32,6 +32,7 @@ class Register(_Body):
     versions: list[int] = Field(default_factory=list)
     token: str | None = None
     host_id: str | None = None  # ipc.host_identity(): equal ids can use the same-host path
+    sync_every: int = Field(1, ge=1)  # receivers: take only every N-th version (slow engines)
 
 
 class RegisterReply(_Body):

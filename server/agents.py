@@ -24,11 +24,15 @@ class Agent:
     registered_at: float
     last_seen: float
     versions: list[int] = field(default_factory=list)
+    sync_every: int = 1
+    offered: int = 0  # regular versions requested since this agent registered (for sync_every)
+    catch_up_tried: bool = False
     pending: deque[Assignment] = field(default_factory=deque)
 
     def public(self) -> dict:
         return {"agent_id": self.agent_id, "role": self.role, "rank": self.rank, "host": self.host, "pid": self.pid,
-                "device": self.device, "host_id": self.host_id, "versions": self.versions, "registered_at": self.registered_at,
+                "device": self.device, "host_id": self.host_id, "versions": self.versions, "sync_every": self.sync_every,
+                "registered_at": self.registered_at,
                 "seconds_since_seen": round(time.monotonic() - self.last_seen, 3)}
 
 
@@ -43,7 +47,8 @@ class AgentRegistry:
     def add(self, message: Register) -> Agent:
         now = time.monotonic()
         agent = Agent(uuid.uuid4().hex[:12], next(self._seq), message.role, message.rank, message.host,
-                      message.pid, message.device, message.host_id, time.time(), now, list(message.versions))
+                      message.pid, message.device, message.host_id, time.time(), now, list(message.versions),
+                      message.sync_every)
         self._agents[agent.agent_id] = agent
         return agent
 

@@ -134,6 +134,15 @@ class Controller:
                 raise Conflict(f"version {self._in_flight.version} is in flight; retry when it has ended",
                                {"in_flight": self._in_flight.version})
             trainer, receivers = self.agents.trainer(), self.agents.receivers()
+            if source_version is None:  # per-receiver cadence applies to new versions, not to re-pushes
+                due = [r for r in receivers if r.offered % r.sync_every == 0]
+                for receiver in receivers:
+                    receiver.offered += 1
+                if receivers and not due:
+                    record = self.history.create(mode=mode, step=step)
+                    return self.history.update(record.id, status="cancelled",
+                                               reason="no receiver is due for this version (sync_every)")
+                receivers = due
             record = self.history.create(mode=mode, step=step, source_version=source_version)
             problem = self._quorum_problem(trainer, receivers)
             if problem is None:
@@ -214,7 +223,30 @@ class Controller:
                 state = self.history.get(flight.version)
                 self._fail(flight, f"timed out in state {state.status if state else '?'} after "
                                    f"{self.config.timeouts.version_s:.0f}s")
+            if self._in_flight is None:
+                self._catch_up_newcomers()
             self._update_gauges()
+
+    def _catch_up_newcomers(self) -> None:
+        """Receivers that joined after the latest committed version get it from the trainer's cache at once,
+        as a re-push of their own; the training loop is not involved."""
+        trainer = self.agents.trainer()
+        newcomers = [r for r in self.agents.receivers() if not r.versions and not r.catch_up_tried]
+        latest = self.history.latest(status="committed")
+        if trainer is None or not newcomers or latest is None:
+            return
+        source = self.history.get(latest.source_version or latest.id)
+        if source is None or not source.cached:
+            return
+        colocated, problem = self._transports(trainer, newcomers)
+        for receiver in newcomers:
+            receiver.catch_up_tried = True  # once per registration: a failing newcomer waits for the next sync
+        if problem:
+            return
+        record = self.history.create(mode="cached", step=source.step, source_version=source.id)
+        log.info("catching up %d new receiver(s) with version %d as version %d", len(newcomers), source.id,
+                 record.id)
+        self._start(record, trainer, newcomers, colocated, source.id)
 
     def shutdown(self, grace_s: float) -> None:
         """Give the in-flight version ``grace_s`` to end, then fail it so history is never left dangling."""
@@ -296,15 +328,31 @@ class Controller:
                 seconds = (ack.get("seconds") or {}).get(stage)
                 if seconds is not None:
                     stages[stage] = max(stages.get(stage, 0.0), float(seconds))
+        for agent_id in flight.quorum:  # offered a version since joining: no catch-up needed any more
+            member = self.agents.get(agent_id)
+            if member is not None:
+                member.catch_up_tried = True
         committed = [r for r in receivers if r.get("ok")]
-        ok = bool(report.ok) and len(committed) == len(flight.quorum) and len(committed) >= self.config.min_receivers
-        reason = None if ok else (report.reason or f"{len(committed)}/{len(flight.quorum)} receivers committed")
+        for entry in committed:  # known now, before the agents' next poll says so
+            agent = self.agents.get(entry.get("agent_id") or "")
+            if agent is not None and flight.version not in agent.versions:
+                agent.versions = [*agent.versions, flight.version]
+        need = min(max(self.config.min_receivers, 1), len(flight.quorum))
+        # The version commits when enough receivers of the quorum committed it; the others are recorded with
+        # their reasons (a collective that broke fails everyone, a colocated receiver fails alone).
+        ok = report.version_digest is not None and len(committed) >= need
+        failures = [f"rank {r.get('rank')}: {r.get('reason')}" for r in receivers if not r.get("ok")]
+        if ok:
+            reason = (f"committed by {len(committed)} of {len(flight.quorum)} receivers; " + "; ".join(failures)
+                      if len(committed) < len(flight.quorum) else None)
+        else:
+            reason = report.reason or f"{len(committed)}/{len(flight.quorum)} receivers committed, {need} needed"
         status = "committed" if ok else "failed"
         cached = flight.mode == "cached" and report.cache_versions is not None and flight.version in report.cache_versions
         self.history.update(flight.version, status=status, reason=reason, bytes=report.bytes, buckets=report.buckets,
                             tensors_sent=report.tensors, stages=stages, receivers=receivers,
                             version_digest=report.version_digest, cached=cached)
-        if not ok:
+        if not ok or failures:
             self._group_dirty = True
         self._end(flight, status, report.bytes, stages)
 

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 class Agent:
     role: Role
+    sync_every = 1  # receivers may take only every N-th version
 
     def __init__(self, endpoint: str, *, rank: int = 0, token: str | None = None, device: DeviceInfo | None = None,
                  poll_wait_s: float = 1.0, request_timeout_s: float = 10.0, host_id: str | None = None) -> None:
@@ -112,7 +113,7 @@ class Agent:
     def _register(self) -> None:
         body = {"role": self.role, "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
                 "device": str(self.device.torch_device), "versions": self.versions_held(), "token": self.token,
-                "host_id": self.host_id}
+                "host_id": self.host_id, "sync_every": self.sync_every}
         self.settings = RegisterReply.model_validate(self._client.request("register", body))
         log.info("registered with %s as %s %s", self.endpoint, self.role, self.settings.agent_id)
 

@@ -26,8 +26,10 @@ class RolloutAgent(Agent):
     role = "receiver"
 
     def __init__(self, load: LoadFn, endpoint: str, *, token: str | None = None, device: DeviceInfo | None = None,
-                 poll_wait_s: float = 1.0, host_id: str | None = None) -> None:
+                 poll_wait_s: float = 1.0, host_id: str | None = None, sync_every: int = 1) -> None:
+        """``sync_every``: take only every N-th version (a slow engine); rollbacks and catch-ups still come."""
         super().__init__(endpoint, token=token, device=device, poll_wait_s=poll_wait_s, host_id=host_id)
+        self.sync_every = sync_every
         self.load = load
         self.current_version: int | None = None
         self.results: list[ReceiveResult] = []
