@@ -16,6 +16,7 @@ from ckpt_engine.errors import CkptEngineError, ProtocolError
 from ckpt_engine.hashing import bucket_digests, check_algo, version_digest
 from ckpt_engine.layout import Bucket, Layout
 from ckpt_engine.protocol import Ack, VersionHeader, VersionTrailer
+from ckpt_engine.sparse import Manifest, manifest_of
 from ckpt_engine.tensors import slot_view
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ class VersionPayload:
     mode: str
     version_digest: str
     tensors: dict[str, torch.Tensor]
+    sparse: bool = False  # only the tensors that changed since the version the receiver holds
 
 
 LoadFn = Callable[[VersionPayload], None]
@@ -82,6 +84,7 @@ class VersionAssembler:
         self.load = load
         self.verify = verify
         self.committed: VersionPayload | None = None
+        self.manifest: Manifest | None = None  # per-tensor digests of the committed version (sparse bases)
         self._layouts: dict[str, Layout] = {}
         self._staging: torch.Tensor | None = None
         self._view_cache: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
@@ -122,8 +125,32 @@ class VersionAssembler:
         elif digest != trailer.version_digest:
             result.reason = f"version digest {digest} != sender's {trailer.version_digest}"
         else:
-            self._load(incoming, digest)
+            manifest, problem = self._next_manifest(incoming)
+            if problem is not None:
+                result.reason = problem
+            else:
+                result.version_digest = manifest.version_digest  # the whole model's, also after a sparse version
+                if self._load(incoming, result.version_digest):
+                    self.manifest = manifest
         return self.finish(incoming)
+
+    def _next_manifest(self, incoming: Incoming) -> tuple[Manifest, str | None]:
+        """The manifest this receiver holds once the version is applied; for a sparse version it must hold
+        the base, and the whole-model digest with the changes applied must equal the sender's."""
+        header = incoming.header
+        received = manifest_of(header.version, incoming.algo, incoming.layout, incoming.digests)
+        if header.base_version is None:
+            return received, None
+        base = self.manifest
+        if base is None or base.version != header.base_version or base.layout_digest != header.full_layout_digest:
+            held = "nothing" if base is None else f"version {base.version}"
+            return received, f"sparse version {header.version} applies to version {header.base_version}; this " \
+                             f"receiver holds {held}"
+        applied = base.updated(header.version, dict(zip(received.names, received.digests)))
+        if applied.version_digest != header.full_version_digest:
+            return received, (f"whole-model digest after applying would be {applied.version_digest}, the "
+                              f"sender's is {header.full_version_digest}")
+        return applied, None
 
     def finish(self, incoming: Incoming, reason: str | None = None) -> ReceiveResult:
         result = incoming.result
@@ -135,25 +162,29 @@ class VersionAssembler:
             log.warning("version %s not loaded: %s", result.version, result.reason)
         return result
 
-    def _load(self, incoming: Incoming, digest: str) -> None:
+    def _load(self, incoming: Incoming, digest: str) -> bool:
         header, result = incoming.header, incoming.result
+        sparse = header.base_version is not None
         t0 = time.perf_counter()
         try:
-            self.load(VersionPayload(header.version, header.step, header.mode, digest, self._views(incoming)))
+            self.load(VersionPayload(header.version, header.step, header.mode, digest, self._views(incoming),
+                                     sparse=sparse))
         except Exception as exc:  # the adapter's failure is reported, never swallowed
             result.reason = f"load failed: {type(exc).__name__}: {exc}"
             log.exception("load of version %d failed", header.version)
-            return
+            self.manifest = None  # the model may be partly updated: only a full version is a safe base now
+            return False
         finally:
             incoming.seconds["load"] = time.perf_counter() - t0
         result.ok = result.loaded = True
-        self.committed = VersionPayload(header.version, header.step, header.mode, digest, {})
+        self.committed = VersionPayload(header.version, header.step, header.mode, digest, {}, sparse=sparse)
+        return True
 
     def _views(self, incoming: Incoming) -> dict[str, torch.Tensor]:
         """Named views into staging; built once per (layout, staging buffer) and reused across versions."""
         layout, staging = incoming.layout, incoming.staging
         key = (layout.digest, staging.data_ptr())
-        views = self._view_cache.get(key)
+        views = self._view_cache.get(key)  # (aliases of tensors a sparse version leaves out are dropped below)
         if views is None:
             if len(self._view_cache) >= 4:  # staging plus a few shared cache buffers
                 self._view_cache.clear()
@@ -162,9 +193,10 @@ class VersionAssembler:
         if incoming.header.aliases:
             views = dict(views)
             for alias, canonical in incoming.header.aliases.items():
-                if canonical not in views:
+                if canonical in views:
+                    views[alias] = views[canonical]
+                elif incoming.header.base_version is None:
                     raise ProtocolError(f"alias {alias!r} points at unknown tensor {canonical!r}")
-                views[alias] = views[canonical]
         return views
 
     def _layout(self, header: VersionHeader) -> Layout:

@@ -50,7 +50,7 @@ class EngineConfig(_Strict):
     backend: Literal["auto", "nccl", "hccl", "gloo"] = "auto"
     keep_versions: int = Field(2, ge=1, description="versions kept in the host cache (cached mode)")
     verify: bool = Field(True, description="receivers recompute and compare every tensor digest before load")
-    sparse: bool = Field(False, description="send only changed tensors (not available yet: must stay false)")
+    sparse: bool = Field(False, description="send only tensors changed since the version every receiver holds")
     min_receivers: int = Field(1, ge=0, description="receivers that must commit for a version to commit")
     transport: Literal["auto", "collective", "ipc"] = Field(
         "auto", description="auto: shared memory for receivers on the sender's host, the collective for others")
@@ -123,6 +123,4 @@ def parse_config(data: dict, source: str = "config") -> EngineConfig:
         raise ConfigError(f"{source}: {problems}") from None
     if config.alignment & (config.alignment - 1):
         raise ConfigError(f"{source}: alignment: must be a power of two, got {config.alignment}")
-    if config.sparse:
-        raise ConfigError(f"{source}: sparse: sparse sync is not available in this release; set it to false")
     return config

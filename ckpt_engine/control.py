@@ -72,6 +72,7 @@ class Assignment(_Body):
     transport: Literal["collective", "ipc"] = "collective"  # receive: how this receiver gets the version
     ipc_name: str | None = None  # receive over ipc: the trainer's hub
     ipc_peers: dict[str, int] = Field(default_factory=dict)  # send: colocated receivers (agent id -> rank)
+    sparse_base: int | None = None  # send: only changes since this version, which every receiver holds
 
 
 class PollReply(_Body):
@@ -91,6 +92,7 @@ class Report(_Body):
     bytes: int = 0
     buckets: int = 0
     tensors: int = 0
+    tensors_skipped: int = 0
     stages: dict[str, float] = Field(default_factory=dict)
     receivers: list[dict[str, Any]] = Field(default_factory=list)
     cache_versions: list[int] | None = None

@@ -37,9 +37,10 @@ class BucketNotice(BaseModel):
 
 class IpcReceiver:
     def __init__(self, name: str, agent_id: str, rank: int, load: LoadFn, *, device: DeviceInfo,
-                 verify: bool = True, timeout_s: float = 60.0, connect_timeout_s: float = 30.0) -> None:
+                 verify: bool = True, timeout_s: float = 60.0, connect_timeout_s: float = 30.0,
+                 assembler: VersionAssembler | None = None) -> None:
         self.agent_id, self.rank, self.timeout_s = agent_id, rank, timeout_s
-        self.assembler = VersionAssembler(device, load, verify=verify)
+        self.assembler = assembler or VersionAssembler(device, load, verify=verify)
         self.device = device
         self.slots: dict[int, torch.Tensor] = {}  # the sender's two bucket slots
         self.buffers: dict[int, torch.Tensor] = {}  # the sender's shareable cache buffers (zero-copy versions)

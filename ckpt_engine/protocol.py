@@ -69,6 +69,12 @@ class VersionHeader(_Message):
     step: int | None = None
     aliases: dict[str, str] = Field(default_factory=dict)
     created_at: float | None = None
+    # Sparse versions: only changed tensors are laid out and sent, relative to ``base_version``; the whole
+    # model (full layout) has ``full_version_digest`` once they are applied.
+    base_version: int | None = None
+    full_layout_digest: str | None = None
+    full_version_digest: str | None = None
+    skipped: int = 0
 
 
 class VersionTrailer(_Message):

@@ -19,6 +19,7 @@ from ckpt_engine.group import SyncGroup
 from ckpt_engine.ipc import IpcHub
 from ckpt_engine.layout import DEFAULT_ALIGNMENT, Layout, plan_layout
 from ckpt_engine.sender import Sender, Transfer, WireHook
+from ckpt_engine.sparse import Manifest
 from ckpt_engine.tensors import NamedTensors, specs_of
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,9 @@ class Publisher:
         # With colocated receivers the cache lives in shareable memory: cached versions reach them zero-copy.
         self.cache = VersionCache(self.device, keep_versions, shareable=ipc_hub_name is not None)
         self.hub = IpcHub(ipc_hub_name, self.device) if ipc_hub_name else None
+        self.manifests: dict[int, Manifest] = {}  # per-tensor digests of recent versions: sparse bases
         self._sender_options = dict(digest_algo=digest_algo, ack_timeout_s=ack_timeout_s, wire_hook=wire_hook,
-                                    on_stage=on_stage, timeout_s=timeout_s)
+                                    on_stage=on_stage, timeout_s=timeout_s, manifests=self.manifests)
         self.sender: Sender | None = None
         self._layout: Layout | None = None
         self._layout_key: list[tuple[str, torch.dtype, torch.Size]] = []
@@ -87,17 +89,26 @@ class Publisher:
         return self.cache.snapshot(version, self.layout_for(named), named.bucket_tensors, aliases=named.aliases,
                                    step=step, check=False)
 
-    def publish(self, version: int, named: NamedTensors, *, bypass_cpu: bool = False,
-                step: int | None = None) -> Transfer:
+    def publish(self, version: int, named: NamedTensors, *, bypass_cpu: bool = False, step: int | None = None,
+                sparse_base: int | None = None) -> Transfer:
         """Start sending ``version``. Cached mode returns after the snapshot (``params_released`` is set);
-        bypass_cpu returns at once and reads the tensors until ``params_released`` is set."""
+        bypass_cpu returns at once and reads the tensors until ``params_released`` is set.
+        ``sparse_base``: send only what changed since that version (cached mode; see sparse.py)."""
         sender = self._require_sender()
+        if sparse_base is not None and not bypass_cpu:
+            self.snapshot(version, named, step=step)
+            return self.send_sparse(version, sparse_base)
         if bypass_cpu:
             layout = self.layout_for(named)
             return sender.send_live(version, layout, named.bucket_tensors, aliases=named.aliases, step=step,
                                     check=False)
         self.snapshot(version, named, step=step)
         return sender.send_cached(self.cache, version)
+
+    def send_sparse(self, version: int, base_version: int) -> Transfer:
+        """Send cached ``version`` as its changes against ``base_version`` (full when that base is unknown)."""
+        return self._require_sender().send_sparse(self.cache, version, base_version, bucket_size=self.bucket_size,
+                                                  alignment=self.alignment)
 
     def republish(self, version: int, *, as_version: int | None = None) -> Transfer:
         """Send a cached version again (rollback, or a receiver that missed it), optionally under a new id."""

@@ -26,12 +26,15 @@ __all__ = ["LoadFn", "ReceiveResult", "Receiver", "VersionPayload"]
 class Receiver:
     """Receives versions on a sync group where this process is a receiving rank."""
 
-    def __init__(self, group: SyncGroup, load: LoadFn, *, verify: bool = True) -> None:
+    def __init__(self, group: SyncGroup, load: LoadFn, *, verify: bool = True,
+                 assembler: VersionAssembler | None = None) -> None:
+        """``assembler``: share one across receivers of the same model (another group generation, or the
+        same-host path) so the version this process holds, and its staging, carry over."""
         self.group = group
         self.channel = Channel(group)
         if self.channel.is_src:
             raise ProtocolError("rank 0 is the sender of the sync group; receivers have ranks >= 1")
-        self.assembler = VersionAssembler(group.device, load, verify=verify)
+        self.assembler = assembler or VersionAssembler(group.device, load, verify=verify)
 
     @property
     def committed(self) -> VersionPayload | None:

@@ -26,10 +26,13 @@ from ckpt_engine.outlets import CollectiveOutlet, IpcOutlet, Outlet
 from ckpt_engine.hashing import bucket_digests, version_digest
 from ckpt_engine.layout import Layout
 from ckpt_engine.protocol import AbortMessage, Ack, LayoutMessage, Mode, VersionHeader, VersionTrailer, encode
-from ckpt_engine.tensors import BucketTensors, TensorsOrProvider, check_matches_layout, fill_bucket, provider_of
+from ckpt_engine.sparse import Manifest, SparsePlan, manifest_of, plan_sparse
+from ckpt_engine.tensors import (BucketTensors, TensorsOrProvider, check_matches_layout, fill_bucket, provider_of,
+                                 slot_view)
 from ckpt_engine.wire import Channel, Frame, FrameKind
 
 log = logging.getLogger(__name__)
+_MANIFESTS_KEPT = 8
 
 # Called with (bucket index, bucket bytes) after the digests are taken; returns the bytes to put on the wire.
 # Fault injection for tests and chaos runs: the source (cache or live tensors) is never modified by it.
@@ -48,7 +51,9 @@ class TransferResult:
     buckets: int
     tensors: int
     seconds: dict[str, float] = field(default_factory=dict)
-    finished_at: float = 0.0  # time.perf_counter() when every acknowledgement was in (or the transfer failed)
+    finished_at: float = 0.0
+    tensors_skipped: int = 0  # sparse: unchanged tensors not sent
+    base_version: int | None = None  # sparse: the version the receivers held  # time.perf_counter() when every acknowledgement was in (or the transfer failed)
 
     @property
     def committed_ranks(self) -> list[int]:
@@ -93,7 +98,21 @@ class _Source(Protocol):
     def all_filled(self) -> None: ...
 
 
-class _LiveSource:
+class _Full:
+    """What every full source shares: nothing to prepare, the wire digest is the version digest."""
+
+    header_extra: dict = {}
+    skipped = 0
+    base_version: int | None = None
+
+    def prepare(self, algo: DigestAlgo, device: torch.device) -> None:
+        pass
+
+    def manifest(self, version: int, algo: str, wire_digests: list[int]) -> Manifest:
+        return manifest_of(version, algo, self.layout, wire_digests)  # type: ignore[attr-defined]
+
+
+class _LiveSource(_Full):
     """bypass_cpu: bucket bytes come straight from the live tensors into the send slot."""
 
     mode: Mode = "bypass_cpu"
@@ -116,7 +135,7 @@ class _LiveSource:
         self._released.set()
 
 
-class _CacheSource:
+class _CacheSource(_Full):
     """cached: bucket bytes are read from the version cache (copied to the device when the wire needs it)."""
 
     mode: Mode = "cached"
@@ -142,6 +161,76 @@ class _CacheSource:
         pass
 
 
+class _SparseCacheSource:
+    """cached and sparse: only tensors whose digest differs from the base version's are sent, laid out in
+    their own buckets; the header tells receivers the base and the whole model's digest."""
+
+    mode: Mode = "cached"
+
+    def __init__(self, cached, base: Manifest | None, bucket_size: int, alignment: int) -> None:
+        self.cached, self.base = cached, base
+        self.version, self.aliases, self.step = cached.version, cached.aliases, cached.step
+        self.layout = cached.layout
+        self.bucket_size, self.alignment = bucket_size, alignment
+        self.full: Manifest | None = None
+        self.plan: SparsePlan | None = None
+        self._views: dict[str, torch.Tensor] = {}
+
+    @property
+    def skipped(self) -> int:
+        return self.plan.skipped if self.plan else 0
+
+    @property
+    def base_version(self) -> int | None:
+        return self.base.version if self.plan and self.base else None
+
+    @property
+    def header_extra(self) -> dict:
+        if self.plan is None or self.full is None:
+            return {}
+        return {"base_version": self.base_version, "full_layout_digest": self.full.layout_digest,
+                "full_version_digest": self.full.version_digest, "skipped": self.plan.skipped}
+
+    def prepare(self, algo: DigestAlgo, device: torch.device) -> None:
+        """Digest the whole cached version, then plan what changed against the base."""
+        full_layout = self.cached.layout
+        digests: list[int] = []
+        for bucket in full_layout.buckets:
+            data = self.cached.bucket(bucket.index)
+            if algo == "torch-mix64" and device.type != "cpu":
+                data = data.to(device, non_blocking=True)
+            digests += bucket_digests(bucket, data, algo, full_layout.digest).cpu().tolist()
+        self.full = manifest_of(self.version, algo, full_layout, digests)
+        self.plan = plan_sparse(full_layout, self.full, self.base, bucket_size=self.bucket_size,
+                                alignment=self.alignment)
+        if self.plan is not None:
+            self.layout = self.plan.layout
+            names = set(self.plan.changed)
+            self._views = {s.name: slot_view(self.cached.buffer, s, full_layout.buckets[s.bucket].flat_offset)
+                           for s in full_layout.slots if s.name in names}
+
+    def manifest(self, version: int, algo: str, wire_digests: list[int]) -> Manifest:
+        if self.plan is None or self.full is None:
+            return manifest_of(version, algo, self.layout, wire_digests)
+        return self.full
+
+    def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:
+        bucket = self.layout.buckets[index]
+        if self.plan is None:  # no usable base: a full version straight from the cache
+            view = self.cached.bucket(index)
+            if slot is None:
+                return view
+            slot[: view.numel()].copy_(view, non_blocking=True)
+            return slot[: view.numel()]
+        if slot is None:
+            raise ValueError("a sparse version needs a send slot")
+        fill_bucket(slot, bucket.slots, self._views, bucket.nbytes)
+        return slot[: bucket.nbytes]
+
+    def all_filled(self) -> None:
+        pass
+
+
 class Sender:
     """Sends versions as the source (rank 0) of a sync group, to colocated receivers through an IPC hub, or
     both in the same version. ``ipc_peers`` maps the colocated receivers' agent ids to their ranks."""
@@ -149,7 +238,8 @@ class Sender:
     def __init__(self, group: SyncGroup | None, *, device: DeviceInfo | None = None, hub: IpcHub | None = None,
                  ipc_peers: Mapping[str, int] | None = None, digest_algo: DigestAlgo | None = None,
                  ack_timeout_s: float | None = None, wire_hook: WireHook | None = None,
-                 on_stage: Callable[[int, str], None] | None = None, timeout_s: float = 60.0) -> None:
+                 on_stage: Callable[[int, str], None] | None = None, timeout_s: float = 60.0,
+                 manifests: dict[int, Manifest] | None = None) -> None:
         if group is None and not ipc_peers:
             raise ConfigError("a sender needs a sync group, colocated receivers, or both")
         if ipc_peers and hub is None:
@@ -169,6 +259,8 @@ class Sender:
         self.on_stage = on_stage  # called with (version, "transferring" | "verifying") from the send thread
         self._slots: list[torch.Tensor] = []
         self._busy = threading.Lock()
+        # Per-tensor digests of recently sent versions: the bases of sparse versions (shared across senders).
+        self.manifests: dict[int, Manifest] = manifests if manifests is not None else {}
 
     def send_cached(self, cache: VersionCache, version: int, *, as_version: int | None = None) -> Transfer:
         """Send a version held in ``cache`` (labelled ``as_version`` on the wire when given, e.g. a rollback);
@@ -177,6 +269,17 @@ class Sender:
         cached = hold.enter_context(cache.lease(version))
         source = _CacheSource(cached, self.device.comm_device.type == "cpu", as_version, cache.shared_segment(cached))
         transfer = Transfer(source.version, "cached")
+        transfer.params_released.set()
+        return self._start(source, transfer, hold)
+
+    def send_sparse(self, cache: VersionCache, version: int, base_version: int, *, bucket_size: int,
+                    alignment: int) -> Transfer:
+        """Send a cached version as the changes against ``base_version`` (a version this sender sent and the
+        receivers hold); a full version when that base is unknown or has another layout."""
+        hold = contextlib.ExitStack()
+        cached = hold.enter_context(cache.lease(version))
+        source = _SparseCacheSource(cached, self.manifests.get(base_version), bucket_size, alignment)
+        transfer = Transfer(version, "cached")
         transfer.params_released.set()
         return self._start(source, transfer, hold)
 
@@ -238,10 +341,13 @@ class Sender:
 
     def _run(self, source: _Source) -> TransferResult:
         timer = _Timer()
-        layout = source.layout
-        result = TransferResult(source.version, source.mode, False, None, None, [], 0, len(layout.buckets),
-                                layout.num_tensors)
+        result = TransferResult(source.version, source.mode, False, None, None, [], 0, 0, 0)
         try:
+            with timer.stage("digest"):
+                source.prepare(self.digest_algo, self.device.comm_device)
+            layout = source.layout
+            result.buckets, result.tensors = len(layout.buckets), layout.num_tensors
+            result.tensors_skipped, result.base_version = source.skipped, source.base_version
             slots = self._ensure_slots(layout, source)
             outlets = self._outlets(source)
             with timer.stage("header"):
@@ -251,14 +357,16 @@ class Sender:
             self._stage(source.version, "transferring")
             digests = self._send_buckets(source, outlets, slots, timer, result)
             self._stage(source.version, "verifying")
-            digest = version_digest(self.digest_algo, layout.digest, digests)
-            trailer = encode(VersionTrailer(version=source.version, version_digest=digest))
+            wire_digest = version_digest(self.digest_algo, layout.digest, digests)
+            trailer = encode(VersionTrailer(version=source.version, version_digest=wire_digest))
             with timer.stage("control"):
                 for outlet in outlets:
                     outlet.end(source.version, trailer)
-            result.version_digest = digest
+            manifest = source.manifest(source.version, self.digest_algo, digests)
+            result.version_digest = manifest.version_digest  # of the whole model, also for sparse versions
             with timer.stage("ack"):
-                self._collect_acks(source.version, digest, outlets, result)
+                self._collect_acks(source.version, manifest.version_digest, outlets, result)
+            self._remember(manifest)
         except CkptEngineError as exc:  # includes _Aborted: receivers were told
             result.reason = str(exc)
         except Exception as exc:  # a bug must still end the transfer with a reason, never leave it pending
@@ -285,7 +393,7 @@ class Sender:
         layout = source.layout
         fields = dict(version=source.version, mode=source.mode, digest_algo=self.digest_algo,
                       layout_digest=layout.digest, step=source.step, aliases=dict(source.aliases),
-                      created_at=time.time())
+                      created_at=time.time(), **source.header_extra)
         full = encode(VersionHeader(layout=LayoutMessage.of(layout), **fields))
         slim = encode(VersionHeader(**fields))
         return full, slim
@@ -340,6 +448,11 @@ class Sender:
                     problems.append(f"rank {ack.rank}: {ack.reason}")
         result.ok = not problems
         result.reason = "; ".join(problems) or None
+
+    def _remember(self, manifest: Manifest) -> None:
+        self.manifests[manifest.version] = manifest
+        for old in sorted(self.manifests)[:-_MANIFESTS_KEPT]:
+            del self.manifests[old]
 
     def _ensure_slots(self, layout: Layout, source: _Source) -> list[torch.Tensor]:
         need = max(layout.max_bucket_bytes, 1)

@@ -125,9 +125,10 @@ class Controller:
     # ---- versions -----------------------------------------------------------------------------------
     def request_sync(self, *, step: int | None, bypass_cpu: bool | None, sparse: bool | None = None,
                      source_version: int | None = None) -> VersionRecord:
-        if sparse:
-            raise BadRequest("sparse sync is not available in this release")
         bypass = self.config.bypass_cpu if bypass_cpu is None else bypass_cpu
+        sparse = self.config.sparse if sparse is None else sparse
+        if sparse and bypass and source_version is None:
+            raise BadRequest("sparse sync works from the cache: it cannot be combined with bypass_cpu")
         mode = "cached" if source_version is not None else ("bypass_cpu" if bypass else "cached")
         with self._lock:
             if self._in_flight is not None:
@@ -151,8 +152,15 @@ class Controller:
                 failed = self.history.update(record.id, status="failed", reason=problem)
                 self.metrics.version_done("failed", 0, {})
                 raise Unavailable(problem, failed.to_dict())
-            self._start(record, trainer, receivers, colocated, source_version)  # type: ignore[arg-type]
+            base = self._sparse_base(receivers) if sparse and source_version is None else None
+            self._start(record, trainer, receivers, colocated, source_version, base)  # type: ignore[arg-type]
             return record
+
+    def _sparse_base(self, receivers: list[Agent]) -> int | None:
+        """The version every receiver of the quorum holds, if they all hold the same one; else None (a new,
+        reconnected or lagging receiver makes it a full version)."""
+        held = {r.versions[-1] if r.versions else None for r in receivers}
+        return held.pop() if len(held) == 1 else None
 
     def push(self, version: int) -> VersionRecord:
         record = self.history.get(version)
@@ -283,7 +291,7 @@ class Controller:
         return colocated, None
 
     def _start(self, record: VersionRecord, trainer: Agent, receivers: list[Agent], colocated: list[Agent],
-               source_version: int | None) -> None:
+               source_version: int | None, sparse_base: int | None = None) -> None:
         remote = [r for r in receivers if r not in colocated]
         membership = (trainer.agent_id, *(r.agent_id for r in remote), "|", *(r.agent_id for r in colocated))
         if membership != self._membership or self._group_dirty:
@@ -299,7 +307,7 @@ class Controller:
         for receiver in colocated:
             receiver.pending.append(Assignment(kind="receive", rank=quorum[receiver.agent_id], transport="ipc",
                                                ipc_name=self._ipc_name(trainer), **common))
-        trainer.pending.append(Assignment(kind="send", rank=0, source_version=source_version,
+        trainer.pending.append(Assignment(kind="send", rank=0, source_version=source_version, sparse_base=sparse_base,
                                           ipc_peers={r.agent_id: quorum[r.agent_id] for r in colocated}, **common))
         self._in_flight = InFlight(record.id, record.mode, trainer.agent_id, quorum)
         self.history.update(record.id, receivers=[
@@ -350,7 +358,8 @@ class Controller:
         status = "committed" if ok else "failed"
         cached = flight.mode == "cached" and report.cache_versions is not None and flight.version in report.cache_versions
         self.history.update(flight.version, status=status, reason=reason, bytes=report.bytes, buckets=report.buckets,
-                            tensors_sent=report.tensors, stages=stages, receivers=receivers,
+                            tensors_sent=report.tensors, tensors_skipped=report.tensors_skipped, stages=stages,
+                            receivers=receivers,
                             version_digest=report.version_digest, cached=cached)
         if not ok or failures:
             self._group_dirty = True

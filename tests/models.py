@@ -64,12 +64,15 @@ def state_bytes(module: nn.Module) -> dict[str, bytes]:
     return out
 
 
-def load_into(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """In-place copy of received tensors into the module, as the transformers adapter will do."""
+def load_into(module: nn.Module, tensors: dict[str, torch.Tensor], partial: bool = False) -> None:
+    """In-place copy of received tensors into the module, as the transformers adapter does; ``partial``
+    (a sparse version) copies what is there."""
     targets = dict(module.named_parameters(remove_duplicate=False))
     targets.update(dict(module.named_buffers(remove_duplicate=False)))
     missing = set(targets) - set(tensors)
-    if missing:
+    if missing and partial:
+        targets = {name: t for name, t in targets.items() if name in tensors}
+    elif missing:
         raise KeyError(f"received version lacks {sorted(missing)[:5]}")
     with torch.no_grad():
         for name, target in targets.items():

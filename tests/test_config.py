@@ -63,6 +63,5 @@ def test_environment_overrides_nested_keys(tmp_path: Path) -> None:
         load_config(path, environ={"CKPT_ENGINE_KEEP_VERSIONS": "zero"})
 
 
-def test_sparse_true_is_refused_at_start() -> None:
-    with pytest.raises(ConfigError, match="sparse"):
-        parse_config({"sparse": True})
+def test_sparse_can_be_switched_on() -> None:
+    assert parse_config({"sparse": True}).sparse is True

@@ -190,7 +190,7 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> DaemonProcess:
     ("post", "/sync", {"content": b"{not json", "headers": {"content-type": "application/json"}}, 422),
     ("post", "/sync", {"json": {"step": "eleven"}}, 422),
     ("post", "/sync", {"json": {"wait": True, "colour": "red"}}, 422),
-    ("post", "/sync", {"json": {"sparse": True}}, 400),
+    ("post", "/sync", {"json": {"sparse": True, "bypass_cpu": True}}, 400),
     ("post", "/sync", {"json": {"timeout_s": -1}}, 422),
     ("get", "/versions/987654", {}, 404),
     ("get", "/versions/abc", {}, 422),

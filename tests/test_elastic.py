@@ -47,7 +47,7 @@ def receiver(zmq: str, stop_file: str, seed: int, sync_every: int = 1, load_dela
         if marker and loads["n"] > 1:
             Path(marker).touch()
             time.sleep(load_delay_s)
-        load_into(model, payload.tensors)
+        load_into(model, payload.tensors, partial=payload.sparse)
 
     agent = RolloutAgent(load, zmq, poll_wait_s=0.3, sync_every=sync_every).start()
     while not os.path.exists(stop_file):
@@ -159,3 +159,27 @@ def test_join_leave_and_kill9_mid_transfer(tmp_path: Path) -> None:
         if victim is not None:
             victim.kill()
         daemon.stop()
+
+
+def test_sparse_versions_through_the_daemon(tmp_path: Path) -> None:
+    daemon = start_daemon(write_config(tmp_path, sparse=True, keep_versions=3))
+    stop = tmp_path / "stop"
+    procs = start_processes([(changing_trainer, (daemon.zmq, str(stop))),
+                             (receiver, (daemon.zmq, str(stop), 5, 1)),
+                             (receiver, (daemon.zmq, str(stop), 6, 2))])
+    try:
+        with daemon.client() as client:
+            wait_until(lambda: len(agents_of(client)) == 3, what="registration")
+            first, second, third = (sync(client) for _ in range(3))
+    finally:
+        stop.touch()
+        _, every, slow = procs.collect(120)
+        daemon.stop()
+    assert first["status"] == second["status"] == third["status"] == "committed"
+    assert first["tensors_skipped"] == 0  # nobody held a base yet: full
+    assert second["tensors_skipped"] > 0 and second["bytes"] < 0.6 * first["bytes"]  # only the changes (30%)
+    assert len(second["receivers"]) == 1  # the sync_every=2 receiver sat this one out
+    # version 3: one receiver holds version 2, the other version 1 -> no common base -> full for both
+    assert third["tensors_skipped"] == 0 and len(third["receivers"]) == 2
+    assert {r["version_digest"] for r in third["receivers"]} == {third["version_digest"]}
+    assert every["state"] == slow["state"]

@@ -15,6 +15,7 @@ import threading
 from ckpt_engine.control import Assignment
 from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError
+from ckpt_engine.assembly import VersionAssembler
 from ckpt_engine.ipc_receiver import IpcReceiver
 from ckpt_engine.receiver import LoadFn, Receiver, ReceiveResult
 from ckpt_engine.workers.agent import Agent
@@ -37,6 +38,7 @@ class RolloutAgent(Agent):
         self._receiver: Receiver | None = None
         self._ipc: IpcReceiver | None = None
         self._ipc_name: str | None = None
+        self._shared_assembler: VersionAssembler | None = None
         self._worker = threading.Thread(target=self._work_loop, name="ckpt-receiver", daemon=True)
         self.applied = threading.Condition()
 
@@ -92,7 +94,7 @@ class RolloutAgent(Agent):
         if group is None:
             raise CkptEngineError("a collective receive needs a sync group of at least two ranks")
         if self._receiver is None or self._receiver.group is not group:
-            self._receiver = Receiver(group, self.load, verify=settings.verify)
+            self._receiver = Receiver(group, self.load, verify=settings.verify, assembler=self._assembler(settings))
         return self._receiver
 
     def _ipc_receiver(self, assignment: Assignment, settings) -> IpcReceiver:
@@ -104,16 +106,24 @@ class RolloutAgent(Agent):
                 current.close()
             self._ipc = IpcReceiver(assignment.ipc_name or "", self.agent_id, assignment.rank, self.load,
                                     device=self.device, verify=settings.verify,
-                                    timeout_s=settings.collective_timeout_s, connect_timeout_s=settings.connect_timeout_s)
+                                    timeout_s=settings.collective_timeout_s, connect_timeout_s=settings.connect_timeout_s,
+                                    assembler=self._assembler(settings))
             self._ipc_name = assignment.ipc_name
         return self._ipc
 
+    def _assembler(self, settings) -> VersionAssembler:
+        """One per agent, whatever the transport: it knows which version the model holds (sparse bases)."""
+        if self._shared_assembler is None:
+            self._shared_assembler = VersionAssembler(self.device, self.load, verify=settings.verify)
+        return self._shared_assembler
+
     def _record(self, assignment: Assignment, result: ReceiveResult) -> None:
         self.results.append(result)
-        if result.ok:
-            with self.applied:
-                self.current_version = assignment.version
-                self.applied.notify_all()
+        held = self._shared_assembler.manifest if self._shared_assembler is not None else None
+        with self.applied:
+            # What the model now holds for sure: after a failed load it may be torn, so nothing.
+            self.current_version = held.version if held is not None else None
+            self.applied.notify_all()
         self.report(assignment.version, "received", ok=result.ok, reason=result.reason,
                     version_digest=result.version_digest, bytes=result.bytes_received, stages=result.seconds,
                     group_broken=self.group is not None and self.group.broken is not None)

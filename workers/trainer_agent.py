@@ -205,7 +205,11 @@ class TrainerAgent(Agent):
     def _send_cached(self, assignment: Assignment, held: float) -> None:
         publisher = self._publisher()
         publisher.attach(self.group_for(assignment), assignment.ipc_peers)
-        self._finish(publisher.sender.send_cached(publisher.cache, assignment.version), held)  # type: ignore[union-attr]
+        if assignment.sparse_base is not None:
+            transfer = publisher.send_sparse(assignment.version, assignment.sparse_base)
+        else:
+            transfer = publisher.sender.send_cached(publisher.cache, assignment.version)  # type: ignore[union-attr]
+        self._finish(transfer, held)
 
     def _republish(self, assignment: Assignment) -> None:
         publisher = self._publisher()
@@ -222,7 +226,8 @@ class TrainerAgent(Agent):
         stages = {k: v for k, v in result.seconds.items() if k != "total"}
         stages["snapshot" if result.mode == "cached" else "held"] = held
         self.report(result.version, "done", ok=result.ok, reason=result.reason, version_digest=result.version_digest,
-                    bytes=result.bytes_sent, buckets=result.buckets, tensors=result.tensors, stages=stages,
+                    bytes=result.bytes_sent, buckets=result.buckets, tensors=result.tensors,
+                    tensors_skipped=result.tensors_skipped, stages=stages,
                     receivers=[ack.model_dump() for ack in result.receivers],
                     cache_versions=publisher.cache.versions(), cache_bytes=publisher.cache.bytes_held,
                     group_broken=self.group is not None and self.group.broken is not None)

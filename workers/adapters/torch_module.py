@@ -43,7 +43,7 @@ class ModuleAdapter:
 
     def load(self, payload: VersionPayload) -> None:
         """LoadFn for the receiver: check everything, then copy in place with generation paused."""
-        self._check(payload.tensors)
+        self._check(payload.tensors, payload.sparse)
         with self._lock, torch.no_grad():
             for name, target in self.targets.items():
                 source = payload.tensors.get(name)
@@ -51,9 +51,9 @@ class ModuleAdapter:
                     target.copy_(source)
             self.version = payload.version
 
-    def _check(self, tensors: dict[str, torch.Tensor]) -> None:
+    def _check(self, tensors: dict[str, torch.Tensor], sparse: bool = False) -> None:
         missing = [name for name in self.targets if name not in tensors]
-        if missing and self.strict:
+        if missing and self.strict and not sparse:  # a sparse version carries only what changed
             raise LayoutMismatchError(f"version lacks {len(missing)} tensor(s) of the model, e.g. {missing[:3]}")
         for name, target in self.targets.items():
             source = tensors.get(name)

@@ -1,0 +1,62 @@
+"""Sparse sync, the pure part: per-tensor manifests of versions and the plan of what changed.
+
+A sparse version carries only the tensors whose digest differs from the base version the receivers hold.
+Receivers check that they hold that base, verify the changed tensors as usual, recompute the whole-model
+digest from their own manifest with the changed digests put in, and load only if it equals the sender's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ckpt_engine.hashing import version_digest
+from ckpt_engine.layout import Layout, plan_layout
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A version as per-tensor digests in layout order."""
+
+    version: int
+    algo: str
+    layout_digest: str
+    names: tuple[str, ...]
+    digests: tuple[int, ...]
+
+    @property
+    def version_digest(self) -> str:
+        return version_digest(self.algo, self.layout_digest, list(self.digests))
+
+    def updated(self, version: int, changed: dict[str, int]) -> "Manifest":
+        """This manifest with some tensors' digests replaced, as ``version``."""
+        unknown = set(changed) - set(self.names)
+        if unknown:
+            raise KeyError(f"tensors not in the base version: {sorted(unknown)[:3]}")
+        digests = tuple(changed.get(name, digest) for name, digest in zip(self.names, self.digests))
+        return Manifest(version, self.algo, self.layout_digest, self.names, digests)
+
+
+@dataclass(frozen=True)
+class SparsePlan:
+    layout: Layout  # only the changed tensors, in the full layout's order
+    changed: tuple[str, ...]
+    skipped: int
+    skipped_bytes: int
+
+
+def plan_sparse(full: Layout, new: Manifest, base: Manifest | None, *, bucket_size: int,
+                alignment: int) -> SparsePlan | None:
+    """What to send instead of the full version, or None when a full sync is needed (no base, another
+    layout, another digest algorithm)."""
+    if base is None or base.layout_digest != full.digest or base.algo != new.algo or base.names != new.names:
+        return None
+    changed = {name for name, old, now in zip(base.names, base.digests, new.digests) if old != now}
+    slots = [slot for slot in full.slots if slot.name in changed]
+    skipped = [slot for slot in full.slots if slot.name not in changed]
+    layout = plan_layout([slot.spec for slot in slots], bucket_size, alignment)
+    return SparsePlan(layout, tuple(s.name for s in slots), len(skipped), sum(s.nbytes for s in skipped))
+
+
+def manifest_of(version: int, algo: str, layout: Layout, digests: Sequence[int]) -> Manifest:
+    return Manifest(version, algo, layout.digest, tuple(s.name for s in layout.slots), tuple(digests))
