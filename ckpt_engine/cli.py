@@ -57,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     sync = sub.add_parser("sync", help="start a new version")
     sync.add_argument("--step", type=int)
     sync.add_argument("--bypass-cpu", action="store_true", default=None)
+    sync.add_argument("--sparse", action="store_true", default=None, help="send only what changed")
     sync.add_argument("--wait", action="store_true", help="show progress until the version ends")
     sync.add_argument("--timeout", type=float, default=600.0)
     sync.set_defaults(run=_sync)
@@ -123,7 +124,8 @@ def _call(args: argparse.Namespace, method: str, path: str, **kwargs: Any) -> tu
 
 
 def _sync(args: argparse.Namespace) -> int:
-    status, body = _call(args, "POST", "/sync", json={"step": args.step, "bypass_cpu": args.bypass_cpu})
+    status, body = _call(args, "POST", "/sync", json={"step": args.step, "bypass_cpu": args.bypass_cpu,
+                                                      "sparse": args.sparse})
     if status >= 400:
         return 1
     version = body["version"]

@@ -26,7 +26,8 @@ class SyncBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     step: int | None = Field(None, description="trainer step this version belongs to")
     bypass_cpu: bool | None = Field(None, description="override the deployment's bypass_cpu for this version")
-    sparse: bool | None = Field(None, description="sparse sync (not available yet)")
+    sparse: bool | None = Field(None, description="send only tensors changed since the version every receiver "
+                                "holds (default: the deployment's sparse)")
     wait: bool = Field(False, description="answer with the final record instead of 202 at once")
     timeout_s: float | None = Field(None, gt=0, le=86400, description="how long to wait when wait is true")
 
