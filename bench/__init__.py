@@ -1,1 +1,2 @@
-"""Benchmarks of ckpt-engine (run ``python -m bench.sync_bench``)."""
+"""Benchmarks of ckpt-engine: ``ckpt-engine bench [--quick]`` (or ``python -m bench.suite``) runs them all
+and writes docs/benchmarks.md; see bench/suite.py."""

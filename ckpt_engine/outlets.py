@@ -5,7 +5,7 @@ the same steps, so both kinds of receiver get the same bytes and the same digest
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -19,9 +19,9 @@ log = logging.getLogger(__name__)
 
 
 class Outlet(Protocol):
-    def begin(self, version: int, layout_digest: str, full: bytes, slim: bytes | None) -> None:
-        """Announce a version: ``full`` carries the layout, ``slim`` (if any) only its digest, for receivers
-        known to hold that layout already."""
+    def begin(self, version: int, layout_digest: str, full: Callable[[], bytes], slim: bytes) -> None:
+        """Announce a version: ``full()`` builds the header with the layout, ``slim`` carries only its digest,
+        for receivers known to hold that layout already."""
 
     def reclaim(self, slot_index: int, k: int) -> None:
         """Return once send slot ``slot_index`` may be overwritten with bucket ``k``."""
@@ -47,9 +47,9 @@ class CollectiveOutlet:
         self._version = 0
         self._layout_sent: str | None = None  # receivers of a group hold the layout they were last sent
 
-    def begin(self, version: int, layout_digest: str, full: bytes, slim: bytes | None) -> None:
+    def begin(self, version: int, layout_digest: str, full: Callable[[], bytes], slim: bytes) -> None:
         self._version = version
-        header = slim if slim is not None and self._layout_sent == layout_digest else full
+        header = slim if self._layout_sent == layout_digest else full()
         self._layout_sent = layout_digest
         self.channel.frame(Frame(FrameKind.BEGIN, version, len(header)), 0, "version begin")
         self.channel.payload(header, len(header), "version header")
@@ -105,9 +105,9 @@ class IpcOutlet:
         self.missing = missing  # agent id -> why it is not part of this version
         self.in_place = in_place
 
-    def begin(self, version: int, layout_digest: str, full: bytes, slim: bytes | None) -> None:
+    def begin(self, version: int, layout_digest: str, full: Callable[[], bytes], slim: bytes) -> None:
         for peer in self._live():
-            header = slim if slim is not None and peer.layout_digest == layout_digest else full
+            header = slim if peer.layout_digest == layout_digest else full()
             self._guard(peer, lambda p: self._map_and_begin(p, header))
             peer.layout_digest = layout_digest
 

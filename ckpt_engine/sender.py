@@ -388,15 +388,21 @@ class Sender:
             except Exception:  # a progress observer must never break a transfer
                 log.exception("on_stage callback failed")
 
-    def _headers(self, source: _Source) -> tuple[bytes, bytes]:
-        """The version header with the layout, and without it for receivers that already hold that layout."""
+    def _headers(self, source: _Source) -> tuple[Callable[[], bytes], bytes]:
+        """The version header without the layout (for receivers that hold it), and a function that builds
+        the one with the layout only if some receiver needs it (at 20k tensors that costs ~70 ms)."""
         layout = source.layout
         fields = dict(version=source.version, mode=source.mode, digest_algo=self.digest_algo,
                       layout_digest=layout.digest, step=source.step, aliases=dict(source.aliases),
                       created_at=time.time(), **source.header_extra)
-        full = encode(VersionHeader(layout=LayoutMessage.of(layout), **fields))
-        slim = encode(VersionHeader(**fields))
-        return full, slim
+        built: list[bytes] = []
+
+        def full() -> bytes:
+            if not built:
+                built.append(encode(VersionHeader(layout=LayoutMessage.of(layout), **fields)))
+            return built[0]
+
+        return full, encode(VersionHeader(**fields))
 
     def _send_buckets(self, source: _Source, outlets: list[Outlet], slots: list[torch.Tensor], timer: "_Timer",
                       result: TransferResult) -> list[int]:

@@ -63,6 +63,9 @@ def write_config(directory: Path, base: Path | None = None, **overrides: object)
     return path
 
 
+RUNNING: list[DaemonProcess] = []  # stopped by the autouse fixture in conftest.py, whatever a test did
+
+
 def start_daemon(config_path: Path, env: dict[str, str] | None = None, timeout_s: float = 30) -> DaemonProcess:
     config = yaml.safe_load(config_path.read_text())
     http = config["http"]
@@ -74,6 +77,7 @@ def start_daemon(config_path: Path, env: dict[str, str] | None = None, timeout_s
                             env={**os.environ, **(env or {})})
     daemon = DaemonProcess(proc, config_path, f"http://127.0.0.1:{http['port']}", config["zmq"]["endpoint"],
                            config.get("auth_token"), log_path)
+    RUNNING.append(daemon)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -1,0 +1,236 @@
+"""Receiver memory: how much a receiving process grows while it receives a version, relative to the bucket
+size. Three processes: a sender; a collective receiver (rank 1 of a 2-rank gloo group); a colocated
+shared-memory receiver (``IpcReceiver``, no group). Each receiver holds its own copy of the model, and its
+``load`` copies the verified tensors into it, as a rollout engine would.
+
+Each receiver samples /proc/self/status every millisecond from a thread (VmRSS, RssAnon, RssShmem) and also
+resets and reads the kernel's high-water mark (VmHWM, via /proc/self/clear_refs) around every version.
+*Baseline* = RSS after the receiver allocated its model, before the first version. *Extra* = peak during a
+version minus that baseline (first version) or minus the RSS just before the version (later ones).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+from bench.common import MiB, Progress, master_store, proc_status, run_processes, stats, sync_group
+
+MODES = ("cached", "bypass")
+REPEATS = 3  # versions per transport and mode
+
+
+class PeakSampler:
+    """Polls /proc/self/status from a thread; ``window()`` resets the maxima, ``peak()`` reads them."""
+
+    def __init__(self, interval_s: float = 0.001) -> None:
+        self.interval_s = interval_s
+        self._max: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._hwm_resettable = self._reset_hwm()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            now = proc_status()
+            with self._lock:
+                for k, v in now.items():
+                    if v > self._max.get(k, 0):
+                        self._max[k] = v
+            time.sleep(self.interval_s)
+
+    @staticmethod
+    def _reset_hwm() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return True
+        except OSError:
+            return False
+
+    def window(self) -> dict[str, int]:
+        """Start a new window; returns the current readings."""
+        now = proc_status()
+        with self._lock:
+            self._max = dict(now)
+        self._hwm_resettable = self._reset_hwm()
+        return now
+
+    def peak(self) -> dict[str, int]:
+        now = proc_status()
+        with self._lock:
+            out = {k: max(v, now.get(k, 0)) for k, v in self._max.items()}
+        if self._hwm_resettable:
+            out["VmRSS"] = max(out.get("VmRSS", 0), now.get("VmHWM", 0))
+        out["hwm_reset"] = int(self._hwm_resettable)
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(1)
+
+
+def _model(args: dict):
+    import torch
+
+    per = args["mib"] * MiB // 4 // args["tensors"]
+    return {f"t{i}": torch.randn(per) for i in range(args["tensors"])}
+
+
+def _child(rank: int, results: Any, port: int, hub: str, args: dict) -> dict | None:
+    import torch
+
+    torch.set_num_threads(1)
+    if rank == 0:
+        return _sender(port, hub, args, results)
+    return _receiver(rank, port, hub, args)
+
+
+def _sender(port: int, hub: str, args: dict, results: Any) -> None:
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.publisher import Publisher
+    from ckpt_engine.tensors import NamedTensors
+
+    device = detect_device("cpu")
+    group = sync_group(0, 2, port, args["timeout_s"], "mem-bench")
+    tensors = _model(args)
+    named = NamedTensors(tensors)
+    bucket = args["bucket_mib"] * MiB
+    gloo = Publisher(group, bucket_size=bucket, keep_versions=1)
+    ipc = Publisher(device=device, bucket_size=bucket, ipc_hub_name=hub, keep_versions=1, timeout_s=args["timeout_s"])
+    ipc.attach(None, ipc_peers={"mem": 1})
+    version = 0
+    for transport, publisher in (("collective", gloo), ("ipc", ipc)):
+        for mode in MODES:
+            for _ in range(REPEATS):
+                version += 1
+                tensors["t0"].add_(1)
+                time.sleep(0.05)  # let the receiver take its pre-version reading
+                result = publisher.publish(version, named, bypass_cpu=mode == "bypass").result(300)
+                if not result.ok or not all(a.ok for a in result.receivers):
+                    raise RuntimeError(f"{transport} {mode} version {version}: {result.reason}")
+                results.put(("progress", 0, f"  {transport:<10} {mode:<6} version {version} ok"))
+    gloo.close()
+    ipc.close()
+    return None
+
+
+def _receiver(rank: int, port: int, hub: str, args: dict) -> dict:
+    import gc
+
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.ipc_receiver import IpcReceiver
+    from ckpt_engine.receiver import Receiver
+
+    own = _model(args)  # this receiver's model, which every version is copied into
+
+    def load(payload) -> None:
+        for name, tensor in payload.tensors.items():
+            own[name].copy_(tensor)
+
+    if rank == 1:
+        receiver = Receiver(sync_group(1, 2, port, args["timeout_s"], "mem-bench"), load)
+    else:
+        receiver = IpcReceiver(hub, "mem", 1, load, device=detect_device("cpu"), timeout_s=args["timeout_s"])
+    gc.collect()
+    sampler = PeakSampler()
+    time.sleep(0.2)
+    baseline = proc_status()
+    versions = []
+    for mode in MODES:
+        for _ in range(REPEATS):
+            before = sampler.window()
+            result = receiver.receive(300)
+            peak = sampler.peak()
+            after = proc_status()
+            if result is None or not result.ok:
+                raise RuntimeError(f"rank {rank}: {mode} receive failed: {result}")
+            versions.append({"mode": mode, "before": before, "peak": peak, "after": after})
+    if rank == 1:
+        if receiver.receive(60) is not None:
+            raise RuntimeError("expected CLOSE")
+    else:
+        receiver.close()
+    sampler.close()
+    return {"transport": "collective" if rank == 1 else "ipc", "baseline": baseline, "versions": versions}
+
+
+def run(opts: dict, progress: Progress) -> dict:
+    args = {"mib": 64 if opts["quick"] else 256, "tensors": 100, "bucket_mib": 16 if opts["quick"] else 64,
+            "timeout_s": opts["timeout_s"]}
+    store = master_store(args["timeout_s"])
+    hub = f"ckpt-mem-bench-{uuid.uuid4().hex[:8]}"
+    progress(f"  {args['mib']} MiB model in {args['tensors']} tensors, bucket {args['bucket_mib']} MiB")
+    _, collective, ipc = run_processes(_child, [(store.port, hub, args)] * 3, deadline_s=600, progress=progress,
+                                       name="memory")
+    del store
+    bucket = args["bucket_mib"] * MiB
+    rows = []
+    for rx in (collective, ipc):
+        base = rx["baseline"]
+        for mode in MODES:
+            vs = [v for v in rx["versions"] if v["mode"] == mode]
+            first_of_all = rx["versions"][0] is vs[0]
+            extra = [v["peak"]["VmRSS"] - v["before"]["VmRSS"] for v in vs]
+            anon = [v["peak"].get("RssAnon", 0) - v["before"].get("RssAnon", 0) for v in vs]
+            shmem = [v["peak"].get("RssShmem", 0) - v["before"].get("RssShmem", 0) for v in vs]
+            first = vs[0]
+            later = vs[1:] if first_of_all else vs
+            rows.append({
+                "transport": rx["transport"], "mode": mode, "baseline_rss": base["VmRSS"],
+                "first_sync": first_of_all,
+                "first_extra": first["peak"]["VmRSS"] - base["VmRSS"],
+                "first_extra_anon": first["peak"].get("RssAnon", 0) - base.get("RssAnon", 0),
+                "first_extra_shmem": first["peak"].get("RssShmem", 0) - base.get("RssShmem", 0),
+                "extra": stats(extra), "extra_anon": stats(anon), "extra_shmem": stats(shmem),
+                "later_extra": stats(v["peak"]["VmRSS"] - v["before"]["VmRSS"] for v in later),
+                "retained_after": vs[-1]["after"]["VmRSS"] - base["VmRSS"],
+                "retained_anon_after": vs[-1]["after"].get("RssAnon", 0) - base.get("RssAnon", 0),
+                "hwm_reset": all(v["peak"].get("hwm_reset") for v in vs),
+            })
+    return {"args": args, "bucket_size": bucket, "model_bytes": args["mib"] * MiB, "rows": rows, "repeats": REPEATS}
+
+
+def render(result: dict, machine: dict) -> list[str]:
+    a, bucket = result["args"], result["bucket_size"]
+    lines = [
+        f"Model {a['mib']} MiB in {a['tensors']} float32 tensors, bucket {a['bucket_mib']} MiB "
+        f"(the model is {result['model_bytes'] / bucket:.0f} buckets). Each receiver process holds its own "
+        "copy of the model and `load` copies every verified tensor into it. Order per receiver: "
+        f"{result['repeats']} cached versions, then {result['repeats']} bypass_cpu versions. "
+        "Peaks from a 1 ms /proc/self/status sampler"
+        + (" and the kernel's VmHWM (reset before every version)" if all(r["hwm_reset"] for r in result["rows"])
+           else " (VmHWM could not be reset here)") + ". MiB = 2^20 bytes.",
+        "",
+        "| Receiver | Mode | RSS baseline MiB | first version of the process: peak − baseline, MiB (anon / "
+        "shared) | other versions: peak − RSS just before, MiB median (max) | worst extra ÷ bucket | RSS retained "
+        "after the last version, anon MiB |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        first = (f"{r['first_extra'] / MiB:.0f} ({r['first_extra_anon'] / MiB:.0f} / "
+                 f"{r['first_extra_shmem'] / MiB:.0f})"
+                 if r["first_sync"] else "—")
+        later = r["later_extra"]
+        worst = max(r["first_extra"] if r["first_sync"] else 0, later["max"] if later["n"] else 0)
+        lines.append(
+            f"| {'collective (gloo)' if r['transport'] == 'collective' else 'same-host shared memory'} | {r['mode']} "
+            f"| {r['baseline_rss'] / MiB:.0f} | {first} | "
+            + (f"{later['median'] / MiB:.0f} ({later['max'] / MiB:.0f})" if later["n"] else "—")
+            + f" | {worst / bucket:.2f} | {r['retained_anon_after'] / MiB:.0f} |")
+    lines += [
+        "",
+        "*worst extra ÷ bucket* = the larger of the two extra figures ÷ the bucket size. By design a receiver "
+        "stages a whole version before it calls `load` (nothing is applied unless every tensor verified), so "
+        "its first version allocates a staging buffer of the model's size, which it keeps and reuses: the "
+        "figure to expect is about model size ÷ bucket size, not ~1–2 buckets. The colocated receiver in "
+        "cached mode reads the sender's shared cache buffer in place: it maps the sender's memory (counted as "
+        "shared RSS) instead of allocating staging of its own; its first bypass_cpu version then allocates its "
+        "own staging (model size) and maps the sender's two bucket slots (2 × bucket, shared).",
+        "",
+    ]
+    return lines

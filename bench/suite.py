@@ -1,0 +1,416 @@
+"""The benchmark suite: one command measures everything and writes one report.
+
+    ckpt-engine bench [--quick] [--json PATH] [--out PATH]        (or: python -m bench.suite ...)
+
+Sections (each in its own module, run in this order; ``--only`` / ``--skip`` pick them):
+
+- ``side_by_side``  (bench/sync_bench.py): ckpt-engine e2e cached and bypass_cpu vs raw broadcast, memcpy,
+                    per-tensor broadcast loop, safetensors disk round trip (local disk, /dev/shm), 100 → 20,000
+                    tensors at fixed bytes.
+- ``ipc``           (bench/ipc_bench.py): the same-host shared-memory path vs memcpy and gloo.
+- ``curves``        (bench/curves.py): model size 64 MiB → 4 GiB, receivers 1 → 3.
+- ``memory``        (bench/receiver_memory.py): receiver peak extra memory during a sync vs bucket size.
+- ``trainer``       (bench/trainer_overhead.py): training step time during a cached sync vs idle.
+- ``daemon_e2e``    (bench/daemon_e2e.py): POST /sync → every receiver verified, through the real daemon.
+- ``control_plane`` (bench/control_plane.py): GET /versions and POST /sync latency at ~200 requests/s.
+- ``sparse``        (bench/sparse_bench.py): sparse sync of 1% / 10% / 50% of the tensors vs a full sync.
+
+It writes the markdown report (default docs/benchmarks.md), PNG plots next to it (bench-*.png) and, with
+``--json``, every measured figure. Every number in the report comes from the run. ``--quick`` takes about
+1–3 minutes on a 2-core machine; the full run is sized to stay under 15 minutes there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from bench import control_plane, curves, daemon_e2e, ipc_bench, plots, receiver_memory, sync_bench, trainer_overhead
+from bench.common import REPO, GiB, MiB, machine_info
+
+DEFAULT_OUT = REPO / "docs" / "benchmarks.md"
+
+class _SparseSection:
+    """bench/sparse_bench.py exposes ``run(quick, progress)`` and ``section(result)``: adapt them."""
+
+    @staticmethod
+    def run(opts: dict, progress: Callable[[str], None]) -> dict:
+        from bench import sparse_bench
+
+        return sparse_bench.run(opts["quick"], progress)
+
+    @staticmethod
+    def render(result: dict, machine: dict) -> list[str]:
+        from bench import sparse_bench
+
+        lines = list(sparse_bench.section(result))
+        while lines and (lines[0].startswith("## ") or not lines[0].strip()):  # the suite numbers its headings
+            lines.pop(0)
+        return lines
+
+
+SECTIONS: list[tuple[str, str, Any]] = [
+    ("side_by_side", "Side by side: ckpt-engine vs the alternatives", sync_bench),
+    ("ipc", "Same-host shared-memory path", ipc_bench),
+    ("curves", "Curves: model size and receivers", curves),
+    ("memory", "Receiver memory during a sync", receiver_memory),
+    ("trainer", "Trainer step time during a cached sync", trainer_overhead),
+    ("daemon_e2e", "Through the daemon: POST /sync → every receiver verified", daemon_e2e),
+    ("control_plane", "Control plane under load", control_plane),
+    ("sparse", "Sparse sync vs full sync", _SparseSection),
+]
+SECTION_NAMES = [s[0] for s in SECTIONS]
+
+
+def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="sections: " + ", ".join(SECTION_NAMES))
+    p.add_argument("--quick", action="store_true", help="smaller models, fewer repetitions (~1-3 minutes)")
+    p.add_argument("--json", metavar="PATH", help="also write every measured figure as JSON")
+    p.add_argument("--out", metavar="PATH", default=None,
+                   help=f"markdown report (default {DEFAULT_OUT.relative_to(REPO)}); plots go next to it")
+    p.add_argument("--only", metavar="LIST", help="comma-separated sections to run (default: all)")
+    p.add_argument("--skip", metavar="LIST", help="comma-separated sections to leave out")
+    p.add_argument("--repeats", type=int, default=None, help="measured rounds per variant (default 5, quick 3)")
+    p.add_argument("--warmup", type=int, default=1, help="unreported warm-up rounds (default 1)")
+    p.add_argument("--bucket-mib", type=float, default=64, help="bucket size in MiB (default 64)")
+    p.add_argument("--timeout", type=float, default=120.0, help="per-collective timeout in seconds")
+    p.add_argument("--from-json", metavar="PATH", help="measure nothing: write the report and plots of an earlier "
+                   "run from its --json output")
+    args = p.parse_args(argv)
+    for opt in ("only", "skip"):
+        value = getattr(args, opt)
+        if value:
+            bad = [s for s in value.split(",") if s.strip() not in SECTION_NAMES]
+            if bad:
+                p.error(f"--{opt}: unknown section(s) {bad}; known: {', '.join(SECTION_NAMES)}")
+    return args
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m bench.suite") -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv, prog)
+    chosen = [s.strip() for s in args.only.split(",")] if args.only else list(SECTION_NAMES)
+    if args.skip:
+        chosen = [s for s in chosen if s not in {x.strip() for x in args.skip.split(",")}]
+    opts = {"quick": args.quick, "repeats": args.repeats if args.repeats is not None else (3 if args.quick else 5),
+            "warmup": args.warmup, "bucket_size": int(args.bucket_mib * MiB), "timeout_s": args.timeout}
+    out_path = Path(args.out) if args.out else DEFAULT_OUT
+    if args.from_json:
+        return _write(json.loads(Path(args.from_json).read_text()), out_path, None)
+    command = " ".join([prog, *map(shlex.quote, argv)])
+    print(f"command: {command}", flush=True)
+    machine = machine_info()
+    results: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    for name, title, module in SECTIONS:
+        if name not in chosen:
+            continue
+        print(f"\n== {name}: {title} ({time.perf_counter() - started:.0f}s elapsed)", flush=True)
+        t0 = time.perf_counter()
+        try:
+            results[name] = module.run(opts, _progress)
+        except Exception:  # one failing section must not lose the others: reported in the markdown
+            errors[name] = traceback.format_exc()
+            print(f"section {name} FAILED:\n{errors[name]}", flush=True)
+        timings[name] = time.perf_counter() - t0
+        print(f"   {name} took {timings[name]:.1f}s", flush=True)
+    wall = time.perf_counter() - started
+    report = {"command": command, "machine": machine, "settings": opts, "sections": chosen,
+              "wall_seconds": wall, "section_seconds": timings, "errors": errors, "results": results}
+    report["targets"] = evaluate_targets(report)
+    print(f"total wall time {wall:.1f}s", flush=True)
+    return _write(report, out_path, args.json)
+
+
+def _write(report: dict, out_path: Path, json_path: str | None) -> int:
+    """Plots, markdown and (optionally) JSON of a run; prints the targets. Non-zero when a section failed."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    images: dict[str, str] = {}
+    machine = report["machine"]
+    try:
+        bars, bar_title = compare_bars(report)
+        subtitle = (f"{'quick' if report['settings']['quick'] else 'full'} run, {machine['usable_cores']} CPU "
+                    f"cores, gloo, {machine['date_utc']}")
+        images = plots.make_all(report["results"], out_path.parent, subtitle, bars, bar_title)
+    except Exception:  # no matplotlib, say: the report still comes out, without pictures
+        report["errors"]["plots"] = traceback.format_exc()
+        print(f"plots FAILED:\n{report['errors']['plots']}", flush=True)
+    report["images"] = images
+    out_path.write_text(render(report))
+    print(f"\nwrote {out_path}" + (f" and {', '.join(images.values())}" if images else ""), flush=True)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=1, default=str))
+        print(f"wrote {json_path}", flush=True)
+    print("", flush=True)
+    for t in report["targets"]:
+        print(f"{t['status']:<13} {t['target']}: {t['summary']}", flush=True)
+    return 1 if any(k != "plots" for k in report["errors"]) else 0
+
+
+def _progress(text: str) -> None:
+    print(text, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Targets
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check(op: str, value: float, threshold: float) -> bool:
+    return value >= threshold if op == ">=" else (value <= threshold if op == "<=" else value < threshold)
+
+
+def evaluate_targets(report: dict) -> list[dict]:
+    res, errors = report["results"], report["errors"]
+    targets: list[dict] = []
+
+    def add(target: str, op: str, threshold: float, unit: str, section: str,
+            measurements: Callable[[], list[tuple[str, float, str]]], how: str) -> None:
+        entry: dict[str, Any] = {"target": target, "op": op, "threshold": threshold, "unit": unit, "how": how}
+        if section not in res:
+            entry.update(status="NOT MEASURED", measured=[],
+                         summary="section failed" if section in errors else "section not run")
+        else:
+            ms = measurements()
+            if not ms:
+                entry.update(status="NOT MEASURED", measured=[], summary="no data")
+            else:
+                met = [(w, v, rng, _check(op, v, threshold)) for w, v, rng in ms]
+                n_met = sum(m[3] for m in met)
+                entry["measured"] = [{"where": w, "value": v, "range": rng, "met": ok} for w, v, rng, ok in met]
+                entry["status"] = "MET" if n_met == len(met) else "MISSED"
+                entry["summary"] = "; ".join(f"{w}: {v:.3f}{unit}{' ' + rng if rng else ''} "
+                                             f"{'met' if ok else 'missed'}" for w, v, rng, ok in met)
+                if len(met) > 1:
+                    entry["summary"] += f" (met at {n_met} of {len(met)})"
+        targets.append(entry)
+
+    def side_ratio(key: str, rows_filter: Callable[[dict], bool] | None = None) -> list[tuple[str, float, str]]:
+        rows = res["side_by_side"]["rows"]
+        out = []
+        for row in rows:
+            if set(sync_bench.ALL_VARIANTS) <= set(row["variants"]) and (rows_filter is None or rows_filter(row)):
+                r = row["ratios"].get(key)
+                if r:
+                    out.append((row["name"], r["value"], f"[{r['paired_min']:.3f}–{r['paired_max']:.3f}]"))
+        return out
+
+    def biggest(row: dict) -> bool:
+        return row["num_tensors"] == max(r["num_tensors"] for r in res["side_by_side"]["rows"])
+
+    add("ckpt-engine e2e (cached) throughput ÷ raw broadcast", ">=", 0.9, "", "side_by_side",
+        lambda: side_ratio("raw_over_cached"), "raw time / cached time-to-verified, same bytes, same group")
+    add("speedup over a per-tensor broadcast loop at 20k tensors", ">=", 20, "×", "side_by_side",
+        lambda: side_ratio("per_tensor_over_cached", biggest), "per-tensor loop time / cached time-to-verified")
+    add("speedup over a safetensors round trip on local disk", ">=", 3, "×", "side_by_side",
+        lambda: side_ratio("disk_local_over_cached"), "save → every receiver loaded + copied / cached time")
+    add("speedup over a safetensors round trip on /dev/shm", ">=", 3, "×", "side_by_side",
+        lambda: side_ratio("disk_shm_over_cached"), "the same with the file on tmpfs")
+    add("bypass_cpu time-to-verified ÷ cached", "<=", 0.8, "", "side_by_side",
+        lambda: side_ratio("bypass_over_cached"), "bypass time / cached time")
+    add("cached trainer-held ÷ bypass_cpu trainer-held", "<=", 0.25, "", "side_by_side",
+        lambda: side_ratio("held_cached_over_bypass"), "publish() return / params_released")
+
+    def sparse_measure() -> list[tuple[str, float, str]]:
+        r = res["sparse"]
+        ten = r.get("ratio_vs_full", {}).get("sparse 10%")
+        return [] if ten is None else [(f"{r['args']['mib']} MiB × {r['args']['tensors']:,}", ten, "")]
+
+    add("sparse sync of 10% of the tensors ÷ full sync", "<=", 0.2, "", "sparse", sparse_measure,
+        "time of a version with 10% of the tensors changed / time of a full version")
+
+    def ipc_measure() -> list[tuple[str, float, str]]:
+        r = res["ipc"]["ratios"]["ipc_cached_vs_memcpy"]
+        rng = f"[{r['paired_min']:.3f}–{r['paired_max']:.3f}]"
+        return [(f"{res['ipc']['args']['mib']} MiB cached", r["value"], rng)]
+
+    add("same-host shared-memory path throughput ÷ memcpy", ">=", 0.7, "", "ipc", ipc_measure,
+        "memcpy time / shared-memory cached time-to-verified")
+
+    def trainer_measure() -> list[tuple[str, float, str]]:
+        t = res["trainer"]
+        return [(f"{t['args']['mib']} MiB sync", t["ratio"], "")]
+
+    add("trainer step during a cached sync ÷ idle step", "<=", 1.1, "", "trainer", trainer_measure,
+        "median step time while a transfer is in flight / idle median")
+
+    def post_measure() -> list[tuple[str, float, str]]:
+        a = res["control_plane"]["post_accepted"]
+        return [] if not a["n"] else [(f"{a['n']} accepted", a["p50"] * 1e3, "")]
+
+    def get_measure() -> list[tuple[str, float, str]]:
+        g = res["control_plane"]["get_versions"]
+        return [] if not g["n"] else [(f"{g['n']} requests", g["p99"] * 1e3, "")]
+
+    add("POST /sync accept latency p50 (ms)", "<", 5, " ms", "control_plane", post_measure,
+        f"at ~{control_plane.RATE:.0f} requests/s")
+    add("GET /versions latency p99 (ms)", "<", 20, " ms", "control_plane", get_measure,
+        f"at ~{control_plane.RATE:.0f} requests/s")
+    return targets
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------------------------
+
+
+def compare_bars(report: dict) -> tuple[list[dict], str]:
+    """The side-by-side bar chart: every alternative on the headline model's bytes."""
+    res = report["results"]
+    side = res.get("side_by_side")
+    row = sync_bench.headline_row(side) if side else None
+    if row is None:
+        return [], ""
+    bars = []
+    for v in sync_bench.ALL_VARIANTS:
+        e = row["variants"].get(v)
+        if e:
+            bars.append({"key": v, "label": plots.LABELS[v], "seconds": e["seconds"], "nbytes": row["bytes"]})
+    ipc = res.get("ipc")
+    if ipc and abs(ipc["bytes"] - row["bytes"]) <= 0.01 * row["bytes"]:
+        for v in ("ipc_cached", "ipc_bypass"):
+            bars.append({"key": v, "label": plots.LABELS[v], "seconds": ipc["variants"][v]["seconds"],
+                         "nbytes": ipc["bytes"], "note": "1 receiver, same-host section"})
+    dm = res.get("daemon_e2e")
+    if dm:
+        for mode in ("cached", "bypass"):
+            e = dm["modes"].get(mode)
+            if e and e["seconds"]["n"] and e["bytes"] and abs(e["bytes"] - row["bytes"]) <= 0.01 * row["bytes"]:
+                bars.append({"key": f"daemon_{mode}", "label": plots.LABELS[f"daemon_{mode}"], "seconds": e["seconds"],
+                             "nbytes": e["bytes"], "note": "daemon section"})
+    title = (f"{row['bytes'] / MiB:.0f} MiB in {row['num_tensors']:,} tensors to "
+             f"{side['world'] - 1} receivers (CPU, gloo): time until every receiver has the weights")
+    return bars, title
+
+
+def _section_anchor(title: str) -> str:
+    keep = "".join(ch for ch in title.lower() if ch.isalnum() or ch in " -")
+    return keep.replace(" ", "-")
+
+
+def render(report: dict) -> str:
+    m, s, res = report["machine"], report["settings"], report["results"]
+    images = report.get("images", {})
+    lines: list[str] = []
+    add = lines.append
+    add("# Benchmarks")
+    add("")
+    add(f"Generated by `ckpt-engine bench` ({'quick' if s['quick'] else 'full'} run) on {m['date_utc']}, "
+        f"{report['wall_seconds']:.0f} s wall. Every number below was measured in that run; re-running the "
+        "command regenerates this file and its plots.")
+    add("")
+    add("## Command")
+    add("")
+    add("```")
+    add(report["command"])
+    add("```")
+    add("")
+    add("(run from the repository root; `python -m bench.suite` takes the same options)")
+    add("")
+    add("## Machine")
+    add("")
+    mem = f"{m['memory_bytes'] / GiB:.1f} GiB" if m.get("memory_bytes") else "unknown"
+    add(f"- CPU: {m['cpu_model']}, {m['logical_cores']} logical cores ({m['usable_cores']} usable), {mem} RAM")
+    add("- GPU: " + (m["gpu"] if m.get("gpu") else
+                     "**none**. Every figure is CPU + gloo over loopback; the GPU data paths (NCCL, CUDA IPC, "
+                     "device-side digests) are not measured here."))
+    add(f"- torch {m['torch']}, Python {m['python']}, {m['platform']}")
+    add(f"- local disk for the safetensors baseline: {m.get('disk_tmp')}; /dev/shm: {m.get('disk_shm')}")
+    add(f"- bucket size {s['bucket_size'] / MiB:g} MiB unless a section says otherwise; {s['repeats']} measured "
+        f"rounds per variant after {s['warmup']} warm-up round(s) unless a section says otherwise")
+    add("- section wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in report["section_seconds"].items()))
+    add("")
+    add("Method: variants that are compared run in the same processes, round-robin interleaved (all variants of "
+        "a round back to back, order rotated every round), so machine noise hits all of them alike. Times are "
+        "medians with the min–max range; ratios are ratios of medians, with the min–max of the per-round ratio "
+        "in brackets. GB/s = model bytes / time, 1 GB = 1e9 bytes; MiB = 2^20 bytes.")
+    add("")
+    if report["errors"]:
+        add("## Failures in this run")
+        add("")
+        for name, text in report["errors"].items():
+            add(f"- **{name}** failed: `{text.strip().splitlines()[-1][:300]}` (full traceback in the console / JSON)")
+        add("")
+    add("## Targets")
+    add("")
+    add("| Target | Threshold | Measured (per-round range) | Status |")
+    add("|---|---|---|---|")
+    for t in report["targets"]:
+        thr = f"{t['op']} {t['threshold']:g}{t['unit']}"
+        add(f"| {t['target']} | {thr} | {t['summary']} | **{t['status']}** |")
+    met = sum(t["status"] == "MET" for t in report["targets"])
+    add("")
+    add(f"{met} of {len(report['targets'])} targets met on this machine. A target measured at several model "
+        "configurations is MET only if it is met at every one. Why some are missed here and what was changed "
+        "because of them: [performance-notes.md](performance-notes.md).")
+    add("")
+    side = res.get("side_by_side")
+    head = sync_bench.headline_row(side) if side else None
+    if head is not None:
+        add(f"## Headline: {head['bytes'] / MiB:.0f} MiB in {head['num_tensors']:,} tensors, "
+            f"1 sender → {side['world'] - 1} receivers")
+        add("")
+        if "compare" in images:
+            add(f"![side-by-side comparison]({images['compare']})")
+            add("")
+        add("| Variant | Time s, median (min–max) | GB/s | ckpt-engine cached vs it | ckpt-engine bypass_cpu vs it |")
+        add("|---|---:|---:|---|---|")
+        bars, _ = compare_bars(report)
+        cached = head["variants"]["cached"]["seconds"]["median"]
+        bypass = head["variants"]["bypass"]["seconds"]["median"]
+        for b in bars:
+            med = b["seconds"]["median"]
+            rel = lambda ours: (f"{med / ours:.2f}× faster" if med >= ours else f"{ours / med:.2f}× slower")  # noqa: E731
+            note = f" ({b['note']})" if b.get("note") else ""
+            ours = b["key"] in ("cached", "bypass") or b["key"].startswith(("ipc_", "daemon_"))
+            add(f"| {b['label']}{note} | {med:.3f} ({b['seconds']['min']:.3f}–{b['seconds']['max']:.3f}) | "
+                f"{b['nbytes'] / med / 1e9:.2f} | {'—' if ours else rel(cached)} | {'—' if ours else rel(bypass)} |")
+        add("")
+        add("\"N× faster\" = the alternative's time ÷ ckpt-engine's time (\"slower\": the inverse). The raw broadcast "
+            "and memcpy are the limits: ckpt-engine sends the same bytes plus digests, headers and "
+            "acknowledgements, and verifies every tensor before `load`. Rows marked with a section are other "
+            "ckpt-engine paths on the same bytes, measured in that section of this run (not interleaved with "
+            "the rows above).")
+        add("")
+    n = 0
+    for name, title, module in SECTIONS:
+        if name not in report["sections"]:
+            continue
+        n += 1
+        add(f"## {n}. {title}")
+        add("")
+        if name in report["errors"]:
+            add(f"Not measured: the section failed (`{report['errors'][name].strip().splitlines()[-1][:300]}`).")
+            add("")
+            continue
+        result = res[name]
+        if name == "curves":
+            lines.extend(curves.render(result, m, images))
+        elif name == "daemon_e2e":
+            lines.extend(daemon_e2e.render(result, m, head))
+        else:
+            lines.extend(module.render(result, m))
+        if name == "side_by_side" and "tensors" in images:
+            add(f"![time vs tensor count]({images['tensors']})")
+            add("")
+    add("---")
+    add("")
+    add("Raw per-repetition samples of every variant are in the JSON output (`--json PATH`). Analysis of the "
+        "figures and of the targets missed on this machine: [performance-notes.md](performance-notes.md).")
+    add("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
