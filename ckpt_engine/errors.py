@@ -35,12 +35,6 @@ class GroupBrokenError(CkptEngineError):
     """The sync group failed mid-operation and must be rebuilt before it can be used again."""
 
 
-class VerificationError(CkptEngineError):
-    """Received bytes do not match the version manifest."""
-
-
-class TransferAbortedError(CkptEngineError):
-    """The sender aborted the version; nothing of it was loaded."""
 
 
 class CacheError(CkptEngineError):

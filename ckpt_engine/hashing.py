@@ -68,9 +68,7 @@ def host_buffer(buf: torch.Tensor) -> memoryview:
 
 def xxh3_digest(dtype: str, shape: Sequence[int], data: torch.Tensor) -> int:
     """xxh3-64 digest of one tensor's bytes (a uint8 CPU slice) under its dtype and shape."""
-    hasher = xxhash.xxh3_64(seed=header_seed(dtype, shape) & _MASK64)
-    hasher.update(host_buffer(data))
-    return to_signed64(hasher.intdigest())
+    return to_signed64(xxhash.xxh3_64_intdigest(host_buffer(data), header_seed(dtype, shape) & _MASK64))
 
 
 @dataclass(frozen=True)

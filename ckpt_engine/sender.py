@@ -87,11 +87,20 @@ class Transfer:
 
 
 class _Source(Protocol):
+    """Where a version's bucket bytes come from: live tensors, the cache, or the cache's changes (sparse)."""
+
     mode: Mode
-    layout: Layout
+    layout: Layout  # what goes on the wire (after prepare)
     version: int
     step: int | None
     aliases: Mapping[str, str]
+    header_extra: dict
+    skipped: int
+    base_version: int | None
+
+    def prepare(self, algo: DigestAlgo, device: torch.device) -> None: ...
+
+    def manifest(self, version: int, algo: str, wire_digests: list[int]) -> Manifest: ...
 
     def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor: ...
 

@@ -50,7 +50,6 @@ class Controller:
         self._membership: tuple[str, ...] = ()
         self._generation = 0
         self._group_dirty = False
-        self._cache_bytes: dict[int, int] = {}
         self.started_at = time.time()
 
     # ---- agents -------------------------------------------------------------------------------------

@@ -89,3 +89,16 @@ def start_daemon(config_path: Path, env: dict[str, str] | None = None, timeout_s
             time.sleep(0.1)
     proc.kill()
     raise AssertionError(f"daemon did not answer /health within {timeout_s}s:\n{daemon.log()}")
+
+
+def train_until_stopped(agent, stop_file: str, on_version=None) -> None:
+    """A training loop stand-in: step the trainer agent until ``stop_file`` exists, calling
+    ``on_version(step)`` after each step that served a version; then finish and leave cleanly."""
+    step = 0
+    while not os.path.exists(stop_file):
+        step += 1
+        if agent.step(step) is not None and on_version is not None:
+            on_version(step)
+        time.sleep(0.01)
+    agent.wait_idle(30)
+    agent.close()

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from ckpt_engine.device import detect_device
-from tests.daemon_harness import DaemonProcess, ROOT, start_daemon, write_config
+from tests.daemon_harness import DaemonProcess, ROOT, start_daemon, train_until_stopped, write_config
 from tests.models import AwkwardModel, load_into, state_bytes
 from tests.procs import start_processes
 
@@ -25,13 +25,7 @@ def trainer_proc(zmq: str, stop_file: str) -> dict:
 
     model = AwkwardModel(seed=1)
     agent = TrainerAgent(model, zmq, poll_wait_s=0.5).start()
-    step = 0
-    while not os.path.exists(stop_file):
-        step += 1
-        agent.step(step)  # the weights stay as they are: both modes must then give the same digest
-        time.sleep(0.01)
-    agent.wait_idle(30)
-    agent.close()
+    train_until_stopped(agent, stop_file)  # the weights stay as they are: both modes give the same digest
     return {"state": state_bytes(model), "held": agent.held_seconds}
 
 
@@ -275,14 +269,7 @@ def flaky_trainer_proc(zmq: str, stop_file: str) -> dict:
             raise RuntimeError("device lost while snapshotting")
         return named_tensors_of(model)
 
-    agent = TrainerAgent(tensors, zmq, poll_wait_s=0.3).start()
-    step = 0
-    while not os.path.exists(stop_file):
-        step += 1
-        agent.step(step)
-        time.sleep(0.01)
-    agent.wait_idle(30)
-    agent.close()
+    train_until_stopped(TrainerAgent(tensors, zmq, poll_wait_s=0.3).start(), stop_file)
     return {}
 
 

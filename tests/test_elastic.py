@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.daemon_harness import start_daemon, write_config
+from tests.daemon_harness import start_daemon, train_until_stopped, write_config
 from tests.models import AwkwardModel, load_into, state_bytes
 from tests.procs import start_processes
 
@@ -23,14 +23,8 @@ def changing_trainer(zmq: str, stop_file: str) -> dict:
 
     model = AwkwardModel(seed=1)
     agent = TrainerAgent(model, zmq, poll_wait_s=0.3).start()
-    step = 0
-    while not os.path.exists(stop_file):
-        step += 1
-        if agent.step(step) is not None:
-            model.perturb(step, fraction=0.3)  # every version differs from the one before
-        time.sleep(0.01)
-    agent.wait_idle(30)
-    agent.close()
+    # every version differs from the one before
+    train_until_stopped(agent, stop_file, on_version=lambda step: model.perturb(step, fraction=0.3))
     return {}
 
 

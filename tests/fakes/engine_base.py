@@ -10,7 +10,7 @@ import threading
 
 import torch
 import torch.distributed as dist
-from fastapi import HTTPException
+from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict
 
 from ckpt_engine.dtypes import DTYPE_BY_NAME
@@ -59,3 +59,26 @@ class UpdateGroup:
 def checksum(tensor: torch.Tensor) -> str:
     flat = tensor.contiguous().reshape(-1).view(torch.uint8)
     return hashlib.sha256(bytes(flat.tolist())).hexdigest()
+
+
+def add_state_route(app: FastAPI, state: dict) -> None:
+    """GET /_fake/state: what the fake server was asked and what it holds, for the tests to inspect."""
+
+    @app.get("/_fake/state")
+    def fake_state() -> dict:
+        return {"calls": state["calls"], "paused": state["paused"], "weight_version": state["weight_version"],
+                "checksums": {k: checksum(v) for k, v in state["weights"].items()}}
+
+
+def serve(create_app, failure_flag: str) -> None:
+    """``python -m tests.fakes.<server> --port N [--<failure_flag>]``"""
+    import argparse
+
+    import uvicorn
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument(f"--{failure_flag}", action="store_true")
+    args = parser.parse_args()
+    uvicorn.run(create_app(getattr(args, failure_flag.replace("-", "_"))), host="127.0.0.1", port=args.port,
+                log_level="warning")

@@ -7,15 +7,13 @@ Run: python -m tests.fakes.fake_vllm --port N [--fail-finish]
 
 from __future__ import annotations
 
-import argparse
 from typing import Literal, Optional
 
-import uvicorn
 from fastapi import FastAPI, HTTPException
 from pydantic import Field
 
 from tests.fakes.engine_base import Strict as _Strict
-from tests.fakes.engine_base import UpdateGroup, checksum
+from tests.fakes.engine_base import UpdateGroup, add_state_route, serve
 
 
 class NcclInitInfo(_Strict):
@@ -112,17 +110,9 @@ def create_app(fail_finish: bool) -> FastAPI:
     def weight_info() -> dict:
         return {"weight_version": state["weight_version"], "num_params": len(state["weights"])}
 
-    @app.get("/_fake/state")
-    def fake_state() -> dict:
-        return {"calls": state["calls"], "paused": state["paused"], "weight_version": state["weight_version"],
-                "checksums": {k: checksum(v) for k, v in state["weights"].items()}}
-
+    add_state_route(app, state)
     return app
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--fail-finish", action="store_true")
-    args = parser.parse_args()
-    uvicorn.run(create_app(args.fail_finish), host="127.0.0.1", port=args.port, log_level="warning")
+    serve(create_app, "fail-finish")
