@@ -1,8 +1,12 @@
 """Versioned host cache: the last ``keep_versions`` parameter versions, laid out as on the wire.
 
-Each version is one flat host buffer (pinned where the device runtime allows) holding every bucket at
-``bucket.flat_offset``, so sending from the cache needs no repacking. Buffers of evicted versions go to a
-pool and are reused by later versions, so a steady stream of versions allocates nothing new.
+A whole version is one flat host buffer (pinned where the device runtime allows) holding every bucket at
+``bucket.flat_offset``, so sending it needs no repacking. A delta version (sparse mode) stores only the
+tensors that changed since its parent version in a buffer of their own and shares the parent's bytes for
+the rest, so an unchanged tensor is held once however many cached versions contain it.
+
+Buffers are reference-counted by the versions (and leases) that use them; a buffer nobody uses any more
+goes to a pool and is reused by later versions, so a steady stream of versions allocates nothing new.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Iterator, Mapping
 import torch
 
 from ckpt_engine.device import DeviceInfo, host_empty, synchronize
-from ckpt_engine.errors import CacheError, ConfigError
+from ckpt_engine.errors import CacheError, ConfigError, LayoutMismatchError
 from ckpt_engine.ipc import SharedSlot, create_slot
 from ckpt_engine.layout import Layout
 from ckpt_engine.tensors import TensorsOrProvider, check_matches_layout, fill_bucket, provider_of, slot_view
@@ -30,34 +34,78 @@ _segment_ids = itertools.count(1000)  # ids of shareable cache buffers (slots us
 @dataclass
 class CachedVersion:
     version: int
-    layout: Layout
+    layout: Layout  # the whole model's
     step: int | None
     aliases: dict[str, str]
     created_at: float
     snapshot_seconds: float
-    _buffer: torch.Tensor = field(repr=False)
+    _buffer: torch.Tensor = field(repr=False)  # this version's own bytes, laid out as ``own_layout``
+    own_layout: Layout | None = field(default=None, repr=False)  # None: the whole layout (not a delta)
+    parent: int | None = None  # delta: the version the unchanged tensors are shared with
+    _shared: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # delta: unchanged tensors
+    _buffers: tuple[torch.Tensor, ...] = field(default=(), repr=False)  # every buffer this version reads
+    _views: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     _leases: int = field(default=0, repr=False)
     _evicted: bool = field(default=False, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.own_layout is None:
+            self.own_layout = self.layout
+        if not self._buffers:
+            self._buffers = (self._buffer,)
+
+    @property
+    def is_whole(self) -> bool:
+        """All bytes in one buffer in wire layout (buckets can be read in place)."""
+        return self.parent is None
+
+    @property
+    def changed(self) -> tuple[str, ...]:
+        """Tensors stored by this version itself (all of them unless it is a delta)."""
+        return tuple(slot.name for slot in self.own_layout.slots)  # type: ignore[union-attr]
+
     @property
     def nbytes(self) -> int:
-        return self.layout.total_bytes
+        """Bytes this version stores itself."""
+        return self.own_layout.total_bytes  # type: ignore[union-attr]
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of tensors a delta shares with earlier versions instead of storing them again."""
+        return self.layout.total_bytes - sum(slot.nbytes for slot in self.own_layout.slots)  # type: ignore[union-attr]
 
     @property
     def buffer(self) -> torch.Tensor:
-        """The flat buffer holding every bucket at its ``flat_offset``."""
+        """The version's own flat buffer (every bucket at its ``flat_offset`` for a whole version)."""
         return self._buffer
 
     def bucket(self, index: int) -> torch.Tensor:
-        """uint8 view of bucket ``index`` inside the version's buffer."""
+        """uint8 view of bucket ``index`` inside the version's buffer (whole versions only)."""
+        if not self.is_whole:
+            raise CacheError(f"version {self.version} is a delta of {self.parent}: fill its buckets with fill()")
         bucket = self.layout.buckets[index]
         return self._buffer[bucket.flat_offset : bucket.flat_offset + bucket.nbytes]
 
+    def fill(self, index: int, out: torch.Tensor) -> torch.Tensor:
+        """Bucket ``index`` of the whole layout assembled into ``out``; returns the filled view."""
+        bucket = self.layout.buckets[index]
+        fill_bucket(out, bucket.slots, self.views(), bucket.nbytes)
+        return out[: bucket.nbytes]
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the version as a zero-copy view, whichever buffer holds it."""
+        if self._views is None:
+            own = self.own_layout
+            views = {s.name: slot_view(self._buffer, s, own.buckets[s.bucket].flat_offset)  # type: ignore[union-attr]
+                     for s in own.slots}  # type: ignore[union-attr]
+            self._views = views | self._shared
+        return self._views
+
     def tensor(self, name: str) -> torch.Tensor:
-        for slot in self.layout.slots:
-            if slot.name == name:
-                return slot_view(self._buffer, slot, self.layout.buckets[slot.bucket].flat_offset)
-        raise KeyError(name)
+        view = self.views().get(name)
+        if view is None:
+            raise KeyError(name)
+        return view
 
 
 class VersionCache:
@@ -74,6 +122,8 @@ class VersionCache:
         self.keep_versions = keep_versions
         self._versions: dict[int, CachedVersion] = {}
         self._pool: list[torch.Tensor] = []
+        self._refs: dict[int, int] = {}  # buffer data_ptr -> versions (cached or leased) reading it
+        self._used: dict[int, int] = {}  # buffer data_ptr -> bytes its owner version stores in it
         self._lock = threading.Lock()
         self.allocations = 0
         self.bytes_allocated = 0
@@ -93,22 +143,38 @@ class VersionCache:
         ``check=False`` skips re-checking tensors against the layout (for callers that planned it from them)."""
         if check and not callable(tensors):
             check_matches_layout(layout, tensors)
-        provide = provider_of(tensors)
         started = time.perf_counter()
         with self._lock:
-            if version in self._versions:
-                raise CacheError(f"version {version} is already cached")
+            self._check_new(version)
             self._make_room(self.keep_versions - 1)
             buffer = self._take_buffer(layout)
-        for bucket in layout.buckets:
-            fill_bucket(buffer, bucket.slots, provide(bucket), bucket.nbytes, bucket.flat_offset)
-        synchronize(self.device)
-        cached = CachedVersion(
-            version, layout, step, dict(aliases or {}), time.time(), time.perf_counter() - started, buffer
-        )
-        with self._lock:
-            self._versions[version] = cached
-            self._make_room(self.keep_versions)
+        self._fill(buffer, layout, tensors)
+        cached = CachedVersion(version, layout, step, dict(aliases or {}), time.time(),
+                               time.perf_counter() - started, buffer)
+        self._add(cached)
+        return cached
+
+    def snapshot_delta(self, version: int, parent: int, changed: Layout, tensors: TensorsOrProvider, *,
+                       aliases: Mapping[str, str] | None = None, step: int | None = None) -> CachedVersion:
+        """Cache ``version`` as the cached ``parent`` with the tensors of ``changed`` (a layout of some of its
+        tensors) replaced by ``tensors``; the others are shared with the parent, not copied."""
+        started = time.perf_counter()
+        with self.lease(parent) as base:
+            unknown = [s.name for s in changed.slots if s.name not in base.views()]
+            if unknown:
+                raise LayoutMismatchError(f"tensors not in version {parent}: {unknown[:3]}")
+            with self._lock:
+                self._check_new(version)
+                self._make_room(self.keep_versions - 1)  # the lease keeps the parent's bytes meanwhile
+                buffer = self._take_buffer(changed)
+            self._fill(buffer, changed, tensors)
+            names = {s.name for s in changed.slots}
+            shared = {name: view for name, view in base.views().items() if name not in names}
+            buffers = (buffer, *_buffers_holding(base._buffers, shared.values()))
+            cached = CachedVersion(version, base.layout, step, dict(aliases or {}), time.time(),
+                                   time.perf_counter() - started, buffer, own_layout=changed, parent=parent,
+                                   _shared=shared, _buffers=buffers)
+            self._add(cached)
         return cached
 
     def get(self, version: int) -> CachedVersion:
@@ -131,16 +197,19 @@ class VersionCache:
             return sorted(self._versions)
 
     def bytes_by_version(self) -> dict[int, int]:
+        """Bytes each cached version stores itself (a delta's shared tensors count at their owner)."""
         with self._lock:
             return {v: c.nbytes for v, c in sorted(self._versions.items())}
 
     @property
     def bytes_held(self) -> int:
-        """Bytes of the versions currently cached (what eviction would free)."""
-        return sum(self.bytes_by_version().values())
+        """Bytes of every buffer some version still reads: what evicting everything would free."""
+        with self._lock:
+            return sum(self._used[ptr] for ptr, refs in self._refs.items() if refs > 0)
 
     def evict(self, version: int) -> int:
-        """Drop ``version``; returns the bytes it held. A leased version's buffer is reused after release."""
+        """Drop ``version``; returns the bytes it stored itself. Its buffer is reused once no cached version
+        shares its tensors and no lease reads it."""
         with self._lock:
             cached = self._versions.pop(version, None)
             if cached is None:
@@ -150,7 +219,7 @@ class VersionCache:
 
     @contextlib.contextmanager
     def lease(self, version: int) -> Iterator[CachedVersion]:
-        """Hold ``version``'s buffer while reading it (e.g. a background send), even if it is evicted meanwhile."""
+        """Hold ``version``'s buffers while reading them (e.g. a background send), even if it is evicted meanwhile."""
         with self._lock:
             cached = self._versions.get(version)
             if cached is None:
@@ -162,11 +231,34 @@ class VersionCache:
             with self._lock:
                 cached._leases -= 1
                 if cached._evicted and cached._leases == 0:
-                    self._pool.append(cached._buffer)
+                    self._release(cached)
 
     def shared_segment(self, cached: CachedVersion) -> SharedSlot | None:
-        """The memfd segment behind a cached version, when the cache is shareable."""
-        return self._shared.get(cached.buffer.data_ptr())
+        """The memfd segment behind a whole cached version, when the cache is shareable."""
+        return self._shared.get(cached.buffer.data_ptr()) if cached.is_whole else None
+
+    def _check_new(self, version: int) -> None:
+        if version in self._versions:
+            raise CacheError(f"version {version} is already cached")
+
+    def _fill(self, buffer: torch.Tensor, layout: Layout, tensors: TensorsOrProvider) -> None:
+        provide = provider_of(tensors)
+        try:
+            for bucket in layout.buckets:
+                fill_bucket(buffer, bucket.slots, provide(bucket), bucket.nbytes, bucket.flat_offset)
+            synchronize(self.device)
+        except BaseException:
+            with self._lock:
+                self._pool.append(buffer)  # nothing refers to it yet: straight back to the pool
+            raise
+
+    def _add(self, cached: CachedVersion) -> None:
+        with self._lock:
+            self._used[cached.buffer.data_ptr()] = cached.nbytes
+            for buffer in cached._buffers:
+                self._refs[buffer.data_ptr()] = self._refs.get(buffer.data_ptr(), 0) + 1
+            self._versions[cached.version] = cached
+            self._make_room(self.keep_versions)
 
     def _make_room(self, keep: int) -> None:
         while len(self._versions) > keep:
@@ -177,22 +269,24 @@ class VersionCache:
     def _retire(self, cached: CachedVersion) -> None:
         cached._evicted = True
         if cached._leases == 0:
-            self._pool.append(cached._buffer)
+            self._release(cached)
+
+    def _release(self, cached: CachedVersion) -> None:
+        for buffer in cached._buffers:
+            ptr = buffer.data_ptr()
+            self._refs[ptr] -= 1
+            if self._refs[ptr] == 0:
+                del self._refs[ptr]
+                self._used.pop(ptr, None)
+                self._pool.append(buffer)
 
     def _take_buffer(self, layout: Layout) -> torch.Tensor:
         need = max(layout.total_bytes, 1)
         fitting = [b for b in self._pool if b.numel() >= need]
         if fitting:
             buffer = min(fitting, key=torch.Tensor.numel)
-            self._pool.remove(buffer)
+            self._unpool(buffer)
             return buffer
-        # The model grew: buffers too small for it will never fit again, so free them.
-        for small in self._pool:
-            self.bytes_allocated -= small.numel()
-            segment = self._shared.pop(small.data_ptr(), None)
-            if segment is not None:
-                segment.close()
-        self._pool.clear()
         if self.shareable:
             segment = create_slot(next(_segment_ids), need, self.device)
             self._shared[segment.tensor.data_ptr()] = segment
@@ -201,4 +295,30 @@ class VersionCache:
             buffer = host_empty(need, self.device)
         self.allocations += 1
         self.bytes_allocated += buffer.numel()
+        # Whole versions and deltas of all sizes come and go; keep the pool about as large as the cache.
+        while len(self._pool) > self.keep_versions:
+            self._drop(min(self._pool, key=torch.Tensor.numel))
         return buffer
+
+    def _unpool(self, buffer: torch.Tensor) -> None:
+        self._pool = [b for b in self._pool if b is not buffer]  # list.remove would compare tensors by value
+
+    def _drop(self, buffer: torch.Tensor) -> None:
+        self._unpool(buffer)
+        self.bytes_allocated -= buffer.numel()
+        segment = self._shared.pop(buffer.data_ptr(), None)
+        if segment is not None:
+            segment.close()
+
+
+def _buffers_holding(buffers: tuple[torch.Tensor, ...], views) -> list[torch.Tensor]:
+    """The buffers among ``buffers`` that some of ``views`` point into."""
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel(), b) for b in buffers]
+    used: dict[int, torch.Tensor] = {}
+    for view in views:
+        ptr = view.data_ptr()
+        for start, end, buffer in spans:
+            if start <= ptr < end or (view.numel() == 0 and ptr == start):
+                used[start] = buffer
+                break
+    return list(used.values())

@@ -73,6 +73,7 @@ class Assignment(_Body):
     ipc_name: str | None = None  # receive over ipc: the trainer's hub
     ipc_peers: dict[str, int] = Field(default_factory=dict)  # send: colocated receivers (agent id -> rank)
     sparse_base: int | None = None  # send: only changes since this version, which every receiver holds
+    sparse: bool = False  # send: snapshot only what changed since the previous cached version (shared in cache)
 
 
 class PollReply(_Body):
@@ -93,6 +94,7 @@ class Report(_Body):
     buckets: int = 0
     tensors: int = 0
     tensors_skipped: int = 0
+    bytes_skipped: int = 0
     stages: dict[str, float] = Field(default_factory=dict)
     receivers: list[dict[str, Any]] = Field(default_factory=list)
     cache_versions: list[int] | None = None

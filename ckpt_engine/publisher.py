@@ -13,6 +13,7 @@ from typing import Callable, Mapping
 import torch
 
 from ckpt_engine.cache import CachedVersion, VersionCache
+from ckpt_engine.changes import ChangeTracker
 from ckpt_engine.device import DeviceInfo, DigestAlgo
 from ckpt_engine.errors import CkptEngineError, ConfigError
 from ckpt_engine.group import SyncGroup
@@ -58,6 +59,7 @@ class Publisher:
         self.sender: Sender | None = None
         self._layout: Layout | None = None
         self._layout_key: list[tuple[str, torch.dtype, torch.Size]] = []
+        self._changes = ChangeTracker(self.device.digest_algo, bucket_size, alignment)
         if group is not None:
             self.attach(group)
 
@@ -89,6 +91,16 @@ class Publisher:
         return self.cache.snapshot(version, self.layout_for(named), named.bucket_tensors, aliases=named.aliases,
                                    step=step, check=False)
 
+    def snapshot_changes(self, version: int, named: NamedTensors, *, step: int | None = None) -> CachedVersion:
+        """Like :meth:`snapshot`, but only tensors changed since the previously snapshotted version are copied;
+        the cache shares the others with it (a full snapshot when there is nothing to compare with)."""
+        layout = self.layout_for(named)
+        delta = self._changes.delta(self._changes.vector(version, named, layout, self.cache.__contains__), layout)
+        if delta is None:
+            return self.snapshot(version, named, step=step)
+        return self.cache.snapshot_delta(version, delta[0], delta[1], named.bucket_tensors, aliases=named.aliases,
+                                         step=step)
+
     def publish(self, version: int, named: NamedTensors, *, bypass_cpu: bool = False, step: int | None = None,
                 sparse_base: int | None = None) -> Transfer:
         """Start sending ``version``. Cached mode returns after the snapshot (``params_released`` is set);
@@ -96,7 +108,7 @@ class Publisher:
         ``sparse_base``: send only what changed since that version (cached mode; see sparse.py)."""
         sender = self._require_sender()
         if sparse_base is not None and not bypass_cpu:
-            self.snapshot(version, named, step=step)
+            self.snapshot_changes(version, named, step=step)
             return self.send_sparse(version, sparse_base)
         if bypass_cpu:
             layout = self.layout_for(named)

@@ -17,18 +17,17 @@ from typing import Callable, Iterator, Mapping, Protocol
 
 import torch
 
-from ckpt_engine.cache import VersionCache
+from ckpt_engine.cache import CachedVersion, VersionCache
 from ckpt_engine.device import DeviceInfo, DigestAlgo, comm_empty, set_current
 from ckpt_engine.errors import CkptEngineError, ConfigError, ProtocolError, SyncTimeoutError
 from ckpt_engine.group import SyncGroup
 from ckpt_engine.ipc import IpcHub
 from ckpt_engine.outlets import CollectiveOutlet, IpcOutlet, Outlet
 from ckpt_engine.hashing import bucket_digests, version_digest
-from ckpt_engine.layout import Layout
+from ckpt_engine.layout import Bucket, Layout
 from ckpt_engine.protocol import AbortMessage, Ack, LayoutMessage, Mode, VersionHeader, VersionTrailer, encode
 from ckpt_engine.sparse import Manifest, SparsePlan, manifest_of, plan_sparse
-from ckpt_engine.tensors import (BucketTensors, TensorsOrProvider, check_matches_layout, fill_bucket, provider_of,
-                                 slot_view)
+from ckpt_engine.tensors import BucketTensors, TensorsOrProvider, check_matches_layout, fill_bucket, provider_of
 from ckpt_engine.wire import Channel, Frame, FrameKind
 
 log = logging.getLogger(__name__)
@@ -51,9 +50,10 @@ class TransferResult:
     buckets: int
     tensors: int
     seconds: dict[str, float] = field(default_factory=dict)
-    finished_at: float = 0.0
+    finished_at: float = 0.0  # time.perf_counter() when every acknowledgement was in (or the transfer failed)
     tensors_skipped: int = 0  # sparse: unchanged tensors not sent
-    base_version: int | None = None  # sparse: the version the receivers held  # time.perf_counter() when every acknowledgement was in (or the transfer failed)
+    bytes_skipped: int = 0  # sparse: their bytes
+    base_version: int | None = None  # sparse: the version the receivers held
 
     @property
     def committed_ranks(self) -> list[int]:
@@ -96,7 +96,9 @@ class _Source(Protocol):
     aliases: Mapping[str, str]
     header_extra: dict
     skipped: int
+    skipped_bytes: int
     base_version: int | None
+    needs_slot: bool  # bucket() must be given a send slot to fill (else it returns views of the source)
 
     def prepare(self, algo: DigestAlgo, device: torch.device) -> None: ...
 
@@ -112,6 +114,7 @@ class _Full:
 
     header_extra: dict = {}
     skipped = 0
+    skipped_bytes = 0
     base_version: int | None = None
 
     def prepare(self, algo: DigestAlgo, device: torch.device) -> None:
@@ -125,6 +128,7 @@ class _LiveSource(_Full):
     """bypass_cpu: bucket bytes come straight from the live tensors into the send slot."""
 
     mode: Mode = "bypass_cpu"
+    needs_slot = True
 
     def __init__(self, version: int, layout: Layout, tensors: TensorsOrProvider,
                  aliases: Mapping[str, str], step: int | None, released: threading.Event) -> None:
@@ -145,26 +149,31 @@ class _LiveSource(_Full):
 
 
 class _CacheSource(_Full):
-    """cached: bucket bytes are read from the version cache (copied to the device when the wire needs it)."""
+    """cached: bucket bytes are read from the version cache (copied to the device when the wire needs it;
+    assembled from its own and its parent's bytes for a delta version)."""
 
     mode: Mode = "cached"
 
-    def __init__(self, cached, on_host_wire: bool, as_version: int | None = None, segment=None) -> None:
+    def __init__(self, cached: CachedVersion, on_host_wire: bool, as_version: int | None = None,
+                 segment=None) -> None:
         self.cached = cached
-        self.segment = segment  # the cache buffer's shareable segment: colocated receivers read it in place
+        # gloo sends host memory: a whole cached version goes on the wire without any copy
+        self.needs_slot = not (on_host_wire and cached.is_whole)
+        # the cache buffer's shareable segment: colocated receivers read it in place
+        self.segment = segment if not self.needs_slot else None
         self.layout, self.aliases, self.step = cached.layout, cached.aliases, cached.step
         self.version = cached.version if as_version is None else as_version
-        self._on_host_wire = on_host_wire
 
     def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:
-        view = self.cached.bucket(index)
-        if self._on_host_wire:
-            return view  # gloo sends host memory: no copy at all
+        if not self.needs_slot:
+            return self.cached.bucket(index)
         if slot is None:
-            raise ValueError("a device wire needs a send slot")
-        nbytes = view.numel()
-        slot[:nbytes].copy_(view, non_blocking=True)
-        return slot[:nbytes]
+            raise ValueError("this cached version needs a send slot")
+        if not self.cached.is_whole:
+            return self.cached.fill(index, slot)
+        view = self.cached.bucket(index)
+        slot[: view.numel()].copy_(view, non_blocking=True)
+        return slot[: view.numel()]
 
     def all_filled(self) -> None:
         pass
@@ -176,18 +185,31 @@ class _SparseCacheSource:
 
     mode: Mode = "cached"
 
-    def __init__(self, cached, base: Manifest | None, bucket_size: int, alignment: int) -> None:
-        self.cached, self.base = cached, base
+    def __init__(self, cached: CachedVersion, base: Manifest | None, bucket_size: int, alignment: int,
+                 on_host_wire: bool, parent: Manifest | None = None) -> None:
+        """``parent``: the manifest of the version a delta ``cached`` shares its unchanged tensors with, when
+        known; then only the delta's own tensors are digested."""
+        self.cached, self.base, self.parent = cached, base, parent
         self.version, self.aliases, self.step = cached.version, cached.aliases, cached.step
         self.layout = cached.layout
         self.bucket_size, self.alignment = bucket_size, alignment
         self.full: Manifest | None = None
         self.plan: SparsePlan | None = None
-        self._views: dict[str, torch.Tensor] = {}
+        self._on_host_wire = on_host_wire
+        self._own_wire = False  # the changes are exactly the delta's own buffer, already in wire layout
+
+    @property
+    def needs_slot(self) -> bool:
+        in_place = self._own_wire if self.plan is not None else self.cached.is_whole
+        return not (self._on_host_wire and in_place)
 
     @property
     def skipped(self) -> int:
         return self.plan.skipped if self.plan else 0
+
+    @property
+    def skipped_bytes(self) -> int:
+        return self.plan.skipped_bytes if self.plan else 0
 
     @property
     def base_version(self) -> int | None:
@@ -201,22 +223,25 @@ class _SparseCacheSource:
                 "full_version_digest": self.full.version_digest, "skipped": self.plan.skipped}
 
     def prepare(self, algo: DigestAlgo, device: torch.device) -> None:
-        """Digest the whole cached version, then plan what changed against the base."""
-        full_layout = self.cached.layout
-        digests: list[int] = []
-        for bucket in full_layout.buckets:
-            data = self.cached.bucket(bucket.index)
-            if algo == "torch-mix64" and device.type != "cpu":
-                data = data.to(device, non_blocking=True)
-            digests += bucket_digests(bucket, data, algo, full_layout.digest).cpu().tolist()
-        self.full = manifest_of(self.version, algo, full_layout, digests)
-        self.plan = plan_sparse(full_layout, self.full, self.base, bucket_size=self.bucket_size,
+        """Digest the cached version (only a delta's own tensors when its parent's digests are known), then
+        plan what changed against the base."""
+        cached, parent = self.cached, self.parent
+        if (not cached.is_whole and parent is not None and parent.algo == algo
+                and parent.layout_digest == cached.layout.digest):
+            # Per-tensor digests do not depend on the layout, so the delta's own buckets give the changed ones.
+            own = cached.own_layout
+            changed = dict(zip(cached.changed, _digests(own, lambda b: cached.buffer[b.flat_offset:], algo, device)))
+            self.full = parent.updated(self.version, changed)
+        else:
+            scratch = None if cached.is_whole else torch.empty(cached.layout.max_bucket_bytes, dtype=torch.uint8)
+            read = cached.bucket if cached.is_whole else (lambda b: cached.fill(b, scratch))  # type: ignore[arg-type]
+            digests = _digests(cached.layout, lambda b: read(b.index), algo, device)
+            self.full = manifest_of(self.version, algo, cached.layout, digests)
+        self.plan = plan_sparse(cached.layout, self.full, self.base, bucket_size=self.bucket_size,
                                 alignment=self.alignment)
         if self.plan is not None:
             self.layout = self.plan.layout
-            names = set(self.plan.changed)
-            self._views = {s.name: slot_view(self.cached.buffer, s, full_layout.buckets[s.bucket].flat_offset)
-                           for s in full_layout.slots if s.name in names}
+            self._own_wire = not cached.is_whole and self.plan.layout.digest == cached.own_layout.digest
 
     def manifest(self, version: int, algo: str, wire_digests: list[int]) -> Manifest:
         if self.plan is None or self.full is None:
@@ -225,19 +250,38 @@ class _SparseCacheSource:
 
     def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:
         bucket = self.layout.buckets[index]
-        if self.plan is None:  # no usable base: a full version straight from the cache
-            view = self.cached.bucket(index)
+        if self.plan is None and not self.cached.is_whole:  # no usable base: the full version
+            return self.cached.fill(index, _need(slot))
+        if self.plan is None or self._own_wire:  # bytes already in wire layout in one cache buffer
+            buffer = self.cached.buffer
+            view = buffer[bucket.flat_offset : bucket.flat_offset + bucket.nbytes]
             if slot is None:
                 return view
             slot[: view.numel()].copy_(view, non_blocking=True)
             return slot[: view.numel()]
-        if slot is None:
-            raise ValueError("a sparse version needs a send slot")
-        fill_bucket(slot, bucket.slots, self._views, bucket.nbytes)
-        return slot[: bucket.nbytes]
+        fill_bucket(_need(slot), bucket.slots, self.cached.views(), bucket.nbytes)
+        return slot[: bucket.nbytes]  # type: ignore[index]
 
     def all_filled(self) -> None:
         pass
+
+
+def _need(slot: torch.Tensor | None) -> torch.Tensor:
+    if slot is None:
+        raise ValueError("this source needs a send slot")
+    return slot
+
+
+def _digests(layout: Layout, read: Callable[[Bucket], torch.Tensor], algo: DigestAlgo,
+             device: torch.device) -> list[int]:
+    """Per-tensor digests of a layout whose bucket bytes ``read`` returns, one host sync per bucket."""
+    out: list[int] = []
+    for bucket in layout.buckets:
+        data = read(bucket)
+        if algo == "torch-mix64" and device.type != "cpu":
+            data = data.to(device, non_blocking=True)
+        out += bucket_digests(bucket, data, algo, layout.digest).cpu().tolist()
+    return out
 
 
 class Sender:
@@ -287,7 +331,9 @@ class Sender:
         receivers hold); a full version when that base is unknown or has another layout."""
         hold = contextlib.ExitStack()
         cached = hold.enter_context(cache.lease(version))
-        source = _SparseCacheSource(cached, self.manifests.get(base_version), bucket_size, alignment)
+        parent = self.manifests.get(cached.parent) if cached.parent is not None else None
+        source = _SparseCacheSource(cached, self.manifests.get(base_version), bucket_size, alignment,
+                                    self.device.comm_device.type == "cpu", parent)
         transfer = Transfer(version, "cached")
         transfer.params_released.set()
         return self._start(source, transfer, hold)
@@ -344,7 +390,7 @@ class Sender:
             outlets.append(CollectiveOutlet(self.channel))
         if self.ipc_peers and self.hub is not None:
             peers, missing = self.hub.peers(self.ipc_peers, self.timeout_s)
-            in_place = source.segment if isinstance(source, _CacheSource) and source._on_host_wire else None
+            in_place = source.segment if isinstance(source, _CacheSource) else None
             outlets.append(IpcOutlet(self.hub, peers, missing, self.timeout_s, in_place=in_place))
         return outlets
 
@@ -357,6 +403,7 @@ class Sender:
             layout = source.layout
             result.buckets, result.tensors = len(layout.buckets), layout.num_tensors
             result.tensors_skipped, result.base_version = source.skipped, source.base_version
+            result.bytes_skipped = source.skipped_bytes
             slots = self._ensure_slots(layout, source)
             outlets = self._outlets(source)
             with timer.stage("header"):
@@ -472,10 +519,11 @@ class Sender:
     def _ensure_slots(self, layout: Layout, source: _Source) -> list[torch.Tensor]:
         need = max(layout.max_bucket_bytes, 1)
         if self.hub is not None and self.ipc_peers:
-            # Colocated receivers read the send slots themselves: fills land in shared memory directly.
+            # Colocated receivers read the send slots themselves (fills land in shared memory directly) unless
+            # the version sits in a shareable cache buffer they read in place.
             shared = self.hub.ensure_slots(need)
-            return [] if isinstance(source, _CacheSource) and source._on_host_wire else shared
-        if isinstance(source, _CacheSource) and source._on_host_wire:
+            return [] if isinstance(source, _CacheSource) and source.segment is not None else shared
+        if not source.needs_slot:
             return []
         if not self._slots or self._slots[0].numel() < need:
             self._slots = [comm_empty(need, self.device) for _ in range(2)]

@@ -60,3 +60,32 @@ def plan_sparse(full: Layout, new: Manifest, base: Manifest | None, *, bucket_si
 
 def manifest_of(version: int, algo: str, layout: Layout, digests: Sequence[int]) -> Manifest:
     return Manifest(version, algo, layout.digest, tuple(s.name for s in layout.slots), tuple(digests))
+
+
+# ---- trainer ranks agreeing on what changed --------------------------------------------------------------
+# Each rank digests its own shards and compares them with its digests of the previous cached version. One
+# all-reduce (MAX) of [cannot, parent, -parent, changed flags...] then gives every rank the same answer: the
+# union of changed tensors, or "full" when any rank lacks comparable digests or ranks disagree on the parent.
+_HEADER = 3
+
+
+def agreement_vector(parent: int | None, previous: Sequence[int] | None, current: Sequence[int]) -> list[int]:
+    """This rank's contribution: ``parent`` is the version ``previous`` digests belong to (None when this rank
+    cannot build on one, e.g. rank 0 no longer caches it)."""
+    if parent is None or previous is None or len(previous) != len(current):
+        return [1, -1, 1] + [1] * len(current)
+    return [0, parent, -parent] + [int(a != b) for a, b in zip(previous, current)]
+
+
+def agreed_changes(reduced: Sequence[int]) -> tuple[int, list[int]] | None:
+    """From the all-reduced vector: (parent, indices of changed tensors), or None for a full snapshot."""
+    cannot, parent, negated = reduced[:_HEADER]
+    if cannot or parent != -negated or parent < 0:
+        return None
+    return parent, [i for i, flag in enumerate(reduced[_HEADER:]) if flag]
+
+
+def changed_layout(full: Layout, changed: Sequence[int], *, bucket_size: int, alignment: int) -> Layout:
+    """The layout of the changed tensors, in the full layout's order (every rank plans the same one)."""
+    slots = full.slots
+    return plan_layout([slots[i].spec for i in sorted(changed)], bucket_size, alignment)

@@ -152,7 +152,8 @@ class Controller:
                 self.metrics.version_done("failed", 0, {})
                 raise Unavailable(problem, failed.to_dict())
             base = self._sparse_base(receivers) if sparse and source_version is None else None
-            self._start(record, trainer, receivers, colocated, source_version, base)  # type: ignore[arg-type]
+            self._start(record, trainer, receivers, colocated, source_version, base,  # type: ignore[arg-type]
+                        sparse=sparse and source_version is None)
             return record
 
     def _sparse_base(self, receivers: list[Agent]) -> int | None:
@@ -290,7 +291,7 @@ class Controller:
         return colocated, None
 
     def _start(self, record: VersionRecord, trainer: Agent, receivers: list[Agent], colocated: list[Agent],
-               source_version: int | None, sparse_base: int | None = None) -> None:
+               source_version: int | None, sparse_base: int | None = None, *, sparse: bool = False) -> None:
         remote = [r for r in receivers if r not in colocated]
         membership = (trainer.agent_id, *(r.agent_id for r in remote), "|", *(r.agent_id for r in colocated))
         if membership != self._membership or self._group_dirty:
@@ -307,6 +308,7 @@ class Controller:
             receiver.pending.append(Assignment(kind="receive", rank=quorum[receiver.agent_id], transport="ipc",
                                                ipc_name=self._ipc_name(trainer), **common))
         trainer.pending.append(Assignment(kind="send", rank=0, source_version=source_version, sparse_base=sparse_base,
+                                          sparse=sparse,
                                           ipc_peers={r.agent_id: quorum[r.agent_id] for r in colocated}, **common))
         self._in_flight = InFlight(record.id, record.mode, trainer.agent_id, quorum)
         self.history.update(record.id, receivers=[
@@ -357,7 +359,8 @@ class Controller:
         status = "committed" if ok else "failed"
         cached = flight.mode == "cached" and report.cache_versions is not None and flight.version in report.cache_versions
         self.history.update(flight.version, status=status, reason=reason, bytes=report.bytes, buckets=report.buckets,
-                            tensors_sent=report.tensors, tensors_skipped=report.tensors_skipped, stages=stages,
+                            tensors_sent=report.tensors, tensors_skipped=report.tensors_skipped,
+                            bytes_skipped=report.bytes_skipped, stages=stages,
                             receivers=receivers,
                             version_digest=report.version_digest, cached=cached)
         if not ok or failures:

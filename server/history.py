@@ -29,6 +29,7 @@ CREATE TABLE IF NOT EXISTS versions (
     buckets INTEGER NOT NULL DEFAULT 0,
     tensors_sent INTEGER NOT NULL DEFAULT 0,
     tensors_skipped INTEGER NOT NULL DEFAULT 0,
+    bytes_skipped INTEGER NOT NULL DEFAULT 0,
     stages TEXT NOT NULL DEFAULT '{}',
     receivers TEXT NOT NULL DEFAULT '[]',
     version_digest TEXT,
@@ -36,6 +37,7 @@ CREATE TABLE IF NOT EXISTS versions (
 );
 CREATE INDEX IF NOT EXISTS versions_status ON versions(status);
 """
+_ADDED_COLUMNS = {"bytes_skipped": "INTEGER NOT NULL DEFAULT 0"}  # since the first release
 
 
 @dataclass
@@ -53,6 +55,7 @@ class VersionRecord:
     buckets: int
     tensors_sent: int
     tensors_skipped: int
+    bytes_skipped: int
     stages: dict[str, float] = field(default_factory=dict)
     receivers: list[dict[str, Any]] = field(default_factory=list)
     version_digest: str | None = None
@@ -76,6 +79,14 @@ class HistoryStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+            self._add_missing_columns()
+
+    def _add_missing_columns(self) -> None:
+        """Histories written by an older release lack newer columns; add them (rows are never rewritten)."""
+        present = {row["name"] for row in self._db.execute("PRAGMA table_info(versions)")}
+        for name, definition in _ADDED_COLUMNS.items():
+            if name not in present:
+                self._db.execute(f"ALTER TABLE versions ADD COLUMN {name} {definition}")
 
     def fail_unfinished(self, reason: str) -> list[int]:
         """Mark every version that was in flight (e.g. at a crash) failed; returns their ids."""
@@ -161,7 +172,7 @@ class HistoryStore:
 
 _COLUMNS = {
     "step", "mode", "status", "reason", "source_version", "updated_at", "committed_at", "bytes", "buckets",
-    "tensors_sent", "tensors_skipped", "stages", "receivers", "version_digest", "cached",
+    "tensors_sent", "tensors_skipped", "bytes_skipped", "stages", "receivers", "version_digest", "cached",
 }
 
 

@@ -98,3 +98,53 @@ def test_latest(cache: VersionCache) -> None:
     snapshot(cache, 4, model())
     snapshot(cache, 9, model())
     assert cache.latest().version == 9 and 4 in cache and 5 not in cache
+
+
+def delta(cache: VersionCache, version: int, parent: int, changed: dict[str, torch.Tensor]):
+    return cache.snapshot_delta(version, parent, plan_layout(specs_of(changed), bucket_size=1024), changed,
+                                step=version)
+
+
+def big_model(scale: float) -> dict[str, torch.Tensor]:
+    return {f"t{i}": torch.full((64,), scale + i) for i in range(10)}
+
+
+def test_a_delta_stores_only_changed_tensors_and_shares_the_rest(cache: VersionCache) -> None:
+    whole = snapshot(cache, 1, big_model(0.0))
+    changed = {"t3": torch.full((64,), -1.0)}
+    second = delta(cache, 2, 1, changed)
+    assert not second.is_whole and second.parent == 1 and second.changed == ("t3",)
+    assert second.nbytes == 256 and second.shared_bytes == whole.layout.total_bytes - 256 - 0
+    assert cache.bytes_held == whole.nbytes + second.nbytes  # the 9 unchanged tensors are held once
+    expected = big_model(0.0) | changed
+    assert all(torch.equal(second.tensor(n), t) for n, t in expected.items())
+    # the whole layout's buckets assemble from both buffers, byte-equal to a whole snapshot of the same tensors
+    out = torch.empty(whole.layout.max_bucket_bytes, dtype=torch.uint8)
+    reference = VersionCache(detect_device("cpu"))
+    ref = snapshot(reference, 2, expected)
+    for bucket in whole.layout.buckets:
+        assert torch.equal(second.fill(bucket.index, out), ref.bucket(bucket.index))
+    with pytest.raises(CacheError, match="delta"):
+        second.bucket(0)
+
+
+def test_evicting_the_parent_keeps_shared_bytes_until_no_delta_uses_them(cache: VersionCache) -> None:
+    whole = snapshot(cache, 1, big_model(0.0))
+    delta(cache, 2, 1, {"t0": torch.full((64,), 5.0)})
+    third = delta(cache, 3, 2, {"t1": torch.full((64,), 6.0)})  # evicts 1; its bytes stay for t2..t9
+    assert cache.versions() == [2, 3]
+    assert third.tensor("t0").eq(5.0).all() and third.tensor("t1").eq(6.0).all() and third.tensor("t9").eq(9.0).all()
+    assert cache.bytes_held == whole.nbytes + 2 * 256
+    snapshot(cache, 4, big_model(1.0))
+    snapshot(cache, 5, big_model(2.0))  # no delta left: the first buffer is free again and gets reused
+    assert cache.bytes_held == 2 * whole.nbytes
+    assert cache.allocations <= 4
+
+
+def test_a_delta_needs_a_cached_parent_with_those_tensors(cache: VersionCache) -> None:
+    snapshot(cache, 1, big_model(0.0))
+    with pytest.raises(CacheError, match="version 7 is not in the cache"):
+        delta(cache, 2, 7, {"t0": torch.zeros(64)})
+    with pytest.raises(LayoutMismatchError, match="not in version 1"):
+        delta(cache, 2, 1, {"nope": torch.zeros(64)})
+    assert cache.versions() == [1]

@@ -165,6 +165,11 @@ def test_sparse_versions_through_the_daemon(tmp_path: Path) -> None:
         with daemon.client() as client:
             wait_until(lambda: len(agents_of(client)) == 3, what="registration")
             first, second, third = (sync(client) for _ in range(3))
+            # version 2 is cached as a delta of version 1: a rollback to it is assembled from both
+            pushed = client.post(f"/versions/{second['id']}/push").json()["version"]
+            wait_until(lambda: client.get(f"/versions/{pushed}").json()["status"] in ("committed", "failed"),
+                       what="rollback")
+            rollback = client.get(f"/versions/{pushed}").json()
     finally:
         stop.touch()
         _, every, slow = procs.collect(120)
@@ -177,3 +182,5 @@ def test_sparse_versions_through_the_daemon(tmp_path: Path) -> None:
     assert third["tensors_skipped"] == 0 and len(third["receivers"]) == 2
     assert {r["version_digest"] for r in third["receivers"]} == {third["version_digest"]}
     assert every["state"] == slow["state"]
+    assert rollback["status"] == "committed" and rollback["source_version"] == second["id"], rollback
+    assert {r["version_digest"] for r in rollback["receivers"]} == {second["version_digest"]}

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.multiproc
 PUSHES = {4: False, 9: True}  # step -> bypass_cpu
 
 
-def fsdp_trainer(rank: int, port: int, zmq: str, steps: int) -> dict:
+def fsdp_trainer(rank: int, port: int, zmq: str, steps: int, pushes: dict[int, bool] = PUSHES,
+                 train_only_first_layer: bool = False) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -32,7 +33,9 @@ def fsdp_trainer(rank: int, port: int, zmq: str, steps: int) -> dict:
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # frozen layers: the optimizer updates one layer only, so sparse versions change a few tensors
+    trained = model.model.layers[0] if train_only_first_layer else model
+    optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-2)
     agent = TrainerAgent(model, zmq, poll_wait_s=0.3).start()
     gen = torch.Generator().manual_seed(rank)
     served: dict[int, dict[str, bytes]] = {}
@@ -41,13 +44,13 @@ def fsdp_trainer(rank: int, port: int, zmq: str, steps: int) -> dict:
         model(input_ids=tokens, labels=tokens).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        if step in PUSHES:
+        if step in pushes:
             if rank == 0:
                 agent.wait_idle(60)  # the previous version must have ended before asking for the next
-            version = agent.push(step, bypass_cpu=PUSHES[step])
+            version = agent.push(step, bypass_cpu=pushes[step])
         else:
             version = agent.step(step)
-        if version is not None or step in PUSHES:
+        if version is not None or step in pushes:
             full = {name: t.full_tensor() if isinstance(t, DTensor) else t
                     for name, t in named_tensors_of(model).tensors.items()}
             if rank == 0:
@@ -56,7 +59,7 @@ def fsdp_trainer(rank: int, port: int, zmq: str, steps: int) -> dict:
     held = agent.held_seconds
     agent.close()
     dist.destroy_process_group()
-    return {"served": served, "held": held}
+    return {"served": served, "held": held, "gathered": agent.gathered}
 
 
 LOAD_DELAY_S = 0.5  # a rollout engine whose load takes a while, as real ones do
@@ -85,10 +88,13 @@ def transformers_receiver(zmq: str, seed: int, stop_file: str) -> dict:
     return {"states": states}
 
 
-def test_fsdp2_trainer_to_transformers_receivers_byte_equal(tmp_path: Path) -> None:
+def run_fsdp_job(tmp_path: Path, steps: int, pushes: dict[int, bool], train_only_first_layer: bool = False,
+                 **config: object) -> tuple[list[dict], dict[int, dict], str, list[dict]]:
+    """Daemon + 2 transformers receivers + a 2-rank FSDP2 trainer pushing at ``pushes``; returns the trainer
+    ranks' results, the history by step, the daemon's metrics text and the receivers' results."""
     # collective transport: the FSDP path over the gloo sync group (the demo covers the same-host path)
     daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", bucket_size_mb=0.05,
-                                       transport="collective"))
+                                       transport="collective", **config))
     stop_file = tmp_path / "stop"
     receivers = start_processes([(transformers_receiver, (daemon.zmq, 5, str(stop_file))),
                                  (transformers_receiver, (daemon.zmq, 6, str(stop_file)))])
@@ -98,13 +104,19 @@ def test_fsdp2_trainer_to_transformers_receivers_byte_equal(tmp_path: Path) -> N
 
             wait_for_agents(client, 2)
             port = free_port()
-            trainer0, _ = start_processes([(fsdp_trainer, (0, port, daemon.zmq, 12)),
-                                           (fsdp_trainer, (1, port, daemon.zmq, 12))]).collect(240)
+            args = (daemon.zmq, steps, pushes, train_only_first_layer)
+            ranks = start_processes([(fsdp_trainer, (0, port, *args)), (fsdp_trainer, (1, port, *args))]).collect(240)
             history = {v["step"]: v for v in client.get("/versions").json()["versions"]}
+            metrics = client.get("/metrics").text
     finally:
         stop_file.touch()
         rx = receivers.collect(120)
         daemon.stop()
+    return ranks, history, metrics, rx
+
+
+def test_fsdp2_trainer_to_transformers_receivers_byte_equal(tmp_path: Path) -> None:
+    (trainer0, _), history, _, rx = run_fsdp_job(tmp_path, 12, PUSHES)
     assert sorted(history) == sorted(PUSHES)
     for step, bypass in PUSHES.items():
         record = history[step]
@@ -121,3 +133,29 @@ def test_fsdp2_trainer_to_transformers_receivers_byte_equal(tmp_path: Path) -> N
     assert cached["snapshot"] / transfer < 0.25, cached
     bypass = history[9]["stages"]
     assert bypass["held"] < sum(bypass[k] for k in ("header", "fill", "digest", "broadcast", "control", "ack"))
+
+
+SPARSE_PUSHES = {2: False, 4: False, 6: False}
+
+
+def test_fsdp2_sparse_versions_gather_only_what_changed(tmp_path: Path) -> None:
+    """Both trainer ranks agree on the changed set (one all-reduce of shard digests), gather only those
+    tensors, and the cache shares the rest with the previous version; receivers stay byte-equal."""
+    ranks, history, metrics, rx = run_fsdp_job(tmp_path, 6, SPARSE_PUSHES, True, sparse=True, keep_versions=2)
+    first, later = history[2], [history[4], history[6]]
+    assert all(r["status"] == "committed" for r in (first, *later)), history
+    full = ranks[0]["gathered"][first["id"]]
+    assert first["tensors_skipped"] == 0 and first["bytes"] >= full  # nobody held a base: full
+    for record in later:
+        assert record["tensors_skipped"] > 0 and record["bytes_skipped"] > 0.5 * full, record
+        for rank in ranks:  # each rank gathered only the changed tensors
+            assert rank["gathered"][record["id"]] < 0.5 * full, rank["gathered"]
+    for step, record in history.items():
+        for receiver in rx:
+            assert receiver["states"][record["id"]] == ranks[0]["served"][step]
+    assert ranks[0]["served"][4] != ranks[0]["served"][6]
+    cache_bytes = float(next(line.split()[-1] for line in metrics.splitlines()
+                             if line.startswith("ckpt_engine_cache_bytes")))
+    # two cached versions (deltas of the first one, which they still share): unchanged tensors are held once
+    deltas = sum(ranks[0]["gathered"][r["id"]] for r in later)
+    assert cache_bytes == full + deltas < 2 * full

@@ -62,3 +62,22 @@ def test_rejects_unknown_columns_and_statuses(tmp_path: Path) -> None:
         store.update(version, status="weird")
     with pytest.raises(ValueError, match="unknown history columns"):
         store.update(version, id=99)
+
+
+def test_a_history_from_before_bytes_skipped_is_upgraded_in_place(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "old.sqlite3"
+    old = sqlite3.connect(path)
+    old.executescript("""CREATE TABLE versions (id INTEGER PRIMARY KEY AUTOINCREMENT, step INTEGER, mode TEXT NOT NULL,
+        status TEXT NOT NULL, reason TEXT, source_version INTEGER, created_at REAL NOT NULL, updated_at REAL NOT NULL,
+        committed_at REAL, bytes INTEGER NOT NULL DEFAULT 0, buckets INTEGER NOT NULL DEFAULT 0,
+        tensors_sent INTEGER NOT NULL DEFAULT 0, tensors_skipped INTEGER NOT NULL DEFAULT 0,
+        stages TEXT NOT NULL DEFAULT '{}', receivers TEXT NOT NULL DEFAULT '[]', version_digest TEXT,
+        cached INTEGER NOT NULL DEFAULT 0);
+        INSERT INTO versions (step, mode, status, created_at, updated_at) VALUES (3, 'cached', 'committed', 1, 1);""")
+    old.commit()
+    old.close()
+    store = HistoryStore(path)
+    assert store.get(1).bytes_skipped == 0 and store.get(1).step == 3
+    assert store.update(store.create(mode="cached", step=4).id, bytes_skipped=99).bytes_skipped == 99

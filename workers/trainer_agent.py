@@ -13,6 +13,10 @@ gathers full tensors bucket by bucket, in registration order, so memory stays at
 Cached mode holds the loop for the gather + device->host snapshot only; the broadcast runs in the
 background from the cache. bypass_cpu holds it until every bucket has been read from the live parameters.
 Re-pushes of cached versions (rollback) need no parameters and run in the background at once.
+
+Sparse versions (cached mode): every rank digests its own shards, and one all-reduce gives all ranks the
+same set of tensors that changed since the previous cached version. Only those are gathered and snapshotted;
+the cache shares the unchanged ones with the previous version (see sparse.py and cache.py).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ckpt_engine.changes import ChangeTracker
 from ckpt_engine.control import Assignment
 from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError, SyncTimeoutError
@@ -63,6 +68,8 @@ class TrainerAgent(Agent):
         self._background: threading.Thread | None = None
         self.publisher: Publisher | None = None
         self.held_seconds: list[float] = []  # per served version: how long step() held the training loop
+        self.gathered: dict[int, int] = {}  # per served version: bytes of full tensors assembled on this rank
+        self._changes_seen: ChangeTracker | None = None
 
     def on_registered(self) -> None:
         settings = self.settings
@@ -133,20 +140,42 @@ class TrainerAgent(Agent):
         if self.world_size == 1:
             return self._pending.popleft() if self._pending else None
         mine = self._pending.popleft() if self.rank == 0 and self._pending else None
-        flag = torch.zeros(2, dtype=torch.int64, device=_group_device(self.process_group))
+        flag = torch.zeros(3, dtype=torch.int64, device=_group_device(self.process_group))
         if mine is not None:
-            flag[0], flag[1] = mine.version, _MODES[mine.mode]
+            flag[0], flag[1], flag[2] = mine.version, _MODES[mine.mode], int(mine.sparse)
         dist.broadcast(flag, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
-        version, mode = flag.tolist()
+        version, mode, sparse = flag.tolist()
         if mode == 0:
             return None
-        return mine or Assignment(kind="send", version=version, mode="cached" if mode == 1 else "bypass_cpu")
+        return mine or Assignment(kind="send", version=version, mode="cached" if mode == 1 else "bypass_cpu",
+                                  sparse=bool(sparse))
+
+    def _changes(self, assignment: Assignment, named: NamedTensors, layout: Layout) -> tuple[int, Layout] | None:
+        """Sparse versions: (parent version, layout of the tensors changed since it) as all ranks agree, or None
+        for a full snapshot. Every rank calls this for the same versions (one all-reduce when sharded)."""
+        if not (assignment.sparse and assignment.mode == "cached"):
+            return None
+        publisher = self._publisher()
+        if self._changes_seen is None:
+            self._changes_seen = ChangeTracker(self.device.digest_algo, publisher.bucket_size, publisher.alignment)
+        # rank 0 caches: its parent may be gone (evicted, or its snapshot failed), then nothing is shared
+        vector = self._changes_seen.vector(assignment.version, named, layout,
+                                           lambda parent: self.rank != 0 or parent in publisher.cache)
+        if self.world_size > 1:
+            reduced = torch.tensor(vector, dtype=torch.int64, device=_group_device(self.process_group))
+            dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=self.process_group)
+            vector = reduced.tolist()
+        return self._changes_seen.delta(vector, layout)
 
     def _assist(self, assignment: Assignment) -> None:
         """Ranks > 0: take part in every bucket's gather, in the order rank 0 reads them."""
         named = self._tensors()
-        for bucket in self._publisher().layout_for(named).buckets:
+        layout = self._publisher().layout_for(named)
+        delta = self._changes(assignment, named, layout)
+        layout = delta[1] if delta is not None else layout
+        for bucket in layout.buckets:
             named.bucket_tensors(bucket)
+        self.gathered[assignment.version] = layout.total_bytes
 
     # ---- serving on rank 0 ---------------------------------------------------------------------------
     def _serve(self, assignment: Assignment, step: int, started: float) -> None:
@@ -158,10 +187,19 @@ class TrainerAgent(Agent):
         transfer: Transfer | None = None
         try:
             named = self._tensors()
-            cursor = _GatherCursor(named, publisher.layout_for(named))
-            if assignment.mode == "cached":
+            layout = publisher.layout_for(named)
+            delta = self._changes(assignment, named, layout)
+            cursor = _GatherCursor(named, delta[1] if delta is not None else layout)
+            self.gathered[version] = cursor.layout.total_bytes
+            at_step = assignment.step if assignment.step is not None else step
+            if delta is not None:  # only what changed is gathered and stored; the rest is shared in the cache
+                publisher.cache.snapshot_delta(version, delta[0], cursor.layout, cursor.bucket_tensors,
+                                               aliases=named.aliases, step=at_step)
+                held = time.perf_counter() - started
+                self._in_background(assignment, lambda a: self._send_cached(a, held))
+            elif assignment.mode == "cached":
                 publisher.cache.snapshot(version, cursor.layout, cursor.bucket_tensors, aliases=named.aliases,
-                                         step=assignment.step if assignment.step is not None else step, check=False)
+                                         step=at_step, check=False)
                 held = time.perf_counter() - started
                 self._in_background(assignment, lambda a: self._send_cached(a, held))
             else:
@@ -227,7 +265,7 @@ class TrainerAgent(Agent):
         stages["snapshot" if result.mode == "cached" else "held"] = held
         self.report(result.version, "done", ok=result.ok, reason=result.reason, version_digest=result.version_digest,
                     bytes=result.bytes_sent, buckets=result.buckets, tensors=result.tensors,
-                    tensors_skipped=result.tensors_skipped, stages=stages,
+                    tensors_skipped=result.tensors_skipped, bytes_skipped=result.bytes_skipped, stages=stages,
                     receivers=[ack.model_dump() for ack in result.receivers],
                     cache_versions=publisher.cache.versions(), cache_bytes=publisher.cache.bytes_held,
                     group_broken=self.group is not None and self.group.broken is not None)
