@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
 import threading
+import time
 from typing import Any
 
 from ckpt_engine.control import Assignment, RegisterReply, Role
@@ -38,6 +40,9 @@ class Agent:
         self._client = ControlClient(endpoint, timeout_s=request_timeout_s, token=token)
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
+        # Reports go out from a thread of their own, in order: the training loop never waits on the daemon.
+        self._reports: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._reporter = threading.Thread(target=self._report_loop, name=f"ckpt-{self.role}-report", daemon=True)
         self.group: SyncGroup | None = None
         self._group_lock = threading.Lock()
 
@@ -49,6 +54,7 @@ class Agent:
 
     def start(self) -> "Agent":
         self._register()
+        self._reporter.start()
         self.on_registered()
         self._poller = threading.Thread(target=self._poll_loop, name=f"ckpt-{self.role}-poll", daemon=True)
         self._poller.start()
@@ -58,6 +64,9 @@ class Agent:
         self._stop.set()
         if self._poller is not None:
             self._poller.join(self.poll_wait_s + self.request_timeout_s)
+        if self._reporter.is_alive():  # deliver what is queued (each delivery is bounded) before leaving
+            self._reports.put(None)
+            self._reporter.join(2 * self.request_timeout_s)
         if self.settings is not None:
             try:
                 self._client.request("unregister", {"agent_id": self.settings.agent_id}, timeout_s=2.0)
@@ -68,11 +77,34 @@ class Agent:
         self._client.close()
 
     def report(self, version: int, event: str, **fields: Any) -> None:
-        """Tell the daemon about progress; a report that cannot be delivered is logged, never raised."""
-        try:
-            self._client.request("report", {"agent_id": self.agent_id, "version": version, "event": event, **fields})
-        except CkptEngineError as exc:
-            log.warning("could not report %s of version %d: %s", event, version, exc)
+        """Tell the daemon about progress, without waiting: reports are delivered in order by a background
+        thread; one that cannot be delivered is logged, never raised."""
+        self._reports.put({"agent_id": self.agent_id, "version": version, "event": event, **fields})
+
+    def _report_loop(self) -> None:
+        while (body := self._reports.get()) is not None:
+            self._deliver(body)
+
+    def _deliver(self, body: dict[str, Any]) -> None:
+        # An outcome lost on the way (connection cut, reply lost) would leave the version hanging until its
+        # time limit: retry those for as long as the version may last. The daemon ignores duplicates.
+        outcome = body["event"] in ("done", "received")
+        settings = self.settings
+        deadline = time.monotonic() + (settings.version_timeout_s if outcome and settings else 0.0)
+        while True:
+            try:
+                self._client.request("report", body)
+                return
+            except ControlReplyError as exc:  # the daemon answered: retrying cannot help
+                log.warning("report %s of version %d refused: %s", body["event"], body["version"], exc)
+                return
+            except CkptEngineError as exc:
+                if time.monotonic() >= deadline or self._client.closed:
+                    log.warning("could not report %s of version %d: %s", body["event"], body["version"], exc)
+                    return
+                log.info("report %s of version %d not delivered yet (%s); retrying", body["event"],
+                         body["version"], exc)
+                time.sleep(0.5)
 
     def versions_held(self) -> list[int]:
         return []
@@ -118,7 +150,12 @@ class Agent:
         log.info("registered with %s as %s %s", self.endpoint, self.role, self.settings.agent_id)
 
     def _poll_loop(self) -> None:
-        poller = ControlClient(self.endpoint, timeout_s=self.poll_wait_s + self.request_timeout_s, token=self.token)
+        # A poll whose request or reply was lost (daemon restarted, connection cut) is only noticed by its
+        # timeout. Half the heartbeat past the parked wait lets the next poll reach the daemon before it gives
+        # up on us (polls are the heartbeat), and re-registration after a restart is not delayed either.
+        heartbeat_s = self.settings.heartbeat_s if self.settings is not None else self.request_timeout_s
+        poller = ControlClient(self.endpoint, timeout_s=self.poll_wait_s + min(heartbeat_s / 2, self.request_timeout_s),
+                               token=self.token)
         try:
             while not self._stop.is_set():
                 try:

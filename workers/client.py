@@ -38,6 +38,7 @@ class ControlClient:
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self.closed = False
 
     def request(self, kind: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> dict:
         """Send one request and wait for its reply; raises SyncTimeoutError or ControlReplyError."""
@@ -68,4 +69,5 @@ class ControlClient:
 
     def close(self) -> None:
         with self._lock:
+            self.closed = True
             self._sock.close(linger=0)

@@ -100,15 +100,18 @@ class RolloutAgent(Agent):
     def _ipc_receiver(self, assignment: Assignment, settings) -> IpcReceiver:
         """The same-host receiver for the trainer's hub, reconnected when the hub changed or the channel broke."""
         current = self._ipc
-        if current is None or current.broken is not None or self._ipc_name != assignment.ipc_name \
-                or current.rank != assignment.rank:
-            if current is not None:
-                current.close()
-            self._ipc = IpcReceiver(assignment.ipc_name or "", self.agent_id, assignment.rank, self.load,
-                                    device=self.device, verify=settings.verify,
-                                    timeout_s=settings.collective_timeout_s, connect_timeout_s=settings.connect_timeout_s,
-                                    assembler=self._assembler(settings))
-            self._ipc_name = assignment.ipc_name
+        if current is not None and current.broken is None and self._ipc_name == assignment.ipc_name:
+            # The rank is per version (the quorum changes with cadence and membership); the channel is per agent.
+            # Reconnecting for a new rank would race the hub, which may still hand out the old channel.
+            current.rank = assignment.rank
+            return current
+        if current is not None:
+            current.close()
+        self._ipc = IpcReceiver(assignment.ipc_name or "", self.agent_id, assignment.rank, self.load,
+                                device=self.device, verify=settings.verify,
+                                timeout_s=settings.collective_timeout_s, connect_timeout_s=settings.connect_timeout_s,
+                                assembler=self._assembler(settings))
+        self._ipc_name = assignment.ipc_name
         return self._ipc
 
     def _assembler(self, settings) -> VersionAssembler:

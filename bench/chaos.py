@@ -1,0 +1,484 @@
+"""Randomized fault trials: ``ckpt-engine chaos`` (or ``python -m bench.chaos``).
+
+A cluster is the real daemon, a 2-rank FSDP2 trainer job and 2-3 rollout receivers on 127.0.0.1, each its
+own process (bench/chaos_procs.py); every agent reaches the daemon's ZMQ port through its own TCP proxy
+(bench/chaos_proxy.py), so its control connection can be cut. Each trial:
+
+1. requests a version (cached, sparse or bypass_cpu, at random) and, at a random point of it, injects one
+   fault: kill -9 of a receiver, a trainer rank or the daemon; SIGSTOP of one of them for a random stall
+   (up to past the heartbeat timeout); or a cut of one agent's ZMQ connection for a random time;
+2. recovers as an operator or supervisor would: restarts what was killed (the whole trainer job when a rank
+   died, as torchrun does), SIGCONTs what was stalled, lets the connection back;
+3. checks the invariants (bench/chaos_checks.py) and that the next sync after recovery commits.
+
+Results go to ``--json`` and, with ``--report``, into docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import yaml
+
+from bench.chaos_checks import Limits, applied_violations, history_violations, read_jsonl, wait_violations
+from bench.chaos_proxy import Proxy
+from bench.common import REPO, free_port
+
+FAULTS = ("kill_receiver", "kill_trainer", "kill_daemon", "stop_receiver", "stop_trainer", "stop_daemon",
+          "drop_receiver", "drop_trainer")
+SYNC_BODIES = ({"sparse": True}, {"sparse": False}, {"sparse": False, "bypass_cpu": True})
+TIMEOUTS = {"connect_s": 8, "collective_s": 6, "ack_s": 8, "heartbeat_s": 3, "version_s": 20}
+PG_TIMEOUT_S = 8  # the trainer job's own process group
+LIMITS = Limits(version_s=TIMEOUTS["version_s"] + TIMEOUTS["heartbeat_s"], trainer_exit_s=PG_TIMEOUT_S,
+                margin_s=5)
+RECOVER_S = 60  # a cluster that is not whole again within this is a failed trial (and is rebuilt)
+
+
+@dataclass
+class Trial:
+    index: int
+    fault: str
+    target: str
+    transport: str
+    receivers: int
+    sync_body: dict
+    fault_after_s: float
+    stall_s: float = 0.0
+    in_flight: int | None = None
+    in_flight_status: str = "none"  # of the version the fault hit: committed / failed / cancelled / none
+    in_flight_reason: str | None = None
+    recovery_s: float | None = None  # fault -> the next version committed
+    waits: list[tuple[str, float]] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+
+
+class Cluster:
+    """One daemon, one 2-rank trainer job and some receivers, every process started and killed by us."""
+
+    def __init__(self, workdir: Path, receivers: int, transport: str) -> None:
+        self.workdir, self.receivers, self.transport = workdir, receivers, transport
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.http_port, self.zmq_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.http_port}"
+        self.config = workdir / "engine.yaml"
+        self.config.write_text(yaml.safe_dump({
+            "bucket_size_mb": 0.25, "keep_versions": 3, "sparse": True, "min_receivers": 1,
+            "transport": transport, "http": {"host": "127.0.0.1", "port": self.http_port},
+            "zmq": {"endpoint": f"tcp://127.0.0.1:{self.zmq_port}"},
+            "store": {"history_path": str(workdir / "history.sqlite3"), "rendezvous_host": "127.0.0.1",
+                      "rendezvous_port": free_port()},
+            "timeouts": TIMEOUTS}))
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.proxies = {name: Proxy("127.0.0.1", self.zmq_port) for name in self.agent_names()}
+        self.http = httpx.Client(base_url=self.url, timeout=5)
+
+    def agent_names(self) -> list[str]:
+        return ["trainer0", "trainer1"] + [f"receiver{i}" for i in range(self.receivers)]
+
+    # ---- processes ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.start_daemon()
+        self.start_trainers()
+        for i in range(self.receivers):
+            self.start_receiver(i)
+
+    def start_daemon(self) -> None:
+        self._spawn("daemon", [sys.executable, "-m", "ckpt_engine.cli", "serve", "--config", str(self.config)])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if self.http.get("/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise RuntimeError("the daemon did not come up within 30 s")
+
+    def start_trainers(self) -> None:
+        port = free_port()
+        for rank in (0, 1):
+            self._agent(f"trainer{rank}", "trainer", {"rank": rank, "pg_port": port, "pg_timeout_s": PG_TIMEOUT_S})
+
+    def start_receiver(self, index: int) -> None:
+        self._agent(f"receiver{index}", "receiver", {"index": index})
+
+    def _agent(self, name: str, role: str, args: dict) -> None:
+        args = {**args, "workdir": str(self.workdir), "zmq": self.proxies[name].endpoint}
+        self._spawn(name, [sys.executable, "-m", "bench.chaos_procs", role, json.dumps(args)])
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        with (self.workdir / f"{name}.log").open("a") as log:
+            self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                                env={**os.environ, "PYTHONPATH": str(REPO)})
+
+    def alive(self, name: str) -> bool:
+        proc = self.procs.get(name)
+        return proc is not None and proc.poll() is None
+
+    def signal(self, name: str, sig: int) -> None:
+        if self.alive(name):
+            os.kill(self.procs[name].pid, sig)
+
+    def kill(self, name: str) -> None:
+        if self.alive(name):
+            self.procs[name].kill()
+            self.procs[name].wait(10)
+
+    def stop(self) -> None:
+        (self.workdir / "stop").touch()
+        for name in self.procs:
+            self.signal(name, signal.SIGCONT)
+        deadline = time.monotonic() + 15
+        for name, proc in self.procs.items():
+            if name != "daemon":
+                _wait(proc, deadline)
+        self.signal("daemon", signal.SIGTERM)
+        _wait(self.procs["daemon"], time.monotonic() + 15)
+        for proxy in self.proxies.values():
+            proxy.close()
+        self.http.close()
+
+    # ---- control plane -----------------------------------------------------------------------------
+    def whole(self) -> bool:
+        """Every process runs and the daemon knows exactly the live agents (dead ones have been dropped)."""
+        live = {self.procs[n].pid for n in self.agent_names() if self.alive(n)}
+        if len(live) != len(self.agent_names()) or not self.alive("daemon"):
+            return False
+        try:
+            agents = self.http.get("/receivers").json()["agents"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+        return {a["pid"] for a in agents} == live
+
+    def wait_whole(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.whole():
+                return True
+            time.sleep(0.2)
+        return False
+
+    def request(self, body: dict) -> tuple[int | None, str]:
+        try:
+            reply = self.http.post("/sync", json=body)
+        except httpx.HTTPError as exc:
+            return None, f"http error: {exc}"
+        data = reply.json() if reply.headers.get("content-type", "").startswith("application/json") else {}
+        version = data.get("version") or (data.get("record") or {}).get("id")
+        return version, f"{reply.status_code} {data.get('error', '')}".strip()
+
+    def record(self, version: int) -> dict | None:
+        try:
+            reply = self.http.get(f"/versions/{version}")
+        except httpx.HTTPError:
+            return None
+        return reply.json() if reply.status_code == 200 else None
+
+    def wait_terminal(self, version: int, timeout_s: float) -> dict | None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            record = self.record(version)
+            if record is not None and record["status"] in ("committed", "failed", "cancelled"):
+                return record
+            time.sleep(0.1)
+        return self.record(version)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if self.http.get("/status").json().get("in_flight") is None:
+                    return True
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.1)
+        return False
+
+    def history(self) -> dict[int, dict]:
+        return {v["id"]: v for v in self.http.get("/versions", params={"limit": 1000}).json()["versions"]}
+
+    def applied(self) -> list[dict]:
+        out = []
+        for path in sorted(self.workdir.glob("receiver*.applied.jsonl")):
+            out += read_jsonl(path.read_text())
+        return out
+
+
+def _wait(proc: subprocess.Popen, deadline: float) -> None:
+    try:
+        proc.wait(max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+# ---- one trial ---------------------------------------------------------------------------------------------
+def run_trial(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
+    """Fault, recovery and checks of one trial; fills in ``trial``."""
+    first_new = max(cluster.history(), default=0) + 1
+    version, _ = cluster.request(trial.sync_body)
+    trial.in_flight = version
+    time.sleep(trial.fault_after_s)
+    fault_at = time.monotonic()
+    inject(cluster, trial, rng)
+    recover(cluster, trial, fault_at)
+    if version is not None:
+        record = cluster.wait_terminal(version, LIMITS.version_s + LIMITS.margin_s)
+        trial.in_flight_status = record["status"] if record else "unknown"
+        trial.in_flight_reason = record.get("reason") if record else None
+    if not supervise(cluster, trial, RECOVER_S) or not cluster.wait_idle(LIMITS.version_s + LIMITS.margin_s):
+        trial.violations.append(f"the cluster was not whole and idle within {RECOVER_S}s of recovery")
+        return
+    next_version, answer = cluster.request({"sparse": rng.random() < 0.5})
+    record = cluster.wait_terminal(next_version, LIMITS.version_s + LIMITS.margin_s) if next_version else None
+    if record is None or record["status"] != "committed":
+        trial.violations.append(f"the next sync after recovery did not commit: {answer} "
+                                f"{record and (record['status'], record.get('reason'))}")
+    else:
+        trial.recovery_s = round(time.monotonic() - fault_at, 2)
+    check(cluster, trial, first_new)
+
+
+def inject(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
+    action, _, kind = trial.fault.partition("_")
+    name = trial.target
+    if action == "kill":
+        cluster.kill(name)
+        if kind == "trainer":  # the surviving rank must give up by itself within its timeout
+            survivor = "trainer1" if name == "trainer0" else "trainer0"
+            trial.waits.append((f"{survivor} exit after its peer died", _time_to_exit(cluster, survivor)))
+    elif action == "stop":
+        cluster.signal(name, signal.SIGSTOP)
+        time.sleep(trial.stall_s)
+        cluster.signal(name, signal.SIGCONT)
+    else:
+        cluster.proxies[name].drop(trial.stall_s)
+        time.sleep(trial.stall_s)
+
+
+def _time_to_exit(cluster: Cluster, name: str) -> float:
+    started = time.monotonic()
+    try:
+        cluster.procs[name].wait(LIMITS.trainer_exit_s + LIMITS.margin_s + 10)
+    except subprocess.TimeoutExpired:
+        cluster.kill(name)
+    return round(time.monotonic() - started, 2)
+
+
+def recover(cluster: Cluster, trial: Trial, fault_at: float) -> None:
+    """Restart whatever is not running any more, as a supervisor would."""
+    if not cluster.alive("daemon"):
+        cluster.start_daemon()
+    trainers = ("trainer0", "trainer1")
+    if trial.fault == "stop_trainer":  # a stall past the job's timeout ends it; give it that long to show
+        while all(cluster.alive(t) for t in trainers) and time.monotonic() - fault_at < PG_TIMEOUT_S + 2:
+            time.sleep(0.2)
+        for survivor in trainers:
+            if not cluster.alive(survivor):
+                continue
+            if not all(cluster.alive(t) for t in trainers):
+                trial.waits.append((f"{survivor} exit after its peer stalled",
+                                    round(_time_to_exit(cluster, survivor) + time.monotonic() - fault_at, 2)))
+    if not all(cluster.alive(t) for t in trainers):
+        for t in trainers:
+            cluster.kill(t)
+        cluster.start_trainers()
+    for i in range(cluster.receivers):
+        if not cluster.alive(f"receiver{i}"):
+            cluster.start_receiver(i)
+
+
+def supervise(cluster: Cluster, trial: Trial, timeout_s: float) -> bool:
+    """Wait until the cluster is whole again, restarting any process that died meanwhile (as a supervisor
+    would). A death the fault does not explain is a violation: e.g. a trainer rank must survive a daemon
+    or receiver fault, because training must never depend on the control plane or on rollouts."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dead = [name for name in cluster.procs if not cluster.alive(name)]
+        for name in dead:
+            code = cluster.procs[name].returncode
+            if not trial.fault.endswith("_trainer") or not name.startswith("trainer"):
+                trial.violations.append(f"{name} exited (code {code}) after a fault on {trial.target}")
+        if dead:
+            recover(cluster, trial, time.monotonic())
+        if cluster.whole():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def check(cluster: Cluster, trial: Trial, first_new: int) -> None:
+    history = cluster.history()
+    trial.violations += applied_violations(cluster.applied(), history)
+    trial.violations += history_violations({v: r for v, r in history.items() if v >= first_new}, LIMITS)
+    trial.violations += wait_violations(trial.waits, LIMITS)
+
+
+def plan_trial(index: int, rng: random.Random, fault: str, cluster: Cluster, typical_sync_s: float) -> Trial:
+    kind = fault.partition("_")[2]
+    target = ("daemon" if kind == "daemon" else rng.choice(["trainer0", "trainer1"]) if kind == "trainer"
+              else f"receiver{rng.randrange(cluster.receivers)}")
+    if fault == "drop_trainer":
+        target = "trainer0"  # the rank that talks to the daemon
+    stall = rng.uniform(0.3, 2.5 * TIMEOUTS["heartbeat_s"]) if fault.startswith(("stop", "drop")) else 0.0
+    return Trial(index, fault, target, cluster.transport, cluster.receivers, rng.choice(SYNC_BODIES),
+                 round(rng.uniform(0, 1.5 * typical_sync_s), 3), round(stall, 2))
+
+
+# ---- a run -------------------------------------------------------------------------------------------------
+def warm_up(cluster: Cluster) -> float:
+    """Syncs until three commit; returns their median duration (the window faults are dropped into)."""
+    if not cluster.wait_whole(RECOVER_S):
+        raise RuntimeError("the cluster did not come up")
+    durations: list[float] = []
+    for _ in range(10):
+        started = time.monotonic()
+        version, answer = cluster.request({"sparse": False})
+        record = cluster.wait_terminal(version, LIMITS.version_s) if version else None
+        if record and record["status"] == "committed":
+            durations.append(time.monotonic() - started)
+        if len(durations) == 3:
+            return statistics.median(durations)
+        cluster.wait_idle(LIMITS.version_s)
+    raise RuntimeError("warm-up syncs did not commit")
+
+
+def run(trials: int, per_cluster: int, seed: int, workdir: Path, log=print) -> list[Trial]:
+    rng = random.Random(seed)
+    results: list[Trial] = []
+    faults = [FAULTS[i % len(FAULTS)] for i in range(trials)]
+    rng.shuffle(faults)
+    cluster_index = 0
+    while len(results) < trials:
+        transport = ("collective", "auto")[cluster_index % 2]
+        receivers = 2 + (cluster_index // 2) % 2
+        cluster = Cluster(workdir / f"cluster{cluster_index}", receivers, transport)
+        cluster_index += 1
+        try:
+            cluster.start()
+            typical = warm_up(cluster)
+            log(f"cluster {cluster_index}: {receivers} receivers, transport {transport}, sync {typical:.2f}s")
+            for _ in range(min(per_cluster, trials - len(results))):
+                trial = plan_trial(len(results), rng, faults[len(results)], cluster, typical)
+                run_trial(cluster, trial, rng)
+                results.append(trial)
+                log(_line(trial))
+                if trial.violations and not cluster.whole():
+                    break  # start from a fresh cluster
+        finally:
+            cluster.stop()
+    return results
+
+
+def _line(trial: Trial) -> str:
+    verdict = "ok" if not trial.violations else "VIOLATION: " + "; ".join(trial.violations)
+    return (f"trial {trial.index:3d} {trial.fault:14s} {trial.target:9s} at +{trial.fault_after_s:.2f}s "
+            f"stall {trial.stall_s:.1f}s  in-flight {trial.in_flight_status:9s} recovery "
+            f"{trial.recovery_s if trial.recovery_s is not None else '-'}s  {verdict}")
+
+
+# ---- report ------------------------------------------------------------------------------------------------
+def summarize(trials: list[Trial]) -> dict:
+    by_fault: dict[str, dict] = {}
+    for fault in FAULTS:
+        mine = [t for t in trials if t.fault == fault]
+        if not mine:
+            continue
+        recoveries = [t.recovery_s for t in mine if t.recovery_s is not None]
+        outcomes: dict[str, int] = {}
+        for t in mine:
+            outcomes[t.in_flight_status] = outcomes.get(t.in_flight_status, 0) + 1
+        by_fault[fault] = {"trials": len(mine), "outcomes": outcomes,
+                           "violations": sum(len(t.violations) for t in mine),
+                           "recovery_median_s": statistics.median(recoveries) if recoveries else None,
+                           "recovery_max_s": max(recoveries) if recoveries else None}
+    waits = [w for t in trials for w in t.waits]
+    return {"trials": len(trials), "violations": sum(len(t.violations) for t in trials), "by_fault": by_fault,
+            "worst_recovery_s": max((t.recovery_s for t in trials if t.recovery_s is not None), default=None),
+            "longest_survivor_wait_s": max((s for _, s in waits), default=None)}
+
+
+def markdown(summary: dict, trials: list[Trial], command: str, seconds: float) -> str:
+    rows = ["| fault | trials | the version it hit: committed / failed / cancelled / none | violations | "
+            "recovery median | recovery max |", "|---|---:|---|---:|---:|---:|"]
+    for fault, s in summary["by_fault"].items():
+        o = s["outcomes"]
+        hit = " / ".join(str(o.get(k, 0)) for k in ("committed", "failed", "cancelled", "none"))
+        rows.append(f"| {fault} | {s['trials']} | {hit} | {s['violations']} | {_s(s['recovery_median_s'])} | "
+                    f"{_s(s['recovery_max_s'])} |")
+    found = [f"- trial {t.index} ({t.fault} {t.target}): {v}" for t in trials for v in t.violations]
+    return "\n".join([
+        f"Command: `{command}`. {summary['trials']} trials in {seconds / 60:.0f} min, "
+        f"**{summary['violations']} invariant violations**. Worst recovery (fault to the next committed "
+        f"version): {_s(summary['worst_recovery_s'])}. Longest wait of a trainer rank whose peer died or "
+        f"stalled, before it gave up: {_s(summary['longest_survivor_wait_s'])} (limit "
+        f"{LIMITS.trainer_exit_s + LIMITS.margin_s:.0f} s).",
+        "",
+        f"Timeouts: {', '.join(f'{k} {v}' for k, v in TIMEOUTS.items())}; trainer process group {PG_TIMEOUT_S} s. "
+        f"Clusters alternate between the collective transport and `auto` (same-host shared memory), "
+        f"and between 2 and 3 receivers.",
+        "",
+        *rows,
+        "",
+        *(found or ["No violations."]),
+    ])
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
+
+
+def write_report(path: Path, body: str) -> None:
+    begin, end = "<!-- chaos:begin -->", "<!-- chaos:end -->"
+    text = path.read_text()
+    block = f"{begin}\n{body}\n{end}"
+    if begin in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.replace("(filled in by the chaos run)", block)
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m bench.chaos") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=200)
+    parser.add_argument("--per-cluster", type=int, default=25, help="trials before a fresh cluster is built")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--workdir", type=Path, default=None, help="logs of every process (default: a temp dir)")
+    parser.add_argument("--json", type=Path, default=None, help="write every trial as JSON")
+    parser.add_argument("--report", type=Path, default=None, help="update the chaos section of this markdown file")
+    args = parser.parse_args(argv)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ckpt-chaos-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    print(f"{args.trials} trials, seed {args.seed}, logs in {workdir}", flush=True)
+    with (workdir / "trials.log").open("a", buffering=1) as trials_log:
+        def log(line: str) -> None:
+            print(line, flush=True)
+            trials_log.write(line + "\n")
+
+        trials = run(args.trials, args.per_cluster, args.seed, workdir, log=log)
+    summary = summarize(trials)
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"summary": summary, "trials": [asdict(t) for t in trials]}, indent=1))
+    if args.report:
+        command = f"ckpt-engine chaos --trials {args.trials} --seed {args.seed}"
+        write_report(args.report, markdown(summary, trials, command, time.monotonic() - started))
+    return 1 if summary["violations"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
