@@ -13,7 +13,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from bench.common import MiB, Progress, percentile, stats
 from bench.daemon_e2e import start_agents, start_daemon, wait_for_agents
@@ -23,7 +23,16 @@ POST_EVERY = 10
 WORKERS = 8
 
 
-def _generate(url: str, rate: float, duration_s: float) -> list[dict]:
+Request = Callable[[Any], Any]  # (httpx.Client) -> httpx.Response
+Pick = Callable[[int], tuple[str, Request]]  # request index -> (kind, request)
+
+
+def open_loop(url: str, rate: float, duration_s: float, pick: Pick, workers: int = WORKERS) -> list[dict]:
+    """Bounded open-loop load: request ``i`` is due at ``i / rate`` s, whatever happened to the ones before it;
+    ``workers`` threads (one keep-alive client each) take the next index, sleep until it is due and send
+    ``pick(i)``. Each sample: kind, status (an int, or "error: <exception>"), latency (send to whole
+    response), lateness (start after due: the generator falling behind) and t (start, s since the schedule
+    began)."""
     import httpx
 
     total = int(rate * duration_s)
@@ -43,28 +52,36 @@ def _generate(url: str, rate: float, duration_s: float) -> list[dict]:
                 delay = due - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)
-                post = i % POST_EVERY == POST_EVERY // 2
+                kind, request = pick(i)
                 t0 = time.perf_counter()
                 try:
-                    if post:
-                        reply = client.post("/sync", json={"step": i})
-                    else:
-                        reply = client.get("/versions")
+                    reply = request(client)
                     _ = reply.content
-                    status = reply.status_code
+                    status: int | str = reply.status_code
                 except Exception as exc:  # a timeout or refused connection is a result too
                     status = f"error: {type(exc).__name__}"
                 t1 = time.perf_counter()
                 with lock:
-                    out.append({"i": i, "kind": "post_sync" if post else "get_versions", "status": status,
-                                "latency": t1 - t0, "late": max(0.0, t0 - due), "t": t0 - t_start})
+                    out.append({"i": i, "kind": kind, "status": status, "latency": t1 - t0,
+                                "late": max(0.0, t0 - due), "t": t0 - t_start})
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(WORKERS)]
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(workers)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(duration_s + 60)
     return out
+
+
+def _pick_versions_or_post(i: int) -> tuple[str, Request]:
+    """9 of every 10 requests GET /versions, 1 POST /sync (no wait)."""
+    if i % POST_EVERY == POST_EVERY // 2:
+        return "post_sync", lambda client: client.post("/sync", json={"step": i})
+    return "get_versions", lambda client: client.get("/versions")
+
+
+def _generate(url: str, rate: float, duration_s: float) -> list[dict]:
+    return open_loop(url, rate, duration_s, _pick_versions_or_post)
 
 
 def _unloaded(client: Any, gets: int = 100, posts: int = 10) -> dict:

@@ -14,6 +14,8 @@ Sections (each in its own module, run in this order; ``--only`` / ``--skip`` pic
 - ``daemon_e2e``    (bench/daemon_e2e.py): POST /sync → every receiver verified, through the real daemon.
 - ``control_plane`` (bench/control_plane.py): GET /versions and POST /sync latency at ~200 requests/s.
 - ``sparse``        (bench/sparse_bench.py): sparse sync of 1% / 10% / 50% of the tensors vs a full sync.
+- ``load``          (bench/load_bench.py): 200 requests/s of mixed reads for 60 s (quick: 10 s) while versions
+                    run back to back: errors, latency per endpoint, sync time vs without the load.
 
 It writes the markdown report (default docs/benchmarks.md), PNG plots next to it (bench-*.png) and, with
 ``--json``, every measured figure. Every number in the report comes from the run. ``--quick`` takes about
@@ -31,7 +33,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from bench import control_plane, curves, daemon_e2e, ipc_bench, plots, receiver_memory, sync_bench, trainer_overhead
+from bench import (control_plane, curves, daemon_e2e, ipc_bench, load_bench, plots, receiver_memory, sync_bench,
+                   trainer_overhead)
 from bench.common import REPO, GiB, MiB, machine_info
 
 DEFAULT_OUT = REPO / "docs" / "benchmarks.md"
@@ -64,6 +67,7 @@ SECTIONS: list[tuple[str, str, Any]] = [
     ("daemon_e2e", "Through the daemon: POST /sync → every receiver verified", daemon_e2e),
     ("control_plane", "Control plane under load", control_plane),
     ("sparse", "Sparse sync vs full sync", _SparseSection),
+    ("load", "Load: mixed reads while versions run", load_bench),
 ]
 SECTION_NAMES = [s[0] for s in SECTIONS]
 
