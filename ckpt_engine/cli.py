@@ -29,8 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         from ckpt_engine.examples.e2e import main as library_demo_main
 
         return library_demo_main(argv[1:])
-    if argv[:1] == ["bench"]:  # the benchmark suite parses its own options
-        return _bench(argv[1:])
+    if argv[:1] == ["bench"]:  # the benchmark suite and the fault trials parse their own options
+        return _from_checkout("suite", argv[1:], "ckpt-engine bench")
+    if argv[:1] == ["chaos"]:
+        return _from_checkout("chaos", argv[1:], "ckpt-engine chaos")
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
@@ -51,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("demo", help="the fully-async demo: daemon + 2-rank FSDP2 trainer + 2 rollouts (demo --help)")
     sub.add_parser("demo-library", help="the library alone: a trainer and 2 receivers, no daemon")
     sub.add_parser("bench", help="the benchmark suite (bench/), writes docs/benchmarks.md (bench --help)")
+    sub.add_parser("chaos", help="randomized fault trials against a real cluster (chaos --help)")
     serve = sub.add_parser("serve", help="run the daemon")
     serve.add_argument("--config", required=True, help="deployment YAML, e.g. deploy/engine.yaml")
     serve.set_defaults(run=_serve)
@@ -77,22 +80,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _bench(argv: list[str]) -> int:
-    """Run bench/suite.py of the source checkout this package is installed from (editable install)."""
+def _from_checkout(module: str, argv: list[str], prog: str) -> int:
+    """Run bench/<module>.py of the source checkout this package is installed from (editable install)."""
+    import importlib
     from pathlib import Path
 
     import ckpt_engine
 
     root = Path(ckpt_engine.__file__).resolve().parents[1]
-    if not (root / "bench" / "suite.py").is_file():
-        print(f"error: the benchmark suite is not here ({root / 'bench'} is missing): run `ckpt-engine bench` from "
-              "an editable install of the repository (pip install -e '.[bench]')", file=sys.stderr)
+    if not (root / "bench" / f"{module}.py").is_file():
+        print(f"error: bench/ is not here ({root / 'bench'} is missing): run `{prog}` from an editable install "
+              "of the repository (pip install -e '.[bench]')", file=sys.stderr)
         return 2
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    from bench.suite import main as bench_main
-
-    return bench_main(argv, prog="ckpt-engine bench")
+    return importlib.import_module(f"bench.{module}").main(argv, prog=prog)
 
 
 def _serve(args: argparse.Namespace) -> int:
