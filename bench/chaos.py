@@ -281,7 +281,7 @@ def recover(cluster: Cluster, trial: Trial, fault_at: float) -> None:
     if not cluster.alive("daemon"):
         cluster.start_daemon()
     trainers = ("trainer0", "trainer1")
-    if trial.fault == "stop_trainer":  # a stall past the job's timeout ends it; give it that long to show
+    if _may_end_the_job(trial):  # a stall near or past the job's timeout ends it; give it that long to show
         while all(cluster.alive(t) for t in trainers) and time.monotonic() - fault_at < PG_TIMEOUT_S + 2:
             time.sleep(0.2)
         for survivor in trainers:
@@ -308,7 +308,8 @@ def supervise(cluster: Cluster, trial: Trial, timeout_s: float) -> bool:
         dead = [name for name in cluster.procs if not cluster.alive(name)]
         for name in dead:
             code = cluster.procs[name].returncode
-            if not trial.fault.endswith("_trainer") or not name.startswith("trainer"):
+            explained = name.startswith("trainer") and (trial.fault == "kill_trainer" or _may_end_the_job(trial))
+            if not explained:
                 trial.violations.append(f"{name} exited (code {code}) after a fault on {trial.target}")
         if dead:
             recover(cluster, trial, time.monotonic())
@@ -316,6 +317,12 @@ def supervise(cluster: Cluster, trial: Trial, timeout_s: float) -> bool:
             return True
         time.sleep(0.2)
     return False
+
+
+def _may_end_the_job(trial: Trial) -> bool:
+    """A trainer rank stalled for about the job's collective timeout or longer: its peer gives up. A shorter
+    stall must not end the job."""
+    return trial.fault == "stop_trainer" and trial.stall_s >= PG_TIMEOUT_S - 1
 
 
 def check(cluster: Cluster, trial: Trial, first_new: int) -> None:
@@ -331,7 +338,8 @@ def plan_trial(index: int, rng: random.Random, fault: str, cluster: Cluster, typ
               else f"receiver{rng.randrange(cluster.receivers)}")
     if fault == "drop_trainer":
         target = "trainer0"  # the rank that talks to the daemon
-    stall = rng.uniform(0.3, 2.5 * TIMEOUTS["heartbeat_s"]) if fault.startswith(("stop", "drop")) else 0.0
+    longest = PG_TIMEOUT_S + 3 if fault == "stop_trainer" else 2.5 * TIMEOUTS["heartbeat_s"]  # past the timeouts
+    stall = rng.uniform(0.3, longest) if fault.startswith(("stop", "drop")) else 0.0
     return Trial(index, fault, target, cluster.transport, cluster.receivers, rng.choice(SYNC_BODIES),
                  round(rng.uniform(0, 1.5 * typical_sync_s), 3), round(stall, 2))
 
@@ -458,7 +466,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.chaos") -> 
     parser.add_argument("--workdir", type=Path, default=None, help="logs of every process (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="write every trial as JSON")
     parser.add_argument("--report", type=Path, default=None, help="update the chaos section of this markdown file")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="run nothing: write --report from an earlier run's --json output")
     args = parser.parse_args(argv)
+    if args.from_json:
+        return _report_from_json(args.from_json, args.report)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ckpt-chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -471,13 +483,26 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.chaos") -> 
         trials = run(args.trials, args.per_cluster, args.seed, workdir, log=log)
     summary = summarize(trials)
     print(json.dumps(summary, indent=2))
+    command = f"ckpt-engine chaos --trials {args.trials} --seed {args.seed}"
+    seconds = time.monotonic() - started
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"summary": summary, "trials": [asdict(t) for t in trials]}, indent=1))
+        args.json.write_text(json.dumps({"command": command, "seconds": seconds, "summary": summary,
+                                         "trials": [asdict(t) for t in trials]}, indent=1))
     if args.report:
-        command = f"ckpt-engine chaos --trials {args.trials} --seed {args.seed}"
-        write_report(args.report, markdown(summary, trials, command, time.monotonic() - started))
+        write_report(args.report, markdown(summary, trials, command, seconds))
     return 1 if summary["violations"] else 0
+
+
+def _report_from_json(path: Path, report: Path | None) -> int:
+    data = json.loads(path.read_text())
+    trials = [Trial(**{**t, "waits": [tuple(w) for w in t["waits"]]}) for t in data["trials"]]
+    body = markdown(summarize(trials), trials, data["command"], data["seconds"])
+    if report:
+        write_report(report, body)
+    else:
+        print(body)
+    return 0
 
 
 if __name__ == "__main__":

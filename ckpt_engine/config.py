@@ -1,16 +1,139 @@
-"""Engine configuration: YAML (``deploy/*.yaml``) loaded into typed models. Unknown keys and bad values are
-errors at load time that name the key, never surprises later."""
+"""Engine configuration: YAML (``deploy/*.yaml``) loaded into typed models. Unknown keys, keys given twice,
+bad values and settings that would only fail later (a bind address that is not one of this host's, a ZMQ
+endpoint libzmq refuses, timeouts that contradict each other, two listeners on one port) are errors at load
+time that name the key, never surprises later."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
+import socket
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from ckpt_engine.errors import ConfigError
+
+DAY_S = 86400.0
+_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+_WILDCARDS = ("0.0.0.0", "::", "*")
+
+
+def _not_bool(value: object) -> object:
+    # pydantic takes true for 1: in a config file that is a typo, not a number
+    if isinstance(value, bool):
+        raise ValueError("expected a number, got a boolean")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool)]
+
+
+def _timeout(default: float, description: str, minimum: float = 0.0) -> Any:
+    # A day at most: larger values overflow timedelta / thread waits downstream and are typos anyway.
+    bound = {"ge": minimum} if minimum else {"gt": 0}
+    return Field(default, **bound, le=DAY_S, allow_inf_nan=False, description=description)
+
+
+def check_host(host: str) -> str:
+    """An IP address literal or a host name (RFC 1123)."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    labels = host.split(".")
+    if len(host) > 253 or not all(_LABEL.match(label) for label in labels) or labels[-1].isdigit():
+        raise ValueError(f"{host!r} is neither an IP address nor a host name")
+    return host
+
+
+def check_bind_host(host: str) -> str:
+    """A valid host that is an address of this machine: a socket is bound to it on port 0 and closed at once,
+    so a name that does not resolve, or an address of another machine, fails here instead of at start."""
+    check_host(host)
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (OSError, UnicodeError) as exc:
+        raise ValueError(f"{host!r} does not resolve here: {exc}") from None
+    try:
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(address)
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host!r} here: {exc.strerror}") from None
+    return host
+
+
+def parse_zmq_endpoint(endpoint: str) -> tuple[str, str, int | None]:
+    """``tcp://HOST:PORT`` (HOST: ``*``, an IP, ``[IPv6]`` or a name; PORT: 0-65535 or ``*``) or ``ipc://PATH``;
+    returns (transport, host or path, port or None for ``*`` and ipc)."""
+    transport, sep, rest = endpoint.partition("://")
+    if not sep or transport not in ("tcp", "ipc"):
+        raise ValueError(f"must be tcp://HOST:PORT or ipc://PATH, got {endpoint!r}")
+    if transport == "ipc":
+        return "ipc", _check_ipc_path(rest), None
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host:
+        raise ValueError(f"a tcp endpoint needs a host and a port (tcp://127.0.0.1:8766), got {endpoint!r}")
+    number = None if port == "*" else _check_port(port)
+    if host.startswith("[") and host.endswith("]"):
+        if not _is_ipv6(host[1:-1]):
+            raise ValueError(f"{host} is not an IPv6 address")
+        check_bind_host(host[1:-1])
+    elif host != "*":
+        if ":" in host:
+            hint = "IPv6 addresses go in brackets (tcp://[::1]:8766)" if _is_ipv6(host) else "expected HOST:PORT"
+            raise ValueError(f"{hint}, got {endpoint!r}")
+        if host not in _interface_names():  # libzmq also binds to an interface by name (eth0)
+            check_bind_host(host)
+    return "tcp", host, number
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _interface_names() -> set[str]:
+    try:
+        return {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return set()
+
+
+def _check_port(port: str) -> int:
+    if not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise ValueError(f"port must be 0-65535 or '*', got {port!r}")
+    return int(port)
+
+
+def _check_ipc_path(path: str) -> str:
+    if not path or "\x00" in path:
+        raise ValueError("an ipc endpoint needs a path (ipc:///run/ckpt-engine.sock)")
+    if len(path.encode()) > 107:  # sockaddr_un.sun_path holds 108 bytes with the terminating NUL
+        raise ValueError(f"ipc path is {len(path.encode())} bytes, Unix sockets allow 107")
+    if not path.startswith("@") and not Path(path).parent.is_dir():  # @: abstract namespace, no file
+        raise ValueError(f"the directory of ipc path {path!r} does not exist")
+    return path
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address keeps a port on this host (names other than localhost count as exposed)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class _Strict(BaseModel):
@@ -18,43 +141,65 @@ class _Strict(BaseModel):
 
 
 class Timeouts(_Strict):
-    connect_s: float = Field(30.0, gt=0, description="rendezvous of a sync group")
-    collective_s: float = Field(60.0, gt=0, description="any single broadcast or allgather")
-    ack_s: float = Field(120.0, gt=0, description="receivers' verify + load + acknowledgement")
-    version_s: float = Field(600.0, gt=0, description="a whole version, from request to commit, in the daemon")
-    heartbeat_s: float = Field(10.0, gt=0, description="an agent silent this long is marked gone")
+    connect_s: Float = _timeout(30.0, "rendezvous of a sync group")
+    collective_s: Float = _timeout(60.0, "any single broadcast or allgather")
+    ack_s: Float = _timeout(120.0, "receivers' verify + load + acknowledgement")
+    version_s: Float = _timeout(600.0, "a whole version, from request to commit, in the daemon")
+    # Agents poll about once a second: a shorter limit would mark live agents gone.
+    heartbeat_s: Float = _timeout(10.0, "an agent silent this long is marked gone", minimum=1.0)
 
 
 class HttpConfig(_Strict):
     host: str = "127.0.0.1"
-    port: int = Field(8765, ge=0, le=65535)
-    max_body_bytes: int = Field(64 << 10, gt=0)
+    port: Int = Field(8765, ge=0, le=65535)
+    # at least 1 KiB: the API's own bodies (POST /sync) must fit
+    max_body_bytes: Int = Field(64 << 10, ge=1 << 10, le=1 << 30)
+
+    _host = field_validator("host")(check_bind_host)
 
 
 class ZmqConfig(_Strict):
-    endpoint: str = Field("tcp://127.0.0.1:8766", pattern=r"^(tcp|ipc)://.+")
-    max_frame_bytes: int = Field(1 << 20, gt=0)
+    endpoint: str = "tcp://127.0.0.1:8766"
+    # at least 64 KiB: a trainer's report lists every receiver's acknowledgement
+    max_frame_bytes: Int = Field(1 << 20, ge=64 << 10, le=1 << 30)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, value: str) -> str:
+        parse_zmq_endpoint(value)
+        return value
 
 
 class StoreConfig(_Strict):
-    history_path: str = "ckpt-engine-history.sqlite3"
+    history_path: str = Field("ckpt-engine-history.sqlite3", min_length=1)
     rendezvous_host: str = "127.0.0.1"
-    rendezvous_port: int = Field(8767, ge=0, le=65535)
+    rendezvous_port: Int = Field(8767, ge=0, le=65535)
+
+    _host = field_validator("rendezvous_host")(check_bind_host)  # the store listens there (agents connect to it)
+
+    @field_validator("history_path")
+    @classmethod
+    def _history_path(cls, value: str) -> str:
+        if os.path.isdir(value):
+            raise ValueError(f"{value!r} is a directory; name the SQLite file")
+        return value
 
 
 class EngineConfig(_Strict):
     bypass_cpu: bool = Field(False, description="copy live params straight into the broadcast buffer (no cache)")
-    bucket_size_mb: float = Field(512.0, gt=0, description="target bucket size in MiB")
-    alignment: int = Field(256, ge=8, description="byte alignment of tensors inside a bucket (power of two)")
+    bucket_size_mb: Float = Field(512.0, gt=0, le=64 << 10, allow_inf_nan=False, description="target bucket size in MiB")
+    alignment: Int = Field(256, ge=8, le=1 << 20, description="byte alignment of tensors inside a bucket (power of two)")
     device: Literal["auto", "cuda", "npu", "cpu"] = "auto"
     backend: Literal["auto", "nccl", "hccl", "gloo"] = "auto"
-    keep_versions: int = Field(2, ge=1, description="versions kept in the host cache (cached mode)")
+    keep_versions: Int = Field(2, ge=1, le=1024, description="versions kept in the host cache (cached mode)")
     verify: bool = Field(True, description="receivers recompute and compare every tensor digest before load")
     sparse: bool = Field(False, description="send only tensors changed since the version every receiver holds")
-    min_receivers: int = Field(1, ge=0, description="receivers that must commit for a version to commit")
+    min_receivers: Int = Field(1, ge=0, le=1 << 16, description="receivers that must commit for a version to commit")
     transport: Literal["auto", "collective", "ipc"] = Field(
         "auto", description="auto: shared memory for receivers on the sender's host, the collective for others")
-    auth_token: str | None = Field(None, min_length=16, description="bearer token for HTTP and agents")
+    # Visible ASCII only: it travels in an HTTP header, and surrounding spaces would be stripped there.
+    auth_token: str | None = Field(None, min_length=16, max_length=4096, pattern=r"^[\x21-\x7e]+$",
+                                   description="bearer token for HTTP and agents")
     timeouts: Timeouts = Timeouts()
     http: HttpConfig = HttpConfig()
     zmq: ZmqConfig = ZmqConfig()
@@ -66,6 +211,7 @@ class EngineConfig(_Strict):
 
 
 ENV_PREFIX = "CKPT_ENGINE_"
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the same safe constructors, in C when libyaml is there
 
 
 def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> EngineConfig:
@@ -74,9 +220,17 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> E
     file (or variable) and the key."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
+        loader = _Loader(path.read_text())
+        try:
+            node = loader.get_single_node()
+            duplicates = _duplicate_keys(node)
+            data = (loader.construct_document(node) if node is not None else None) or {}
+        finally:
+            loader.dispose()
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"{path}: cannot read config: {exc}") from exc
+    if duplicates:  # PyYAML would silently keep the last value
+        raise ConfigError(f"{path}: " + "; ".join(f"{key}: given more than once" for key in duplicates))
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     sources = apply_env_overrides(data, os.environ if environ is None else environ)
@@ -96,12 +250,44 @@ def apply_env_overrides(data: dict, environ: Mapping[str, str]) -> list[str]:
             node = node.setdefault(key, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"{name}: cannot override {dotted}: {key} is not a mapping in the file")
-        try:
-            node[leaf] = yaml.safe_load(environ[name])
+        try:  # text settings verbatim: a token of digits, or one starting with '*' or '!', is still text
+            node[leaf] = environ[name] if dotted in _TEXT_KEYS else yaml.safe_load(environ[name])
         except yaml.YAMLError as exc:
             raise ConfigError(f"{name}: unreadable value: {exc}") from exc
         used.append(name)
     return used
+
+
+def _duplicate_keys(node: yaml.Node | None, prefix: str = "", seen: set[int] | None = None) -> list[str]:
+    """Key paths given twice in one mapping of a composed YAML document."""
+    seen = set() if seen is None else seen
+    if node is None or id(node) in seen:  # aliases may point back up the tree
+        return []
+    seen.add(id(node))
+    found: list[str] = []
+    if isinstance(node, yaml.MappingNode):
+        keys: set[str] = set()
+        for key_node, value_node in node.value:
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
+            if key in keys and key != "<<":
+                found.append(prefix + key)
+            keys.add(key)
+            found += _duplicate_keys(value_node, f"{prefix}{key}.", seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            found += _duplicate_keys(item, f"{prefix}{index}.", seen)
+    return found
+
+
+def _text_keys(model: type[BaseModel], prefix: str = "") -> set[str]:
+    keys = set()
+    for key, info in model.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            keys |= _text_keys(annotation, f"{prefix}{key}.")
+        elif annotation in (str, str | None):
+            keys.add(prefix + key)
+    return keys
 
 
 def _key_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -121,6 +307,54 @@ def parse_config(data: dict, source: str = "config") -> EngineConfig:
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors())
         raise ConfigError(f"{source}: {problems}") from None
-    if config.alignment & (config.alignment - 1):
-        raise ConfigError(f"{source}: alignment: must be a power of two, got {config.alignment}")
+    problems = _inconsistencies(config)
+    if problems:
+        raise ConfigError(f"{source}: " + "; ".join(problems))
     return config
+
+
+_BACKEND_OF = {"cuda": "nccl", "npu": "hccl"}
+
+
+def _inconsistencies(config: EngineConfig) -> list[str]:
+    """Settings that are each valid but do not work together; every message names the keys."""
+    problems = []
+    if config.alignment & (config.alignment - 1):
+        problems.append(f"alignment: must be a power of two, got {config.alignment}")
+    if config.bucket_size < config.alignment:
+        problems.append(f"bucket_size_mb: {config.bucket_size_mb} MiB is less than alignment ({config.alignment} B)")
+    if config.sparse and config.bypass_cpu:
+        problems.append("sparse: works from the host cache, so it cannot be combined with bypass_cpu")
+    if config.backend in ("nccl", "hccl") and config.device in ("cpu", "cuda", "npu") and \
+            _BACKEND_OF.get(config.device) != config.backend:
+        problems.append(f"backend: {config.backend} does not run on device {config.device}")
+    timeouts = config.timeouts
+    for key in ("connect_s", "collective_s", "ack_s"):
+        if getattr(timeouts, key) > timeouts.version_s:
+            problems.append(f"timeouts.version_s: {timeouts.version_s:g} s is shorter than timeouts.{key} "
+                            f"({getattr(timeouts, key):g} s), which is one part of a version")
+    problems += _port_clashes(config)
+    return problems
+
+
+def _port_clashes(config: EngineConfig) -> list[str]:
+    transport, zmq_host, zmq_port = parse_zmq_endpoint(config.zmq.endpoint)
+    binds = [("http.port", config.http.host, config.http.port),
+             ("store.rendezvous_port", config.store.rendezvous_host, config.store.rendezvous_port)]
+    if transport == "tcp" and zmq_port is not None:
+        binds.append(("zmq.endpoint", zmq_host, zmq_port))
+    problems = []
+    for i, (key_a, host_a, port_a) in enumerate(binds):
+        for key_b, host_b, port_b in binds[i + 1:]:
+            if port_a and port_a == port_b and _may_share(host_a, host_b):
+                problems.append(f"{key_a}: port {port_a} is also {key_b}'s")
+    return problems
+
+
+def _may_share(a: str, b: str) -> bool:
+    """Whether two bind hosts can collide on a port (the same address, a wildcard, or both loopback)."""
+    a, b = a.strip("[]"), b.strip("[]")
+    return a == b or a in _WILDCARDS or b in _WILDCARDS or (is_loopback(a) and is_loopback(b))
+
+
+_TEXT_KEYS = _text_keys(EngineConfig)

@@ -8,7 +8,7 @@ Never pickle; frames over ``max_bytes`` are refused before parsing.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -17,6 +17,11 @@ from ckpt_engine.errors import ProtocolError
 
 Role = Literal["trainer", "receiver"]
 Encoding = Literal["msgpack", "json"]
+# Version ids and steps: exact in every JSON parser (2**53) and within SQLite's INTEGER, so a larger value is a
+# validation error, never an OverflowError deep in the history store.
+MAX_ID = (1 << 53) - 1
+WireInt = Annotated[int, Field(ge=-MAX_ID, le=MAX_ID)]
+MAX_LISTED_VERSIONS = 1024  # an agent holds a handful of versions; the cap bounds what one frame can make us store
 
 
 class _Body(BaseModel):
@@ -29,10 +34,13 @@ class Register(_Body):
     host: str
     pid: int
     device: str
-    versions: list[int] = Field(default_factory=list)
+    versions: list[WireInt] = Field(default_factory=list, max_length=MAX_LISTED_VERSIONS)
     token: str | None = None
     host_id: str | None = None  # ipc.host_identity(): equal ids can use the same-host path
     sync_every: int = Field(1, ge=1)  # receivers: take only every N-th version (slow engines)
+    # trainers registering again (daemon restart, expired heartbeat): the same-host hub they already serve,
+    # which colocated receivers must keep being sent to
+    ipc_name: str | None = Field(None, max_length=200, pattern=r"^ckpt-engine/[\x21-\x7e]+$")
 
 
 class RegisterReply(_Body):
@@ -56,8 +64,12 @@ class Poll(_Body):
     """Heartbeat and request for work in one: the daemon answers when it has an assignment or after wait_s."""
 
     agent_id: str
-    versions: list[int] = Field(default_factory=list)
+    versions: list[WireInt] = Field(default_factory=list, max_length=MAX_LISTED_VERSIONS)
     wait_s: float = Field(1.0, ge=0, le=30)
+    # The key of the assignment the previous poll's reply carried: assignments are delivered at least once,
+    # kept by the daemon until the agent says it got them (a reply can be lost with a connection or arrive
+    # after the agent gave up on its request).
+    received: str | None = Field(None, max_length=64)
 
 
 class Assignment(_Body):
@@ -76,17 +88,33 @@ class Assignment(_Body):
     sparse: bool = False  # send: snapshot only what changed since the previous cached version (shared in cache)
 
 
+    def key(self) -> str:
+        """Identifies the assignment for acknowledgement and de-duplication (one of each kind per version)."""
+        return f"{self.kind}:{self.version}"
+
+
 class PollReply(_Body):
     assignment: Assignment | None = None
+
+
+class ReceiverAck(BaseModel):
+    """One receiver's outcome inside a trainer's ``done`` report (other fields are kept as sent)."""
+
+    model_config = ConfigDict(extra="allow")
+    rank: int
+    ok: bool
+    version_digest: str | None = None
+    reason: str | None = None
+    seconds: dict[str, float] = Field(default_factory=dict)
 
 
 class Report(_Body):
     """What an agent tells the daemon about a version it works on."""
 
     agent_id: str
-    version: int
+    version: WireInt
     event: Literal["snapshotting", "transferring", "verifying", "done", "received", "evicted"]
-    step: int | None = None  # the training step at which the trainer served the version
+    step: WireInt | None = None  # the training step at which the trainer served the version
     ok: bool | None = None
     reason: str | None = None
     version_digest: str | None = None
@@ -96,18 +124,18 @@ class Report(_Body):
     tensors_skipped: int = 0
     bytes_skipped: int = 0
     stages: dict[str, float] = Field(default_factory=dict)
-    receivers: list[dict[str, Any]] = Field(default_factory=list)
-    cache_versions: list[int] | None = None
+    receivers: list[ReceiverAck] = Field(default_factory=list)
+    cache_versions: list[WireInt] | None = Field(None, max_length=MAX_LISTED_VERSIONS)
     cache_bytes: int | None = None
     group_broken: bool = False
 
 
 class SyncRequest(_Body):
-    step: int | None = None
+    step: WireInt | None = None
     bypass_cpu: bool | None = None
     sparse: bool | None = None
     wait: bool = False
-    timeout_s: float | None = Field(None, gt=0)
+    timeout_s: float | None = Field(None, gt=0, le=86400)  # the same bounds as HTTP's POST /sync
 
 
 def encode_frame(message: dict[str, Any], encoding: Encoding = "msgpack") -> bytes:
@@ -123,8 +151,9 @@ def decode_frame(raw: bytes, max_bytes: int) -> tuple[dict[str, Any], Encoding]:
     encoding: Encoding = "json" if raw[:1] == b"{" else "msgpack"
     try:
         data = json.loads(raw) if encoding == "json" else msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as exc:
-        raise ProtocolError(f"undecodable frame: {exc}") from exc
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError,
+            RecursionError) as exc:  # RecursionError: JSON nested deeper than the interpreter's stack
+        raise ProtocolError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
     if not isinstance(data, dict):
         raise ProtocolError(f"a frame must be a map, got {type(data).__name__}")
     return data, encoding

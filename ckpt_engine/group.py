@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 import time
 from typing import Any
 
@@ -32,6 +33,26 @@ def open_store(host: str, port: int, *, is_master: bool = False, timeout_s: floa
         return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False, timeout=_td(timeout_s))
     except (RuntimeError, dist.DistError) as exc:
         raise SyncTimeoutError(f"cannot reach the rendezvous store at {host}:{port}: {exc}") from exc
+
+
+def serve_store(host: str, port: int, *, timeout_s: float = 30.0) -> dist.TCPStore:
+    """The TCP store server, listening on ``host`` only. TCPStore alone listens on every interface whatever
+    host it is given; here it gets a socket bound to ``host`` (port 0: a free port)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        listener = socket.socket(family, kind, proto)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(128)
+    except OSError as exc:
+        raise SyncTimeoutError(f"cannot listen for the rendezvous store on {host}:{port}: {exc}") from exc
+    bound = listener.getsockname()[1]
+    try:  # the store owns the descriptor from here on (it closes it)
+        return dist.TCPStore(host, bound, is_master=True, wait_for_workers=False, timeout=_td(timeout_s),
+                             master_listen_fd=listener.detach())
+    except (RuntimeError, dist.DistError) as exc:
+        raise SyncTimeoutError(f"cannot start the rendezvous store on {host}:{bound}: {exc}") from exc
 
 
 def store_prefix(name: str, generation: int) -> str:

@@ -28,6 +28,7 @@ class Agent:
     offered: int = 0  # regular versions requested since this agent registered (for sync_every)
     catch_up_tried: bool = False
     pending: deque[Assignment] = field(default_factory=deque)
+    ipc_name: str | None = None  # trainers: the same-host hub they serve colocated receivers from
 
     def public(self) -> dict:
         return {"agent_id": self.agent_id, "role": self.role, "rank": self.rank, "host": self.host, "pid": self.pid,
@@ -49,6 +50,8 @@ class AgentRegistry:
         agent = Agent(uuid.uuid4().hex[:12], next(self._seq), message.role, message.rank, message.host,
                       message.pid, message.device, message.host_id, time.time(), now, list(message.versions),
                       message.sync_every)
+        if message.role == "trainer":
+            agent.ipc_name = message.ipc_name
         self._agents[agent.agent_id] = agent
         return agent
 

@@ -69,12 +69,19 @@ class Controller:
             ack_timeout_s=timeouts.ack_s, version_timeout_s=timeouts.version_s,
         )
 
-    def poll(self, message: Poll) -> Assignment | None:
-        """Heartbeat; returns the agent's next assignment, if any."""
+    def acknowledge(self, message: Poll) -> None:
+        """A poll arrived: the agent is alive, holds ``versions``, and got the assignment it names."""
         with self._lock:
             agent = self._agent(message.agent_id)
             agent.versions = list(message.versions)
-            return agent.pending.popleft() if agent.pending else None
+            if agent.pending and message.received == agent.pending[0].key():
+                agent.pending.popleft()
+
+    def poll(self, message: Poll) -> Assignment | None:
+        """The agent's next assignment, if any; it stays queued until a later poll acknowledges it."""
+        with self._lock:
+            agent = self._agent(message.agent_id)
+            return agent.pending[0] if agent.pending else None
 
     def has_pending(self, agent_id: str) -> bool:
         with self._lock:
@@ -84,10 +91,14 @@ class Controller:
     def report(self, message: Report) -> None:
         with self._lock:
             agent = self._agent(message.agent_id)
-            if message.cache_versions is not None:
+            # Cache bookkeeping may name versions of an older history file; anything else must be a known one.
+            if message.event != "evicted" and self.history.get(message.version) is None:
+                raise NotFound(f"version {message.version} is unknown")
+            # Only a trainer holds the cache: a receiver's report must not rewrite which versions are cached.
+            if message.cache_versions is not None and agent.role == "trainer":
                 agent.versions = list(message.cache_versions)
                 self.history.set_cached(set(message.cache_versions))
-            if message.cache_bytes is not None:
+            if message.cache_bytes is not None and agent.role == "trainer":
                 self.metrics.cache_bytes.set(message.cache_bytes)
             flight = self._in_flight
             if flight is None or message.version != flight.version:
@@ -317,7 +328,9 @@ class Controller:
         self.metrics.in_flight.set(1)
 
     def _ipc_name(self, trainer: Agent) -> str:
-        return f"ckpt-engine/{self.group_name}/{trainer.agent_id}"
+        if trainer.ipc_name is None:
+            trainer.ipc_name = f"ckpt-engine/{self.group_name}/{trainer.agent_id}"
+        return trainer.ipc_name
 
     def _advance(self, version: int, status: str, step: int | None) -> None:
         current = self.history.get(version)
@@ -330,13 +343,12 @@ class Controller:
         receivers, stages = [], dict(report.stages)
         planned = {r["rank"]: r for r in (self.history.get(flight.version).receivers or [])}  # type: ignore[union-attr]
         for ack in report.receivers:
-            rank = int(ack.get("rank", -1))
-            receivers.append({**ack, "agent_id": agents_by_rank.get(rank),
-                              "transport": planned.get(rank, {}).get("transport")})
+            receivers.append({**ack.model_dump(), "agent_id": agents_by_rank.get(ack.rank),
+                              "transport": planned.get(ack.rank, {}).get("transport")})
             for stage in ("load", "verify"):
-                seconds = (ack.get("seconds") or {}).get(stage)
+                seconds = ack.seconds.get(stage)
                 if seconds is not None:
-                    stages[stage] = max(stages.get(stage, 0.0), float(seconds))
+                    stages[stage] = max(stages.get(stage, 0.0), seconds)
         for agent_id in flight.quorum:  # offered a version since joining: no catch-up needed any more
             member = self.agents.get(agent_id)
             if member is not None:

@@ -15,8 +15,8 @@ from typing import Iterator
 
 import uvicorn
 
-from ckpt_engine.config import EngineConfig
-from ckpt_engine.group import open_store
+from ckpt_engine.config import EngineConfig, is_loopback, parse_zmq_endpoint
+from ckpt_engine.group import serve_store
 from ckpt_engine.server.controller import Controller
 from ckpt_engine.server.history import HistoryStore
 from ckpt_engine.server.http_app import create_app
@@ -51,8 +51,8 @@ class Daemon:
         failed = self.history.fail_unfinished("daemon restarted while the version was in flight")
         if failed:
             log.warning("marked versions %s failed: they were in flight when the daemon stopped", failed)
-        self.store = open_store(config.store.rendezvous_host, config.store.rendezvous_port, is_master=True,
-                                timeout_s=config.timeouts.connect_s)
+        self.store = serve_store(config.store.rendezvous_host, config.store.rendezvous_port,
+                                 timeout_s=config.timeouts.connect_s)
         # A fresh group name per daemon run: store prefixes of an earlier run can never be read by mistake.
         self.controller = Controller(config, self.history, Metrics(), store_host=config.store.rendezvous_host,
                                      store_port=self.store.port, group_name=f"ckpt-{uuid.uuid4().hex[:8]}")
@@ -92,12 +92,20 @@ class Daemon:
                 log.exception("controller tick failed")
 
     def _warn_if_exposed(self) -> None:
-        loopback = ("127.", "localhost", "::1", "[::1]")
-        exposed = not self.config.http.host.startswith(loopback) or not any(
-            part in self.config.zmq.endpoint for part in ("127.", "localhost", "ipc://", "[::1]"))
+        exposed = self.exposed_binds(self.config)
         if exposed and self.config.auth_token is None:
-            log.warning("WARNING: listening beyond loopback without auth_token: anyone who can reach the ports "
-                        "can trigger syncs and register agents. Set auth_token in the config.")
+            log.warning("WARNING: listening beyond loopback without auth_token (%s): anyone who can reach these "
+                        "ports can trigger syncs, register agents and read history. Set auth_token in the config, "
+                        "or bind to 127.0.0.1.", ", ".join(exposed))
+
+    @staticmethod
+    def exposed_binds(config: EngineConfig) -> list[str]:
+        """The listening sockets that are reachable from other hosts, as 'key=host'."""
+        transport, zmq_host, _ = parse_zmq_endpoint(config.zmq.endpoint)
+        binds = [("http.host", config.http.host), ("store.rendezvous_host", config.store.rendezvous_host)]
+        if transport == "tcp":
+            binds.append(("zmq.endpoint", zmq_host))
+        return [f"{key}={host}" for key, host in binds if not is_loopback(host)]
 
 
 def serve(config: EngineConfig) -> int:

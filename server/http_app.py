@@ -1,42 +1,45 @@
 """HTTP control plane (FastAPI; OpenAPI at /docs). Handlers are plain functions, so FastAPI runs them in its
-thread pool and a waiting ``POST /sync`` never blocks the event loop. Errors are JSON ``{error, detail}``."""
+thread pool and a waiting ``POST /sync`` never blocks the event loop. Errors are JSON ``{error, detail}``;
+every status an operation can answer with is declared in the OpenAPI document (server/api_models.py)."""
 
 from __future__ import annotations
 
 import hmac
-from typing import Any, Literal
+from http import HTTPStatus
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ckpt_engine import __version__
 from ckpt_engine.config import EngineConfig
+from ckpt_engine.control import MAX_ID
+from ckpt_engine.server.api_models import (AgentList, Health, PushAccepted, Status, StatusOut, SyncAccepted, SyncBody,
+                                           VersionList, VersionOut, error_responses)
 from ckpt_engine.server.controller import Controller
 from ckpt_engine.server.errors import ControlError, NotFound
-from ckpt_engine.server.history import STATUSES, TERMINAL
+from ckpt_engine.server.history import TERMINAL
 
-Status = Literal[STATUSES]  # type: ignore[valid-type]  # the store's statuses, one list for both
-
-
-class SyncBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    step: int | None = Field(None, description="trainer step this version belongs to")
-    bypass_cpu: bool | None = Field(None, description="override the deployment's bypass_cpu for this version")
-    sparse: bool | None = Field(None, description="send only tensors changed since the version every receiver "
-                                "holds (default: the deployment's sparse)")
-    wait: bool = Field(False, description="answer with the final record instead of 202 at once")
-    timeout_s: float | None = Field(None, gt=0, le=86400, description="how long to wait when wait is true")
+# Bounded like every id on the wire: a larger path value is a 422, not an OverflowError (500) in the store.
+VersionId = Annotated[int, Path(ge=-MAX_ID, le=MAX_ID, description="version id")]
 
 
-def _error(status: int, error: str, detail: Any, record: dict | None = None) -> JSONResponse:
+def _error(status: int, error: str, detail: Any, record: dict | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
     body: dict[str, Any] = {"error": error, "detail": detail}
     if record is not None:
         body["record"] = record
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _too_large(limit: int) -> StarletteHTTPException:
+    return StarletteHTTPException(413, f"request bodies are limited to {limit} bytes")
 
 
 class LimitsAndAuth:
@@ -49,44 +52,44 @@ class LimitsAndAuth:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.decode().lower(): v.decode(errors="replace") for k, v in scope.get("headers", [])}
+        headers = {k.decode("latin-1").lower(): v.decode(errors="replace") for k, v in scope.get("headers", [])}
         if self.token is not None and scope["path"] != "/health" and not self._authorized(headers):
-            await _error(401, "unauthorized", "send 'Authorization: Bearer <token>'")(scope, receive, send)
+            await _error(401, "unauthorized", "send 'Authorization: Bearer <token>'",
+                         headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
             return
         declared = headers.get("content-length", "0")
-        if not declared.isdigit() or int(declared) > self.max_body_bytes:
+        # isascii: str.isdigit() is also true for digits like '²' that int() refuses
+        if not (declared.isascii() and declared.isdigit()) or int(declared) > self.max_body_bytes:
             await _error(413, "payload too large", f"request bodies are limited to {self.max_body_bytes} bytes")(
                 scope, receive, send)
             return
         seen = 0
 
         async def limited_receive() -> dict:
+            # A chunked body has no Content-Length: count it as it arrives. An HTTPException (not a plain one)
+            # because FastAPI turns any other error while reading a body into a 400.
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.max_body_bytes:
-                raise _TooLarge()
+                raise _too_large(self.max_body_bytes)
             return message
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except _TooLarge:
-            await _error(413, "payload too large", f"request bodies are limited to {self.max_body_bytes} bytes")(
-                scope, receive, send)
+        await self.app(scope, limited_receive, send)
 
     def _authorized(self, headers: dict[str, str]) -> bool:
         scheme, _, value = headers.get("authorization", "").partition(" ")
+        # compare_digest: the time taken does not tell how much of a guessed token was right
         return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self.token.encode())  # type: ignore[union-attr]
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def create_app(controller: Controller, config: EngineConfig) -> FastAPI:
     app = FastAPI(title="ckpt-engine", version=__version__,
                   description="Versioned, verified weight sync from trainers to rollout engines.")
     app.add_middleware(LimitsAndAuth, max_body_bytes=config.http.max_body_bytes, token=config.auth_token)
+    # Declares the bearer scheme in the OpenAPI document; LimitsAndAuth does the checking (also for 404s).
+    auth = [Depends(HTTPBearer(auto_error=False))] if config.auth_token else []
+    guarded = (401, 413)  # what LimitsAndAuth can answer on every operation but /health
 
     @app.exception_handler(ControlError)
     def control_error(_: Request, exc: ControlError) -> JSONResponse:
@@ -98,14 +101,22 @@ def create_app(controller: Controller, config: EngineConfig) -> FastAPI:
         return _error(422, "invalid request", detail)
 
     @app.exception_handler(StarletteHTTPException)
-    def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, "http error", exc.detail)
+    def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # Starlette names only the first matching route's methods
+            headers["Allow"] = ", ".join(_allowed_methods(app, request.scope))
+        return _error(exc.status_code, _error_name(exc.status_code), exc.detail, headers=headers)
 
     @app.exception_handler(Exception)
     def unexpected(_: Request, exc: Exception) -> JSONResponse:
         return _error(500, "internal error", f"{type(exc).__name__}: {exc}")
 
-    @app.post("/sync", status_code=202, summary="Start a new version (or wait for its end with wait=true)")
+    @app.post("/sync", status_code=202, summary="Start a new version (or wait for its end with wait=true)",
+              dependencies=auth, response_model=SyncAccepted, responses={
+                  200: {"model": VersionOut, "description": "wait=true: the version committed"},
+                  502: {"model": VersionOut, "description": "wait=true: the version failed or was cancelled"},
+                  504: {"model": VersionOut, "description": "wait=true: still in flight when the wait ran out"},
+                  **error_responses(*guarded, 400, 409, 422, 503)})
     def sync(body: SyncBody, request: Request) -> Any:
         record = controller.request_sync(step=body.step, bypass_cpu=body.bypass_cpu, sparse=body.sparse)
         if not body.wait:
@@ -115,39 +126,51 @@ def create_app(controller: Controller, config: EngineConfig) -> FastAPI:
         return JSONResponse(final.to_dict(), status_code=200 if final.status == "committed" else
                             (504 if final.status not in TERMINAL else 502))
 
-    @app.get("/versions", summary="Version history, newest first")
+    @app.get("/versions", summary="Version history, newest first", dependencies=auth, response_model=VersionList,
+             responses=error_responses(*guarded, 422))
     def versions(limit: int = Query(50, ge=1, le=1000), status: Status | None = None) -> dict:
         return {"versions": [r.to_dict() for r in controller.history.list(limit=limit, status=status)]}
 
-    @app.get("/versions/latest", summary="The newest version (any status)")
+    @app.get("/versions/latest", summary="The newest version (any status)", dependencies=auth,
+             response_model=VersionOut, responses=error_responses(*guarded, 404, 422))
     def latest(status: Status | None = None) -> dict:
         record = controller.history.latest(status=status)
         if record is None:
             raise NotFound("no versions yet")
         return record.to_dict()
 
-    @app.get("/versions/{version}", name="version", summary="One version's record")
-    def version(version: int) -> dict:
+    @app.delete("/versions/latest", include_in_schema=False)
+    def evict_latest() -> None:
+        # without this route, DELETE /versions/latest would reach DELETE /versions/{version} and get a 422
+        raise StarletteHTTPException(405)
+
+    @app.get("/versions/{version}", name="version", summary="One version's record", dependencies=auth,
+             response_model=VersionOut, responses=error_responses(*guarded, 404, 422))
+    def version(version: VersionId) -> dict:
         record = controller.history.get(version)
         if record is None:
             raise NotFound(f"version {version} is unknown")
         return record.to_dict()
 
-    @app.post("/versions/{version}/push", status_code=202, summary="Re-push a cached version (rollback)")
-    def push(version: int, request: Request) -> JSONResponse:
+    @app.post("/versions/{version}/push", status_code=202, summary="Re-push a cached version (rollback)",
+              dependencies=auth, response_model=PushAccepted, responses=error_responses(*guarded, 404, 409, 422, 503))
+    def push(version: VersionId, request: Request) -> JSONResponse:
         record = controller.push(version)
         return JSONResponse({"version": record.id, "source_version": version,
                              "status_url": str(request.url_for("version", version=record.id))}, status_code=202)
 
-    @app.delete("/versions/{version}", summary="Evict a version from the trainer's cache (history stays)")
-    def evict(version: int) -> dict:
+    @app.delete("/versions/{version}", summary="Evict a version from the trainer's cache (history stays)",
+                dependencies=auth, response_model=VersionOut, responses=error_responses(*guarded, 404, 409, 422, 503))
+    def evict(version: VersionId) -> dict:
         return controller.evict(version).to_dict()
 
-    @app.get("/receivers", summary="Registered agents")
+    @app.get("/receivers", summary="Registered agents", dependencies=auth, response_model=AgentList,
+             responses=error_responses(*guarded))
     def receivers() -> dict:
         return {"agents": controller.agents_public()}
 
-    @app.get("/status", summary="Config summary, in-flight version, cache")
+    @app.get("/status", summary="Config summary, in-flight version, cache", dependencies=auth,
+             response_model=StatusOut, responses=error_responses(*guarded))
     def status() -> dict:
         return {**controller.status(), "config": {
             "bypass_cpu": config.bypass_cpu, "bucket_size_mb": config.bucket_size_mb, "device": config.device,
@@ -155,12 +178,31 @@ def create_app(controller: Controller, config: EngineConfig) -> FastAPI:
             "min_receivers": config.min_receivers, "transport": config.transport, "zmq": config.zmq.endpoint, "auth": config.auth_token is not None,
         }, "version": __version__}
 
-    @app.get("/health", summary="Liveness (no token needed)")
+    @app.get("/health", summary="Liveness (no token needed)", response_model=Health, responses=error_responses(413))
     def health() -> dict:
         return {"ok": True}
 
-    @app.get("/metrics", summary="Prometheus metrics")
+    @app.get("/metrics", summary="Prometheus metrics", dependencies=auth, response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition format"}, **error_responses(*guarded)})
     def metrics() -> Response:
         return Response(controller.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def _allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
+    """Methods of the documented operations whose path matches the request's (for Allow on a 405)."""
+    matched = [route for route in app.routes if isinstance(route, APIRoute) and route.include_in_schema
+               and route.matches(scope)[0] != Match.NONE]
+    literal = [route for route in matched if not route.param_convertors]  # /versions/latest, not /versions/{version}
+    return sorted({method for route in (literal or matched) for method in route.methods})
+
+
+def _error_name(status: int) -> str:
+    if status == 413:
+        return "payload too large"
+    try:
+        return HTTPStatus(status).phrase.lower()
+    except ValueError:
+        return "http error"

@@ -2,7 +2,11 @@
 
 A poll from an agent is parked until the controller has an assignment for it or its wait runs out, so work
 reaches agents at once without busy polling. Every frame gets a reply; a malformed one gets an error reply
-and never disturbs the loop.
+and never disturbs the loop. With an auth token configured, every message must carry it (agents send it
+on every frame); later messages of an agent name the agent id its registration returned.
+
+Size limits: a frame over ``max_frame_bytes`` gets an error reply; libzmq itself drops the connection of a
+peer that sends a frame over twice that (MAXMSGSIZE), so a huge frame is never buffered whole.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from typing import Any, Callable
 
 import zmq
 
-from ckpt_engine.control import Poll, PollReply, Register, Report, SyncRequest, decode_frame, encode_frame, parse_body
+from ckpt_engine.control import (MAX_ID, Poll, PollReply, Register, Report, SyncRequest, decode_frame, encode_frame,
+                                  parse_body)
 from ckpt_engine.errors import ProtocolError
 from ckpt_engine.server.controller import Controller
 from ckpt_engine.server.errors import BadRequest, ControlError, NotFound, Unauthorized
@@ -24,6 +29,14 @@ from ckpt_engine.server.history import TERMINAL
 
 log = logging.getLogger(__name__)
 _LOOP_POLL_MS = 20
+_MAX_FRAMES = 8  # routing id + a REQ delimiter or a few proxy hops + the payload
+_MAX_PARKED = 4096  # waiting polls and syncs; beyond this they are answered at once instead of parked
+_ID_RANGE = (-MAX_ID, MAX_ID)
+
+
+def hard_frame_cap(max_frame_bytes: int) -> int:
+    """libzmq's MAXMSGSIZE: frames up to this get an error reply, larger ones cost the peer its connection."""
+    return max(2 * max_frame_bytes, max_frame_bytes + (64 << 10))
 
 
 @dataclass
@@ -63,7 +76,9 @@ class ZmqServer:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes + 1024)
+        sock.setsockopt(zmq.MAXMSGSIZE, hard_frame_cap(self.max_frame_bytes))
+        if self.endpoint.startswith("tcp://["):  # libzmq binds IPv6 addresses only when asked to
+            sock.setsockopt(zmq.IPV6, 1)
         try:
             sock.bind(self.endpoint)
             self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -100,6 +115,12 @@ class ZmqServer:
         if len(frames) < 2:
             log.warning("dropping a ZMQ message without an envelope (%d frame(s))", len(frames))
             return
+        if len(frames) > _MAX_FRAMES:
+            log.warning("ZMQ message of %d frames refused (at most %d)", len(frames) - 1, _MAX_FRAMES - 1)
+            self._reply(sock, frames[:1], "msgpack", {"id": None, "ok": False, "error": "bad frame",
+                                                       "detail": f"{len(frames) - 1} frames; at most "
+                                                                 f"{_MAX_FRAMES - 1} are accepted"})
+            return
         envelope, payload = frames[:-1], frames[-1]
         try:
             message, encoding = decode_frame(payload, self.max_frame_bytes)
@@ -117,6 +138,9 @@ class ZmqServer:
             reply = {"id": request_id, "ok": False, "error": exc.error, "detail": exc.detail, "record": exc.record}
         except ProtocolError as exc:
             reply = {"id": request_id, "ok": False, "error": "bad request", "detail": str(exc)}
+        except Exception as exc:  # a bug, but the caller still gets an answer instead of its timeout
+            log.exception("ZMQ %r request failed", message.get("type"))
+            reply = {"id": request_id, "ok": False, "error": "internal error", "detail": f"{type(exc).__name__}: {exc}"}
         self._reply(sock, envelope, encoding, reply)
 
     def _dispatch(self, message: dict, envelope: list[bytes], encoding: str) -> dict | _Parked:
@@ -125,40 +149,40 @@ class ZmqServer:
             raise ProtocolError("frame has no 'type'")
         if not isinstance(body, dict):
             raise ProtocolError("'body' must be a map")
-        if kind not in ("register", "poll", "report", "unregister"):
-            self._check_token(message.get("token"))
+        # Before anything else is parsed: without the token a peer learns nothing but "unauthorized".
+        # Agents send the token on every frame; a Register may carry it in its body instead.
+        in_body = body.get("token") if kind == "register" else None
+        self._check_token(in_body if in_body is not None else message.get("token"))
         controller = self.controller
         if kind == "register":
-            request = parse_body(Register, body)
-            self._check_token(request.token)
-            return controller.register(request).model_dump()
+            return controller.register(parse_body(Register, body)).model_dump()
         if kind == "poll":
             poll = parse_body(Poll, body)
+            controller.acknowledge(poll)  # first: an acknowledged assignment must not be sent again
             assignment = controller.poll(poll)
-            if assignment is None and poll.wait_s > 0:
+            if assignment is None and poll.wait_s > 0 and len(self._parked) < _MAX_PARKED:
                 return self._park_poll(message, envelope, encoding, poll)
             return PollReply(assignment=assignment).model_dump()
         if kind == "report":
             controller.report(parse_body(Report, body))
             return {}
         if kind == "unregister":
-            controller.unregister(str(body.get("agent_id", "")))
+            agent_id = body.get("agent_id")
+            if not isinstance(agent_id, str):
+                raise BadRequest("'agent_id' must be a string")
+            controller.unregister(agent_id)
             return {}
         if kind == "sync":
             sync = parse_body(SyncRequest, body)
             record = controller.request_sync(step=sync.step, bypass_cpu=sync.bypass_cpu, sparse=sync.sparse)
-            if sync.wait:
+            if sync.wait and len(self._parked) < _MAX_PARKED:
                 return self._park_until_terminal(message, envelope, encoding, record.id, sync.timeout_s)
             return record.to_dict()
         if kind == "versions":
-            limit = body.get("limit", 50)
-            if not isinstance(limit, int) or not 1 <= limit <= 1000:
-                raise BadRequest("'limit' must be an integer from 1 to 1000")
+            limit = _int_arg(body, "limit", 50, (1, 1000))
             return {"versions": [r.to_dict() for r in controller.history.list(limit=limit)]}
         if kind in ("version", "push"):
-            version = body.get("version")
-            if not isinstance(version, int):
-                raise BadRequest("'version' must be an integer")
+            version = _int_arg(body, "version", None, _ID_RANGE)
             if kind == "push":
                 return controller.push(version).to_dict()
             record = controller.history.get(version)
@@ -205,11 +229,28 @@ class ZmqServer:
     def _check_token(self, token: Any) -> None:
         if self.auth_token is None:
             return
-        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.auth_token.encode()):
+        # compare_digest: constant time; surrogatepass: a JSON frame may carry lone surrogates
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode(errors="surrogatepass"),
+                                                                 self.auth_token.encode()):
             raise Unauthorized("a valid token is required")
 
     def _reply(self, sock: zmq.Socket, envelope: list[bytes], encoding: str, reply: dict) -> None:
         try:
-            sock.send_multipart([*envelope, encode_frame(reply, encoding)], zmq.NOBLOCK)  # type: ignore[arg-type]
+            frame = encode_frame(reply, encoding)  # type: ignore[arg-type]
+        except (TypeError, ValueError, OverflowError) as exc:  # e.g. an id echoed back that JSON cannot hold
+            log.warning("could not encode a ZMQ reply (%s); sending an error instead", exc)
+            frame = encode_frame({"id": None, "ok": False, "error": "internal error",
+                                  "detail": f"reply not encodable: {exc}"}, "msgpack")
+        try:
+            sock.send_multipart([*envelope, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("could not reply to a ZMQ peer: %s", exc)
+
+
+def _int_arg(body: dict, key: str, default: int | None, bounds: tuple[int, int]) -> int:
+    """An integer field of a body within ``bounds`` (bools are not integers here)."""
+    value = body.get(key, default)
+    low, high = bounds
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise BadRequest(f"'{key}' must be an integer from {low} to {high}")
+    return value

@@ -3,6 +3,7 @@ assignments, reports, and the sync group of the current generation."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -43,6 +44,8 @@ class Agent:
         # Reports go out from a thread of their own, in order: the training loop never waits on the daemon.
         self._reports: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._reporter = threading.Thread(target=self._report_loop, name=f"ckpt-{self.role}-report", daemon=True)
+        self._received: str | None = None  # key of the last assignment got, acknowledged by the next poll
+        self._handled: collections.deque[str] = collections.deque(maxlen=64)  # delivery is at least once
         self.group: SyncGroup | None = None
         self._group_lock = threading.Lock()
 
@@ -109,6 +112,10 @@ class Agent:
     def versions_held(self) -> list[int]:
         return []
 
+    def register_extra(self) -> dict[str, Any]:
+        """Role-specific fields of the Register message."""
+        return {}
+
     def on_registered(self) -> None:
         """Set up what depends on the daemon's settings, before any assignment can arrive."""
 
@@ -145,7 +152,7 @@ class Agent:
     def _register(self) -> None:
         body = {"role": self.role, "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
                 "device": str(self.device.torch_device), "versions": self.versions_held(), "token": self.token,
-                "host_id": self.host_id, "sync_every": self.sync_every}
+                "host_id": self.host_id, "sync_every": self.sync_every, **self.register_extra()}
         self.settings = RegisterReply.model_validate(self._client.request("register", body))
         log.info("registered with %s as %s %s", self.endpoint, self.role, self.settings.agent_id)
 
@@ -160,7 +167,7 @@ class Agent:
             while not self._stop.is_set():
                 try:
                     reply = poller.request("poll", {"agent_id": self.agent_id, "versions": self.versions_held(),
-                                                    "wait_s": self.poll_wait_s})
+                                                    "wait_s": self.poll_wait_s, "received": self._received})
                 except ControlReplyError as exc:
                     if "unregistered agent" in str(exc.detail):
                         log.warning("daemon forgot this agent (restart?); registering again")
@@ -171,7 +178,11 @@ class Agent:
                     self._stop.wait(1.0)
                     continue
                 if reply.get("assignment"):
-                    self._dispatch(Assignment.model_validate(reply["assignment"]))
+                    assignment = Assignment.model_validate(reply["assignment"])
+                    self._received = assignment.key()
+                    if assignment.key() not in self._handled:
+                        self._handled.append(assignment.key())
+                        self._dispatch(assignment)
         finally:
             poller.close()
 

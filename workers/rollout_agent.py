@@ -100,7 +100,8 @@ class RolloutAgent(Agent):
     def _ipc_receiver(self, assignment: Assignment, settings) -> IpcReceiver:
         """The same-host receiver for the trainer's hub, reconnected when the hub changed or the channel broke."""
         current = self._ipc
-        if current is not None and current.broken is None and self._ipc_name == assignment.ipc_name:
+        if (current is not None and current.broken is None and self._ipc_name == assignment.ipc_name
+                and current.agent_id == self.agent_id):  # the hub knows the channel by the id it said hello with
             # The rank is per version (the quorum changes with cadence and membership); the channel is per agent.
             # Reconnecting for a new rank would race the hub, which may still hand out the old channel.
             current.rank = assignment.rank

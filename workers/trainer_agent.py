@@ -71,6 +71,10 @@ class TrainerAgent(Agent):
         self.gathered: dict[int, int] = {}  # per served version: bytes of full tensors assembled on this rank
         self._changes_seen: ChangeTracker | None = None
 
+    def register_extra(self) -> dict:
+        hub = self.publisher.hub if self.publisher is not None else None
+        return {"ipc_name": hub.name} if hub is not None else {}  # keep serving receivers where they connect
+
     def on_registered(self) -> None:
         settings = self.settings
         if settings is None:

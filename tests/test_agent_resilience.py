@@ -1,0 +1,81 @@
+"""Agents against a daemon that stalls, dies or restarts (regressions found by the fault trials): the
+training loop never waits on the control plane, outcomes survive a lost connection, and an agent is back
+registered soon after the daemon restarts."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import httpx
+
+from ckpt_engine.workers.rollout_agent import RolloutAgent
+from tests.daemon_harness import start_daemon, write_config
+
+
+def test_reports_do_not_block_while_the_daemon_is_stalled(tmp_path: Path) -> None:
+    daemon = start_daemon(write_config(tmp_path))
+    agent = RolloutAgent(lambda payload: None, daemon.zmq, poll_wait_s=0.2).start()
+    try:
+        daemon.proc.send_signal(signal.SIGSTOP)
+        started = time.perf_counter()
+        for version in range(1, 6):  # before the fix each of these waited for a reply, up to 10 s
+            agent.report(version, "received", ok=False, reason="test")
+        assert time.perf_counter() - started < 0.5
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+        agent.close()
+        daemon.stop()
+
+
+def test_an_agent_registers_again_soon_after_a_daemon_restart(tmp_path: Path) -> None:
+    config = write_config(tmp_path, timeouts={"connect_s": 5, "collective_s": 5, "ack_s": 5, "heartbeat_s": 2,
+                                              "version_s": 20})
+    daemon = start_daemon(config)
+    agent = RolloutAgent(lambda payload: None, daemon.zmq, poll_wait_s=0.2).start()
+    try:
+        first = agent.agent_id
+        daemon.stop(signal.SIGKILL)
+        restarted = start_daemon(config)
+        started = time.monotonic()
+        with httpx.Client(base_url=restarted.url, timeout=5) as client:
+            while not client.get("/receivers").json()["agents"]:
+                assert time.monotonic() - started < 6, "not registered again within 6 s"
+                time.sleep(0.1)
+        # a lost poll is noticed after wait + heartbeat/2 (1.2 s), not after the 10 s request timeout
+        assert agent.agent_id != first
+        restarted.stop()
+    finally:
+        agent.close()
+
+
+def test_same_host_path_survives_a_daemon_restart(tmp_path: Path) -> None:
+    """After a restart every agent registers under a new id: the trainer must keep serving colocated
+    receivers from the hub it already has, and receivers must say hello again under their new id."""
+    from tests.test_elastic import agents_of, changing_trainer, receiver, sync, wait_until
+    from tests.procs import start_processes
+
+    config = write_config(tmp_path, transport="ipc", timeouts={"connect_s": 5, "collective_s": 5, "ack_s": 5,
+                                                               "heartbeat_s": 2, "version_s": 20})
+    daemon = start_daemon(config)
+    stop = tmp_path / "stop"
+    procs = start_processes([(changing_trainer, (daemon.zmq, str(stop))), (receiver, (daemon.zmq, str(stop), 5)),
+                             (receiver, (daemon.zmq, str(stop), 6))])
+    try:
+        with daemon.client() as client:
+            wait_until(lambda: len(agents_of(client)) == 3, what="registration")
+            before = sync(client)
+        daemon.stop(signal.SIGKILL)
+        daemon = start_daemon(config)
+        with daemon.client() as client:
+            wait_until(lambda: len(agents_of(client)) == 3, timeout_s=20, what="registration after the restart")
+            after = sync(client)
+    finally:
+        stop.touch()
+        _, first, second = procs.collect(120)
+        daemon.stop()
+    assert before["status"] == "committed" and {r["transport"] for r in before["receivers"]} == {"ipc"}
+    assert after["status"] == "committed", after
+    assert {r["transport"] for r in after["receivers"]} == {"ipc"} and len(after["receivers"]) == 2
+    assert first["state"] == second["state"]
