@@ -79,3 +79,36 @@ def test_same_host_path_survives_a_daemon_restart(tmp_path: Path) -> None:
     assert after["status"] == "committed", after
     assert {r["transport"] for r in after["receivers"]} == {"ipc"} and len(after["receivers"]) == 2
     assert first["state"] == second["state"]
+
+
+def test_an_assignment_is_sent_again_until_a_poll_acknowledges_it(tmp_path: Path) -> None:
+    """A poll reply can be lost with a connection, or arrive after the agent gave up on the request: the
+    daemon keeps the assignment until the agent's next poll names it as received."""
+    import os
+    import socket
+
+    from ckpt_engine.workers.client import ControlClient
+
+    daemon = start_daemon(write_config(tmp_path, transport="collective"))
+    client = ControlClient(daemon.zmq, timeout_s=5)
+
+    def register(role: str) -> str:
+        body = {"role": role, "rank": 0, "host": socket.gethostname(), "pid": os.getpid(), "device": "cpu"}
+        return client.request("register", body)["agent_id"]
+
+    try:
+        trainer, receiver = register("trainer"), register("receiver")
+        with daemon.client() as http:
+            version = http.post("/sync", json={}).json()["version"]
+
+        def poll(received: str | None = None) -> dict | None:
+            return client.request("poll", {"agent_id": receiver, "wait_s": 0.2, "received": received})["assignment"]
+
+        first = poll()
+        assert first is not None and first["kind"] == "receive" and first["version"] == version
+        assert poll() == first  # its reply "was lost": the next poll gets it again
+        assert poll(received=f"receive:{version}") is None  # acknowledged: not sent a third time
+        assert client.request("poll", {"agent_id": trainer, "wait_s": 0})["assignment"]["kind"] == "send"
+    finally:
+        client.close()
+        daemon.stop()
