@@ -43,6 +43,7 @@ TIMEOUTS = {"connect_s": 8, "collective_s": 6, "ack_s": 8, "heartbeat_s": 3, "ve
 PG_TIMEOUT_S = 8  # the trainer job's own process group
 LIMITS = Limits(version_s=TIMEOUTS["version_s"] + TIMEOUTS["heartbeat_s"], trainer_exit_s=PG_TIMEOUT_S,
                 margin_s=5)
+FRESH_S = 1.0  # agents poll every 0.3 s
 RECOVER_S = 60  # a cluster that is not whole again within this is a failed trial (and is rebuilt)
 
 
@@ -159,7 +160,10 @@ class Cluster:
             agents = self.http.get("/receivers").json()["agents"]
         except (httpx.HTTPError, ValueError, KeyError):
             return False
-        return {a["pid"] for a in agents} == live
+        # ...and every one of them heartbeating (a supervisor's readiness check): one just woken from a stall
+        # is still registered but may be dropped any moment, and the daemon leaves it out of quorums
+        fresh = all(a["seconds_since_seen"] <= FRESH_S for a in agents)
+        return {a["pid"] for a in agents} == live and fresh
 
     def wait_whole(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

@@ -29,6 +29,12 @@ class Agent:
     catch_up_tried: bool = False
     pending: deque[Assignment] = field(default_factory=deque)
     ipc_name: str | None = None  # trainers: the same-host hub they serve colocated receivers from
+    poll_wait_s: float = 0.0  # the wait of its latest poll: a healthy agent polls again within about that
+
+    def heartbeating(self, now: float, heartbeat_s: float) -> bool:
+        """Seen as recently as a healthy agent is. One silent for longer (stalled, cut off) is still registered
+        until ``heartbeat_s`` passes, but must not be put into a version's quorum: it would fail the version."""
+        return now - self.last_seen <= self.poll_wait_s + heartbeat_s / 2
 
     def public(self) -> dict:
         return {"agent_id": self.agent_id, "role": self.role, "rank": self.rank, "host": self.host, "pid": self.pid,
@@ -60,6 +66,12 @@ class AgentRegistry:
 
     def seen(self, agent: Agent) -> None:
         agent.last_seen = time.monotonic()
+
+    def refresh(self) -> None:
+        """Start every agent's heartbeat window again (the daemon itself was stalled, not the agents)."""
+        now = time.monotonic()
+        for agent in self._agents.values():
+            agent.last_seen = now
 
     def expire(self) -> list[Agent]:
         """Drop agents silent for longer than the heartbeat timeout; returns them."""

@@ -47,6 +47,7 @@ class Controller:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._in_flight: InFlight | None = None
+        self._last_tick = time.monotonic()
         self._membership: tuple[str, ...] = ()
         self._generation = 0
         self._group_dirty = False
@@ -73,7 +74,7 @@ class Controller:
         """A poll arrived: the agent is alive, holds ``versions``, and got the assignment it names."""
         with self._lock:
             agent = self._agent(message.agent_id)
-            agent.versions = list(message.versions)
+            agent.versions, agent.poll_wait_s = list(message.versions), message.wait_s
             if agent.pending and message.received == agent.pending[0].key():
                 agent.pending.popleft()
 
@@ -144,7 +145,10 @@ class Controller:
             if self._in_flight is not None:
                 raise Conflict(f"version {self._in_flight.version} is in flight; retry when it has ended",
                                {"in_flight": self._in_flight.version})
-            trainer, receivers = self.agents.trainer(), self.agents.receivers()
+            trainer = self.agents.trainer()
+            # the quorum: registered receivers that are heartbeating (a stalled one would fail the version)
+            now = time.monotonic()
+            receivers = [r for r in self.agents.receivers() if r.heartbeating(now, self.config.timeouts.heartbeat_s)]
             if source_version is None:  # per-receiver cadence applies to new versions, not to re-pushes
                 due = [r for r in receivers if r.offered % r.sync_every == 0]
                 for receiver in receivers:
@@ -230,6 +234,11 @@ class Controller:
     def tick(self) -> None:
         """Expire silent agents and versions past their time limit (called periodically)."""
         with self._lock:
+            now, heartbeat_s = time.monotonic(), self.config.timeouts.heartbeat_s
+            stalled, self._last_tick = now - self._last_tick, now
+            if stalled > heartbeat_s / 2:  # SIGSTOP, swap, a long GC: the agents were not the silent ones
+                log.warning("the daemon itself did not run for %.1fs; agents get a new heartbeat window", stalled)
+                self.agents.refresh()
             for agent in self.agents.expire():
                 log.warning("agent %s (%s rank %d) missed heartbeats; marked gone", agent.agent_id, agent.role,
                             agent.rank)
@@ -287,9 +296,13 @@ class Controller:
     def _quorum_problem(self, trainer: Agent | None, receivers: list[Agent]) -> str | None:
         if trainer is None:
             return "no trainer agent (role trainer, rank 0) is registered"
+        now, heartbeat_s = time.monotonic(), self.config.timeouts.heartbeat_s
+        if not trainer.heartbeating(now, heartbeat_s):
+            return (f"trainer agent {trainer.agent_id} has not been heard from for {now - trainer.last_seen:.1f}s "
+                    "(stalled or cut off?)")
         if len(receivers) < max(self.config.min_receivers, 1):
-            return (f"{len(receivers)} receiver(s) registered, at least {max(self.config.min_receivers, 1)} "
-                    "needed (min_receivers)")
+            need = max(self.config.min_receivers, 1)
+            return f"{len(receivers)} receiver(s) registered and heartbeating, at least {need} needed (min_receivers)"
         return None
 
     def _transports(self, trainer: Agent, receivers: list[Agent]) -> tuple[list[Agent], str | None]:

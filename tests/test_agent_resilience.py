@@ -112,3 +112,65 @@ def test_an_assignment_is_sent_again_until_a_poll_acknowledges_it(tmp_path: Path
     finally:
         client.close()
         daemon.stop()
+
+
+def test_agents_that_stopped_polling_are_kept_out_of_the_quorum(tmp_path: Path) -> None:
+    """Registered but silent for longer than a healthy agent ever is (stalled, cut off): a version built on
+    them would fail, so a silent receiver is left out and a silent trainer makes the sync unavailable."""
+    import os
+    import socket
+
+    from ckpt_engine.workers.client import ControlClient
+
+    daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts={
+        "connect_s": 5, "collective_s": 5, "ack_s": 5, "heartbeat_s": 4, "version_s": 20}))
+    client = ControlClient(daemon.zmq, timeout_s=5)
+
+    def register(role: str) -> str:
+        body = {"role": role, "rank": 0, "host": socket.gethostname(), "pid": os.getpid(), "device": "cpu"}
+        return client.request("register", body)["agent_id"]
+
+    def poll(agent_id: str) -> None:
+        client.request("poll", {"agent_id": agent_id, "wait_s": 0})
+
+    try:
+        trainer, fresh, silent = register("trainer"), register("receiver"), register("receiver")
+        time.sleep(2.5)  # past wait (0) + heartbeat / 2, within the heartbeat: all still registered
+        poll(fresh)
+        poll(silent)
+        with daemon.client() as http:
+            refused = http.post("/sync", json={})
+            assert refused.status_code == 503 and "has not been heard from" in refused.json()["detail"]
+        poll(trainer)
+        time.sleep(2.5)
+        poll(trainer)
+        poll(fresh)
+        with daemon.client() as http:
+            assert silent in {a["agent_id"] for a in http.get("/receivers").json()["agents"]}
+            accepted = http.post("/sync", json={})
+            assert accepted.status_code == 202
+            record = http.get(f"/versions/{accepted.json()['version']}").json()
+            assert [r["agent_id"] for r in record["receivers"]] == [fresh]
+    finally:
+        client.close()
+        daemon.stop()
+
+
+def test_a_stalled_daemon_does_not_drop_the_agents_it_did_not_hear(tmp_path: Path) -> None:
+    daemon = start_daemon(write_config(tmp_path, timeouts={"connect_s": 5, "collective_s": 5, "ack_s": 5,
+                                                           "heartbeat_s": 2, "version_s": 20}))
+    agent = RolloutAgent(lambda payload: None, daemon.zmq, poll_wait_s=0.2).start()
+    try:
+        first = agent.agent_id
+        daemon.proc.send_signal(signal.SIGSTOP)
+        time.sleep(3.5)  # longer than the heartbeat: the daemon, not the agent, was silent
+        daemon.proc.send_signal(signal.SIGCONT)
+        time.sleep(2.0)
+        with daemon.client() as http:
+            assert [a["agent_id"] for a in http.get("/receivers").json()["agents"]] == [first]
+        assert agent.agent_id == first
+        assert "did not run for" in daemon.log()
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+        agent.close()
+        daemon.stop()
