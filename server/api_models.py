@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from ckpt_engine.control import WireInt
-from ckpt_engine.server.history import STATUSES
+from ckpt_engine.server.history import STATUSES, VersionRecord
 
 Status = Literal[STATUSES]  # type: ignore[valid-type]  # the store's statuses, one list for both
 
@@ -49,27 +49,12 @@ class _Out(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class VersionOut(_Out):
-    """One row of the version history (``HistoryStore``)."""
-
-    id: int
-    step: int | None
-    mode: Literal["cached", "bypass_cpu"]
-    status: Status
-    reason: str | None
-    source_version: int | None
-    created_at: float
-    updated_at: float
-    committed_at: float | None
-    bytes: int
-    buckets: int
-    tensors_sent: int
-    tensors_skipped: int
-    bytes_skipped: int
-    stages: dict[str, float]
-    receivers: list[dict[str, Any]]
-    version_digest: str | None
-    cached: bool
+# One row of the version history: the store's own record, with its mode and status spelled out for the schema.
+_SPELLED_OUT = {"mode": Literal["cached", "bypass_cpu"], "status": Status}
+VersionOut = create_model(
+    "VersionOut", __base__=_Out, __doc__="One row of the version history (``HistoryStore``).",
+    **{name: (_SPELLED_OUT.get(name, hint), ...) for name, hint in get_type_hints(VersionRecord).items()},
+)
 
 
 class SyncAccepted(_Out):
