@@ -61,6 +61,7 @@ class Trial:
     in_flight_status: str = "none"  # of the version the fault hit: committed / failed / cancelled / none
     in_flight_reason: str | None = None
     recovery_s: float | None = None  # fault -> the next version committed
+    resumed_at: float | None = None  # stop faults: when SIGCONT was sent
     waits: list[tuple[str, float]] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
 
@@ -266,6 +267,7 @@ def inject(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
         cluster.signal(name, signal.SIGSTOP)
         time.sleep(trial.stall_s)
         cluster.signal(name, signal.SIGCONT)
+        trial.resumed_at = time.monotonic()
     else:
         cluster.proxies[name].drop(trial.stall_s)
         time.sleep(trial.stall_s)
@@ -289,11 +291,13 @@ def recover(cluster: Cluster, trial: Trial, fault_at: float) -> None:
         while all(cluster.alive(t) for t in trainers) and time.monotonic() - fault_at < PG_TIMEOUT_S + 2:
             time.sleep(0.2)
         for survivor in trainers:
-            if not cluster.alive(survivor):
-                continue
-            if not all(cluster.alive(t) for t in trainers):
-                trial.waits.append((f"{survivor} exit after its peer stalled",
-                                    round(_time_to_exit(cluster, survivor) + time.monotonic() - fault_at, 2)))
+            if cluster.alive(survivor) and not all(cluster.alive(t) for t in trainers):
+                # the peer waited from the stall's start; the stalled rank only runs again from SIGCONT
+                own = survivor == trial.target and trial.resumed_at is not None
+                since = trial.resumed_at if own else fault_at
+                _time_to_exit(cluster, survivor)
+                trial.waits.append((f"{survivor} exit after {'its own stall' if own else 'its peer stalled'}",
+                                    round(time.monotonic() - since, 2)))
     if not all(cluster.alive(t) for t in trainers):
         for t in trainers:
             cluster.kill(t)

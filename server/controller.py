@@ -48,6 +48,10 @@ class Controller:
         self._changed = threading.Condition(self._lock)
         self._in_flight: InFlight | None = None
         self._last_tick = time.monotonic()
+        # Receivers of a version that did not commit and that never reported its outcome: they may still be
+        # applying it (e.g. the trainer was expired while its send went on), so what they hold is unknown
+        # until they report; a sparse version built on a guessed base would be refused.
+        self._unsettled: set[str] = set()
         self._membership: tuple[str, ...] = ()
         self._generation = 0
         self._group_dirty = False
@@ -101,6 +105,8 @@ class Controller:
                 self.history.set_cached(set(message.cache_versions))
             if message.cache_bytes is not None and agent.role == "trainer":
                 self.metrics.cache_bytes.set(message.cache_bytes)
+            if message.event == "received":
+                self._unsettled.discard(agent.agent_id)
             flight = self._in_flight
             if flight is None or message.version != flight.version:
                 if message.event not in ("evicted", "received"):
@@ -173,7 +179,9 @@ class Controller:
 
     def _sparse_base(self, receivers: list[Agent]) -> int | None:
         """The version every receiver of the quorum holds, if they all hold the same one; else None (a new,
-        reconnected or lagging receiver makes it a full version)."""
+        reconnected or lagging receiver makes it a full version, as does one whose last outcome is unknown)."""
+        if any(r.agent_id in self._unsettled for r in receivers):
+            return None
         held = {r.versions[-1] if r.versions else None for r in receivers}
         return held.pop() if len(held) == 1 else None
 
@@ -399,6 +407,9 @@ class Controller:
         self._end(flight, "failed", 0, {})
 
     def _end(self, flight: InFlight, outcome: str, nbytes: int, stages: dict[str, float]) -> None:
+        if outcome != "committed":
+            self._unsettled |= {a for a, rank in flight.quorum.items() if rank not in flight.receiver_reports}
+        self._unsettled &= {a.agent_id for a in self.agents.receivers()}
         self.metrics.version_done(outcome, nbytes, stages)
         self.metrics.in_flight.set(0)
         if self._in_flight is flight:

@@ -174,3 +174,42 @@ def test_a_stalled_daemon_does_not_drop_the_agents_it_did_not_hear(tmp_path: Pat
         daemon.proc.send_signal(signal.SIGCONT)
         agent.close()
         daemon.stop()
+
+
+def test_a_receiver_whose_outcome_is_unknown_gets_a_full_version(tmp_path: Path) -> None:
+    """A version that failed without the receiver's report (e.g. the trainer was expired while its send went
+    on) may still be applied by it: the next version is full, not sparse on a guessed base, until the
+    receiver reports that outcome."""
+    import os
+    import socket
+
+    from ckpt_engine.workers.client import ControlClient
+
+    daemon = start_daemon(write_config(tmp_path, transport="collective", sparse=True))
+    client = ControlClient(daemon.zmq, timeout_s=5)
+    host = {"host": socket.gethostname(), "pid": os.getpid(), "device": "cpu"}
+    trainer = client.request("register", {"role": "trainer", **host})["agent_id"]
+    receiver = client.request("register", {"role": "receiver", "versions": [], **host})["agent_id"]
+
+    def next_send(http, holds: list[int]) -> dict:
+        client.request("poll", {"agent_id": receiver, "versions": holds, "wait_s": 0})
+        version = http.post("/sync", json={}).json()["version"]
+        send = client.request("poll", {"agent_id": trainer, "wait_s": 0})["assignment"]
+        assert send["version"] == version
+        client.request("report", {"agent_id": trainer, "version": version, "event": "done", "ok": False,
+                                  "reason": "test: the trainer gave up", "receivers": []})
+        return send
+
+    try:
+        with daemon.client() as http:
+            first = next_send(http, [])
+            # the receiver says it holds version 1 now, but never reported how version 1 ended for it
+            assert next_send(http, [first["version"]])["sparse_base"] is None
+            client.request("report", {"agent_id": receiver, "version": first["version"], "event": "received",
+                                      "ok": True})
+            client.request("report", {"agent_id": receiver, "version": first["version"] + 1, "event": "received",
+                                      "ok": False, "reason": "test"})
+            assert next_send(http, [first["version"]])["sparse_base"] == first["version"]
+    finally:
+        client.close()
+        daemon.stop()
