@@ -14,7 +14,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ckpt_engine.device import DigestAlgo
-from ckpt_engine.hashing import bucket_digests
+from ckpt_engine.dtypes import dtype_name
+from ckpt_engine.hashing import bucket_digests, xxh3_digest
 from ckpt_engine.layout import Layout, plan_layout
 from ckpt_engine.sparse import agreed_changes, agreement_vector, changed_layout
 from ckpt_engine.tensors import NamedTensors, fill_bucket, specs_of
@@ -35,6 +36,10 @@ class ShardDigester:
         local = {s.name: _local(named.tensors[s.name]) for s in layout.slots}
         if not local:
             return []
+        if self.algo == "xxh3-64" and all(t.device.type == "cpu" and t.is_contiguous() for t in local.values()):
+            # host tensors are hashed where they are: no copy into a bucket first
+            return [xxh3_digest(dtype_name(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8))
+                    for t in local.values()]
         key = [(name, t.dtype, t.shape, t.device) for name, t in local.items()]
         if key != self._key or self._layout is None:
             self._layout = plan_layout(specs_of(local), self.bucket_size, self.alignment)
