@@ -84,9 +84,18 @@ class Agent:
         thread; one that cannot be delivered is logged, never raised."""
         self._reports.put({"agent_id": self.agent_id, "version": version, "event": event, **fields})
 
+    def flush_reports(self, timeout_s: float) -> bool:
+        """Wait until every queued report has been delivered (or given up on); False on timeout."""
+        with self._reports.all_tasks_done:
+            return self._reports.all_tasks_done.wait_for(lambda: self._reports.unfinished_tasks == 0, timeout_s)
+
     def _report_loop(self) -> None:
         while (body := self._reports.get()) is not None:
-            self._deliver(body)
+            try:
+                self._deliver(body)
+            finally:
+                self._reports.task_done()
+        self._reports.task_done()
 
     def _deliver(self, body: dict[str, Any]) -> None:
         # An outcome lost on the way (connection cut, reply lost) would leave the version hanging until its

@@ -134,9 +134,12 @@ class TrainerAgent(Agent):
         return version
 
     def wait_idle(self, timeout_s: float) -> None:
-        """Wait until the background transfer (if any) has ended; for clean shutdowns and tests."""
+        """Wait until the background transfer (if any) has ended and the daemon has been told its outcome
+        (so a version requested next is not refused as overlapping); for clean shutdowns and tests."""
+        deadline = time.monotonic() + timeout_s
         if self._background is not None:
             self._background.join(timeout_s)
+        self.flush_reports(max(0.0, deadline - time.monotonic()))
 
     # ---- agreement between trainer ranks -------------------------------------------------------------
     def _agree(self) -> Assignment | None:
@@ -185,7 +188,8 @@ class TrainerAgent(Agent):
     def _serve(self, assignment: Assignment, step: int, started: float) -> None:
         version = assignment.version
         self.report(version, "snapshotting", step=step)
-        self.wait_idle(self.settings.version_timeout_s if self.settings else 600)  # one version in flight
+        if self._background is not None:  # one version in flight (reports are not waited for: see wait_idle)
+            self._background.join(self.settings.version_timeout_s if self.settings else 600)
         publisher = self._publisher()
         cursor: _GatherCursor | None = None
         transfer: Transfer | None = None
