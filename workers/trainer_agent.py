@@ -145,8 +145,8 @@ class TrainerAgent(Agent):
     def _agree(self) -> Assignment | None:
         """Rank 0 decides whether a version is due at this boundary and tells the others (one broadcast)."""
         if self.world_size == 1:
-            return self._pending.popleft() if self._pending else None
-        mine = self._pending.popleft() if self.rank == 0 and self._pending else None
+            return self._next_due()
+        mine = self._next_due() if self.rank == 0 else None
         flag = torch.zeros(3, dtype=torch.int64, device=_group_device(self.process_group))
         if mine is not None:
             flag[0], flag[1], flag[2] = mine.version, _MODES[mine.mode], int(mine.sparse)
@@ -156,6 +156,15 @@ class TrainerAgent(Agent):
             return None
         return mine or Assignment(kind="send", version=version, mode="cached" if mode == 1 else "bypass_cpu",
                                   sparse=bool(sparse))
+
+    def _next_due(self) -> Assignment | None:
+        """The next version to serve, once the previous transfer has ended. While that one still runs (e.g. it
+        waits out a receiver's timeout after the daemon already failed it), the new version is served at a
+        later boundary: announcing it now would leave the other ranks waiting in its gathers, past their
+        collective timeout."""
+        if not self._pending or (self._background is not None and self._background.is_alive()):
+            return None
+        return self._pending.popleft()
 
     def _changes(self, assignment: Assignment, named: NamedTensors, layout: Layout) -> tuple[int, Layout] | None:
         """Sparse versions: (parent version, layout of the tensors changed since it) as all ranks agree, or None
