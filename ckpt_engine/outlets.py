@@ -5,6 +5,7 @@ the same steps, so both kinds of receiver get the same bytes and the same digest
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Protocol
 
 import torch
@@ -114,8 +115,11 @@ class IpcOutlet:
     def reclaim(self, slot_index: int, k: int) -> None:
         if self.in_place is not None:
             return  # every bucket has its own place in the buffer: nothing is overwritten within a version
+        # One deadline for all peers, half the receivers' own wait for the next bucket: a peer that stopped
+        # releasing is dropped while the healthy ones still wait for us, instead of failing them all.
+        deadline = time.monotonic() + self.timeout_s / 2
         for peer in self._live():
-            self._guard(peer, lambda p: self._wait_released(p, k - 2))
+            self._guard(peer, lambda p: self._wait_released(p, k - 2, deadline))
 
     def bucket(self, k: int, bucket: Bucket, buf: torch.Tensor, digests: torch.Tensor, slot_index: int) -> None:
         if self.in_place is None:
@@ -141,9 +145,10 @@ class IpcOutlet:
 
     def acks(self, version: int, own: Ack, timeout_s: float) -> list[Ack]:
         out = []
+        deadline = time.monotonic() + timeout_s  # shared: silent peers do not add up their timeouts
         for peer in self.peers:
             if peer.dropped is None:
-                self._guard(peer, lambda p: self._wait_ack(p, timeout_s))
+                self._guard(peer, lambda p: self._wait_ack(p, deadline))
             if peer.dropped is not None:
                 out.append(Ack(version=version, rank=peer.rank, ok=False, reason=peer.dropped))
             else:
@@ -179,13 +184,13 @@ class IpcOutlet:
             peer.mapped_generation = self.hub.slots_generation
         peer.channel.send({"type": "begin", "header": header, "buffer": buffer.index if buffer else None})
 
-    def _wait_released(self, peer: IpcPeer, seq: int) -> None:
+    def _wait_released(self, peer: IpcPeer, seq: int, deadline: float) -> None:
         while peer.released < seq:
-            self._expect(peer, "release")
+            self._expect(peer, "release", _left(deadline))
 
-    def _wait_ack(self, peer: IpcPeer, timeout_s: float) -> None:
+    def _wait_ack(self, peer: IpcPeer, deadline: float) -> None:
         while peer.pending_ack is None:
-            self._expect(peer, "ack", timeout_s)
+            self._expect(peer, "ack", _left(deadline))
 
     def _expect(self, peer: IpcPeer, kind: str, timeout_s: float | None = None) -> None:
         """Read one frame from the peer; releases and acks update its state, anything else is an error."""
@@ -204,3 +209,7 @@ class IpcOutlet:
         else:
             raise ProtocolError(f"expected '{kind}', got '{kind_seen}'")
 
+
+def _left(deadline: float) -> float:
+    """Time left until ``deadline``, with a floor so what a peer already sent is still read."""
+    return max(deadline - time.monotonic(), 0.05)

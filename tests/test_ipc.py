@@ -260,3 +260,53 @@ def test_a_reconnected_colocated_receiver_is_sent_the_layout_again() -> None:
     hub = f"ckpt-test-{uuid.uuid4().hex[:8]}"
     sender, receiver = run_processes([(two_version_sender, (hub,)), (reconnecting_receiver, (hub,))], timeout_s=90)
     assert sender == [True, True, True] and receiver == [True, True, True]
+
+
+def two_peer_sender(hub: str) -> dict:
+    publisher = Publisher(device=CPU, bucket_size=BUCKET_SIZE, ipc_hub_name=hub, timeout_s=4)
+    publisher.attach(None, ipc_peers={"healthy": 1, "silent": 2})
+    started = time.monotonic()
+    result = publisher.publish(1, named_tensors_of(AwkwardModel(seed=1)), bypass_cpu=True).result(60)
+    return {"acks": {a.rank: (a.ok, a.reason) for a in result.receivers}, "elapsed": time.monotonic() - started,
+            "buckets": result.buckets}
+
+
+def healthy_colocated(hub: str) -> dict:
+    rx = IpcReceiver(hub, "healthy", 1, lambda p: None, device=CPU, timeout_s=4)
+    result = rx.receive(30)
+    return {"ok": result.ok, "reason": result.reason}
+
+
+def silent_colocated(hub: str, stop_file: str) -> dict:
+    """Maps the slots and takes the version's start, then stops reading inside the first bucket (an engine
+    that hung) until the test ends."""
+    rx = IpcReceiver(hub, "silent", 2, lambda p: None, device=CPU, timeout_s=4)
+
+    def hang(incoming, bucket, expected):
+        while not os.path.exists(stop_file):
+            time.sleep(0.05)
+        raise RuntimeError("test over")
+
+    rx.assembler.check_bucket = hang  # type: ignore[method-assign]
+    try:
+        rx.receive(begin_timeout_s=30)
+    except RuntimeError:
+        pass
+    rx.close()
+    return {}
+
+
+def test_a_silent_colocated_receiver_fails_only_itself(tmp_path: Path) -> None:
+    """The sender drops a peer that stopped releasing slots well before the healthy peers' own wait for the
+    next bucket runs out (both use the same timeout), so they finish the version."""
+    hub, stop = f"ckpt-test-{uuid.uuid4().hex[:8]}", tmp_path / "stop"
+    silent = start_processes([(silent_colocated, (hub, str(stop)))])
+    try:
+        healthy, sender = start_processes([(healthy_colocated, (hub,)), (two_peer_sender, (hub,))]).collect(90)
+    finally:
+        stop.touch()
+        silent.collect(30)
+    assert sender["buckets"] > 2  # slots get reused, so releases are waited for
+    assert healthy["ok"], healthy
+    assert sender["acks"][1][0] and not sender["acks"][2][0] and "release" in sender["acks"][2][1]
+    assert sender["elapsed"] < 4 + 4  # about half the timeout for the silent one, not a timeout per peer
