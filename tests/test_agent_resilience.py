@@ -213,3 +213,25 @@ def test_a_receiver_whose_outcome_is_unknown_gets_a_full_version(tmp_path: Path)
     finally:
         client.close()
         daemon.stop()
+
+
+def test_agents_skip_versions_superseded_before_they_started() -> None:
+    """The daemon has one version in flight, so a queued older version has already ended there: serving or
+    waiting for it would only make the agent miss the newer one (found by the fault trials)."""
+    from ckpt_engine.control import Assignment
+    from ckpt_engine.tensors import NamedTensors
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
+
+    trainer = TrainerAgent(lambda: NamedTensors({}), "tcp://127.0.0.1:9")  # never started: no daemon needed
+    receiver = RolloutAgent(lambda payload: None, "tcp://127.0.0.1:9")
+    try:
+        for version in (10, 11):
+            trainer._pending.append(Assignment(kind="send", version=version))
+            receiver._work.put(Assignment(kind="receive", version=version))
+        assert trainer._next_due().version == 11 and not trainer._pending
+        older = receiver._work.get()
+        assert receiver._superseded(older)
+        assert not receiver._superseded(receiver._work.get())
+    finally:
+        trainer._client.close()
+        receiver._client.close()

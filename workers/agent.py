@@ -149,6 +149,10 @@ class Agent:
             return None
         if current is not None and current.generation == assignment.generation and current.broken is None:
             return current
+        if current is not None and current.name == settings.group_name and assignment.generation < current.generation:
+            # a version the daemon has already ended: rebuilding its old group would tear down the current one
+            raise CkptEngineError(f"version {assignment.version} belongs to sync group generation "
+                                  f"{assignment.generation}, superseded by {current.generation}")
         if current is not None:
             current.close()
             self.group = None

@@ -70,11 +70,23 @@ class RolloutAgent(Agent):
 
     def _work_loop(self) -> None:
         while (assignment := self._work.get()) is not None:
+            if self._superseded(assignment):
+                continue
             try:
                 result = self._receive(assignment)
             except CkptEngineError as exc:
                 result = ReceiveResult(assignment.version, False, f"{type(exc).__name__}: {exc}")
             self._record(assignment, result)
+
+    def _superseded(self, assignment: Assignment) -> bool:
+        """A newer version is already queued: the daemon has ended this one (one version in flight), and
+        waiting for it would make this receiver miss the newer one."""
+        newer = [a for a in list(self._work.queue) if a is not None and a.version > assignment.version]
+        if not newer:
+            return False
+        log.warning("version %d was superseded by version %d before it started here; skipping it",
+                    assignment.version, newer[-1].version)
+        return True
 
     def _receive(self, assignment: Assignment) -> ReceiveResult:
         settings = self.settings

@@ -164,6 +164,10 @@ class TrainerAgent(Agent):
         collective timeout."""
         if not self._pending or (self._background is not None and self._background.is_alive()):
             return None
+        while len(self._pending) > 1:  # the daemon has one version in flight: older ones have ended there
+            stale = self._pending.popleft()
+            log.warning("version %d was superseded by version %d before it could be served; skipping it",
+                        stale.version, self._pending[-1].version)
         return self._pending.popleft()
 
     def _changes(self, assignment: Assignment, named: NamedTensors, layout: Layout) -> tuple[int, Layout] | None:
