@@ -80,27 +80,16 @@ def render(result: dict, machine: dict, images: dict[str, str] | None = None) ->
         "interleaved as in the side-by-side section; raw = one broadcast of the same bytes on the same group. "
         "Time median (min–max) in s; GB/s of the median.")
     add("")
-    add("### Model size")
-    add("")
-    if "size" in images:
-        add(f"![model size vs GB/s]({images['size']})")
+    for curve, title, alt in (("size", "Model size", "model size vs GB/s"),
+                              ("receivers", "Receivers", "receivers vs time")):
+        add(f"### {title}")
         add("")
-    add(HEADER)
-    for pt in result["points"]:
-        if pt["curve"] != "size":
-            continue
-        add(_row(pt))
-    add("")
-    add("### Receivers")
-    add("")
-    if "receivers" in images:
-        add(f"![receivers vs time]({images['receivers']})")
+        if curve in images:
+            add(f"![{alt}]({images[curve]})")
+            add("")
+        add(HEADER)
+        lines += [_row(pt) for pt in result["points"] if pt["curve"] == curve]
         add("")
-    add(HEADER)
-    for pt in result["points"]:
-        if pt["curve"] == "receivers":
-            add(_row(pt))
-    add("")
     add(f"All receivers and the sender share the machine's {machine['usable_cores']} cores, so every added "
         "receiver also takes CPU from the others (gloo's loopback copies, each receiver's verification).")
     add("")

@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any
 
-from bench.common import REPO, MiB, Progress, fmt_s, gbps, master_store, run_processes, stats, sync_group
+from bench.common import MiB, Progress, fmt_s, gbps, master_store, run_processes, stats, sync_group
 
 VARIANTS = ("ipc_cached", "ipc_bypass", "gloo_cached", "gloo_raw")
 LABEL = {
@@ -227,12 +227,9 @@ def render(result: dict, machine: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.suite import main as suite_main
+    from bench.suite import run_one_section
 
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not any(a == "--out" or a.startswith("--out=") for a in args):  # never overwrite the full report
-        args += ["--out", str(REPO / "bench" / "results" / "ipc.md")]
-    return suite_main(["--only", "ipc", *args], prog="python -m bench.ipc_bench")
+    return run_one_section("ipc", argv, "python -m bench.ipc_bench")
 
 
 if __name__ == "__main__":

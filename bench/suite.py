@@ -98,6 +98,15 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     return args
 
 
+def run_one_section(section: str, argv: list[str] | None, prog: str) -> int:
+    """One section alone, for ``python -m bench.<module>``; its report goes to bench/results/<section>.md
+    unless ``--out`` says otherwise, so the full report is never overwritten by a partial run."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--out" or a.startswith("--out=") for a in args):
+        args += ["--out", str(REPO / "bench" / "results" / f"{section}.md")]
+    return main(["--only", section, *args], prog=prog)
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m bench.suite") -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv, prog)

@@ -32,7 +32,6 @@ from typing import Any
 
 from bench import disk_bench
 from bench.common import (
-    REPO,
     MiB,
     Progress,
     barrier,
@@ -537,12 +536,9 @@ def render(result: dict, machine: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.suite import main as suite_main
+    from bench.suite import run_one_section
 
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not any(a == "--out" or a.startswith("--out=") for a in args):  # never overwrite the full report
-        args += ["--out", str(REPO / "bench" / "results" / "side_by_side.md")]
-    return suite_main(["--only", "side_by_side", *args], prog="python -m bench.sync_bench")
+    return run_one_section("side_by_side", argv, "python -m bench.sync_bench")
 
 
 if __name__ == "__main__":

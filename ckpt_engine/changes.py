@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor
 
 from ckpt_engine.device import DigestAlgo
 from ckpt_engine.dtypes import dtype_name
-from ckpt_engine.hashing import bucket_digests, xxh3_digest
-from ckpt_engine.layout import Layout, plan_layout
+from ckpt_engine.hashing import layout_digests, xxh3_digest
+from ckpt_engine.layout import Bucket, Layout, plan_layout
 from ckpt_engine.sparse import agreed_changes, agreement_vector, changed_layout
 from ckpt_engine.tensors import NamedTensors, fill_bucket, specs_of
 
@@ -48,11 +48,13 @@ class ShardDigester:
         if self._scratch is None:
             device = next(iter(local.values())).device
             self._scratch = torch.empty(max(own.max_bucket_bytes, 8), dtype=torch.uint8, device=device)
-        parts = []
-        for bucket in own.buckets:  # stream order keeps the scratch reuse safe on devices
-            fill_bucket(self._scratch, bucket.slots, local, bucket.nbytes)
-            parts.append(bucket_digests(bucket, self._scratch, self.algo, own.digest))
-        return torch.cat(parts).cpu().tolist() if parts else []
+        scratch = self._scratch
+
+        def read(bucket: Bucket) -> torch.Tensor:  # stream order keeps the scratch reuse safe on devices
+            fill_bucket(scratch, bucket.slots, local, bucket.nbytes)
+            return scratch
+
+        return layout_digests(own, read, self.algo)
 
 
 class ChangeTracker:

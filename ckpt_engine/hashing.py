@@ -17,14 +17,14 @@ from __future__ import annotations
 import ctypes
 import struct
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import xxhash
 
 from ckpt_engine.device import DigestAlgo
 from ckpt_engine.errors import ProtocolError
-from ckpt_engine.layout import Bucket
+from ckpt_engine.layout import Bucket, Layout
 
 ALGORITHMS: tuple[str, ...] = ("xxh3-64", "torch-mix64")
 
@@ -152,6 +152,20 @@ def bucket_digests(bucket: Bucket, buf: torch.Tensor, algo: DigestAlgo, layout_d
     seeds = _xxh3_seeds(bucket, layout_digest)
     values = [to_signed64(digest(view[s.offset : s.offset + s.nbytes], seed)) for s, seed in zip(bucket.slots, seeds)]
     return torch.tensor(values, dtype=torch.int64)
+
+
+def layout_digests(layout: Layout, read: Callable[[Bucket], torch.Tensor], algo: DigestAlgo,
+                   device: torch.device | None = None) -> list[int]:
+    """Per-tensor digests of every bucket of ``layout``, whose bytes ``read(bucket)`` returns (it may reuse
+    one scratch buffer: each bucket is digested before the next is read). torch-mix64 runs on ``device``
+    when given; one host sync in all."""
+    parts = []
+    for bucket in layout.buckets:
+        data = read(bucket)
+        if algo == "torch-mix64" and device is not None and data.device != device:
+            data = data.to(device, non_blocking=True)
+        parts.append(bucket_digests(bucket, data, algo, layout.digest))
+    return torch.cat(parts).cpu().tolist() if parts else []
 
 
 _seed_cache: dict[tuple[str, int], list[int]] = {}

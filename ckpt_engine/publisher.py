@@ -142,14 +142,15 @@ def version_digest_of(named: NamedTensors, *, bucket_size: int, alignment: int =
                       algo: DigestAlgo = "xxh3-64") -> str:
     """The version digest these tensors would be sent with: lets any process check that the weights it
     holds are exactly a version's (e.g. a rollout's model against the history's digest)."""
-    from ckpt_engine.hashing import bucket_digests, version_digest
+    from ckpt_engine.hashing import layout_digests, version_digest
     from ckpt_engine.tensors import fill_bucket
 
     layout = plan_layout(specs_of(named.tensors), bucket_size, alignment)
-    digests: list[int] = []
-    for bucket in layout.buckets:
-        buf = torch.empty(max(bucket.nbytes, 1), dtype=torch.uint8)
-        fill_bucket(buf, bucket.slots, {k: v.detach().cpu() for k, v in named.bucket_tensors(bucket).items()},
+    scratch = torch.empty(max(layout.max_bucket_bytes, 1), dtype=torch.uint8)
+
+    def read(bucket) -> torch.Tensor:
+        fill_bucket(scratch, bucket.slots, {k: v.detach().cpu() for k, v in named.bucket_tensors(bucket).items()},
                     bucket.nbytes)
-        digests += bucket_digests(bucket, buf, algo, layout.digest).tolist()
-    return version_digest(algo, layout.digest, digests)
+        return scratch
+
+    return version_digest(algo, layout.digest, layout_digests(layout, read, algo))

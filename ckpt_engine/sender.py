@@ -23,8 +23,8 @@ from ckpt_engine.errors import CkptEngineError, ConfigError, ProtocolError, Sync
 from ckpt_engine.group import SyncGroup
 from ckpt_engine.ipc import IpcHub
 from ckpt_engine.outlets import CollectiveOutlet, IpcOutlet, Outlet
-from ckpt_engine.hashing import bucket_digests, version_digest
-from ckpt_engine.layout import Bucket, Layout
+from ckpt_engine.hashing import bucket_digests, layout_digests, version_digest
+from ckpt_engine.layout import Layout
 from ckpt_engine.protocol import AbortMessage, Ack, LayoutMessage, Mode, VersionHeader, VersionTrailer, encode
 from ckpt_engine.sparse import Manifest, SparsePlan, manifest_of, plan_sparse
 from ckpt_engine.tensors import BucketTensors, TensorsOrProvider, check_matches_layout, fill_bucket, provider_of
@@ -165,15 +165,9 @@ class _CacheSource(_Full):
         self.version = cached.version if as_version is None else as_version
 
     def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:
-        if not self.needs_slot:
-            return self.cached.bucket(index)
-        if slot is None:
-            raise ValueError("this cached version needs a send slot")
         if not self.cached.is_whole:
-            return self.cached.fill(index, slot)
-        view = self.cached.bucket(index)
-        slot[: view.numel()].copy_(view, non_blocking=True)
-        return slot[: view.numel()]
+            return self.cached.fill(index, _need(slot))
+        return _placed(self.cached.bucket(index), _need(slot) if self.needs_slot else slot)
 
     def all_filled(self) -> None:
         pass
@@ -230,12 +224,13 @@ class _SparseCacheSource:
                 and parent.layout_digest == cached.layout.digest):
             # Per-tensor digests do not depend on the layout, so the delta's own buckets give the changed ones.
             own = cached.own_layout
-            changed = dict(zip(cached.changed, _digests(own, lambda b: cached.buffer[b.flat_offset:], algo, device)))
+            changed = dict(zip(cached.changed, layout_digests(own, lambda b: cached.buffer[b.flat_offset:], algo,
+                                                              device)))
             self.full = parent.updated(self.version, changed)
         else:
             scratch = None if cached.is_whole else torch.empty(cached.layout.max_bucket_bytes, dtype=torch.uint8)
             read = cached.bucket if cached.is_whole else (lambda b: cached.fill(b, scratch))  # type: ignore[arg-type]
-            digests = _digests(cached.layout, lambda b: read(b.index), algo, device)
+            digests = layout_digests(cached.layout, lambda b: read(b.index), algo, device)
             self.full = manifest_of(self.version, algo, cached.layout, digests)
         self.plan = plan_sparse(cached.layout, self.full, self.base, bucket_size=self.bucket_size,
                                 alignment=self.alignment)
@@ -253,12 +248,7 @@ class _SparseCacheSource:
         if self.plan is None and not self.cached.is_whole:  # no usable base: the full version
             return self.cached.fill(index, _need(slot))
         if self.plan is None or self._own_wire:  # bytes already in wire layout in one cache buffer
-            buffer = self.cached.buffer
-            view = buffer[bucket.flat_offset : bucket.flat_offset + bucket.nbytes]
-            if slot is None:
-                return view
-            slot[: view.numel()].copy_(view, non_blocking=True)
-            return slot[: view.numel()]
+            return _placed(self.cached.buffer[bucket.flat_offset : bucket.flat_offset + bucket.nbytes], slot)
         fill_bucket(_need(slot), bucket.slots, self.cached.views(), bucket.nbytes)
         return slot[: bucket.nbytes]  # type: ignore[index]
 
@@ -272,16 +262,12 @@ def _need(slot: torch.Tensor | None) -> torch.Tensor:
     return slot
 
 
-def _digests(layout: Layout, read: Callable[[Bucket], torch.Tensor], algo: DigestAlgo,
-             device: torch.device) -> list[int]:
-    """Per-tensor digests of a layout whose bucket bytes ``read`` returns, one host sync per bucket."""
-    out: list[int] = []
-    for bucket in layout.buckets:
-        data = read(bucket)
-        if algo == "torch-mix64" and device.type != "cpu":
-            data = data.to(device, non_blocking=True)
-        out += bucket_digests(bucket, data, algo, layout.digest).cpu().tolist()
-    return out
+def _placed(view: torch.Tensor, slot: torch.Tensor | None) -> torch.Tensor:
+    """``view`` itself, or its bytes copied into ``slot`` when the wire reads from a send slot."""
+    if slot is None:
+        return view
+    slot[: view.numel()].copy_(view, non_blocking=True)
+    return slot[: view.numel()]
 
 
 class Sender:

@@ -53,15 +53,13 @@ def test_an_agent_registers_again_soon_after_a_daemon_restart(tmp_path: Path) ->
 def test_same_host_path_survives_a_daemon_restart(tmp_path: Path) -> None:
     """After a restart every agent registers under a new id: the trainer must keep serving colocated
     receivers from the hub it already has, and receivers must say hello again under their new id."""
-    from tests.test_elastic import agents_of, changing_trainer, receiver, sync, wait_until
-    from tests.procs import start_processes
+    from tests.test_elastic import agents_of, start_trainer_and_two_receivers, sync, wait_until
 
     config = write_config(tmp_path, transport="ipc", timeouts={"connect_s": 5, "collective_s": 5, "ack_s": 5,
                                                                "heartbeat_s": 2, "version_s": 20})
     daemon = start_daemon(config)
     stop = tmp_path / "stop"
-    procs = start_processes([(changing_trainer, (daemon.zmq, str(stop))), (receiver, (daemon.zmq, str(stop), 5)),
-                             (receiver, (daemon.zmq, str(stop), 6))])
+    procs = start_trainer_and_two_receivers(daemon, stop)
     try:
         with daemon.client() as client:
             wait_until(lambda: len(agents_of(client)) == 3, what="registration")

@@ -67,12 +67,17 @@ def sync(client: httpx.Client) -> dict:
     return client.post("/sync", json={"wait": True, "timeout_s": 60}).json()
 
 
+def start_trainer_and_two_receivers(daemon, stop: Path, sync_every: tuple[int, int] = (1, 1)):
+    """The changing trainer and two receivers (seeds 5 and 6) against ``daemon``, until ``stop`` exists."""
+    return start_processes([(changing_trainer, (daemon.zmq, str(stop))),
+                            (receiver, (daemon.zmq, str(stop), 5, sync_every[0])),
+                            (receiver, (daemon.zmq, str(stop), 6, sync_every[1]))])
+
+
 def test_cadence_and_rollback_to_n_minus_2(tmp_path: Path) -> None:
     daemon = start_daemon(write_config(tmp_path, keep_versions=4))
     stop = tmp_path / "stop"
-    procs = start_processes([(changing_trainer, (daemon.zmq, str(stop))),
-                             (receiver, (daemon.zmq, str(stop), 5, 1)),
-                             (receiver, (daemon.zmq, str(stop), 6, 2))])
+    procs = start_trainer_and_two_receivers(daemon, stop, sync_every=(1, 2))
     try:
         with daemon.client() as client:
             wait_until(lambda: len(agents_of(client)) == 3, what="registration")
@@ -158,9 +163,7 @@ def test_join_leave_and_kill9_mid_transfer(tmp_path: Path) -> None:
 def test_sparse_versions_through_the_daemon(tmp_path: Path) -> None:
     daemon = start_daemon(write_config(tmp_path, sparse=True, keep_versions=3))
     stop = tmp_path / "stop"
-    procs = start_processes([(changing_trainer, (daemon.zmq, str(stop))),
-                             (receiver, (daemon.zmq, str(stop), 5, 1)),
-                             (receiver, (daemon.zmq, str(stop), 6, 2))])
+    procs = start_trainer_and_two_receivers(daemon, stop, sync_every=(1, 2))
     try:
         with daemon.client() as client:
             wait_until(lambda: len(agents_of(client)) == 3, what="registration")
