@@ -206,11 +206,20 @@ class IpcHub:
                     break
                 self._changed.wait(min(0.1, max(deadline - time.monotonic(), 0.001)))
             found = [self._peers[a] for a in wanted if a in self._peers]
-        for peer in found:
-            peer.rank = wanted[peer.agent_id]
+            for peer in found:
+                peer.rank, peer.in_use = wanted[peer.agent_id], True
         missing = {a: f"colocated receiver {a} did not connect within {timeout_s:.0f}s" for a in wanted
                    if a not in {p.agent_id for p in found}}
         return found, missing
+
+    def release(self, peers: list["IpcPeer"]) -> None:
+        """A version is over with these peers; close the channels of those replaced by a reconnect meanwhile
+        (kept open until now so what they already sent, such as their acknowledgement, is still read)."""
+        with self._changed:
+            for peer in peers:
+                peer.in_use = False
+                if self._peers.get(peer.agent_id) is not peer:
+                    peer.channel.close()
 
     def forget(self, peer: "IpcPeer") -> None:
         peer.channel.close()
@@ -252,8 +261,8 @@ class IpcHub:
                 old = self._peers.pop(peer.agent_id, None)
                 self._peers[peer.agent_id] = peer
                 self._changed.notify_all()
-            if old is not None:
-                old.channel.close()
+                if old is not None and not old.in_use:  # one in use is closed by release()
+                    old.channel.close()
 
 
 @dataclass
@@ -266,6 +275,7 @@ class IpcPeer:
     layout_digest: str | None = None  # the layout this peer was last sent
     released: int = -1
     dropped: str | None = None
+    in_use: bool = False  # part of the version being sent
     pending_ack: dict[str, Any] | None = field(default=None, repr=False)
 
     def alive(self) -> bool:

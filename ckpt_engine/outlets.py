@@ -37,6 +37,9 @@ class Outlet(Protocol):
 
     def acks(self, version: int, own: Ack, timeout_s: float) -> list[Ack]: ...
 
+    def release(self) -> None:
+        """The version is over, whatever its outcome."""
+
 
 class CollectiveOutlet:
     """The sync group: framed broadcasts (see wire.py); bucket data goes out asynchronously."""
@@ -91,6 +94,9 @@ class CollectiveOutlet:
                 ack = Ack(version=version, rank=rank, ok=False, reason=f"unreadable acknowledgement: {ack}")
             out.append(ack)
         return out
+
+    def release(self) -> None:
+        pass
 
 
 class IpcOutlet:
@@ -155,6 +161,9 @@ class IpcOutlet:
                 out.append(Ack.model_validate(peer.pending_ack))
         out += [Ack(version=version, rank=-1, ok=False, reason=why) for why in self.missing.values()]
         return out
+
+    def release(self) -> None:
+        self.hub.release(self.peers)
 
     # ---- per peer ------------------------------------------------------------------------------------
     def _live(self) -> list[IpcPeer]:

@@ -341,6 +341,7 @@ class Sender:
             raw = encode(AbortMessage(version=version, reason=reason))
             for outlet in self._outlets():
                 outlet.abort(version, 0, raw)
+                outlet.release()
 
     def close(self) -> None:
         """Tell receivers on the sync group that it is closing, then release it (the IPC hub stays)."""
@@ -383,6 +384,7 @@ class Sender:
     def _run(self, source: _Source) -> TransferResult:
         timer = _Timer()
         result = TransferResult(source.version, source.mode, False, None, None, [], 0, 0, 0)
+        outlets: list[Outlet] = []
         try:
             with timer.stage("digest"):
                 source.prepare(self.digest_algo, self.device.comm_device)
@@ -416,6 +418,8 @@ class Sender:
             result.reason = f"internal error: {type(exc).__name__}: {exc}"
         finally:
             source.all_filled()
+            for outlet in outlets:
+                outlet.release()
         result.seconds = timer.finish()
         result.finished_at = time.perf_counter()
         log.info("version %d %s: %s in %.3fs (%d bytes, %d buckets)", source.version, source.mode,

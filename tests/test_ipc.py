@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 
 from ckpt_engine.device import detect_device
 from ckpt_engine.group import open_store
-from ckpt_engine.ipc import FramedSocket, IpcHub, host_identity
+from ckpt_engine.ipc import FramedSocket, IpcHub, abstract_address, host_identity
 from ckpt_engine.ipc_receiver import BucketNotice, IpcReceiver
 from ckpt_engine.publisher import Publisher
 from ckpt_engine.receiver import Receiver
@@ -260,6 +261,39 @@ def test_a_reconnected_colocated_receiver_is_sent_the_layout_again() -> None:
     hub = f"ckpt-test-{uuid.uuid4().hex[:8]}"
     sender, receiver = run_processes([(two_version_sender, (hub,)), (reconnecting_receiver, (hub,))], timeout_s=90)
     assert sender == [True, True, True] and receiver == [True, True, True]
+
+
+def _connect(hub_name: str, agent_id: str) -> FramedSocket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(abstract_address(hub_name))
+    channel = FramedSocket(sock)
+    channel.send({"type": "hello", "agent_id": agent_id})
+    return channel
+
+
+def test_a_reconnect_during_a_version_keeps_what_the_old_connection_already_sent() -> None:
+    # Found by CI: a receiver acked, closed and said hello again before the sender read the ack; the hub
+    # closed the old socket under the sender, which failed the version the receiver had applied.
+    hub_name = f"ckpt-test-{uuid.uuid4().hex[:8]}"
+    hub = IpcHub(hub_name, CPU)
+    try:
+        first = _connect(hub_name, "colocated")
+        (old,), missing = hub.peers({"colocated": 1}, 10)
+        assert not missing
+        first.send({"type": "ack", "ack": {"version": 1}})
+        first.close()
+        second = _connect(hub_name, "colocated")
+        deadline = time.monotonic() + 10
+        while hub.peers({"colocated": 1}, 0)[0][0] is old and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (new,), _ = hub.peers({"colocated": 1}, 0)
+        assert new is not old
+        assert old.channel.recv(5)[0] == {"type": "ack", "ack": {"version": 1}}
+        hub.release([old, new])
+        assert old.channel.sock.fileno() == -1 and new.channel.sock.fileno() != -1
+        second.close()
+    finally:
+        hub.close()
 
 
 def two_peer_sender(hub: str) -> dict:
