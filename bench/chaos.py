@@ -132,6 +132,11 @@ class Cluster:
         if self.alive(name):
             os.kill(self.procs[name].pid, sig)
 
+    def dump_stacks(self) -> None:
+        """Every live process prints its threads' stacks into its log (SIGUSR1): where each one waits."""
+        for name in self.procs:
+            self.signal(name, signal.SIGUSR1)
+
     def kill(self, name: str) -> None:
         if self.alive(name):
             self.procs[name].kill()
@@ -248,6 +253,7 @@ def run_trial(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
     next_version, answer = cluster.request({"sparse": rng.random() < 0.5})
     record = cluster.wait_terminal(next_version, LIMITS.version_s + LIMITS.margin_s) if next_version else None
     if record is None or record["status"] != "committed":
+        cluster.dump_stacks()
         trial.violations.append(f"the next sync after recovery did not commit: {answer} "
                                 f"{record and (record['status'], record.get('reason'))}")
     else:

@@ -14,9 +14,11 @@ Both run until the file ``stop`` appears in their work directory.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -113,6 +115,7 @@ def receiver(args: dict) -> int:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the trials ask for stacks when a sync hangs
     torch.set_num_threads(1)
     role, args = argv[0], json.loads(argv[1])
     return {"trainer": trainer, "receiver": receiver}[role](args)

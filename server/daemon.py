@@ -7,6 +7,7 @@ otherwise recorded as failed, sockets close, and the process exits 0.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import signal
 import threading
@@ -110,4 +111,5 @@ class Daemon:
 
 def serve(config: EngineConfig) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a daemon that seems stuck shows where it waits
     return Daemon(config).run()

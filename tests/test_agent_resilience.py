@@ -50,6 +50,31 @@ def test_an_agent_registers_again_soon_after_a_daemon_restart(tmp_path: Path) ->
         agent.close()
 
 
+def test_a_report_stuck_on_the_dead_daemon_does_not_delay_registering_again(tmp_path: Path) -> None:
+    # Found by the kill_daemon trials: registering again waited behind a report sent to the dead daemon,
+    # which only gives up after the 10 s request timeout; the daemon saw no trainer for that long.
+    config = write_config(tmp_path, timeouts={"connect_s": 5, "collective_s": 5, "ack_s": 5, "heartbeat_s": 2,
+                                              "version_s": 20})
+    daemon = start_daemon(config)
+    agent = RolloutAgent(lambda payload: None, daemon.zmq, poll_wait_s=0.2).start()
+    try:
+        first = agent.agent_id
+        daemon.proc.send_signal(signal.SIGSTOP)  # takes the report, never answers it
+        agent.report(1, "evicted")
+        time.sleep(0.5)
+        daemon.stop(signal.SIGKILL)
+        restarted = start_daemon(config)
+        started = time.monotonic()
+        with httpx.Client(base_url=restarted.url, timeout=5) as client:
+            while not client.get("/receivers").json()["agents"]:
+                assert time.monotonic() - started < 6, "not registered again within 6 s"
+                time.sleep(0.1)
+        assert agent.agent_id != first
+        restarted.stop()
+    finally:
+        agent.close()
+
+
 def test_same_host_path_survives_a_daemon_restart(tmp_path: Path) -> None:
     """After a restart every agent registers under a new id: the trainer must keep serving colocated
     receivers from the hub it already has, and receivers must say hello again under their new id."""

@@ -162,11 +162,12 @@ class Agent:
                                timeout_s=settings.collective_timeout_s, connect_timeout_s=settings.connect_timeout_s)
         return self.group
 
-    def _register(self) -> None:
+    def _register(self, client: ControlClient | None = None) -> None:
         body = {"role": self.role, "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
                 "device": str(self.device.torch_device), "versions": self.versions_held(), "token": self.token,
                 "host_id": self.host_id, "sync_every": self.sync_every, **self.register_extra()}
-        self.settings = RegisterReply.model_validate(self._client.request("register", body))
+        reply = (client or self._client).request("register", body, timeout_s=self.request_timeout_s)
+        self.settings = RegisterReply.model_validate(reply)
         log.info("registered with %s as %s %s", self.endpoint, self.role, self.settings.agent_id)
 
     def _poll_loop(self) -> None:
@@ -184,7 +185,7 @@ class Agent:
                 except ControlReplyError as exc:
                     if "unregistered agent" in str(exc.detail):
                         log.warning("daemon forgot this agent (restart?); registering again")
-                        self._try_register()
+                        self._try_register(poller)
                     continue
                 except CkptEngineError as exc:
                     log.warning("poll failed: %s", exc)
@@ -199,9 +200,11 @@ class Agent:
         finally:
             poller.close()
 
-    def _try_register(self) -> None:
+    def _try_register(self, client: ControlClient) -> None:
+        """From the poll thread, on its own client: the shared one may be held by a report still waiting for
+        the dead daemon's reply (up to the request timeout), and until registered the agent is invisible."""
         try:
-            self._register()
+            self._register(client)
         except CkptEngineError as exc:
             log.warning("re-registration failed: %s", exc)
             self._stop.wait(1.0)
