@@ -50,9 +50,10 @@ def test_an_agent_registers_again_soon_after_a_daemon_restart(tmp_path: Path) ->
         agent.close()
 
 
-def test_a_report_stuck_on_the_dead_daemon_does_not_delay_registering_again(tmp_path: Path) -> None:
-    # Found by the kill_daemon trials: registering again waited behind a report sent to the dead daemon,
-    # which only gives up after the 10 s request timeout; the daemon saw no trainer for that long.
+def test_a_report_stuck_on_the_dead_daemon_delays_neither_registering_nor_later_reports(tmp_path: Path) -> None:
+    # Found by the kill_daemon trials: a report sent to the dead daemon only gives up after the 10 s request
+    # timeout. Registering again waited behind it (the daemon saw no trainer for that long), and so did every
+    # later report, such as the outcome of the first version after the restart.
     config = write_config(tmp_path, timeouts={"connect_s": 5, "collective_s": 5, "ack_s": 5, "heartbeat_s": 2,
                                               "version_s": 20})
     daemon = start_daemon(config)
@@ -70,6 +71,8 @@ def test_a_report_stuck_on_the_dead_daemon_does_not_delay_registering_again(tmp_
                 assert time.monotonic() - started < 6, "not registered again within 6 s"
                 time.sleep(0.1)
         assert agent.agent_id != first
+        agent.report(1, "evicted")
+        assert agent.flush_reports(3.0), "a report for the new daemon waited behind one for the dead daemon"
         restarted.stop()
     finally:
         agent.close()

@@ -17,7 +17,7 @@ from ckpt_engine.device import DeviceInfo, detect_device
 from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.group import SyncGroup, open_store
 from ckpt_engine.ipc import host_identity
-from ckpt_engine.workers.client import ControlClient, ControlReplyError
+from ckpt_engine.workers.client import ControlClient, ControlReplyError, RequestAbandoned
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +103,22 @@ class Agent:
         outcome = body["event"] in ("done", "received")
         settings = self.settings
         deadline = time.monotonic() + (settings.version_timeout_s if outcome and settings else 0.0)
+
+        def stale() -> bool:
+            # Registered again since (the daemon restarted): that daemon is gone, the new one knows neither
+            # this id nor its version. Waiting on it would hold back every later report.
+            current = self.settings
+            return current is not None and current.agent_id != body["agent_id"]
+
         while True:
-            try:
-                self._client.request("report", body)
+            if stale():
+                log.info("report %s of version %d dropped: registered again since", body["event"], body["version"])
                 return
+            try:
+                self._client.request("report", body, abandon=stale)
+                return
+            except RequestAbandoned:
+                continue
             except ControlReplyError as exc:  # the daemon answered: retrying cannot help
                 log.warning("report %s of version %d refused: %s", body["event"], body["version"], exc)
                 return

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -27,6 +27,10 @@ class ControlReplyError(CkptEngineError):
         self.error, self.detail, self.record = error, detail, record
 
 
+class RequestAbandoned(CkptEngineError):
+    """The caller stopped waiting for the reply (it would no longer mean anything)."""
+
+
 class ControlClient:
     def __init__(self, endpoint: str, *, timeout_s: float = 10.0, token: str | None = None) -> None:
         self.endpoint = endpoint
@@ -40,18 +44,21 @@ class ControlClient:
         self._lock = threading.Lock()
         self.closed = False
 
-    def request(self, kind: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> dict:
-        """Send one request and wait for its reply; raises SyncTimeoutError or ControlReplyError."""
+    def request(self, kind: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None,
+                abandon: Callable[[], bool] | None = None) -> dict:
+        """Send one request and wait for its reply; raises SyncTimeoutError or ControlReplyError, or
+        RequestAbandoned once ``abandon()`` turns true while waiting (checked every 0.1 s)."""
         limit = self.timeout_s if timeout_s is None else timeout_s
         try:
-            reply = self._exchange(kind, body, limit)
+            reply = self._exchange(kind, body, limit, abandon)
         except zmq.ZMQError as exc:  # e.g. the client was closed while another thread still reported
             raise CkptEngineError(f"control socket to {self.endpoint} failed: {exc}") from exc
         if not reply.get("ok"):
             raise ControlReplyError(str(reply.get("error")), reply.get("detail"), reply.get("record"))
         return reply.get("body") or {}
 
-    def _exchange(self, kind: str, body: dict[str, Any] | None, limit: float) -> dict:
+    def _exchange(self, kind: str, body: dict[str, Any] | None, limit: float,
+                  abandon: Callable[[], bool] | None) -> dict:
         with self._lock:
             request_id = next(self._ids)
             frame: dict[str, Any] = {"id": request_id, "type": kind, "body": body or {}}
@@ -61,8 +68,12 @@ class ControlClient:
             deadline = time.monotonic() + limit
             while True:
                 remaining_ms = int((deadline - time.monotonic()) * 1000)
-                if remaining_ms <= 0 or not self._sock.poll(remaining_ms, zmq.POLLIN):
+                if remaining_ms <= 0:
                     raise SyncTimeoutError(f"no reply to {kind!r} from {self.endpoint} within {limit:.1f}s")
+                if abandon is not None and abandon():
+                    raise RequestAbandoned(f"stopped waiting for the reply to {kind!r}")
+                if not self._sock.poll(min(remaining_ms, 100) if abandon else remaining_ms, zmq.POLLIN):
+                    continue
                 reply, _ = decode_frame(self._sock.recv(), _MAX_REPLY_BYTES)
                 if reply.get("id") == request_id:
                     return reply  # replies to earlier, timed-out requests are dropped
