@@ -11,7 +11,7 @@ import json
 from typing import Annotated, Any, Literal
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from ckpt_engine.errors import ProtocolError
 
@@ -86,6 +86,17 @@ class Assignment(_Body):
     ipc_peers: dict[str, int] = Field(default_factory=dict)  # send: colocated receivers (agent id -> rank)
     sparse_base: int | None = None  # send: only changes since this version, which every receiver holds
     sparse: bool = False  # send: snapshot only what changed since the previous cached version (shared in cache)
+    # Not on the wire: the agent id this assignment was polled under. After a daemon restart the agent has a
+    # new id, and what the old daemon assigned will not be served (the new one marked it failed).
+    _received_as: str | None = PrivateAttr(default=None)
+
+    @property
+    def received_as(self) -> str | None:
+        return self._received_as
+
+    def receipt(self, agent_id: str) -> "Assignment":
+        self._received_as = agent_id
+        return self
 
 
     def key(self) -> str:

@@ -108,6 +108,13 @@ class FramedSocket:
             got += len(data)
         return b"".join(chunks), fds
 
+    def readable(self, timeout_s: float) -> bool:
+        """True once a frame (or the peer's close) is waiting, False after ``timeout_s``."""
+        try:
+            return bool(select.select([self.sock], [], [], max(timeout_s, 0.0))[0])
+        except (OSError, ValueError):  # closed under us: the next read says how
+            return True
+
     def close(self) -> None:
         try:
             self.sock.close()

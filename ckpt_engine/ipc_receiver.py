@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -19,6 +19,7 @@ from ckpt_engine.ipc import IPC_PROTO, FramedSocket, PeerGone, abstract_address,
 from ckpt_engine.protocol import VersionHeader, VersionTrailer, decode
 
 log = logging.getLogger(__name__)
+_ABANDON_CHECK_S = 0.1
 
 
 class BucketNotice(BaseModel):
@@ -48,9 +49,15 @@ class IpcReceiver:
         self.channel.send({"type": "hello", "agent_id": agent_id, "rank": rank, "proto": IPC_PROTO})
         self.broken: str | None = None
 
-    def receive(self, begin_timeout_s: float | None = None) -> ReceiveResult | None:
-        """One version (None when the sender closed the channel); failures come back with ok=False."""
+    def receive(self, begin_timeout_s: float | None = None,
+                abandon: Callable[[], str | None] | None = None) -> ReceiveResult | None:
+        """One version (None when the sender closed the channel); failures come back with ok=False.
+        ``abandon()`` is asked while no version has begun yet: a reason it returns ends the wait (the version
+        will not come, e.g. its daemon is gone); once the first frame arrived the version is seen through."""
         try:
+            reason = self._await_first_frame(begin_timeout_s, abandon)
+            if reason is not None:
+                return ReceiveResult(None, False, f"stopped waiting for the version: {reason}")
             message = self._next(begin_timeout_s, {"begin", "abort", "close"})
             if message["type"] == "close":
                 return None
@@ -77,6 +84,18 @@ class IpcReceiver:
 
     def close(self) -> None:
         self.channel.close()
+
+    def _await_first_frame(self, timeout_s: float | None, abandon: Callable[[], str | None] | None) -> str | None:
+        """Wait in short slices until the sender says something, asking ``abandon`` in between; the frame
+        itself is read (and the timeout enforced) by the caller."""
+        if abandon is None:
+            return None
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while not self.channel.readable(min(_ABANDON_CHECK_S, deadline - time.monotonic())):
+            reason = abandon()
+            if reason is not None or time.monotonic() >= deadline:
+                return reason
+        return None
 
     def _receive_buckets(self, incoming: Incoming) -> VersionTrailer:
         previous = None

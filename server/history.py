@@ -88,6 +88,20 @@ class HistoryStore:
             if name not in present:
                 self._db.execute(f"ALTER TABLE versions ADD COLUMN {name} {definition}")
 
+    def number_after(self, version: int) -> bool:
+        """Make the next version id larger than ``version``; True if that moved it. Agents that outlived a
+        daemon hold versions of a history this one may not have (a lost or replaced history file): a new
+        version must never reuse their ids (caches, sparse bases and receivers' bookkeeping go by id)."""
+        with self._lock:
+            row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'versions'").fetchone()
+            if row is not None and row["seq"] >= version:
+                return False
+            if row is None:
+                self._db.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('versions', ?)", (version,))
+            else:
+                self._db.execute("UPDATE sqlite_sequence SET seq = ? WHERE name = 'versions'", (version,))
+            return True
+
     def fail_unfinished(self, reason: str) -> list[int]:
         """Mark every version that was in flight (e.g. at a crash) failed; returns their ids."""
         with self._lock:

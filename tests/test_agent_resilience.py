@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 
 import httpx
+import yaml
 
+from bench.chaos_proxy import Proxy
 from ckpt_engine.workers.rollout_agent import RolloutAgent
 from tests.daemon_harness import start_daemon, write_config
 
@@ -261,3 +263,113 @@ def test_agents_skip_versions_superseded_before_they_started() -> None:
     finally:
         trainer._client.close()
         receiver._client.close()
+
+
+def test_a_version_assigned_before_a_daemon_restart_does_not_hold_the_receivers(tmp_path: Path) -> None:
+    """Found by the kill_daemon trials: the daemon died right after assigning a version the trainer never
+    got. A colocated receiver waited for that version's begin for up to ``version_s`` and so missed the
+    first version of the restarted daemon ("did not connect within 5s"). The wait now ends once the agent
+    has registered again, and versions from before the restart are skipped."""
+    config = write_config(tmp_path, transport="ipc", timeouts=_SHORT)
+    daemon = start_daemon(config)
+    proxy = Proxy("127.0.0.1", int(daemon.zmq.rsplit(":", 1)[1]))  # the trainer's connection, to be cut
+    trainer, receiver = _in_process_agents(proxy.endpoint, daemon.zmq)
+    try:
+        with daemon.client() as client:
+            _wait_registered(client, 2)
+            proxy.drop(3.0)  # the trainer never gets the next assignment...
+            old = _request_sync(client)
+        time.sleep(1.0)  # ...while the receiver got its own and waits for the version to begin
+        daemon.stop(signal.SIGKILL)
+        daemon = start_daemon(config)
+        with daemon.client() as client:
+            _wait_registered(client, 2)
+            new = _request_sync(client)
+            record = _train_until_terminal(trainer, client, new)
+        assert new > old
+        assert record["status"] == "committed", record
+        assert [r["transport"] for r in record["receivers"]] == ["ipc"]
+        daemon.stop()
+    finally:
+        trainer.close()
+        receiver.close()
+        proxy.close()
+
+
+def test_a_daemon_that_lost_its_history_numbers_after_what_the_agents_hold(tmp_path: Path) -> None:
+    """A daemon restarted without its history (here in memory) would number versions from 1 again, and the
+    trainer's cache already holds a version 1 ("already cached"). It numbers new versions after the ones the
+    agents report holding when they register."""
+    config = write_config(tmp_path, timeouts=_SHORT)
+    data = yaml.safe_load(config.read_text())
+    data["store"]["history_path"] = ":memory:"
+    config.write_text(yaml.safe_dump(data))
+    daemon = start_daemon(config)
+    trainer, receiver = _in_process_agents(daemon.zmq, daemon.zmq)
+    try:
+        ids = []
+        for restart in (False, True):
+            if restart:
+                daemon.stop(signal.SIGKILL)
+                daemon = start_daemon(config)
+            with daemon.client() as client:
+                _wait_registered(client, 2)
+                ids.append(_request_sync(client))
+                record = _train_until_terminal(trainer, client, ids[-1])
+            assert record["status"] == "committed", record
+        assert ids == [1, 2] and [r.version for r in receiver.results if r.ok] == [1, 2]
+        daemon.stop()
+    finally:
+        trainer.close()
+        receiver.close()
+
+
+_SHORT = {"connect_s": 5, "collective_s": 5, "ack_s": 5, "heartbeat_s": 2, "version_s": 20}
+
+
+def _in_process_agents(trainer_endpoint: str, receiver_endpoint: str):
+    import torch
+
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
+
+    trainer = TrainerAgent(torch.nn.Linear(64, 64), trainer_endpoint, poll_wait_s=0.2).start()
+    receiver = RolloutAgent(lambda payload: None, receiver_endpoint, poll_wait_s=0.2).start()
+    return trainer, receiver
+
+
+def _wait_registered(client: httpx.Client, agents: int, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(client.get("/receivers").json()["agents"]) < agents:
+        assert time.monotonic() < deadline, "agents did not register"
+        time.sleep(0.1)
+
+
+def _request_sync(client: httpx.Client) -> int:
+    reply = client.post("/sync", json={})
+    assert reply.status_code == 202, reply.text
+    return reply.json()["version"]
+
+
+def _train_until_terminal(trainer, client: httpx.Client, version: int, timeout_s: float = 30) -> dict:
+    """Step the trainer (a training loop's step boundaries) until ``version`` has ended; its record."""
+    import threading
+
+    stop = threading.Event()
+
+    def train() -> None:
+        step = 0
+        while not stop.is_set():
+            trainer.step(step := step + 1)
+            time.sleep(0.05)
+
+    loop = threading.Thread(target=train, daemon=True)
+    loop.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while (record := client.get(f"/versions/{version}").json())["status"] not in ("committed", "failed"):
+            assert time.monotonic() < deadline, record
+            time.sleep(0.1)
+        return record
+    finally:
+        stop.set()
+        loop.join(30)

@@ -81,3 +81,12 @@ def test_a_history_from_before_bytes_skipped_is_upgraded_in_place(tmp_path: Path
     store = HistoryStore(path)
     assert store.get(1).bytes_skipped == 0 and store.get(1).step == 3
     assert store.update(store.create(mode="cached", step=4).id, bytes_skipped=99).bytes_skipped == 99
+
+
+def test_numbering_moves_past_versions_agents_hold_but_never_back(tmp_path: Path) -> None:
+    store = HistoryStore(tmp_path / "h.sqlite3")
+    assert store.number_after(7)  # an empty history: ids start after what an agent holds
+    assert store.create(mode="cached", step=None).id == 8
+    assert not store.number_after(3)  # already past it
+    assert store.create(mode="cached", step=None).id == 9
+    assert store.number_after(20) and store.create(mode="cached", step=None).id == 21

@@ -45,7 +45,8 @@ class Agent:
         self._reports: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._reporter = threading.Thread(target=self._report_loop, name=f"ckpt-{self.role}-report", daemon=True)
         self._received: str | None = None  # key of the last assignment got, acknowledged by the next poll
-        self._handled: collections.deque[str] = collections.deque(maxlen=64)  # delivery is at least once
+        # (agent id, assignment key) of what was handled: delivery is at least once
+        self._handled: collections.deque[tuple[str, str]] = collections.deque(maxlen=64)
         self.group: SyncGroup | None = None
         self._group_lock = threading.Lock()
 
@@ -133,6 +134,12 @@ class Agent:
     def versions_held(self) -> list[int]:
         return []
 
+    def from_earlier_registration(self, assignment: Assignment) -> bool:
+        """Assigned by a daemon this agent has since registered with again (it restarted): that daemon is
+        gone and the new one marked the version failed, so the version will not be served."""
+        settings = self.settings
+        return assignment.received_as is not None and settings is not None and assignment.received_as != settings.agent_id
+
     def register_extra(self) -> dict[str, Any]:
         """Role-specific fields of the Register message."""
         return {}
@@ -191,8 +198,9 @@ class Agent:
                                token=self.token)
         try:
             while not self._stop.is_set():
+                polled_as = self.agent_id
                 try:
-                    reply = poller.request("poll", {"agent_id": self.agent_id, "versions": self.versions_held(),
+                    reply = poller.request("poll", {"agent_id": polled_as, "versions": self.versions_held(),
                                                     "wait_s": self.poll_wait_s, "received": self._received})
                 except ControlReplyError as exc:
                     if "unregistered agent" in str(exc.detail):
@@ -204,10 +212,11 @@ class Agent:
                     self._stop.wait(1.0)
                     continue
                 if reply.get("assignment"):
-                    assignment = Assignment.model_validate(reply["assignment"])
+                    assignment = Assignment.model_validate(reply["assignment"]).receipt(polled_as)
                     self._received = assignment.key()
-                    if assignment.key() not in self._handled:
-                        self._handled.append(assignment.key())
+                    # per registration: a restarted daemon may reuse version ids (e.g. an in-memory history)
+                    if (polled_as, assignment.key()) not in self._handled:
+                        self._handled.append((polled_as, assignment.key()))
                         self._dispatch(assignment)
         finally:
             poller.close()

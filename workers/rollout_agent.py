@@ -80,7 +80,11 @@ class RolloutAgent(Agent):
 
     def _superseded(self, assignment: Assignment) -> bool:
         """A newer version is already queued: the daemon has ended this one (one version in flight), and
-        waiting for it would make this receiver miss the newer one."""
+        waiting for it would make this receiver miss the newer one. Likewise for a version assigned before
+        the daemon restarted."""
+        if self.from_earlier_registration(assignment):
+            log.warning("version %d was assigned before the daemon restarted; skipping it", assignment.version)
+            return True
         newer = [a for a in list(self._work.queue) if a is not None and a.version > assignment.version]
         if not newer:
             return False
@@ -88,13 +92,25 @@ class RolloutAgent(Agent):
                     assignment.version, newer[-1].version)
         return True
 
+    def _abandoned(self, assignment: Assignment, channel_agent_id: str) -> str | None:
+        """Why the version this receiver waits for will not come, if it will not: the agent registered again
+        (the daemon that assigned it is gone, and the trainer serves the new daemon's versions to the new
+        id), or a newer version is queued (the daemon ended this one). Waiting on would miss the next one."""
+        if self.from_earlier_registration(assignment) or (self.settings and self.settings.agent_id != channel_agent_id):
+            return f"registered again since version {assignment.version} was assigned (daemon restart)"
+        newer = [a.version for a in list(self._work.queue) if a is not None and a.version > assignment.version]
+        return f"version {assignment.version} was superseded by version {max(newer)}" if newer else None
+
     def _receive(self, assignment: Assignment) -> ReceiveResult:
         settings = self.settings
         if settings is None:
             raise CkptEngineError("not registered")
-        receiver = self._ipc_receiver(assignment, settings) if assignment.transport == "ipc" else \
-            self._collective_receiver(assignment, settings)
-        result = receiver.receive(begin_timeout_s=settings.version_timeout_s)
+        if assignment.transport == "ipc":
+            ipc = self._ipc_receiver(assignment, settings)
+            result = ipc.receive(begin_timeout_s=settings.version_timeout_s,
+                                 abandon=lambda: self._abandoned(assignment, ipc.agent_id))
+        else:
+            result = self._collective_receiver(assignment, settings).receive(begin_timeout_s=settings.version_timeout_s)
         if result is None:
             return ReceiveResult(assignment.version, False, "the sender closed the channel")
         if result.version is not None and result.version != assignment.version:

@@ -164,6 +164,11 @@ class TrainerAgent(Agent):
         collective timeout."""
         if not self._pending or (self._background is not None and self._background.is_alive()):
             return None
+        for stale in [a for a in list(self._pending) if self.from_earlier_registration(a)]:
+            self._pending.remove(stale)
+            log.warning("version %d was assigned before the daemon restarted; skipping it", stale.version)
+        if not self._pending:
+            return None
         while len(self._pending) > 1:  # the daemon has one version in flight: older ones have ended there
             stale = self._pending.popleft()
             log.warning("version %d was superseded by version %d before it could be served; skipping it",
