@@ -32,20 +32,13 @@ def test_reports_do_not_block_while_the_daemon_is_stalled(tmp_path: Path) -> Non
 
 
 def test_an_agent_registers_again_soon_after_a_daemon_restart(tmp_path: Path) -> None:
-    config = write_config(tmp_path, timeouts={"connect_s": 5, "collective_s": 5, "ack_s": 5, "heartbeat_s": 2,
-                                              "version_s": 20})
+    config = write_config(tmp_path, timeouts=_SHORT)
     daemon = start_daemon(config)
     agent = RolloutAgent(lambda payload: None, daemon.zmq, poll_wait_s=0.2).start()
     try:
         first = agent.agent_id
-        daemon.stop(signal.SIGKILL)
-        restarted = start_daemon(config)
-        started = time.monotonic()
-        with httpx.Client(base_url=restarted.url, timeout=5) as client:
-            while not client.get("/receivers").json()["agents"]:
-                assert time.monotonic() - started < 6, "not registered again within 6 s"
-                time.sleep(0.1)
         # a lost poll is noticed after wait + heartbeat/2 (1.2 s), not after the 10 s request timeout
+        restarted = _kill_and_restart(daemon, config, agents=1)
         assert agent.agent_id != first
         restarted.stop()
     finally:
@@ -56,8 +49,7 @@ def test_a_report_stuck_on_the_dead_daemon_delays_neither_registering_nor_later_
     # Found by the kill_daemon trials: a report sent to the dead daemon only gives up after the 10 s request
     # timeout. Registering again waited behind it (the daemon saw no trainer for that long), and so did every
     # later report, such as the outcome of the first version after the restart.
-    config = write_config(tmp_path, timeouts={"connect_s": 5, "collective_s": 5, "ack_s": 5, "heartbeat_s": 2,
-                                              "version_s": 20})
+    config = write_config(tmp_path, timeouts=_SHORT)
     daemon = start_daemon(config)
     agent = RolloutAgent(lambda payload: None, daemon.zmq, poll_wait_s=0.2).start()
     try:
@@ -65,13 +57,7 @@ def test_a_report_stuck_on_the_dead_daemon_delays_neither_registering_nor_later_
         daemon.proc.send_signal(signal.SIGSTOP)  # takes the report, never answers it
         agent.report(1, "evicted")
         time.sleep(0.5)
-        daemon.stop(signal.SIGKILL)
-        restarted = start_daemon(config)
-        started = time.monotonic()
-        with httpx.Client(base_url=restarted.url, timeout=5) as client:
-            while not client.get("/receivers").json()["agents"]:
-                assert time.monotonic() - started < 6, "not registered again within 6 s"
-                time.sleep(0.1)
+        restarted = _kill_and_restart(daemon, config, agents=1)
         assert agent.agent_id != first
         agent.report(1, "evicted")
         assert agent.flush_reports(3.0), "a report for the new daemon waited behind one for the dead daemon"
@@ -280,10 +266,8 @@ def test_a_version_assigned_before_a_daemon_restart_does_not_hold_the_receivers(
             proxy.drop(3.0)  # the trainer never gets the next assignment...
             old = _request_sync(client)
         time.sleep(1.0)  # ...while the receiver got its own and waits for the version to begin
-        daemon.stop(signal.SIGKILL)
-        daemon = start_daemon(config)
+        daemon = _kill_and_restart(daemon, config, agents=2)
         with daemon.client() as client:
-            _wait_registered(client, 2)
             new = _request_sync(client)
             record = _train_until_terminal(trainer, client, new)
         assert new > old
@@ -310,8 +294,7 @@ def test_a_daemon_that_lost_its_history_numbers_after_what_the_agents_hold(tmp_p
         ids = []
         for restart in (False, True):
             if restart:
-                daemon.stop(signal.SIGKILL)
-                daemon = start_daemon(config)
+                daemon = _kill_and_restart(daemon, config, agents=2)
             with daemon.client() as client:
                 _wait_registered(client, 2)
                 ids.append(_request_sync(client))
@@ -342,6 +325,16 @@ def _wait_registered(client: httpx.Client, agents: int, timeout_s: float = 10) -
     while len(client.get("/receivers").json()["agents"]) < agents:
         assert time.monotonic() < deadline, "agents did not register"
         time.sleep(0.1)
+
+
+def _kill_and_restart(daemon, config: Path, agents: int):
+    """kill -9 the daemon, start it again on the same config, and wait (6 s at most) until ``agents`` agents
+    have registered again; the new daemon."""
+    daemon.stop(signal.SIGKILL)
+    restarted = start_daemon(config)
+    with restarted.client() as client:
+        _wait_registered(client, agents, timeout_s=6)
+    return restarted
 
 
 def _request_sync(client: httpx.Client) -> int:
