@@ -98,7 +98,6 @@ class Assignment(_Body):
         self._received_as = agent_id
         return self
 
-
     def key(self) -> str:
         """Identifies the assignment for acknowledgement and de-duplication (one of each kind per version)."""
         return f"{self.kind}:{self.version}"

@@ -86,15 +86,17 @@ class IpcReceiver:
         self.channel.close()
 
     def _await_first_frame(self, timeout_s: float | None, abandon: Callable[[], str | None] | None) -> str | None:
-        """Wait in short slices until the sender says something, asking ``abandon`` in between; the frame
-        itself is read (and the timeout enforced) by the caller."""
+        """Wait in short slices until the sender says something, asking ``abandon`` in between; its reason,
+        or None once a frame is there (the caller reads it)."""
         if abandon is None:
             return None
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while not self.channel.readable(min(_ABANDON_CHECK_S, deadline - time.monotonic())):
             reason = abandon()
-            if reason is not None or time.monotonic() >= deadline:
+            if reason is not None:
                 return reason
+            if time.monotonic() >= deadline:
+                raise SyncTimeoutError("IPC peer sent nothing within the timeout")
         return None
 
     def _receive_buckets(self, incoming: Incoming) -> VersionTrailer:

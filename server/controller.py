@@ -23,7 +23,6 @@ from ckpt_engine.server.history import TERMINAL, HistoryStore, VersionRecord
 from ckpt_engine.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
-_MAX_RENUMBER = 2**53  # version ids stay exact in JSON numbers
 _ORDER = {"requested": 0, "snapshotting": 1, "transferring": 2, "verifying": 3}
 
 
@@ -62,11 +61,11 @@ class Controller:
     def register(self, message: Register) -> RegisterReply:
         with self._lock:
             agent = self.agents.add(message)
-            held = [v for v in message.versions if v <= _MAX_RENUMBER]  # a bogus id must not use up the ids
-            if held and self.history.number_after(max(held)):
+            # versions are WireInt (at most 2**53 - 1): a bogus one cannot use up the ids
+            if message.versions and self.history.number_after(max(message.versions)):
                 log.warning("agent %s holds versions up to %d that this history has not numbered yet (lost or "
                             "replaced history file?): new versions are numbered after them", agent.agent_id,
-                            max(held))
+                            max(message.versions))
             self._update_gauges()
         log.info("agent %s registered: %s rank %d on %s (%s)", agent.agent_id, agent.role, agent.rank,
                  agent.host, agent.device)

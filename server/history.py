@@ -94,7 +94,7 @@ class HistoryStore:
         version must never reuse their ids (caches, sparse bases and receivers' bookkeeping go by id)."""
         with self._lock:
             row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'versions'").fetchone()
-            if row is not None and row["seq"] >= version:
+            if version < 1 or (row is not None and row["seq"] >= version):
                 return False
             if row is None:
                 self._db.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('versions', ?)", (version,))

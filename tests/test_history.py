@@ -85,6 +85,7 @@ def test_a_history_from_before_bytes_skipped_is_upgraded_in_place(tmp_path: Path
 
 def test_numbering_moves_past_versions_agents_hold_but_never_back(tmp_path: Path) -> None:
     store = HistoryStore(tmp_path / "h.sqlite3")
+    assert not store.number_after(0)  # nothing held
     assert store.number_after(7)  # an empty history: ids start after what an agent holds
     assert store.create(mode="cached", step=None).id == 8
     assert not store.number_after(3)  # already past it

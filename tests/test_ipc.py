@@ -296,6 +296,24 @@ def test_a_reconnect_during_a_version_keeps_what_the_old_connection_already_sent
         hub.close()
 
 
+def test_a_receiver_asked_to_abandon_stops_waiting_within_its_begin_timeout() -> None:
+    hub_name = f"ckpt-test-{uuid.uuid4().hex[:8]}"
+    hub = IpcHub(hub_name, CPU)
+    rx = IpcReceiver(hub_name, "colocated", 1, lambda p: None, device=CPU, timeout_s=20)
+    try:
+        calls = []
+        started = time.monotonic()
+        quiet = rx.receive(2.0, abandon=lambda: calls.append(1) and None)  # never says why: times out
+        waited = time.monotonic() - started
+        assert not quiet.ok and "within the timeout" in quiet.reason and len(calls) > 5
+        assert waited < 3.5  # the begin timeout once, not once per phase of the wait
+        gone = rx.receive(20.0, abandon=lambda: "its daemon is gone")
+        assert not gone.ok and "its daemon is gone" in gone.reason and time.monotonic() - started < 5
+    finally:
+        rx.close()
+        hub.close()
+
+
 def two_peer_sender(hub: str) -> dict:
     publisher = Publisher(device=CPU, bucket_size=BUCKET_SIZE, ipc_hub_name=hub, timeout_s=4)
     publisher.attach(None, ipc_peers={"healthy": 1, "silent": 2})

@@ -97,4 +97,3 @@ def sharded_tensors_of(module: nn.Module, *, include_buffers: bool = True,
     if any(isinstance(t, DTensor) for t in named.tensors.values()):
         return ShardedTensors(named.tensors, named.aliases)
     return named
-

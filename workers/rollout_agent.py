@@ -79,27 +79,20 @@ class RolloutAgent(Agent):
             self._record(assignment, result)
 
     def _superseded(self, assignment: Assignment) -> bool:
-        """A newer version is already queued: the daemon has ended this one (one version in flight), and
-        waiting for it would make this receiver miss the newer one. Likewise for a version assigned before
-        the daemon restarted."""
-        if self.from_earlier_registration(assignment):
-            log.warning("version %d was assigned before the daemon restarted; skipping it", assignment.version)
-            return True
-        newer = [a for a in list(self._work.queue) if a is not None and a.version > assignment.version]
-        if not newer:
-            return False
-        log.warning("version %d was superseded by version %d before it started here; skipping it",
-                    assignment.version, newer[-1].version)
-        return True
+        """Skip a version that will not come (see ``_will_not_come``) before starting on it."""
+        reason = self._will_not_come(assignment)
+        if reason is not None:
+            log.warning("version %d skipped: %s", assignment.version, reason)
+        return reason is not None
 
-    def _abandoned(self, assignment: Assignment, channel_agent_id: str) -> str | None:
-        """Why the version this receiver waits for will not come, if it will not: the agent registered again
-        (the daemon that assigned it is gone, and the trainer serves the new daemon's versions to the new
-        id), or a newer version is queued (the daemon ended this one). Waiting on would miss the next one."""
-        if self.from_earlier_registration(assignment) or (self.settings and self.settings.agent_id != channel_agent_id):
-            return f"registered again since version {assignment.version} was assigned (daemon restart)"
+    def _will_not_come(self, assignment: Assignment) -> str | None:
+        """Why the daemon has ended this version, if it has: the agent registered again since (the daemon that
+        assigned it is gone), or a newer version is queued (one version is in flight at a time). Waiting for
+        it would make this receiver miss the next one. Asked before and while waiting for it to begin."""
+        if self.from_earlier_registration(assignment):
+            return "it was assigned before the daemon restarted"
         newer = [a.version for a in list(self._work.queue) if a is not None and a.version > assignment.version]
-        return f"version {assignment.version} was superseded by version {max(newer)}" if newer else None
+        return f"superseded by version {max(newer)}" if newer else None
 
     def _receive(self, assignment: Assignment) -> ReceiveResult:
         settings = self.settings
@@ -108,7 +101,7 @@ class RolloutAgent(Agent):
         if assignment.transport == "ipc":
             ipc = self._ipc_receiver(assignment, settings)
             result = ipc.receive(begin_timeout_s=settings.version_timeout_s,
-                                 abandon=lambda: self._abandoned(assignment, ipc.agent_id))
+                                 abandon=lambda: self._will_not_come(assignment))
         else:
             result = self._collective_receiver(assignment, settings).receive(begin_timeout_s=settings.version_timeout_s)
         if result is None:
