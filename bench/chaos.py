@@ -6,7 +6,11 @@ own process (bench/chaos_procs.py); every agent reaches the daemon's ZMQ port th
 
 1. requests a version (cached, sparse or bypass_cpu, at random) and, at a random point of it, injects one
    fault: kill -9 of a receiver, a trainer rank or the daemon; SIGSTOP of one of them for a random stall
-   (up to past the heartbeat timeout); or a cut of one agent's ZMQ connection for a random time;
+   (up to past the heartbeat timeout); a cut of one agent's ZMQ connection for a random time; a receiver
+   whose engine refuses a version, fails half way through applying it (torn), or cannot allocate staging;
+   a burst of well-formed hostile messages from a holder of the rollout token; the history's file system
+   refusing writes (RLIMIT_FSIZE); a second daemon started on the same history; or 60 HTTP requests that
+   wait on a stalled trainer while /health is probed;
 2. recovers as an operator or supervisor would: restarts what was killed (the whole trainer job when a rank
    died, as torchrun does), SIGCONTs what was stalled, lets the connection back;
 3. checks the invariants (bench/chaos_checks.py) and that the next sync after recovery commits.
@@ -32,12 +36,19 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.chaos_checks import Limits, applied_violations, history_violations, read_jsonl, wait_violations
+from bench.chaos_checks import (Limits, applied_violations, history_violations, read_jsonl, storage_violations,
+                                wait_violations)
+from bench.chaos_hostile import hostile_messages
 from bench.chaos_proxy import Proxy
 from bench.common import REPO, free_port
 
 FAULTS = ("kill_receiver", "kill_trainer", "kill_daemon", "stop_receiver", "stop_trainer", "stop_daemon",
-          "drop_receiver", "drop_trainer")
+          "drop_receiver", "drop_trainer",
+          # what the outside probe found (issue 15): a receiver failing at each stage of its receive path, a
+          # hostile peer with valid credentials, storage faults, a second daemon, a slow control plane
+          "refuse_receiver", "tear_receiver", "starve_receiver", "hostile_peer", "fill_disk", "second_daemon",
+          "slow_control")
+HEALTH_LIMIT_S = 1.0  # the Kubernetes probe in deploy/ times out at 1 s
 SYNC_BODIES = ({"sparse": True}, {"sparse": False}, {"sparse": False, "bypass_cpu": True})
 TIMEOUTS = {"connect_s": 8, "collective_s": 6, "ack_s": 8, "heartbeat_s": 3, "version_s": 20}
 PG_TIMEOUT_S = 8  # the trainer job's own process group
@@ -81,6 +92,7 @@ class Cluster:
             "zmq": {"endpoint": f"tcp://127.0.0.1:{self.zmq_port}"},
             "store": {"history_path": str(workdir / "history.sqlite3"), "rendezvous_host": "127.0.0.1",
                       "rendezvous_port": free_port()},
+            "auth": {"credentials_file": str(workdir / "credentials.json")},
             "timeouts": TIMEOUTS}))
         self.procs: dict[str, subprocess.Popen] = {}
         self.proxies = {name: Proxy("127.0.0.1", self.zmq_port) for name in self.agent_names()}
@@ -102,10 +114,20 @@ class Cluster:
         while time.monotonic() < deadline:
             try:
                 if self.http.get("/health").status_code == 200:
+                    self.http.headers["Authorization"] = f"Bearer {self._operator_token()}"
                     return
             except httpx.HTTPError:
                 time.sleep(0.1)
         raise RuntimeError("the daemon did not come up within 30 s")
+
+    def _operator_token(self) -> str | None:
+        return self.tokens().get("operator")
+
+    def tokens(self) -> dict[str, str | None]:
+        from ckpt_engine.auth import read_credentials
+
+        found = read_credentials(self.workdir / "credentials.json")
+        return found.model_dump() if found is not None else {}
 
     def start_trainers(self) -> None:
         port = free_port()
@@ -122,7 +144,8 @@ class Cluster:
     def _spawn(self, name: str, argv: list[str]) -> None:
         with (self.workdir / f"{name}.log").open("a") as log:
             self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                                env={**os.environ, "PYTHONPATH": str(REPO)})
+                                                env={**os.environ, "PYTHONPATH": str(REPO),
+                                                     "CKPT_ENGINE_CREDENTIALS": str(self.workdir / "credentials.json")})
 
     def alive(self, name: str) -> bool:
         proc = self.procs.get(name)
@@ -264,7 +287,9 @@ def run_trial(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
 def inject(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
     action, _, kind = trial.fault.partition("_")
     name = trial.target
-    if action == "kill":
+    if trial.fault in _SPECIAL:
+        _SPECIAL[trial.fault](cluster, trial, rng)
+    elif action == "kill":
         cluster.kill(name)
         if kind == "trainer":  # the surviving rank must give up by itself within its timeout
             survivor = "trainer1" if name == "trainer0" else "trainer0"
@@ -279,6 +304,97 @@ def inject(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
         time.sleep(trial.stall_s)
 
 
+def _arm(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
+    fault = {"refuse_receiver": "refuse", "tear_receiver": "torn", "starve_receiver": "alloc"}[trial.fault]
+    (cluster.workdir / f"{trial.target}.arm").write_text(fault)
+    time.sleep(trial.stall_s)
+
+
+def _hostile(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
+    from ckpt_engine.workers.client import ControlClient, ControlReplyError
+
+    token = cluster.tokens().get("rollout")
+    client = ControlClient(f"tcp://127.0.0.1:{cluster.zmq_port}", timeout_s=5, token=token)
+    try:
+        reply = client.request("register", {"role": "receiver", "host": "hostile", "pid": 1, "device": "cpu"})
+        mine = {"agent_id": reply["agent_id"], "session": reply["session"]}
+        victims = [a["agent_id"] for a in cluster.http.get("/receivers").json()["agents"]]
+        messages = hostile_messages(rng, victims, mine, trial.in_flight)
+        deadline = time.monotonic() + trial.stall_s
+        while time.monotonic() < deadline:
+            message = next(messages)
+            try:
+                client.request(message["type"], message["body"])
+            except ControlReplyError as exc:  # refusals are expected; a bug of ours is not
+                if exc.error == "internal error":
+                    trial.violations.append(f"a hostile message got an internal error: {exc}")
+    finally:
+        client.close()
+
+
+def _fill_disk(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
+    import resource
+
+    pid = cluster.procs["daemon"].pid
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))  # every write fails: EFBIG
+    try:
+        time.sleep(trial.stall_s)
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+
+def _second_daemon(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
+    started = time.monotonic()
+    second = subprocess.run([sys.executable, "-m", "ckpt_engine.cli", "serve", "--config", str(cluster.config)],
+                            capture_output=True, text=True, timeout=60, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    if second.returncode != 2 or "in use by another daemon" not in second.stderr:
+        trial.violations.append(f"a second daemon on the same history exited {second.returncode}: "
+                                f"{second.stderr.strip()[-300:]}")
+    trial.waits.append(("second daemon refused", round(time.monotonic() - started, 2)))
+
+
+def _slow_control(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
+    import concurrent.futures
+
+    cached = [v for v, r in cluster.history().items() if r.get("cached")]
+    cluster.signal("trainer0", signal.SIGSTOP)  # evictions now wait for it
+    try:
+        with concurrent.futures.ThreadPoolExecutor(64) as pool:
+            headers = dict(cluster.http.headers)
+
+            def slow(i: int) -> int:
+                path = f"/versions/{cached[i % len(cached)]}" if cached else "/versions"
+                with httpx.Client(base_url=cluster.url, headers=headers, timeout=30) as http:
+                    return (http.delete(path) if cached else http.get(path, params={"limit": 1000})).status_code
+
+            pending = [pool.submit(slow, i) for i in range(60)]
+            worst, deadline = 0.0, time.monotonic() + trial.stall_s
+            while time.monotonic() < deadline:
+                began = time.monotonic()
+                try:
+                    httpx.get(f"{cluster.url}/health", timeout=5)
+                except httpx.HTTPError:
+                    pass
+                worst = max(worst, time.monotonic() - began)
+                time.sleep(0.1)
+            trial.waits.append(("slowest /health", round(worst, 3)))
+            if worst > HEALTH_LIMIT_S:
+                trial.violations.append(f"/health took {worst:.2f}s while requests waited on the trainer")
+    finally:
+        cluster.signal("trainer0", signal.SIGCONT)
+        trial.resumed_at = time.monotonic()
+    for future in pending:
+        try:
+            future.result(timeout=60)
+        except Exception as exc:  # noqa: BLE001 - the daemon must answer; how is its choice
+            trial.violations.append(f"a waiting request got no answer: {exc}")
+
+
+_SPECIAL = {"refuse_receiver": _arm, "tear_receiver": _arm, "starve_receiver": _arm, "hostile_peer": _hostile,
+            "fill_disk": _fill_disk, "second_daemon": _second_daemon, "slow_control": _slow_control}
+
+
 def _time_to_exit(cluster: Cluster, name: str) -> float:
     started = time.monotonic()
     try:
@@ -290,6 +406,8 @@ def _time_to_exit(cluster: Cluster, name: str) -> float:
 
 def recover(cluster: Cluster, trial: Trial, fault_at: float) -> None:
     """Restart whatever is not running any more, as a supervisor would."""
+    if trial.fault == "starve_receiver":  # memory comes back
+        (cluster.workdir / f"{trial.target}.arm").write_text("unalloc")
     if not cluster.alive("daemon"):
         cluster.start_daemon()
     trainers = ("trainer0", "trainer1")
@@ -341,19 +459,34 @@ def _may_end_the_job(trial: Trial) -> bool:
 
 def check(cluster: Cluster, trial: Trial, first_new: int) -> None:
     history = cluster.history()
-    trial.violations += applied_violations(cluster.applied(), history)
+    applied = cluster.applied()
+    trial.violations += applied_violations(applied, history)
     trial.violations += history_violations({v: r for v, r in history.items() if v >= first_new}, LIMITS)
-    trial.violations += wait_violations(trial.waits, LIMITS)
+    trial.violations += wait_violations([w for w in trial.waits if not w[0].startswith(("slowest", "second"))], LIMITS)
+    if trial.fault == "fill_disk":  # nothing else went wrong: what a receiver applied must be recorded committed
+        trial.violations += storage_violations(applied, {v: r for v, r in history.items() if v >= first_new})
+    agents = cluster.http.get("/receivers").json()["agents"]
+    torn = [a["agent_id"] for a in agents if a.get("state") == "torn"]
+    if torn:
+        trial.violations.append(f"receivers {torn} still torn after recovery (no repair)")
+    trainers = {a["pid"] for a in agents if a["role"] == "trainer"}
+    ours = {cluster.procs[t].pid for t in ("trainer0", "trainer1") if cluster.alive(t)}
+    if not trainers <= ours:
+        trial.violations.append(f"trainer agents {trainers} are not the cluster's trainer ranks {ours}")
 
 
 def plan_trial(index: int, rng: random.Random, fault: str, cluster: Cluster, typical_sync_s: float) -> Trial:
     kind = fault.partition("_")[2]
-    target = ("daemon" if kind == "daemon" else rng.choice(["trainer0", "trainer1"]) if kind == "trainer"
-              else f"receiver{rng.randrange(cluster.receivers)}")
-    if fault == "drop_trainer":
-        target = "trainer0"  # the rank that talks to the daemon
+    target = ("daemon" if kind in ("daemon", "disk", "control") else rng.choice(["trainer0", "trainer1"])
+              if kind == "trainer" else "daemon" if kind == "peer" else f"receiver{rng.randrange(cluster.receivers)}")
+    if fault in ("drop_trainer", "slow_control"):
+        target = "trainer0" if fault == "drop_trainer" else "daemon"  # the rank that talks to the daemon
     longest = PG_TIMEOUT_S + 3 if fault == "stop_trainer" else 2.5 * TIMEOUTS["heartbeat_s"]  # past the timeouts
-    stall = rng.uniform(0.3, longest) if fault.startswith(("stop", "drop")) else 0.0
+    stalls = {"hostile_peer": (1.0, 4.0), "fill_disk": (0.5, 3.0 * TIMEOUTS["heartbeat_s"]),
+              "slow_control": (1.0, 4.0), "starve_receiver": (0.5, 4.0), "refuse_receiver": (0.0, 0.5),
+              "tear_receiver": (0.0, 0.5)}
+    low, high = stalls.get(fault, (0.3, longest))
+    stall = rng.uniform(low, high) if fault.startswith(("stop", "drop")) or fault in stalls else 0.0
     return Trial(index, fault, target, cluster.transport, cluster.receivers, rng.choice(SYNC_BODIES),
                  round(rng.uniform(0, 1.5 * typical_sync_s), 3), round(stall, 2))
 

@@ -53,6 +53,18 @@ def history_violations(history: dict[int, dict], limits: Limits) -> list[str]:
     return out
 
 
+def storage_violations(applied: Iterable[dict], history: dict[int, dict]) -> list[str]:
+    """With a storage fault and nothing else wrong: a version some receiver applied is recorded committed
+    (the outcome was kept in memory and written once the file could be; never rewritten failed)."""
+    out = []
+    for version in sorted({e.get("version") for e in applied if isinstance(e.get("version"), int)}):
+        record = history.get(version)
+        if record is not None and record.get("status") != "committed":
+            out.append(f"version {version} was applied but is recorded {record.get('status')}: "
+                       f"{record.get('reason')}")
+    return out
+
+
 def wait_violations(waits: Iterable[tuple[str, float]], limits: Limits) -> list[str]:
     """``waits``: (what, seconds) of survivors that had to give up, e.g. ("trainer rank 1 exit", 9.2)."""
     bound = limits.trainer_exit_s + limits.margin_s

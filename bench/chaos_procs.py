@@ -6,7 +6,10 @@ harness can kill -9, SIGSTOP and restart any of them independently.
   collective times out after ``pg_timeout_s`` and it exits (code 3), as a torchrun worker would.
 - ``receiver``: a ``RolloutAgent`` holding the same MLP unsharded. After every load it computes the digest
   of its own weights and appends ``{version, manifest_digest, model_digest}`` to its log, the evidence for
-  the invariant "no receiver ever applied a version whose digest differs from the manifest".
+  the invariant "no receiver ever applied a version whose digest differs from the manifest". The harness
+  arms faults at a stage of its receive path by writing ``receiverN.arm``: ``refuse`` (its engine refuses
+  the next version before changing anything), ``torn`` (the next apply fails half way), ``alloc`` (its
+  address space is capped so the next staging cannot be allocated) and ``unalloc`` (the cap is lifted).
 
 Both run until the file ``stop`` appears in their work directory.
 """
@@ -84,20 +87,70 @@ def trainer(args: dict) -> int:
     return 0
 
 
+class _ArmedAdapter:
+    """The receiver's ModuleAdapter with the faults the harness arms (see the module doc)."""
+
+    def __init__(self, model: nn.Module, arm_file: Path, log: EventLog) -> None:
+        from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
+
+        self.arm_file, self.log = arm_file, log
+        self.armed: str | None = None
+        armed = self
+
+        class Adapter(ModuleAdapter):
+            def _copy(self, name: str, target: torch.Tensor, source: torch.Tensor) -> None:
+                super()._copy(name, target, source)
+                if armed.armed == "torn" and name == "3.weight":  # half the layers are new, half old
+                    armed.armed = None
+                    raise RuntimeError("injected: the engine failed half way through the apply")
+
+        self.adapter = Adapter(model)
+
+    def check(self, agent) -> None:
+        """Read an armed fault (a watcher thread calls this every 0.1 s)."""
+        if not self.arm_file.exists():
+            return
+        fault = self.arm_file.read_text().strip()
+        self.arm_file.unlink()
+        self.log.write(event="armed", fault=fault)
+        if fault == "alloc":
+            import resource
+
+            assembler = getattr(agent, "_shared_assembler", None)
+            if assembler is not None:  # the next version allocates its staging anew, under the cap
+                assembler._staging = None
+                assembler._view_cache.clear()
+            used = int(Path("/proc/self/status").read_text().split("VmSize:")[1].split()[0]) * 1024
+            resource.setrlimit(resource.RLIMIT_AS, (used + (16 << 20), resource.RLIM_INFINITY))
+        elif fault == "unalloc":
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        else:
+            self.armed = fault
+
+    def load(self, payload) -> None:
+        from ckpt_engine.errors import ApplyRefused
+
+        if self.armed == "refuse":
+            self.armed = None
+            raise ApplyRefused("injected: the engine refused the version before changing anything")
+        self.adapter.load(payload)
+
+
 def receiver(args: dict) -> int:
     from ckpt_engine.publisher import version_digest_of
     from ckpt_engine.tensors import named_tensors_of
-    from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
     from ckpt_engine.workers.rollout_agent import RolloutAgent
 
     workdir, index = Path(args["workdir"]), int(args["index"])
     log = EventLog(workdir / f"receiver{index}.applied.jsonl")
     model = build_model(seed=100 + index)
-    adapter = ModuleAdapter(model)
+    armed = _ArmedAdapter(model, workdir / f"receiver{index}.arm", EventLog(workdir / f"receiver{index}.faults.jsonl"))
     agent: RolloutAgent | None = None
 
     def load(payload) -> None:
-        adapter.load(payload)
+        armed.load(payload)
         settings = agent.settings if agent is not None else None
         bucket = settings.bucket_size if settings else 1 << 20
         alignment = settings.alignment if settings else 256
@@ -108,6 +161,7 @@ def receiver(args: dict) -> int:
     agent = RolloutAgent(load, args["zmq"], poll_wait_s=0.3)
     agent.start()
     while not (workdir / "stop").exists():
+        armed.check(agent)
         time.sleep(0.1)
     agent.close()
     return 0

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from ckpt_engine.device import DeviceInfo, comm_empty
-from ckpt_engine.errors import CkptEngineError, ProtocolError
+from ckpt_engine.errors import ApplyRefused, CkptEngineError, ProtocolError, StagingUnavailable
 from ckpt_engine.hashing import bucket_digests, check_algo, version_digest
 from ckpt_engine.layout import Bucket, Layout
 from ckpt_engine.protocol import Ack, VersionHeader, VersionTrailer
@@ -47,6 +47,8 @@ class ReceiveResult:
     loaded: bool = False
     bytes_received: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
+    torn: bool = False  # load failed part way: the model holds no whole version
+    unable: str | None = None  # this receiver cannot take versions like this one now (e.g. memory)
 
     def ack(self, rank: int) -> Ack:
         return Ack(version=self.version or 0, rank=rank, ok=self.ok, version_digest=self.version_digest,
@@ -91,12 +93,17 @@ class VersionAssembler:
 
     def begin(self, header: VersionHeader, staging: torch.Tensor | None = None) -> Incoming:
         """``staging``: a buffer that already holds (or will hold) the version in wire layout, e.g. the
-        sender's shared cache buffer; by default this receiver's own staging buffer."""
+        sender's shared cache buffer; by default this receiver's own staging buffer (StagingUnavailable when it
+        cannot be allocated)."""
         layout = self._layout(header)
         if staging is not None and staging.numel() < layout.total_bytes:
             raise ProtocolError(f"shared buffer of {staging.numel()} bytes cannot hold {layout.total_bytes}")
         return Incoming(header, layout, check_algo(header.digest_algo),
                         self._staging_for(layout) if staging is None else staging, ReceiveResult(header.version, False))
+
+    def forget(self) -> None:
+        """Hold no version any more (its label belongs to a history the daemon no longer uses)."""
+        self.committed, self.manifest = None, None
 
     def check_bucket(self, incoming: Incoming, bucket: Bucket, expected: list[int]) -> None:
         """Recompute the bucket's digests from staging and note every tensor that differs."""
@@ -169,10 +176,15 @@ class VersionAssembler:
         try:
             self.load(VersionPayload(header.version, header.step, header.mode, digest, self._views(incoming),
                                      sparse=sparse))
+        except ApplyRefused as exc:  # nothing was changed: the model still holds the previous version
+            result.reason = f"load refused: {exc}"
+            log.warning("version %d refused by the engine: %s", header.version, exc)
+            return False
         except Exception as exc:  # the adapter's failure is reported, never swallowed
             result.reason = f"load failed: {type(exc).__name__}: {exc}"
-            log.exception("load of version %d failed", header.version)
-            self.manifest = None  # the model may be partly updated: only a full version is a safe base now
+            result.torn = True
+            log.exception("load of version %d failed part way; the model is torn until repaired", header.version)
+            self.manifest, self.committed = None, None  # the model may be partly updated: it holds no version
             return False
         finally:
             incoming.seconds["load"] = time.perf_counter() - t0
@@ -199,6 +211,9 @@ class VersionAssembler:
                     raise ProtocolError(f"alias {alias!r} points at unknown tensor {canonical!r}")
         return views
 
+    def layout_of(self, header: VersionHeader) -> Layout:
+        return self._layout(header)
+
     def _layout(self, header: VersionHeader) -> Layout:
         layout = self._layouts.get(header.layout_digest)
         if layout is not None:
@@ -216,5 +231,10 @@ class VersionAssembler:
         need = max(layout.total_bytes, 1)
         if self._staging is None or self._staging.numel() < need:
             self._staging = None
-            self._staging = comm_empty(need, self.device)
+            self._view_cache.clear()  # views keep the old buffer alive
+            try:
+                self._staging = comm_empty(need, self.device)
+            except (RuntimeError, MemoryError) as exc:  # torch's allocators raise RuntimeError (or OOM subclasses)
+                raise StagingUnavailable(f"cannot allocate {need} bytes of staging for version "
+                                         f"layout {layout.digest}: {exc}") from exc
         return self._staging

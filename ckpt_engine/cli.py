@@ -48,7 +48,12 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckpt-engine", description="versioned, verified weight sync for RL")
     parser.add_argument("--version", action="version", version=f"ckpt-engine {__version__}")
     parser.add_argument("--url", default=os.environ.get("CKPT_ENGINE_URL", DEFAULT_URL), help="daemon HTTP address")
-    parser.add_argument("--token", default=os.environ.get("CKPT_ENGINE_TOKEN"), help="bearer token (auth_token)")
+    parser.add_argument("--token", default=os.environ.get("CKPT_ENGINE_TOKEN"),
+                        help="bearer token (default: $CKPT_ENGINE_TOKEN, else the operator token of the credentials "
+                             "file)")
+    parser.add_argument("--credentials", default=None,
+                        help="credentials file the daemon wrote (default: $CKPT_ENGINE_CREDENTIALS, else "
+                             "~/.ckpt-engine/credentials.json)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="the fully-async demo: daemon + 2-rank FSDP2 trainer + 2 rollouts (demo --help)")
     sub.add_parser("demo-library", help="the library alone: a trainer and 2 receivers, no daemon")
@@ -66,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     sync.set_defaults(run=_sync)
     versions = sub.add_parser("versions", help="version history, newest first")
     versions.add_argument("--limit", type=int, default=20)
+    versions.add_argument("--before", type=int, default=None, help="only versions older than this id (paging)")
     versions.add_argument("--status", choices=["requested", "snapshotting", "transferring", "verifying", *TERMINAL])
     versions.set_defaults(run=_versions)
     for name, helptext, run in (("version", "one version's record", _version), ("push", "re-push a cached version",
@@ -104,12 +110,22 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    print(load_config(args.path).model_dump_json(indent=2))
+    from ckpt_engine.server.history import HistoryError, check_history_path
+
+    config = load_config(args.path)
+    try:
+        check_history_path(config.store.history_path)
+    except HistoryError as exc:
+        raise ConfigError(f"{args.path}: {exc}") from exc
+    print(config.model_dump_json(indent=2))
     return 0
 
 
 def _client(args: argparse.Namespace) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+    from ckpt_engine.auth import client_token
+
+    token = client_token("operator", args.token, args.credentials)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     return httpx.Client(base_url=args.url, headers=headers, timeout=30.0)
 
 
@@ -155,7 +171,8 @@ def _follow(args: argparse.Namespace, version: int) -> int:
 
 
 def _versions(args: argparse.Namespace) -> int:
-    params = {"limit": args.limit, **({"status": args.status} if args.status else {})}
+    params = {"limit": args.limit, **({"status": args.status} if args.status else {}),
+              **({"before": args.before} if args.before else {})}
     status, body = _call(args, "GET", "/versions", params=params)
     if status >= 400:
         return 1

@@ -9,15 +9,20 @@ import ipaddress
 import os
 import re
 import socket
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
+from ckpt_engine.auth import DEFAULT_CREDENTIALS_FILE, TOKEN_PATTERN
 from ckpt_engine.errors import ConfigError
 
 DAY_S = 86400.0
+# Visible ASCII only: tokens travel in an HTTP header, and surrounding spaces would be stripped there.
+Token = Annotated[str, Field(min_length=16, max_length=4096, pattern=TOKEN_PATTERN)]
 _LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 _WILDCARDS = ("0.0.0.0", "::", "*")
 
@@ -174,6 +179,8 @@ class StoreConfig(_Strict):
     history_path: str = Field("ckpt-engine-history.sqlite3", min_length=1)
     rendezvous_host: str = "127.0.0.1"
     rendezvous_port: Int = Field(8767, ge=0, le=65535)
+    lock_wait_s: Float = Field(0.0, ge=0, le=DAY_S, allow_inf_nan=False,
+                               description="how long a daemon waits for another that holds the same history")
 
     _host = field_validator("rendezvous_host")(check_bind_host)  # the store listens there (agents connect to it)
 
@@ -183,6 +190,18 @@ class StoreConfig(_Strict):
         if os.path.isdir(value):
             raise ValueError(f"{value!r} is a directory; name the SQLite file")
         return value
+
+
+class AuthConfig(_Strict):
+    """Per-role tokens (see ckpt_engine/auth.py). Roles without a token here get one generated once and kept in
+    ``credentials_file`` (mode 0600), where local clients of the same user find them."""
+
+    open: bool = Field(False, description="no authentication at all: anyone who reaches a port is operator, "
+                                         "trainer and rollout (development only)")
+    credentials_file: str = Field(DEFAULT_CREDENTIALS_FILE, min_length=1, max_length=4096)
+    operator_token: Token | None = None
+    trainer_token: Token | None = None
+    rollout_token: Token | None = None
 
 
 class EngineConfig(_Strict):
@@ -197,9 +216,9 @@ class EngineConfig(_Strict):
     min_receivers: Int = Field(1, ge=0, le=1 << 16, description="receivers that must commit for a version to commit")
     transport: Literal["auto", "collective", "ipc"] = Field(
         "auto", description="auto: shared memory for receivers on the sender's host, the collective for others")
-    # Visible ASCII only: it travels in an HTTP header, and surrounding spaces would be stripped there.
-    auth_token: str | None = Field(None, min_length=16, max_length=4096, pattern=r"^[\x21-\x7e]+$",
-                                   description="bearer token for HTTP and agents")
+    auth_token: Token | None = Field(None, description="one token for every role (older deployments; roles are "
+                                                       "then not separated: prefer auth.*_token)")
+    auth: AuthConfig = AuthConfig()
     timeouts: Timeouts = Timeouts()
     http: HttpConfig = HttpConfig()
     zmq: ZmqConfig = ZmqConfig()
@@ -285,9 +304,19 @@ def _text_keys(model: type[BaseModel], prefix: str = "") -> set[str]:
         annotation = info.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             keys |= _text_keys(annotation, f"{prefix}{key}.")
-        elif annotation in (str, str | None):
+        elif _is_text(annotation):
             keys.add(prefix + key)
     return keys
+
+
+def _is_text(annotation: Any) -> bool:
+    """``str``, possibly Annotated and/or Optional."""
+    if annotation is str:
+        return True
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _is_text(args[0])
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1 and _is_text(args[0])
 
 
 def _key_paths(model: type[BaseModel], prefix: str = "") -> list[str]:

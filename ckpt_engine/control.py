@@ -15,13 +15,21 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from ckpt_engine.errors import ProtocolError
 
-Role = Literal["trainer", "receiver"]
+Role = Literal["trainer", "receiver", "driver"]
+# A version's lifecycle in the daemon: requested -> snapshotting -> transferring -> verifying -> one of TERMINAL.
+VersionStatus = Literal["requested", "snapshotting", "transferring", "verifying", "committed", "failed", "cancelled"]
+STATUSES: tuple[str, ...] = VersionStatus.__args__  # type: ignore[attr-defined]
+TERMINAL: tuple[str, ...] = ("committed", "failed", "cancelled")
 Encoding = Literal["msgpack", "json"]
 # Version ids and steps: exact in every JSON parser (2**53) and within SQLite's INTEGER, so a larger value is a
 # validation error, never an OverflowError deep in the history store.
 MAX_ID = (1 << 53) - 1
 WireInt = Annotated[int, Field(ge=-MAX_ID, le=MAX_ID)]
 MAX_LISTED_VERSIONS = 1024  # an agent holds a handful of versions; the cap bounds what one frame can make us store
+# Secrets and ids the daemon issues, and names agents choose: bounded, printable, no spaces.
+Secret = Annotated[str, Field(min_length=16, max_length=128, pattern=r"^[\x21-\x7e]+$")]
+AgentId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[\x21-\x7e]+$")]
+EngineName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:/@-]+$")]
 
 
 class _Body(BaseModel):
@@ -30,21 +38,32 @@ class _Body(BaseModel):
 
 class Register(_Body):
     role: Role
-    rank: int = Field(0, ge=0)
-    host: str
-    pid: int
-    device: str
+    rank: int = Field(0, ge=0, le=1 << 20)
+    host: str = Field(max_length=256)
+    pid: int = Field(ge=0, le=1 << 32)
+    device: str = Field(max_length=64)
+    # Versions this agent holds, numbered by the history ``history_id`` names; versions of another history
+    # (the daemon lost or replaced its file) mean nothing here and are ignored.
     versions: list[WireInt] = Field(default_factory=list, max_length=MAX_LISTED_VERSIONS)
+    history_id: str | None = Field(None, max_length=64)
     token: str | None = None
     host_id: str | None = None  # ipc.host_identity(): equal ids can use the same-host path
     sync_every: int = Field(1, ge=1)  # receivers: take only every N-th version (slow engines)
     # trainers registering again (daemon restart, expired heartbeat): the same-host hub they already serve,
     # which colocated receivers must keep being sent to
     ipc_name: str | None = Field(None, max_length=200, pattern=r"^ckpt-engine/[\x21-\x7e]+$")
+    # Engines of several workers (vLLM with tensor parallelism): receivers naming the same engine apply a
+    # version together. ``driven`` receivers stage a verified version until the engine's driver applies it;
+    # the driver names its engine and how many receivers it has.
+    engine: EngineName | None = None
+    driven: bool = False
+    members: int | None = Field(None, ge=1, le=4096)
 
 
 class RegisterReply(_Body):
     agent_id: str
+    session: str  # proves later messages come from this registration; only this agent has it
+    history_id: str  # the history that numbers the versions this daemon assigns
     ipc_name: str | None = None  # trainers: the name to serve colocated receivers under
     heartbeat_s: float
     group_name: str
@@ -63,7 +82,8 @@ class RegisterReply(_Body):
 class Poll(_Body):
     """Heartbeat and request for work in one: the daemon answers when it has an assignment or after wait_s."""
 
-    agent_id: str
+    agent_id: AgentId
+    session: Secret
     versions: list[WireInt] = Field(default_factory=list, max_length=MAX_LISTED_VERSIONS)
     wait_s: float = Field(1.0, ge=0, le=30)
     # The key of the assignment the previous poll's reply carried: assignments are delivered at least once,
@@ -73,7 +93,7 @@ class Poll(_Body):
 
 
 class Assignment(_Body):
-    kind: Literal["send", "receive", "evict"]
+    kind: Literal["send", "receive", "evict", "apply"]
     version: int
     mode: Literal["cached", "bypass_cpu"] = "cached"
     step: int | None = None
@@ -118,16 +138,22 @@ class ReceiverAck(BaseModel):
     seconds: dict[str, float] = Field(default_factory=dict)
 
 
-class Report(_Body):
-    """What an agent tells the daemon about a version it works on."""
+ReportEvent = Literal["snapshotting", "transferring", "verifying", "done", "received", "evicted", "staged", "applied"]
 
-    agent_id: str
+
+class Report(_Body):
+    """What an agent tells the daemon about a version it works on. Trainers report the stages and ``done``;
+    receivers ``staged`` (verified, waiting for their engine's driver) and ``received`` (their own outcome,
+    with the digest they computed); drivers ``applied`` (the engine's outcome)."""
+
+    agent_id: AgentId
+    session: Secret
     version: WireInt
-    event: Literal["snapshotting", "transferring", "verifying", "done", "received", "evicted"]
+    event: ReportEvent
     step: WireInt | None = None  # the training step at which the trainer served the version
     ok: bool | None = None
-    reason: str | None = None
-    version_digest: str | None = None
+    reason: str | None = Field(None, max_length=20000)
+    version_digest: str | None = Field(None, max_length=64)
     bytes: int = 0
     buckets: int = 0
     tensors: int = 0
@@ -138,6 +164,18 @@ class Report(_Body):
     cache_versions: list[WireInt] | None = Field(None, max_length=MAX_LISTED_VERSIONS)
     cache_bytes: int | None = None
     group_broken: bool = False
+    # Receivers and drivers: the model was changed part way and holds no whole version (a failed apply);
+    # ``serving``: the version the model holds whole after this event (None: none, or unknown).
+    torn: bool = False
+    serving: WireInt | None = None
+    # Receivers: why this agent cannot take versions at all for now (e.g. staging memory); it leaves the
+    # quorum for a while instead of failing every version.
+    unable: str | None = Field(None, max_length=2000)
+
+
+class Unregister(_Body):
+    agent_id: AgentId
+    session: Secret
 
 
 class SyncRequest(_Body):

@@ -35,6 +35,16 @@ class GroupBrokenError(CkptEngineError):
     """The sync group failed mid-operation and must be rebuilt before it can be used again."""
 
 
+class ApplyRefused(CkptEngineError):
+    """An engine refused a verified version before changing anything: the model still holds what it held."""
+
+
+class TornModelError(CkptEngineError):
+    """The model holds no whole version: an apply failed part way. It must not serve until repaired."""
+
+
+class StagingUnavailable(CkptEngineError):
+    """This receiver cannot allocate the memory a version needs (it says how much)."""
 
 
 class CacheError(CkptEngineError):

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ckpt_engine.assembly import Incoming, LoadFn, ReceiveResult, VersionAssembler
 from ckpt_engine.device import DeviceInfo
-from ckpt_engine.errors import CkptEngineError, ProtocolError, SyncTimeoutError
+from ckpt_engine.errors import CkptEngineError, ProtocolError, StagingUnavailable, SyncTimeoutError
 from ckpt_engine.ipc import IPC_PROTO, FramedSocket, PeerGone, abstract_address, map_slot
 from ckpt_engine.protocol import VersionHeader, VersionTrailer, decode
 
@@ -65,7 +65,10 @@ class IpcReceiver:
                 return ReceiveResult(None, False, f"sender aborted the version: {_reason(message)}")
             buffer = message.get("buffer")
             shared = self._buffer(buffer) if buffer is not None else None
-            incoming = self.assembler.begin(decode(VersionHeader, message["header"]), staging=shared)
+            header = decode(VersionHeader, message["header"])
+            incoming = self.assembler.begin(header, staging=shared)
+        except StagingUnavailable as exc:
+            return self._drain(header, exc)
         except PeerGone:
             return None
         except CkptEngineError as exc:
@@ -84,6 +87,24 @@ class IpcReceiver:
 
     def close(self) -> None:
         self.channel.close()
+
+    def _drain(self, header: VersionHeader, problem: StagingUnavailable) -> ReceiveResult:
+        """This receiver cannot hold the version: release every bucket as it is announced (the sender and the
+        other receivers go on), then acknowledge the failure (``unable``: it leaves the quorum for a while)."""
+        result = ReceiveResult(header.version, False, str(problem), unable=str(problem))
+        try:
+            layout = self.assembler.layout_of(header)
+            for _ in layout.buckets:
+                message = self._next(self.timeout_s, {"bucket", "abort"})
+                if message["type"] == "abort":
+                    return result
+                self.channel.send({"type": "release", "seq": _notice(message).seq})
+            if self._next(self.timeout_s, {"end", "abort"})["type"] == "abort":
+                return result
+            self.channel.send({"type": "ack", "ack": result.ack(self.rank).model_dump()})
+        except CkptEngineError as exc:
+            result.reason = f"{problem}; and could not follow the rest of the version: {self._broke(exc)}"
+        return result
 
     def _await_first_frame(self, timeout_s: float | None, abandon: Callable[[], str | None] | None) -> str | None:
         """Wait in short slices until the sender says something, asking ``abandon`` in between; its reason,

@@ -86,8 +86,14 @@ class CollectiveOutlet:
         self.channel.payload(reason, len(reason), "abort reason")
 
     def acks(self, version: int, own: Ack, timeout_s: float) -> list[Ack]:
+        try:
+            gathered = self.channel.exchange_acks(own, timeout_s)
+        except CkptEngineError as exc:  # one collective for all: it cannot tell who did not answer
+            return [Ack(version=version, rank=rank, ok=False, reason=f"no acknowledgement from rank {rank}: the "
+                        f"exchange of all ranks' acknowledgements failed ({exc})")
+                    for rank in range(self.channel.group.world_size) if rank != self.channel.src]
         out = []
-        for rank, ack in enumerate(self.channel.exchange_acks(own, timeout_s)):
+        for rank, ack in enumerate(gathered):
             if rank == self.channel.src:
                 continue
             if isinstance(ack, ProtocolError):

@@ -12,9 +12,11 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from ckpt_engine.assembly import (Incoming, LoadFn, ReceiveResult, SenderAborted, VersionAssembler,
                                   VersionPayload)
-from ckpt_engine.errors import CkptEngineError, ProtocolError
+from ckpt_engine.errors import CkptEngineError, ProtocolError, StagingUnavailable
 from ckpt_engine.group import SyncGroup
 from ckpt_engine.protocol import AbortMessage, VersionHeader, VersionTrailer, decode
 from ckpt_engine.wire import Channel, Frame, FrameKind
@@ -43,12 +45,15 @@ class Receiver:
     def receive(self, begin_timeout_s: float | None = None) -> ReceiveResult | None:
         """Receive one version (None when the sender closed the group). Transfer failures come back as a
         result with ``ok=False`` and a reason; the group is then marked broken if the failure was on the wire."""
+        header: VersionHeader | None = None
         try:
             frame = self.channel.frame(None, 0, "version begin", timeout_s=begin_timeout_s)
             if frame.kind == FrameKind.CLOSE:
                 return None
             header = decode(VersionHeader, self._payload_of(frame, FrameKind.BEGIN, "version header"))
             incoming = self.assembler.begin(header)
+        except StagingUnavailable as exc:
+            return self._drain(header, exc)  # type: ignore[arg-type]
         except SenderAborted as exc:
             return ReceiveResult(None, False, str(exc))
         except CkptEngineError as exc:
@@ -77,7 +82,30 @@ class Receiver:
                 break
         return results
 
-    def _desynced(self, exc: CkptEngineError) -> str:
+    def _drain(self, header: VersionHeader, problem: StagingUnavailable) -> ReceiveResult:
+        """This receiver cannot hold the version: take part in the rest of it with one bucket of scratch, so the
+        sender and the other receivers go on, then acknowledge the failure (``unable``: it leaves the quorum)."""
+        result = ReceiveResult(header.version, False, str(problem), unable=str(problem))
+        try:
+            layout = self.assembler.layout_of(header)
+            scratch = torch.empty(max(layout.max_bucket_bytes, 1), dtype=torch.uint8, device=self.channel._device)
+            for bucket in layout.buckets:
+                frame = self.channel.frame(None, len(bucket.slots), f"bucket {bucket.index} header")
+                if frame.kind != FrameKind.BUCKET:
+                    self._payload_of(frame, FrameKind.BUCKET, "bucket")
+                if bucket.nbytes:
+                    self.channel.wait(self.channel.data(scratch[: bucket.nbytes]), f"bucket {bucket.index} data")
+            frame = self.channel.frame(None, 0, "version end")
+            self._payload_of(frame, FrameKind.END, "version trailer")
+        except SenderAborted:
+            return result
+        except (CkptEngineError, RuntimeError, MemoryError) as exc:
+            result.reason = f"{problem}; and could not follow the rest of the version: {self._desynced(exc)}"
+            return result
+        self._acknowledge(result)
+        return result
+
+    def _desynced(self, exc: Exception) -> str:
         """A failure mid-stream leaves this rank out of step with the sender: the group must be rebuilt."""
         reason = f"{type(exc).__name__}: {exc}"
         if self.group.broken is None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Launch example: the daemon, then an FSDP trainer under torchrun whose rank 0 runs the TrainerAgent, then
 # rollout workers with a RolloutAgent each. Replace train.py / rollout.py with your programs; the agents
-# need only the ZMQ endpoint (and the token when auth_token is set).
+# need only the ZMQ endpoint, and the trainer token (CKPT_ENGINE_TOKEN) when the credentials file the daemon
+# wrote is not readable here (another host or user).
 set -euo pipefail
 CONFIG="${CONFIG:-deploy/engine.yaml}"
 ckpt-engine serve --config "$CONFIG" &

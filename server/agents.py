@@ -1,19 +1,30 @@
-"""Registry of agents (trainer ranks and receivers) known to the daemon, with heartbeat expiry."""
+"""Registry of agents (trainer ranks, receivers, engine drivers) known to the daemon, with heartbeat expiry.
+
+Each registration gets an agent id and a session secret; later messages must name both, so one agent cannot
+speak for another. What the daemon knows of a receiver's model lives here: the version it serves whole, the
+one it has staged for its driver, whether a failed apply left it torn, and whether it cannot receive now.
+"""
 
 from __future__ import annotations
 
+import hmac
 import itertools
+import secrets
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
 from ckpt_engine.control import Assignment, Register
+from ckpt_engine.retry import Backoff
+
+_UNABLE_BACKOFF = dict(initial_s=5.0, max_s=300.0)
+_REPAIR_BACKOFF = dict(initial_s=1.0, max_s=120.0)
 
 
 @dataclass
 class Agent:
     agent_id: str
+    session: str
     seq: int
     role: str
     rank: int
@@ -26,21 +37,52 @@ class Agent:
     versions: list[int] = field(default_factory=list)
     sync_every: int = 1
     offered: int = 0  # regular versions requested since this agent registered (for sync_every)
-    catch_up_tried: bool = False
     pending: deque[Assignment] = field(default_factory=deque)
     ipc_name: str | None = None  # trainers: the same-host hub they serve colocated receivers from
     poll_wait_s: float = 0.0  # the wait of its latest poll: a healthy agent polls again within about that
+    # engines of several workers
+    engine: str | None = None
+    driven: bool = False
+    members: int | None = None  # drivers: receivers of their engine
+    # what the model holds (receivers)
+    serving: int | None = None  # the version it holds whole, as far as the daemon knows
+    last_served: int | None = None  # the last version it held whole (a repair re-applies it)
+    staged: int | None = None  # driven receivers: verified, waiting for the driver
+    torn: str | None = None  # why the model holds no whole version (a failed apply), until repaired
+    unable: str | None = None  # why it cannot receive now; out of the quorum until unable_until
+    unable_until: float = 0.0
+    unable_backoff: Backoff = field(default_factory=lambda: Backoff(**_UNABLE_BACKOFF))
+    catch_up_due: float = 0.0  # newcomers and torn receivers: when to (re)try bringing them a version
+    catch_up_backoff: Backoff = field(default_factory=lambda: Backoff(**_REPAIR_BACKOFF))
+    catch_up_attempts: int = 0
 
     def heartbeating(self, now: float, heartbeat_s: float) -> bool:
         """Seen as recently as a healthy agent is. One silent for longer (stalled, cut off) is still registered
         until ``heartbeat_s`` passes, but must not be put into a version's quorum: it would fail the version."""
         return now - self.last_seen <= self.poll_wait_s + heartbeat_s / 2
 
+    def able(self, now: float) -> bool:
+        return self.unable is None or now >= self.unable_until
+
+    def state(self) -> str:
+        if self.role != "receiver":
+            return "registered"
+        if self.torn is not None:
+            return "torn"
+        if self.unable is not None and time.monotonic() < self.unable_until:
+            return "unable"
+        if self.staged is not None:
+            return "staged"
+        return "serving" if self.serving is not None else "empty"
+
     def public(self) -> dict:
+        now = time.monotonic()
         return {"agent_id": self.agent_id, "role": self.role, "rank": self.rank, "host": self.host, "pid": self.pid,
                 "device": self.device, "host_id": self.host_id, "versions": self.versions, "sync_every": self.sync_every,
-                "registered_at": self.registered_at,
-                "seconds_since_seen": round(time.monotonic() - self.last_seen, 3)}
+                "registered_at": self.registered_at, "seconds_since_seen": round(now - self.last_seen, 3),
+                "engine": self.engine, "driven": self.driven, "members": self.members, "state": self.state(),
+                "serving": self.serving, "staged": self.staged, "torn": self.torn, "unable": self.unable,
+                "unable_for_s": round(max(0.0, self.unable_until - now), 3) if self.unable else None}
 
 
 class AgentRegistry:
@@ -51,18 +93,25 @@ class AgentRegistry:
         self._agents: dict[str, Agent] = {}
         self._seq = itertools.count()
 
-    def add(self, message: Register) -> Agent:
+    def add(self, message: Register, versions: list[int]) -> Agent:
         now = time.monotonic()
-        agent = Agent(uuid.uuid4().hex[:12], next(self._seq), message.role, message.rank, message.host,
-                      message.pid, message.device, message.host_id, time.time(), now, list(message.versions),
-                      message.sync_every)
+        agent = Agent(secrets.token_hex(8), secrets.token_hex(24), next(self._seq), message.role, message.rank,
+                      message.host, message.pid, message.device, message.host_id, time.time(), now, versions,
+                      message.sync_every, engine=message.engine, driven=message.driven, members=message.members)
         if message.role == "trainer":
             agent.ipc_name = message.ipc_name
+        if message.role == "receiver" and versions:
+            agent.serving = agent.last_served = versions[-1]
         self._agents[agent.agent_id] = agent
         return agent
 
-    def get(self, agent_id: str) -> Agent | None:
-        return self._agents.get(agent_id)
+    def get(self, agent_id: str, session: str | None = None) -> Agent | None:
+        """The agent, if ``session`` (when given) is the one its registration was issued."""
+        agent = self._agents.get(agent_id)
+        if agent is None or session is None:
+            return agent
+        # compare_digest: the time taken does not tell how much of a guessed secret was right
+        return agent if hmac.compare_digest(session.encode(), agent.session.encode()) else None
 
     def seen(self, agent: Agent) -> None:
         agent.last_seen = time.monotonic()
@@ -91,6 +140,13 @@ class AgentRegistry:
 
     def receivers(self) -> list[Agent]:
         return sorted((a for a in self._agents.values() if a.role == "receiver"), key=lambda a: a.seq)
+
+    def driver(self, engine: str) -> Agent | None:
+        drivers = [a for a in self._agents.values() if a.role == "driver" and a.engine == engine]
+        return min(drivers, key=lambda a: a.seq) if drivers else None
+
+    def engine_members(self, engine: str) -> list[Agent]:
+        return [a for a in self.receivers() if a.engine == engine]
 
     def all(self) -> list[Agent]:
         return sorted(self._agents.values(), key=lambda a: a.seq)

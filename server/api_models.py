@@ -68,11 +68,12 @@ class PushAccepted(SyncAccepted):
 
 class VersionList(_Out):
     versions: list[VersionOut]
+    next_before: int | None = Field(None, description="pass as before= for the next (older) page; null at the end")
 
 
 class AgentOut(_Out):
     agent_id: str
-    role: Literal["trainer", "receiver"]
+    role: Literal["trainer", "receiver", "driver"]
     rank: int
     host: str
     pid: int
@@ -82,6 +83,18 @@ class AgentOut(_Out):
     sync_every: int
     registered_at: float
     seconds_since_seen: float
+    engine: str | None = None
+    driven: bool = False
+    members: int | None = None
+    state: Literal["registered", "empty", "serving", "staged", "torn", "unable"] = Field(
+        description="receivers: empty (holds no version yet), serving (holds `serving` whole), staged (verified, "
+                    "waiting for its driver), torn (a failed apply changed the model part way; it is not served "
+                    "until repaired), unable (cannot receive now: `unable`)")
+    serving: int | None = None
+    staged: int | None = None
+    torn: str | None = None
+    unable: str | None = None
+    unable_for_s: float | None = None
 
 
 class AgentList(_Out):
@@ -96,22 +109,31 @@ class StatusOut(_Out):
     versions: dict[str, int]
     cache_versions: list[int]
     started_at: float
+    history_id: str
+    degraded: bool
+    storage: dict[str, Any]
+    torn: list[str]
+    unable: list[str]
     config: dict[str, Any]
     version: str
 
 
 class Health(_Out):
     ok: bool
+    degraded: bool = False
 
 
 _DESCRIPTIONS = {
     400: "Bad request: sparse combined with bypass_cpu (in the body, or one of them from the deployment)",
-    401: "Missing or wrong bearer token (only when the daemon has an auth_token)",
+    401: "Missing or wrong bearer token",
+    403: "The token's role may not do this (writes need the operator's token)",
     404: "Unknown version",
     409: "Conflict: a version is in flight, or the version is not in the trainer's cache",
     413: "Request body over http.max_body_bytes",
+    429: "Too many requests are waiting on agents already",
     422: "Invalid parameters or body",
-    503: "Not enough agents registered (the refused version is recorded as failed)",
+    503: "Not enough agents registered (the refused version is recorded as failed), or the history cannot be "
+         "written now (no new version until it can; reads still work)",
 }
 
 

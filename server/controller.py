@@ -5,6 +5,10 @@
 One version is in flight at a time. A sync request that arrives while one is in flight is rejected
 (HTTP 409 naming the in-flight id) rather than queued: the caller decides whether to retry, and a version
 never interleaves with another. Every outcome, including a refusal for lack of agents, is a history row.
+
+What committed is decided by the receivers' own reports (each with the digest it computed), never by the
+trainer's claim alone. Receivers that joined late, or whose model a failed apply left torn, are brought a
+whole version from the trainer's cache when nothing else is in flight (catch-up, repair).
 """
 
 from __future__ import annotations
@@ -18,12 +22,16 @@ from ckpt_engine.config import EngineConfig
 from ckpt_engine.control import Assignment, Poll, Register, RegisterReply, Report
 from ckpt_engine.errors import ProtocolError
 from ckpt_engine.server.agents import Agent, AgentRegistry
-from ckpt_engine.server.errors import BadRequest, Conflict, NotFound, Unavailable
-from ckpt_engine.server.history import TERMINAL, HistoryStore, VersionRecord
+from ckpt_engine.server.errors import BadRequest, Conflict, Forbidden, NotFound, Unavailable
+from ckpt_engine.server.history import TERMINAL, HistoryStore, StorageUnavailable, VersionRecord
 from ckpt_engine.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 _ORDER = {"requested": 0, "snapshotting": 1, "transferring": 2, "verifying": 3}
+_TRAINER_EVENTS = {"snapshotting", "transferring", "verifying", "done", "evicted"}
+_EVENTS_OF = {"trainer": _TRAINER_EVENTS, "receiver": {"staged", "received"}, "driver": {"applied"}}
+# the credential an agent of each kind registers (and speaks) with
+ROLE_OF_AGENT = {"trainer": "trainer", "receiver": "rollout", "driver": "rollout"}
 
 
 @dataclass
@@ -32,8 +40,14 @@ class InFlight:
     mode: str
     trainer: str
     quorum: dict[str, int]  # receiver agent id -> rank in the sync group
+    engines: dict[str, list[str]]  # driven engines in the quorum -> their members' agent ids
+    purpose: str
     started: float = field(default_factory=time.monotonic)
-    receiver_reports: dict[int, Report] = field(default_factory=dict)
+    reports: dict[str, Report] = field(default_factory=dict)  # receivers' own outcomes, by agent id
+    applied: dict[str, Report] = field(default_factory=dict)  # drivers' outcomes, by engine
+    apply_sent: set[str] = field(default_factory=set)
+    done: Report | None = None  # the trainer's
+    done_at: float = 0.0
 
 
 class Controller:
@@ -48,30 +62,30 @@ class Controller:
         self._changed = threading.Condition(self._lock)
         self._in_flight: InFlight | None = None
         self._last_tick = time.monotonic()
-        # Receivers of a version that did not commit and that never reported its outcome: they may still be
-        # applying it (e.g. the trainer was expired while its send went on), so what they hold is unknown
-        # until they report; a sparse version built on a guessed base would be refused.
-        self._unsettled: set[str] = set()
         self._membership: tuple[str, ...] = ()
         self._generation = 0
         self._group_dirty = False
+        self._max_issued = (history.latest().id if history.latest() else 0)
         self.started_at = time.time()
 
     # ---- agents -------------------------------------------------------------------------------------
     def register(self, message: Register) -> RegisterReply:
+        if message.role == "driver" and (message.engine is None or message.members is None):
+            raise BadRequest("a driver names its engine and how many receivers it has (engine, members)")
+        if message.driven and message.engine is None:
+            raise BadRequest("a driven receiver names its engine")
         with self._lock:
-            agent = self.agents.add(message)
-            # versions are WireInt (at most 2**53 - 1): a bogus one cannot use up the ids
-            if message.versions and self.history.number_after(max(message.versions)):
-                log.warning("agent %s holds versions up to %d that this history has not numbered yet (lost or "
-                            "replaced history file?): new versions are numbered after them", agent.agent_id,
-                            max(message.versions))
+            # Versions are numbered by one history: those of another mean nothing here (the file was lost or
+            # replaced), and ids this history never issued are a peer's invention. Neither touches our numbering.
+            held = self._known(message.versions) if message.history_id == self.history.history_id else []
+            agent = self.agents.add(message, held)
             self._update_gauges()
-        log.info("agent %s registered: %s rank %d on %s (%s)", agent.agent_id, agent.role, agent.rank,
-                 agent.host, agent.device)
+        log.info("agent %s registered: %s rank %d on %s (%s)%s", agent.agent_id, agent.role, agent.rank,
+                 agent.host, agent.device, f" engine {agent.engine}" if agent.engine else "")
         timeouts = self.config.timeouts
         return RegisterReply(
-            agent_id=agent.agent_id, ipc_name=self._ipc_name(agent) if agent.role == "trainer" else None,
+            agent_id=agent.agent_id, session=agent.session, history_id=self.history.history_id,
+            ipc_name=self._ipc_name(agent) if agent.role == "trainer" else None,
             heartbeat_s=timeouts.heartbeat_s, group_name=self.group_name,
             store_host=self.store_host, store_port=self.store_port, bucket_size=self.config.bucket_size,
             alignment=self.config.alignment, keep_versions=self.config.keep_versions, verify=self.config.verify,
@@ -79,18 +93,18 @@ class Controller:
             ack_timeout_s=timeouts.ack_s, version_timeout_s=timeouts.version_s,
         )
 
-    def acknowledge(self, message: Poll) -> None:
+    def acknowledge(self, message: Poll, roles: set[str]) -> None:
         """A poll arrived: the agent is alive, holds ``versions``, and got the assignment it names."""
         with self._lock:
-            agent = self._agent(message.agent_id)
-            agent.versions, agent.poll_wait_s = list(message.versions), message.wait_s
+            agent = self._agent(message.agent_id, message.session, roles)
+            agent.versions, agent.poll_wait_s = self._known(message.versions), message.wait_s
             if agent.pending and message.received == agent.pending[0].key():
                 agent.pending.popleft()
 
-    def poll(self, message: Poll) -> Assignment | None:
+    def poll(self, message: Poll, roles: set[str]) -> Assignment | None:
         """The agent's next assignment, if any; it stays queued until a later poll acknowledges it."""
         with self._lock:
-            agent = self._agent(message.agent_id)
+            agent = self._agent(message.agent_id, message.session, roles)
             return agent.pending[0] if agent.pending else None
 
     def has_pending(self, agent_id: str) -> bool:
@@ -98,40 +112,34 @@ class Controller:
             agent = self.agents.get(agent_id)
             return agent is None or bool(agent.pending)  # a vanished agent's poll is answered at once
 
-    def report(self, message: Report) -> None:
+    def report(self, message: Report, roles: set[str]) -> None:
         with self._lock:
-            agent = self._agent(message.agent_id)
+            agent = self._agent(message.agent_id, message.session, roles)
+            if message.event not in _EVENTS_OF[agent.role]:
+                raise BadRequest(f"a {agent.role} agent cannot report {message.event!r}")
             # Cache bookkeeping may name versions of an older history file; anything else must be a known one.
             if message.event != "evicted" and self.history.get(message.version) is None:
                 raise NotFound(f"version {message.version} is unknown")
-            # Only a trainer holds the cache: a receiver's report must not rewrite which versions are cached.
-            if message.cache_versions is not None and agent.role == "trainer":
-                agent.versions = list(message.cache_versions)
-                self.history.set_cached(set(message.cache_versions))
-            if message.cache_bytes is not None and agent.role == "trainer":
-                self.metrics.cache_bytes.set(message.cache_bytes)
-            if message.event == "received":
-                self._unsettled.discard(agent.agent_id)
+            if agent.role == "trainer":
+                self._trainer_bookkeeping(agent, message)
             flight = self._in_flight
-            if flight is None or message.version != flight.version:
-                if message.event not in ("evicted", "received"):
-                    log.info("ignoring %s report for version %d (not in flight)", message.event, message.version)
-                self._changed.notify_all()
-                return
-            if message.group_broken:
-                self._group_dirty = True
+            current = flight is not None and message.version == flight.version
             if message.event == "received":
-                flight.receiver_reports[flight.quorum.get(agent.agent_id, -1)] = message
-            elif agent.agent_id == flight.trainer and message.event in _ORDER:
-                self._advance(flight.version, message.event, message.step)
-            elif agent.agent_id == flight.trainer and message.event == "done":
-                self._finish(flight, message)
+                self._receiver_outcome(agent, message, flight if current else None)
+            elif message.event == "staged" and current:
+                self._staged(agent, message, flight)  # type: ignore[arg-type]
+            elif message.event == "applied":
+                self._applied(agent, message, flight if current else None)
+            elif current and agent.agent_id == flight.trainer:  # type: ignore[union-attr]
+                self._trainer_event(flight, message)  # type: ignore[arg-type]
+            elif message.event not in ("evicted", "staged"):
+                log.info("ignoring %s report for version %d (not in flight)", message.event, message.version)
             self._changed.notify_all()
 
-    def unregister(self, agent_id: str) -> None:
+    def unregister(self, agent_id: str, session: str, roles: set[str]) -> None:
         """An agent leaving cleanly: gone now instead of after the heartbeat timeout."""
         with self._lock:
-            agent = self._agent(agent_id)
+            agent = self._agent(agent_id, session, roles)
             self.agents.remove(agent.agent_id)
             self._group_dirty = True
             flight = self._in_flight
@@ -156,20 +164,19 @@ class Controller:
             if self._in_flight is not None:
                 raise Conflict(f"version {self._in_flight.version} is in flight; retry when it has ended",
                                {"in_flight": self._in_flight.version})
+            self._require_storage()
             trainer = self.agents.trainer()
-            # the quorum: registered receivers that are heartbeating (a stalled one would fail the version)
-            now = time.monotonic()
-            receivers = [r for r in self.agents.receivers() if r.heartbeating(now, self.config.timeouts.heartbeat_s)]
+            receivers = self._candidates()
             if source_version is None:  # per-receiver cadence applies to new versions, not to re-pushes
                 due = [r for r in receivers if r.offered % r.sync_every == 0]
                 for receiver in receivers:
                     receiver.offered += 1
                 if receivers and not due:
-                    record = self.history.create(mode=mode, step=step)
+                    record = self._create(mode=mode, step=step)
                     return self.history.update(record.id, status="cancelled",
                                                reason="no receiver is due for this version (sync_every)")
                 receivers = due
-            record = self.history.create(mode=mode, step=step, source_version=source_version)
+            record = self._create(mode=mode, step=step, source_version=source_version)
             problem = self._quorum_problem(trainer, receivers)
             if problem is None:
                 colocated, problem = self._transports(trainer, receivers)  # type: ignore[arg-type]
@@ -178,17 +185,10 @@ class Controller:
                 self.metrics.version_done("failed", 0, {})
                 raise Unavailable(problem, failed.to_dict())
             base = self._sparse_base(receivers) if sparse and source_version is None else None
+            purpose = "push" if source_version is not None else "sync"
             self._start(record, trainer, receivers, colocated, source_version, base,  # type: ignore[arg-type]
-                        sparse=sparse and source_version is None)
+                        sparse=sparse and source_version is None, purpose=purpose)
             return record
-
-    def _sparse_base(self, receivers: list[Agent]) -> int | None:
-        """The version every receiver of the quorum holds, if they all hold the same one; else None (a new,
-        reconnected or lagging receiver makes it a full version, as does one whose last outcome is unknown)."""
-        if any(r.agent_id in self._unsettled for r in receivers):
-            return None
-        held = {r.versions[-1] if r.versions else None for r in receivers}
-        return held.pop() if len(held) == 1 else None
 
     def push(self, version: int) -> VersionRecord:
         record = self.history.get(version)
@@ -199,7 +199,9 @@ class Controller:
                            f"sent with bypass_cpu)")
         return self.request_sync(step=record.step, bypass_cpu=False, source_version=version)
 
-    def evict(self, version: int, timeout_s: float = 10.0) -> VersionRecord:
+    def request_evict(self, version: int) -> VersionRecord:
+        """Ask the trainer to drop ``version`` from its cache; the history's ``cached`` flag turns false once
+        it confirms (see :meth:`evicted`). Returns at once."""
         record = self.history.get(version)
         if record is None:
             raise NotFound(f"version {version} is unknown")
@@ -209,43 +211,48 @@ class Controller:
             trainer = self.agents.trainer()
             if trainer is None:
                 raise Unavailable("no trainer agent is registered to evict from")
-            trainer.pending.append(Assignment(kind="evict", version=version))
-            deadline = time.monotonic() + timeout_s
-            while (current := self.history.get(version)) is not None and current.cached:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise Unavailable(f"the trainer did not confirm eviction of version {version} in {timeout_s}s")
-                self._changed.wait(remaining)
-            return current  # type: ignore[return-value]
+            if not any(a.kind == "evict" and a.version == version for a in trainer.pending):
+                trainer.pending.append(Assignment(kind="evict", version=version))
+        return record
 
-    def wait(self, version: int, timeout_s: float) -> VersionRecord:
-        """Block until ``version`` is terminal or the timeout passes; returns its record either way."""
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            while True:
-                record = self.history.get(version)
-                if record is None:
-                    raise NotFound(f"version {version} is unknown")
-                remaining = deadline - time.monotonic()
-                if record.status in TERMINAL or remaining <= 0:
-                    return record
-                self._changed.wait(min(remaining, 1.0))
+    def evicted(self, version: int) -> VersionRecord | None:
+        """The record once the trainer no longer caches ``version``, else None."""
+        record = self.history.get(version)
+        if record is None:
+            raise NotFound(f"version {version} is unknown")
+        return None if record.cached else record
+
+    def terminal(self, version: int) -> VersionRecord | None:
+        """The record once ``version`` has ended, else None."""
+        record = self.history.get(version)
+        if record is None:
+            raise NotFound(f"version {version} is unknown")
+        return record if record.status in TERMINAL else None
 
     def status(self) -> dict:
         with self._lock:
             flight = self._in_flight
+            trainer = self.agents.trainer()
+            storage = self.history.storage()
             return {
                 "in_flight": flight.version if flight else None,
                 "generation": self._generation,
-                "trainer": self.agents.trainer().agent_id if self.agents.trainer() else None,
+                "trainer": trainer.agent_id if trainer else None,
                 "receivers": len(self.agents.receivers()),
                 "versions": self.history.counts(),
-                "cache_versions": self.agents.trainer().versions if self.agents.trainer() else [],
+                "cache_versions": trainer.versions if trainer else [],
                 "started_at": self.started_at,
+                "history_id": self.history.history_id,
+                "degraded": not storage.ok,
+                "storage": storage.to_dict(),
+                "torn": [a.agent_id for a in self.agents.receivers() if a.torn is not None],
+                "unable": [a.agent_id for a in self.agents.receivers() if a.state() == "unable"],
             }
 
     def tick(self) -> None:
-        """Expire silent agents and versions past their time limit (called periodically)."""
+        """Expire silent agents, end versions past their time limit, write what storage still owes, and bring
+        a version to receivers that hold none (called periodically)."""
+        self.history.flush()
         with self._lock:
             now, heartbeat_s = time.monotonic(), self.config.timeouts.heartbeat_s
             stalled, self._last_tick = now - self._last_tick, now
@@ -260,34 +267,16 @@ class Controller:
                 if flight and agent.agent_id == flight.trainer:
                     self._fail(flight, f"trainer agent {agent.agent_id} went away during the version")
             flight = self._in_flight
+            if flight is not None:
+                self._maybe_finish(flight)
+            flight = self._in_flight
             if flight and time.monotonic() - flight.started > self.config.timeouts.version_s:
                 state = self.history.get(flight.version)
                 self._fail(flight, f"timed out in state {state.status if state else '?'} after "
                                    f"{self.config.timeouts.version_s:.0f}s")
-            if self._in_flight is None:
-                self._catch_up_newcomers()
+            if self._in_flight is None and not self.history.degraded:
+                self._catch_up()
             self._update_gauges()
-
-    def _catch_up_newcomers(self) -> None:
-        """Receivers that joined after the latest committed version get it from the trainer's cache at once,
-        as a re-push of their own; the training loop is not involved."""
-        trainer = self.agents.trainer()
-        newcomers = [r for r in self.agents.receivers() if not r.versions and not r.catch_up_tried]
-        latest = self.history.latest(status="committed")
-        if trainer is None or not newcomers or latest is None:
-            return
-        source = self.history.get(latest.source_version or latest.id)
-        if source is None or not source.cached:
-            return
-        colocated, problem = self._transports(trainer, newcomers)
-        for receiver in newcomers:
-            receiver.catch_up_tried = True  # once per registration: a failing newcomer waits for the next sync
-        if problem:
-            return
-        record = self.history.create(mode="cached", step=source.step, source_version=source.id)
-        log.info("catching up %d new receiver(s) with version %d as version %d", len(newcomers), source.id,
-                 record.id)
-        self._start(record, trainer, newcomers, colocated, source.id)
 
     def shutdown(self, grace_s: float) -> None:
         """Give the in-flight version ``grace_s`` to end, then fail it so history is never left dangling."""
@@ -298,13 +287,317 @@ class Controller:
             if self._in_flight is not None:
                 self._fail(self._in_flight, "daemon stopped while the version was in flight")
 
+    # ---- reports ------------------------------------------------------------------------------------
+    def _trainer_bookkeeping(self, agent: Agent, message: Report) -> None:
+        # Only a trainer holds the cache: a receiver's report must not rewrite which versions are cached.
+        if message.cache_versions is not None:
+            agent.versions = self._known(message.cache_versions)
+            self.history.set_cached(set(agent.versions))
+        if message.cache_bytes is not None:
+            self.metrics.cache_bytes.set(message.cache_bytes)
+
+    def _trainer_event(self, flight: InFlight, message: Report) -> None:
+        if message.group_broken:
+            self._group_dirty = True
+        if message.event in _ORDER:
+            self._advance(flight.version, message.event, message.step)
+        elif message.event == "done" and flight.done is None:
+            flight.done, flight.done_at = message, time.monotonic()
+            self._maybe_finish(flight)
+
+    def _receiver_outcome(self, agent: Agent, message: Report, flight: InFlight | None) -> None:
+        """A receiver's own outcome: what its model holds now, and its vote on the version."""
+        agent.staged = None
+        if message.ok:
+            agent.serving = agent.last_served = message.version
+            agent.torn, agent.unable = None, None
+            agent.unable_backoff.reset()
+            agent.catch_up_attempts = 0
+        elif message.torn:
+            self._tear([agent], message.reason or "its apply failed part way")
+        else:  # refused or not verified: the model holds what the receiver says (nothing was changed)
+            agent.serving = message.serving if message.serving is not None and self._known([message.serving]) else None
+        if message.unable:
+            agent.unable = message.unable
+            agent.unable_until = time.monotonic() + agent.unable_backoff.next_delay()
+            log.warning("receiver %s cannot receive for now (%s); out of the quorum for %.0fs", agent.agent_id,
+                        message.unable, agent.unable_until - time.monotonic())
+        if flight is not None and agent.agent_id in flight.quorum:
+            if message.group_broken:
+                self._group_dirty = True
+            flight.reports.setdefault(agent.agent_id, message)
+            self._maybe_finish(flight)
+        elif flight is None:
+            self._late_outcome(agent, message)
+
+    def _staged(self, agent: Agent, message: Report, flight: InFlight) -> None:
+        """A driven receiver verified the version; once every member of its engine has, the driver applies it."""
+        agent.staged = message.version
+        engine = agent.engine
+        if engine is None or engine not in flight.engines or engine in flight.apply_sent:
+            return
+        members = [self.agents.get(a) for a in flight.engines[engine]]
+        if all(m is not None and m.staged == flight.version for m in members):
+            driver = self.agents.driver(engine)
+            if driver is not None:
+                record = self.history.get(flight.version)
+                driver.pending.append(Assignment(kind="apply", version=flight.version, mode=flight.mode,  # type: ignore[arg-type]
+                                                 step=record.step if record else None))
+                flight.apply_sent.add(engine)
+
+    def _applied(self, driver: Agent, message: Report, flight: InFlight | None) -> None:
+        """A driver's outcome for its whole engine: members serve the version, or the engine is torn."""
+        if driver.engine is None:
+            return
+        members = self.agents.engine_members(driver.engine)
+        if message.ok:
+            for member in members:
+                member.serving = member.last_served = message.version
+                member.torn, member.staged = None, None
+        elif message.torn:
+            self._tear(members, f"engine {driver.engine}: {message.reason or 'apply failed part way'}")
+        if flight is not None:
+            flight.applied[driver.engine] = message
+
+    def _tear(self, agents: list[Agent], reason: str) -> None:
+        for agent in agents:
+            if agent.torn is None:
+                agent.catch_up_attempts, agent.catch_up_due = 0, 0.0
+                agent.catch_up_backoff.reset()
+            agent.torn, agent.serving, agent.staged = reason, None, None
+            log.warning("receiver %s is torn (%s); it will be repaired from the cache", agent.agent_id, reason)
+
+    def _late_outcome(self, agent: Agent, message: Report) -> None:
+        """An outcome that arrived after its version ended: correct that receiver's entry in the history."""
+        record = self.history.get(message.version)
+        if record is None:
+            return
+        entries = [dict(e) for e in record.receivers]
+        for entry in entries:
+            if entry.get("agent_id") == agent.agent_id and entry.get("missing_report"):
+                entry.update(ok=bool(message.ok), reason=message.reason, version_digest=message.version_digest,
+                             missing_report=False, reported_late=True, serving_after=agent.serving,
+                             torn=agent.torn is not None)
+                self.history.update(record.id, receivers=entries)
+                return
+
+    # ---- finishing a version ------------------------------------------------------------------------
+    def _maybe_finish(self, flight: InFlight) -> None:
+        """End the version once the trainer is done and every receiver of the quorum that is still registered
+        has reported its own outcome (or the acknowledgement time has passed since the trainer was done)."""
+        if flight.done is None or self._in_flight is not flight:
+            return
+        if flight.done.version_digest is not None:  # without it nothing can commit: no need to hear receivers
+            waiting = [a for a in flight.quorum if a not in flight.reports and self.agents.get(a) is not None]
+            if waiting and time.monotonic() - flight.done_at < self.config.timeouts.ack_s:
+                return
+        self._finish(flight, flight.done)
+
+    def _finish(self, flight: InFlight, done: Report) -> None:
+        receivers, stages = self._verdicts(flight, done)
+        committed = [r for r in receivers if r["ok"]]
+        need = min(max(self.config.min_receivers, 1), len(flight.quorum))
+        ok = done.version_digest is not None and len(committed) >= need
+        failures = [f"rank {r['rank']}: {r['reason']}" for r in receivers if not r["ok"]]
+        if ok:
+            reason = (f"committed by {len(committed)} of {len(flight.quorum)} receivers; " + "; ".join(failures)
+                      if failures else None)
+        else:
+            reason = "; ".join(filter(None, [done.reason if not done.ok else None, *failures])) or \
+                f"{len(committed)}/{len(flight.quorum)} receivers committed, {need} needed"
+        status = "committed" if ok else "failed"
+        cached = flight.mode == "cached" and done.cache_versions is not None and flight.version in done.cache_versions
+        self.history.update(flight.version, status=status, reason=reason, bytes=done.bytes, buckets=done.buckets,
+                            tensors_sent=done.tensors, tensors_skipped=done.tensors_skipped,
+                            bytes_skipped=done.bytes_skipped, stages=stages, receivers=receivers,
+                            version_digest=done.version_digest, cached=cached)
+        if not ok or failures:
+            self._group_dirty = True
+        if done.version_digest is not None:  # then the daemon waited for every receiver's own report
+            self._bench_the_silent(flight)
+        self._end(flight, status, done.bytes, stages)
+
+    def _bench_the_silent(self, flight: InFlight) -> None:
+        """Receivers silent about their own outcome (stalled, cut off, or not playing along) would fail the
+        versions of the others too: out of the quorum for a while, longer each time."""
+        for agent_id in flight.quorum:
+            agent = self.agents.get(agent_id)
+            if agent is not None and agent_id not in flight.reports:
+                agent.unable = f"did not report its outcome of version {flight.version}"
+                agent.unable_until = time.monotonic() + agent.unable_backoff.next_delay()
+                log.warning("receiver %s %s; out of the quorum for %.0fs", agent_id, agent.unable,
+                            agent.unable_until - time.monotonic())
+
+    def _verdicts(self, flight: InFlight, done: Report) -> tuple[list[dict], dict[str, float]]:
+        """Each quorum member's entry for the history, judged by its own report against the trainer's digest;
+        members of a driven engine succeed or fail together."""
+        wire = {ack.rank: ack for ack in done.receivers}
+        planned = {r["agent_id"]: r for r in (self.history.get(flight.version).receivers or [])}  # type: ignore[union-attr]
+        stages = dict(done.stages)
+        entries = []
+        for agent_id, rank in flight.quorum.items():
+            own = flight.reports.get(agent_id)
+            ok, reason = _judge(own, done, wire.get(rank))
+            agent = self.agents.get(agent_id)
+            if own is None and agent is not None:
+                agent.serving = None  # what it holds is unknown until it reports: a full version comes next
+            entries.append({"rank": rank, "agent_id": agent_id, "transport": planned.get(agent_id, {}).get("transport"),
+                            "engine": agent.engine if agent else None, "ok": ok, "reason": reason,
+                            "version_digest": own.version_digest if own else None,
+                            "seconds": own.stages if own else {}, "missing_report": own is None,
+                            "serving_after": agent.serving if agent else None,
+                            "torn": agent is not None and agent.torn is not None})
+            for stage in ("load", "verify"):
+                seconds = own.stages.get(stage) if own else None
+                if seconds is not None:
+                    stages[stage] = max(stages.get(stage, 0.0), seconds)
+        self._engine_verdicts(flight, entries)
+        return entries, stages
+
+    def _engine_verdicts(self, flight: InFlight, entries: list[dict]) -> None:
+        for engine, members in flight.engines.items():
+            mine = [e for e in entries if e["agent_id"] in members]
+            failed = [e for e in mine if not e["ok"]]
+            applied = flight.applied.get(engine)
+            if applied is not None and not applied.ok:
+                why = f"engine {engine} driver: {applied.reason}"
+            elif failed:
+                why = f"engine {engine}: rank {failed[0]['rank']} failed"
+            else:
+                continue
+            for entry in mine:
+                if entry["ok"]:
+                    entry.update(ok=False, reason=why)
+
+    def _fail(self, flight: InFlight, reason: str) -> None:
+        log.warning("version %d failed: %s", flight.version, reason)
+        receivers = [dict(e) for e in (self.history.get(flight.version).receivers or [])]  # type: ignore[union-attr]
+        for entry in receivers:
+            own = flight.reports.get(entry.get("agent_id", ""))
+            entry.update(ok=False, reason=(own.reason if own and not own.ok else None) or reason,
+                         missing_report=own is None)
+        self.history.update(flight.version, status="failed", reason=reason, receivers=receivers)
+        for agent_id in flight.quorum:
+            agent = self.agents.get(agent_id)
+            if agent is not None and agent_id not in flight.reports:
+                agent.serving = None  # it may still be applying the version: unknown until it reports
+        self._group_dirty = True
+        self._end(flight, "failed", 0, {})
+
+    def _end(self, flight: InFlight, outcome: str, nbytes: int, stages: dict[str, float]) -> None:
+        self.metrics.version_done(outcome, nbytes, stages)
+        self.metrics.in_flight.set(0)
+        if self._in_flight is flight:
+            self._in_flight = None
+        for agent_id in flight.quorum:
+            agent = self.agents.get(agent_id)
+            if agent is None:
+                continue
+            agent.staged = None
+            if agent.serving is None and flight.purpose in ("catch_up", "repair"):
+                agent.catch_up_attempts += 1
+                agent.catch_up_due = time.monotonic() + agent.catch_up_backoff.next_delay()
+
+        for agent in self.agents.all():  # drop leftovers of this version for agents that never picked them up
+            agent.pending = type(agent.pending)(a for a in agent.pending if a.version != flight.version)
+        self._changed.notify_all()
+
+    # ---- catch-up and repair ------------------------------------------------------------------------
+    def _catch_up(self) -> None:
+        """Receivers that hold no whole version (new, torn by a failed apply, or of unknown state) get one from
+        the trainer's cache as a re-push of their own, without the training loop: a torn one the version it
+        served last (known to work on it), the others the newest committed one."""
+        trainer = self.agents.trainer()
+        if trainer is None:
+            return
+        now = time.monotonic()
+        waiting = [r for r in self._candidates(regular=False) if r.serving is None and r.catch_up_due <= now]
+        if not waiting:
+            return
+        latest = self.history.latest(status="committed")
+        by_source: dict[int, list[Agent]] = {}
+        for receiver in waiting:
+            source = self._repair_source(receiver, latest)
+            if source is not None:
+                by_source.setdefault(source.id, []).append(receiver)
+        if not by_source:
+            return
+        source_id, receivers = max(by_source.items(), key=lambda item: len(item[1]))
+        source = self.history.get(source_id)
+        colocated, problem = self._transports(trainer, receivers)
+        if problem or source is None:
+            return
+        purpose = "repair" if any(r.torn is not None for r in receivers) else "catch_up"
+        try:
+            record = self._create(mode="cached", step=source.step, source_version=source.id)
+        except Unavailable:
+            return
+        log.info("%s: version %d to %d receiver(s) as version %d", purpose, source.id, len(receivers), record.id)
+        self._start(record, trainer, receivers, colocated, source.id, purpose=purpose)
+
+    def _repair_source(self, receiver: Agent, latest: VersionRecord | None) -> VersionRecord | None:
+        if receiver.torn is not None and receiver.last_served is not None:
+            own = self._cached_source(receiver.last_served)
+            if own is not None:
+                return own
+        return self._cached_source(latest.id) if latest is not None else None
+
+    def _cached_source(self, version: int) -> VersionRecord | None:
+        """The cached record holding ``version``'s bytes (a re-push's source), if the trainer still caches it."""
+        record = self.history.get(version)
+        if record is not None and record.source_version is not None:
+            record = self.history.get(record.source_version)
+        return record if record is not None and record.cached else None
+
     # ---- internals ----------------------------------------------------------------------------------
-    def _agent(self, agent_id: str) -> Agent:
-        agent = self.agents.get(agent_id)
+    def _agent(self, agent_id: str, session: str, roles: set[str]) -> Agent:
+        agent = self.agents.get(agent_id, session)
         if agent is None:
-            raise ProtocolError(f"unregistered agent {agent_id!r}: register first")
+            # one answer for an unknown id and a wrong secret: a peer learns nothing about other agents
+            raise ProtocolError(f"unregistered agent {agent_id!r} (or not this agent's session): register first")
+        if ROLE_OF_AGENT[agent.role] not in roles:
+            raise Forbidden(f"agent {agent_id} is a {agent.role}: its messages need a {ROLE_OF_AGENT[agent.role]} token")
         self.agents.seen(agent)
         return agent
+
+    def _known(self, versions: list[int]) -> list[int]:
+        """The versions among ``versions`` this history has issued."""
+        return [v for v in versions if 1 <= v <= self._max_issued]
+
+    def _create(self, **fields) -> VersionRecord:
+        try:
+            record = self.history.create(**fields)
+        except StorageUnavailable as exc:
+            raise Unavailable(str(exc)) from exc
+        self._max_issued = max(self._max_issued, record.id)
+        return record
+
+    def _require_storage(self) -> None:
+        storage = self.history.storage()
+        if not storage.ok and not self.history.flush(force=True):
+            raise Unavailable(f"history storage is degraded ({storage.error}); no new version until it can be "
+                              "written (reads still work)")
+
+    def _candidates(self, *, regular: bool = True) -> list[Agent]:
+        """Receivers that can be put into a quorum now: heartbeating, able to receive, and, for a driven engine,
+        all of its members together with its driver. A receiver that holds no whole version (new, torn, or of
+        unknown state) joins ``regular`` versions only once the cache cannot bring it one: until then it is
+        brought one alone (catch-up, repair), so one that cannot receive fails no one else's version."""
+        now, heartbeat_s = time.monotonic(), self.config.timeouts.heartbeat_s
+        ready = [r for r in self.agents.receivers() if r.heartbeating(now, heartbeat_s) and r.able(now)]
+        if regular and any(r.serving is None for r in ready):
+            latest = self.history.latest(status="committed")
+            ready = [r for r in ready if r.serving is not None or self._repair_source(r, latest) is None]
+        out = []
+        for receiver in ready:
+            if not receiver.driven:
+                out.append(receiver)
+                continue
+            driver = self.agents.driver(receiver.engine or "")
+            members = [m for m in ready if m.engine == receiver.engine and m.driven]
+            if driver is not None and driver.heartbeating(now, heartbeat_s) and len(members) == driver.members:
+                out.append(receiver)
+        return out
 
     def _quorum_problem(self, trainer: Agent | None, receivers: list[Agent]) -> str | None:
         if trainer is None:
@@ -315,8 +608,15 @@ class Controller:
                     "(stalled or cut off?)")
         if len(receivers) < max(self.config.min_receivers, 1):
             need = max(self.config.min_receivers, 1)
-            return f"{len(receivers)} receiver(s) registered and heartbeating, at least {need} needed (min_receivers)"
+            return (f"{len(receivers)} receiver(s) registered, heartbeating and able to receive, at least {need} "
+                    "needed (min_receivers)")
         return None
+
+    def _sparse_base(self, receivers: list[Agent]) -> int | None:
+        """The version every receiver of the quorum serves whole, if they all serve the same one; else None (a
+        new, torn, lagging or unsettled receiver makes it a full version)."""
+        held = {r.serving for r in receivers}
+        return held.pop() if len(held) == 1 else None
 
     def _transports(self, trainer: Agent, receivers: list[Agent]) -> tuple[list[Agent], str | None]:
         """Which receivers take the same-host path (shared memory / CUDA IPC), per ``transport``."""
@@ -328,7 +628,8 @@ class Controller:
         return colocated, None
 
     def _start(self, record: VersionRecord, trainer: Agent, receivers: list[Agent], colocated: list[Agent],
-               source_version: int | None, sparse_base: int | None = None, *, sparse: bool = False) -> None:
+               source_version: int | None, sparse_base: int | None = None, *, sparse: bool = False,
+               purpose: str = "sync") -> None:
         remote = [r for r in receivers if r not in colocated]
         membership = (trainer.agent_id, *(r.agent_id for r in remote), "|", *(r.agent_id for r in colocated))
         if membership != self._membership or self._group_dirty:
@@ -347,8 +648,12 @@ class Controller:
         trainer.pending.append(Assignment(kind="send", rank=0, source_version=source_version, sparse_base=sparse_base,
                                           sparse=sparse,
                                           ipc_peers={r.agent_id: quorum[r.agent_id] for r in colocated}, **common))
-        self._in_flight = InFlight(record.id, record.mode, trainer.agent_id, quorum)
-        self.history.update(record.id, receivers=[
+        engines: dict[str, list[str]] = {}
+        for receiver in receivers:
+            if receiver.driven and receiver.engine is not None:
+                engines.setdefault(receiver.engine, []).append(receiver.agent_id)
+        self._in_flight = InFlight(record.id, record.mode, trainer.agent_id, quorum, engines, purpose)
+        self.history.update(record.id, purpose=purpose, receivers=[
             {"rank": r, "agent_id": a, "transport": "ipc" if any(c.agent_id == a for c in colocated) else "collective"}
             for a, r in quorum.items()])
         self.metrics.in_flight.set(1)
@@ -364,68 +669,26 @@ class Controller:
             fields = {"step": step} if current.step is None and step is not None else {}
             self.history.update(version, status=status, **fields)
 
-    def _finish(self, flight: InFlight, report: Report) -> None:
-        agents_by_rank = {rank: agent for agent, rank in flight.quorum.items()}
-        receivers, stages = [], dict(report.stages)
-        planned = {r["rank"]: r for r in (self.history.get(flight.version).receivers or [])}  # type: ignore[union-attr]
-        for ack in report.receivers:
-            receivers.append({**ack.model_dump(), "agent_id": agents_by_rank.get(ack.rank),
-                              "transport": planned.get(ack.rank, {}).get("transport")})
-            for stage in ("load", "verify"):
-                seconds = ack.seconds.get(stage)
-                if seconds is not None:
-                    stages[stage] = max(stages.get(stage, 0.0), seconds)
-        for agent_id in flight.quorum:  # offered a version since joining: no catch-up needed any more
-            member = self.agents.get(agent_id)
-            if member is not None:
-                member.catch_up_tried = True
-        committed = [r for r in receivers if r.get("ok")]
-        for entry in committed:  # known now, before the agents' next poll says so
-            agent = self.agents.get(entry.get("agent_id") or "")
-            if agent is not None and flight.version not in agent.versions:
-                agent.versions = [*agent.versions, flight.version]
-        need = min(max(self.config.min_receivers, 1), len(flight.quorum))
-        # The version commits when enough receivers of the quorum committed it; the others are recorded with
-        # their reasons (a collective that broke fails everyone, a colocated receiver fails alone).
-        ok = report.version_digest is not None and len(committed) >= need
-        failures = [f"rank {r.get('rank')}: {r.get('reason')}" for r in receivers if not r.get("ok")]
-        if ok:
-            reason = (f"committed by {len(committed)} of {len(flight.quorum)} receivers; " + "; ".join(failures)
-                      if len(committed) < len(flight.quorum) else None)
-        else:
-            reason = report.reason or f"{len(committed)}/{len(flight.quorum)} receivers committed, {need} needed"
-        status = "committed" if ok else "failed"
-        cached = flight.mode == "cached" and report.cache_versions is not None and flight.version in report.cache_versions
-        self.history.update(flight.version, status=status, reason=reason, bytes=report.bytes, buckets=report.buckets,
-                            tensors_sent=report.tensors, tensors_skipped=report.tensors_skipped,
-                            bytes_skipped=report.bytes_skipped, stages=stages,
-                            receivers=receivers,
-                            version_digest=report.version_digest, cached=cached)
-        if not ok or failures:
-            self._group_dirty = True
-        self._end(flight, status, report.bytes, stages)
-
-    def _fail(self, flight: InFlight, reason: str) -> None:
-        log.warning("version %d failed: %s", flight.version, reason)
-        self.history.update(flight.version, status="failed", reason=reason)
-        self._group_dirty = True
-        self._end(flight, "failed", 0, {})
-
-    def _end(self, flight: InFlight, outcome: str, nbytes: int, stages: dict[str, float]) -> None:
-        if outcome != "committed":
-            self._unsettled |= {a for a, rank in flight.quorum.items() if rank not in flight.receiver_reports}
-        self._unsettled &= {a.agent_id for a in self.agents.receivers()}
-        self.metrics.version_done(outcome, nbytes, stages)
-        self.metrics.in_flight.set(0)
-        if self._in_flight is flight:
-            self._in_flight = None
-        for agent in self.agents.all():  # drop leftovers of this version for agents that never picked them up
-            agent.pending = type(agent.pending)(a for a in agent.pending if a.version != flight.version)
-        self._changed.notify_all()
-
     def _update_gauges(self) -> None:
         self.metrics.receivers.set(len(self.agents.receivers()))
         self.metrics.trainers.set(sum(1 for a in self.agents.all() if a.role == "trainer"))
+        self.metrics.storage_degraded.set(int(self.history.degraded))
+        receivers = self.agents.receivers()
+        self.metrics.torn_receivers.set(sum(1 for a in receivers if a.torn is not None))
+
+
+def _judge(own: Report | None, done: Report, wire_ack) -> tuple[bool, str | None]:
+    """A receiver's verdict: its own report, with the digest it computed equal to the trainer's."""
+    if own is None:
+        seen = f" (the trainer saw: {wire_ack.reason or ('ok' if wire_ack.ok else 'failed')})" if wire_ack else ""
+        return False, f"did not report its own outcome{seen}"
+    if not own.ok:
+        return False, own.reason or "failed"
+    if done.version_digest is None:
+        return False, "the trainer has no digest for this version"
+    if own.version_digest != done.version_digest:
+        return False, f"its digest {own.version_digest} differs from the trainer's {done.version_digest}"
+    return True, None
 
 
 def _colocatable(trainer: Agent, receiver: Agent) -> bool:

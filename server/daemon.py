@@ -17,7 +17,10 @@ from typing import Iterator
 import uvicorn
 
 from ckpt_engine.config import EngineConfig, is_loopback, parse_zmq_endpoint
+from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.group import serve_store
+from ckpt_engine.retry import FailureLog
+from ckpt_engine.server.authority import Authority
 from ckpt_engine.server.controller import Controller
 from ckpt_engine.server.history import HistoryStore
 from ckpt_engine.server.http_app import create_app
@@ -48,17 +51,22 @@ class _Server(uvicorn.Server):
 class Daemon:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.history = HistoryStore(config.store.history_path)
+        self.authority = Authority(config)
+        self.history = HistoryStore(config.store.history_path, lock_wait_s=config.store.lock_wait_s)
         failed = self.history.fail_unfinished("daemon restarted while the version was in flight")
         if failed:
             log.warning("marked versions %s failed: they were in flight when the daemon stopped", failed)
-        self.store = serve_store(config.store.rendezvous_host, config.store.rendezvous_port,
-                                 timeout_s=config.timeouts.connect_s)
+        try:
+            self.store = serve_store(config.store.rendezvous_host, config.store.rendezvous_port,
+                                     timeout_s=config.timeouts.connect_s)
+        except BaseException:
+            self.history.close()
+            raise
         # A fresh group name per daemon run: store prefixes of an earlier run can never be read by mistake.
         self.controller = Controller(config, self.history, Metrics(), store_host=config.store.rendezvous_host,
                                      store_port=self.store.port, group_name=f"ckpt-{uuid.uuid4().hex[:8]}")
         self.zmq = ZmqServer(self.controller, config.zmq.endpoint, max_frame_bytes=config.zmq.max_frame_bytes,
-                             auth_token=config.auth_token)
+                             authority=self.authority)
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="ckpt-ticker", daemon=True)
 
@@ -66,11 +74,12 @@ class Daemon:
         self._warn_if_exposed()
         self.zmq.start()
         self._ticker.start()
-        server = _Server(uvicorn.Config(create_app(self.controller, self.config), host=self.config.http.host,
+        server = _Server(uvicorn.Config(create_app(self.controller, self.config, self.authority), host=self.config.http.host,
                                                port=self.config.http.port, log_level="warning", access_log=False))
-        log.warning("ckpt-engine serving: http://%s:%d  zmq %s  rendezvous %s:%d  history %s",
+        log.warning("ckpt-engine serving: http://%s:%d  zmq %s  rendezvous %s:%d  history %s  credentials %s",
                     self.config.http.host, self.config.http.port, self.zmq.bound_endpoint,
-                    self.config.store.rendezvous_host, self.store.port, self.config.store.history_path)
+                    self.config.store.rendezvous_host, self.store.port, self.config.store.history_path,
+                    "none (auth.open)" if self.authority.open else self.authority.credentials_file)
         try:
             server.run()  # returns after SIGTERM/SIGINT
         finally:
@@ -86,18 +95,20 @@ class Daemon:
         log.warning("stopped")
 
     def _tick(self) -> None:
+        failures = FailureLog(log, "controller tick")
         while not self._stop.wait(_TICK_S):
             try:
                 self.controller.tick()
-            except Exception:
-                log.exception("controller tick failed")
+                failures.succeeded()
+            except Exception as exc:  # logged once, then periodically: the ticker itself never dies
+                failures.failed(f"{type(exc).__name__}: {exc}")
 
     def _warn_if_exposed(self) -> None:
         exposed = self.exposed_binds(self.config)
-        if exposed and self.config.auth_token is None:
-            log.warning("WARNING: listening beyond loopback without auth_token (%s): anyone who can reach these "
-                        "ports can trigger syncs, register agents and read history. Set auth_token in the config, "
-                        "or bind to 127.0.0.1.", ", ".join(exposed))
+        if exposed and self.authority.open:
+            log.warning("WARNING: listening beyond loopback with auth.open (%s): anyone who can reach these "
+                        "ports can trigger syncs, register agents and read history. Unset auth.open, or bind to "
+                        "127.0.0.1.", ", ".join(exposed))
 
     @staticmethod
     def exposed_binds(config: EngineConfig) -> list[str]:
@@ -112,4 +123,11 @@ class Daemon:
 def serve(config: EngineConfig) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a daemon that seems stuck shows where it waits
-    return Daemon(config).run()
+    # A file-size limit must surface as a storage fault the daemon reports (EFBIG), not kill it.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        daemon = Daemon(config)
+    except CkptEngineError as exc:  # a history or store that cannot be used: say which, without a traceback
+        log.error("cannot start: %s", exc)
+        return 2
+    return daemon.run()

@@ -37,3 +37,13 @@ class Unavailable(ControlError):
 class Unauthorized(ControlError):
     status = 401
     error = "unauthorized"
+
+
+class Forbidden(ControlError):
+    status = 403
+    error = "forbidden"
+
+
+class TooManyRequests(ControlError):
+    status = 429
+    error = "too many requests"

@@ -1,18 +1,37 @@
 """Version history in SQLite (WAL). Every version ever requested has a row; ids come from AUTOINCREMENT, so
-they rise monotonically and are never reused, also across restarts. Rows are never deleted."""
+they rise monotonically and are never reused, also across restarts. Rows are never deleted.
+
+Storage faults are a state, not a crash: the truth about versions the daemon touches is kept in memory
+first. A write that fails (disk full, I/O error) leaves the record dirty in memory, the store reports itself
+degraded, and :meth:`HistoryStore.flush` writes it later, with backoff, once it can. Reads see the records in
+memory over the file. A new version needs its row (its id is the row's), so while degraded :meth:`create`
+raises :class:`StorageUnavailable` instead of handing out an id that a crash could hand out again.
+
+One daemon writes a history at a time: the store holds an exclusive lock on ``<history>.lock`` for its life.
+"""
 
 from __future__ import annotations
 
+import collections
+import fcntl
 import json
+import logging
+import os
+import socket
 import sqlite3
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+import uuid
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-TERMINAL = ("committed", "failed", "cancelled")
-STATUSES = ("requested", "snapshotting", "transferring", "verifying", *TERMINAL)
+from ckpt_engine.control import STATUSES, TERMINAL
+from ckpt_engine.errors import CkptEngineError
+from ckpt_engine.retry import Backoff
+
+log = logging.getLogger(__name__)
+_CLEAN_KEPT = 1024  # clean records kept in memory besides the dirty ones
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS versions (
@@ -33,11 +52,28 @@ CREATE TABLE IF NOT EXISTS versions (
     stages TEXT NOT NULL DEFAULT '{}',
     receivers TEXT NOT NULL DEFAULT '[]',
     version_digest TEXT,
-    cached INTEGER NOT NULL DEFAULT 0
+    cached INTEGER NOT NULL DEFAULT 0,
+    purpose TEXT NOT NULL DEFAULT 'sync'
 );
 CREATE INDEX IF NOT EXISTS versions_status ON versions(status);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
-_ADDED_COLUMNS = {"bytes_skipped": "INTEGER NOT NULL DEFAULT 0"}  # since the first release
+# columns added since the first release
+_ADDED_COLUMNS = {"bytes_skipped": "INTEGER NOT NULL DEFAULT 0", "purpose": "TEXT NOT NULL DEFAULT 'sync'"}
+_REQUIRED_COLUMNS = {"id", "step", "mode", "status", "reason", "source_version", "created_at", "updated_at"}
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+class HistoryError(CkptEngineError):
+    """The history file cannot be used (it names ``store.history_path``)."""
+
+
+class HistoryLocked(HistoryError):
+    """Another daemon writes this history."""
+
+
+class StorageUnavailable(CkptEngineError):
+    """The history cannot be written now; what needs a new row is refused until it can."""
 
 
 @dataclass
@@ -60,139 +96,277 @@ class VersionRecord:
     receivers: list[dict[str, Any]] = field(default_factory=list)
     version_digest: str | None = None
     cached: bool = False
+    purpose: str = "sync"  # sync, push (rollback), catch_up (a receiver that joined), repair (a torn receiver)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class StorageState:
+    ok: bool
+    error: str | None
+    since: float | None
+    pending_writes: int
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 class HistoryStore:
-    """Thread-safe: one connection guarded by a lock (SQLite serialises writers anyway)."""
+    """Thread-safe. Writes go through one connection; reads of rows not in memory use a second one, so a slow
+    write never holds a read back."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, lock_wait_s: float = 0.0) -> None:
         self.path = str(path)
-        if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10)
-        self._db.row_factory = sqlite3.Row
-        self._lock = threading.Lock()
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
-            self._add_missing_columns()
+        self._lock_file = _lock_history(self.path, lock_wait_s) if self.path != ":memory:" else None
+        try:
+            self._db = _connect(self.path)
+            self.history_id = _prepare(self._db, self.path)
+            self._reader = _connect(self.path, readonly=True) if self.path != ":memory:" else self._db
+        except sqlite3.Error as exc:
+            self._release_lock()
+            raise HistoryError(f"store.history_path: {self.path}: {exc}") from exc
+        self._db_lock = threading.Lock()
+        self._read_lock = threading.Lock() if self._reader is not self._db else self._db_lock
+        self._mem = threading.Lock()
+        self._records: collections.OrderedDict[int, VersionRecord] = collections.OrderedDict()
+        self._dirty: set[int] = set()
+        self._cached_ids: set[int] | None = None  # the trainer's cache as last reported; None: as in the file
+        self._cached_dirty = False
+        self._problem: str | None = None
+        self._problem_since: float | None = None
+        self._retry = Backoff(initial_s=0.5, max_s=30.0)
+        self._next_retry = 0.0
 
-    def _add_missing_columns(self) -> None:
-        """Histories written by an older release lack newer columns; add them (rows are never rewritten)."""
-        present = {row["name"] for row in self._db.execute("PRAGMA table_info(versions)")}
-        for name, definition in _ADDED_COLUMNS.items():
-            if name not in present:
-                self._db.execute(f"ALTER TABLE versions ADD COLUMN {name} {definition}")
+    # ---- state ---------------------------------------------------------------------------------------
+    def storage(self) -> StorageState:
+        with self._mem:
+            pending = len(self._dirty) + int(self._cached_dirty)
+            return StorageState(self._problem is None, self._problem, self._problem_since, pending)
 
-    def number_after(self, version: int) -> bool:
-        """Make the next version id larger than ``version``; True if that moved it. Agents that outlived a
-        daemon hold versions of a history this one may not have (a lost or replaced history file): a new
-        version must never reuse their ids (caches, sparse bases and receivers' bookkeeping go by id)."""
-        with self._lock:
-            row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'versions'").fetchone()
-            if version < 1 or (row is not None and row["seq"] >= version):
-                return False
-            if row is None:
-                self._db.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('versions', ?)", (version,))
-            else:
-                self._db.execute("UPDATE sqlite_sequence SET seq = ? WHERE name = 'versions'", (version,))
-            return True
+    @property
+    def degraded(self) -> bool:
+        return self._problem is not None
 
-    def fail_unfinished(self, reason: str) -> list[int]:
-        """Mark every version that was in flight (e.g. at a crash) failed; returns their ids."""
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT id FROM versions WHERE status NOT IN ({','.join('?' * len(TERMINAL))})", TERMINAL
-            ).fetchall()
-            ids = [row["id"] for row in rows]
-            now = time.time()
-            self._db.executemany("UPDATE versions SET status='failed', reason=?, updated_at=? WHERE id=?",
-                                 [(reason, now, i) for i in ids])
-            return ids
-
+    # ---- writes --------------------------------------------------------------------------------------
     def create(self, *, mode: str, step: int | None, source_version: int | None = None) -> VersionRecord:
+        """A new version row; its id is the row's. Raises StorageUnavailable while the file cannot be written."""
+        if self._problem is not None and not self.flush(force=True):
+            raise StorageUnavailable(f"the history cannot be written ({self._problem}); no new version until it can")
         now = time.time()
-        with self._lock:
-            cursor = self._db.execute(
-                "INSERT INTO versions (step, mode, status, source_version, created_at, updated_at) "
-                "VALUES (?, ?, 'requested', ?, ?, ?)", (step, mode, source_version, now, now))
-            version = cursor.lastrowid
-        record = self.get(version)
-        _require(record, version)
-        return record
+        try:
+            with self._db_lock:
+                cursor = self._db.execute(
+                    "INSERT INTO versions (step, mode, status, source_version, created_at, updated_at) "
+                    "VALUES (?, ?, 'requested', ?, ?, ?)", (step, mode, source_version, now, now))
+                version = int(cursor.lastrowid)  # type: ignore[arg-type]
+        except sqlite3.Error as exc:
+            self._failed(exc)
+            raise StorageUnavailable(f"the history cannot be written ({self._problem}); no new version until "
+                                     "it can") from exc
+        record = VersionRecord(version, step, mode, "requested", None, source_version, now, now, None, 0, 0, 0, 0, 0)
+        with self._mem:
+            self._remember(record)
+        return replace(record)
 
     def update(self, version: int, **fields: Any) -> VersionRecord:
-        """Set columns of a version; ``stages`` and ``receivers`` are stored as JSON."""
-        if "status" in fields and fields["status"] not in STATUSES:
-            raise ValueError(f"unknown status {fields['status']!r}")
+        """Set fields of a version. The change is the truth at once; it reaches the file now or, when the file
+        cannot be written, with the next successful :meth:`flush`."""
+        _check_fields(fields)
+        record = self.get(version)
+        if record is None:
+            raise KeyError(f"version {version} is not in the history")
         fields["updated_at"] = time.time()
         if fields.get("status") == "committed":
             fields.setdefault("committed_at", fields["updated_at"])
-        for key in ("stages", "receivers"):
-            if key in fields:
-                fields[key] = json.dumps(fields[key])
-        if "cached" in fields:
-            fields["cached"] = int(bool(fields["cached"]))
-        unknown = set(fields) - _COLUMNS
-        if unknown:
-            raise ValueError(f"unknown history columns {sorted(unknown)}")
-        assignments = ", ".join(f"{key}=?" for key in fields)
-        with self._lock:
-            self._db.execute(f"UPDATE versions SET {assignments} WHERE id=?", (*fields.values(), version))
-        record = self.get(version)
-        _require(record, version)
-        return record
+        with self._mem:
+            current = self._records.get(version, record)
+            updated = replace(current, **fields)
+            self._remember(updated)
+            self._dirty.add(version)
+        self.flush(force=self._problem is None)
+        return replace(updated)
+
+    def fail_unfinished(self, reason: str) -> list[int]:
+        """Mark every version that was in flight (e.g. at a crash) failed; returns their ids."""
+        ids = [r.id for r in self._query(f"SELECT * FROM versions WHERE status NOT IN "
+                                         f"({','.join('?' * len(TERMINAL))})", TERMINAL)]
+        for version in ids:
+            self.update(version, status="failed", reason=reason)
+        return ids
 
     def set_cached(self, cached_versions: set[int]) -> None:
         """Record which versions the trainer's cache holds now."""
-        with self._lock:
-            self._db.execute("UPDATE versions SET cached=0 WHERE cached=1")
-            self._db.executemany("UPDATE versions SET cached=1 WHERE id=?", [(v,) for v in cached_versions])
+        with self._mem:
+            self._cached_ids = set(cached_versions)
+            self._cached_dirty = True
+            for version, record in self._records.items():
+                record.cached = version in cached_versions
+        self.flush(force=self._problem is None)
 
+    def flush(self, *, force: bool = False) -> bool:
+        """Write what is only in memory; True when nothing is left. Without ``force`` it waits for the backoff
+        after a failure (it is called on every controller tick)."""
+        if not force and time.monotonic() < self._next_retry:
+            return False
+        with self._mem:
+            dirty = [replace(self._records[v]) for v in sorted(self._dirty)]
+            cached = set(self._cached_ids) if self._cached_dirty and self._cached_ids is not None else None
+        try:
+            with self._db_lock:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    for record in dirty:
+                        self._write(record)
+                    if cached is not None:
+                        self._db.execute("UPDATE versions SET cached=0 WHERE cached=1")
+                        self._db.executemany("UPDATE versions SET cached=1 WHERE id=?", [(v,) for v in cached])
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    if self._db.in_transaction:  # SQLite may have rolled back by itself (e.g. disk full)
+                        self._db.execute("ROLLBACK")
+                    raise
+        except sqlite3.Error as exc:
+            self._failed(exc)
+            return False
+        with self._mem:
+            for record in dirty:
+                if self._records.get(record.id) == record:
+                    self._dirty.discard(record.id)
+            if cached is not None and self._cached_ids == cached:
+                self._cached_dirty = False
+            clean = not self._dirty and not self._cached_dirty
+        if clean and self._problem is not None:
+            log.warning("history storage works again; %d pending write(s) flushed", len(dirty))
+            self._problem, self._problem_since = None, None
+            self._retry.reset()
+        return clean
+
+    # ---- reads ---------------------------------------------------------------------------------------
     def get(self, version: int) -> VersionRecord | None:
-        with self._lock:
-            row = self._db.execute("SELECT * FROM versions WHERE id=?", (version,)).fetchone()
-        return _record(row) if row else None
+        with self._mem:
+            record = self._records.get(version)
+            if record is not None:
+                self._records.move_to_end(version)
+                return replace(record)
+        rows = self._query("SELECT * FROM versions WHERE id=?", (version,))
+        if not rows:
+            return None
+        with self._mem:
+            record = self._records.get(version) or self._overlay(rows[0])
+            self._remember(record)
+            return replace(record)
 
     def latest(self, status: str | None = None) -> VersionRecord | None:
         rows = self.list(limit=1, status=status)
         return rows[0] if rows else None
 
-    def list(self, *, limit: int = 50, status: str | None = None) -> list[VersionRecord]:
-        """Newest first."""
-        query, args = "SELECT * FROM versions", []
+    def list(self, *, limit: int = 50, status: str | None = None, before: int | None = None) -> list[VersionRecord]:
+        """Newest first; ``before``: only ids below it (the cursor of the next page)."""
+        query, args = "SELECT * FROM versions WHERE 1=1", []
         if status is not None:
-            query += " WHERE status=?"
+            query += " AND status=?"
             args.append(status)
+        if before is not None:
+            query += " AND id<?"
+            args.append(before)
         query += " ORDER BY id DESC LIMIT ?"
         args.append(limit)
-        with self._lock:
-            rows = self._db.execute(query, args).fetchall()
-        return [_record(row) for row in rows]
+        rows = self._query(query, args)
+        with self._mem:
+            records = [replace(self._records.get(r.id) or self._overlay(r)) for r in rows]
+            # a dirty record may have moved into (or out of) the status asked for
+            if status is not None:
+                records = [r for r in records if r.status == status]
+                known = {r.id for r in records}
+                records += [replace(r) for v, r in self._records.items() if v in self._dirty and v not in known
+                            and r.status == status and (before is None or v < before)]
+                records = sorted(records, key=lambda r: -r.id)[:limit]
+        return records
 
     def counts(self) -> dict[str, int]:
-        with self._lock:
-            rows = self._db.execute("SELECT status, COUNT(*) AS n FROM versions GROUP BY status").fetchall()
-        return {row["status"]: row["n"] for row in rows}
+        rows = self._raw("SELECT id, status FROM versions")
+        with self._mem:
+            statuses = [self._records[i].status if i in self._records else s for i, s in rows]
+        return dict(collections.Counter(statuses))
 
     def close(self) -> None:
-        with self._lock:
+        self.flush(force=True)
+        with self._db_lock:
             self._db.close()
+        if self._reader is not self._db:
+            with self._read_lock:
+                self._reader.close()
+        self._release_lock()
+
+    # ---- internals -----------------------------------------------------------------------------------
+    def _remember(self, record: VersionRecord) -> None:
+        self._records[record.id] = record
+        self._records.move_to_end(record.id)
+        clean = [v for v in self._records if v not in self._dirty]
+        for version in clean[: max(0, len(clean) - _CLEAN_KEPT)]:
+            del self._records[version]
+
+    def _overlay(self, record: VersionRecord) -> VersionRecord:
+        if self._cached_ids is not None:
+            record.cached = record.id in self._cached_ids
+        return record
+
+    def _write(self, record: VersionRecord) -> None:
+        values = _row_values(record)
+        assignments = ", ".join(f"{key}=?" for key in values)
+        self._db.execute(f"UPDATE versions SET {assignments} WHERE id=?", (*values.values(), record.id))
+
+    def _query(self, query: str, args: Any = ()) -> list[VersionRecord]:
+        try:
+            with self._read_lock:
+                rows = self._reader.execute(query, args).fetchall()
+        except sqlite3.Error as exc:
+            raise StorageUnavailable(f"the history cannot be read: {exc}") from exc
+        return [_record(row) for row in rows]
+
+    def _raw(self, query: str) -> list[tuple]:
+        try:
+            with self._read_lock:
+                return [tuple(row) for row in self._reader.execute(query).fetchall()]
+        except sqlite3.Error as exc:
+            raise StorageUnavailable(f"the history cannot be read: {exc}") from exc
+
+    def _failed(self, exc: sqlite3.Error) -> None:
+        text = f"{type(exc).__name__}: {exc}"
+        if self._problem is None:
+            log.error("history storage failed (%s); keeping versions in memory until it can be written", text)
+            self._problem_since = time.time()
+        self._problem = text
+        self._next_retry = time.monotonic() + self._retry.next_delay()
+
+    def _release_lock(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
 
 
 _COLUMNS = {
     "step", "mode", "status", "reason", "source_version", "updated_at", "committed_at", "bytes", "buckets",
-    "tensors_sent", "tensors_skipped", "bytes_skipped", "stages", "receivers", "version_digest", "cached",
+    "tensors_sent", "tensors_skipped", "bytes_skipped", "stages", "receivers", "version_digest", "cached", "purpose",
 }
 
 
-def _require(record: VersionRecord | None, version: int) -> None:
-    if record is None:
-        raise RuntimeError(f"history lost version {version} right after writing it")
+def _check_fields(fields: dict[str, Any]) -> None:
+    if "status" in fields and fields["status"] not in STATUSES:
+        raise ValueError(f"unknown status {fields['status']!r}")
+    unknown = set(fields) - _COLUMNS
+    if unknown:
+        raise ValueError(f"unknown history columns {sorted(unknown)}")
+
+
+def _row_values(record: VersionRecord) -> dict[str, Any]:
+    values = {key: getattr(record, key) for key in sorted(_COLUMNS)}
+    values["stages"] = json.dumps(values["stages"])
+    values["receivers"] = json.dumps(values["receivers"])
+    values["cached"] = int(bool(values["cached"]))
+    return values
 
 
 def _record(row: sqlite3.Row) -> VersionRecord:
@@ -201,3 +375,104 @@ def _record(row: sqlite3.Row) -> VersionRecord:
     data["receivers"] = json.loads(data["receivers"])
     data["cached"] = bool(data["cached"])
     return VersionRecord(**data)
+
+
+def _connect(path: str, *, readonly: bool = False) -> sqlite3.Connection:
+    target = f"file:{path}?mode=ro" if readonly else path
+    db = sqlite3.connect(target, uri=readonly, check_same_thread=False, isolation_level=None, timeout=10)
+    db.row_factory = sqlite3.Row
+    return db
+
+
+def _prepare(db: sqlite3.Connection, path: str) -> str:
+    """Check that the file is a ckpt-engine history (or new), bring its schema up to date, and return its id."""
+    tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    if tables - {"versions", "sqlite_sequence", "meta"}:
+        raise HistoryError(f"store.history_path: {path} is a SQLite database of something else (tables "
+                           f"{sorted(tables)[:5]}); name a file of its own")
+    if "versions" in tables:
+        present = {row["name"] for row in db.execute("PRAGMA table_info(versions)")}
+        missing = _REQUIRED_COLUMNS - present
+        if missing:
+            raise HistoryError(f"store.history_path: {path} has a 'versions' table that is not a ckpt-engine "
+                               f"history (no {', '.join(sorted(missing))})")
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.executescript(_SCHEMA)
+    present = {row["name"] for row in db.execute("PRAGMA table_info(versions)")}
+    for name, definition in _ADDED_COLUMNS.items():  # histories of an older release lack newer columns
+        if name not in present:
+            db.execute(f"ALTER TABLE versions ADD COLUMN {name} {definition}")
+    row = db.execute("SELECT value FROM meta WHERE key='history_id'").fetchone()
+    if row is not None:
+        return str(row[0])
+    history_id = uuid.uuid4().hex
+    db.execute("INSERT INTO meta (key, value) VALUES ('history_id', ?)", (history_id,))
+    return history_id
+
+
+def check_history_path(path: str) -> None:
+    """Problems ``serve`` would meet with this history path, found without creating anything: raises
+    HistoryError naming ``store.history_path``."""
+    if path == ":memory:":
+        return
+    target = Path(path)
+    parent = next((p for p in [target.parent, *target.parent.parents] if p.exists()), Path("/"))
+    if not parent.is_dir():
+        raise HistoryError(f"store.history_path: {path}: {parent} is not a directory")
+    if not target.exists():
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise HistoryError(f"store.history_path: {path}: cannot create files in {parent}")
+        return
+    if not target.is_file():
+        raise HistoryError(f"store.history_path: {path} is not a regular file")
+    if not os.access(target, os.R_OK | os.W_OK) or not os.access(target.parent, os.W_OK | os.X_OK):
+        raise HistoryError(f"store.history_path: {path}: not writable here (the file and its directory must be)")
+    with open(target, "rb") as handle:
+        head = handle.read(len(_SQLITE_MAGIC))
+    if head and head != _SQLITE_MAGIC:
+        raise HistoryError(f"store.history_path: {path} exists and is not a SQLite database")
+    if head:
+        try:
+            db = _connect(path, readonly=True)
+            try:
+                tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+                if tables - {"versions", "sqlite_sequence", "meta"}:
+                    raise HistoryError(f"store.history_path: {path} is a SQLite database of something else")
+                if "versions" in tables:
+                    present = {row["name"] for row in db.execute("PRAGMA table_info(versions)")}
+                    if _REQUIRED_COLUMNS - present:
+                        raise HistoryError(f"store.history_path: {path} has a 'versions' table that is not a "
+                                           "ckpt-engine history")
+            finally:
+                db.close()
+        except sqlite3.Error as exc:
+            raise HistoryError(f"store.history_path: {path}: {exc}") from exc
+
+
+def _lock_history(path: str, wait_s: float) -> Any:
+    """An exclusive lock on ``<path>.lock`` for this process's life; HistoryLocked names who holds it."""
+    lock_path = f"{path}.lock"
+    try:
+        Path(lock_path).parent.mkdir(parents=True, exist_ok=True)
+        handle = open(lock_path, "a+")
+    except OSError as exc:
+        raise HistoryError(f"store.history_path: cannot create {lock_path}: {exc.strerror}") from exc
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                handle.seek(0)
+                holder = handle.read(200).strip() or "another process"
+                handle.close()
+                raise HistoryLocked(f"store.history_path: {path} is in use by another daemon ({holder}); one daemon "
+                                    "writes a history at a time (store.lock_wait_s waits for it)") from None
+            time.sleep(0.1)
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    handle.flush()
+    return handle

@@ -4,9 +4,12 @@ every status an operation can answer with is declared in the OpenAPI document (s
 
 from __future__ import annotations
 
-import hmac
+import asyncio
+import time
 from http import HTTPStatus
-from typing import Annotated, Any
+from typing import Annotated, Any, Callable
+
+import anyio.to_thread
 
 from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,15 +21,20 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ckpt_engine import __version__
+from ckpt_engine.auth import Role
 from ckpt_engine.config import EngineConfig
 from ckpt_engine.control import MAX_ID
+from ckpt_engine.server.authority import Authority
 from ckpt_engine.server.api_models import (AgentList, Health, PushAccepted, Status, StatusOut, SyncAccepted, SyncBody,
                                            VersionList, VersionOut, error_responses)
 from ckpt_engine.server.controller import Controller
-from ckpt_engine.server.errors import ControlError, NotFound
-from ckpt_engine.server.history import TERMINAL
+from ckpt_engine.server.errors import ControlError, Forbidden, NotFound, TooManyRequests, Unavailable
+from ckpt_engine.server.history import TERMINAL, StorageUnavailable, VersionRecord
 
 # Bounded like every id on the wire: a larger path value is a 422, not an OverflowError (500) in the store.
+_MAX_WAITING = 64
+_WAIT_POLL_S = 0.05
+_EVICT_WAIT_S = 10.0
 VersionId = Annotated[int, Path(ge=-MAX_ID, le=MAX_ID, description="version id")]
 
 
@@ -43,20 +51,23 @@ def _too_large(limit: int) -> StarletteHTTPException:
 
 
 class LimitsAndAuth:
-    """Pure ASGI middleware: request bodies over the limit get 413; without the bearer token, 401."""
+    """Pure ASGI middleware: request bodies over the limit get 413; without a valid bearer token, 401. The
+    roles the token grants go to the request's state, where each operation checks the ones it needs (403)."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, token: str | None) -> None:
-        self.app, self.max_body_bytes, self.token = app, max_body_bytes, token
+    def __init__(self, app: ASGIApp, max_body_bytes: int, authority: Authority) -> None:
+        self.app, self.max_body_bytes, self.authority = app, max_body_bytes, authority
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode(errors="replace") for k, v in scope.get("headers", [])}
-        if self.token is not None and scope["path"] != "/health" and not self._authorized(headers):
+        roles = self.authority.roles_of(_bearer(headers))
+        if scope["path"] != "/health" and not roles:
             await _error(401, "unauthorized", "send 'Authorization: Bearer <token>'",
                          headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
             return
+        scope.setdefault("state", {})["roles"] = roles
         declared = headers.get("content-length", "0")
         # isascii: str.isdigit() is also true for digits like '²' that int() refuses
         if not (declared.isascii() and declared.isdigit()) or int(declared) > self.max_body_bytes:
@@ -77,23 +88,33 @@ class LimitsAndAuth:
 
         await self.app(scope, limited_receive, send)
 
-    def _authorized(self, headers: dict[str, str]) -> bool:
-        scheme, _, value = headers.get("authorization", "").partition(" ")
-        # compare_digest: the time taken does not tell how much of a guessed token was right
-        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self.token.encode())  # type: ignore[union-attr]
 
 
-def create_app(controller: Controller, config: EngineConfig) -> FastAPI:
+def _bearer(headers: dict[str, str]) -> str | None:
+    scheme, _, value = headers.get("authorization", "").partition(" ")
+    return value.strip() if scheme.lower() == "bearer" else None
+
+
+def create_app(controller: Controller, config: EngineConfig, authority: Authority) -> FastAPI:
     app = FastAPI(title="ckpt-engine", version=__version__,
                   description="Versioned, verified weight sync from trainers to rollout engines.")
-    app.add_middleware(LimitsAndAuth, max_body_bytes=config.http.max_body_bytes, token=config.auth_token)
+    app.add_middleware(LimitsAndAuth, max_body_bytes=config.http.max_body_bytes, authority=authority)
     # Declares the bearer scheme in the OpenAPI document; LimitsAndAuth does the checking (also for 404s).
-    auth = [Depends(HTTPBearer(auto_error=False))] if config.auth_token else []
+    auth = [] if authority.open else [Depends(HTTPBearer(auto_error=False))]
+    operator = [*auth, Depends(_needs("operator"))]
     guarded = (401, 413)  # what LimitsAndAuth can answer on every operation but /health
+    # Requests that wait on agents (sync with wait, evict) wait asynchronously, never in a worker thread, so
+    # /health and reads are never queued behind them; at most this many wait at once (then 429).
+    waiting = asyncio.Semaphore(_MAX_WAITING)
 
     @app.exception_handler(ControlError)
     def control_error(_: Request, exc: ControlError) -> JSONResponse:
+        controller.metrics.refused.labels(reason=exc.error).inc()
         return _error(exc.status, exc.error, exc.detail, exc.record)
+
+    @app.exception_handler(StorageUnavailable)
+    def storage_error(_: Request, exc: StorageUnavailable) -> JSONResponse:
+        return _error(503, "unavailable", str(exc))
 
     @app.exception_handler(RequestValidationError)
     def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -111,28 +132,45 @@ def create_app(controller: Controller, config: EngineConfig) -> FastAPI:
     def unexpected(_: Request, exc: Exception) -> JSONResponse:
         return _error(500, "internal error", f"{type(exc).__name__}: {exc}")
 
+    async def wait_for(check: Callable[[], VersionRecord | None], timeout_s: float) -> VersionRecord | None:
+        if waiting.locked():
+            raise TooManyRequests(f"{_MAX_WAITING} requests are waiting already; retry later or do not wait")
+        async with waiting:
+            deadline = time.monotonic() + timeout_s
+            while (found := check()) is None and time.monotonic() < deadline:
+                await asyncio.sleep(_WAIT_POLL_S)
+            return found
+
     @app.post("/sync", status_code=202, summary="Start a new version (or wait for its end with wait=true)",
-              dependencies=auth, response_model=SyncAccepted, responses={
+              dependencies=operator, response_model=SyncAccepted, responses={
                   200: {"model": VersionOut, "description": "wait=true: the version committed"},
                   502: {"model": VersionOut, "description": "wait=true: the version failed or was cancelled"},
                   504: {"model": VersionOut, "description": "wait=true: still in flight when the wait ran out"},
-                  **error_responses(*guarded, 400, 409, 422, 503)})
-    def sync(body: SyncBody, request: Request) -> Any:
-        record = controller.request_sync(step=body.step, bypass_cpu=body.bypass_cpu, sparse=body.sparse)
+                  **error_responses(*guarded, 400, 403, 409, 422, 429, 503)})
+    async def sync(body: SyncBody, request: Request) -> Any:
+        if body.wait and waiting.locked():
+            raise TooManyRequests(f"{_MAX_WAITING} requests are waiting already; retry later or do not wait")
+        record = await anyio.to_thread.run_sync(
+            lambda: controller.request_sync(step=body.step, bypass_cpu=body.bypass_cpu, sparse=body.sparse))
         if not body.wait:
             return JSONResponse({"version": record.id, "status_url": str(request.url_for("version", version=record.id))},
                                 status_code=202)
-        final = controller.wait(record.id, body.timeout_s or config.timeouts.version_s)
-        return JSONResponse(final.to_dict(), status_code=200 if final.status == "committed" else
-                            (504 if final.status not in TERMINAL else 502))
+        final = await wait_for(lambda: controller.terminal(record.id), body.timeout_s or config.timeouts.version_s)
+        final = final or controller.history.get(record.id)
+        return JSONResponse(final.to_dict(), status_code=200 if final.status == "committed" else  # type: ignore[union-attr]
+                            (504 if final.status not in TERMINAL else 502))  # type: ignore[union-attr]
 
-    @app.get("/versions", summary="Version history, newest first", dependencies=auth, response_model=VersionList,
-             responses=error_responses(*guarded, 422))
-    def versions(limit: int = Query(50, ge=1, le=1000), status: Status | None = None) -> dict:
-        return {"versions": [r.to_dict() for r in controller.history.list(limit=limit, status=status)]}
+    @app.get("/versions", summary="Version history, newest first (page with before=next_before)",
+             dependencies=auth, response_model=VersionList, responses=error_responses(*guarded, 422, 503))
+    def versions(limit: int = Query(50, ge=1, le=1000), status: Status | None = None,
+                 before: int | None = Query(None, ge=1, le=MAX_ID, description="only versions with a smaller id")
+                 ) -> dict:
+        rows = controller.history.list(limit=limit, status=status, before=before)
+        return {"versions": [r.to_dict() for r in rows],
+                "next_before": rows[-1].id if len(rows) == limit else None}
 
     @app.get("/versions/latest", summary="The newest version (any status)", dependencies=auth,
-             response_model=VersionOut, responses=error_responses(*guarded, 404, 422))
+             response_model=VersionOut, responses=error_responses(*guarded, 404, 422, 503))
     def latest(status: Status | None = None) -> dict:
         record = controller.history.latest(status=status)
         if record is None:
@@ -145,7 +183,7 @@ def create_app(controller: Controller, config: EngineConfig) -> FastAPI:
         raise StarletteHTTPException(405)
 
     @app.get("/versions/{version}", name="version", summary="One version's record", dependencies=auth,
-             response_model=VersionOut, responses=error_responses(*guarded, 404, 422))
+             response_model=VersionOut, responses=error_responses(*guarded, 404, 422, 503))
     def version(version: VersionId) -> dict:
         record = controller.history.get(version)
         if record is None:
@@ -153,34 +191,44 @@ def create_app(controller: Controller, config: EngineConfig) -> FastAPI:
         return record.to_dict()
 
     @app.post("/versions/{version}/push", status_code=202, summary="Re-push a cached version (rollback)",
-              dependencies=auth, response_model=PushAccepted, responses=error_responses(*guarded, 404, 409, 422, 503))
+              dependencies=operator, response_model=PushAccepted,
+              responses=error_responses(*guarded, 403, 404, 409, 422, 503))
     def push(version: VersionId, request: Request) -> JSONResponse:
         record = controller.push(version)
         return JSONResponse({"version": record.id, "source_version": version,
                              "status_url": str(request.url_for("version", version=record.id))}, status_code=202)
 
     @app.delete("/versions/{version}", summary="Evict a version from the trainer's cache (history stays)",
-                dependencies=auth, response_model=VersionOut, responses=error_responses(*guarded, 404, 409, 422, 503))
-    def evict(version: VersionId) -> dict:
-        return controller.evict(version).to_dict()
+                dependencies=operator, response_model=VersionOut,
+                responses=error_responses(*guarded, 403, 404, 409, 422, 429, 503))
+    async def evict(version: VersionId) -> dict:
+        if waiting.locked():
+            raise TooManyRequests(f"{_MAX_WAITING} requests are waiting already; retry later")
+        await anyio.to_thread.run_sync(lambda: controller.request_evict(version))
+        record = await wait_for(lambda: controller.evicted(version), _EVICT_WAIT_S)
+        if record is None:
+            raise Unavailable(f"the trainer did not confirm eviction of version {version} in {_EVICT_WAIT_S:.0f}s")
+        return record.to_dict()
 
-    @app.get("/receivers", summary="Registered agents", dependencies=auth, response_model=AgentList,
-             responses=error_responses(*guarded))
+    @app.get("/receivers", summary="Registered agents and what each receiver's model holds", dependencies=auth,
+             response_model=AgentList, responses=error_responses(*guarded))
     def receivers() -> dict:
         return {"agents": controller.agents_public()}
 
-    @app.get("/status", summary="Config summary, in-flight version, cache", dependencies=auth,
-             response_model=StatusOut, responses=error_responses(*guarded))
+    @app.get("/status", summary="Config summary, in-flight version, cache, storage", dependencies=auth,
+             response_model=StatusOut, responses=error_responses(*guarded, 503))
     def status() -> dict:
         return {**controller.status(), "config": {
             "bypass_cpu": config.bypass_cpu, "bucket_size_mb": config.bucket_size_mb, "device": config.device,
             "backend": config.backend, "keep_versions": config.keep_versions, "verify": config.verify,
-            "min_receivers": config.min_receivers, "transport": config.transport, "zmq": config.zmq.endpoint, "auth": config.auth_token is not None,
+            "min_receivers": config.min_receivers, "transport": config.transport, "zmq": config.zmq.endpoint,
+            "auth": not authority.open,
         }, "version": __version__}
 
-    @app.get("/health", summary="Liveness (no token needed)", response_model=Health, responses=error_responses(413))
-    def health() -> dict:
-        return {"ok": True}
+    @app.get("/health", summary="Liveness (no token needed); degraded while the history cannot be written",
+             response_model=Health, responses=error_responses(413))
+    async def health() -> dict:
+        return {"ok": True, "degraded": controller.history.degraded}
 
     @app.get("/metrics", summary="Prometheus metrics", dependencies=auth, response_class=Response,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
@@ -189,6 +237,14 @@ def create_app(controller: Controller, config: EngineConfig) -> FastAPI:
         return Response(controller.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def _needs(role: Role) -> Callable[[Request], None]:
+    def check(request: Request) -> None:
+        roles = getattr(request.state, "roles", set())
+        if role not in roles:
+            raise Forbidden(f"this operation needs a token of role {role}; this one is {', '.join(sorted(roles))}")
+    return check
 
 
 def _allowed_methods(app: FastAPI, scope: Scope) -> list[str]:

@@ -20,6 +20,13 @@ class Metrics:
         self.cache_bytes = Gauge("ckpt_engine_cache_bytes", "bytes held by the trainer's version cache",
                                  registry=self.registry)
         self.in_flight = Gauge("ckpt_engine_in_flight", "1 while a version is in flight", registry=self.registry)
+        self.storage_degraded = Gauge("ckpt_engine_storage_degraded",
+                                      "1 while the history cannot be written (new versions refused)",
+                                      registry=self.registry)
+        self.torn_receivers = Gauge("ckpt_engine_torn_receivers", "receivers whose model a failed apply left torn",
+                                    registry=self.registry)
+        self.refused = Counter("ckpt_engine_refused", "control-plane requests refused, by reason", ["reason"],
+                               registry=self.registry)
 
     def version_done(self, outcome: str, nbytes: int, stages: dict[str, float]) -> None:
         self.versions.labels(outcome=outcome).inc()

@@ -11,7 +11,6 @@ peer that sends a frame over twice that (MAXMSGSIZE), so a huge frame is never b
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 import time
@@ -20,11 +19,13 @@ from typing import Any, Callable
 
 import zmq
 
-from ckpt_engine.control import (MAX_ID, Poll, PollReply, Register, Report, SyncRequest, decode_frame, encode_frame,
-                                  parse_body)
+from ckpt_engine.auth import Role
+from ckpt_engine.control import (MAX_ID, Poll, PollReply, Register, Report, SyncRequest, Unregister, decode_frame,
+                                  encode_frame, parse_body)
 from ckpt_engine.errors import ProtocolError
+from ckpt_engine.server.authority import ANY, Authority
 from ckpt_engine.server.controller import Controller
-from ckpt_engine.server.errors import BadRequest, ControlError, NotFound, Unauthorized
+from ckpt_engine.server.errors import BadRequest, ControlError, NotFound
 from ckpt_engine.server.history import TERMINAL
 
 log = logging.getLogger(__name__)
@@ -50,12 +51,11 @@ class _Parked:
 
 
 class ZmqServer:
-    def __init__(self, controller: Controller, endpoint: str, *, max_frame_bytes: int,
-                 auth_token: str | None) -> None:
+    def __init__(self, controller: Controller, endpoint: str, *, max_frame_bytes: int, authority: Authority) -> None:
         self.controller = controller
         self.endpoint = endpoint
         self.max_frame_bytes = max_frame_bytes
-        self.auth_token = auth_token
+        self.authority = authority
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -135,8 +135,10 @@ class ZmqServer:
                 return
             reply = {"id": request_id, "ok": True, "body": result}
         except ControlError as exc:
+            self.controller.metrics.refused.labels(reason=exc.error).inc()
             reply = {"id": request_id, "ok": False, "error": exc.error, "detail": exc.detail, "record": exc.record}
         except ProtocolError as exc:
+            self.controller.metrics.refused.labels(reason="bad request").inc()
             reply = {"id": request_id, "ok": False, "error": "bad request", "detail": str(exc)}
         except Exception as exc:  # a bug, but the caller still gets an answer instead of its timeout
             log.exception("ZMQ %r request failed", message.get("type"))
@@ -149,49 +151,62 @@ class ZmqServer:
             raise ProtocolError("frame has no 'type'")
         if not isinstance(body, dict):
             raise ProtocolError("'body' must be a map")
-        # Before anything else is parsed: without the token a peer learns nothing but "unauthorized".
+        operation = _OPERATIONS.get(kind)
+        # Before anything else is parsed: without a valid token a peer learns nothing but "unauthorized".
         # Agents send the token on every frame; a Register may carry it in its body instead.
         in_body = body.get("token") if kind == "register" else None
-        self._check_token(in_body if in_body is not None else message.get("token"))
-        controller = self.controller
-        if kind == "register":
-            return controller.register(parse_body(Register, body)).model_dump()
-        if kind == "poll":
-            poll = parse_body(Poll, body)
-            controller.acknowledge(poll)  # first: an acknowledged assignment must not be sent again
-            assignment = controller.poll(poll)
-            if assignment is None and poll.wait_s > 0 and len(self._parked) < _MAX_PARKED:
-                return self._park_poll(message, envelope, encoding, poll)
-            return PollReply(assignment=assignment).model_dump()
-        if kind == "report":
-            controller.report(parse_body(Report, body))
-            return {}
-        if kind == "unregister":
-            agent_id = body.get("agent_id")
-            if not isinstance(agent_id, str):
-                raise BadRequest("'agent_id' must be a string")
-            controller.unregister(agent_id)
-            return {}
-        if kind == "sync":
-            sync = parse_body(SyncRequest, body)
-            record = controller.request_sync(step=sync.step, bypass_cpu=sync.bypass_cpu, sparse=sync.sparse)
-            if sync.wait and len(self._parked) < _MAX_PARKED:
-                return self._park_until_terminal(message, envelope, encoding, record.id, sync.timeout_s)
-            return record.to_dict()
-        if kind == "versions":
-            limit = _int_arg(body, "limit", 50, (1, 1000))
-            return {"versions": [r.to_dict() for r in controller.history.list(limit=limit)]}
-        if kind in ("version", "push"):
-            version = _int_arg(body, "version", None, _ID_RANGE)
-            if kind == "push":
-                return controller.push(version).to_dict()
-            record = controller.history.get(version)
-            if record is None:
-                raise NotFound(f"version {version} is unknown")
-            return record.to_dict()
-        if kind == "status":
-            return controller.status()
-        raise BadRequest(f"unknown message type {kind!r}")
+        token = in_body if in_body is not None else message.get("token")
+        if operation is None:
+            self.authority.require(token, ANY, "any request")
+            raise BadRequest(f"unknown message type {kind!r}")
+        roles = self.authority.require(token, operation.roles(body), f"{kind!r}")
+        return operation.run(self, _Request(message, envelope, encoding, body, roles))
+
+    # ---- operations ----------------------------------------------------------------------------------
+    def _register(self, request: "_Request") -> dict:
+        return self.controller.register(parse_body(Register, request.body)).model_dump()
+
+    def _poll(self, request: "_Request") -> dict | _Parked:
+        poll = parse_body(Poll, request.body)
+        self.controller.acknowledge(poll, request.roles)  # first: an acknowledged assignment must not be sent again
+        assignment = self.controller.poll(poll, request.roles)
+        if assignment is None and poll.wait_s > 0 and len(self._parked) < _MAX_PARKED:
+            return self._park_poll(request.message, request.envelope, request.encoding, poll, request.roles)
+        return PollReply(assignment=assignment).model_dump()
+
+    def _report(self, request: "_Request") -> dict:
+        self.controller.report(parse_body(Report, request.body), request.roles)
+        return {}
+
+    def _unregister(self, request: "_Request") -> dict:
+        leaving = parse_body(Unregister, request.body)
+        self.controller.unregister(leaving.agent_id, leaving.session, request.roles)
+        return {}
+
+    def _sync(self, request: "_Request") -> dict | _Parked:
+        sync = parse_body(SyncRequest, request.body)
+        record = self.controller.request_sync(step=sync.step, bypass_cpu=sync.bypass_cpu, sparse=sync.sparse)
+        if sync.wait and len(self._parked) < _MAX_PARKED:
+            return self._park_until_terminal(request.message, request.envelope, request.encoding, record.id,
+                                             sync.timeout_s)
+        return record.to_dict()
+
+    def _versions(self, request: "_Request") -> dict:
+        limit = _int_arg(request.body, "limit", 50, (1, 1000))
+        return {"versions": [r.to_dict() for r in self.controller.history.list(limit=limit)]}
+
+    def _version(self, request: "_Request") -> dict:
+        version = _int_arg(request.body, "version", None, _ID_RANGE)
+        record = self.controller.history.get(version)
+        if record is None:
+            raise NotFound(f"version {version} is unknown")
+        return record.to_dict()
+
+    def _push(self, request: "_Request") -> dict:
+        return self.controller.push(_int_arg(request.body, "version", None, _ID_RANGE)).to_dict()
+
+    def _status(self, request: "_Request") -> dict:
+        return self.controller.status()
 
     def _park_until_terminal(self, message: dict, envelope: list[bytes], encoding: str, version: int,
                              timeout_s: float | None) -> _Parked:
@@ -201,13 +216,14 @@ class ZmqServer:
                        lambda: history.get(version).status in TERMINAL,  # type: ignore[union-attr]
                        lambda: history.get(version).to_dict())  # type: ignore[union-attr]
 
-    def _park_poll(self, message: dict, envelope: list[bytes], encoding: str, request: Poll) -> _Parked:
+    def _park_poll(self, message: dict, envelope: list[bytes], encoding: str, request: Poll,
+                   roles: set[str]) -> _Parked:
         agent_id = request.agent_id
 
         def answer() -> dict:
             try:
-                return PollReply(assignment=self.controller.poll(request)).model_dump()
-            except ProtocolError:
+                return PollReply(assignment=self.controller.poll(request, roles)).model_dump()
+            except ControlError:
                 return PollReply().model_dump()
 
         return _Parked(envelope, message.get("id"), encoding, time.monotonic() + request.wait_s,
@@ -226,14 +242,6 @@ class ZmqServer:
                 keep.append(parked)
         self._parked = keep
 
-    def _check_token(self, token: Any) -> None:
-        if self.auth_token is None:
-            return
-        # compare_digest: constant time; surrogatepass: a JSON frame may carry lone surrogates
-        if not isinstance(token, str) or not hmac.compare_digest(token.encode(errors="surrogatepass"),
-                                                                 self.auth_token.encode()):
-            raise Unauthorized("a valid token is required")
-
     def _reply(self, sock: zmq.Socket, envelope: list[bytes], encoding: str, reply: dict) -> None:
         try:
             frame = encode_frame(reply, encoding)  # type: ignore[arg-type]
@@ -245,6 +253,43 @@ class ZmqServer:
             sock.send_multipart([*envelope, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("could not reply to a ZMQ peer: %s", exc)
+
+
+@dataclass(frozen=True)
+class _Request:
+    message: dict
+    envelope: list[bytes]
+    encoding: str
+    body: dict
+    roles: set[Role]
+
+
+@dataclass(frozen=True)
+class _Operation:
+    roles: Callable[[dict], frozenset[Role]]
+    run: Callable[[ZmqServer, _Request], dict | _Parked]
+
+
+def _fixed(*roles: Role) -> Callable[[dict], frozenset[Role]]:
+    return lambda body: frozenset(roles)
+
+
+def _registering(body: dict) -> frozenset[Role]:
+    return frozenset({"trainer"} if body.get("role") == "trainer" else {"rollout"})
+
+
+# One entry per message type: the roles a token must grant, and the handler.
+_OPERATIONS: dict[str, _Operation] = {
+    "register": _Operation(_registering, ZmqServer._register),
+    "poll": _Operation(_fixed("trainer", "rollout"), ZmqServer._poll),
+    "report": _Operation(_fixed("trainer", "rollout"), ZmqServer._report),
+    "unregister": _Operation(_fixed("trainer", "rollout"), ZmqServer._unregister),
+    "sync": _Operation(_fixed("operator", "trainer"), ZmqServer._sync),
+    "push": _Operation(_fixed("operator"), ZmqServer._push),
+    "versions": _Operation(lambda body: ANY, ZmqServer._versions),
+    "version": _Operation(lambda body: ANY, ZmqServer._version),
+    "status": _Operation(lambda body: ANY, ZmqServer._status),
+}
 
 
 def _int_arg(body: dict, key: str, default: int | None, bounds: tuple[int, int]) -> int:

@@ -29,8 +29,22 @@ class DaemonProcess:
     config_path: Path
     url: str
     zmq: str
-    token: str | None
+    credentials_path: Path | None
     log_path: Path
+
+    def tokens(self) -> dict[str, str | None]:
+        """The role tokens the daemon accepts (read from its credentials file; all None with auth.open)."""
+        if self.credentials_path is None:
+            return {"operator": None, "trainer": None, "rollout": None}
+        from ckpt_engine.auth import read_credentials
+
+        found = read_credentials(self.credentials_path)
+        return found.model_dump() if found is not None else {"operator": None, "trainer": None, "rollout": None}
+
+    @property
+    def token(self) -> str | None:
+        """The operator's token."""
+        return self.tokens()["operator"]
 
     def client(self, token: str | None = "default") -> httpx.Client:
         token = self.token if token == "default" else token
@@ -56,6 +70,7 @@ def write_config(directory: Path, base: Path | None = None, **overrides: object)
         "store": {"history_path": str(directory / "history.sqlite3"), "rendezvous_host": "127.0.0.1",
                   "rendezvous_port": 0},
         "timeouts": {"connect_s": 15, "collective_s": 15, "ack_s": 30, "heartbeat_s": 5, "version_s": 60},
+        "auth": {"credentials_file": str(directory / "credentials.json")},
     })
     data.update(overrides)
     path = directory / "engine.yaml"
@@ -75,8 +90,11 @@ def start_daemon(config_path: Path, env: dict[str, str] | None = None, timeout_s
     proc = subprocess.Popen([sys.executable, "-m", "ckpt_engine.cli", "serve", "--config", str(config_path)],
                             stdout=log_path.open("w"), stderr=subprocess.STDOUT, cwd=ROOT,
                             env={**os.environ, **(env or {})})
+    auth = config.get("auth") or {}
+    credentials = None if auth.get("open") else Path(os.path.expanduser(
+        auth.get("credentials_file", "~/.ckpt-engine/credentials.json")))
     daemon = DaemonProcess(proc, config_path, f"http://127.0.0.1:{http['port']}", config["zmq"]["endpoint"],
-                           config.get("auth_token"), log_path)
+                           credentials, log_path)
     RUNNING.append(daemon)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -84,6 +102,8 @@ def start_daemon(config_path: Path, env: dict[str, str] | None = None, timeout_s
             raise AssertionError(f"daemon exited with {proc.returncode}:\n{daemon.log()}")
         try:
             if httpx.get(f"{daemon.url}/health", timeout=1).status_code == 200:
+                if credentials is not None:  # agents of this test (and the processes it starts) find the tokens
+                    os.environ["CKPT_ENGINE_CREDENTIALS"] = str(credentials)
                 return daemon
         except httpx.HTTPError:
             time.sleep(0.1)

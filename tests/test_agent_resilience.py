@@ -14,6 +14,7 @@ import yaml
 from bench.chaos_proxy import Proxy
 from ckpt_engine.workers.rollout_agent import RolloutAgent
 from tests.daemon_harness import start_daemon, write_config
+from tests.raw_agent import RawAgent
 
 
 def test_reports_do_not_block_while_the_daemon_is_stalled(tmp_path: Path) -> None:
@@ -98,75 +99,48 @@ def test_same_host_path_survives_a_daemon_restart(tmp_path: Path) -> None:
 def test_an_assignment_is_sent_again_until_a_poll_acknowledges_it(tmp_path: Path) -> None:
     """A poll reply can be lost with a connection, or arrive after the agent gave up on the request: the
     daemon keeps the assignment until the agent's next poll names it as received."""
-    import os
-    import socket
-
-    from ckpt_engine.workers.client import ControlClient
-
     daemon = start_daemon(write_config(tmp_path, transport="collective"))
-    client = ControlClient(daemon.zmq, timeout_s=5)
-
-    def register(role: str) -> str:
-        body = {"role": role, "rank": 0, "host": socket.gethostname(), "pid": os.getpid(), "device": "cpu"}
-        return client.request("register", body)["agent_id"]
-
+    trainer, receiver = RawAgent(daemon, "trainer"), RawAgent(daemon, "receiver")
     try:
-        trainer, receiver = register("trainer"), register("receiver")
         with daemon.client() as http:
             version = http.post("/sync", json={}).json()["version"]
-
-        def poll(received: str | None = None) -> dict | None:
-            return client.request("poll", {"agent_id": receiver, "wait_s": 0.2, "received": received})["assignment"]
-
-        first = poll()
+        first = receiver.poll(0.2)
         assert first is not None and first["kind"] == "receive" and first["version"] == version
-        assert poll() == first  # its reply "was lost": the next poll gets it again
-        assert poll(received=f"receive:{version}") is None  # acknowledged: not sent a third time
-        assert client.request("poll", {"agent_id": trainer, "wait_s": 0})["assignment"]["kind"] == "send"
+        assert receiver.poll(0.2) == first  # its reply "was lost": the next poll gets it again
+        assert receiver.poll(0.2, received=f"receive:{version}") is None  # acknowledged: not sent a third time
+        assert trainer.poll()["kind"] == "send"
     finally:
-        client.close()
+        trainer.close()
+        receiver.close()
         daemon.stop()
 
 
 def test_agents_that_stopped_polling_are_kept_out_of_the_quorum(tmp_path: Path) -> None:
     """Registered but silent for longer than a healthy agent ever is (stalled, cut off): a version built on
     them would fail, so a silent receiver is left out and a silent trainer makes the sync unavailable."""
-    import os
-    import socket
-
-    from ckpt_engine.workers.client import ControlClient
-
     daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts={
         "connect_s": 5, "collective_s": 5, "ack_s": 5, "heartbeat_s": 4, "version_s": 20}))
-    client = ControlClient(daemon.zmq, timeout_s=5)
-
-    def register(role: str) -> str:
-        body = {"role": role, "rank": 0, "host": socket.gethostname(), "pid": os.getpid(), "device": "cpu"}
-        return client.request("register", body)["agent_id"]
-
-    def poll(agent_id: str) -> None:
-        client.request("poll", {"agent_id": agent_id, "wait_s": 0})
-
+    trainer, fresh, silent = RawAgent(daemon, "trainer"), RawAgent(daemon, "receiver"), RawAgent(daemon, "receiver")
     try:
-        trainer, fresh, silent = register("trainer"), register("receiver"), register("receiver")
         time.sleep(2.5)  # past wait (0) + heartbeat / 2, within the heartbeat: all still registered
-        poll(fresh)
-        poll(silent)
+        fresh.poll()
+        silent.poll()
         with daemon.client() as http:
             refused = http.post("/sync", json={})
             assert refused.status_code == 503 and "has not been heard from" in refused.json()["detail"]
-        poll(trainer)
+        trainer.poll()
         time.sleep(2.5)
-        poll(trainer)
-        poll(fresh)
+        trainer.poll()
+        fresh.poll()
         with daemon.client() as http:
-            assert silent in {a["agent_id"] for a in http.get("/receivers").json()["agents"]}
+            assert silent.agent_id in {a["agent_id"] for a in http.get("/receivers").json()["agents"]}
             accepted = http.post("/sync", json={})
             assert accepted.status_code == 202
             record = http.get(f"/versions/{accepted.json()['version']}").json()
-            assert [r["agent_id"] for r in record["receivers"]] == [fresh]
+            assert [r["agent_id"] for r in record["receivers"]] == [fresh.agent_id]
     finally:
-        client.close()
+        for agent in (trainer, fresh, silent):
+            agent.close()
         daemon.stop()
 
 
@@ -194,24 +168,15 @@ def test_a_receiver_whose_outcome_is_unknown_gets_a_full_version(tmp_path: Path)
     """A version that failed without the receiver's report (e.g. the trainer was expired while its send went
     on) may still be applied by it: the next version is full, not sparse on a guessed base, until the
     receiver reports that outcome."""
-    import os
-    import socket
-
-    from ckpt_engine.workers.client import ControlClient
-
     daemon = start_daemon(write_config(tmp_path, transport="collective", sparse=True))
-    client = ControlClient(daemon.zmq, timeout_s=5)
-    host = {"host": socket.gethostname(), "pid": os.getpid(), "device": "cpu"}
-    trainer = client.request("register", {"role": "trainer", **host})["agent_id"]
-    receiver = client.request("register", {"role": "receiver", "versions": [], **host})["agent_id"]
+    trainer, receiver = RawAgent(daemon, "trainer"), RawAgent(daemon, "receiver")
 
     def next_send(http, holds: list[int]) -> dict:
-        client.request("poll", {"agent_id": receiver, "versions": holds, "wait_s": 0})
+        receiver.poll(versions=holds)
         version = http.post("/sync", json={}).json()["version"]
-        send = client.request("poll", {"agent_id": trainer, "wait_s": 0})["assignment"]
+        send = trainer.poll()
         assert send["version"] == version
-        client.request("report", {"agent_id": trainer, "version": version, "event": "done", "ok": False,
-                                  "reason": "test: the trainer gave up", "receivers": []})
+        trainer.report(version, "done", ok=False, reason="test: the trainer gave up", receivers=[])
         return send
 
     try:
@@ -219,13 +184,12 @@ def test_a_receiver_whose_outcome_is_unknown_gets_a_full_version(tmp_path: Path)
             first = next_send(http, [])
             # the receiver says it holds version 1 now, but never reported how version 1 ended for it
             assert next_send(http, [first["version"]])["sparse_base"] is None
-            client.request("report", {"agent_id": receiver, "version": first["version"], "event": "received",
-                                      "ok": True})
-            client.request("report", {"agent_id": receiver, "version": first["version"] + 1, "event": "received",
-                                      "ok": False, "reason": "test"})
+            receiver.report(first["version"], "received", ok=True)
+            receiver.report(first["version"] + 1, "received", ok=False, reason="test", serving=first["version"])
             assert next_send(http, [first["version"]])["sparse_base"] == first["version"]
     finally:
-        client.close()
+        trainer.close()
+        receiver.close()
         daemon.stop()
 
 
@@ -280,16 +244,18 @@ def test_a_version_assigned_before_a_daemon_restart_does_not_hold_the_receivers(
         proxy.close()
 
 
-def test_a_daemon_that_lost_its_history_numbers_after_what_the_agents_hold(tmp_path: Path) -> None:
-    """A daemon restarted without its history (here in memory) would number versions from 1 again, and the
-    trainer's cache already holds a version 1 ("already cached"). It numbers new versions after the ones the
-    agents report holding when they register."""
+def test_a_daemon_that_lost_its_history_is_not_confused_by_versions_of_the_old_one(tmp_path: Path) -> None:
+    """A daemon restarted without its history (here in memory) numbers versions from 1 again. Versions carry
+    the id of the history that numbered them: the agents' version 1 is not the new history's version 1, so
+    they drop it (the trainer's cache would otherwise say "already cached") and nothing a peer holds moves
+    the new history's numbering."""
     config = write_config(tmp_path, timeouts=_SHORT)
     data = yaml.safe_load(config.read_text())
     data["store"]["history_path"] = ":memory:"
     config.write_text(yaml.safe_dump(data))
     daemon = start_daemon(config)
     trainer, receiver = _in_process_agents(daemon.zmq, daemon.zmq)
+    first_history = trainer.history_id
     try:
         ids = []
         for restart in (False, True):
@@ -299,8 +265,9 @@ def test_a_daemon_that_lost_its_history_numbers_after_what_the_agents_hold(tmp_p
                 _wait_registered(client, 2)
                 ids.append(_request_sync(client))
                 record = _train_until_terminal(trainer, client, ids[-1])
-            assert record["status"] == "committed", record
-        assert ids == [1, 2] and [r.version for r in receiver.results if r.ok] == [1, 2]
+            assert record["status"] == "committed", (record["reason"], record["receivers"])
+        assert ids == [1, 1] and [r.version for r in receiver.results if r.ok] == [1, 1]
+        assert trainer.versions_held() == [1] and trainer.history_id != first_history
         daemon.stop()
     finally:
         trainer.close()

@@ -238,7 +238,7 @@ def problems_running(config: EngineConfig) -> list[str]:
 
 def _agents_settings(config: EngineConfig) -> list[str]:
     t = config.timeouts
-    reply = RegisterReply(agent_id="a" * 12, heartbeat_s=t.heartbeat_s, group_name="g", store_host=config.store.
+    reply = RegisterReply(agent_id="a" * 12, session="s" * 48, history_id="h" * 32, heartbeat_s=t.heartbeat_s, group_name="g", store_host=config.store.
                           rendezvous_host, store_port=config.store.rendezvous_port, bucket_size=config.bucket_size,
                           alignment=config.alignment, keep_versions=config.keep_versions, verify=config.verify,
                           connect_timeout_s=t.connect_s, collective_timeout_s=t.collective_s, ack_timeout_s=t.ack_s,
@@ -349,7 +349,7 @@ def _ports(config: EngineConfig) -> list[str]:
 
 
 def _sizes(config: EngineConfig) -> list[str]:
-    report = Report(agent_id="a" * 12, version=1, event="done", ok=True, version_digest="d" * 32, stages={
+    report = Report(agent_id="a" * 12, session="s" * 48, version=1, event="done", ok=True, version_digest="d" * 32, stages={
         "snapshot": 1.0}, receivers=[ReceiverAck(rank=r, ok=True, version_digest="d" * 32, seconds={"load": 1.0})
                                      for r in range(64)], cache_versions=[1, 2, 3])
     problems = []

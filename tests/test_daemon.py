@@ -244,7 +244,8 @@ def test_garbage_zmq_frames_get_error_replies_and_the_daemon_stays_up(guarded: D
         assert ask(msgpack.packb({"id": 1, "type": 7}))["error"] == "bad request"
         assert ask(msgpack.packb({"id": 2, "type": "launch_missiles", "token": guarded.token}))["error"] == "bad request"
         assert ask(msgpack.packb({"id": 3, "type": "status"}))["error"] == "unauthorized"
-        unknown = ask(msgpack.packb({"id": 4, "type": "poll", "body": {"agent_id": "nobody"}, "token": guarded.token}))
+        unknown = ask(msgpack.packb({"id": 4, "type": "poll", "body": {"agent_id": "nobody", "session": "s" * 32},
+                                      "token": guarded.token}))
         assert unknown["ok"] is False and "unregistered agent" in unknown["detail"]
         bad_register = ask(msgpack.packb({"id": 5, "type": "register", "body": {"role": "pirate"}}))
         assert bad_register["ok"] is False

@@ -37,7 +37,7 @@ def test_generated_requests_with_the_token_get_declared_answers_and_no_5xx(daemo
         fives = {s for s in operation["statuses"] if s.startswith("5")}
         assert fives <= {str(s) for s in EXPECTED_5XX.get(label, ())}, report
     with daemon.client() as client:
-        assert client.get("/health").json() == {"ok": True}
+        assert client.get("/health").json() == {"ok": True, "degraded": False}
         history = client.get("/versions", params={"limit": 1000}).json()["versions"]
     # Every generated sync was refused and recorded as such: nothing else appeared in history.
     assert history and {(v["status"], v["reason"]) for v in history} == {("failed", NO_AGENTS)}

@@ -109,9 +109,10 @@ def random_value(rng: random.Random, depth: int = 0) -> Any:
 TEMPLATES: dict[str, dict] = {  # valid bodies of every message type but "sync" (which records a version)
     "register": {"role": "receiver", "rank": 0, "host": "h", "pid": 1, "device": "cpu", "versions": [],
                  "token": TOKEN, "sync_every": 1},
-    "poll": {"agent_id": "0123456789ab", "versions": [1], "wait_s": 0},
-    "report": {"agent_id": "0123456789ab", "version": 1, "event": "received", "ok": True, "receivers": []},
-    "unregister": {"agent_id": "0123456789ab"},
+    "poll": {"agent_id": "0123456789ab", "session": "s" * 48, "versions": [1], "wait_s": 0},
+    "report": {"agent_id": "0123456789ab", "session": "s" * 48, "version": 1, "event": "received", "ok": True,
+               "receivers": []},
+    "unregister": {"agent_id": "0123456789ab", "session": "s" * 48},
     "versions": {"limit": 5}, "version": {"version": 1}, "push": {"version": 1}, "status": {},
 }
 
@@ -237,20 +238,21 @@ def test_wrong_or_missing_token_is_unauthorized_for_every_type(peer: Peer) -> No
 
 def test_out_of_order_and_unregistered_agents(daemon: DaemonProcess, peer: Peer) -> None:
     before = _history(daemon)
-    stranger = {"agent_id": "feedfacecafe"}
+    stranger = {"agent_id": "feedfacecafe", "session": "s" * 48}
     for kind, body in [("poll", {**stranger, "wait_s": 0}), ("report", {**stranger, "version": 1, "event": "done"}),
                        ("report", {**stranger, "version": 1, "event": "evicted", "cache_versions": [1]}),
                        ("unregister", stranger)]:
         reply = peer.request({"id": 1, "type": kind, "body": body, "token": TOKEN})
         assert reply["error"] == "bad request" and "unregistered agent" in reply["detail"], reply
     agent = peer.request({"id": 2, "type": "register", "body": TEMPLATES["register"], "token": TOKEN})["body"]
-    mine = {"agent_id": agent["agent_id"]}
+    mine = {"agent_id": agent["agent_id"], "session": agent["session"]}
     unknown = peer.request({"id": 3, "type": "report", "token": TOKEN,
                             "body": {**mine, "version": 987654, "event": "received", "ok": True}})
     assert unknown["error"] == "not found" and "987654" in unknown["detail"]
-    # A receiver's report must not touch the trainer's cache bookkeeping.
-    assert peer.request({"id": 4, "type": "report", "token": TOKEN,
-                         "body": {**mine, "version": 1, "event": "evicted", "cache_versions": [1]}})["ok"] is True
+    # A receiver cannot report what only a trainer does, such as its cache bookkeeping.
+    evicted = peer.request({"id": 4, "type": "report", "token": TOKEN,
+                            "body": {**mine, "version": 1, "event": "evicted", "cache_versions": [1]}})
+    assert evicted["error"] == "bad request" and "cannot report 'evicted'" in evicted["detail"], evicted
     for body in [{**mine, "wait_s": "soon"}, {**mine, "wait_s": -1}, {**mine, "wait_s": 1e9},
                  {**mine, "wait_s": float("nan")}, {**mine, "versions": "1"}, {**mine, "versions": [MAX_ID + 1]},
                  {"agent_id": 7}, {}]:
@@ -301,16 +303,107 @@ def test_the_daemon_is_whole_afterwards(daemon: DaemonProcess) -> None:
     before = _history(daemon)
     assert daemon.proc.poll() is None and "Traceback" not in daemon.log()
     with daemon.client() as client:
-        assert client.get("/health").json() == {"ok": True}
+        assert client.get("/health").json() == {"ok": True, "degraded": False}
         assert client.get("/status").json()["in_flight"] is None
     fresh = Peer(daemon.zmq)
     try:
         agent = fresh.request({"id": 1, "type": "register", "body": TEMPLATES["register"], "token": TOKEN})
         assert agent["ok"] is True and agent["id"] == 1
-        polled = fresh.request({"id": 2, "type": "poll", "token": TOKEN,
-                                "body": {"agent_id": agent["body"]["agent_id"], "wait_s": 0}})
+        identity = {"agent_id": agent["body"]["agent_id"], "session": agent["body"]["session"]}
+        polled = fresh.request({"id": 2, "type": "poll", "token": TOKEN, "body": {**identity, "wait_s": 0}})
         assert polled == {"id": 2, "ok": True, "body": {"assignment": None}}
-        fresh.request({"id": 3, "type": "unregister", "token": TOKEN, "body": {"agent_id": agent["body"]["agent_id"]}})
+        fresh.request({"id": 3, "type": "unregister", "token": TOKEN, "body": identity})
     finally:
         fresh.close()
     assert _history(daemon) == before and len(before) == 1 and before[0]["status"] == "failed"
+
+
+# ---- a hostile peer with valid credentials ------------------------------------------------------------------
+
+def test_a_hostile_peer_with_a_rollout_token_changes_nothing_but_its_own_standing(tmp_path) -> None:
+    from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
+    from ckpt_engine.workers.rollout_agent import RolloutAgent
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
+    import threading
+
+    import torch
+
+    from bench.chaos_hostile import hostile_messages
+    from tests.raw_agent import RawAgent
+
+    daemon = start_daemon(write_config(tmp_path, transport="collective"))
+    trainer_model, rollout_model = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+    trainer = TrainerAgent(trainer_model, daemon.zmq, poll_wait_s=0.2).start()
+    receiver = RolloutAgent(ModuleAdapter(rollout_model).load, daemon.zmq, poll_wait_s=0.2).start()
+    stop = threading.Event()
+
+    def train() -> None:
+        step = 0
+        while not stop.is_set():
+            step += 1
+            trainer.step(step)
+            time.sleep(0.01)
+
+    def request_sync(http) -> int:
+        """The hostile receiver's catch-ups (which fail, alone) may be in flight: retry those 409s."""
+        deadline = time.monotonic() + 60
+        while True:
+            reply = http.post("/sync", json={})
+            if reply.status_code == 202 or time.monotonic() > deadline:
+                return reply.json()["version"]
+            time.sleep(0.2)
+
+    loop = threading.Thread(target=train, daemon=True)
+    loop.start()
+    rng = random.Random(SEED + 3)
+    answers: dict[str, int] = {}
+    hostile = None
+    try:
+        with daemon.client() as http:
+            assert http.post("/sync", json={"wait": True, "timeout_s": 60}).json()["status"] == "committed"
+            hostile = RawAgent(daemon, "receiver")  # joins once the cluster holds a version
+            hostile_ids = {hostile.agent_id}
+            for round_ in range(4):
+                with torch.no_grad():
+                    trainer_model.weight.add_(1.0)
+                version = request_sync(http)
+                victims = [trainer.agent_id, receiver.agent_id]
+                messages = hostile_messages(rng, victims, hostile.identity, version)
+                for index in range(60):
+                    message = next(messages)
+                    try:
+                        hostile.request(message["type"], message["body"])
+                        answers["ok"] = answers.get("ok", 0) + 1
+                    except Exception as exc:  # noqa: BLE001 - refusals are the expected answers
+                        key = getattr(exc, "error", type(exc).__name__)
+                        answers[key] = answers.get(key, 0) + 1
+                    if message["type"] == "register" and index % 7 == 0:
+                        hostile.close()
+                        hostile = RawAgent(daemon, "receiver")  # a fresh identity now and then
+                        hostile_ids.add(hostile.agent_id)
+                record = http.get(f"/versions/{version}").json()
+                deadline = time.monotonic() + 30
+                while record["status"] not in ("committed", "failed", "cancelled") and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                    record = http.get(f"/versions/{version}").json()
+                mine = [r for r in receiver.results if r.version == version]
+                assert record["status"] == "committed", record
+                assert mine and record["version_digest"] == mine[-1].version_digest  # the receiver's own digest
+                status = http.get("/status").json()
+                assert status["trainer"] == trainer.agent_id
+            versions = http.get("/versions", params={"limit": 100}).json()["versions"]
+            ids = [v["id"] for v in versions]
+            assert sorted(ids) == list(range(1, len(ids) + 1))  # numbered by the daemon alone: 1, 2, ...
+            # besides the operator's versions, only catch-ups the hostile receiver failed, alone
+            others = [v for v in versions if v["purpose"] != "sync"]
+            assert all({r["agent_id"] for r in v["receivers"]} <= hostile_ids for v in others), others
+            assert torch.equal(rollout_model.weight, trainer_model.weight)
+    finally:
+        stop.set()
+        loop.join(10)
+        if hostile is not None:
+            hostile.close()
+        receiver.close()
+        trainer.close()
+        daemon.stop()
+    assert set(answers) <= {"ok", "forbidden", "bad request", "not found"}, answers

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_engine.server.history import HistoryStore
+from ckpt_engine.server.history import HistoryError, HistoryLocked, HistoryStore, check_history_path
 
 
 def test_records_a_version_through_its_lifecycle(tmp_path: Path) -> None:
@@ -83,11 +83,88 @@ def test_a_history_from_before_bytes_skipped_is_upgraded_in_place(tmp_path: Path
     assert store.update(store.create(mode="cached", step=4).id, bytes_skipped=99).bytes_skipped == 99
 
 
-def test_numbering_moves_past_versions_agents_hold_but_never_back(tmp_path: Path) -> None:
+def test_a_history_keeps_its_id_and_only_one_daemon_writes_it(tmp_path: Path) -> None:
+    path = tmp_path / "h.sqlite3"
+    store = HistoryStore(path)
+    history_id = store.history_id
+    with pytest.raises(HistoryLocked, match="in use by another daemon .*pid"):
+        HistoryStore(path)  # a second writer is refused, naming the first
+    store.close()
+    again = HistoryStore(path)
+    assert again.history_id == history_id and HistoryStore(tmp_path / "other.sqlite3").history_id != history_id
+
+
+def test_a_second_store_waits_for_the_lock_when_asked(tmp_path: Path) -> None:
+    import threading
+
+    path = tmp_path / "h.sqlite3"
+    first = HistoryStore(path)
+    threading.Timer(0.5, first.close).start()
+    second = HistoryStore(path, lock_wait_s=10)  # gets it once the first lets go
+    assert second.create(mode="cached", step=1).id == 1
+
+
+@pytest.mark.parametrize("make", ["text", "other_sqlite", "foreign_versions", "directory_parent"])
+def test_a_history_path_that_cannot_be_used_is_named(tmp_path: Path, make: str) -> None:
+    import sqlite3
+
+    path = tmp_path / "h.sqlite3"
+    if make == "text":
+        path.write_text("not a database at all, just text that is long enough")
+    elif make in ("other_sqlite", "foreign_versions"):
+        db = sqlite3.connect(path)
+        db.execute("CREATE TABLE versions (x)" if make == "foreign_versions" else "CREATE TABLE invoices (x)")
+        db.commit()
+        db.close()
+    else:
+        (tmp_path / "file").write_text("x")
+        path = tmp_path / "file" / "h.sqlite3"
+    with pytest.raises(HistoryError, match="store.history_path"):
+        check_history_path(str(path))
+    with pytest.raises(HistoryError, match="store.history_path"):
+        HistoryStore(path)
+
+
+def test_a_write_that_fails_stays_in_memory_and_reaches_the_file_later(tmp_path: Path) -> None:
+    """A real storage fault: a file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored) makes every write fail with
+    EFBIG, as a full disk would. Reads go on, the truth stays in memory, new versions are refused, and once the
+    limit is lifted every pending write reaches the file."""
+    import subprocess
+    import sys
+
+    script = f"""
+import resource, signal, sqlite3
+from ckpt_engine.server.history import HistoryError, HistoryLocked, HistoryStore, check_history_path, StorageUnavailable
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+store = HistoryStore({str(tmp_path / "h.sqlite3")!r})
+first = store.create(mode="cached", step=1)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+record = store.update(first.id, status="committed", version_digest="ab")
+assert record.status == "committed" and store.get(first.id).status == "committed", "truth kept in memory"
+state = store.storage()
+assert not state.ok and state.pending_writes == 1 and state.error, state
+print(state.error)
+try:
+    store.create(mode="cached", step=2)
+    raise SystemExit("a new version was created while the file could not be written")
+except StorageUnavailable:
+    pass
+assert [r.status for r in store.list()] == ["committed"]
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+assert store.flush(force=True) and store.storage().ok
+db = sqlite3.connect({str(tmp_path / "h.sqlite3")!r})
+assert db.execute("SELECT status, version_digest FROM versions").fetchall() == [("committed", "ab")]
+print("OK")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip().endswith("OK"), result.stdout + result.stderr
+
+
+def test_list_pages_with_a_cursor(tmp_path: Path) -> None:
     store = HistoryStore(tmp_path / "h.sqlite3")
-    assert not store.number_after(0)  # nothing held
-    assert store.number_after(7)  # an empty history: ids start after what an agent holds
-    assert store.create(mode="cached", step=None).id == 8
-    assert not store.number_after(3)  # already past it
-    assert store.create(mode="cached", step=None).id == 9
-    assert store.number_after(20) and store.create(mode="cached", step=None).id == 21
+    ids = [store.create(mode="cached", step=i).id for i in range(7)]
+    first = store.list(limit=3)
+    second = store.list(limit=3, before=first[-1].id)
+    third = store.list(limit=3, before=second[-1].id)
+    assert [r.id for r in first + second + third] == ids[::-1]

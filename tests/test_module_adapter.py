@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from ckpt_engine.errors import LayoutMismatchError
+from ckpt_engine.errors import ApplyRefused
 from ckpt_engine.receiver import VersionPayload
 from ckpt_engine.tensors import named_tensors_of
 from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
@@ -71,6 +71,6 @@ def test_mismatched_version_leaves_the_model_untouched() -> None:
     rollout = tiny_llama(seed=2)
     before = {k: v.clone() for k, v in rollout.state_dict().items()}
     wrong = payload_of(tiny_llama(seed=1, hidden=32), 1)
-    with pytest.raises(LayoutMismatchError):
+    with pytest.raises(ApplyRefused):
         ModuleAdapter(rollout).load(wrong)
     assert all(torch.equal(before[k], v) for k, v in rollout.state_dict().items())

@@ -11,6 +11,7 @@ import os
 import re
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -28,6 +29,7 @@ def _config(directory: Path, **changes: object) -> Path:
     data["http"]["port"] = free_port()
     data["zmq"]["endpoint"] = data["zmq"]["endpoint"].rsplit(":", 1)[0] + f":{free_port()}"
     data["store"].update(history_path=str(directory / "history.sqlite3"), rendezvous_port=free_port())
+    data["auth"] = {"credentials_file": str(directory / "credentials.json")}
     for key, value in changes.items():
         section, _, leaf = key.rpartition(".")
         (data[section] if section else data)[leaf] = value
@@ -75,19 +77,29 @@ def test_the_shipped_config_listens_on_loopback_only_and_does_not_warn(tmp_path:
         assert daemon.stop() == 0
 
 
-def test_a_wildcard_bind_without_token_warns_loudly(tmp_path: Path) -> None:
+def test_a_wildcard_bind_is_guarded_by_the_role_tokens_and_warns_loudly_when_open(tmp_path: Path) -> None:
     daemon = start_daemon(_config(tmp_path, **{"http.host": "0.0.0.0"}))
     try:
-        log = daemon.log()
-        assert "WARNING: listening beyond loopback without auth_token (http.host=0.0.0.0)" in log, log
+        assert "beyond loopback" not in daemon.log()  # the generated role tokens guard it
         assert any(a.startswith("0.0.0.0:") for a in listening(daemon.proc.pid))
+        assert httpx.get(f"{daemon.url}/status").status_code == 401
+    finally:
+        assert daemon.stop() == 0
+    (tmp_path / "open").mkdir()
+    daemon = start_daemon(_config(tmp_path / "open", **{"http.host": "0.0.0.0", "auth.open": True}))
+    try:
+        log = daemon.log()
+        assert "WARNING: listening beyond loopback with auth.open (http.host=0.0.0.0)" in log, log
+        assert httpx.get(f"{daemon.url}/status").status_code == 200
     finally:
         assert daemon.stop() == 0
 
 
-def test_tokens_are_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckpt_engine.server.http_app import LimitsAndAuth
-    from ckpt_engine.server.zmq_server import ZmqServer
+def test_tokens_and_sessions_are_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from ckpt_engine.config import parse_config
+    from ckpt_engine.control import Register
+    from ckpt_engine.server.agents import AgentRegistry
+    from ckpt_engine.server.authority import Authority
 
     calls: list[tuple[bytes, bytes]] = []
     compare_digest = hmac.compare_digest
@@ -96,17 +108,15 @@ def test_tokens_are_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -
         calls.append((a, b))
         return compare_digest(a, b)
 
-    token = "constant-time-token-0123"
-    monkeypatch.setattr("ckpt_engine.server.http_app.hmac.compare_digest", spy)
-    auth = LimitsAndAuth(app=None, max_body_bytes=1024, token=token)  # type: ignore[arg-type]
-    assert auth._authorized({"authorization": f"Bearer {token}"})
-    assert not auth._authorized({"authorization": "Bearer wrong"})
-    server = ZmqServer(controller=None, endpoint="tcp://127.0.0.1:0", max_frame_bytes=1 << 20,  # type: ignore[arg-type]
-                       auth_token=token)
-    server._check_token(token)
-    with pytest.raises(Exception, match="valid token"):
-        server._check_token("wrong")
-    assert len(calls) == 4 and all(isinstance(a, bytes) for pair in calls for a in pair)
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    authority = Authority(parse_config({"auth": {"credentials_file": str(tmp_path / "c.json")}}))
+    operator = authority.credentials.operator  # type: ignore[union-attr]
+    assert authority.roles_of(operator) == {"operator"} and authority.roles_of("wrong") == set()
+    assert len(calls) == 6  # every role's token compared, for the right token as for a wrong one
+    registry = AgentRegistry(10)
+    agent = registry.add(Register(role="receiver", host="h", pid=1, device="cpu"), [])
+    assert registry.get(agent.agent_id, agent.session) is agent and registry.get(agent.agent_id, "x" * 48) is None
+    assert len(calls) == 8 and all(isinstance(a, bytes) for pair in calls for a in pair)
 
 
 UNSAFE = re.compile(r"\bimport pickle\b|\bpickle\.|\bcPickle\b|\bdill\b|\bshelve\b|\bmarshal\.loads|torch\.load\b|"

@@ -1,5 +1,10 @@
-"""What trainer and rollout agents share: registration, a long-polling heartbeat thread that receives
-assignments, reports, and the sync group of the current generation."""
+"""What trainer, rollout and driver agents share: registration, a long-polling heartbeat thread that receives
+assignments, reports, and the sync group of the current generation.
+
+The daemon issues each registration an agent id and a session secret; every later message carries both.
+Every retry backs off with jitter and is logged once, then periodically; ``agent.problem`` says what is
+failing right now. The agent's threads never die silently: an unexpected error is logged and the loop goes on.
+"""
 
 from __future__ import annotations
 
@@ -10,45 +15,73 @@ import queue
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
-from ckpt_engine.control import Assignment, RegisterReply, Role
+from ckpt_engine.auth import Role, client_token
+from ckpt_engine.control import Assignment, RegisterReply
 from ckpt_engine.device import DeviceInfo, detect_device
 from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.group import SyncGroup, open_store
 from ckpt_engine.ipc import host_identity
+from ckpt_engine.retry import Backoff, FailureLog
 from ckpt_engine.workers.client import ControlClient, ControlReplyError, RequestAbandoned
 
 log = logging.getLogger(__name__)
+_CREDENTIAL_OF: dict[str, Role] = {"trainer": "trainer", "receiver": "rollout", "driver": "rollout"}
+# replies after which retrying the same request cannot help
+_FINAL_ERRORS = {"bad request", "not found", "conflict", "forbidden", "unauthorized"}
+
+
+def supervised(target: Callable[[], None], name: str, on_death: Callable[[BaseException], None] | None = None
+               ) -> threading.Thread:
+    """A daemon thread whose unexpected death is logged with its traceback and handed to ``on_death``."""
+
+    def run() -> None:
+        try:
+            target()
+        except BaseException as exc:  # noqa: BLE001 - the point is that nothing ends the thread unseen
+            log.exception("thread %s died", name)
+            if on_death is not None:
+                try:
+                    on_death(exc)
+                except Exception:
+                    log.exception("handling the death of thread %s failed", name)
+
+    return threading.Thread(target=run, name=name, daemon=True)
 
 
 class Agent:
-    role: Role
+    role: str
     sync_every = 1  # receivers may take only every N-th version
 
     def __init__(self, endpoint: str, *, rank: int = 0, token: str | None = None, device: DeviceInfo | None = None,
                  poll_wait_s: float = 1.0, request_timeout_s: float = 10.0, host_id: str | None = None) -> None:
-        """``host_id`` overrides the same-host identity (ipc.host_identity); a distinct value forces the
-        collective path for this agent."""
+        """``token``: the credential of this agent's role (default: ``$CKPT_ENGINE_TOKEN``, else the role's entry
+        of the local credentials file). ``host_id`` overrides the same-host identity (ipc.host_identity); a
+        distinct value forces the collective path for this agent."""
         self.endpoint = endpoint
         self.rank = rank
-        self.token = token
+        self._explicit_token = token
+        self.token = self._resolve_token()
         self.device = device or detect_device()
         self.poll_wait_s = poll_wait_s
         self.host_id = host_id or host_identity()
         self.request_timeout_s = request_timeout_s
         self.settings: RegisterReply | None = None
-        self._client = ControlClient(endpoint, timeout_s=request_timeout_s, token=token)
+        self.history_id: str | None = None  # the history that numbers the versions this agent holds
+        self._client = ControlClient(endpoint, timeout_s=request_timeout_s, token=self.token)
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
         # Reports go out from a thread of their own, in order: the training loop never waits on the daemon.
         self._reports: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self._reporter = threading.Thread(target=self._report_loop, name=f"ckpt-{self.role}-report", daemon=True)
+        self._reporter = supervised(self._report_loop, f"ckpt-{self.role}-report")
         self._received: str | None = None  # key of the last assignment got, acknowledged by the next poll
         # (agent id, assignment key) of what was handled: delivery is at least once
         self._handled: collections.deque[tuple[str, str]] = collections.deque(maxlen=64)
         self.group: SyncGroup | None = None
         self._group_lock = threading.Lock()
+        self._poll_failures = FailureLog(log, f"{self.role} agent: polling the daemon at {endpoint}")
+        self._report_failures = FailureLog(log, f"{self.role} agent: reporting to the daemon at {endpoint}")
 
     @property
     def agent_id(self) -> str:
@@ -56,11 +89,19 @@ class Agent:
             raise CkptEngineError("agent is not registered; call start() first")
         return self.settings.agent_id
 
+    @property
+    def problem(self) -> str | None:
+        """What is failing right now (polling or reporting), or None when the agent works normally."""
+        for failures in (self._poll_failures, self._report_failures):
+            if failures.last_error is not None:
+                return f"{failures.what}: {failures.last_error} (for {failures.failing_for_s:.0f}s)"
+        return None
+
     def start(self) -> "Agent":
         self._register()
         self._reporter.start()
         self.on_registered()
-        self._poller = threading.Thread(target=self._poll_loop, name=f"ckpt-{self.role}-poll", daemon=True)
+        self._poller = supervised(self._poll_loop, f"ckpt-{self.role}-poll", self._poll_loop_died)
         self._poller.start()
         return self
 
@@ -73,7 +114,7 @@ class Agent:
             self._reporter.join(2 * self.request_timeout_s)
         if self.settings is not None:
             try:
-                self._client.request("unregister", {"agent_id": self.settings.agent_id}, timeout_s=2.0)
+                self._client.request("unregister", self._identity(), timeout_s=2.0)
             except CkptEngineError as exc:  # the daemon may be gone already; its heartbeat timeout covers us
                 log.info("unregister: %s", exc)
         if self.group is not None:
@@ -83,27 +124,36 @@ class Agent:
     def report(self, version: int, event: str, **fields: Any) -> None:
         """Tell the daemon about progress, without waiting: reports are delivered in order by a background
         thread; one that cannot be delivered is logged, never raised."""
-        self._reports.put({"agent_id": self.agent_id, "version": version, "event": event, **fields})
+        self._reports.put({**self._identity(), "version": version, "event": event, **fields})
 
     def flush_reports(self, timeout_s: float) -> bool:
         """Wait until every queued report has been delivered (or given up on); False on timeout."""
         with self._reports.all_tasks_done:
             return self._reports.all_tasks_done.wait_for(lambda: self._reports.unfinished_tasks == 0, timeout_s)
 
+    def _identity(self) -> dict[str, str]:
+        settings = self.settings
+        if settings is None:
+            raise CkptEngineError("agent is not registered")
+        return {"agent_id": settings.agent_id, "session": settings.session}
+
     def _report_loop(self) -> None:
         while (body := self._reports.get()) is not None:
             try:
                 self._deliver(body)
+            except Exception:  # one undeliverable report must not end the delivery of the others
+                log.exception("report %s of version %s could not be delivered", body.get("event"), body.get("version"))
             finally:
                 self._reports.task_done()
         self._reports.task_done()
 
     def _deliver(self, body: dict[str, Any]) -> None:
-        # An outcome lost on the way (connection cut, reply lost) would leave the version hanging until its
-        # time limit: retry those for as long as the version may last. The daemon ignores duplicates.
-        outcome = body["event"] in ("done", "received")
+        # An outcome lost on the way (connection cut, reply lost, daemon busy) would leave the version hanging
+        # until its time limit: retry those, with backoff, for as long as the version may last.
+        outcome = body["event"] in ("done", "received", "applied")
         settings = self.settings
         deadline = time.monotonic() + (settings.version_timeout_s if outcome and settings else 0.0)
+        backoff = Backoff(initial_s=0.2, max_s=5.0)
 
         def stale() -> bool:
             # Registered again since (the daemon restarted): that daemon is gone, the new one knows neither
@@ -117,22 +167,30 @@ class Agent:
                 return
             try:
                 self._client.request("report", body, abandon=stale)
+                self._report_failures.succeeded()
                 return
             except RequestAbandoned:
                 continue
-            except ControlReplyError as exc:  # the daemon answered: retrying cannot help
-                log.warning("report %s of version %d refused: %s", body["event"], body["version"], exc)
-                return
-            except CkptEngineError as exc:
-                if time.monotonic() >= deadline or self._client.closed:
-                    log.warning("could not report %s of version %d: %s", body["event"], body["version"], exc)
+            except ControlReplyError as exc:
+                if exc.error in _FINAL_ERRORS:  # the daemon answered: retrying the same report cannot help
+                    log.warning("report %s of version %d refused: %s", body["event"], body["version"], exc)
                     return
-                log.info("report %s of version %d not delivered yet (%s); retrying", body["event"],
-                         body["version"], exc)
-                time.sleep(0.5)
+                failure: CkptEngineError = exc
+            except CkptEngineError as exc:
+                failure = exc
+            if time.monotonic() >= deadline or self._client.closed:
+                log.warning("could not report %s of version %d: %s", body["event"], body["version"], failure)
+                return
+            self._report_failures.failed(failure)
+            if backoff.wait(self._stop if not outcome else None):
+                return
 
     def versions_held(self) -> list[int]:
         return []
+
+    def forget_versions(self) -> None:
+        """The daemon numbers versions by another history than the one this agent's versions came from (it lost
+        or replaced its file): their ids mean nothing there, so drop them."""
 
     def from_earlier_registration(self, assignment: Assignment) -> bool:
         """Assigned by a daemon this agent has since registered with again (it restarted): that daemon is
@@ -181,13 +239,25 @@ class Agent:
                                timeout_s=settings.collective_timeout_s, connect_timeout_s=settings.connect_timeout_s)
         return self.group
 
+    def _resolve_token(self) -> str | None:
+        return client_token(_CREDENTIAL_OF[self.role], self._explicit_token)
+
     def _register(self, client: ControlClient | None = None) -> None:
+        held = self.versions_held()
         body = {"role": self.role, "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
-                "device": str(self.device.torch_device), "versions": self.versions_held(), "token": self.token,
+                "device": str(self.device.torch_device), "versions": held,
+                "history_id": self.history_id if held else None, "token": self.token,
                 "host_id": self.host_id, "sync_every": self.sync_every, **self.register_extra()}
         reply = (client or self._client).request("register", body, timeout_s=self.request_timeout_s)
-        self.settings = RegisterReply.model_validate(reply)
-        log.info("registered with %s as %s %s", self.endpoint, self.role, self.settings.agent_id)
+        settings = RegisterReply.model_validate(reply)
+        if held and settings.history_id != self.history_id:
+            log.warning("the daemon numbers versions by another history than the one versions %s came from; "
+                        "dropping them", held)
+            self.forget_versions()
+        self.history_id = settings.history_id
+        self._received = None  # acknowledgements name assignments of one registration: a new daemon may reuse keys
+        self.settings = settings
+        log.info("registered with %s as %s %s", self.endpoint, self.role, settings.agent_id)
 
     def _poll_loop(self) -> None:
         # A poll whose request or reply was lost (daemon restarted, connection cut) is only noticed by its
@@ -196,39 +266,56 @@ class Agent:
         heartbeat_s = self.settings.heartbeat_s if self.settings is not None else self.request_timeout_s
         poller = ControlClient(self.endpoint, timeout_s=self.poll_wait_s + min(heartbeat_s / 2, self.request_timeout_s),
                                token=self.token)
+        backoff = Backoff(initial_s=0.25, max_s=10.0)
         try:
             while not self._stop.is_set():
-                polled_as = self.agent_id
-                try:
-                    reply = poller.request("poll", {"agent_id": polled_as, "versions": self.versions_held(),
-                                                    "wait_s": self.poll_wait_s, "received": self._received})
-                except ControlReplyError as exc:
-                    if "unregistered agent" in str(exc.detail):
-                        log.warning("daemon forgot this agent (restart?); registering again")
-                        self._try_register(poller)
-                    continue
-                except CkptEngineError as exc:
-                    log.warning("poll failed: %s", exc)
-                    self._stop.wait(1.0)
-                    continue
-                if reply.get("assignment"):
-                    assignment = Assignment.model_validate(reply["assignment"]).receipt(polled_as)
-                    self._received = assignment.key()
-                    # per registration: a restarted daemon may reuse version ids (e.g. an in-memory history)
-                    if (polled_as, assignment.key()) not in self._handled:
-                        self._handled.append((polled_as, assignment.key()))
-                        self._dispatch(assignment)
+                if self._poll_once(poller):
+                    backoff.reset()
+                    self._poll_failures.succeeded()
+                elif backoff.wait(self._stop):
+                    return
         finally:
             poller.close()
+
+    def _poll_once(self, poller: ControlClient) -> bool:
+        """One poll (and what its reply asks for); False when it failed and the loop should back off."""
+        polled_as = self.agent_id
+        try:
+            reply = poller.request("poll", {**self._identity(), "versions": self.versions_held(),
+                                            "wait_s": self.poll_wait_s, "received": self._received})
+        except ControlReplyError as exc:
+            self._poll_failures.failed(exc)
+            if "unregistered agent" in str(exc.detail) or exc.error == "unauthorized":
+                self._try_register(poller)  # a restarted daemon, or a new token in the credentials file
+            return False
+        except CkptEngineError as exc:
+            self._poll_failures.failed(exc)
+            return False
+        if reply.get("assignment"):
+            assignment = Assignment.model_validate(reply["assignment"]).receipt(polled_as)
+            self._received = assignment.key()
+            # per registration: a restarted daemon may reuse version ids (e.g. an in-memory history)
+            if (polled_as, assignment.key()) not in self._handled:
+                self._handled.append((polled_as, assignment.key()))
+                self._dispatch(assignment)
+        return True
 
     def _try_register(self, client: ControlClient) -> None:
         """From the poll thread, on its own client: the shared one may be held by a report still waiting for
         the dead daemon's reply (up to the request timeout), and until registered the agent is invisible."""
+        token = self._resolve_token()
+        if token != self.token:
+            log.warning("using the %s token found now (the credentials changed)", _CREDENTIAL_OF[self.role])
+            self.token = client.token = self._client.token = token
         try:
             self._register(client)
+            log.warning("registered again as %s", self.agent_id)
         except CkptEngineError as exc:
-            log.warning("re-registration failed: %s", exc)
-            self._stop.wait(1.0)
+            self._poll_failures.failed(f"registering again: {exc}")
+
+    def _poll_loop_died(self, exc: BaseException) -> None:
+        # Without polls the daemon drops this agent after its heartbeat timeout; say so where it is seen.
+        self._poll_failures.failed(f"the poll thread died: {type(exc).__name__}: {exc}")
 
     def _dispatch(self, assignment: Assignment) -> None:
         try:

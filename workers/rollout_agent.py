@@ -18,7 +18,7 @@ from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.assembly import VersionAssembler
 from ckpt_engine.ipc_receiver import IpcReceiver
 from ckpt_engine.receiver import LoadFn, Receiver, ReceiveResult
-from ckpt_engine.workers.agent import Agent
+from ckpt_engine.workers.agent import Agent, supervised
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class RolloutAgent(Agent):
         self._ipc: IpcReceiver | None = None
         self._ipc_name: str | None = None
         self._shared_assembler: VersionAssembler | None = None
-        self._worker = threading.Thread(target=self._work_loop, name="ckpt-receiver", daemon=True)
+        self._worker = supervised(self._work_loop, "ckpt-receiver", self._work_loop_died)
         self.applied = threading.Condition()
 
     def on_registered(self) -> None:
@@ -48,6 +48,14 @@ class RolloutAgent(Agent):
 
     def versions_held(self) -> list[int]:
         return [] if self.current_version is None else [self.current_version]
+
+    def forget_versions(self) -> None:
+        # The model keeps its weights; only their label meant something to the old history. Holding no known
+        # version, this receiver gets a whole one next.
+        if self._shared_assembler is not None:
+            self._shared_assembler.forget()
+        with self.applied:
+            self.current_version = None
 
     def handle(self, assignment: Assignment) -> None:
         if assignment.kind == "receive":
@@ -74,9 +82,21 @@ class RolloutAgent(Agent):
                 continue
             try:
                 result = self._receive(assignment)
-            except CkptEngineError as exc:
+            except Exception as exc:  # whatever it was, this receiver reports it and takes the next version
+                log.exception("version %d: receiving failed", assignment.version)
                 result = ReceiveResult(assignment.version, False, f"{type(exc).__name__}: {exc}")
             self._record(assignment, result)
+
+    def _work_loop_died(self, exc: BaseException) -> None:
+        """The receive loop ended unexpectedly (its own handling failed): leave the quorum with the reason, and
+        run a new loop so later versions are received again."""
+        reason = f"the receive thread died: {type(exc).__name__}: {exc}"
+        if self.settings is not None:
+            self.report(0 if self.current_version is None else self.current_version, "received", ok=False,
+                        reason=reason, unable=reason, serving=self.current_version)
+        if not self._stop.is_set():
+            self._worker = supervised(self._work_loop, "ckpt-receiver", self._work_loop_died)
+            self._worker.start()
 
     def _superseded(self, assignment: Assignment) -> bool:
         """Skip a version that will not come (see ``_will_not_come``) before starting on it."""
@@ -146,9 +166,10 @@ class RolloutAgent(Agent):
         self.results.append(result)
         held = self._shared_assembler.manifest if self._shared_assembler is not None else None
         with self.applied:
-            # What the model now holds for sure: after a failed load it may be torn, so nothing.
+            # What the model now holds for sure: after a load that failed part way it is torn, so nothing.
             self.current_version = held.version if held is not None else None
             self.applied.notify_all()
         self.report(assignment.version, "received", ok=result.ok, reason=result.reason,
                     version_digest=result.version_digest, bytes=result.bytes_received, stages=result.seconds,
-                    group_broken=self.group is not None and self.group.broken is not None)
+                    group_broken=self.group is not None and self.group.broken is not None, torn=result.torn,
+                    serving=self.current_version, unable=result.unable)

@@ -32,11 +32,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ckpt_engine.changes import ChangeTracker
-from ckpt_engine.control import Assignment
+from ckpt_engine.control import TERMINAL, Assignment
 from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError, SyncTimeoutError
 from ckpt_engine.layout import Bucket, Layout
 from ckpt_engine.publisher import Publisher
+from ckpt_engine.retry import Backoff
 from ckpt_engine.sender import Transfer, TransferResult
 from ckpt_engine.tensors import NamedTensors, NameMap
 from ckpt_engine.workers.agent import Agent
@@ -69,6 +70,7 @@ class TrainerAgent(Agent):
         self.publisher: Publisher | None = None
         self.held_seconds: list[float] = []  # per served version: how long step() held the training loop
         self.gathered: dict[int, int] = {}  # per served version: bytes of full tensors assembled on this rank
+        self.served: list[int] = []  # versions this rank served (rank 0: sent), oldest first
         self._changes_seen: ChangeTracker | None = None
 
     def register_extra(self) -> dict:
@@ -89,10 +91,18 @@ class TrainerAgent(Agent):
     def versions_held(self) -> list[int]:
         return self.publisher.cache.versions() if self.publisher else []
 
+    def forget_versions(self) -> None:
+        # Their ids mean nothing to the daemon's history: they could never be asked for again.
+        if self.publisher is not None:
+            for version in self.publisher.cache.versions():
+                self.publisher.cache.evict(version)
+            self.publisher.manifests.clear()
+
     def handle(self, assignment: Assignment) -> None:
         if assignment.kind == "evict":
             self._evict(assignment.version)
         elif assignment.kind == "send" and assignment.source_version is not None:
+            self.served.append(assignment.version)
             self._in_background(assignment, self._republish)
         elif assignment.kind == "send":
             self._pending.append(assignment)
@@ -110,6 +120,7 @@ class TrainerAgent(Agent):
             self._serve(assignment, step, started)
         else:
             self._assist(assignment)
+        self.served.append(assignment.version)
         return assignment.version
 
     def push(self, step: int, *, bypass_cpu: bool | None = None, timeout_s: float = 10.0) -> int | None:
@@ -134,12 +145,25 @@ class TrainerAgent(Agent):
         return version
 
     def wait_idle(self, timeout_s: float) -> None:
-        """Wait until the background transfer (if any) has ended and the daemon has been told its outcome
-        (so a version requested next is not refused as overlapping); for clean shutdowns and tests."""
+        """Wait until the background transfer (if any) has ended, the daemon has been told its outcome, and it
+        has ended that version (it also waits for the receivers' own reports), so a version requested next is
+        not refused as overlapping; for clean shutdowns and tests. Only rank 0 asks the daemon."""
         deadline = time.monotonic() + timeout_s
         if self._background is not None:
             self._background.join(timeout_s)
         self.flush_reports(max(0.0, deadline - time.monotonic()))
+        if self.rank == 0 and self.served and self.settings is not None:
+            self._wait_ended(self.served[-1], deadline)
+
+    def _wait_ended(self, version: int, deadline: float) -> None:
+        backoff = Backoff(initial_s=0.02, max_s=0.5)
+        while time.monotonic() < deadline:
+            try:
+                if self._client.request("version", {"version": version}, timeout_s=2.0).get("status") in TERMINAL:
+                    return
+            except CkptEngineError as exc:  # the daemon may be restarting: the deadline bounds this
+                log.debug("waiting for version %d to end: %s", version, exc)
+            backoff.wait()
 
     # ---- agreement between trainer ranks -------------------------------------------------------------
     def _agree(self) -> Assignment | None:

@@ -136,7 +136,8 @@ def start_daemon(config: Path, workdir: Path, bypass: bool) -> tuple[subprocess.
     env = {**os.environ, "CKPT_ENGINE_HTTP__PORT": str(http_port),
            "CKPT_ENGINE_ZMQ__ENDPOINT": f"tcp://127.0.0.1:{zmq_port}",
            "CKPT_ENGINE_STORE__HISTORY_PATH": str(workdir / "history.sqlite3"),
-           "CKPT_ENGINE_STORE__RENDEZVOUS_PORT": "0", "CKPT_ENGINE_BUCKET_SIZE_MB": "4"}
+           "CKPT_ENGINE_STORE__RENDEZVOUS_PORT": "0", "CKPT_ENGINE_BUCKET_SIZE_MB": "4",
+           "CKPT_ENGINE_AUTH__CREDENTIALS_FILE": str(workdir / "credentials.json")}
     if bypass:
         env["CKPT_ENGINE_BYPASS_CPU"] = "true"
     log = (workdir / "daemon.log").open("w")
@@ -149,6 +150,8 @@ def start_daemon(config: Path, workdir: Path, bypass: bool) -> tuple[subprocess.
             raise RuntimeError(f"daemon exited: {(workdir / 'daemon.log').read_text()}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                # the demo's agents (started from here) and its HTTP calls find the role tokens in that file
+                os.environ["CKPT_ENGINE_CREDENTIALS"] = str(workdir / "credentials.json")
                 return proc, url, f"tcp://127.0.0.1:{zmq_port}"
         except httpx.HTTPError:
             time.sleep(0.2)
@@ -197,7 +200,7 @@ def _run(args: argparse.Namespace, size: ModelSize, url: str, zmq: str) -> int:
         _print_new_versions(url, printed)
         time.sleep(0.3)
     _print_new_versions(url, printed)
-    history = httpx.get(f"{url}/versions", params={"limit": 1000}).json()["versions"]
+    history = _get(url, "/versions", limit=1000).json()["versions"]
     committed = [v for v in history if v["status"] == "committed"]
     latest = committed[0] if committed else None
     if latest is not None:
@@ -215,6 +218,13 @@ def _run(args: argparse.Namespace, size: ModelSize, url: str, zmq: str) -> int:
     return _summary(history, latest, finals, [p.exitcode for p in trainers])
 
 
+def _get(url: str, path: str, **params: object) -> httpx.Response:
+    """A read of the daemon's API with the operator's token from the demo daemon's credentials file."""
+    from ckpt_engine.auth import client_token
+
+    return httpx.get(f"{url}{path}", params=params, headers={"Authorization": f"Bearer {client_token('operator')}"})
+
+
 def _run_trainer(*args) -> None:
     trainer(*args)
 
@@ -222,7 +232,7 @@ def _run_trainer(*args) -> None:
 def _wait_for_agents(url: str, receivers: int, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        agents = httpx.get(f"{url}/receivers").json()["agents"]
+        agents = _get(url, "/receivers").json()["agents"]
         if sum(a["role"] == "receiver" for a in agents) >= receivers:
             return
         time.sleep(0.2)
@@ -232,14 +242,14 @@ def _wait_for_agents(url: str, receivers: int, timeout_s: float = 120) -> None:
 def _wait_for_rollouts(url: str, version: int, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        agents = httpx.get(f"{url}/receivers").json()["agents"]
+        agents = _get(url, "/receivers").json()["agents"]
         if all(version in a["versions"] for a in agents if a["role"] == "receiver"):
             return
         time.sleep(0.2)
 
 
 def _print_new_versions(url: str, printed: set[int]) -> None:
-    for record in reversed(httpx.get(f"{url}/versions", params={"limit": 50}).json()["versions"]):
+    for record in reversed(_get(url, "/versions", limit=50).json()["versions"]):
         if record["id"] in printed or record["status"] not in ("committed", "failed", "cancelled"):
             continue
         printed.add(record["id"])

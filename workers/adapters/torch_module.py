@@ -5,8 +5,10 @@
     with adapter.serving():              # generation holds this; a version waits for it, then blocks new ones
         out = model.generate(...)
 
-A version is checked against the model (names, dtypes, shapes) before anything is copied, so a mismatch
-leaves the model untouched; the copy itself runs under ``torch.no_grad()``.
+A version is checked against the model (names, dtypes, shapes, and no tensor the model does not have) before
+anything is copied, so a mismatch refuses it and leaves the model untouched (ApplyRefused). If a copy fails
+part way, the model holds no whole version: the adapter is torn, ``serving()`` waits for the repair the
+daemon sends (and raises TornModelError if none comes in time), so generation never runs on a mix.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ckpt_engine.errors import LayoutMismatchError
+from ckpt_engine.errors import ApplyRefused, TornModelError
 from ckpt_engine.receiver import VersionPayload
 from ckpt_engine.tensors import NameMap, persistent_buffers, strip_wrapper_prefixes
 
 
 class ModuleAdapter:
     def __init__(self, module: nn.Module, *, name_map: NameMap | None = None, strict: bool = True) -> None:
+        """``strict``: a version must carry every tensor of the model (sparse versions excepted) and nothing
+        else; with ``strict=False`` missing and extra tensors are allowed (extra ones are not applied)."""
         rename = name_map or strip_wrapper_prefixes
         self.module = module
         self.strict = strict
@@ -33,30 +37,50 @@ class ModuleAdapter:
             list(module.named_parameters(remove_duplicate=False)) + persistent_buffers(module)
         }
         self.version: int | None = None
+        self.torn: str | None = None  # why the model holds no whole version, until a version applies whole
         self._lock = threading.Lock()
+        self._whole = threading.Condition(self._lock)
 
     @contextlib.contextmanager
-    def serving(self) -> Iterator[int | None]:
-        """Hold while generating; yields the version the model holds during the block."""
-        with self._lock:
+    def serving(self, timeout_s: float | None = 600.0) -> Iterator[int | None]:
+        """Hold while generating; yields the version the model holds during the block. While the model is
+        torn it waits for a repaired one (TornModelError after ``timeout_s``)."""
+        with self._whole:
+            if not self._whole.wait_for(lambda: self.torn is None, timeout_s):
+                raise TornModelError(f"the model is torn ({self.torn}) and was not repaired within {timeout_s}s")
             yield self.version
 
     def load(self, payload: VersionPayload) -> None:
         """LoadFn for the receiver: check everything, then copy in place with generation paused."""
         self._check(payload.tensors, payload.sparse)
-        with self._lock, torch.no_grad():
-            for name, target in self.targets.items():
-                source = payload.tensors.get(name)
-                if source is not None:
-                    target.copy_(source)
+        if payload.sparse and self.torn is not None:
+            raise ApplyRefused("the model is torn: only a whole version can repair it")
+        with self._whole, torch.no_grad():
+            try:
+                for name, target in self.targets.items():
+                    source = payload.tensors.get(name)
+                    if source is not None:
+                        self._copy(name, target, source)
+            except BaseException as exc:
+                self.torn = f"version {payload.version} failed part way: {type(exc).__name__}: {exc}"
+                self.version = None
+                raise
+            self.torn = None
             self.version = payload.version
+            self._whole.notify_all()
+
+    def _copy(self, name: str, target: torch.Tensor, source: torch.Tensor) -> None:
+        target.copy_(source)
 
     def _check(self, tensors: dict[str, torch.Tensor], sparse: bool = False) -> None:
         missing = [name for name in self.targets if name not in tensors]
         if missing and self.strict and not sparse:  # a sparse version carries only what changed
-            raise LayoutMismatchError(f"version lacks {len(missing)} tensor(s) of the model, e.g. {missing[:3]}")
+            raise ApplyRefused(f"version lacks {len(missing)} tensor(s) of the model, e.g. {missing[:3]}")
+        extra = [name for name in tensors if name not in self.targets]
+        if extra and self.strict:  # applying the rest would serve a model that is not the version it claims
+            raise ApplyRefused(f"version has {len(extra)} tensor(s) the model does not, e.g. {extra[:3]}")
         for name, target in self.targets.items():
             source = tensors.get(name)
             if source is not None and (source.shape != target.shape or source.dtype != target.dtype):
-                raise LayoutMismatchError(f"{name}: version has {source.dtype}{tuple(source.shape)}, model has "
-                                          f"{target.dtype}{tuple(target.shape)}")
+                raise ApplyRefused(f"{name}: version has {source.dtype}{tuple(source.shape)}, model has "
+                                   f"{target.dtype}{tuple(target.shape)}")

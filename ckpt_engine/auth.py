@@ -1,0 +1,137 @@
+"""Credentials: one token per role, so a rollout host's token cannot act as the trainer or the operator.
+
+- ``operator``: HTTP and ZMQ commands that change state (sync, push, evict) and every read.
+- ``trainer``: registering trainer agents, and requesting syncs from the training loop (``agent.push``).
+- ``rollout``: registering receivers and engine drivers.
+
+Whoever holds a role's token can register an agent of that role; every later message of that agent must
+carry the session secret its registration returned, so one agent cannot speak for another.
+
+The daemon writes the tokens it uses to a credentials file readable only by its own user (mode 0600).
+Tokens the configuration does not fix are generated once and kept in that file, so they survive restarts
+and agents on the same host and user find them without configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import stat
+from pathlib import Path
+from typing import Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ckpt_engine.errors import ConfigError
+
+Role = Literal["operator", "trainer", "rollout"]
+ROLES: tuple[Role, ...] = ("operator", "trainer", "rollout")
+DEFAULT_CREDENTIALS_FILE = "~/.ckpt-engine/credentials.json"
+CREDENTIALS_ENV = "CKPT_ENGINE_CREDENTIALS"
+TOKEN_ENV = "CKPT_ENGINE_TOKEN"
+TOKEN_PATTERN = r"^[\x21-\x7e]+$"  # visible ASCII: tokens travel in an HTTP header
+_MAX_FILE_BYTES = 64 << 10
+
+
+class Credentials(BaseModel):
+    """The token of each role (None: that role cannot act)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    operator: str | None = Field(None, min_length=16, max_length=4096, pattern=TOKEN_PATTERN)
+    trainer: str | None = Field(None, min_length=16, max_length=4096, pattern=TOKEN_PATTERN)
+    rollout: str | None = Field(None, min_length=16, max_length=4096, pattern=TOKEN_PATTERN)
+
+    def token(self, role: Role) -> str | None:
+        return getattr(self, role)
+
+    def roles_of(self, token: str) -> set[Role]:
+        """The roles ``token`` grants (more than one only when a deployment gives roles one token)."""
+        import hmac
+
+        given = token.encode(errors="surrogatepass")
+        # compare_digest: the time taken does not tell how much of a guessed token was right
+        return {role for role in ROLES if (mine := self.token(role)) is not None
+                and hmac.compare_digest(given, mine.encode())}
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def credentials_path(configured: str | None = None) -> Path:
+    """Where credentials live: the given path, else ``$CKPT_ENGINE_CREDENTIALS``, else the default."""
+    raw = configured or os.environ.get(CREDENTIALS_ENV) or DEFAULT_CREDENTIALS_FILE
+    return Path(raw).expanduser()
+
+
+def read_credentials(path: Path) -> Credentials | None:
+    """The credentials in ``path``, or None when it does not exist. A file other users can read, or one owned
+    by another user, is refused: anyone able to change it could become the trainer."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"credentials file {path}: cannot open: {exc.strerror}") from exc
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"credentials file {path}: not a regular file")
+        if info.st_uid != os.getuid():
+            raise ConfigError(f"credentials file {path}: owned by uid {info.st_uid}, not by this user")
+        if info.st_mode & 0o077:
+            raise ConfigError(f"credentials file {path}: mode {stat.S_IMODE(info.st_mode):o} lets other users "
+                              "read it; chmod 600 it")
+        raw = handle.read(_MAX_FILE_BYTES + 1)
+    if len(raw) > _MAX_FILE_BYTES:
+        raise ConfigError(f"credentials file {path}: larger than {_MAX_FILE_BYTES} bytes")
+    try:
+        return Credentials.model_validate(json.loads(raw))
+    except (ValueError, ValidationError) as exc:
+        raise ConfigError(f"credentials file {path}: unreadable: {exc}") from exc
+
+
+def write_credentials(path: Path, credentials: Credentials) -> None:
+    """Write atomically with mode 0600 (the directory is created 0700 when missing)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(credentials.model_dump(), handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def daemon_credentials(path: Path, fixed: Mapping[Role, str | None]) -> Credentials:
+    """The tokens the daemon accepts: the configured ones, then those already in the file, then new ones.
+    The result is written back to the file so local clients can read it."""
+    try:
+        existing = read_credentials(path) or Credentials()
+    except ConfigError:
+        raise
+    tokens = {role: fixed.get(role) or existing.token(role) or new_token() for role in ROLES}
+    credentials = Credentials(**tokens)
+    if credentials != existing:
+        try:
+            write_credentials(path, credentials)
+        except OSError as exc:
+            raise ConfigError(f"auth.credentials_file: cannot write {path}: {exc.strerror}") from exc
+    return credentials
+
+
+def client_token(role: Role, explicit: str | None = None, path: str | None = None) -> str | None:
+    """The token a client of ``role`` sends: the one given, else ``$CKPT_ENGINE_TOKEN``, else the role's entry
+    of the credentials file (when this user can read one), else None."""
+    if explicit:
+        return explicit
+    from_env = os.environ.get(TOKEN_ENV)
+    if from_env:
+        return from_env
+    found = read_credentials(credentials_path(path))
+    return found.token(role) if found is not None else None

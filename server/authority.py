@@ -1,0 +1,54 @@
+"""Who may do what on the control planes: a token grants roles (see ckpt_engine/auth.py), an operation names
+the roles it needs. ``auth.open`` grants every role to everyone (development only)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+from ckpt_engine.auth import ROLES, Credentials, Role, credentials_path, daemon_credentials
+from ckpt_engine.config import EngineConfig
+from ckpt_engine.server.errors import Forbidden, Unauthorized
+
+log = logging.getLogger(__name__)
+ANY: frozenset[Role] = frozenset(ROLES)
+
+
+class Authority:
+    def __init__(self, config: EngineConfig) -> None:
+        auth = config.auth
+        self.open = auth.open
+        self.credentials: Credentials | None = None
+        self.credentials_file = credentials_path(auth.credentials_file)
+        if self.open:
+            log.warning("WARNING: auth.open is set: no authentication; anyone who reaches the control ports is "
+                        "operator, trainer and rollout")
+            return
+        fixed = {"operator": auth.operator_token or config.auth_token, "trainer": auth.trainer_token or
+                 config.auth_token, "rollout": auth.rollout_token or config.auth_token}
+        self.credentials = daemon_credentials(self.credentials_file, fixed)  # type: ignore[arg-type]
+        if config.auth_token is not None:
+            shared = [role for role in ROLES if self.credentials.token(role) == config.auth_token]
+            if len(shared) > 1:
+                log.warning("WARNING: auth_token is one token for the roles %s: a host that holds it can act as any "
+                            "of them. Give each role its own token (auth.operator_token, auth.trainer_token, "
+                            "auth.rollout_token).", ", ".join(shared))
+
+    def roles_of(self, token: object) -> set[Role]:
+        if self.open:
+            return set(ANY)
+        if not isinstance(token, str) or self.credentials is None:
+            return set()
+        return self.credentials.roles_of(token)
+
+    def require(self, token: object, allowed: Iterable[Role], what: str) -> set[Role]:
+        """The token's roles, if one of them is allowed to do ``what``; Unauthorized (no valid token) or
+        Forbidden (a valid token of another role) otherwise."""
+        roles = self.roles_of(token)
+        if not roles:
+            raise Unauthorized("a valid token is required")
+        allowed = set(allowed)
+        if not roles & allowed:
+            raise Forbidden(f"{what} needs a token of role {' or '.join(sorted(allowed))}; this one is "
+                            f"{', '.join(sorted(roles))}")
+        return roles
