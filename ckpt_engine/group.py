@@ -98,7 +98,8 @@ class SyncGroup:
         prefixed.set_timeout(_td(connect_s))
         started = time.monotonic()
         try:
-            self._pg = _construct(prefixed, rank, world_size, device, timeout_s, bind_host)
+            # Members of a group under another project's prefix do not follow our rendezvous: NCCL stays lazy.
+            self._pg = _construct(prefixed, rank, world_size, device, timeout_s, bind_host, own=prefix is None)
         except Exception as exc:
             raise SyncTimeoutError(
                 f"sync group {name!r} gen {generation}: rank {rank} could not rendezvous with "
@@ -164,8 +165,10 @@ class SyncGroup:
 
 
 def _construct(
-    store: dist.Store, rank: int, size: int, device: DeviceInfo, timeout_s: float, bind_host: str | None
+    store: dist.Store, rank: int, size: int, device: DeviceInfo, timeout_s: float, bind_host: str | None, *,
+    own: bool = True,
 ) -> Any:
+    """The backend's process group. ``own``: every member is a SyncGroup (NCCL: rendezvous and connect now)."""
     if device.backend == "gloo":
         gloo = dist.ProcessGroupGloo
         options = gloo._Options()
@@ -174,12 +177,14 @@ def _construct(
         return gloo(store, rank, size, options)
     set_current(device)
     if device.backend == "nccl":
-        await_members(store, rank, size)
+        if own:
+            await_members(store, rank, size)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = _td(timeout_s)
         with _nccl_failures_cleanup_only():
             pg = dist.ProcessGroupNCCL(store, rank, size, options)
-        _connect_now(pg, device, timeout_s)
+        if own:
+            _connect_now(pg, device, timeout_s)
         return pg
     if device.backend == "hccl":
         # Unverified without Ascend hardware: torch_npu exposes ProcessGroupHCCL with the NCCL-style signature.
