@@ -315,10 +315,35 @@ def render_report(report: dict[str, Any]) -> str:
         lines += ["| Target | Threshold | Measured | Status |", "|---|---|---|---|"]
         for t in bench["targets"]:
             lines.append(f"| {t['target']} | {t['op']} {t['threshold']:g}{t['unit']} | {t['summary']} | **{t['status']}** |")
+        lines += [""] + key_figures(bench["result"])
         lines += ["", "Every figure with its method: [gpu-bench.md](gpu-bench.md); raw samples: gpu-bench.json.", ""]
     lines += ["Files: env.json (machine), gpu-tests.log / gpu-tests.xml (pytest), gpu-bench.log / gpu-bench.md / "
               "gpu-bench.json (benchmark), report.json (this report as data).", ""]
     return "\n".join(lines)
+
+
+def key_figures(result: dict[str, Any] | None) -> list[str]:
+    """The figures the issue asks about, from the gpu section's result: rates, and cached vs bypass_cpu."""
+    if not result or result.get("skipped"):
+        return []
+    lines = [f"- digest kernel: {result.get('kernel')}"]
+    for c in result.get("local", []):
+        v = c["variants"]
+        lines.append(f"- {c['name']}: PCIe {c['pcie_gbps']:.1f} GB/s (best of D2H/H2D), device copy "
+                     f"{v['d2d_copy']['gbps']['median']:.0f} GB/s, digest {v['digest']['gbps']['median']:.0f} GB/s, "
+                     f"snapshot {v['snapshot']['gbps']['median']:.1f} GB/s, bypass fill {v['fill']['gbps']['median']:.0f} GB/s")
+    for kind in ("ipc", "nccl"):
+        p = result.get(kind) or {}
+        if "variants" not in p:
+            lines.append(f"- {kind}: {p.get('skipped', 'not measured')}")
+            continue
+        cached, bypass = (p["variants"][f"{kind}_{m}"] for m in ("cached", "bypass"))
+        r = p["ratios"]
+        lines.append(f"- {kind}: time-to-verified cached {cached['seconds']['median']:.4f} s, bypass_cpu "
+                     f"{bypass['seconds']['median']:.4f} s (bypass ÷ cached {r['bypass_over_cached']['value']:.2f}; "
+                     f"the seed claims ~0.76); trainer held cached {cached['held']['median']:.4f} s, bypass_cpu "
+                     f"{bypass['held']['median']:.4f} s")
+    return lines
 
 
 # ---- command line ----------------------------------------------------------------------------------------
