@@ -374,13 +374,14 @@ def target_measurements(result: dict) -> dict[str, list[tuple[str, float, str]]]
 
     out: dict[str, list[tuple[str, float, str]]] = {"snapshot": [], "fill": [], "digest": [], "ipc": []}
     for c in result["local"]:
-        out["snapshot"].append((c["name"], c["ratios"]["snapshot_vs_d2h"]["value"], rng(c["ratios"]["snapshot_vs_d2h"])))
-        out["fill"].append((c["name"], c["ratios"]["fill_vs_d2d"]["value"], rng(c["ratios"]["fill_vs_d2d"])))
+        snapshot, fill = c["ratios"]["snapshot_vs_d2h"], c["ratios"]["fill_vs_d2d"]
+        out["snapshot"].append((c["name"], snapshot["value"], rng(snapshot)))
+        out["fill"].append((c["name"], fill["value"], rng(fill)))
         out["digest"].append((f"{c['name']} ({result['kernel']})", c["digest_over_pcie"],
                               f"{c['variants']['digest']['gbps']['median']:.1f} vs {c['pcie_gbps']:.1f} GB/s"))
-    ipc = result["ipc"]["ratios"]
-    out["ipc"] = [(f"{mib(result['ipc']['bytes'])} bypass_cpu", ipc["raw_over_bypass"]["value"], rng(ipc["raw_over_bypass"])),
-                  (f"{mib(result['ipc']['bytes'])} cached", ipc["raw_over_cached"]["value"], rng(ipc["raw_over_cached"]))]
+    ipc, size = result["ipc"]["ratios"], mib(result["ipc"]["bytes"])
+    out["ipc"] = [(f"{size} {mode}", ipc[key]["value"], rng(ipc[key]))
+                  for mode, key in (("bypass_cpu", "raw_over_bypass"), ("cached", "raw_over_cached"))]
     return out
 
 

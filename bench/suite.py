@@ -163,8 +163,8 @@ def merge_sections(report: dict, paths: list[str]) -> dict:
                 continue
             report["results"][name] = result
             report["errors"].pop(name, None)
-            report.setdefault("merged", {})[name] = {"command": other.get("command"), "machine": other.get("machine", {}),
-                                                     "file": Path(path).name}
+            report.setdefault("merged", {})[name] = {"command": other.get("command"),
+                                                     "machine": other.get("machine", {}), "file": Path(path).name}
             if name not in report["sections"]:
                 report["sections"].append(name)
     report["targets"] = evaluate_targets(report)

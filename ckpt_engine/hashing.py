@@ -222,7 +222,8 @@ def _positions(device: torch.device) -> torch.Tensor:
     key = (str(device), _CHUNK_WORDS)
     positions = _positions_cache.get(key)
     if positions is None:
-        positions = _positions_cache[key] = torch.arange(_CHUNK_WORDS, dtype=torch.int64, device=device) * _signed(_GOLDEN)
+        positions = torch.arange(_CHUNK_WORDS, dtype=torch.int64, device=device) * _signed(_GOLDEN)
+        _positions_cache[key] = positions
     return positions
 
 
@@ -298,7 +299,8 @@ def mix64_bucket_digests(bucket: Bucket, buf: torch.Tensor, layout_digest: str) 
             acc.index_add_(0, chunk.slots, _range_sums(mixed, chunk))  # type: ignore[arg-type]
     if plan.partial_slots.numel():
         last = words[plan.partial_words] & plan.partial_masks
-        acc.index_add_(0, plan.partial_slots, _mix(last ^ _mix(plan.partial_words * _signed(_GOLDEN) + plan.partial_offs)))
+        position = _mix(plan.partial_words * _signed(_GOLDEN) + plan.partial_offs)
+        acc.index_add_(0, plan.partial_slots, _mix(last ^ position))
     return _mix(acc ^ plan.tails)
 
 

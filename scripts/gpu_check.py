@@ -299,7 +299,8 @@ def render_report(report: dict[str, Any]) -> str:
     else:
         c = tests["counts"]
         lines += [f"{c['passed']} passed, {c['failed']} failed, {c['error']} errors, {c['skipped']} skipped "
-                  f"(pytest exit code {report['tests_rc']}).", "", "| Test | Outcome | s | Detail |", "|---|---|---:|---|"]
+                  f"(pytest exit code {report['tests_rc']}).", "", "| Test | Outcome | s | Detail |",
+                  "|---|---|---:|---|"]
         for case in tests["tests"]:
             detail = case["detail"].replace("|", "\\|")
             lines.append(f"| `{case['test']}` | {case['outcome']} | {case['seconds']:.1f} | {detail} |")
@@ -314,7 +315,8 @@ def render_report(report: dict[str, Any]) -> str:
             lines += [f"Errors: {', '.join(bench['errors'])} (see gpu-bench.log)", ""]
         lines += ["| Target | Threshold | Measured | Status |", "|---|---|---|---|"]
         for t in bench["targets"]:
-            lines.append(f"| {t['target']} | {t['op']} {t['threshold']:g}{t['unit']} | {t['summary']} | **{t['status']}** |")
+            threshold = f"{t['op']} {t['threshold']:g}{t['unit']}"
+            lines.append(f"| {t['target']} | {threshold} | {t['summary']} | **{t['status']}** |")
         lines += [""] + key_figures(bench["result"])
         lines += ["", "Every figure with its method: [gpu-bench.md](gpu-bench.md); raw samples: gpu-bench.json.", ""]
     lines += ["Files: env.json (machine), gpu-tests.log / gpu-tests.xml (pytest), gpu-bench.log / gpu-bench.md / "
@@ -331,7 +333,8 @@ def key_figures(result: dict[str, Any] | None) -> list[str]:
         v = c["variants"]
         lines.append(f"- {c['name']}: PCIe {c['pcie_gbps']:.1f} GB/s (best of D2H/H2D), device copy "
                      f"{v['d2d_copy']['gbps']['median']:.0f} GB/s, digest {v['digest']['gbps']['median']:.0f} GB/s, "
-                     f"snapshot {v['snapshot']['gbps']['median']:.1f} GB/s, bypass fill {v['fill']['gbps']['median']:.0f} GB/s")
+                     f"snapshot {v['snapshot']['gbps']['median']:.1f} GB/s, bypass fill "
+                     f"{v['fill']['gbps']['median']:.0f} GB/s")
     for kind in ("ipc", "nccl"):
         p = result.get(kind) or {}
         if "variants" not in p:

@@ -108,6 +108,6 @@ def memory(device: DeviceInfo) -> dict[str, Any]:
     """This process's device memory after releasing what CUDA IPC receivers have let go of."""
     torch.cuda.synchronize(device.torch_device)
     torch.cuda.ipc_collect()
-    free, total = torch.cuda.mem_get_info(device.torch_device)
+    free, _ = torch.cuda.mem_get_info(device.torch_device)
     return {"allocated": torch.cuda.memory_allocated(device.torch_device), "device_free": free, "fds": open_fds(),
             "shm": len(shm_entries())}

@@ -4,7 +4,6 @@ group fed from CUDA parameters (a host wire), where cached and bypass_cpu put th
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ckpt_engine.cache import VersionCache
 from ckpt_engine.device import detect_device, host_empty

@@ -26,7 +26,8 @@ def random_tensors(seed: int, count: int, max_elems: int) -> dict[str, torch.Ten
     for i in range(count):
         name = DTYPES[i % len(DTYPES)]
         dtype = DTYPE_BY_NAME[name]
-        shape = rng.choice([(), (0,), (rng.randint(1, max_elems),), (rng.randint(1, 9), rng.randint(1, max_elems // 9 + 1))])
+        shape = rng.choice([(), (0,), (rng.randint(1, max_elems),),
+                            (rng.randint(1, 9), rng.randint(1, max_elems // 9 + 1))])
         numel = 1
         for dim in shape:
             numel *= dim
@@ -47,6 +48,10 @@ def digests(tensors: dict[str, torch.Tensor], device: str, bucket_size: int) -> 
     return out
 
 
+def _raw(tensor: torch.Tensor) -> bytes:
+    return bytes(tensor.reshape(-1).view(torch.uint8).tolist()) if tensor.numel() else b""
+
+
 @pytest.fixture(params=["fused", "eager"])
 def kernel(request, monkeypatch) -> str:
     """Each test runs with the fused CUDA kernel and with plain torch ops."""
@@ -65,9 +70,8 @@ def test_cuda_digests_equal_cpu_on_every_dtype(kernel: str, chunk_words: int, mo
         tensors = random_tensors(seed, 3 * len(DTYPES), 300)
         cpu = digests(tensors, "cpu", bucket_size=1 << 12)
         assert digests(tensors, "cuda", bucket_size=1 << 12) == cpu, (kernel, seed)
-        reference = [hashing.reference_mix64_digest(n.split(".")[1], tuple(t.shape),
-                                                    bytes(t.reshape(-1).view(torch.uint8).tolist()) if t.numel() else b"")
-                     for n, t in tensors.items()]
+        reference = [hashing.reference_mix64_digest(name.split(".")[1], tuple(t.shape), _raw(t))
+                     for name, t in tensors.items()]
         assert cpu == reference
 
 
