@@ -15,7 +15,7 @@ from ckpt_engine.publisher import Publisher
 from ckpt_engine.tensors import named_tensors_of
 from tests.gpu.common import WireLog, cuda, memory, perturb, requires_cuda, state_hashes
 from tests.models import BUCKET_SIZE, AwkwardModel, load_into
-from tests.procs import run_processes
+from tests.procs import run_processes, start_processes
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 VERSIONS = 50
@@ -103,11 +103,11 @@ def test_cuda_ipc_is_byte_identical_and_releases_what_it_maps() -> None:
     assert grown <= expected + (4 << 20), f"{grown - expected} bytes more than the larger slots need"
 
 
-def corrupting_trainer(hub: str, algo: str) -> dict:
+def corrupting_trainer(hub: str, algo: str, corrupt: tuple[int, int] | None = (2, 1)) -> dict:
     device = cuda(0)
     model = AwkwardModel(seed=1).to(device.torch_device)
     wire = WireLog()
-    wire.corrupt = (2, 1)  # version 2, bucket 1
+    wire.corrupt = corrupt  # (version, bucket) whose first byte flips on the wire
     publisher = Publisher(device=device, bucket_size=BUCKET_SIZE, ipc_hub_name=hub, timeout_s=30, wire_hook=wire,
                           digest_algo=algo)
     publisher.attach(None, ipc_peers={"colocated": 1})
@@ -143,3 +143,16 @@ def test_a_cuda_receiver_verifies_either_digest_and_catches_a_flipped_byte(algo:
     (r1, _, _, held1), (r2, loaded2, bad2, held2), (r3, _, _, held3) = rollout
     assert r1 and r3 and not r2 and not loaded2 and len(bad2) == 1
     assert held1 == state1 and held2 == state1 and held3 == state3  # the bad version never reached the model
+
+
+def test_cuda_ipc_when_the_trainer_uses_expandable_segments(monkeypatch) -> None:
+    """RL trainers often run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; the shared slots come from
+    that allocator then."""
+    hub = f"ckpt-gpu-test-{uuid.uuid4().hex[:8]}"
+    with monkeypatch.context() as env:  # a spawned process takes the environment it is started with
+        env.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        trainer_run = start_processes([(corrupting_trainer, (hub, "torch-mix64", None))])
+    (rollout,) = run_processes([(corrupting_rollout, (hub,))], timeout_s=180)
+    (trainer,) = trainer_run.collect(60)
+    assert [v[0] for v in trainer["versions"]] == [True] * 3, [v[1] for v in trainer["versions"]]
+    assert [r[3] for r in rollout] == [v[2] for v in trainer["versions"]]
