@@ -118,7 +118,7 @@ fi
 say "GPU tests (tests/gpu), at most ${TEST_TIMEOUT}s"
 set +e
 in_work "${TESTS_LIMIT[@]}" "$PYTHON" -m pytest "$ROOT/tests/gpu" --rootdir "$ROOT" \
-  --import-mode=append -p no:cacheprovider -rA --timeout 240 --junitxml "$OUT/gpu-tests.xml" \
+  --import-mode=append -p no:cacheprovider -rA --timeout 150 --junitxml "$OUT/gpu-tests.xml" \
   -o junit_family=xunit2 2>&1 | { if [ "$DRY" = 1 ]; then cat; else tee "$OUT/gpu-tests.log"; fi; }
 TESTS_RC=${PIPESTATUS[0]}
 set -e
