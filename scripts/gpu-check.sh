@@ -27,7 +27,7 @@ DRY=0
 QUICK=()
 WHEELS="${CKPT_WHEELS:-$ROOT/.whl}"
 OUT=""
-usage() { sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1; shift ;;

@@ -22,7 +22,7 @@ while [ $# -gt 0 ]; do
     --python) TARGET="$2"; shift 2 ;;
     --dest) DEST="$2"; shift 2 ;;
     --platform) PLATFORMS+=("$2"); shift 2 ;;
-    -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu-wheels.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
