@@ -135,7 +135,10 @@ if [ "$CUDA" = 1 ]; then
   set -e
   BENCH_ARGS=(--bench-rc "$BENCH_RC")
 elif [ "$DRY" = 1 ]; then
-  say "no CUDA device here: the GPU tests would be collected and skipped, the GPU benchmark would not run"
+  say "no CUDA device here: the GPU tests would be collected and skipped, the GPU benchmark would not run;"
+  say "with CUDA this step would be:"
+  in_work "${BENCH_LIMIT[@]}" "$PYTHON" -m bench.gpu_bench "${QUICK[@]}" --out "$OUT/gpu-bench.md" \
+    --json "$OUT/gpu-bench.json"
 else
   say "no CUDA device here: the GPU tests were collected and skipped, the GPU benchmark is not run"
 fi
