@@ -16,6 +16,8 @@ Sections (each in its own module, run in this order; ``--only`` / ``--skip`` pic
 - ``sparse``        (bench/sparse_bench.py): sparse sync of 1% / 10% / 50% of the tensors vs a full sync.
 - ``load``          (bench/load_bench.py): 200 requests/s of mixed reads for 60 s (quick: 10 s) while versions
                     run back to back: errors, latency per endpoint, sync time vs without the load.
+- ``gpu``           (bench/gpu_bench.py): the CUDA data paths against their raw copies (snapshot, bypass fill,
+                    device digest vs PCIe, CUDA IPC, NCCL); says so and measures nothing without CUDA.
 
 It writes the markdown report (default docs/benchmarks.md), PNG plots next to it (bench-*.png) and, with
 ``--json``, every measured figure. Every number in the report comes from the run. ``--quick`` takes about
@@ -33,8 +35,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from bench import (control_plane, curves, daemon_e2e, ipc_bench, load_bench, plots, receiver_memory, sync_bench,
-                   trainer_overhead)
+from bench import (control_plane, curves, daemon_e2e, gpu_bench, ipc_bench, load_bench, plots, receiver_memory,
+                   sync_bench, trainer_overhead)
 from bench.common import REPO, GiB, MiB, machine_info
 
 DEFAULT_OUT = REPO / "docs" / "benchmarks.md"
@@ -68,6 +70,7 @@ SECTIONS: list[tuple[str, str, Any]] = [
     ("control_plane", "Control plane under load", control_plane),
     ("sparse", "Sparse sync vs full sync", _SparseSection),
     ("load", "Load: mixed reads while versions run", load_bench),
+    ("gpu", "GPU data paths (CUDA)", gpu_bench),
 ]
 SECTION_NAMES = [s[0] for s in SECTIONS]
 
@@ -88,6 +91,9 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=120.0, help="per-collective timeout in seconds")
     p.add_argument("--from-json", metavar="PATH", help="measure nothing: write the report and plots of an earlier "
                    "run from its --json output")
+    p.add_argument("--merge-json", metavar="PATH", action="append", default=[],
+                   help="add the sections another run measured (its --json output) where this one has none, "
+                   "e.g. the gpu section of scripts/gpu-check.sh OUTDIR/gpu-bench.json; repeatable")
     args = p.parse_args(argv)
     for opt in ("only", "skip"):
         value = getattr(args, opt)
@@ -117,7 +123,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.suite") -> 
             "warmup": args.warmup, "bucket_size": int(args.bucket_mib * MiB), "timeout_s": args.timeout}
     out_path = Path(args.out) if args.out else DEFAULT_OUT
     if args.from_json:
-        return _write(json.loads(Path(args.from_json).read_text()), out_path, None)
+        return _write(merge_sections(json.loads(Path(args.from_json).read_text()), args.merge_json), out_path,
+                      args.json)
     command = " ".join([prog, *map(shlex.quote, argv)])
     print(f"command: {command}", flush=True)
     machine = machine_info()
@@ -140,9 +147,28 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench.suite") -> 
     wall = time.perf_counter() - started
     report = {"command": command, "machine": machine, "settings": opts, "sections": chosen,
               "wall_seconds": wall, "section_seconds": timings, "errors": errors, "results": results}
-    report["targets"] = evaluate_targets(report)
+    report = merge_sections(report, args.merge_json)
     print(f"total wall time {wall:.1f}s", flush=True)
     return _write(report, out_path, args.json)
+
+
+def merge_sections(report: dict, paths: list[str]) -> dict:
+    """Sections measured by other runs (such as the gpu section of a GPU machine's scripts/gpu-check.sh run)
+    where this report has none, or only a skip; each keeps the name of the run and machine it comes from."""
+    for path in paths:
+        other = json.loads(Path(path).read_text())
+        for name, result in other.get("results", {}).items():
+            mine = report["results"].get(name)
+            if name not in SECTION_NAMES or (mine is not None and not (isinstance(mine, dict) and mine.get("skipped"))):
+                continue
+            report["results"][name] = result
+            report["errors"].pop(name, None)
+            report.setdefault("merged", {})[name] = {"command": other.get("command"),
+                                                     "machine": other.get("machine", {}), "file": Path(path).name}
+            if name not in report["sections"]:
+                report["sections"].append(name)
+    report["targets"] = evaluate_targets(report)
+    return report
 
 
 def _write(report: dict, out_path: Path, json_path: str | None) -> int:
@@ -194,6 +220,8 @@ def evaluate_targets(report: dict) -> list[dict]:
         if section not in res:
             entry.update(status="NOT MEASURED", measured=[],
                          summary="section failed" if section in errors else "section not run")
+        elif isinstance(res[section], dict) and res[section].get("skipped"):
+            entry.update(status="NOT MEASURED", measured=[], summary=res[section]["skipped"])
         else:
             ms = measurements()
             if not ms:
@@ -270,6 +298,18 @@ def evaluate_targets(report: dict) -> list[dict]:
         f"at ~{control_plane.RATE:.0f} requests/s")
     add("GET /versions latency p99 (ms)", "<", 20, " ms", "control_plane", get_measure,
         f"at ~{control_plane.RATE:.0f} requests/s")
+
+    def gpu(key: str) -> Callable[[], list[tuple[str, float, str]]]:
+        return lambda: gpu_bench.target_measurements(res["gpu"]).get(key, [])
+
+    add("GPU: cached snapshot (device → pinned) throughput ÷ one pinned copy_", ">=", gpu_bench.GOAL_COPY, "", "gpu",
+        gpu("snapshot"), "pinned copy_ time / VersionCache.snapshot time, same bytes")
+    add("GPU: bypass_cpu fill (D2D) throughput ÷ one device copy_", ">=", gpu_bench.GOAL_COPY, "", "gpu", gpu("fill"),
+        "device copy_ time / fill of every bucket into the send slots")
+    add("GPU: device digest throughput ÷ PCIe rate", ">=", gpu_bench.GOAL_DIGEST_OVER_PCIE, "×", "gpu",
+        gpu("digest"), "torch-mix64 GB/s / the faster pinned copy direction's GB/s")
+    add("GPU: CUDA IPC path throughput ÷ one device copy_", ">=", gpu_bench.GOAL_COPY, "", "gpu", gpu("ipc"),
+        "device copy_ time / time until the colocated receiver verified and acknowledged")
     return targets
 
 
@@ -408,6 +448,12 @@ def render(report: dict) -> str:
             add("")
             continue
         result = res[name]
+        origin = report.get("merged", {}).get(name)
+        if origin is not None:
+            om = origin["machine"]
+            add(f"*Measured by another run: `{origin['command']}` on {om.get('date_utc')}, {om.get('cpu_model')} "
+                f"({om.get('usable_cores')} cores), GPU {om.get('gpu') or 'none'}; from {origin['file']}.*")
+            add("")
         if name == "curves":
             lines.extend(curves.render(result, m, images))
         elif name == "daemon_e2e":
@@ -417,12 +463,60 @@ def render(report: dict) -> str:
         if name == "side_by_side" and "tensors" in images:
             add(f"![time vs tensor count]({images['tensors']})")
             add("")
+    lines.extend(gpu_check_section(res.get("gpu"), report["sections"]))
     add("---")
     add("")
     add("Raw per-repetition samples of every variant are in the JSON output (`--json PATH`). Analysis of the "
         "figures and of the targets missed on this machine: [performance-notes.md](performance-notes.md).")
     add("")
     return "\n".join(lines)
+
+
+def gpu_check_section(gpu: dict | None, sections: list[str]) -> list[str]:
+    """How the GPU figures are produced on a CUDA machine without internet; in every report."""
+    if gpu and not gpu.get("skipped"):
+        number = [name for name, _, _ in SECTIONS if name in sections].index("gpu") + 1
+        status = (f"The GPU figures of this report (section {number}) were measured on "
+                  f"{gpu['devices']['count']} × {', '.join(sorted(set(gpu['devices']['names'])))}.")
+    else:
+        status = ("**No GPU figures in this report**: it was generated without CUDA. The CUDA path (NCCL, pinned "
+                  "cache, device digests, CUDA IPC, bypass_cpu device fills) is still to be measured with the "
+                  "command below.")
+    return [
+        "## GPU check",
+        "",
+        status,
+        "",
+        "One command proves the CUDA path on a GPU machine, also one without internet access that keeps its own "
+        "torch build:",
+        "",
+        "```bash",
+        "scripts/gpu-wheels.sh --python 3.12 --dest .whl   # on a connected machine: wheels for the GPU machine",
+        "scripts/gpu-check.sh OUTDIR                         # on the GPU machine, from the repository root",
+        "```",
+        "",
+        "- `scripts/gpu-wheels.sh [--python X.Y] [--dest DIR] [--platform TAG]...` downloads binary wheels of every "
+        "dependency except torch (and pytest, pytest-timeout), with everything they need, for that CPython on "
+        "manylinux x86-64 (glibc 2.28 and older tags by default), then checks that the folder covers every "
+        "requirement for that target. Copy the folder to the GPU machine as `.whl/` (git-ignored).",
+        "- `scripts/gpu-check.sh [--dry-run] [--quick] [--wheels DIR] OUTDIR` installs from `.whl/` only what the "
+        "machine lacks or has too old, with `pip install --no-index --no-deps --target` into a folder put on "
+        "`PYTHONPATH` (no venv, no root, torch untouched), stages the package as pip would install it "
+        "(`server/` and `workers/` as `ckpt_engine.server` / `ckpt_engine.workers`), runs `tests/gpu` and this "
+        "suite's `gpu` section (`python -m bench.gpu_bench`), and writes `OUTDIR/report.md` and "
+        "`OUTDIR/report.json` next to the logs, the JUnit XML and the benchmark's own report and JSON. Without "
+        "CUDA it says so, collects the GPU tests (they skip) and exits 0. With CUDA it exits 1 if a test failed or "
+        "the benchmark did not finish; the run is bounded to about 9 minutes (tests 300 s, benchmark 220 s). "
+        "`--dry-run` checks torch and the wheel plan, then prints every command instead of running it.",
+        "- `tests/gpu` is collected everywhere (CI included) and skips with a reason without CUDA; its multi-GPU "
+        "tests skip with fewer than 2 GPUs.",
+        "",
+        "To put a GPU machine's figures into this file, regenerate it with that run's results merged in: "
+        "`ckpt-engine bench --merge-json OUTDIR/gpu-bench.json` (or `--from-json` of an earlier run plus "
+        "`--merge-json`). The `gpu` section then names the run and machine it comes from. Run on a GPU "
+        "machine, the suite measures the section itself.",
+        "",
+    ]
 
 
 if __name__ == "__main__":

@@ -3,11 +3,12 @@ same-host IPC kind, and synchronisation. Other modules ask this one instead of c
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import logging
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Iterator, Literal
 
 import torch
 
@@ -139,9 +140,42 @@ def comm_empty(nbytes: int, info: DeviceInfo) -> torch.Tensor:
 
 
 def synchronize(info: DeviceInfo) -> None:
-    """Wait for queued device work (copies) to finish; a no-op on CPU."""
+    """Wait for queued device work (copies) on this device to finish; a no-op on CPU. The device is named:
+    the calling thread's current device may be another one."""
     if info.kind != "cpu":
-        _module(info.kind).synchronize()
+        _module(info.kind).synchronize(info.torch_device)
+
+
+def current_stream(info: DeviceInfo) -> Any | None:
+    """The calling thread's current stream on the device (None on CPU)."""
+    return None if info.kind == "cpu" else _module(info.kind).current_stream(info.torch_device)
+
+
+def stream_synchronize(info: DeviceInfo) -> None:
+    """Wait until the work queued so far on the calling thread's current stream has finished (a no-op on CPU).
+    Before another process may read (or overwrite) memory this stream wrote (or read): same-host IPC."""
+    stream = current_stream(info)
+    if stream is not None:
+        stream.synchronize()
+
+
+def new_stream(info: DeviceInfo) -> Any | None:
+    """A stream of its own on the device (None on CPU), for work that must not queue behind, or hold up, the
+    caller's: a background transfer next to a training loop."""
+    return None if info.kind == "cpu" else _module(info.kind).Stream(device=info.torch_device)
+
+
+@contextlib.contextmanager
+def on_stream(info: DeviceInfo, stream: Any | None, after: Any | None = None) -> Iterator[None]:
+    """Run the enclosed device work on ``stream``, which first waits for what ``after`` (e.g. the caller's stream
+    when it handed over its tensors) had queued by now. Nothing happens on CPU or without a stream."""
+    if info.kind == "cpu" or stream is None:
+        yield
+        return
+    if after is not None:
+        stream.wait_stream(after)
+    with _module(info.kind).stream(stream):
+        yield
 
 
 def set_current(info: DeviceInfo) -> None:

@@ -8,11 +8,13 @@ after a failed or timed-out collective the group is marked broken and must be re
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+import os
 import socket
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -96,7 +98,8 @@ class SyncGroup:
         prefixed.set_timeout(_td(connect_s))
         started = time.monotonic()
         try:
-            self._pg = _construct(prefixed, rank, world_size, device, timeout_s, bind_host)
+            # Members of a group under another project's prefix do not follow our rendezvous: NCCL stays lazy.
+            self._pg = _construct(prefixed, rank, world_size, device, timeout_s, bind_host, own=prefix is None)
         except Exception as exc:
             raise SyncTimeoutError(
                 f"sync group {name!r} gen {generation}: rank {rank} could not rendezvous with "
@@ -162,8 +165,10 @@ class SyncGroup:
 
 
 def _construct(
-    store: dist.Store, rank: int, size: int, device: DeviceInfo, timeout_s: float, bind_host: str | None
+    store: dist.Store, rank: int, size: int, device: DeviceInfo, timeout_s: float, bind_host: str | None, *,
+    own: bool = True,
 ) -> Any:
+    """The backend's process group. ``own``: every member is a SyncGroup (NCCL: rendezvous and connect now)."""
     if device.backend == "gloo":
         gloo = dist.ProcessGroupGloo
         options = gloo._Options()
@@ -172,9 +177,15 @@ def _construct(
         return gloo(store, rank, size, options)
     set_current(device)
     if device.backend == "nccl":
+        if own:
+            await_members(store, rank, size)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = _td(timeout_s)
-        return dist.ProcessGroupNCCL(store, rank, size, options)
+        with _nccl_failures_cleanup_only():
+            pg = dist.ProcessGroupNCCL(store, rank, size, options)
+        if own:
+            _connect_now(pg, device, timeout_s)
+        return pg
     if device.backend == "hccl":
         # Unverified without Ascend hardware: torch_npu exposes ProcessGroupHCCL with the NCCL-style signature.
         from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # type: ignore[import-not-found]
@@ -183,3 +194,43 @@ def _construct(
         options._timeout = _td(timeout_s)
         return ProcessGroupHCCL(store, rank, size, options)
     raise ConfigError(f"unknown backend {device.backend!r}")
+
+
+_MEMBER_KEY = "ckpt-member/"
+# Read by ProcessGroupNCCL's constructor. Its default (3, SkipCleanUp) has the NCCL watchdog take the whole
+# process down when a collective fails or times out: a rollout that dies, or is slow to acknowledge, would
+# kill the trainer. 2 (CleanUpOnly) aborts the group's communicators and lets the failed wait raise, which
+# marks the group broken: the same contract as on gloo.
+_NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+
+
+def await_members(store: dist.Store, rank: int, size: int) -> None:
+    """Every rank announces itself in ``store`` and waits, up to the store's timeout, until all have: the
+    rendezvous that gloo's constructor does itself. NCCL builds its communicator lazily, inside the first
+    collective, where a missing peer blocks the caller with no timeout at all."""
+    store.set(f"{_MEMBER_KEY}{rank}", b"1")
+    store.wait([f"{_MEMBER_KEY}{r}" for r in range(size)])
+
+
+@contextlib.contextmanager
+def _nccl_failures_cleanup_only() -> Iterator[None]:
+    name, value = _NCCL_ERROR_HANDLING
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
+def _connect_now(pg: Any, device: DeviceInfo, timeout_s: float) -> None:
+    """Build the NCCL communicator now, while every member is known to be there (see await_members)."""
+    connect = getattr(pg, "eager_connect_single_device", None)
+    if connect is not None:
+        connect(device.torch_device)
+        return
+    opts = dist.BroadcastOptions()  # older torch: the first collective builds it
+    pg.broadcast([torch.zeros(1, dtype=torch.uint8, device=device.torch_device)], opts).wait(_td(timeout_s))

@@ -14,10 +14,13 @@ Digests are signed int64 values so they can travel through any collective backen
 
 from __future__ import annotations
 
+import bisect
 import ctypes
+import logging
+import os
 import struct
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import xxhash
@@ -26,6 +29,7 @@ from ckpt_engine.device import DigestAlgo
 from ckpt_engine.errors import ProtocolError
 from ckpt_engine.layout import Bucket, Layout
 
+log = logging.getLogger(__name__)
 ALGORITHMS: tuple[str, ...] = ("xxh3-64", "torch-mix64")
 
 _MASK64 = (1 << 64) - 1
@@ -71,32 +75,121 @@ def xxh3_digest(dtype: str, shape: Sequence[int], data: torch.Tensor) -> int:
     return to_signed64(xxhash.xxh3_64_intdigest(host_buffer(data), header_seed(dtype, shape) & _MASK64))
 
 
+# ---- torch-mix64 ----------------------------------------------------------------------------------------
+#
+# Per tensor j (start word s, full words f, seed): acc = sum over its words k of mix(word ^ mix(k*G + seed)), the
+# last word masked to the tensor's bytes; digest = mix(acc ^ mix(nbytes*G + seed)). Written with the word's
+# index i in the bucket, k*G + seed = i*G + off with off = seed - s*G, so one precomputed i*G serves every
+# tensor. Full words are mixed chunk by chunk and summed per tensor by prefix sums (no atomics: one big tensor
+# would otherwise make every word add into the same accumulator); partial last words are mixed separately.
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """Words [start, start + nwords) of a bucket and the tensors whose full words lie in them."""
+
+    start: int
+    nwords: int
+    single: torch.Tensor | None  # int64 [1]: off + start*G when one tensor's full words fill the chunk
+    slot: int  # that tensor's index in the bucket (single chunks)
+    run_offs: torch.Tensor | None  # int64 [runs]: off + start*G of each run of words (gaps: 0, never summed)
+    run_lengths: torch.Tensor | None  # int64 [runs], summing to nwords
+    slots: torch.Tensor | None  # int64 [m]: the tensors with full words here
+    first: torch.Tensor | None  # int64 [m]: first word of each, relative to the chunk
+    last: torch.Tensor | None  # int64 [m]: last word of each (inclusive), relative to the chunk
+
+
 @dataclass(frozen=True)
 class _BucketPlan:
-    """Per-bucket index tensors for the device digest, built once per (layout, bucket, device)."""
+    """Index tensors of the device digest, built once per (layout, bucket, device, chunk size)."""
 
-    start_words: torch.Tensor  # int64 [n]
-    nbytes: torch.Tensor  # int64 [n]
-    seeds: torch.Tensor  # int64 [n]
+    n: int
+    chunks: tuple[_Chunk, ...]
+    tails: torch.Tensor  # int64 [n]: mix(nbytes*G + seed) per tensor
+    partial_slots: torch.Tensor  # int64 [p]: tensors whose last word is partial
+    partial_words: torch.Tensor  # int64 [p]: that word's index in the bucket
+    partial_masks: torch.Tensor  # int64 [p]: its valid bytes
+    partial_offs: torch.Tensor  # int64 [p]: off of those tensors
 
 
-_plan_cache: dict[tuple[str, int, str], _BucketPlan] = {}
+_plan_cache: dict[tuple[str, int, str, int], _BucketPlan] = {}
+_positions_cache: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _mix_int(z: int) -> int:
+    """splitmix64 finaliser on a Python int (unsigned 64-bit)."""
+    z &= _MASK64
+    z ^= z >> 30
+    z = (z * _C1) & _MASK64
+    z ^= z >> 27
+    z = (z * _C2) & _MASK64
+    return z ^ (z >> 31)
 
 
 def _bucket_plan(bucket: Bucket, device: torch.device, layout_digest: str) -> _BucketPlan:
-    key = (layout_digest, bucket.index, str(device))
+    key = (layout_digest, bucket.index, str(device), _CHUNK_WORDS)
     plan = _plan_cache.get(key)
     if plan is None:
-        slots = bucket.slots
-        plan = _BucketPlan(
-            start_words=torch.tensor([s.offset // 8 for s in slots], dtype=torch.int64, device=device),
-            nbytes=torch.tensor([s.nbytes for s in slots], dtype=torch.int64, device=device),
-            seeds=torch.tensor([header_seed(s.dtype, s.shape) for s in slots], dtype=torch.int64, device=device),
-        )
         if len(_plan_cache) > 4096:
             _plan_cache.clear()
-        _plan_cache[key] = plan
+        plan = _plan_cache[key] = _build_plan(bucket, device)
     return plan
+
+
+def _build_plan(bucket: Bucket, device: torch.device) -> _BucketPlan:
+    slots = bucket.slots
+    starts = [s.offset // 8 for s in slots]
+    full = [s.nbytes // 8 for s in slots]
+    seeds = [header_seed(s.dtype, s.shape) & _MASK64 for s in slots]
+    offs = [(seed - start * _GOLDEN) & _MASK64 for seed, start in zip(seeds, starts)]
+    chunks = tuple(_plan_chunk(c0, min(c0 + _CHUNK_WORDS, bucket.nbytes // 8), starts, full, offs, device)
+                   for c0 in range(0, bucket.nbytes // 8, _CHUNK_WORDS))
+    partial = [j for j, s in enumerate(slots) if s.nbytes % 8]
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor([to_signed64(v) for v in values], dtype=torch.int64).to(device)
+
+    return _BucketPlan(
+        n=len(slots), chunks=tuple(c for c in chunks if c is not None),
+        tails=tensor([_mix_int(s.nbytes * _GOLDEN + seed) for s, seed in zip(slots, seeds)]),
+        partial_slots=tensor(partial), partial_words=tensor([starts[j] + full[j] for j in partial]),
+        partial_masks=tensor([(1 << (8 * (slots[j].nbytes % 8))) - 1 for j in partial]),
+        partial_offs=tensor([offs[j] for j in partial]))
+
+
+def _plan_chunk(c0: int, c1: int, starts: list[int], full: list[int], offs: list[int],
+                device: torch.device) -> _Chunk | None:
+    """The tensors whose full words meet words [c0, c1); None when there are none (padding only)."""
+    first = bisect.bisect_right(starts, c0) - 1  # the last tensor starting at or before c0 may reach into it
+    inside = [j for j in range(max(first, 0), bisect.bisect_left(starts, c1))
+              if full[j] and starts[j] + full[j] > c0]
+    if not inside:
+        return None
+    shift = c0 * _GOLDEN  # positions come chunk-relative: off + c0*G makes them absolute
+
+    def signed(values: list[int]) -> torch.Tensor:
+        return torch.tensor([to_signed64(v) for v in values], dtype=torch.int64).to(device)
+
+    j = inside[0]
+    if len(inside) == 1 and starts[j] <= c0 and starts[j] + full[j] >= c1:
+        return _Chunk(c0, c1 - c0, signed([offs[j] + shift]), j, None, None, None, None, None)
+    run_offs, run_lengths, cursor = [], [], c0
+    lo, hi = [], []
+    for j in inside:
+        a, b = max(starts[j], c0), min(starts[j] + full[j], c1)
+        if a > cursor:  # padding, partial words or empty tensors in between
+            run_offs.append(0)
+            run_lengths.append(a - cursor)
+        run_offs.append(offs[j] + shift)
+        run_lengths.append(b - a)
+        lo.append(a - c0)
+        hi.append(b - 1 - c0)
+        cursor = b
+    if cursor < c1:
+        run_offs.append(0)
+        run_lengths.append(c1 - cursor)
+    return _Chunk(c0, c1 - c0, None, -1, signed(run_offs), signed(run_lengths), signed(inside), signed(lo),
+                  signed(hi))
 
 
 def _lsr(z: torch.Tensor, shift: int) -> torch.Tensor:
@@ -113,32 +206,113 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ _lsr(z, 31)
 
 
+def _mix_(z: torch.Tensor) -> torch.Tensor:
+    """:func:`_mix` in place (fewer temporaries on big chunks)."""
+    for shift, factor in ((30, _C1), (27, _C2), (31, None)):
+        shifted = z >> shift
+        shifted &= (1 << (64 - shift)) - 1
+        z ^= shifted
+        if factor is not None:
+            z *= _signed(factor)
+    return z
+
+
+def _positions(device: torch.device) -> torch.Tensor:
+    """i*G for i in [0, chunk words): the position term of every word, shared by all buckets on a device."""
+    key = (str(device), _CHUNK_WORDS)
+    positions = _positions_cache.get(key)
+    if positions is None:
+        positions = torch.arange(_CHUNK_WORDS, dtype=torch.int64, device=device) * _signed(_GOLDEN)
+        _positions_cache[key] = positions
+    return positions
+
+
+# One fused CUDA kernel for the per-word mixing (jiterator, compiled at first use by NVRTC); the same
+# arithmetic as the eager ops below, in unsigned 64-bit. Where it cannot be built the eager ops run.
+_FUSED_SOURCE = """
+template <typename T> T ckpt_mix64_word(T word, T position, T offset) {
+  unsigned long long z = (unsigned long long)position + (unsigned long long)offset;
+  z ^= z >> 30; z *= 0xBF58476D1CE4E5B9ull; z ^= z >> 27; z *= 0x94D049BB133111EBull; z ^= z >> 31;
+  z ^= (unsigned long long)word;
+  z ^= z >> 30; z *= 0xBF58476D1CE4E5B9ull; z ^= z >> 27; z *= 0x94D049BB133111EBull; z ^= z >> 31;
+  return (T)z;
+}
+"""
+_fused: dict[str, Any] = {}  # "fn": the jitted function, "failed": why it could not be used
+
+
+def device_digest_kernel(device: torch.device) -> str:
+    """Which implementation mixes words on ``device``: "fused" (one CUDA kernel) or "eager" (torch ops)."""
+    return "fused" if _fused_fn(device) is not None else "eager"
+
+
+def _fused_fn(device: torch.device) -> Any | None:
+    if device.type != "cuda" or "failed" in _fused or os.environ.get("CKPT_ENGINE_DIGEST_KERNEL") == "eager":
+        return None
+    if "fn" not in _fused:
+        try:
+            from torch.cuda.jiterator import _create_jit_fn
+
+            fn = _create_jit_fn(_FUSED_SOURCE)
+            probe = torch.tensor([1, -2, 3], dtype=torch.int64, device=device)
+            if not torch.equal(fn(probe, probe, probe).cpu(), _mixed_eager(probe, probe, probe).cpu()):
+                raise RuntimeError("fused kernel disagrees with the eager ops")
+            _fused["fn"] = fn
+        except Exception as exc:  # no NVRTC, an old torch, ...: correct either way, only slower
+            _fused["failed"] = f"{type(exc).__name__}: {exc}"
+            log.warning("device digest: fused CUDA kernel unavailable (%s); using torch ops", _fused["failed"])
+            return None
+    return _fused["fn"]
+
+
+def _mixed_eager(words: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    z = _mix_(positions + offsets)
+    z ^= words
+    return _mix_(z)
+
+
+def _mixed(words: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """mix(word ^ mix(position + offset)) per word (offsets broadcast)."""
+    fused = _fused_fn(words.device)
+    return fused(words, positions, offsets) if fused is not None else _mixed_eager(words, positions, offsets)
+
+
 def mix64_bucket_digests(bucket: Bucket, buf: torch.Tensor, layout_digest: str) -> torch.Tensor:
     """torch-mix64 digests of every tensor in ``bucket``, read from ``buf`` (its uint8 bytes), on buf's device.
 
     ``layout_digest`` keys the cached index tensors. Returns int64 [len(bucket.slots)] on buf's device;
     no host sync happens here.
     """
-    n = len(bucket.slots)
     device = buf.device
-    if n == 0:
+    if not bucket.slots:
         return torch.empty(0, dtype=torch.int64, device=device)
     plan = _bucket_plan(bucket, device, layout_digest)
     words = buf[: bucket.nbytes].view(torch.int64)
-    acc = torch.zeros(n + 1, dtype=torch.int64, device=device)
-    for start in range(0, words.numel(), _CHUNK_WORDS):
-        chunk = words[start : start + _CHUNK_WORDS]
-        index = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=device)
-        seg = (torch.searchsorted(plan.start_words, index, right=True) - 1).clamp_(min=0)
-        rel = index - plan.start_words[seg]
-        valid = plan.nbytes[seg] - rel * 8
-        # Mask bytes past the tensor's end in its last word; words past the end go to a dummy slot n.
-        keep = torch.where(valid >= 8, torch.full_like(valid, -1), (1 << (valid.clamp(0, 7) * 8)) - 1)
-        seg = torch.where(valid > 0, seg, torch.full_like(seg, n))
-        position = _mix(rel * _signed(_GOLDEN) + plan.seeds[seg.clamp(max=n - 1)])
-        acc.index_add_(0, seg, _mix((chunk & keep) ^ position))
-    acc = acc[:n]
-    return _mix(acc ^ _mix(plan.nbytes * _signed(_GOLDEN) + plan.seeds))
+    positions = _positions(device)
+    acc = torch.zeros(plan.n, dtype=torch.int64, device=device)
+    for chunk in plan.chunks:
+        mixed = _mixed(words[chunk.start : chunk.start + chunk.nwords], positions[: chunk.nwords],
+                       chunk.single if chunk.single is not None else _run_offsets(chunk))
+        if chunk.single is not None:
+            acc.narrow(0, chunk.slot, 1).add_(mixed.sum())
+        else:
+            acc.index_add_(0, chunk.slots, _range_sums(mixed, chunk))  # type: ignore[arg-type]
+    if plan.partial_slots.numel():
+        last = words[plan.partial_words] & plan.partial_masks
+        position = _mix(plan.partial_words * _signed(_GOLDEN) + plan.partial_offs)
+        acc.index_add_(0, plan.partial_slots, _mix(last ^ position))
+    return _mix(acc ^ plan.tails)
+
+
+def _run_offsets(chunk: _Chunk) -> torch.Tensor:
+    return torch.repeat_interleave(chunk.run_offs, chunk.run_lengths, output_size=chunk.nwords)  # type: ignore[arg-type]
+
+
+def _range_sums(mixed: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
+    """Sum of ``mixed`` over each tensor's word range in the chunk, from one prefix sum (wrapping int64)."""
+    prefix = mixed.cumsum(0)
+    before = prefix[(chunk.first - 1).clamp(min=0)]  # type: ignore[operator]
+    return prefix[chunk.last] - torch.where(chunk.first > 0, before, torch.zeros_like(before))  # type: ignore[index]
 
 
 def bucket_digests(bucket: Bucket, buf: torch.Tensor, algo: DigestAlgo, layout_digest: str) -> torch.Tensor:

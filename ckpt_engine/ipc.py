@@ -130,11 +130,19 @@ class SharedSlot:
     nbytes: int
     tensor: torch.Tensor
     fd: int | None = None  # memfd for host slots
-    cuda_handle: list[Any] | None = None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.tensor.device.type == "cuda"
 
     def describe(self) -> dict[str, Any]:
-        return {"index": self.index, "nbytes": self.nbytes, "kind": "cuda" if self.cuda_handle else "memfd",
-                "cuda_handle": self.cuda_handle}
+        """What a receiver needs to map the slot. A CUDA slot gets a fresh IPC handle for every description:
+        each carries its own reference count, so every receiver that maps it holds the memory on its own (one
+        handle for several receivers would be released by the first one to let go)."""
+        if self.is_cuda:
+            return {"index": self.index, "nbytes": self.nbytes, "kind": "cuda",
+                    "cuda_handle": _cuda_handle(self.tensor), "device_uuid": _device_uuid(self.tensor.device)}
+        return {"index": self.index, "nbytes": self.nbytes, "kind": "memfd", "cuda_handle": None}
 
     def close(self) -> None:
         if self.fd is not None:
@@ -144,8 +152,7 @@ class SharedSlot:
 
 def create_slot(index: int, nbytes: int, device: DeviceInfo) -> SharedSlot:
     if device.comm_device.type == "cuda":
-        tensor = torch.empty(nbytes, dtype=torch.uint8, device=device.comm_device)
-        return SharedSlot(index, nbytes, tensor, cuda_handle=_cuda_handle(tensor))
+        return SharedSlot(index, nbytes, torch.empty(nbytes, dtype=torch.uint8, device=device.comm_device))
     fd = os.memfd_create(f"ckpt-engine-slot{index}", os.MFD_CLOEXEC)
     os.ftruncate(fd, nbytes)
     tensor = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
@@ -153,10 +160,10 @@ def create_slot(index: int, nbytes: int, device: DeviceInfo) -> SharedSlot:
 
 
 def map_slot(description: dict[str, Any], fd: int | None, device: DeviceInfo) -> torch.Tensor:
-    """The receiver's view of a sender's slot."""
+    """The receiver's view of a sender's slot (a CUDA slot stays on the sender's GPU, whichever this is)."""
     nbytes = int(description["nbytes"])
     if description.get("kind", "memfd") == "cuda":
-        return _open_cuda_handle(description["cuda_handle"], nbytes, device)
+        return _open_cuda_handle(description, nbytes)
     if fd is None:
         raise ProtocolError("a memfd slot arrived without its file descriptor")
     try:
@@ -165,15 +172,45 @@ def map_slot(description: dict[str, Any], fd: int | None, device: DeviceInfo) ->
         os.close(fd)  # the mapping keeps the segment alive
 
 
+# torch's CUDA IPC share tuple, as torch.multiprocessing.reductions passes it from _share_cuda_ to
+# _new_shared_cuda: (device index, handle, storage bytes, storage offset, ref-counter handle, ref-counter
+# offset, event handle, event sync flag); every element is bytes / int / bool, so it travels as msgpack.
+_SHARE_TUPLE_LEN = 8
+
+
 def _cuda_handle(tensor: torch.Tensor) -> list[Any]:
-    # Unverified without a GPU: torch's CUDA IPC share tuple (device, handle, size, offset, ref-counter
-    # handle, ref-counter offset, event handle, event sync flag); every element is bytes / int / bool.
     return list(tensor.untyped_storage()._share_cuda_())
 
 
-def _open_cuda_handle(handle: list[Any], nbytes: int, device: DeviceInfo) -> torch.Tensor:
-    storage = torch.UntypedStorage._new_shared_cuda(*handle)  # unverified without a GPU
-    return torch.empty(0, dtype=torch.uint8, device=device.comm_device).set_(storage, 0, (nbytes,))
+def _device_uuid(device: torch.device) -> str | None:
+    """The GPU's UUID: device indexes differ between processes with different CUDA_VISIBLE_DEVICES."""
+    try:
+        return str(torch.cuda.get_device_properties(device).uuid)
+    except (AttributeError, RuntimeError):  # an old torch without uuid: fall back to the index
+        return None
+
+
+def _local_cuda_index(description: dict[str, Any], sender_index: int) -> int:
+    """This process's index of the sender's GPU: found by UUID, or the sender's index when none was sent."""
+    uuid = description.get("device_uuid")
+    if not isinstance(uuid, str):
+        return sender_index
+    for index in range(torch.cuda.device_count()):
+        if _device_uuid(torch.device("cuda", index)) == uuid:
+            return index
+    raise ProtocolError(f"the sender's slot is on GPU {uuid}, which this process cannot see "
+                        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})")
+
+
+def _open_cuda_handle(description: dict[str, Any], nbytes: int) -> torch.Tensor:
+    handle = description.get("cuda_handle")
+    if not isinstance(handle, list) or len(handle) != _SHARE_TUPLE_LEN or not isinstance(handle[0], int):
+        raise ProtocolError("a CUDA slot needs torch's 8-element IPC share tuple")
+    index = _local_cuda_index(description, handle[0])
+    storage = torch.UntypedStorage._new_shared_cuda(index, *handle[1:])
+    if storage.nbytes() < nbytes:
+        raise ProtocolError(f"CUDA slot of {storage.nbytes()} bytes announced as {nbytes}")
+    return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index)).set_(storage, 0, (nbytes,))
 
 
 class IpcHub:

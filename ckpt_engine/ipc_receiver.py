@@ -13,7 +13,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ckpt_engine.assembly import Incoming, LoadFn, ReceiveResult, VersionAssembler
-from ckpt_engine.device import DeviceInfo
+from ckpt_engine.device import DeviceInfo, stream_synchronize
 from ckpt_engine.errors import CkptEngineError, ProtocolError, StagingUnavailable, SyncTimeoutError
 from ckpt_engine.ipc import IPC_PROTO, FramedSocket, PeerGone, abstract_address, map_slot
 from ckpt_engine.protocol import VersionHeader, VersionTrailer, decode
@@ -133,6 +133,8 @@ class IpcReceiver:
             t0 = time.perf_counter()
             if bucket.nbytes and not notice.in_place:
                 incoming.bucket_view(bucket).copy_(self._slot(notice.slot)[: bucket.nbytes])
+                # A device copy is only queued: the sender may refill the slot as soon as it is released.
+                stream_synchronize(self.device)
             self.channel.send({"type": "release", "seq": notice.seq})
             incoming.add_seconds("recv", time.perf_counter() - t0)
             incoming.result.bytes_received += bucket.nbytes

@@ -10,6 +10,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from ckpt_engine.device import stream_synchronize
 from ckpt_engine.errors import CkptEngineError, ProtocolError, SyncTimeoutError
 from ckpt_engine.ipc import IpcHub, IpcPeer, SharedSlot
 from ckpt_engine.layout import Bucket
@@ -138,6 +139,7 @@ class IpcOutlet:
             target = self.hub.slots[slot_index].tensor
             if bucket.nbytes and buf.data_ptr() != target.data_ptr():
                 target[: bucket.nbytes].copy_(buf)
+                stream_synchronize(self.hub.device)  # receivers read the slot as soon as they are told
         message = {"type": "bucket", "seq": k, "slot": slot_index, "index": k, "nbytes": bucket.nbytes,
                    "digests": digests.tolist(), "names": [s.name for s in bucket.slots],
                    "in_place": self.in_place is not None}

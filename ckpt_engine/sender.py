@@ -13,12 +13,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, Protocol
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 import torch
 
 from ckpt_engine.cache import CachedVersion, VersionCache
-from ckpt_engine.device import DeviceInfo, DigestAlgo, comm_empty, set_current
+from ckpt_engine.device import DeviceInfo, DigestAlgo, comm_empty, current_stream, new_stream, on_stream, set_current
 from ckpt_engine.errors import CkptEngineError, ConfigError, ProtocolError, SyncTimeoutError
 from ckpt_engine.group import SyncGroup
 from ckpt_engine.ipc import IpcHub
@@ -297,6 +297,7 @@ class Sender:
         self.wire_hook = wire_hook
         self.on_stage = on_stage  # called with (version, "transferring" | "verifying") from the send thread
         self._slots: list[torch.Tensor] = []
+        self._stream: Any | None = None  # the send thread's own device stream (made on first use)
         self._busy = threading.Lock()
         # Per-tensor digests of recently sent versions: the bases of sparse versions (shared across senders).
         self.manifests: dict[int, Manifest] = manifests if manifests is not None else {}
@@ -359,11 +360,17 @@ class Sender:
         if not self._busy.acquire(blocking=False):
             hold.close()
             raise CkptEngineError(f"version {source.version}: another version is still being sent")
+        origin = current_stream(self.device)  # where the caller queued the work that produced its tensors
 
         def run() -> None:
             try:
                 set_current(self.device)  # the current device is per thread on CUDA/NPU
-                transfer._finish(self._run(source))
+                if self._stream is None:
+                    self._stream = new_stream(self.device)
+                # Not the caller's stream: the copies, digests and collective waits of a background transfer
+                # would otherwise queue behind the training loop's kernels and hold them up in turn.
+                with on_stream(self.device, self._stream, after=origin):
+                    transfer._finish(self._run(source))
             finally:
                 hold.close()
                 self._busy.release()

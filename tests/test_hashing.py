@@ -116,3 +116,27 @@ def test_version_digest_depends_on_every_input() -> None:
 def test_xxh3_of_a_bf16_tensor_needs_no_numpy() -> None:
     t = torch.randn(9).bfloat16()
     assert isinstance(xxh3_digest("bfloat16", (9,), t.view(torch.uint8)), int)
+
+
+@pytest.mark.parametrize("chunk_words", [1, 3, 8, 61, 4 << 20])
+def test_device_digest_matches_reference_on_random_layouts(monkeypatch, chunk_words: int) -> None:
+    """Tensors of every size class (empty, under a word, partial last word, many words) around chunk edges."""
+    import random
+
+    import ckpt_engine.hashing as hashing
+
+    monkeypatch.setattr(hashing, "_CHUNK_WORDS", chunk_words)
+    rng = random.Random(chunk_words)
+    gen = torch.Generator().manual_seed(chunk_words)
+    for trial in range(6):
+        sizes = [rng.choice([0, 1, 3, 7, 8, 9, 15, 16, 17, 63, 64, 65, 250, 1000]) for _ in range(rng.randint(1, 12))]
+        tensors = {f"t{i}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for i, n in enumerate(sizes)}
+        specs = [TensorSpec(name, "uint8", (t.numel(),)) for name, t in tensors.items()]
+        layout = plan_layout(specs, bucket_size=rng.choice([64, 512, 4096]), alignment=rng.choice([8, 16, 256]))
+        got: list[int] = []
+        for bucket in layout.buckets:
+            buf = torch.randint(0, 256, (bucket.nbytes,), dtype=torch.uint8, generator=gen)  # dirty padding
+            fill_bucket(buf, bucket.slots, tensors, bucket.nbytes)
+            got += bucket_digests(bucket, buf, "torch-mix64", layout.digest).tolist()
+        want = [reference_mix64_digest("uint8", (t.numel(),), bytes(t.tolist())) for t in tensors.values()]
+        assert got == want, (trial, sizes)

@@ -1,0 +1,435 @@
+"""GPU data paths (CUDA), each against the raw copy it is made of, measured side by side on one machine.
+
+    python -m bench.gpu_bench [--quick] [--out PATH] [--json PATH]     (the suite's section ``gpu``)
+
+Without CUDA the section measures nothing and says so. With it (spawned processes; cuda:0 unless said):
+
+- ``snapshot``: ``VersionCache.snapshot`` of device tensors into pinned host memory (what cached mode holds the
+  trainer for) vs one pinned ``copy_`` of the same bytes from a flat device buffer; the host-to-device copy
+  is timed too. The faster of the two directions is the PCIe rate below.
+- ``fill``: bypass_cpu's fill of every bucket from the live device tensors into the device send slots vs one
+  device ``copy_`` of the same bytes.
+- ``digest``: torch-mix64 of every bucket on the device (the fused kernel where it exists, and torch ops) vs
+  the same device ``copy_`` and vs the PCIe rate: hashing must never bound a PCIe-fed pipeline.
+- ``ipc``: two processes on one GPU, a trainer publishing to a colocated receiver over CUDA IPC (received,
+  verified, acknowledged), cached and bypass_cpu: time-to-verified and trainer-held, vs a device ``copy_``
+  of the same bytes in the trainer process.
+- ``nccl`` (2 GPUs or more): sender on cuda:0, receiver on cuda:1, cached and bypass_cpu vs one raw NCCL
+  broadcast of the same bytes.
+
+Variants of a group run round-robin interleaved (the order rotates every round), after warm-up rounds.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from typing import Any, Callable
+
+from bench.common import MiB, Progress, fmt_s, gbps, master_store, mib, paired_ratio, run_processes, stats
+
+GOAL_COPY = 0.8  # a copy path's throughput ÷ its raw copy
+GOAL_DIGEST_OVER_PCIE = 2.0
+SEED_BYPASS_CLAIM = 0.76  # the seed's claim on Ascend: bypass_cpu cuts sync time by ~24 %
+
+LOCAL_VARIANTS = ("snapshot", "d2h_copy", "h2d_copy", "fill", "d2d_copy", "digest", "digest_eager")
+PAIR_VARIANTS = {"ipc": ("ipc_cached", "ipc_bypass", "d2d_copy"), "nccl": ("nccl_cached", "nccl_bypass", "nccl_raw")}
+LABEL = {
+    "snapshot": "cached snapshot: device → pinned cache (VersionCache.snapshot)",
+    "d2h_copy": "raw: one pinned copy_, device → host",
+    "h2d_copy": "raw: one pinned copy_, host → device",
+    "fill": "bypass_cpu fill: live tensors → device send slots",
+    "d2d_copy": "raw: one device copy_ (D2D)",
+    "digest": "torch-mix64 of every bucket on the device",
+    "digest_eager": "torch-mix64 with torch ops only (no fused kernel)",
+    "ipc_cached": "CUDA IPC to a colocated receiver, cached",
+    "ipc_bypass": "CUDA IPC to a colocated receiver, bypass_cpu",
+    "nccl_cached": "NCCL, cuda:0 → cuda:1, cached",
+    "nccl_bypass": "NCCL, cuda:0 → cuda:1, bypass_cpu",
+    "nccl_raw": "raw: one NCCL broadcast of the same bytes",
+}
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken driver: no usable GPU
+        return 0
+
+
+def _rotated(variants: tuple[str, ...], repeats: int, warmup: int) -> list[tuple[str, int]]:
+    """(variant, round) for every round, order rotated each round; rounds < 0 are warm-up."""
+    order = []
+    for r in range(warmup + repeats):
+        shift = r % len(variants)
+        order += [(v, r - warmup) for v in variants[shift:] + variants[:shift]]
+    return order
+
+
+def _rows(mib_total: int, count: int) -> int:
+    return max(1, mib_total * MiB // 4 // count // 64)
+
+
+def _model(mib_total: int, count: int, device: Any) -> dict:
+    """float32 tensors of [rows, 64] (256-byte rows: no layout padding), random, on ``device``."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(7)
+    rows = _rows(mib_total, count)
+    return {f"layer{i}.weight": torch.randn(rows, 64, generator=gen, device=device) for i in range(count)}
+
+
+def _sync() -> None:
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    _sync()
+    t0 = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - t0
+
+
+# ---- one process: copies and digests ---------------------------------------------------------------------
+
+
+def _local_child(rank: int, results: Any, args: dict) -> dict:
+    import torch
+
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.hashing import device_digest_kernel
+
+    torch.cuda.set_device(0)
+    device = detect_device("cuda", index=0)
+    out = {"devices": _devices(), "kernel": device_digest_kernel(device.torch_device), "configs": []}
+    for mib_total, count in args["local"]:
+        results.put(("progress", 0, f"  local: {mib_total} MiB in {count:,} tensors"))
+        out["configs"].append(_local_config(mib_total, count, device, args, out["kernel"] == "fused"))
+    return out
+
+
+def _devices() -> dict:
+    import torch
+
+    info = {"count": torch.cuda.device_count(), "names": [torch.cuda.get_device_name(i)
+                                                           for i in range(torch.cuda.device_count())],
+            "torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception as exc:  # no NCCL in this build
+        info["nccl"] = f"unavailable ({exc})"
+    return info
+
+
+def _local_config(mib_total: int, count: int, device: Any, args: dict, fused: bool) -> dict:
+    import os
+
+    import torch
+
+    from ckpt_engine.cache import VersionCache
+    from ckpt_engine.hashing import mix64_bucket_digests
+    from ckpt_engine.layout import plan_layout
+    from ckpt_engine.tensors import fill_bucket, specs_of
+
+    tensors = _model(mib_total, count, device.torch_device)
+    layout = plan_layout(specs_of(tensors), args["bucket_size"])
+    nbytes = layout.total_bytes
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=device.torch_device).random_(0, 256)
+    flat_dst = torch.empty_like(flat)
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    cache = VersionCache(device, keep_versions=1)
+    slots = [torch.empty(layout.max_bucket_bytes, dtype=torch.uint8, device=device.torch_device) for _ in range(2)]
+    version = [0]
+
+    def snapshot() -> None:
+        version[0] += 1
+        cache.snapshot(version[0], layout, tensors, check=False)
+
+    def fill() -> None:
+        for bucket in layout.buckets:
+            fill_bucket(slots[bucket.index % 2], bucket.slots, tensors, bucket.nbytes)
+
+    def digest(eager: bool) -> Callable[[], None]:
+        def run() -> None:
+            previous = os.environ.pop("CKPT_ENGINE_DIGEST_KERNEL", None)
+            if eager:
+                os.environ["CKPT_ENGINE_DIGEST_KERNEL"] = "eager"
+            try:
+                parts = [mix64_bucket_digests(b, flat[b.flat_offset : b.flat_offset + b.nbytes], layout.digest)
+                         for b in layout.buckets]
+                torch.cat(parts).cpu()  # one host sync, as the sender has per bucket
+            finally:
+                os.environ.pop("CKPT_ENGINE_DIGEST_KERNEL", None)
+                if previous is not None:
+                    os.environ["CKPT_ENGINE_DIGEST_KERNEL"] = previous
+        return run
+
+    ops: dict[str, Callable[[], Any]] = {
+        "snapshot": snapshot, "d2h_copy": lambda: pinned.copy_(flat, non_blocking=True),
+        "h2d_copy": lambda: flat_dst.copy_(pinned, non_blocking=True), "fill": fill,
+        "d2d_copy": lambda: flat_dst.copy_(flat), "digest": digest(False), "digest_eager": digest(True)}
+    variants = tuple(v for v in LOCAL_VARIANTS if v != "digest_eager" or fused)
+    samples: dict[str, list[float]] = {v: [] for v in variants}
+    for variant, rnd in _rotated(variants, args["repeats"], args["warmup"]):
+        seconds = _timed(ops[variant])
+        if rnd >= 0:
+            samples[variant].append(seconds)
+    return {"name": f"{mib_total} MiB × {count:,}", "bytes": nbytes, "tensors": count,
+            "buckets": len(layout.buckets), "samples": samples}
+
+
+# ---- two processes: CUDA IPC on one GPU, NCCL on two ---------------------------------------------------
+
+
+def _pair_child(rank: int, results: Any, kind: str, port: int, hub: str, args: dict) -> dict | None:
+    import torch
+
+    index = rank if kind == "nccl" else 0
+    torch.cuda.set_device(index)
+    schedule = _rotated(PAIR_VARIANTS[kind], args["repeats"], args["warmup"])
+    if rank == 0:
+        return _pair_sender(kind, port, hub, args, schedule, results)
+    _pair_receiver(kind, port, hub, args, schedule)
+    return None
+
+
+def _sync_group(port: int, rank: int, device: Any, timeout_s: float) -> Any:
+    from ckpt_engine.group import SyncGroup, open_store
+
+    return SyncGroup(open_store("127.0.0.1", port, timeout_s=timeout_s), name="gpu-bench", generation=0,
+                     rank=rank, world_size=2, device=device, timeout_s=timeout_s)
+
+
+def _pair_sender(kind: str, port: int, hub: str, args: dict, schedule: list, results: Any) -> dict:
+    import torch
+
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.publisher import Publisher
+    from ckpt_engine.tensors import NamedTensors
+
+    device = detect_device("cuda", index=0)
+    tensors = _model(args["pair_mib"], args["pair_tensors"], device.torch_device)
+    names = list(tensors)
+    if kind == "ipc":
+        publisher = Publisher(device=device, bucket_size=args["bucket_size"], ipc_hub_name=hub, keep_versions=1,
+                              timeout_s=args["timeout_s"])
+        publisher.attach(None, ipc_peers={"bench": 1})
+        group = None
+    else:
+        group = _sync_group(port, 0, device, args["timeout_s"])
+        publisher = Publisher(group, bucket_size=args["bucket_size"], keep_versions=1)
+    nbytes = publisher.layout_for(NamedTensors(tensors)).total_bytes
+    raw = torch.empty(nbytes, dtype=torch.uint8, device=device.torch_device).random_(0, 256)
+    raw_dst = torch.empty_like(raw)
+    records = []
+    for i, (variant, rnd) in enumerate(schedule):
+        tensors[names[i % len(names)]].add_(1.0)  # a new version every time (not timed)
+        _sync()
+        t0 = time.perf_counter()
+        held = None
+        if variant == "d2d_copy":
+            raw_dst.copy_(raw)
+            _sync()
+        elif variant == "nccl_raw":
+            group.wait(group.broadcast(raw), "raw broadcast")  # type: ignore[union-attr]
+        else:
+            transfer = publisher.publish(i + 1, NamedTensors(tensors), bypass_cpu=variant.endswith("bypass"))
+            transfer.params_released.wait()
+            held = time.perf_counter() - t0
+            result = transfer.result(600)
+            if not result.ok or not result.receivers or not all(a.ok for a in result.receivers):
+                raise RuntimeError(f"{variant}: {result.reason} {result.receivers}")
+        seconds = time.perf_counter() - t0
+        records.append({"variant": variant, "round": rnd, "seconds": seconds, "held": held})
+        results.put(("progress", 0, f"  {kind}: {variant:<12} {'warm-up' if rnd < 0 else f'round {rnd + 1}'} "
+                                    f"{seconds:.4f}s"))
+    publisher.close()
+    return {"bytes": nbytes, "records": records}
+
+
+def _pair_receiver(kind: str, port: int, hub: str, args: dict, schedule: list) -> None:
+    import torch
+
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.ipc_receiver import IpcReceiver
+    from ckpt_engine.receiver import Receiver
+
+    device = detect_device("cuda", index=torch.cuda.current_device())
+    if kind == "ipc":
+        receiver: Any = IpcReceiver(hub, "bench", 1, lambda payload: None, device=device, timeout_s=args["timeout_s"])
+    else:
+        group = _sync_group(port, 1, device, args["timeout_s"])
+        receiver = Receiver(group, lambda payload: None)
+    raw = None
+    for variant, _ in schedule:
+        if variant == "d2d_copy":
+            continue
+        if variant == "nccl_raw":
+            if raw is None:
+                raw = torch.empty(_pair_bytes(args), dtype=torch.uint8, device=device.torch_device)
+            group.wait(group.broadcast(raw), "raw broadcast")
+            continue
+        result = receiver.receive(600)
+        if result is None or not result.ok:
+            raise RuntimeError(f"{variant}: {result}")
+    if kind == "ipc":
+        receiver.close()
+    elif receiver.receive(args["timeout_s"]) is not None:  # the sender's close of the group
+        raise RuntimeError("expected the sender to close the sync group")
+
+
+def _pair_bytes(args: dict) -> int:
+    from ckpt_engine.layout import TensorSpec, plan_layout
+
+    rows, count = _rows(args["pair_mib"], args["pair_tensors"]), args["pair_tensors"]
+    specs = [TensorSpec(f"layer{i}.weight", "float32", (rows, 64)) for i in range(count)]
+    return plan_layout(specs, args["bucket_size"]).total_bytes
+
+
+# ---- the section -------------------------------------------------------------------------------------------
+
+
+def run(opts: dict, progress: Progress) -> dict:
+    gpus = _cuda_devices()
+    if gpus < 1:
+        return {"skipped": "no CUDA device in this process (torch.cuda.is_available() is False): nothing measured"}
+    quick = opts["quick"]
+    args = {"local": [(256, 100), (64, 4000)] if quick else [(1024, 100), (256, 10000)],
+            "pair_mib": 256 if quick else 1024, "pair_tensors": 100, "bucket_size": opts["bucket_size"],
+            "repeats": opts["repeats"], "warmup": opts["warmup"], "timeout_s": opts["timeout_s"]}
+    started = time.perf_counter()
+    (local,) = run_processes(_local_child, [(args,)], deadline_s=300, progress=progress, name="gpu-local")
+    out: dict[str, Any] = {"args": args, "devices": local["devices"], "kernel": local["kernel"],
+                           "local": [_local_summary(c) for c in local["configs"]]}
+    out["ipc"] = _pair("ipc", args, progress)
+    out["nccl"] = _pair("nccl", args, progress) if gpus >= 2 else {"skipped": f"needs 2 GPUs, found {gpus}"}
+    out["wall_seconds"] = time.perf_counter() - started
+    return out
+
+
+def _pair(kind: str, args: dict, progress: Progress) -> dict:
+    progress(f"  {kind}: {args['pair_mib']} MiB in {args['pair_tensors']} tensors")
+    store = master_store(args["timeout_s"])
+    hub = f"ckpt-gpu-bench-{uuid.uuid4().hex[:8]}"
+    sender, _ = run_processes(_pair_child, [(kind, store.port, hub, args)] * 2, deadline_s=300, progress=progress,
+                              name=f"gpu-{kind}")
+    del store
+    return _pair_summary(kind, sender)
+
+
+def _local_summary(config: dict) -> dict:
+    s = config["samples"]
+    entry = dict(config)
+    entry["variants"] = {v: {"seconds": stats(x), "gbps": gbps(config["bytes"], stats(x))} for v, x in s.items() if x}
+    med = {v: e["seconds"]["median"] for v, e in entry["variants"].items()}
+    pcie = max(config["bytes"] / med["d2h_copy"], config["bytes"] / med["h2d_copy"]) / 1e9
+    entry["pcie_gbps"] = pcie
+    entry["ratios"] = {
+        "snapshot_vs_d2h": paired_ratio(s["d2h_copy"], s["snapshot"]),
+        "fill_vs_d2d": paired_ratio(s["d2d_copy"], s["fill"]),
+        "digest_vs_d2d": paired_ratio(s["d2d_copy"], s["digest"]),
+    }
+    entry["digest_over_pcie"] = entry["variants"]["digest"]["gbps"]["median"] / pcie
+    if "digest_eager" in entry["variants"]:
+        entry["digest_eager_over_pcie"] = entry["variants"]["digest_eager"]["gbps"]["median"] / pcie
+    return entry
+
+
+def _pair_summary(kind: str, sender: dict) -> dict:
+    records = [r for r in sender["records"] if r["round"] >= 0]
+    by = {v: [r for r in records if r["variant"] == v] for v in PAIR_VARIANTS[kind]}
+    variants = {}
+    for v, recs in by.items():
+        entry = {"seconds": stats(r["seconds"] for r in recs), "samples": [r["seconds"] for r in recs]}
+        entry["gbps"] = gbps(sender["bytes"], entry["seconds"])
+        if recs and recs[0]["held"] is not None:
+            entry["held"] = stats(r["held"] for r in recs)
+        variants[v] = entry
+    cached, bypass, raw = PAIR_VARIANTS[kind]
+    seconds = {v: [r["seconds"] for r in recs] for v, recs in by.items()}
+    held = {v: [r["held"] for r in recs] for v, recs in by.items() if v != raw}
+    return {"bytes": sender["bytes"], "variants": variants, "ratios": {
+        "raw_over_cached": paired_ratio(seconds[raw], seconds[cached]),
+        "raw_over_bypass": paired_ratio(seconds[raw], seconds[bypass]),
+        "bypass_over_cached": paired_ratio(seconds[bypass], seconds[cached]),
+        "held_cached_over_bypass": paired_ratio(held[cached], held[bypass])}}
+
+
+# ---- targets and report ----------------------------------------------------------------------------------
+
+
+def target_measurements(result: dict) -> dict[str, list[tuple[str, float, str]]]:
+    """Per target key: (where, value, per-round range) for the suite's target table."""
+    if "skipped" in result:
+        return {}
+
+    def rng(r: dict) -> str:
+        return f"[{r['paired_min']:.3f}–{r['paired_max']:.3f}]"
+
+    out: dict[str, list[tuple[str, float, str]]] = {"snapshot": [], "fill": [], "digest": [], "ipc": []}
+    for c in result["local"]:
+        snapshot, fill = c["ratios"]["snapshot_vs_d2h"], c["ratios"]["fill_vs_d2d"]
+        out["snapshot"].append((c["name"], snapshot["value"], rng(snapshot)))
+        out["fill"].append((c["name"], fill["value"], rng(fill)))
+        out["digest"].append((f"{c['name']} ({result['kernel']})", c["digest_over_pcie"],
+                              f"{c['variants']['digest']['gbps']['median']:.1f} vs {c['pcie_gbps']:.1f} GB/s"))
+    ipc, size = result["ipc"]["ratios"], mib(result["ipc"]["bytes"])
+    out["ipc"] = [(f"{size} {mode}", ipc[key]["value"], rng(ipc[key]))
+                  for mode, key in (("bypass_cpu", "raw_over_bypass"), ("cached", "raw_over_cached"))]
+    return out
+
+
+def render(result: dict, machine: dict) -> list[str]:
+    if "skipped" in result:
+        return [f"Not measured here: {result['skipped']}. Run `scripts/gpu-check.sh OUTDIR` on a CUDA machine "
+                "(see *GPU check* below).", ""]
+    d, a = result["devices"], result["args"]
+    lines = [f"GPUs: {d['count']} × {', '.join(sorted(set(d['names'])))}; torch {d['torch']}, CUDA {d['cuda']}, "
+             f"NCCL {d['nccl']}. Digest kernel: **{result['kernel']}**. Bucket size {a['bucket_size'] / MiB:g} MiB; "
+             f"{a['repeats']} measured rounds after {a['warmup']} warm-up round(s), variants interleaved; "
+             "median (min–max); every time ends with the device synchronized.", ""]
+    for c in result["local"]:
+        lines += [f"**One process, {c['name']} float32 tensors** ({mib(c['bytes'])}, {c['buckets']} buckets)", "",
+                  "| Variant | Time s, median (min–max) | GB/s |", "|---|---:|---:|"]
+        for v, e in c["variants"].items():
+            lines.append(f"| {LABEL[v]} | {fmt_s(e['seconds'], 4)} | {e['gbps']['median']:.1f} |")
+        r = c["ratios"]
+        lines += ["", f"Snapshot ÷ pinned copy: **{r['snapshot_vs_d2h']['value']:.2f}**; fill ÷ device copy: "
+                  f"**{r['fill_vs_d2d']['value']:.2f}**; digest ÷ device copy: {r['digest_vs_d2d']['value']:.2f}; "
+                  f"digest throughput ÷ PCIe rate ({c['pcie_gbps']:.1f} GB/s): **{c['digest_over_pcie']:.2f}**"
+                  + (f" (torch ops only: {c['digest_eager_over_pcie']:.2f})" if "digest_eager_over_pcie" in c else "")
+                  + ".", ""]
+    for kind, title in (("ipc", "Two processes on cuda:0: trainer → colocated receiver over CUDA IPC"),
+                        ("nccl", "NCCL sync group: sender on cuda:0 → receiver on cuda:1")):
+        p = result[kind]
+        if "skipped" in p:
+            lines += [f"**{title}**: not measured ({p['skipped']}).", ""]
+            continue
+        lines += [f"**{title}** ({mib(p['bytes'])} in {a['pair_tensors']} tensors; ckpt-engine variants end when the "
+                  "receiver has verified every tensor and acknowledged)", "",
+                  "| Variant | Time s, median (min–max) | GB/s | Trainer held s |", "|---|---:|---:|---:|"]
+        for v, e in p["variants"].items():
+            held = fmt_s(e["held"], 4) if "held" in e else "—"
+            lines.append(f"| {LABEL[v]} | {fmt_s(e['seconds'], 4)} | {e['gbps']['median']:.1f} | {held} |")
+        r = p["ratios"]
+        lines += ["", f"bypass_cpu ÷ cached time-to-verified: **{r['bypass_over_cached']['value']:.2f}** (the seed "
+                  f"claims ~{SEED_BYPASS_CLAIM:.2f} on Ascend); cached ÷ bypass_cpu trainer-held: "
+                  f"{r['held_cached_over_bypass']['value']:.2f}; raw ÷ cached: {r['raw_over_cached']['value']:.2f}; "
+                  f"raw ÷ bypass_cpu: {r['raw_over_bypass']['value']:.2f}.", ""]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.suite import run_one_section
+
+    return run_one_section("gpu", argv, "python -m bench.gpu_bench")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

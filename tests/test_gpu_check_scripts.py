@@ -1,0 +1,102 @@
+"""scripts/gpu-check.sh and its helper on this machine: which wheels it would install, the package tree it
+stages, a dry run, and a real run without CUDA (it says so, the GPU tests skip, it exits 0)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "gpu-check.sh"
+
+
+def _helper():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules["gpu_check"] = module
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+gpu_check = _helper()
+
+
+def _wheel(folder: Path, name: str, version: str, requires: list[str], tag: str = "py3-none-any") -> Path:
+    """A minimal wheel: only what the planner reads (file name and METADATA)."""
+    path = folder / f"{name}-{version}-{tag}.whl"
+    with zipfile.ZipFile(path, "w") as archive:
+        lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+        lines += [f"Requires-Dist: {r}" for r in requires]
+        archive.writestr(f"{name}-{version}.dist-info/METADATA", "\n".join(lines) + "\n")
+    return path
+
+
+def test_requirements_are_the_dependencies_without_torch_plus_the_test_runner() -> None:
+    names = [r.split(">")[0].split("=")[0].split("<")[0] for r in gpu_check.requirements()]
+    assert "torch" not in names
+    assert {"fastapi", "uvicorn", "pyzmq", "pydantic", "pytest", "pytest-timeout"} <= set(names)
+
+
+def test_plan_takes_only_what_is_missing_and_what_that_needs(tmp_path: Path) -> None:
+    _wheel(tmp_path, "alpha_pkg", "1.0", ["beta-pkg>=2", "pytest>=1", "gamma-pkg; python_version < '3'",
+                                          "delta-pkg; extra == 'fancy'"])
+    _wheel(tmp_path, "beta_pkg", "1.5", [])
+    _wheel(tmp_path, "beta_pkg", "2.1", [])
+    wheels = gpu_check.WheelDir(tmp_path, gpu_check._tags.sys_tags())
+    chosen = gpu_check.plan(["alpha-pkg>=1", "pytest>=1"], wheels)  # pytest is installed here: kept
+    assert {name: path.name for name, path in chosen.items()} == {
+        "alpha-pkg": "alpha_pkg-1.0-py3-none-any.whl", "beta-pkg": "beta_pkg-2.1-py3-none-any.whl"}
+    with pytest.raises(gpu_check.CheckError, match="gpu-wheels.sh"):
+        gpu_check.plan(["epsilon-pkg"], wheels)
+
+
+def test_closure_checks_wheels_for_the_target_python_not_this_one(tmp_path: Path) -> None:
+    _wheel(tmp_path, "native_pkg", "1.0", [], tag="cp399-cp399-manylinux_2_17_x86_64")
+    target = gpu_check.WheelDir(tmp_path, gpu_check._target_tags("3.99", gpu_check.MANYLINUX_X86_64))
+    assert list(gpu_check.plan(["native-pkg"], target, assume_nothing_installed=True)) == ["native-pkg"]
+    here = gpu_check.WheelDir(tmp_path, gpu_check._tags.sys_tags())
+    with pytest.raises(gpu_check.CheckError, match="installs on this Python"):
+        gpu_check.plan(["native-pkg"], here)
+
+
+def test_staged_package_has_server_and_workers_under_ckpt_engine(tmp_path: Path) -> None:
+    packages = gpu_check.stage(tmp_path / "pkg")
+    assert {"ckpt_engine.server", "ckpt_engine.workers", "ckpt_engine.workers.adapters"} <= set(packages)
+    code = "import ckpt_engine, ckpt_engine.server.daemon, ckpt_engine.workers.agent; print(ckpt_engine.__file__)"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "pkg")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == str(tmp_path / "pkg" / "ckpt_engine" / "__init__.py")
+
+
+def _gpu_check(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "CKPT_GPU_SITE": str(tmp_path / "site"), "TMPDIR": str(tmp_path)}
+    (tmp_path / "wheels").mkdir(exist_ok=True)  # everything is installed here: nothing is taken from it
+    return subprocess.run(["bash", str(SCRIPT), "--wheels", str(tmp_path / "wheels"), *args], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=240)
+
+
+def test_dry_run_prints_the_commands_and_runs_none(tmp_path: Path) -> None:
+    out = _gpu_check(tmp_path, "--dry-run", str(tmp_path / "out"))
+    assert out.returncode == 0, out.stderr
+    assert "would run:" in out.stdout and "-m pytest" in out.stdout and "gpu_check.py report" in out.stdout
+    assert not (tmp_path / "out").exists() and not (tmp_path / "site").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA this would run the whole GPU check")
+def test_without_cuda_it_says_so_skips_the_gpu_tests_and_exits_0(tmp_path: Path) -> None:
+    out = _gpu_check(tmp_path, str(tmp_path / "out"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "no CUDA device here" in out.stderr
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "No CUDA device on this machine" in report and " 0 failed, 0 errors, " in report
+    junit = gpu_check.read_junit(tmp_path / "out" / "gpu-tests.xml")
+    assert junit["counts"]["skipped"] == len(junit["tests"]) > 0
+    assert not (tmp_path / "out" / "gpu-bench.json").exists()

@@ -1,0 +1,57 @@
+"""The member rendezvous that NCCL sync groups do before building their communicator (gloo does its own),
+on a real TCP store; and the NCCL error-handling override is scoped to the group's construction."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from ckpt_engine.group import _nccl_failures_cleanup_only, await_members, open_store, store_prefix
+
+
+def _members(port: int, ranks: list[int], size: int, timeout_s: float) -> dict[int, str | None]:
+    outcome: dict[int, str | None] = {}
+
+    def member(rank: int) -> None:
+        store = dist.PrefixStore(store_prefix("rdv", 0), open_store("127.0.0.1", port, timeout_s=timeout_s))
+        try:
+            await_members(store, rank, size)
+            outcome[rank] = None
+        except Exception as exc:  # the store's own timeout error
+            outcome[rank] = f"{type(exc).__name__}: {exc}"
+
+    threads = [threading.Thread(target=member, args=(rank,)) for rank in ranks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s + 10)
+    return outcome
+
+
+def test_all_members_present_returns() -> None:
+    server = open_store("127.0.0.1", 0, is_master=True, timeout_s=10)
+    assert _members(server.port, [0, 1, 2], 3, 10) == {0: None, 1: None, 2: None}
+
+
+def test_a_missing_member_fails_everyone_within_the_store_timeout() -> None:
+    server = open_store("127.0.0.1", 0, is_master=True, timeout_s=10)
+    started = time.monotonic()
+    outcome = _members(server.port, [0, 1], 3, 2.0)
+    assert set(outcome) == {0, 1} and all(reason is not None for reason in outcome.values())
+    assert time.monotonic() - started < 2.0 + 5
+
+
+@pytest.mark.parametrize("before", [None, "3"])
+def test_nccl_error_handling_override_is_scoped(monkeypatch, before: str | None) -> None:
+    name = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    if before is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, before)
+    with _nccl_failures_cleanup_only():
+        assert os.environ[name] == "2"
+    assert os.environ.get(name) == before
