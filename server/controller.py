@@ -70,10 +70,10 @@ class Controller:
 
     # ---- agents -------------------------------------------------------------------------------------
     def register(self, message: Register) -> RegisterReply:
-        if message.role == "driver" and (message.engine is None or message.members is None):
-            raise BadRequest("a driver names its engine and how many receivers it has (engine, members)")
-        if message.driven and message.engine is None:
-            raise BadRequest("a driven receiver names its engine")
+        if message.role == "driver" and message.engine is None:
+            raise BadRequest("a driver names its engine")
+        if message.driven and (message.engine is None or message.members is None):
+            raise BadRequest("a driven receiver names its engine and how many workers the engine has (members)")
         with self._lock:
             # Versions are numbered by one history: those of another mean nothing here (the file was lost or
             # replaced), and ids this history never issued are a peer's invention. Neither touches our numbering.
@@ -511,13 +511,27 @@ class Controller:
         if trainer is None:
             return
         now = time.monotonic()
-        waiting = [r for r in self._candidates(regular=False) if r.serving is None and r.catch_up_due <= now]
+        pool = self._candidates(regular=False)
+
+        def due(receiver: Agent) -> bool:  # an engine's members are due together
+            peers = [m for m in pool if receiver.driven and m.driven and m.engine == receiver.engine] or [receiver]
+            return all(m.catch_up_due <= now for m in peers)
+
+        waiting = [r for r in pool if self._needs_catch_up(r, pool) and due(r)]
         if not waiting:
             return
         latest = self.history.latest(status="committed")
         by_source: dict[int, list[Agent]] = {}
+        engine_source: dict[str, VersionRecord | None] = {}
         for receiver in waiting:
-            source = self._repair_source(receiver, latest)
+            if receiver.driven:  # one model: every member takes the version its torn members served last
+                if receiver.engine not in engine_source:
+                    members = [m for m in waiting if m.engine == receiver.engine]
+                    torn = [m for m in members if m.torn is not None] or members
+                    engine_source[receiver.engine] = self._repair_source(torn[0], latest)  # type: ignore[index]
+                source = engine_source[receiver.engine]  # type: ignore[index]
+            else:
+                source = self._repair_source(receiver, latest)
             if source is not None:
                 by_source.setdefault(source.id, []).append(receiver)
         if not by_source:
@@ -582,22 +596,28 @@ class Controller:
         """Receivers that can be put into a quorum now: heartbeating, able to receive, and, for a driven engine,
         all of its members together with its driver. A receiver that holds no whole version (new, torn, or of
         unknown state) joins ``regular`` versions only once the cache cannot bring it one: until then it is
-        brought one alone (catch-up, repair), so one that cannot receive fails no one else's version."""
+        brought one alone (catch-up, repair), so one that cannot receive fails no one else's version. The
+        members of an engine are one model: they are in or out together."""
         now, heartbeat_s = time.monotonic(), self.config.timeouts.heartbeat_s
         ready = [r for r in self.agents.receivers() if r.heartbeating(now, heartbeat_s) and r.able(now)]
-        if regular and any(r.serving is None for r in ready):
-            latest = self.history.latest(status="committed")
-            ready = [r for r in ready if r.serving is not None or self._repair_source(r, latest) is None]
-        out = []
-        for receiver in ready:
-            if not receiver.driven:
-                out.append(receiver)
-                continue
-            driver = self.agents.driver(receiver.engine or "")
-            members = [m for m in ready if m.engine == receiver.engine and m.driven]
-            if driver is not None and driver.heartbeating(now, heartbeat_s) and len(members) == driver.members:
-                out.append(receiver)
-        return out
+        whole = [r for r in ready if not r.driven or self._engine_ready(r, ready, now)]
+        if not regular:
+            return whole
+        latest = self.history.latest(status="committed")
+        return [r for r in whole if not (self._needs_catch_up(r, whole) and self._repair_source(r, latest))]
+
+    def _engine_ready(self, receiver: Agent, ready: list[Agent], now: float) -> bool:
+        driver = self.agents.driver(receiver.engine or "")
+        members = [m for m in ready if m.engine == receiver.engine and m.driven]
+        return (driver is not None and driver.heartbeating(now, self.config.timeouts.heartbeat_s)
+                and len(members) == receiver.members)
+
+    @staticmethod
+    def _needs_catch_up(receiver: Agent, pool: list[Agent]) -> bool:
+        """It holds no whole version, or (a driven engine's member) one of its engine's members does not."""
+        if not receiver.driven:
+            return receiver.serving is None
+        return any(m.serving is None for m in pool if m.engine == receiver.engine and m.driven)
 
     def _quorum_problem(self, trainer: Agent | None, receivers: list[Agent]) -> str | None:
         if trainer is None:

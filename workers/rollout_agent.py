@@ -27,10 +27,14 @@ class RolloutAgent(Agent):
     role = "receiver"
 
     def __init__(self, load: LoadFn, endpoint: str, *, token: str | None = None, device: DeviceInfo | None = None,
-                 poll_wait_s: float = 1.0, host_id: str | None = None, sync_every: int = 1) -> None:
-        """``sync_every``: take only every N-th version (a slow engine); rollbacks and catch-ups still come."""
+                 poll_wait_s: float = 1.0, host_id: str | None = None, sync_every: int = 1,
+                 engine: str | None = None, driven: bool = False, members: int | None = None) -> None:
+        """``sync_every``: take only every N-th version (a slow engine); rollbacks and catch-ups still come.
+        ``engine``/``members``: this receiver is one of ``members`` workers of an engine that apply versions
+        together; ``driven``: the engine's driver applies them (``load`` only stages, see staged.py)."""
         super().__init__(endpoint, token=token, device=device, poll_wait_s=poll_wait_s, host_id=host_id)
         self.sync_every = sync_every
+        self.engine, self.driven, self.members = engine, driven, members
         self.load = load
         self.current_version: int | None = None
         self.results: list[ReceiveResult] = []
@@ -41,6 +45,9 @@ class RolloutAgent(Agent):
         self._shared_assembler: VersionAssembler | None = None
         self._worker = supervised(self._work_loop, "ckpt-receiver", self._work_loop_died)
         self.applied = threading.Condition()
+
+    def register_extra(self) -> dict:
+        return {"engine": self.engine, "driven": self.driven, "members": self.members} if self.engine else {}
 
     def on_registered(self) -> None:
         if not self._worker.is_alive():

