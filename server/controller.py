@@ -308,7 +308,10 @@ class Controller:
     def _receiver_outcome(self, agent: Agent, message: Report, flight: InFlight | None) -> None:
         """A receiver's own outcome: what its model holds now, and its vote on the version."""
         agent.staged = None
-        if message.ok:
+        if message.ok and agent.driven:  # one worker of an engine: whole only once its driver says the engine is
+            agent.torn, agent.unable = None, None
+            agent.unable_backoff.reset()
+        elif message.ok:
             agent.serving = agent.last_served = message.version
             agent.torn, agent.unable = None, None
             agent.unable_backoff.reset()
@@ -525,10 +528,8 @@ class Controller:
         engine_source: dict[str, VersionRecord | None] = {}
         for receiver in waiting:
             if receiver.driven:  # one model: every member takes the version its torn members served last
-                if receiver.engine not in engine_source:
-                    members = [m for m in waiting if m.engine == receiver.engine]
-                    torn = [m for m in members if m.torn is not None] or members
-                    engine_source[receiver.engine] = self._repair_source(torn[0], latest)  # type: ignore[index]
+                if receiver.engine not in engine_source:  # its members served the same versions (the driver's)
+                    engine_source[receiver.engine] = self._repair_source(receiver, latest)  # type: ignore[index]
                 source = engine_source[receiver.engine]  # type: ignore[index]
             else:
                 source = self._repair_source(receiver, latest)

@@ -1,5 +1,7 @@
-"""SGLang and vLLM adapters against local fake servers that enforce those servers' endpoints and request
-schemas and really receive the tensors over the update group (gloo standing in for NCCL)."""
+"""The SGLang adapter against a fake server that mirrors sglang 0.5.23 (tests/fakes/fake_sglang.py: its
+request models, replies, weight-update sessions, and its update group joined with torch's own helper the
+way SGLang joins it), really receiving the tensors over that group (gloo standing in for NCCL). vLLM is
+tested for real in tests/engines (scripts/test-engines.sh)."""
 
 from __future__ import annotations
 
@@ -13,15 +15,12 @@ from typing import Iterator
 import httpx
 import pytest
 import torch
-from torch import nn
 
 from ckpt_engine.device import detect_device
-from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.receiver import VersionPayload
 from ckpt_engine.tensors import named_tensors_of
 from ckpt_engine.workers.adapters.push_group import PushGroup, PushSettings
 from ckpt_engine.workers.adapters.sglang import EngineUpdateError, SGLangAdapter
-from ckpt_engine.workers.adapters.vllm import CkptEngineWorkerExtension, VLLMWeightTransferClient
 from tests.daemon_harness import ROOT, free_port
 from tests.tiny_lm import tiny_llama
 
@@ -75,115 +74,61 @@ def test_sglang_update_flow_in_order_with_version_label() -> None:
     with fake_server("tests.fakes.fake_sglang") as url:
         settings = push_settings()
         adapter = SGLangAdapter(url, settings, group=cpu_group(settings))
-        adapter.connect()
+        adapter.connect()  # the store keys SGLang's group waits on are the ones our push group writes
         adapter.load(version)
+        assert adapter.weight_version() == "7"
         state = httpx.get(f"{url}/_fake/state").json()
         adapter.close()
     calls = [c["call"] for c in state["calls"]]
-    assert calls[:2] == ["init_weights_update_group", "pause_generation"] and calls[-1] == "continue_generation"
+    assert calls[:3] == ["init_weights_update_group", "pause_generation", "begin_weight_update"]
+    assert calls[-2:] == ["end_weight_update", "continue_generation"]
+    assert state["calls"][1]["mode"] == "retract"  # in_place would make every flush fail
     updates = [c for c in state["calls"] if c["call"] == "update_weights_from_distributed"]
-    assert len(updates) > 1 and len(calls) == len(updates) + 3
-    assert all(u["weight_version"] == "7" for u in updates)
+    assert len(updates) > 1 and len(calls) == len(updates) + 5
+    # the label and the flush with the last batch only: SGLang applies weight_version after every request
+    assert [u["weight_version"] for u in updates] == [None] * (len(updates) - 1) + ["7"]
     assert [u["flush_cache"] for u in updates] == [False] * (len(updates) - 1) + [True]
     assert "lm_head.weight" not in state["checksums"]  # the tied alias is pushed once, under its first name
     expected = {name: sha(t) for name, t in version.tensors.items() if name != "lm_head.weight"}
-    assert state["checksums"] == expected and state["weight_version"] == "7" and not state["paused"]
+    assert state["checksums"] == expected and state["weight_version"] == "7" and state["paused"] is None
 
 
-def test_sglang_refused_update_is_a_failure_and_generation_resumes() -> None:
-    with fake_server("tests.fakes.fake_sglang", "--fail-update") as url:
+def test_sglang_failing_part_way_stays_paused_until_a_whole_version() -> None:
+    """The second batch fails after the first was applied: SGLang holds a mix, so generation is not continued
+    and the load is torn; the next whole version (the daemon's repair) applies and generation continues."""
+    with fake_server("tests.fakes.fake_sglang", "--fail-second-update") as url:
         settings = push_settings()
         adapter = SGLangAdapter(url, settings, group=cpu_group(settings))
         adapter.connect()
         with pytest.raises(EngineUpdateError, match="injected failure"):
-            adapter.load(payload())
+            adapter.load(payload(8))
+        state = httpx.get(f"{url}/_fake/state").json()
+        assert state["paused"] == "retract" and not state["session"] and state["weight_version"] == "default"
+        assert adapter.torn is not None and adapter.version is None
+        adapter.load(payload(9))  # the repair
         state = httpx.get(f"{url}/_fake/state").json()
         adapter.close()
-    assert state["calls"][-1]["call"] == "continue_generation" and not state["paused"]
-    assert adapter.version is None and state["weight_version"] is None
+    assert state["paused"] is None and state["weight_version"] == "9" and adapter.torn is None
+    assert [c["call"] for c in state["calls"]].count("pause_generation") == 1  # it never ran on the mix
 
 
-def test_vllm_native_flow_publishes_the_label_after_finish() -> None:
-    version = payload(9)
-    with fake_server("tests.fakes.fake_vllm") as url:
+def test_sglang_refusing_before_any_weight_changes_nothing() -> None:
+    from ckpt_engine.errors import ApplyRefused
+
+    with fake_server("tests.fakes.fake_sglang") as url:
         settings = push_settings()
-        client = VLLMWeightTransferClient(url, settings, group=cpu_group(settings))
-        client.connect()
-        client.load(version)
-        label = client.weight_version()
+        adapter = SGLangAdapter(url, settings, group=cpu_group(settings))
+        adapter.connect()
+        httpx.post(f"{url}/begin_weight_update", json={})  # someone else holds a session: begin is refused
+        with pytest.raises(ApplyRefused, match="session is already open"):
+            adapter.load(payload(5))
         state = httpx.get(f"{url}/_fake/state").json()
-        client.close()
-    calls = [c["call"] for c in state["calls"]]
-    assert calls[:3] == ["init_weight_transfer_engine", "pause", "start_weight_update"]
-    assert calls[-2:] == ["finish_weight_update", "resume"] and calls.count("update_weights") > 1
-    assert state["calls"][-2]["weight_version"] == "9" and label == "9"
-    expected = {name: sha(t) for name, t in version.tensors.items() if name != "lm_head.weight"}
-    assert state["checksums"] == expected
+        adapter.close()
+    assert state["paused"] is None and adapter.torn is None and state["weight_version"] == "default"
 
 
-def test_vllm_failed_finish_keeps_the_old_label_and_resumes() -> None:
-    with fake_server("tests.fakes.fake_vllm", "--fail-finish") as url:
-        settings = push_settings()
-        client = VLLMWeightTransferClient(url, settings, group=cpu_group(settings))
-        client.connect()
-        with pytest.raises(EngineUpdateError, match="HTTP 500"):
-            client.load(payload(9))
-        assert client.weight_version() == "default"
-        state = httpx.get(f"{url}/_fake/state").json()
-        client.close()
-    assert state["calls"][-1]["call"] == "resume" and not state["paused"] and client.version is None
+def test_the_push_group_uses_the_store_keys_sglang_s_group_waits_on() -> None:
+    """Byte-exact with torch's own helper, as SGLang calls it: g/g//<device>//<key>."""
+    from ckpt_engine.workers.adapters.push_group import torch_group_prefix
 
-
-def test_vllm_client_detects_a_server_without_the_native_api() -> None:
-    with fake_server("tests.fakes.fake_sglang") as url:  # no /weight_info there
-        settings = push_settings()
-        client = VLLMWeightTransferClient(url, settings, group=cpu_group(settings))
-        assert not client.supported()
-        with pytest.raises(EngineUpdateError, match="no native weight-transfer API"):
-            client.connect()
-        client.close()
-
-
-class VLLMStyleModel(nn.Module):
-    """vLLM's model contract: load_weights(iterable of (name, tensor)) -> names it loaded."""
-
-    def __init__(self, inner: nn.Module, skip: set[str] = frozenset()) -> None:
-        super().__init__()
-        self.inner = inner
-        self.skip = skip
-
-    def load_weights(self, weights):
-        params = dict(self.inner.named_parameters())
-        loaded = set()
-        with torch.no_grad():
-            for name, tensor in weights:
-                if name in self.skip:
-                    continue
-                params[name].copy_(tensor)
-                loaded.add(name)
-        return loaded
-
-
-class _Runner:
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-
-class FakeWorker(CkptEngineWorkerExtension):
-    def __init__(self, model: nn.Module) -> None:
-        self.model_runner = _Runner(model)
-
-
-def test_worker_extension_loads_through_load_weights() -> None:
-    version = payload(4)
-    worker = FakeWorker(VLLMStyleModel(tiny_llama(seed=11)))
-    worker.ckpt_engine_load(version)
-    params = dict(worker.model_runner.model.inner.named_parameters())
-    assert all(torch.equal(params[n], t) for n, t in version.tensors.items() if n in params)
-    assert worker.ckpt_engine_status()["version"] == 4
-
-
-def test_worker_extension_reports_tensors_the_model_did_not_take() -> None:
-    worker = FakeWorker(VLLMStyleModel(tiny_llama(seed=11), skip={"model.norm.weight"}))
-    with pytest.raises(CkptEngineError, match="did not load 1 tensor"):
-        worker.ckpt_engine_load(payload(5))
+    assert torch_group_prefix("weight_update_group", "cuda") + "/0" == "weight_update_group/weight_update_group//cuda//0"

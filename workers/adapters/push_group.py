@@ -1,5 +1,5 @@
 """The agent as rank 0 of a small group with an inference engine's workers, for engines that take weights
-by collective broadcast: SGLang's ``update_weights_from_distributed`` and vLLM's NCCL weight transfer.
+by collective broadcast (SGLang's ``update_weights_from_distributed``).
 
 The engine's HTTP call that receives a batch and the broadcasts of that batch rendezvous inside the
 collective, so they must run concurrently: :func:`push_while` runs the HTTP call on a thread while this
@@ -36,10 +36,22 @@ class PushSettings:
     chunk_bytes: int = 512 << 20
 
 
+def torch_group_prefix(group_name: str, device_type: str) -> str:
+    """The store prefix under which a process group made the way SGLang makes its update group does its
+    rendezvous, as one PrefixStore (whose keys are ``prefix + "/" + key``). SGLang's
+    ``init_custom_process_group`` wraps the store in ``PrefixStore(group_name)``, and torch's
+    ``_new_process_group_helper`` adds ``PrefixStore(f"{group_name}/")`` and ``PrefixStore(f"{device}/")``;
+    PrefixStore joins with "/", so the first NCCL key is ``g/g//cuda//0`` (read from sglang 0.5.23 and torch
+    2.13 / 2.14, checked byte-exact by the fake in tests/fakes/fake_sglang.py, which builds its group with
+    torch's own helper)."""
+    return f"{group_name}/{group_name}//{device_type}/"
+
+
 class PushGroup:
     def __init__(self, settings: PushSettings, device: DeviceInfo | None = None) -> None:
         self.settings = settings
         self.device = device or detect_device(backend="gloo" if settings.backend == "gloo" else "auto")
+        # rank 0 hosts the store, as in SGLang's own rendezvous (torch's tcp:// handler, is_master for rank 0)
         self._store = open_store(settings.master_address, settings.master_port, is_master=True,
                                  timeout_s=settings.timeout_s)
         self.group: SyncGroup | None = None
@@ -48,7 +60,8 @@ class PushGroup:
         """Rendezvous with the engine's workers (blocks until they join or the timeout passes)."""
         s = self.settings
         self.group = SyncGroup(self._store, name=s.group_name, generation=0, rank=0, world_size=s.world_size,
-                               device=self.device, timeout_s=s.timeout_s, prefix=f"{s.group_name}/")
+                               device=self.device, timeout_s=s.timeout_s,
+                               prefix=torch_group_prefix(s.group_name, self.device.comm_device.type))
 
     def broadcast(self, tensors: Iterable[torch.Tensor]) -> None:
         if self.group is None:

@@ -1,0 +1,206 @@
+"""No torn model is ever served, with real processes and the real daemon (vLLM itself: tests/engines):
+
+- a transformers model whose apply fails part way: the adapter is torn, will not serve, reports it, and the
+  daemon repairs it from the trainer's cache with the version it served last;
+- an engine of two workers applied by a driver (as vLLM with tensor parallelism is): the version is applied
+  only once both workers verified it, a failure in one tears the whole engine, and the repair brings both
+  back to the version they served, together.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.daemon_harness import start_daemon, train_until_stopped, write_config
+from tests.models import AwkwardModel, state_bytes
+from tests.procs import start_processes
+from tests.test_elastic import agents_of, wait_until
+
+pytestmark = pytest.mark.multiproc
+FAIL_AT = "small.500"  # a tensor in the middle of AwkwardModel
+
+
+def versions_trainer(zmq: str, stop_file: str) -> dict:
+    """Serves AwkwardModel, changed after every version; returns the bytes it served, by version."""
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
+
+    model = AwkwardModel(seed=1)
+    agent = TrainerAgent(model, zmq, poll_wait_s=0.2).start()
+    served: dict[int, dict] = {}
+
+    def after(step: int) -> None:
+        served[agent.served[-1]] = state_bytes(model)
+        model.perturb(step, fraction=0.5)
+
+    train_until_stopped(agent, stop_file, on_version=after)
+    return {"served": served}
+
+
+class FailingOnce:
+    """A ModuleAdapter whose copy fails at ``FAIL_AT`` while ``armed`` exists (then the file is removed)."""
+
+    @staticmethod
+    def adapter(model, armed: Path):
+        from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
+
+        class Adapter(ModuleAdapter):
+            def _copy(self, name, target, source) -> None:
+                if name == FAIL_AT and armed.exists():
+                    armed.unlink()
+                    raise RuntimeError("injected: out of memory half way through the apply")
+                super()._copy(name, target, source)
+
+        return Adapter(model)
+
+
+def tearing_receiver(zmq: str, stop_file: str, armed: str) -> dict:
+    from ckpt_engine.workers.rollout_agent import RolloutAgent
+
+    model = AwkwardModel(seed=7)
+    adapter = FailingOnce.adapter(model, Path(armed))
+    agent = RolloutAgent(adapter.load, zmq, poll_wait_s=0.2).start()
+    served_while_torn: list[int] = []
+    stop = threading.Event()
+
+    def generate() -> None:  # a rollout loop: generation only ever runs on a whole version
+        while not stop.is_set():
+            try:
+                with adapter.serving(timeout_s=0.2) as version:
+                    if adapter.torn is not None:
+                        served_while_torn.append(version or -1)
+            except Exception:  # TornModelError: it waits for the repair instead of generating
+                pass
+            time.sleep(0.005)
+
+    loop = threading.Thread(target=generate, daemon=True)
+    loop.start()
+    while not os.path.exists(stop_file):
+        time.sleep(0.05)
+    stop.set()
+    loop.join(5)
+    agent.close()
+    return {"state": state_bytes(model), "version": adapter.version, "served_while_torn": served_while_torn,
+            "results": [(r.version, r.ok, r.torn) for r in agent.results]}
+
+
+def test_a_torn_transformers_model_is_not_served_and_is_repaired(tmp_path: Path) -> None:
+    daemon = start_daemon(write_config(tmp_path, keep_versions=3, transport="collective"))
+    stop, armed = tmp_path / "stop", tmp_path / "armed"
+    procs = start_processes([(versions_trainer, (daemon.zmq, str(stop))),
+                             (tearing_receiver, (daemon.zmq, str(stop), str(armed)))])
+    try:
+        with daemon.client() as http:
+            wait_until(lambda: len(agents_of(http)) == 2, what="registration")
+            first = http.post("/sync", json={"wait": True, "timeout_s": 60}).json()
+            assert first["status"] == "committed", first
+            armed.touch()
+            failed = http.post("/sync", json={"wait": True, "timeout_s": 60}).json()
+            assert failed["status"] == "failed" and "injected" in failed["reason"], failed
+            entry = failed["receivers"][0]
+            assert entry["torn"] and entry["serving_after"] is None, entry  # never shown serving it
+            repair = _wait_for_repair(http)
+            assert repair["source_version"] == first["id"] and repair["status"] == "committed", repair
+            receiver = [a for a in agents_of(http) if a["role"] == "receiver"][0]
+            assert receiver["state"] == "serving" and receiver["serving"] == repair["id"]
+    finally:
+        stop.touch()
+        trainer, rollout = procs.collect(120)
+    assert rollout["served_while_torn"] == []
+    assert rollout["state"] == trainer["served"][first["id"]]  # byte for byte the version it served before
+    assert (failed["id"], False, True) in rollout["results"]
+
+
+def _wait_for_repair(http: httpx.Client) -> dict:
+    def repaired():
+        return next((v for v in http.get("/versions").json()["versions"]
+                     if v["purpose"] == "repair" and v["status"] in ("committed", "failed")), None)
+
+    wait_until(repaired, 60, "the repair")
+    return repaired()
+
+
+def engine(zmq: str, stop_file: str, armed: str) -> dict:
+    """Two workers of one engine (each holding the whole model, as tensor-parallel vLLM workers each load the
+    whole checkpoint) and the engine's driver, which applies a version to both or tears both."""
+    from ckpt_engine.workers.driver import EngineDriver
+    from ckpt_engine.workers.rollout_agent import RolloutAgent
+    from ckpt_engine.workers.staged import StagedVersion
+
+    class Worker:
+        def __init__(self, index: int) -> None:
+            self.model = AwkwardModel(seed=10 + index)
+            self.adapter = FailingOnce.adapter(self.model, Path(armed) if index == 1 else Path("/nonexistent"))
+            self.staged = StagedVersion(on_staged=lambda v: self.agent.report(v, "staged"), take_timeout_s=30,
+                                        apply_timeout_s=60)
+            self.agent = RolloutAgent(self.staged.load, zmq, poll_wait_s=0.2, engine="e0", driven=True, members=2)
+
+    workers = [Worker(0), Worker(1)]
+
+    class Control:  # what vLLM's update does on each worker's own thread
+        paused = False
+        resumes_while_torn = 0
+
+        def pause(self) -> None:
+            self.paused = True
+
+        def apply(self, version: int) -> None:
+            for worker in workers:
+                payload = worker.staged.take(version, 30)
+                try:
+                    worker.adapter.load(payload)
+                except BaseException as exc:
+                    worker.staged.finish(version, exc)
+                    raise
+                worker.staged.finish(version)
+
+        def abandon(self) -> None:
+            pass
+
+        def resume(self) -> None:
+            if driver.torn is not None:
+                self.resumes_while_torn += 1
+            self.paused = False
+
+    control = Control()
+    driver = EngineDriver(control, zmq, engine="e0", poll_wait_s=0.2).start()
+    for worker in workers:
+        worker.agent.start()
+    while not os.path.exists(stop_file):
+        time.sleep(0.05)
+    for worker in workers:
+        worker.agent.close()
+    driver.close()
+    return {"states": [state_bytes(w.model) for w in workers], "version": driver.version,
+            "resumes_while_torn": control.resumes_while_torn}
+
+
+def test_an_engine_of_two_workers_applies_together_tears_together_and_is_repaired(tmp_path: Path) -> None:
+    daemon = start_daemon(write_config(tmp_path, keep_versions=3, transport="auto"))
+    stop, armed = tmp_path / "stop", tmp_path / "armed"
+    procs = start_processes([(versions_trainer, (daemon.zmq, str(stop))),
+                             (engine, (daemon.zmq, str(stop), str(armed)))])
+    try:
+        with daemon.client() as http:
+            wait_until(lambda: len(agents_of(http)) == 4, what="trainer, 2 workers and a driver")
+            first = http.post("/sync", json={"wait": True, "timeout_s": 60}).json()
+            assert first["status"] == "committed" and len(first["receivers"]) == 2, first
+            armed.touch()  # worker 1 fails half way; worker 0 applied the version whole
+            failed = http.post("/sync", json={"wait": True, "timeout_s": 60}).json()
+            assert failed["status"] == "failed" and all(not r["ok"] for r in failed["receivers"]), failed
+            repair = _wait_for_repair(http)
+            assert repair["source_version"] == first["id"] and repair["status"] == "committed", repair
+            assert {r["agent_id"] for r in repair["receivers"]} == {r["agent_id"] for r in failed["receivers"]}
+            workers = [a for a in agents_of(http) if a["role"] == "receiver"]
+            assert all(w["state"] == "serving" and w["serving"] == repair["id"] for w in workers), workers
+    finally:
+        stop.touch()
+        trainer, rollout = procs.collect(120)
+    assert rollout["resumes_while_torn"] == 0
+    assert rollout["states"][0] == rollout["states"][1] == trainer["served"][first["id"]]
+    assert rollout["version"] == repair["id"]
