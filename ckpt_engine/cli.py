@@ -80,6 +80,15 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("id", type=int)
         cmd.set_defaults(run=run)
     sub.add_parser("status", help="daemon status").set_defaults(run=_status)
+    driver = sub.add_parser("vllm-driver", help="drive a vLLM server's ckpt_engine weight-transfer backend: start "
+                                              "its workers' receivers and apply each verified version")
+    driver.add_argument("--vllm-url", required=True, help="the vLLM server (VLLM_SERVER_DEV_MODE=1), e.g. "
+                                                          "http://127.0.0.1:8000")
+    driver.add_argument("--endpoint", default=os.environ.get("CKPT_ENGINE_ENDPOINT", "tcp://127.0.0.1:8766"),
+                        help="the daemon's ZMQ endpoint")
+    driver.add_argument("--engine", default=None, help="this vLLM instance's name (default: vllm-<host>-<pid>)")
+    driver.add_argument("--vllm-api-key", default=os.environ.get("VLLM_API_KEY"))
+    driver.set_defaults(run=_vllm_driver)
     check = sub.add_parser("check-config", help="validate a deployment YAML and print the effective settings")
     check.add_argument("path")
     check.set_defaults(run=_check_config)
@@ -107,6 +116,27 @@ def _serve(args: argparse.Namespace) -> int:
     from ckpt_engine.server.daemon import serve
 
     return serve(load_config(args.config))
+
+
+def _vllm_driver(args: argparse.Namespace) -> int:
+    """Until SIGINT/SIGTERM: the driver applies versions under vLLM's pause and keeps a torn engine paused."""
+    import logging
+    import signal
+    import threading
+
+    from ckpt_engine.workers.adapters.vllm import HttpControl, start_vllm_driver
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    control = HttpControl(args.vllm_url, api_key=args.vllm_api_key)
+    driver = start_vllm_driver(control, args.endpoint, engine=args.engine, token=args.token)
+    print(f"driving {args.vllm_url} as engine {driver.engine} (agent {driver.agent_id})", flush=True)
+    stop.wait()
+    driver.close()
+    control.close()
+    return 0
 
 
 def _check_config(args: argparse.Namespace) -> int:
