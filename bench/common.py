@@ -8,7 +8,6 @@ import multiprocessing as mp
 import os
 import platform
 import queue
-import socket
 import statistics
 import time
 import traceback
@@ -18,7 +17,7 @@ from typing import Any, Callable, Iterable
 HOST = "127.0.0.1"
 MiB = 1 << 20
 GiB = 1 << 30
-REPO = Path(__file__).resolve().parent.parent
+from ckpt_engine.server.launch import REPO, free_port  # noqa: E402,F401 - one launcher for every daemon
 
 Progress = Callable[[str], None]
 
@@ -45,10 +44,12 @@ def gbps(nbytes: int, seconds: dict[str, float]) -> dict[str, float]:
             "max": nbytes / seconds["min"] / 1e9}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
+def auth_headers() -> dict[str, str]:
+    """The operator's bearer header for the daemon the suite started (its credentials file is exported)."""
+    from ckpt_engine.control.auth import client_token
+
+    token = client_token("operator")
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def machine_info() -> dict[str, Any]:
@@ -188,7 +189,7 @@ def run_processes(target: Callable[..., Any], args_by_rank: list[tuple], *, dead
 def sync_group(rank: int, world: int, port: int, timeout_s: float, name: str):
     """A gloo SyncGroup on 127.0.0.1 (generation 0) for rank ``rank`` of ``world``."""
     from ckpt_engine.device import detect_device
-    from ckpt_engine.group import SyncGroup, open_store
+    from ckpt_engine.transport.group import SyncGroup, open_store
 
     return SyncGroup(open_store(HOST, port, timeout_s=timeout_s), name=name, generation=0, rank=rank,
                      world_size=world, device=detect_device("cpu"), timeout_s=timeout_s, bind_host=HOST)
@@ -201,7 +202,7 @@ def barrier(group: Any) -> None:
 
 
 def master_store(timeout_s: float = 60.0):
-    from ckpt_engine.group import open_store
+    from ckpt_engine.transport.group import open_store
 
     return open_store(HOST, 0, is_master=True, timeout_s=timeout_s)
 

@@ -1,4 +1,4 @@
-"""Control plane under load: the real daemon (see :mod:`bench.daemon_e2e`) with one trainer agent (a small
+"""Control plane under load: the real daemon (see :mod:`ckpt_engine.bench.daemon_e2e`) with one trainer agent (a small
 synthetic model) and one rollout agent registered, and a bounded open-loop load generator on 127.0.0.1:
 requests are scheduled at a fixed rate for a fixed time; 9 of every 10 are ``GET /versions`` (the default 50
 newest records), 1 is ``POST /sync`` (no wait). A POST is accepted (202) when no version is in flight, else
@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.common import MiB, Progress, percentile, stats
-from bench.daemon_e2e import start_agents, start_daemon, wait_for_agents
+from ckpt_engine.bench.common import auth_headers, MiB, Progress, percentile, stats
+from ckpt_engine.bench.daemon_e2e import start_agents, start_daemon, wait_for_agents
 
 RATE = 200.0  # requests per second
 POST_EVERY = 10
@@ -42,7 +42,7 @@ def open_loop(url: str, rate: float, duration_s: float, pick: Pick, workers: int
     t_start = time.perf_counter() + 0.2
 
     def worker() -> None:
-        with httpx.Client(base_url=url, timeout=10) as client:
+        with httpx.Client(base_url=url, timeout=10, headers=auth_headers()) as client:
             while True:
                 with lock:
                     i = next(counter, None)
@@ -106,7 +106,6 @@ def _unloaded(client: Any, gets: int = 100, posts: int = 10) -> dict:
 
 
 def run(opts: dict, progress: Progress) -> dict:
-    import httpx
 
     duration = 3.0 if opts["quick"] else 10.0
     args = {"mib": 1, "tensors": 10, "max_seconds": 600}
@@ -117,7 +116,7 @@ def run(opts: dict, progress: Progress) -> dict:
         try:
             agents = start_agents(daemon.zmq, args, 1)
             wait_for_agents(daemon.url, 1, agents)
-            with httpx.Client(base_url=daemon.url, timeout=60) as client:  # one version first: groups are up
+            with daemon.client(timeout_s=60) as client:  # one version first: groups are up
                 first = client.post("/sync", json={"wait": True, "timeout_s": 60})
                 if first.status_code != 200:
                     raise RuntimeError(f"first version failed: {first.status_code} {first.text[:400]}")
@@ -125,7 +124,7 @@ def run(opts: dict, progress: Progress) -> dict:
                      f"({POST_EVERY - 1}/{POST_EVERY} GET /versions, 1/{POST_EVERY} POST /sync)")
             samples = _generate(daemon.url, RATE, duration)
             agents.check()
-            with httpx.Client(base_url=daemon.url, timeout=30) as client:  # let the last version end
+            with daemon.client(timeout_s=30) as client:  # let the last version end
                 deadline = time.monotonic() + 60
                 while client.get("/status").json().get("in_flight") is not None and time.monotonic() < deadline:
                     time.sleep(0.1)

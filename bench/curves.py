@@ -1,5 +1,5 @@
 """Curves: time and GB/s against model size (e2e cached, bypass_cpu, raw broadcast) and against the number of
-receivers, on the engine of :mod:`bench.sync_bench`. (The tensor-count curve comes from the side-by-side
+receivers, on the engine of :mod:`ckpt_engine.bench.sync_bench`. (The tensor-count curve comes from the side-by-side
 section, which runs 100 → 20,000 tensors at fixed bytes.)
 
 Every model size runs with 1 receiver and, where memory allows, with 2. Memory: every process holds the
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.common import GiB, MiB, Progress, fmt_s, meminfo
-from bench.sync_bench import make_config, run_engine
+from ckpt_engine.bench.common import GiB, MiB, Progress, fmt_s, meminfo
+from ckpt_engine.bench.sync_bench import make_config, run_engine
 
 VARIANTS = ("cached", "bypass", "raw")
 LABEL = {"cached": "e2e cached", "bypass": "e2e bypass_cpu", "raw": "raw broadcast"}

@@ -1,7 +1,7 @@
 """Through the daemon: ``POST /sync {"wait": true}`` → every receiver verified, timed from the HTTP request
-to the committed reply; plus the daemon/agent harness that :mod:`bench.control_plane` reuses.
+to the committed reply; plus the daemon/agent harness that :mod:`ckpt_engine.bench.control_plane` reuses.
 
-The daemon is the real one (``python -m ckpt_engine.cli serve --config deploy/engine.yaml``) in a
+The daemon is the real one (``ckpt-engine serve --config deploy/engine.yaml``, started by ckpt_engine/server/launch.py) in a
 subprocess, with environment overrides: free 127.0.0.1 ports for HTTP and ZMQ, a temporary history file,
 rendezvous port 0, the suite's bucket size, and ``transport: collective`` (every receiver on the gloo sync
 group, like the library variants). Agents run in their own spawned processes: one ``TrainerAgent`` serving
@@ -12,11 +12,7 @@ a synthetic model (float32 tensors) whose loop calls ``agent.step(step)`` every 
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 import traceback
@@ -24,65 +20,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import HOST, REPO, MiB, Progress, fmt_s, free_port, stats
+from ckpt_engine.bench.common import HOST, REPO, MiB, Progress, auth_headers, fmt_s, free_port, stats
+from ckpt_engine.server.launch import DaemonProcess
+from ckpt_engine.server.launch import start_daemon as launch_daemon
 
 CONFIG = REPO / "deploy" / "engine.yaml"
 
 
-@dataclass
-class Daemon:
-    proc: subprocess.Popen
-    url: str
-    zmq: str
-    workdir: Path
-    log_path: Path
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text().splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self, timeout_s: float = 30) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                return self.proc.wait(10)
-        return self.proc.returncode
-
-
-def start_daemon(workdir: Path, bucket_mb: float, *, transport: str = "collective", timeout_s: float = 60) -> Daemon:
-    import httpx
-
-    http_port, zmq_port = free_port(), free_port()
-    env = {**os.environ,
-           "CKPT_ENGINE_HTTP__PORT": str(http_port),
-           "CKPT_ENGINE_HTTP__HOST": HOST,
-           "CKPT_ENGINE_ZMQ__ENDPOINT": f"tcp://{HOST}:{zmq_port}",
+def start_daemon(workdir: Path, bucket_mb: float, *, transport: str = "collective", timeout_s: float = 60
+                 ) -> DaemonProcess:
+    """deploy/engine.yaml as shipped, with the suite's overrides (see the module doc)."""
+    env = {"CKPT_ENGINE_HTTP__PORT": str(free_port()), "CKPT_ENGINE_HTTP__HOST": HOST,
+           "CKPT_ENGINE_ZMQ__ENDPOINT": f"tcp://{HOST}:{free_port()}",
            "CKPT_ENGINE_STORE__HISTORY_PATH": str(workdir / "history.sqlite3"),
-           "CKPT_ENGINE_STORE__RENDEZVOUS_PORT": "0",
-           "CKPT_ENGINE_BUCKET_SIZE_MB": f"{bucket_mb:g}",
-           "CKPT_ENGINE_TRANSPORT": transport}
-    log_path = workdir / "daemon.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "ckpt_engine.cli", "serve", "--config", str(CONFIG)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    daemon = Daemon(proc, f"http://{HOST}:{http_port}", f"tcp://{HOST}:{zmq_port}", workdir, log_path)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"daemon exited with {proc.returncode}:\n{daemon.log_tail()}")
-        try:
-            if httpx.get(f"{daemon.url}/health", timeout=1).status_code == 200:
-                return daemon
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    daemon.stop()
-    raise RuntimeError(f"daemon did not come up within {timeout_s:.0f}s:\n{daemon.log_tail()}")
+           "CKPT_ENGINE_STORE__RENDEZVOUS_PORT": "0", "CKPT_ENGINE_BUCKET_SIZE_MB": f"{bucket_mb:g}",
+           "CKPT_ENGINE_TRANSPORT": transport, "CKPT_ENGINE_AUTH__CREDENTIALS_FILE": str(workdir / "credentials.json")}
+    return launch_daemon(CONFIG, env=env, timeout_s=timeout_s, log_path=workdir / "daemon.log")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -104,7 +57,7 @@ def _trainer_agent(zmq: str, args: dict, stop: Any) -> dict:
     import torch
     from ckpt_engine.workers.trainer_agent import TrainerAgent
 
-    from ckpt_engine.tensors import NamedTensors
+    from ckpt_engine.plan.tensors import NamedTensors
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
@@ -198,7 +151,7 @@ def wait_for_agents(url: str, receivers: int, agents: Agents, timeout_s: float =
     while time.monotonic() < deadline:
         agents.check()
         try:
-            registered = httpx.get(f"{url}/receivers", timeout=5).json()["agents"]
+            registered = httpx.get(f"{url}/receivers", timeout=5, headers=auth_headers()).json()["agents"]
             if sum(a["role"] == "receiver" for a in registered) >= receivers and \
                     any(a["role"] == "trainer" for a in registered):
                 return
@@ -214,7 +167,6 @@ def wait_for_agents(url: str, receivers: int, agents: Agents, timeout_s: float =
 
 
 def run(opts: dict, progress: Progress) -> dict:
-    import httpx
 
     args = {"mib": 64 if opts["quick"] else 256, "tensors": 100, "max_seconds": 600}
     rollouts = 2
@@ -233,7 +185,7 @@ def run(opts: dict, progress: Progress) -> dict:
             wait_for_agents(daemon.url, rollouts, agents)
             progress(f"  daemon {daemon.url}: 1 trainer agent ({args['mib']} MiB in {args['tensors']} tensors) + "
                      f"{rollouts} rollout agents registered")
-            with httpx.Client(base_url=daemon.url, timeout=300) as client:
+            with daemon.client(timeout_s=300) as client:
                 for mode, rep in schedule:
                     agents.check()
                     t0 = time.perf_counter()

@@ -3,7 +3,7 @@ with ``safetensors.torch.save_file``, each receiver reads the file with ``load_f
 into its own preallocated tensors.
 
 These helpers are run as two more variants (``disk_local`` and ``disk_shm``) of the side-by-side comparison
-in :mod:`bench.sync_bench`, in the same processes and rounds as the other variants: the sender saves, a
+in :mod:`ckpt_engine.bench.sync_bench`, in the same processes and rounds as the other variants: the sender saves, a
 barrier tells the receivers the file is complete, they load and copy, and a second barrier ends the timing.
 
 - ``disk_local``: a temporary directory on the local disk (``/tmp``), not ``/dev/shm``. The sender writes,

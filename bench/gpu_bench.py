@@ -1,6 +1,6 @@
 """GPU data paths (CUDA), each against the raw copy it is made of, measured side by side on one machine.
 
-    python -m bench.gpu_bench [--quick] [--out PATH] [--json PATH]     (the suite's section ``gpu``)
+    ckpt-engine bench --only gpu [--quick] [--out PATH] [--json PATH]
 
 Without CUDA the section measures nothing and says so. With it (spawned processes; cuda:0 unless said):
 
@@ -27,7 +27,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from bench.common import MiB, Progress, fmt_s, gbps, master_store, mib, paired_ratio, run_processes, stats
+from ckpt_engine.bench.common import MiB, Progress, fmt_s, gbps, master_store, mib, paired_ratio, run_processes, stats
 
 GOAL_COPY = 0.8  # a copy path's throughput ÷ its raw copy
 GOAL_DIGEST_OVER_PCIE = 2.0
@@ -103,7 +103,7 @@ def _local_child(rank: int, results: Any, args: dict) -> dict:
     import torch
 
     from ckpt_engine.device import detect_device
-    from ckpt_engine.hashing import device_digest_kernel
+    from ckpt_engine.plan.hashing import device_digest_kernel
 
     torch.cuda.set_device(0)
     device = detect_device("cuda", index=0)
@@ -132,10 +132,10 @@ def _local_config(mib_total: int, count: int, device: Any, args: dict, fused: bo
 
     import torch
 
-    from ckpt_engine.cache import VersionCache
-    from ckpt_engine.hashing import mix64_bucket_digests
-    from ckpt_engine.layout import plan_layout
-    from ckpt_engine.tensors import fill_bucket, specs_of
+    from ckpt_engine.send.cache import VersionCache
+    from ckpt_engine.plan.hashing import mix64_bucket_digests
+    from ckpt_engine.plan.layout import plan_layout
+    from ckpt_engine.plan.tensors import fill_bucket, specs_of
 
     tensors = _model(mib_total, count, device.torch_device)
     layout = plan_layout(specs_of(tensors), args["bucket_size"])
@@ -200,7 +200,7 @@ def _pair_child(rank: int, results: Any, kind: str, port: int, hub: str, args: d
 
 
 def _sync_group(port: int, rank: int, device: Any, timeout_s: float) -> Any:
-    from ckpt_engine.group import SyncGroup, open_store
+    from ckpt_engine.transport.group import SyncGroup, open_store
 
     return SyncGroup(open_store("127.0.0.1", port, timeout_s=timeout_s), name="gpu-bench", generation=0,
                      rank=rank, world_size=2, device=device, timeout_s=timeout_s)
@@ -210,8 +210,8 @@ def _pair_sender(kind: str, port: int, hub: str, args: dict, schedule: list, res
     import torch
 
     from ckpt_engine.device import detect_device
-    from ckpt_engine.publisher import Publisher
-    from ckpt_engine.tensors import NamedTensors
+    from ckpt_engine.send.publisher import Publisher
+    from ckpt_engine.plan.tensors import NamedTensors
 
     device = detect_device("cuda", index=0)
     tensors = _model(args["pair_mib"], args["pair_tensors"], device.torch_device)
@@ -257,8 +257,8 @@ def _pair_receiver(kind: str, port: int, hub: str, args: dict, schedule: list) -
     import torch
 
     from ckpt_engine.device import detect_device
-    from ckpt_engine.ipc_receiver import IpcReceiver
-    from ckpt_engine.receiver import Receiver
+    from ckpt_engine.receive.colocated import IpcReceiver
+    from ckpt_engine.receive.collective import Receiver
 
     device = detect_device("cuda", index=torch.cuda.current_device())
     if kind == "ipc":
@@ -285,7 +285,7 @@ def _pair_receiver(kind: str, port: int, hub: str, args: dict, schedule: list) -
 
 
 def _pair_bytes(args: dict) -> int:
-    from ckpt_engine.layout import TensorSpec, plan_layout
+    from ckpt_engine.plan.layout import TensorSpec, plan_layout
 
     rows, count = _rows(args["pair_mib"], args["pair_tensors"]), args["pair_tensors"]
     specs = [TensorSpec(f"layer{i}.weight", "float32", (rows, 64)) for i in range(count)]
@@ -423,13 +423,3 @@ def render(result: dict, machine: dict) -> list[str]:
                   f"{r['held_cached_over_bypass']['value']:.2f}; raw ÷ cached: {r['raw_over_cached']['value']:.2f}; "
                   f"raw ÷ bypass_cpu: {r['raw_over_bypass']['value']:.2f}.", ""]
     return lines
-
-
-def main(argv: list[str] | None = None) -> int:
-    from bench.suite import run_one_section
-
-    return run_one_section("gpu", argv, "python -m bench.gpu_bench")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,7 @@ loopback, measured side by side in one run.
 Two processes: the sender (two publishers: one with an IPC hub and no group, one on a 2-rank gloo group) and
 one receiver process holding both a colocated receiver (in a thread) and a collective receiver. Variants run
 round-robin interleaved; memcpy (one ``copy_`` of the same bytes, one thread) is taken in the sender right
-after every operation. Standalone: ``python -m bench.ipc_bench [--quick]`` runs this section alone (its report goes to
+after every operation. Standalone: ``ckpt-engine bench --only ipc --out PATH`` runs this section alone (its report goes to
 bench/results/ unless ``--out`` is given).
 """
 
@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any
 
-from bench.common import MiB, Progress, fmt_s, gbps, master_store, run_processes, stats, sync_group
+from ckpt_engine.bench.common import MiB, Progress, fmt_s, gbps, master_store, run_processes, stats, sync_group
 
 VARIANTS = ("ipc_cached", "ipc_bypass", "gloo_cached", "gloo_raw")
 LABEL = {
@@ -56,8 +56,8 @@ def _sender(port: int, hub: str, args: dict, results: Any) -> dict:
     import torch
 
     from ckpt_engine.device import detect_device
-    from ckpt_engine.publisher import Publisher
-    from ckpt_engine.tensors import NamedTensors
+    from ckpt_engine.send.publisher import Publisher
+    from ckpt_engine.plan.tensors import NamedTensors
 
     device = detect_device("cpu")
     group = sync_group(0, 2, port, args["timeout_s"], "ipc-bench")
@@ -104,8 +104,8 @@ def _receivers(port: int, hub: str, args: dict) -> None:
     import torch
 
     from ckpt_engine.device import detect_device
-    from ckpt_engine.ipc_receiver import IpcReceiver
-    from ckpt_engine.receiver import Receiver
+    from ckpt_engine.receive.colocated import IpcReceiver
+    from ckpt_engine.receive.collective import Receiver
 
     device = detect_device("cpu")
     group = sync_group(1, 2, port, args["timeout_s"], "ipc-bench")
@@ -141,8 +141,8 @@ def _receivers(port: int, hub: str, args: dict) -> None:
 
 
 def _layout_bytes(args: dict) -> int:
-    from ckpt_engine.layout import plan_layout
-    from ckpt_engine.tensors import specs_of
+    from ckpt_engine.plan.layout import plan_layout
+    from ckpt_engine.plan.tensors import specs_of
 
     return plan_layout(specs_of(_model(args)), int(args["bucket_mib"] * MiB)).total_bytes
 
@@ -224,13 +224,3 @@ def render(result: dict, machine: dict) -> list[str]:
               "bypass_cpu fills double-buffered shared slots and the receiver copies each into its staging "
               "buffer before verifying.", ""]
     return lines
-
-
-def main(argv: list[str] | None = None) -> int:
-    from bench.suite import run_one_section
-
-    return run_one_section("ipc", argv, "python -m bench.ipc_bench")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

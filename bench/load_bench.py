@@ -1,5 +1,5 @@
 """Load: the reliability requirement "200 requests/s of mixed reads for 60 s while syncs run: no errors, p99
-recorded; syncs unaffected", measured on the real daemon (see :mod:`bench.daemon_e2e`) with one trainer agent
+recorded; syncs unaffected", measured on the real daemon (see :mod:`ckpt_engine.bench.daemon_e2e`) with one trainer agent
 (a synthetic model of 16 MiB) and two rollout agents, each in its own process.
 
 - Phase A (baseline): versions back to back (``POST /sync {"wait": true}``, the next one as soon as the reply
@@ -14,7 +14,7 @@ A sync's duration is the daemon's own record: ``committed_at - created_at``, wit
 latency, status and lateness (how late the generator sent it) is kept. The generator runs in this process on
 the same cores as the daemon and the agents: on a small machine it competes with them for CPU.
 
-    python -m bench.load_bench [--duration 60] [--rate 200] [--json PATH]
+    python -m ckpt_engine.bench.load_bench [--duration 60] [--rate 200] [--json PATH]
     ckpt-engine bench --only load            (the suite's section; --quick: 10 s)
 """
 
@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.common import MiB, Progress, machine_info, percentile, stats
-from bench.control_plane import Request, open_loop
-from bench.daemon_e2e import start_agents, start_daemon, wait_for_agents
+from ckpt_engine.bench.common import auth_headers, MiB, Progress, machine_info, percentile, stats
+from ckpt_engine.bench.control_plane import Request, open_loop
+from ckpt_engine.bench.daemon_e2e import start_agents, start_daemon, wait_for_agents
 
 RATE = 200.0  # requests per second
 DURATION_S = 60.0
@@ -105,7 +105,7 @@ def _run_syncs(url: str, keep_going: Callable[[], bool], known_ids: list[int], o
     """Versions back to back while ``keep_going()``; appends each outcome to ``out`` as it ends."""
     import httpx
 
-    with httpx.Client(base_url=url, timeout=SYNC_TIMEOUT_S + 30) as client:
+    with httpx.Client(base_url=url, timeout=SYNC_TIMEOUT_S + 30, headers=auth_headers()) as client:
         while keep_going():
             record = _sync_once(client)
             out.append(record)
@@ -401,7 +401,7 @@ def render(result: dict, machine: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="python -m bench.load_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ckpt_engine.bench.load_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=DURATION_S, help="seconds of load in phase B (default 60)")
     p.add_argument("--rate", type=float, default=RATE, help="reads per second in phase B (default 200)")
     p.add_argument("--baseline", type=float, default=BASELINE_S,
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket-mib", type=float, default=64, help="bucket size in MiB (default 64)")
     p.add_argument("--json", metavar="PATH", help="write every figure (with each request and sync) as JSON")
     args = p.parse_args(argv)
-    command = " ".join(["python -m bench.load_bench", *map(shlex.quote, argv)])
+    command = " ".join(["python -m ckpt_engine.bench.load_bench", *map(shlex.quote, argv)])
     machine = machine_info()
     result = measure(args.duration, args.rate, args.baseline, int(args.bucket_mib * MiB), args.workers)
     result["command"] = command

@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any
 
-from bench.common import MiB, Progress, master_store, proc_status, run_processes, stats, sync_group
+from ckpt_engine.bench.common import MiB, Progress, master_store, proc_status, run_processes, stats, sync_group
 
 MODES = ("cached", "bypass")
 REPEATS = 3  # versions per transport and mode
@@ -92,8 +92,8 @@ def _child(rank: int, results: Any, port: int, hub: str, args: dict) -> dict | N
 
 def _sender(port: int, hub: str, args: dict, results: Any) -> None:
     from ckpt_engine.device import detect_device
-    from ckpt_engine.publisher import Publisher
-    from ckpt_engine.tensors import NamedTensors
+    from ckpt_engine.send.publisher import Publisher
+    from ckpt_engine.plan.tensors import NamedTensors
 
     device = detect_device("cpu")
     group = sync_group(0, 2, port, args["timeout_s"], "mem-bench")
@@ -123,8 +123,8 @@ def _receiver(rank: int, port: int, hub: str, args: dict) -> dict:
     import gc
 
     from ckpt_engine.device import detect_device
-    from ckpt_engine.ipc_receiver import IpcReceiver
-    from ckpt_engine.receiver import Receiver
+    from ckpt_engine.receive.colocated import IpcReceiver
+    from ckpt_engine.receive.collective import Receiver
 
     own = _model(args)  # this receiver's model, which every version is copied into
 

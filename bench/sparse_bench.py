@@ -2,7 +2,7 @@
 changes against the version the receivers hold, against a full version of the same weights; side by side
 in one run (1 sender + 2 receivers on a real gloo group).
 
-Run alone: python -m bench.sparse_bench [--quick]
+Run alone: python -m ckpt_engine.bench.sparse_bench [--quick]
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ def _schedule(repeats: int) -> list[tuple[str, float]]:
 
 def _sender(port: int, args: dict, out: "mp.Queue") -> None:
     from ckpt_engine.device import detect_device
-    from ckpt_engine.group import SyncGroup, open_store
-    from ckpt_engine.publisher import Publisher
-    from ckpt_engine.tensors import NamedTensors
+    from ckpt_engine.transport.group import SyncGroup, open_store
+    from ckpt_engine.send.publisher import Publisher
+    from ckpt_engine.plan.tensors import NamedTensors
 
     torch.set_num_threads(1)
     group = SyncGroup(open_store("127.0.0.1", port, timeout_s=60), name="sparse-bench", generation=0, rank=0,
@@ -73,8 +73,8 @@ def _sender(port: int, args: dict, out: "mp.Queue") -> None:
 
 def _receiver(port: int, rank: int) -> None:
     from ckpt_engine.device import detect_device
-    from ckpt_engine.group import SyncGroup, open_store
-    from ckpt_engine.receiver import Receiver
+    from ckpt_engine.transport.group import SyncGroup, open_store
+    from ckpt_engine.receive.collective import Receiver
 
     torch.set_num_threads(1)
     group = SyncGroup(open_store("127.0.0.1", port, timeout_s=60), name="sparse-bench", generation=0, rank=rank,
@@ -92,7 +92,7 @@ def _receiver(port: int, rank: int) -> None:
 
 
 def run(quick: bool, progress=print) -> dict:
-    from ckpt_engine.group import open_store
+    from ckpt_engine.transport.group import open_store
 
     args = {"mib": 64 if quick else 256, "tensors": 2000, "bucket_mib": 32, "repeats": 3 if quick else 5}
     store = open_store("127.0.0.1", 0, is_master=True, timeout_s=60)

@@ -1,6 +1,6 @@
 """The benchmark suite: one command measures everything and writes one report.
 
-    ckpt-engine bench [--quick] [--json PATH] [--out PATH]        (or: python -m bench.suite ...)
+    ckpt-engine bench [--quick] [--json PATH] [--out PATH]        (or: python -m ckpt_engine.bench.suite ...)
 
 Sections (each in its own module, run in this order; ``--only`` / ``--skip`` pick them):
 
@@ -35,9 +35,9 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from bench import (control_plane, curves, daemon_e2e, gpu_bench, ipc_bench, load_bench, plots, receiver_memory,
+from ckpt_engine.bench import (control_plane, curves, daemon_e2e, gpu_bench, ipc_bench, load_bench, plots, receiver_memory,
                    sync_bench, trainer_overhead)
-from bench.common import REPO, GiB, MiB, machine_info
+from ckpt_engine.bench.common import REPO, GiB, MiB, machine_info
 
 DEFAULT_OUT = REPO / "docs" / "benchmarks.md"
 
@@ -46,13 +46,13 @@ class _SparseSection:
 
     @staticmethod
     def run(opts: dict, progress: Callable[[str], None]) -> dict:
-        from bench import sparse_bench
+        from ckpt_engine.bench import sparse_bench
 
         return sparse_bench.run(opts["quick"], progress)
 
     @staticmethod
     def render(result: dict, machine: dict) -> list[str]:
-        from bench import sparse_bench
+        from ckpt_engine.bench import sparse_bench
 
         lines = list(sparse_bench.section(result))
         while lines and (lines[0].startswith("## ") or not lines[0].strip()):  # the suite numbers its headings
@@ -104,16 +104,7 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     return args
 
 
-def run_one_section(section: str, argv: list[str] | None, prog: str) -> int:
-    """One section alone, for ``python -m bench.<module>``; its report goes to bench/results/<section>.md
-    unless ``--out`` says otherwise, so the full report is never overwritten by a partial run."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not any(a == "--out" or a.startswith("--out=") for a in args):
-        args += ["--out", str(REPO / "bench" / "results" / f"{section}.md")]
-    return main(["--only", section, *args], prog=prog)
-
-
-def main(argv: list[str] | None = None, prog: str = "python -m bench.suite") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m ckpt_engine.bench.suite") -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv, prog)
     chosen = [s.strip() for s in args.only.split(",")] if args.only else list(SECTION_NAMES)
@@ -369,7 +360,7 @@ def render(report: dict) -> str:
     add(report["command"])
     add("```")
     add("")
-    add("(run from the repository root; `python -m bench.suite` takes the same options)")
+    add("(run from the repository root; `python -m ckpt_engine.bench.suite` takes the same options)")
     add("")
     add("## Machine")
     add("")
@@ -503,7 +494,7 @@ def gpu_check_section(gpu: dict | None, sections: list[str]) -> list[str]:
         "machine lacks or has too old, with `pip install --no-index --no-deps --target` into a folder put on "
         "`PYTHONPATH` (no venv, no root, torch untouched), stages the package as pip would install it "
         "(`server/` and `workers/` as `ckpt_engine.server` / `ckpt_engine.workers`), runs `tests/gpu` and this "
-        "suite's `gpu` section (`python -m bench.gpu_bench`), and writes `OUTDIR/report.md` and "
+        "suite's `gpu` section (`ckpt-engine bench --only gpu`), and writes `OUTDIR/report.md` and "
         "`OUTDIR/report.json` next to the logs, the JUnit XML and the benchmark's own report and JSON. Without "
         "CUDA it says so, collects the GPU tests (they skip) and exits 0. With CUDA it exits 1 if a test failed or "
         "the benchmark did not finish; the run is bounded to about 9 minutes (tests 300 s, benchmark 220 s). "

@@ -1,5 +1,5 @@
 """Side-by-side weight-sync comparison on one gloo sync group, and the multi-process engine that the
-model-size / receiver-count curves (:mod:`bench.curves`) reuse.
+model-size / receiver-count curves (:mod:`ckpt_engine.bench.curves`) reuse.
 
 Spawned processes (1 sender + N receivers) share one gloo sync group on 127.0.0.1. For every model
 configuration (fixed total bytes split into float32 tensors) the variants below run round-robin
@@ -13,10 +13,10 @@ interleaved across repetitions (the order rotates every round), so machine noise
                   receivers receive into preallocated tensors of the same shape and dtype.
 - ``memcpy``:     one ``copy_`` of the same bytes inside the sender (single thread): the local-memory limit.
 - ``disk_local`` / ``disk_shm``: safetensors save on the sender, ``load_file`` + copy on every receiver
-                  (:mod:`bench.disk_bench`), on the local disk and on /dev/shm.
+                  (:mod:`ckpt_engine.bench.disk_bench`), on the local disk and on /dev/shm.
 
 All ranks follow one schedule computed by the parent, so every process issues the same collectives in the
-same order. Standalone: ``python -m bench.sync_bench [--quick]`` runs this section alone (its report goes to
+same order. Standalone: ``ckpt-engine bench --only side_by_side --out PATH`` runs this section alone (its report goes to
 bench/results/ unless ``--out`` is given).
 """
 
@@ -30,8 +30,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bench import disk_bench
-from bench.common import (
+from ckpt_engine.bench import disk_bench
+from ckpt_engine.bench.common import (
     MiB,
     Progress,
     barrier,
@@ -166,9 +166,9 @@ def _sender(group: Any, world: int, configs: list[ModelConfig], schedule: list[S
             dirs: dict[str, str], results: Any) -> dict:
     import torch
 
-    from ckpt_engine.layout import plan_layout
-    from ckpt_engine.publisher import Publisher
-    from ckpt_engine.tensors import NamedTensors, specs_of
+    from ckpt_engine.plan.layout import plan_layout
+    from ckpt_engine.send.publisher import Publisher
+    from ckpt_engine.plan.tensors import NamedTensors, specs_of
 
     publisher = Publisher(group, bucket_size=bucket_size, keep_versions=1)
     records: list[dict] = []
@@ -269,7 +269,7 @@ def _receiver(group: Any, configs: list[ModelConfig], schedule: list[Step], time
               dirs: dict[str, str]) -> dict:
     import torch
 
-    from ckpt_engine.receiver import Receiver
+    from ckpt_engine.receive.collective import Receiver
 
     loads: list[int] = []
     receiver = Receiver(group, load=lambda payload: loads.append(payload.version))
@@ -533,13 +533,3 @@ def render(result: dict, machine: dict) -> list[str]:
                 + " | ".join(f"{rs.get(k, 0.0):.3f}" for k in ("recv", "verify", "load", "total")) + " |")
     add("")
     return lines
-
-
-def main(argv: list[str] | None = None) -> int:
-    from bench.suite import run_one_section
-
-    return run_one_section("side_by_side", argv, "python -m bench.sync_bench")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench.common import MiB, Progress, fmt_ms, master_store, run_processes, stats, sync_group
+from ckpt_engine.bench.common import MiB, Progress, fmt_ms, master_store, run_processes, stats, sync_group
 
 HIDDEN, LAYERS, VOCAB, BATCH, LENGTH = 256, 2, 2048, 4, 32
 IDLE_STEPS = 5
@@ -28,7 +28,7 @@ def _child(rank: int, results: Any, port: int, args: dict) -> dict | None:
     group = sync_group(rank, 2, port, args["timeout_s"], "trainer-bench")
     if rank == 0:
         return _trainer(group, args, results)
-    from ckpt_engine.receiver import Receiver
+    from ckpt_engine.receive.collective import Receiver
 
     receiver = Receiver(group, lambda payload: None)
     for _ in range(args["rounds"] + 1):
@@ -43,9 +43,9 @@ def _child(rank: int, results: Any, port: int, args: dict) -> dict | None:
 def _trainer(group: Any, args: dict, results: Any) -> dict:
     import torch
 
-    from ckpt_engine.examples.fully_async import ModelSize, build_model, synthetic_batch
-    from ckpt_engine.publisher import Publisher
-    from ckpt_engine.tensors import NamedTensors
+    from ckpt_engine.server.demos.fully_async import ModelSize, build_model, synthetic_batch
+    from ckpt_engine.send.publisher import Publisher
+    from ckpt_engine.plan.tensors import NamedTensors
 
     size = ModelSize(HIDDEN, LAYERS, VOCAB)
     model = build_model(size, seed=0)

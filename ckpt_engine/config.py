@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Mapping
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
-from ckpt_engine.auth import DEFAULT_CREDENTIALS_FILE, TOKEN_PATTERN
+from ckpt_engine.control.auth import DEFAULT_CREDENTIALS_FILE, TOKEN_PATTERN
 from ckpt_engine.errors import ConfigError
 
 DAY_S = 86400.0

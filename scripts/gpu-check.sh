@@ -128,7 +128,7 @@ BENCH_ARGS=()
 if [ "$CUDA" = 1 ]; then
   say "GPU benchmark (bench/gpu_bench.py), at most ${BENCH_TIMEOUT}s"
   set +e
-  in_work "${BENCH_LIMIT[@]}" "$PYTHON" -m bench.gpu_bench "${QUICK[@]}" \
+  in_work "${BENCH_LIMIT[@]}" "$PYTHON" -m ckpt_engine.bench.suite --only gpu "${QUICK[@]}" \
     --out "$OUT/gpu-bench.md" --json "$OUT/gpu-bench.json" 2>&1 \
     | { if [ "$DRY" = 1 ]; then cat; else tee "$OUT/gpu-bench.log"; fi; }
   BENCH_RC=${PIPESTATUS[0]}
@@ -137,7 +137,7 @@ if [ "$CUDA" = 1 ]; then
 elif [ "$DRY" = 1 ]; then
   say "no CUDA device here: the GPU tests would be collected and skipped, the GPU benchmark would not run;"
   say "with CUDA this step would be:"
-  in_work "${BENCH_LIMIT[@]}" "$PYTHON" -m bench.gpu_bench "${QUICK[@]}" --out "$OUT/gpu-bench.md" \
+  in_work "${BENCH_LIMIT[@]}" "$PYTHON" -m ckpt_engine.bench.suite --only gpu "${QUICK[@]}" --out "$OUT/gpu-bench.md" \
     --json "$OUT/gpu-bench.json"
 else
   say "no CUDA device here: the GPU tests were collected and skipped, the GPU benchmark is not run"

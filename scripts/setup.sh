@@ -14,4 +14,5 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   # shellcheck disable=SC2086
   "${PIP[@]}" ${CKPT_ENGINE_TORCH:-torch==2.13.0}
 fi
-"${PIP[@]}" -e "$ROOT[test]"
+# test tools, and matplotlib for the benchmark plots (ckpt-engine bench)
+"${PIP[@]}" -e "$ROOT[test,bench]"

@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ckpt_engine.control import Assignment, Register
+from ckpt_engine.control.messages import Assignment, Register
 from ckpt_engine.retry import Backoff
 
 _UNABLE_BACKOFF = dict(initial_s=5.0, max_s=300.0)

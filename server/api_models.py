@@ -7,7 +7,7 @@ from typing import Any, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from ckpt_engine.control import WireInt
+from ckpt_engine.control.messages import WireInt
 from ckpt_engine.server.history import STATUSES, VersionRecord
 
 Status = Literal[STATUSES]  # type: ignore[valid-type]  # the store's statuses, one list for both

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Iterable
 
-from ckpt_engine.auth import ROLES, Credentials, Role, credentials_path, daemon_credentials
+from ckpt_engine.control.auth import ROLES, Credentials, Role, credentials_path, daemon_credentials
 from ckpt_engine.config import EngineConfig
 from ckpt_engine.server.errors import Forbidden, Unauthorized
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from ckpt_engine.config import EngineConfig
-from ckpt_engine.control import Assignment, Poll, Register, RegisterReply, Report
+from ckpt_engine.control.messages import Assignment, Poll, Register, RegisterReply, Report
 from ckpt_engine.errors import ProtocolError
 from ckpt_engine.server.agents import Agent, AgentRegistry
 from ckpt_engine.server.errors import BadRequest, Conflict, Forbidden, NotFound, Unavailable

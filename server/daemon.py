@@ -18,7 +18,7 @@ import uvicorn
 
 from ckpt_engine.config import EngineConfig, is_loopback, parse_zmq_endpoint
 from ckpt_engine.errors import CkptEngineError
-from ckpt_engine.group import serve_store
+from ckpt_engine.transport.group import serve_store
 from ckpt_engine.retry import FailureLog
 from ckpt_engine.server.authority import Authority
 from ckpt_engine.server.controller import Controller

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ckpt_engine.control import STATUSES, TERMINAL
+from ckpt_engine.control.messages import STATUSES, TERMINAL
 from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.retry import Backoff
 

@@ -21,9 +21,9 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ckpt_engine import __version__
-from ckpt_engine.auth import Role
+from ckpt_engine.control.auth import Role
 from ckpt_engine.config import EngineConfig
-from ckpt_engine.control import MAX_ID
+from ckpt_engine.control.messages import MAX_ID
 from ckpt_engine.server.authority import Authority
 from ckpt_engine.server.api_models import (AgentList, Health, PushAccepted, Status, StatusOut, SyncAccepted, SyncBody,
                                            VersionList, VersionOut, error_responses)

@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import zmq
 
-from ckpt_engine.auth import Role
-from ckpt_engine.control import (MAX_ID, Poll, PollReply, Register, Report, SyncRequest, Unregister, decode_frame,
+from ckpt_engine.control.auth import Role
+from ckpt_engine.control.messages import (MAX_ID, Poll, PollReply, Register, Report, SyncRequest, Unregister, decode_frame,
                                   encode_frame, parse_body)
 from ckpt_engine.errors import ProtocolError
 from ckpt_engine.server.authority import ANY, Authority

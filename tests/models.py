@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ckpt_engine.hashing import host_buffer
+from ckpt_engine.plan.hashing import host_buffer
 
 BUCKET_SIZE = 64 * 1024
 SMALL_TENSORS = 2000

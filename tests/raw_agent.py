@@ -6,7 +6,7 @@ import os
 import socket
 from typing import Any
 
-from ckpt_engine.workers.client import ControlClient
+from ckpt_engine.control.client import ControlClient
 from tests.daemon_harness import DaemonProcess
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.chaos_proxy import Proxy
+from ckpt_engine.server.trials.proxy import Proxy
 from ckpt_engine.workers.rollout_agent import RolloutAgent
 from tests.daemon_harness import start_daemon, write_config
 from tests.raw_agent import RawAgent
@@ -196,8 +196,8 @@ def test_a_receiver_whose_outcome_is_unknown_gets_a_full_version(tmp_path: Path)
 def test_agents_skip_versions_superseded_before_they_started() -> None:
     """The daemon has one version in flight, so a queued older version has already ended there: serving or
     waiting for it would only make the agent miss the newer one (found by the fault trials)."""
-    from ckpt_engine.control import Assignment
-    from ckpt_engine.tensors import NamedTensors
+    from ckpt_engine.control.messages import Assignment
+    from ckpt_engine.plan.tensors import NamedTensors
     from ckpt_engine.workers.trainer_agent import TrainerAgent
 
     trainer = TrainerAgent(lambda: NamedTensors({}), "tcp://127.0.0.1:9")  # never started: no daemon needed

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ckpt_engine.changes import ChangeTracker, ShardDigester
-from ckpt_engine.layout import plan_layout
-from ckpt_engine.tensors import NamedTensors, specs_of
+from ckpt_engine.plan.changes import ChangeTracker, ShardDigester
+from ckpt_engine.plan.layout import plan_layout
+from ckpt_engine.plan.tensors import NamedTensors, specs_of
 
 
 def model() -> dict[str, torch.Tensor]:

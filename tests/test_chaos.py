@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos import FAULTS, run, summarize
+from ckpt_engine.server.trials.chaos import FAULTS, run, summarize
 
 pytestmark = pytest.mark.multiproc
 

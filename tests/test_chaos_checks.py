@@ -3,7 +3,7 @@ exists for, and pass what is fine."""
 
 from __future__ import annotations
 
-from bench.chaos_checks import Limits, applied_violations, history_violations, read_jsonl, wait_violations
+from ckpt_engine.server.trials.checks import Limits, applied_violations, history_violations, read_jsonl, wait_violations
 
 LIMITS = Limits(version_s=20, trainer_exit_s=8, margin_s=5)
 

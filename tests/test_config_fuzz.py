@@ -28,7 +28,7 @@ import yaml
 import zmq
 
 from ckpt_engine.config import EngineConfig, load_config
-from ckpt_engine.control import RegisterReply, ReceiverAck, Report, encode_frame
+from ckpt_engine.control.messages import RegisterReply, ReceiverAck, Report, encode_frame
 from ckpt_engine.errors import ConfigError
 from tests.daemon_harness import ROOT, free_port, start_daemon
 
@@ -303,7 +303,7 @@ def _timeouts(config: EngineConfig) -> list[str]:
 
 
 def _buckets(config: EngineConfig) -> list[str]:
-    from ckpt_engine.layout import TensorSpec, plan_layout
+    from ckpt_engine.plan.layout import TensorSpec, plan_layout
 
     try:
         plan_layout([TensorSpec("w", "float32", (3,)), TensorSpec("b", "float32", (5,))], config.bucket_size,
@@ -462,7 +462,7 @@ def test_refused_mutations_stop_check_config_and_serve_at_once(tmp_path: Path) -
     for mutation in refused:
         path = mutation.write(tmp_path)
         for command in (["check-config", str(path)], ["serve", "--config", str(path)]):
-            run = subprocess.run([sys.executable, "-m", "ckpt_engine.cli", *command], capture_output=True, text=True,
+            run = subprocess.run([sys.executable, "-m", "ckpt_engine.server", *command], capture_output=True, text=True,
                                  timeout=60, cwd=ROOT)
             assert run.returncode == 2, (command, mutation, run.stdout, run.stderr)
             assert names(run.stderr, mutation.path) and run.stderr.startswith("error:"), (mutation.path, run.stderr)

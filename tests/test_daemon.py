@@ -258,7 +258,7 @@ def test_garbage_zmq_frames_get_error_replies_and_the_daemon_stays_up(guarded: D
 
 
 def flaky_trainer_proc(zmq: str, stop_file: str) -> dict:
-    from ckpt_engine.tensors import named_tensors_of
+    from ckpt_engine.plan.tensors import named_tensors_of
     from ckpt_engine.workers.trainer_agent import TrainerAgent
 
     model = AwkwardModel(seed=1)

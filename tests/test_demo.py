@@ -15,7 +15,7 @@ SMALL = ["--steps", "8", "--sync-every", "4", "--hidden", "64", "--layers", "2",
 
 @pytest.mark.parametrize("mode", [[], ["--bypass-cpu"]], ids=["cached", "bypass_cpu"])
 def test_fully_async_demo_commits_every_version_and_rollouts_match(mode: list[str]) -> None:
-    out = subprocess.run([sys.executable, "-m", "ckpt_engine.cli", "demo", *SMALL, *mode],
+    out = subprocess.run([sys.executable, "-m", "ckpt_engine.server", "demo", *SMALL, *mode],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     text = out.stdout
@@ -27,7 +27,7 @@ def test_fully_async_demo_commits_every_version_and_rollouts_match(mode: list[st
 
 
 def test_library_demo_syncs_every_version_and_receivers_match_the_trainer() -> None:
-    out = subprocess.run([sys.executable, "-m", "ckpt_engine.cli", "demo-library", "--steps", "8", "--sync-every",
+    out = subprocess.run([sys.executable, "-m", "ckpt_engine.server", "demo-library", "--steps", "8", "--sync-every",
                           "2"], capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line for line in out.stdout.splitlines() if line.split() and line.split()[0].isdigit()]

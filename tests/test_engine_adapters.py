@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from ckpt_engine.device import detect_device
-from ckpt_engine.receiver import VersionPayload
-from ckpt_engine.tensors import named_tensors_of
+from ckpt_engine.receive.collective import VersionPayload
+from ckpt_engine.plan.tensors import named_tensors_of
 from ckpt_engine.workers.adapters.push_group import PushGroup, PushSettings
 from ckpt_engine.workers.adapters.sglang import EngineUpdateError, SGLangAdapter
 from tests.daemon_harness import ROOT, free_port

@@ -37,8 +37,8 @@ def gather_rank(rank: int, port: int) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from ckpt_engine.layout import plan_layout
-    from ckpt_engine.tensors import specs_of
+    from ckpt_engine.plan.layout import plan_layout
+    from ckpt_engine.plan.tensors import specs_of
     from ckpt_engine.workers.fsdp import ShardedTensors, sharded_tensors_of
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,

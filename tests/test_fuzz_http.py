@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from bench.fuzz_http import EXPECTED_5XX, format_summary, run_fuzz
+from ckpt_engine.server.trials.fuzz_http import EXPECTED_5XX, format_summary, run_fuzz
 from tests.daemon_harness import DaemonProcess, start_daemon, write_config
 
 pytestmark = pytest.mark.multiproc

@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import zmq
 
-from ckpt_engine.control import MAX_ID
+from ckpt_engine.control.messages import MAX_ID
 from ckpt_engine.server.zmq_server import hard_frame_cap
 from tests.daemon_harness import DaemonProcess, free_port, start_daemon, write_config
 
@@ -328,7 +328,7 @@ def test_a_hostile_peer_with_a_rollout_token_changes_nothing_but_its_own_standin
 
     import torch
 
-    from bench.chaos_hostile import hostile_messages
+    from ckpt_engine.server.trials.hostile import hostile_messages
     from tests.raw_agent import RawAgent
 
     daemon = start_daemon(write_config(tmp_path, transport="collective"))

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from ckpt_engine.group import _nccl_failures_cleanup_only, await_members, open_store, store_prefix
+from ckpt_engine.transport.group import _nccl_failures_cleanup_only, await_members, open_store, store_prefix
 
 
 def _members(port: int, ranks: list[int], size: int, timeout_s: float) -> dict[int, str | None]:

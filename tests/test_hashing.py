@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from ckpt_engine.hashing import bucket_digests, reference_mix64_digest, version_digest, xxh3_digest
-from ckpt_engine.layout import TensorSpec, plan_layout
-from ckpt_engine.tensors import fill_bucket
+from ckpt_engine.plan.hashing import bucket_digests, reference_mix64_digest, version_digest, xxh3_digest
+from ckpt_engine.plan.layout import TensorSpec, plan_layout
+from ckpt_engine.plan.tensors import fill_bucket
 
 ALGOS = ["xxh3-64", "torch-mix64"]
 
@@ -85,7 +85,7 @@ def test_padding_bytes_do_not_change_digests() -> None:
 
 
 def test_chunked_device_digest_matches_reference_across_chunk_boundaries(monkeypatch) -> None:
-    import ckpt_engine.hashing as hashing
+    import ckpt_engine.plan.hashing as hashing
 
     monkeypatch.setattr(hashing, "_CHUNK_WORDS", 5)  # force many chunks and tensors spanning them
     t = torch.randn(37)
@@ -123,7 +123,7 @@ def test_device_digest_matches_reference_on_random_layouts(monkeypatch, chunk_wo
     """Tensors of every size class (empty, under a word, partial last word, many words) around chunk edges."""
     import random
 
-    import ckpt_engine.hashing as hashing
+    import ckpt_engine.plan.hashing as hashing
 
     monkeypatch.setattr(hashing, "_CHUNK_WORDS", chunk_words)
     rng = random.Random(chunk_words)

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from ckpt_engine.device import detect_device
-from ckpt_engine.group import open_store
-from ckpt_engine.ipc import FramedSocket, IpcHub, abstract_address, host_identity
-from ckpt_engine.ipc_receiver import BucketNotice, IpcReceiver
-from ckpt_engine.publisher import Publisher
-from ckpt_engine.receiver import Receiver
-from ckpt_engine.tensors import named_tensors_of
+from ckpt_engine.transport.group import open_store
+from ckpt_engine.transport.same_host import FramedSocket, IpcHub, abstract_address, host_identity
+from ckpt_engine.receive.colocated import BucketNotice, IpcReceiver
+from ckpt_engine.send.publisher import Publisher
+from ckpt_engine.receive.collective import Receiver
+from ckpt_engine.plan.tensors import named_tensors_of
 from tests.models import BUCKET_SIZE, AwkwardModel, load_into, state_bytes
 from tests.procs import run_processes, start_processes
 from tests.test_sync_multiproc import _sync_group
@@ -93,10 +93,10 @@ def test_colocated_and_collective_receivers_get_identical_versions() -> None:
 
 def old_minimal_sender(hub_name: str) -> dict:
     """An older sender speaking the IPC protocol by hand, without any optional field."""
-    from ckpt_engine.hashing import bucket_digests, version_digest
-    from ckpt_engine.layout import plan_layout
-    from ckpt_engine.protocol import LayoutMessage, VersionHeader, VersionTrailer, encode
-    from ckpt_engine.tensors import fill_bucket, specs_of
+    from ckpt_engine.plan.hashing import bucket_digests, version_digest
+    from ckpt_engine.plan.layout import plan_layout
+    from ckpt_engine.transport.messages import LayoutMessage, VersionHeader, VersionTrailer, encode
+    from ckpt_engine.plan.tensors import fill_bucket, specs_of
 
     tensors = {"a": torch.arange(6.0), "b": torch.ones(2, 3, dtype=torch.bfloat16)}
     layout = plan_layout(specs_of(tensors), bucket_size=64)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ckpt_engine.errors import LayoutError, LayoutMismatchError
-from ckpt_engine.layout import TensorSpec, check_same_layout, plan_layout
+from ckpt_engine.plan.layout import TensorSpec, check_same_layout, plan_layout
 
 
 def specs(*sizes: int, dtype: str = "float32") -> list[TensorSpec]:

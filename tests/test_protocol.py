@@ -6,8 +6,8 @@ import msgpack
 import pytest
 
 from ckpt_engine.errors import LayoutMismatchError, ProtocolError
-from ckpt_engine.layout import TensorSpec, plan_layout
-from ckpt_engine.protocol import Ack, LayoutMessage, VersionHeader, decode, encode
+from ckpt_engine.plan.layout import TensorSpec, plan_layout
+from ckpt_engine.transport.messages import Ack, LayoutMessage, VersionHeader, decode, encode
 
 
 def layout():

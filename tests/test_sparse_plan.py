@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_engine.layout import TensorSpec, plan_layout
-from ckpt_engine.sparse import agreed_changes, agreement_vector, changed_layout, manifest_of, plan_sparse
+from ckpt_engine.plan.layout import TensorSpec, plan_layout
+from ckpt_engine.plan.sparse import agreed_changes, agreement_vector, changed_layout, manifest_of, plan_sparse
 
 
 def full_layout(n: int = 10):

@@ -17,10 +17,10 @@ import torch.distributed as dist
 
 from ckpt_engine.device import detect_device
 from ckpt_engine.errors import SyncTimeoutError
-from ckpt_engine.group import SyncGroup, open_store
-from ckpt_engine.publisher import Publisher
-from ckpt_engine.receiver import Receiver, VersionPayload
-from ckpt_engine.tensors import NamedTensors, named_tensors_of
+from ckpt_engine.transport.group import SyncGroup, open_store
+from ckpt_engine.send.publisher import Publisher
+from ckpt_engine.receive.collective import Receiver, VersionPayload
+from ckpt_engine.plan.tensors import NamedTensors, named_tensors_of
 from tests.models import BUCKET_SIZE, AwkwardModel, load_into, state_bytes
 from tests.procs import run_processes
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import resource
-import signal
 import subprocess
 import sys
 import time
@@ -25,8 +24,8 @@ import httpx
 import pytest
 import torch
 
-from ckpt_engine.control import MAX_ID
-from ckpt_engine.workers.client import ControlClient, ControlReplyError
+from ckpt_engine.control.messages import MAX_ID
+from ckpt_engine.control.client import ControlClient, ControlReplyError
 from tests.daemon_harness import ROOT, start_daemon, write_config
 from tests.procs import start_processes
 from tests.raw_agent import RawAgent
@@ -69,7 +68,7 @@ def test_a_peer_claiming_huge_versions_moves_nothing(tmp_path: Path) -> None:
 # ---- 2. a receiver that cannot receive ---------------------------------------------------------------------
 def growing_trainer(zmq: str, stop_file: str) -> dict:
     """From its second version on, the trainer's model has 64 MiB more (eight 8 MiB tensors)."""
-    from ckpt_engine.tensors import NamedTensors
+    from ckpt_engine.plan.tensors import NamedTensors
     from ckpt_engine.workers.trainer_agent import TrainerAgent
     from tests.daemon_harness import train_until_stopped
 
@@ -133,7 +132,7 @@ def test_a_receiver_that_cannot_allocate_leaves_the_quorum_and_the_others_go_on(
 
 def test_a_receive_loop_survives_an_error_that_is_not_the_library_s(tmp_path: Path) -> None:
     """Any exception on the receive thread becomes a failed version with its reason, and the loop goes on."""
-    from ckpt_engine.control import Assignment
+    from ckpt_engine.control.messages import Assignment
     from ckpt_engine.workers.rollout_agent import RolloutAgent
 
     daemon = start_daemon(write_config(tmp_path, timeouts=_QUICK))
@@ -299,7 +298,7 @@ def test_a_second_daemon_on_the_same_history_is_refused(tmp_path: Path) -> None:
         data = yaml.safe_load(second_config.read_text())
         data["store"]["history_path"] = str(tmp_path / "history.sqlite3")
         second_config.write_text(yaml.safe_dump(data))
-        result = subprocess.run([sys.executable, "-m", "ckpt_engine.cli", "serve", "--config", str(second_config)],
+        result = subprocess.run([sys.executable, "-m", "ckpt_engine.server", "serve", "--config", str(second_config)],
                                 capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert result.returncode == 2, result.stderr
         assert "in use by another daemon" in result.stderr and f"pid {first.proc.pid}" in result.stderr
@@ -355,7 +354,7 @@ def test_check_config_names_a_history_path_that_cannot_be_used(tmp_path: Path) -
     config.write_text(yaml.safe_dump(data))
     for command in ("check-config", "serve"):
         args = [str(config)] if command == "check-config" else ["--config", str(config)]
-        result = subprocess.run([sys.executable, "-m", "ckpt_engine.cli", command, *args], capture_output=True,
+        result = subprocess.run([sys.executable, "-m", "ckpt_engine.server", command, *args], capture_output=True,
                                 text=True, timeout=60, cwd=ROOT)
         assert result.returncode == 2 and "store.history_path" in result.stderr, (command, result.stderr)
         assert "Traceback" not in result.stderr
@@ -377,7 +376,7 @@ def test_versions_page_past_the_newest_thousand(tmp_path: Path) -> None:
 
 
 def test_a_tensor_the_model_does_not_have_is_refused_before_anything_changes() -> None:
-    from ckpt_engine.assembly import VersionPayload
+    from ckpt_engine.receive.assembly import VersionPayload
     from ckpt_engine.errors import ApplyRefused
     from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
 

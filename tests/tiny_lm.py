@@ -17,7 +17,7 @@ def tiny_llama(seed: int, *, hidden: int = 64, layers: int = 2, vocab: int = 256
 
 
 def tensor_bytes(tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
-    from ckpt_engine.hashing import host_buffer
+    from ckpt_engine.plan.hashing import host_buffer
 
     return {name: bytes(host_buffer(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()))
             for name, t in tensors.items()}

@@ -17,14 +17,14 @@ import threading
 import time
 from typing import Any, Callable
 
-from ckpt_engine.auth import Role, client_token
-from ckpt_engine.control import Assignment, RegisterReply
+from ckpt_engine.control.auth import Role, client_token
+from ckpt_engine.control.messages import Assignment, RegisterReply
 from ckpt_engine.device import DeviceInfo, detect_device
 from ckpt_engine.errors import CkptEngineError
-from ckpt_engine.group import SyncGroup, open_store
-from ckpt_engine.ipc import host_identity
+from ckpt_engine.transport.group import SyncGroup, open_store
+from ckpt_engine.transport.same_host import host_identity
 from ckpt_engine.retry import Backoff, FailureLog
-from ckpt_engine.workers.client import ControlClient, ControlReplyError, RequestAbandoned
+from ckpt_engine.control.client import ControlClient, ControlReplyError, RequestAbandoned
 
 log = logging.getLogger(__name__)
 _CREDENTIAL_OF: dict[str, Role] = {"trainer": "trainer", "receiver": "rollout", "driver": "rollout"}

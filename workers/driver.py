@@ -23,7 +23,7 @@ import queue
 import threading
 from typing import Any, Protocol
 
-from ckpt_engine.control import Assignment
+from ckpt_engine.control.messages import Assignment
 from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.workers.agent import Agent, supervised
 

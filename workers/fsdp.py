@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from ckpt_engine.errors import LayoutMismatchError
-from ckpt_engine.layout import Bucket
-from ckpt_engine.tensors import NamedTensors, NameMap, named_tensors_of
+from ckpt_engine.plan.layout import Bucket
+from ckpt_engine.plan.tensors import NamedTensors, NameMap, named_tensors_of
 
 
 # torch >= 2.13 names it all_gather_single; older releases only have all_gather_into_tensor.

@@ -12,12 +12,12 @@ import logging
 import queue
 import threading
 
-from ckpt_engine.control import Assignment
+from ckpt_engine.control.messages import Assignment
 from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError
-from ckpt_engine.assembly import VersionAssembler
-from ckpt_engine.ipc_receiver import IpcReceiver
-from ckpt_engine.receiver import LoadFn, Receiver, ReceiveResult
+from ckpt_engine.receive.assembly import VersionAssembler
+from ckpt_engine.receive.colocated import IpcReceiver
+from ckpt_engine.receive.collective import LoadFn, Receiver, ReceiveResult
 from ckpt_engine.workers.agent import Agent, supervised
 
 log = logging.getLogger(__name__)

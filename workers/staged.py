@@ -16,7 +16,7 @@ import time
 from typing import Callable
 
 from ckpt_engine.errors import ApplyRefused, CkptEngineError, SyncTimeoutError
-from ckpt_engine.receiver import VersionPayload
+from ckpt_engine.receive.collective import VersionPayload
 
 log = logging.getLogger(__name__)
 

@@ -31,15 +31,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ckpt_engine.changes import ChangeTracker
-from ckpt_engine.control import TERMINAL, Assignment
+from ckpt_engine.plan.changes import ChangeTracker
+from ckpt_engine.control.messages import TERMINAL, Assignment
 from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError, SyncTimeoutError
-from ckpt_engine.layout import Bucket, Layout
-from ckpt_engine.publisher import Publisher
+from ckpt_engine.plan.layout import Bucket, Layout
+from ckpt_engine.send.publisher import Publisher
 from ckpt_engine.retry import Backoff
-from ckpt_engine.sender import Transfer, TransferResult
-from ckpt_engine.tensors import NamedTensors, NameMap
+from ckpt_engine.send.sender import Transfer, TransferResult
+from ckpt_engine.plan.tensors import NamedTensors, NameMap
 from ckpt_engine.workers.agent import Agent
 from ckpt_engine.workers.fsdp import sharded_tensors_of
 

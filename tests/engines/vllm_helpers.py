@@ -81,7 +81,7 @@ class TrainerLoop:
 def hf_tensors(model, extra: dict[str, torch.Tensor] | None = None, after: str | None = None):
     """The model's tensors as the trainer sends them; ``extra`` tensors are inserted right after ``after``
     (a name the engine does not know, in the middle of the model: its apply fails half way)."""
-    from ckpt_engine.tensors import NamedTensors, named_tensors_of
+    from ckpt_engine.plan.tensors import NamedTensors, named_tensors_of
 
     named = named_tensors_of(model)
     if not extra:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_engine.cache import VersionCache
+from ckpt_engine.send.cache import VersionCache
 from ckpt_engine.device import detect_device, host_empty
-from ckpt_engine.layout import plan_layout
-from ckpt_engine.publisher import Publisher
-from ckpt_engine.receiver import Receiver
-from ckpt_engine.tensors import named_tensors_of, specs_of
+from ckpt_engine.plan.layout import plan_layout
+from ckpt_engine.send.publisher import Publisher
+from ckpt_engine.receive.collective import Receiver
+from ckpt_engine.plan.tensors import named_tensors_of, specs_of
 from tests.gpu.common import WireLog, cuda, perturb, requires_cuda, state_hashes, sync_group, tensor_hash
 from tests.models import BUCKET_SIZE, AwkwardModel, load_into
 from tests.procs import run_processes
@@ -64,7 +64,7 @@ def host_wire_receiver(port: int) -> dict:
 
 
 def test_gloo_group_fed_from_cuda_parameters_cached_and_bypass_identical() -> None:
-    from ckpt_engine.group import open_store
+    from ckpt_engine.transport.group import open_store
 
     store = open_store("127.0.0.1", 0, is_master=True, timeout_s=30)
     sender, receiver = run_processes([(host_wire_sender, (store.port,)), (host_wire_receiver, (store.port,))],

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-import ckpt_engine.hashing as hashing
-from ckpt_engine.dtypes import DTYPE_BY_NAME
-from ckpt_engine.layout import TensorSpec, plan_layout
-from ckpt_engine.tensors import fill_bucket
+import ckpt_engine.plan.hashing as hashing
+from ckpt_engine.plan.dtypes import DTYPE_BY_NAME
+from ckpt_engine.plan.layout import TensorSpec, plan_layout
+from ckpt_engine.plan.tensors import fill_bucket
 from tests.gpu.common import requires_cuda
 
 pytestmark = [pytest.mark.gpu, requires_cuda]

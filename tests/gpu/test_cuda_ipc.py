@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from ckpt_engine.ipc_receiver import IpcReceiver
-from ckpt_engine.publisher import Publisher
-from ckpt_engine.tensors import named_tensors_of
+from ckpt_engine.receive.colocated import IpcReceiver
+from ckpt_engine.send.publisher import Publisher
+from ckpt_engine.plan.tensors import named_tensors_of
 from tests.gpu.common import WireLog, cuda, memory, perturb, requires_cuda, state_hashes
 from tests.models import BUCKET_SIZE, AwkwardModel, load_into
 from tests.procs import run_processes, start_processes

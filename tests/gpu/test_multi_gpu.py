@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from ckpt_engine.errors import SyncTimeoutError
-from ckpt_engine.group import open_store
-from ckpt_engine.ipc_receiver import IpcReceiver
-from ckpt_engine.publisher import Publisher
-from ckpt_engine.receiver import Receiver
-from ckpt_engine.tensors import named_tensors_of
+from ckpt_engine.transport.group import open_store
+from ckpt_engine.receive.colocated import IpcReceiver
+from ckpt_engine.send.publisher import Publisher
+from ckpt_engine.receive.collective import Receiver
+from ckpt_engine.plan.tensors import named_tensors_of
 from tests.gpu.common import (WireLog, cuda, cuda_count, perturb, requires_2_gpus, state_hashes, sync_group,
                               visible_devices)
 from tests.models import BUCKET_SIZE, AwkwardModel, load_into

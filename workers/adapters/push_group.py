@@ -18,7 +18,7 @@ import torch
 
 from ckpt_engine.device import DeviceInfo, detect_device
 from ckpt_engine.errors import CkptEngineError, SyncTimeoutError
-from ckpt_engine.group import SyncGroup, open_store
+from ckpt_engine.transport.group import SyncGroup, open_store
 
 T = TypeVar("T")
 

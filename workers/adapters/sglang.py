@@ -28,9 +28,9 @@ from typing import Any
 import httpx
 import torch
 
-from ckpt_engine.dtypes import dtype_name
+from ckpt_engine.plan.dtypes import dtype_name
 from ckpt_engine.errors import ApplyRefused
-from ckpt_engine.receiver import VersionPayload
+from ckpt_engine.receive.collective import VersionPayload
 from ckpt_engine.workers.adapters.engine_http import EngineUpdateError, checked
 from ckpt_engine.workers.adapters.push_group import PushGroup, PushSettings, chunks, push_while, unique_tensors
 

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from ckpt_engine.errors import ApplyRefused, TornModelError
-from ckpt_engine.receiver import VersionPayload
-from ckpt_engine.tensors import NameMap, persistent_buffers, strip_wrapper_prefixes
+from ckpt_engine.receive.collective import VersionPayload
+from ckpt_engine.plan.tensors import NameMap, persistent_buffers, strip_wrapper_prefixes
 
 
 class ModuleAdapter:

@@ -149,7 +149,7 @@ def start_vllm_driver(control: HttpControl | LLMControl, endpoint: str, *, engin
 
     ``token``: the driver's rollout token; ``worker_token``: the one the workers send (default: the same; a
     worker on another host or user than the credentials file needs it passed)."""
-    from ckpt_engine.auth import client_token
+    from ckpt_engine.control.auth import client_token
 
     name = engine or default_engine_name()
     token = client_token("rollout", token)

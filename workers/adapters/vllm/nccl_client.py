@@ -21,9 +21,9 @@ from typing import Any, Callable
 
 import torch
 
-from ckpt_engine.dtypes import dtype_name
+from ckpt_engine.plan.dtypes import dtype_name
 from ckpt_engine.errors import ConfigError, SyncTimeoutError
-from ckpt_engine.receiver import VersionPayload
+from ckpt_engine.receive.collective import VersionPayload
 from ckpt_engine.workers.adapters.push_group import chunks, unique_tensors
 from ckpt_engine.workers.adapters.vllm.control import HttpControl
 

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import torch
 
 from ckpt_engine.device import DeviceInfo, detect_device
-from ckpt_engine.receiver import VersionPayload
+from ckpt_engine.receive.collective import VersionPayload
 from ckpt_engine.workers.rollout_agent import RolloutAgent
 from ckpt_engine.workers.staged import StagedVersion
 

@@ -13,11 +13,11 @@ import torch
 
 from ckpt_engine.device import DeviceInfo, comm_empty
 from ckpt_engine.errors import ApplyRefused, CkptEngineError, ProtocolError, StagingUnavailable
-from ckpt_engine.hashing import bucket_digests, check_algo, version_digest
-from ckpt_engine.layout import Bucket, Layout
-from ckpt_engine.protocol import Ack, VersionHeader, VersionTrailer
-from ckpt_engine.sparse import Manifest, manifest_of
-from ckpt_engine.tensors import slot_view
+from ckpt_engine.plan.hashing import bucket_digests, check_algo, version_digest
+from ckpt_engine.plan.layout import Bucket, Layout
+from ckpt_engine.transport.messages import Ack, VersionHeader, VersionTrailer
+from ckpt_engine.plan.sparse import Manifest, manifest_of
+from ckpt_engine.plan.tensors import slot_view
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import zmq
 
-from ckpt_engine.control import decode_frame, encode_frame
+from ckpt_engine.control.messages import decode_frame, encode_frame
 from ckpt_engine.errors import CkptEngineError, SyncTimeoutError
 
 _MAX_REPLY_BYTES = 64 << 20

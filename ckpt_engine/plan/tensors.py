@@ -7,9 +7,9 @@ from typing import Callable, Mapping, Union
 
 import torch
 
-from ckpt_engine.dtypes import dtype_from_name, dtype_name
+from ckpt_engine.plan.dtypes import dtype_from_name, dtype_name
 from ckpt_engine.errors import LayoutMismatchError
-from ckpt_engine.layout import Bucket, Layout, TensorSlot, TensorSpec
+from ckpt_engine.plan.layout import Bucket, Layout, TensorSlot, TensorSpec
 
 NameMap = Callable[[str], str]
 

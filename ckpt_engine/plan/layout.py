@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 
 import xxhash
 
-from ckpt_engine.dtypes import itemsize
+from ckpt_engine.plan.dtypes import itemsize
 from ckpt_engine.errors import LayoutError, LayoutMismatchError
 
 DEFAULT_ALIGNMENT = 256

@@ -12,7 +12,7 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ckpt_engine.errors import ProtocolError
-from ckpt_engine.layout import Layout, TensorSpec, check_same_layout, plan_layout
+from ckpt_engine.plan.layout import Layout, TensorSpec, check_same_layout, plan_layout
 
 PROTO_VERSION = 1
 MAX_MESSAGE_BYTES = 64 << 20

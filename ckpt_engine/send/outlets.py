@@ -12,10 +12,10 @@ import torch
 
 from ckpt_engine.device import stream_synchronize
 from ckpt_engine.errors import CkptEngineError, ProtocolError, SyncTimeoutError
-from ckpt_engine.ipc import IpcHub, IpcPeer, SharedSlot
-from ckpt_engine.layout import Bucket
-from ckpt_engine.protocol import Ack
-from ckpt_engine.wire import Channel, Frame, FrameKind
+from ckpt_engine.transport.same_host import IpcHub, IpcPeer, SharedSlot
+from ckpt_engine.plan.layout import Bucket
+from ckpt_engine.transport.messages import Ack
+from ckpt_engine.transport.framing import Channel, Frame, FrameKind
 
 log = logging.getLogger(__name__)
 

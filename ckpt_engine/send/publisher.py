@@ -12,16 +12,16 @@ from typing import Callable, Mapping
 
 import torch
 
-from ckpt_engine.cache import CachedVersion, VersionCache
-from ckpt_engine.changes import ChangeTracker
+from ckpt_engine.send.cache import CachedVersion, VersionCache
+from ckpt_engine.plan.changes import ChangeTracker
 from ckpt_engine.device import DeviceInfo, DigestAlgo
 from ckpt_engine.errors import CkptEngineError, ConfigError
-from ckpt_engine.group import SyncGroup
-from ckpt_engine.ipc import IpcHub
-from ckpt_engine.layout import DEFAULT_ALIGNMENT, Layout, plan_layout
-from ckpt_engine.sender import Sender, Transfer, WireHook
-from ckpt_engine.sparse import Manifest
-from ckpt_engine.tensors import NamedTensors, specs_of
+from ckpt_engine.transport.group import SyncGroup
+from ckpt_engine.transport.same_host import IpcHub
+from ckpt_engine.plan.layout import DEFAULT_ALIGNMENT, Layout, plan_layout
+from ckpt_engine.send.sender import Sender, Transfer, WireHook
+from ckpt_engine.plan.sparse import Manifest
+from ckpt_engine.plan.tensors import NamedTensors, specs_of
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +142,8 @@ def version_digest_of(named: NamedTensors, *, bucket_size: int, alignment: int =
                       algo: DigestAlgo = "xxh3-64") -> str:
     """The version digest these tensors would be sent with: lets any process check that the weights it
     holds are exactly a version's (e.g. a rollout's model against the history's digest)."""
-    from ckpt_engine.hashing import layout_digests, version_digest
-    from ckpt_engine.tensors import fill_bucket
+    from ckpt_engine.plan.hashing import layout_digests, version_digest
+    from ckpt_engine.plan.tensors import fill_bucket
 
     layout = plan_layout(specs_of(named.tensors), bucket_size, alignment)
     scratch = torch.empty(max(layout.max_bucket_bytes, 1), dtype=torch.uint8)

@@ -14,11 +14,11 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ckpt_engine.device import DigestAlgo
-from ckpt_engine.dtypes import dtype_name
-from ckpt_engine.hashing import layout_digests, xxh3_digest
-from ckpt_engine.layout import Bucket, Layout, plan_layout
-from ckpt_engine.sparse import agreed_changes, agreement_vector, changed_layout
-from ckpt_engine.tensors import NamedTensors, fill_bucket, specs_of
+from ckpt_engine.plan.dtypes import dtype_name
+from ckpt_engine.plan.hashing import layout_digests, xxh3_digest
+from ckpt_engine.plan.layout import Bucket, Layout, plan_layout
+from ckpt_engine.plan.sparse import agreed_changes, agreement_vector, changed_layout
+from ckpt_engine.plan.tensors import NamedTensors, fill_bucket, specs_of
 
 
 class ShardDigester:

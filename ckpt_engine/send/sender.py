@@ -17,18 +17,18 @@ from typing import Any, Callable, Iterator, Mapping, Protocol
 
 import torch
 
-from ckpt_engine.cache import CachedVersion, VersionCache
+from ckpt_engine.send.cache import CachedVersion, VersionCache
 from ckpt_engine.device import DeviceInfo, DigestAlgo, comm_empty, current_stream, new_stream, on_stream, set_current
 from ckpt_engine.errors import CkptEngineError, ConfigError, ProtocolError, SyncTimeoutError
-from ckpt_engine.group import SyncGroup
-from ckpt_engine.ipc import IpcHub
-from ckpt_engine.outlets import CollectiveOutlet, IpcOutlet, Outlet
-from ckpt_engine.hashing import bucket_digests, layout_digests, version_digest
-from ckpt_engine.layout import Layout
-from ckpt_engine.protocol import AbortMessage, Ack, LayoutMessage, Mode, VersionHeader, VersionTrailer, encode
-from ckpt_engine.sparse import Manifest, SparsePlan, manifest_of, plan_sparse
-from ckpt_engine.tensors import BucketTensors, TensorsOrProvider, check_matches_layout, fill_bucket, provider_of
-from ckpt_engine.wire import Channel, Frame, FrameKind
+from ckpt_engine.transport.group import SyncGroup
+from ckpt_engine.transport.same_host import IpcHub
+from ckpt_engine.send.outlets import CollectiveOutlet, IpcOutlet, Outlet
+from ckpt_engine.plan.hashing import bucket_digests, layout_digests, version_digest
+from ckpt_engine.plan.layout import Layout
+from ckpt_engine.transport.messages import AbortMessage, Ack, LayoutMessage, Mode, VersionHeader, VersionTrailer, encode
+from ckpt_engine.plan.sparse import Manifest, SparsePlan, manifest_of, plan_sparse
+from ckpt_engine.plan.tensors import BucketTensors, TensorsOrProvider, check_matches_layout, fill_bucket, provider_of
+from ckpt_engine.transport.framing import Channel, Frame, FrameKind
 
 log = logging.getLogger(__name__)
 _MANIFESTS_KEPT = 8

@@ -27,7 +27,7 @@ import xxhash
 
 from ckpt_engine.device import DigestAlgo
 from ckpt_engine.errors import ProtocolError
-from ckpt_engine.layout import Bucket, Layout
+from ckpt_engine.plan.layout import Bucket, Layout
 
 log = logging.getLogger(__name__)
 ALGORITHMS: tuple[str, ...] = ("xxh3-64", "torch-mix64")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from typing import Callable, Iterator
 
-from ckpt_engine.control import MAX_ID
+from ckpt_engine.control.messages import MAX_ID
 
 
 def hostile_messages(rng: random.Random, victims: list[str], mine: dict, in_flight: int | None) -> Iterator[dict]:

@@ -1,4 +1,4 @@
-"""Randomized fault trials: ``ckpt-engine chaos`` (or ``python -m bench.chaos``).
+"""Randomized fault trials: ``ckpt-engine chaos`` (or ``python -m ckpt_engine.server.trials.chaos``).
 
 A cluster is the real daemon, a 2-rank FSDP2 trainer job and 2-3 rollout receivers on 127.0.0.1, each its
 own process (bench/chaos_procs.py); every agent reaches the daemon's ZMQ port through its own TCP proxy
@@ -36,11 +36,11 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.chaos_checks import (Limits, applied_violations, history_violations, read_jsonl, storage_violations,
+from ckpt_engine.server.trials.checks import (Limits, applied_violations, history_violations, read_jsonl, storage_violations,
                                 wait_violations)
-from bench.chaos_hostile import hostile_messages
-from bench.chaos_proxy import Proxy
-from bench.common import REPO, free_port
+from ckpt_engine.server.trials.hostile import hostile_messages
+from ckpt_engine.server.trials.proxy import Proxy
+from ckpt_engine.server.launch import REPO, free_port, start_daemon, write_config
 
 FAULTS = ("kill_receiver", "kill_trainer", "kill_daemon", "stop_receiver", "stop_trainer", "stop_daemon",
           "drop_receiver", "drop_trainer",
@@ -83,18 +83,16 @@ class Cluster:
     def __init__(self, workdir: Path, receivers: int, transport: str) -> None:
         self.workdir, self.receivers, self.transport = workdir, receivers, transport
         workdir.mkdir(parents=True, exist_ok=True)
-        self.http_port, self.zmq_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.http_port}"
-        self.config = workdir / "engine.yaml"
-        self.config.write_text(yaml.safe_dump({
-            "bucket_size_mb": 0.25, "keep_versions": 3, "sparse": True, "min_receivers": 1,
-            "transport": transport, "http": {"host": "127.0.0.1", "port": self.http_port},
-            "zmq": {"endpoint": f"tcp://127.0.0.1:{self.zmq_port}"},
-            "store": {"history_path": str(workdir / "history.sqlite3"), "rendezvous_host": "127.0.0.1",
-                      "rendezvous_port": free_port()},
-            "auth": {"credentials_file": str(workdir / "credentials.json")},
-            "timeouts": TIMEOUTS}))
+        # a fixed rendezvous port: a restarted daemon is found where the agents expect it
+        self.config = write_config(workdir, bucket_size_mb=0.25, keep_versions=3, sparse=True, min_receivers=1,
+                                   transport=transport, timeouts=TIMEOUTS)
+        data = yaml.safe_load(self.config.read_text())
+        data["store"]["rendezvous_port"] = free_port()
+        self.config.write_text(yaml.safe_dump(data))
+        self.url = f"http://127.0.0.1:{data['http']['port']}"
+        self.zmq_port = int(data["zmq"]["endpoint"].rsplit(":", 1)[1])
         self.procs: dict[str, subprocess.Popen] = {}
+        self._daemon_starts = 0
         self.proxies = {name: Proxy("127.0.0.1", self.zmq_port) for name in self.agent_names()}
         self.http = httpx.Client(base_url=self.url, timeout=5)
 
@@ -109,25 +107,15 @@ class Cluster:
             self.start_receiver(i)
 
     def start_daemon(self) -> None:
-        self._spawn("daemon", [sys.executable, "-m", "ckpt_engine.cli", "serve", "--config", str(self.config)])
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if self.http.get("/health").status_code == 200:
-                    self.http.headers["Authorization"] = f"Bearer {self._operator_token()}"
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise RuntimeError("the daemon did not come up within 30 s")
-
-    def _operator_token(self) -> str | None:
-        return self.tokens().get("operator")
+        self._daemon_starts += 1  # one log per daemon run: a restarted daemon does not overwrite the last one's
+        daemon = start_daemon(self.config, log_path=self.workdir / f"daemon.{self._daemon_starts}.log",
+                              export_credentials=False)
+        self.procs["daemon"] = daemon.proc
+        self.http.headers["Authorization"] = f"Bearer {daemon.token}"
+        self.daemon = daemon
 
     def tokens(self) -> dict[str, str | None]:
-        from ckpt_engine.auth import read_credentials
-
-        found = read_credentials(self.workdir / "credentials.json")
-        return found.model_dump() if found is not None else {}
+        return self.daemon.tokens()
 
     def start_trainers(self) -> None:
         port = free_port()
@@ -139,12 +127,12 @@ class Cluster:
 
     def _agent(self, name: str, role: str, args: dict) -> None:
         args = {**args, "workdir": str(self.workdir), "zmq": self.proxies[name].endpoint}
-        self._spawn(name, [sys.executable, "-m", "bench.chaos_procs", role, json.dumps(args)])
+        self._spawn(name, [sys.executable, "-m", "ckpt_engine.server.trials.procs", role, json.dumps(args)])
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         with (self.workdir / f"{name}.log").open("a") as log:
             self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                                env={**os.environ, "PYTHONPATH": str(REPO),
+                                                env={**os.environ,
                                                      "CKPT_ENGINE_CREDENTIALS": str(self.workdir / "credentials.json")})
 
     def alive(self, name: str) -> bool:
@@ -311,7 +299,7 @@ def _arm(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
 
 
 def _hostile(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
-    from ckpt_engine.workers.client import ControlClient, ControlReplyError
+    from ckpt_engine.control.client import ControlClient, ControlReplyError
 
     token = cluster.tokens().get("rollout")
     client = ControlClient(f"tcp://127.0.0.1:{cluster.zmq_port}", timeout_s=5, token=token)
@@ -345,9 +333,8 @@ def _fill_disk(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
 
 def _second_daemon(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
     started = time.monotonic()
-    second = subprocess.run([sys.executable, "-m", "ckpt_engine.cli", "serve", "--config", str(cluster.config)],
-                            capture_output=True, text=True, timeout=60, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    second = subprocess.run([sys.executable, "-m", "ckpt_engine.server", "serve", "--config", str(cluster.config)],
+                            capture_output=True, text=True, timeout=60, cwd=REPO)
     if second.returncode != 2 or "in use by another daemon" not in second.stderr:
         trial.violations.append(f"a second daemon on the same history exited {second.returncode}: "
                                 f"{second.stderr.strip()[-300:]}")
@@ -605,7 +592,7 @@ def write_report(path: Path, body: str) -> None:
     path.write_text(text)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m bench.chaos") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m ckpt_engine.server.trials.chaos") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=200)
     parser.add_argument("--per-cluster", type=int, default=25, help="trials before a fresh cluster is built")

@@ -2,7 +2,7 @@
 two receiver processes (rollout stand-ins holding their own copy of the model) receive, verify and load each
 version. Everything runs for real on this machine: gloo sync group over a TCP store on 127.0.0.1.
 
-Run: ``ckpt-engine demo-library`` (or ``python -m ckpt_engine.examples.e2e``).
+Run: ``ckpt-engine demo-library`` (or ``python -m ckpt_engine.server.demos.library``).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from torch import nn
 
 from ckpt_engine.config import EngineConfig, load_config
 from ckpt_engine.device import detect_device
-from ckpt_engine.group import SyncGroup, open_store
-from ckpt_engine.hashing import version_digest, xxh3_digest
-from ckpt_engine.publisher import Publisher
-from ckpt_engine.receiver import Receiver, VersionPayload
-from ckpt_engine.tensors import named_tensors_of
+from ckpt_engine.transport.group import SyncGroup, open_store
+from ckpt_engine.plan.hashing import version_digest, xxh3_digest
+from ckpt_engine.send.publisher import Publisher
+from ckpt_engine.receive.collective import Receiver, VersionPayload
+from ckpt_engine.plan.tensors import named_tensors_of
 
 HOST = "127.0.0.1"
 RECEIVERS = 2

@@ -11,11 +11,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import multiprocessing as mp
-import os
 import queue
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +21,9 @@ from pathlib import Path
 
 import httpx
 import torch
+
+from ckpt_engine.server.launch import DaemonProcess, free_port
+from ckpt_engine.server.launch import start_daemon as launch_daemon
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = ROOT / "deploy" / "engine.yaml"
@@ -100,8 +100,8 @@ def trainer(rank: int, port: int, zmq: str, size: ModelSize, steps: int, sync_ev
 
 
 def rollout(index: int, zmq: str, size: ModelSize, stop: "mp.Event", report: "mp.Queue") -> None:
-    from ckpt_engine.publisher import version_digest_of
-    from ckpt_engine.tensors import named_tensors_of
+    from ckpt_engine.send.publisher import version_digest_of
+    from ckpt_engine.plan.tensors import named_tensors_of
     from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
     from ckpt_engine.workers.rollout_agent import RolloutAgent
 
@@ -125,38 +125,16 @@ def rollout(index: int, zmq: str, size: ModelSize, stop: "mp.Event", report: "mp
     report.put((index, adapter.version, digest))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_daemon(config: Path, workdir: Path, bypass: bool) -> tuple[subprocess.Popen, str, str]:
-    http_port, zmq_port = free_port(), free_port()
-    env = {**os.environ, "CKPT_ENGINE_HTTP__PORT": str(http_port),
-           "CKPT_ENGINE_ZMQ__ENDPOINT": f"tcp://127.0.0.1:{zmq_port}",
+def start_daemon(config: Path, workdir: Path, bypass: bool) -> DaemonProcess:
+    """The daemon from ``config`` as given (deploy/engine.yaml), on free ports with its files in ``workdir``."""
+    env = {"CKPT_ENGINE_HTTP__PORT": str(free_port()), "CKPT_ENGINE_ZMQ__ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
            "CKPT_ENGINE_STORE__HISTORY_PATH": str(workdir / "history.sqlite3"),
            "CKPT_ENGINE_STORE__RENDEZVOUS_PORT": "0", "CKPT_ENGINE_BUCKET_SIZE_MB": "4",
            "CKPT_ENGINE_AUTH__CREDENTIALS_FILE": str(workdir / "credentials.json")}
     if bypass:
         env["CKPT_ENGINE_BYPASS_CPU"] = "true"
-    log = (workdir / "daemon.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "ckpt_engine.cli", "serve", "--config", str(config)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{http_port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"daemon exited: {(workdir / 'daemon.log').read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                # the demo's agents (started from here) and its HTTP calls find the role tokens in that file
-                os.environ["CKPT_ENGINE_CREDENTIALS"] = str(workdir / "credentials.json")
-                return proc, url, f"tcp://127.0.0.1:{zmq_port}"
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("daemon did not come up within 60 s")
+    # the demo's agents (started from here) and its HTTP calls find the role tokens in that file
+    return launch_daemon(config, env=env, timeout_s=60, log_path=workdir / "daemon.log")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,14 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     size = ModelSize(args.hidden, args.layers, args.vocab)
     with tempfile.TemporaryDirectory(prefix="ckpt-engine-demo-") as tmp:
-        daemon, url, zmq = start_daemon(Path(args.config), Path(tmp), args.bypass_cpu)
+        daemon = start_daemon(Path(args.config), Path(tmp), args.bypass_cpu)
+        url, zmq = daemon.url, daemon.zmq
         print(f"[demo] daemon up: {url} (zmq {zmq}), config {args.config}"
               f"{' + bypass_cpu' if args.bypass_cpu else ''}", flush=True)
         try:
             return _run(args, size, url, zmq)
         finally:
-            daemon.send_signal(signal.SIGTERM)
-            code = daemon.wait(60)
+            code = daemon.stop(signal.SIGTERM, 60)
             print(f"[demo] daemon stopped (exit {code})", flush=True)
 
 
@@ -220,7 +198,7 @@ def _run(args: argparse.Namespace, size: ModelSize, url: str, zmq: str) -> int:
 
 def _get(url: str, path: str, **params: object) -> httpx.Response:
     """A read of the daemon's API with the operator's token from the demo daemon's credentials file."""
-    from ckpt_engine.auth import client_token
+    from ckpt_engine.control.auth import client_token
 
     return httpx.get(f"{url}{path}", params=params, headers={"Authorization": f"Bearer {client_token('operator')}"})
 

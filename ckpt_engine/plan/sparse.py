@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ckpt_engine.hashing import version_digest
-from ckpt_engine.layout import Layout, plan_layout
+from ckpt_engine.plan.hashing import version_digest
+from ckpt_engine.plan.layout import Layout, plan_layout
 
 
 @dataclass(frozen=True)

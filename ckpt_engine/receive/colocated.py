@@ -12,11 +12,11 @@ from typing import Any, Callable
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ckpt_engine.assembly import Incoming, LoadFn, ReceiveResult, VersionAssembler
+from ckpt_engine.receive.assembly import Incoming, LoadFn, ReceiveResult, VersionAssembler
 from ckpt_engine.device import DeviceInfo, stream_synchronize
 from ckpt_engine.errors import CkptEngineError, ProtocolError, StagingUnavailable, SyncTimeoutError
-from ckpt_engine.ipc import IPC_PROTO, FramedSocket, PeerGone, abstract_address, map_slot
-from ckpt_engine.protocol import VersionHeader, VersionTrailer, decode
+from ckpt_engine.transport.same_host import IPC_PROTO, FramedSocket, PeerGone, abstract_address, map_slot
+from ckpt_engine.transport.messages import VersionHeader, VersionTrailer, decode
 
 log = logging.getLogger(__name__)
 _ABANDON_CHECK_S = 0.1
@@ -209,7 +209,7 @@ def _reason(message: dict[str, Any]) -> str:
     raw = message.get("reason")
     if isinstance(raw, bytes):
         try:
-            from ckpt_engine.protocol import AbortMessage
+            from ckpt_engine.transport.messages import AbortMessage
 
             return decode(AbortMessage, raw).reason
         except ProtocolError:

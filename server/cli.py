@@ -22,17 +22,19 @@ TERMINAL = ("committed", "failed", "cancelled")
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:  # the demos parse their own options
-        from ckpt_engine.examples.fully_async import main as demo_main
+        from ckpt_engine.server.demos.fully_async import main as demo_main
 
         return demo_main(argv[1:])
     if argv[:1] == ["demo-library"]:
-        from ckpt_engine.examples.e2e import main as library_demo_main
+        from ckpt_engine.server.demos.library import main as library_demo_main
 
         return library_demo_main(argv[1:])
     if argv[:1] == ["bench"]:  # the benchmark suite and the fault trials parse their own options
-        return _from_checkout("suite", argv[1:], "ckpt-engine bench")
+        return _bench(argv[1:])
     if argv[:1] == ["chaos"]:
-        return _from_checkout("chaos", argv[1:], "ckpt-engine chaos")
+        from ckpt_engine.server.trials.chaos import main as chaos_main
+
+        return chaos_main(argv[1:], prog="ckpt-engine chaos")
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
@@ -95,21 +97,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _from_checkout(module: str, argv: list[str], prog: str) -> int:
-    """Run bench/<module>.py of the source checkout this package is installed from (editable install)."""
-    import importlib
-    from pathlib import Path
+def _bench(argv: list[str]) -> int:
+    """The benchmark suite (bench/, installed as ckpt_engine.bench); it draws its plots with matplotlib."""
+    import importlib.util
 
-    import ckpt_engine
-
-    root = Path(ckpt_engine.__file__).resolve().parents[1]
-    if not (root / "bench" / f"{module}.py").is_file():
-        print(f"error: bench/ is not here ({root / 'bench'} is missing): run `{prog}` from an editable install "
-              "of the repository (pip install -e '.[bench]')", file=sys.stderr)
+    if importlib.util.find_spec("matplotlib") is None:
+        print("error: the benchmark suite draws its plots with matplotlib, which is not installed here: "
+              "pip install -e '.[bench]' (scripts/setup.sh installs it)", file=sys.stderr)
         return 2
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    return importlib.import_module(f"bench.{module}").main(argv, prog=prog)
+    from ckpt_engine.bench.suite import main as bench_main
+
+    return bench_main(argv, prog="ckpt-engine bench")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -152,7 +150,7 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace) -> httpx.Client:
-    from ckpt_engine.auth import client_token
+    from ckpt_engine.control.auth import client_token
 
     token = client_token("operator", args.token, args.credentials)
     headers = {"Authorization": f"Bearer {token}"} if token else {}

@@ -1,4 +1,4 @@
-"""The processes of a fault trial, each started as ``python -m bench.chaos_procs ROLE JSON_ARGS`` so the
+"""The processes of a fault trial, each started as ``python -m ckpt_engine.server.trials.procs ROLE JSON_ARGS`` so the
 harness can kill -9, SIGSTOP and restart any of them independently.
 
 - ``trainer``: one rank of a 2-rank FSDP2 (``fully_shard``, gloo) job training a small MLP on random data
@@ -139,8 +139,8 @@ class _ArmedAdapter:
 
 
 def receiver(args: dict) -> int:
-    from ckpt_engine.publisher import version_digest_of
-    from ckpt_engine.tensors import named_tensors_of
+    from ckpt_engine.send.publisher import version_digest_of
+    from ckpt_engine.plan.tensors import named_tensors_of
     from ckpt_engine.workers.rollout_agent import RolloutAgent
 
     workdir, index = Path(args["workdir"]), int(args["index"])

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from ckpt_engine.errors import ProtocolError
-from ckpt_engine.group import SyncGroup
-from ckpt_engine.hashing import host_buffer
-from ckpt_engine.protocol import PROTO_VERSION, Ack, decode, encode
+from ckpt_engine.transport.group import SyncGroup
+from ckpt_engine.plan.hashing import host_buffer
+from ckpt_engine.transport.messages import PROTO_VERSION, Ack, decode, encode
 
 MAGIC = 0x434B5054  # "CKPT"
 CONTROL_LEN = 8
