@@ -11,13 +11,14 @@ import queue
 import statistics
 import time
 import traceback
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 HOST = "127.0.0.1"
 MiB = 1 << 20
 GiB = 1 << 30
-from ckpt_engine.server.launch import REPO, free_port  # noqa: E402,F401 - one launcher for every daemon
+from ckpt_engine.server.launch import REPO, free_port  # noqa: F401 - one launcher for every daemon
 
 Progress = Callable[[str], None]
 
@@ -136,7 +137,7 @@ def proc_status() -> dict[str, int]:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _entry(target: Callable[..., Any], rank: int, results: "mp.Queue", args: tuple) -> None:
+def _entry(target: Callable[..., Any], rank: int, results: mp.Queue, args: tuple) -> None:
     try:
         value = target(rank, results, *args)
         results.put(("result", rank, value))

@@ -12,10 +12,11 @@ from __future__ import annotations
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from ckpt_engine.bench.common import auth_headers, MiB, Progress, percentile, stats
+from ckpt_engine.bench.common import MiB, Progress, auth_headers, percentile, stats
 from ckpt_engine.bench.daemon_e2e import start_agents, start_daemon, wait_for_agents
 
 RATE = 200.0  # requests per second
@@ -163,7 +164,7 @@ def run(opts: dict, progress: Progress) -> dict:
 
 def render(result: dict, machine: dict) -> list[str]:
     g, a, r, u = result["get_versions"], result["post_accepted"], result["post_refused"], result["unloaded"]
-    ms = lambda x: "—" if x is None or x != x else f"{x * 1e3:.1f}"  # noqa: E731
+    ms = lambda x: "—" if x is None or x != x else f"{x * 1e3:.1f}"
     lines = [
         f"Daemon with 1 trainer agent (1 MiB model, loop calling `agent.step()` every ~1 ms) and 1 rollout agent; "
         f"load generator: {result['rate']:.0f} requests/s scheduled for {result['duration_s']:.0f} s "

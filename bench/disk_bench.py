@@ -21,8 +21,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import torch
 

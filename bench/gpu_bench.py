@@ -22,12 +22,14 @@ Variants of a group run round-robin interleaved (the order rotates every round),
 
 from __future__ import annotations
 
-import sys
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ckpt_engine.bench.common import MiB, Progress, fmt_s, gbps, master_store, mib, paired_ratio, run_processes, stats
+
+from ckpt_engine.plan.modes import mode_of
 
 GOAL_COPY = 0.8  # a copy path's throughput ÷ its raw copy
 GOAL_DIGEST_OVER_PCIE = 2.0
@@ -132,10 +134,10 @@ def _local_config(mib_total: int, count: int, device: Any, args: dict, fused: bo
 
     import torch
 
-    from ckpt_engine.send.cache import VersionCache
     from ckpt_engine.plan.hashing import mix64_bucket_digests
     from ckpt_engine.plan.layout import plan_layout
     from ckpt_engine.plan.tensors import fill_bucket, specs_of
+    from ckpt_engine.send.cache import VersionCache
 
     tensors = _model(mib_total, count, device.torch_device)
     layout = plan_layout(specs_of(tensors), args["bucket_size"])
@@ -210,8 +212,8 @@ def _pair_sender(kind: str, port: int, hub: str, args: dict, schedule: list, res
     import torch
 
     from ckpt_engine.device import detect_device
-    from ckpt_engine.send.publisher import Publisher
     from ckpt_engine.plan.tensors import NamedTensors
+    from ckpt_engine.send.publisher import Publisher
 
     device = detect_device("cuda", index=0)
     tensors = _model(args["pair_mib"], args["pair_tensors"], device.torch_device)
@@ -239,7 +241,7 @@ def _pair_sender(kind: str, port: int, hub: str, args: dict, schedule: list, res
         elif variant == "nccl_raw":
             group.wait(group.broadcast(raw), "raw broadcast")  # type: ignore[union-attr]
         else:
-            transfer = publisher.publish(i + 1, NamedTensors(tensors), bypass_cpu=variant.endswith("bypass"))
+            transfer = publisher.publish(i + 1, NamedTensors(tensors), mode=mode_of(variant.endswith("bypass")))
             transfer.params_released.wait()
             held = time.perf_counter() - t0
             result = transfer.result(600)
@@ -257,8 +259,8 @@ def _pair_receiver(kind: str, port: int, hub: str, args: dict, schedule: list) -
     import torch
 
     from ckpt_engine.device import detect_device
-    from ckpt_engine.receive.colocated import IpcReceiver
     from ckpt_engine.receive.collective import Receiver
+    from ckpt_engine.receive.colocated import IpcReceiver
 
     device = detect_device("cuda", index=torch.cuda.current_device())
     if kind == "ipc":

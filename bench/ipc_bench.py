@@ -11,13 +11,14 @@ bench/results/ unless ``--out`` is given).
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 import uuid
 from typing import Any
 
 from ckpt_engine.bench.common import MiB, Progress, fmt_s, gbps, master_store, run_processes, stats, sync_group
+
+from ckpt_engine.plan.modes import mode_of
 
 VARIANTS = ("ipc_cached", "ipc_bypass", "gloo_cached", "gloo_raw")
 LABEL = {
@@ -56,8 +57,8 @@ def _sender(port: int, hub: str, args: dict, results: Any) -> dict:
     import torch
 
     from ckpt_engine.device import detect_device
-    from ckpt_engine.send.publisher import Publisher
     from ckpt_engine.plan.tensors import NamedTensors
+    from ckpt_engine.send.publisher import Publisher
 
     device = detect_device("cpu")
     group = sync_group(0, 2, port, args["timeout_s"], "ipc-bench")
@@ -82,7 +83,7 @@ def _sender(port: int, hub: str, args: dict, results: Any) -> dict:
             held = None
         else:
             publisher = ipc if variant.startswith("ipc") else gloo
-            transfer = publisher.publish(version, named, bypass_cpu=variant.endswith("bypass"))
+            transfer = publisher.publish(version, named, mode=mode_of(variant.endswith("bypass")))
             transfer.params_released.wait()
             held = time.perf_counter() - t0
             result = transfer.result(300)
@@ -104,8 +105,8 @@ def _receivers(port: int, hub: str, args: dict) -> None:
     import torch
 
     from ckpt_engine.device import detect_device
-    from ckpt_engine.receive.colocated import IpcReceiver
     from ckpt_engine.receive.collective import Receiver
+    from ckpt_engine.receive.colocated import IpcReceiver
 
     device = detect_device("cpu")
     group = sync_group(1, 2, port, args["timeout_s"], "ipc-bench")
@@ -137,7 +138,6 @@ def _receivers(port: int, hub: str, args: dict) -> None:
     colocated.close()
     if failures:
         raise RuntimeError(f"receive failures: {failures}")
-    return None
 
 
 def _layout_bytes(args: dict) -> int:

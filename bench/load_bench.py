@@ -31,10 +31,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from ckpt_engine.bench.common import auth_headers, MiB, Progress, machine_info, percentile, stats
+from ckpt_engine.bench.common import MiB, Progress, auth_headers, machine_info, percentile, stats
 from ckpt_engine.bench.control_plane import Request, open_loop
 from ckpt_engine.bench.daemon_e2e import start_agents, start_daemon, wait_for_agents
 

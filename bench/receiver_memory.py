@@ -18,6 +18,8 @@ from typing import Any
 
 from ckpt_engine.bench.common import MiB, Progress, master_store, proc_status, run_processes, stats, sync_group
 
+from ckpt_engine.plan.modes import mode_of
+
 MODES = ("cached", "bypass")
 REPEATS = 3  # versions per transport and mode
 
@@ -92,8 +94,8 @@ def _child(rank: int, results: Any, port: int, hub: str, args: dict) -> dict | N
 
 def _sender(port: int, hub: str, args: dict, results: Any) -> None:
     from ckpt_engine.device import detect_device
-    from ckpt_engine.send.publisher import Publisher
     from ckpt_engine.plan.tensors import NamedTensors
+    from ckpt_engine.send.publisher import Publisher
 
     device = detect_device("cpu")
     group = sync_group(0, 2, port, args["timeout_s"], "mem-bench")
@@ -110,21 +112,20 @@ def _sender(port: int, hub: str, args: dict, results: Any) -> None:
                 version += 1
                 tensors["t0"].add_(1)
                 time.sleep(0.05)  # let the receiver take its pre-version reading
-                result = publisher.publish(version, named, bypass_cpu=mode == "bypass").result(300)
+                result = publisher.publish(version, named, mode=mode_of(mode == "bypass")).result(300)
                 if not result.ok or not all(a.ok for a in result.receivers):
                     raise RuntimeError(f"{transport} {mode} version {version}: {result.reason}")
                 results.put(("progress", 0, f"  {transport:<10} {mode:<6} version {version} ok"))
     gloo.close()
     ipc.close()
-    return None
 
 
 def _receiver(rank: int, port: int, hub: str, args: dict) -> dict:
     import gc
 
     from ckpt_engine.device import detect_device
-    from ckpt_engine.receive.colocated import IpcReceiver
     from ckpt_engine.receive.collective import Receiver
+    from ckpt_engine.receive.colocated import IpcReceiver
 
     own = _model(args)  # this receiver's model, which every version is copied into
 

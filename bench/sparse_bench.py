@@ -33,11 +33,11 @@ def _schedule(repeats: int) -> list[tuple[str, float]]:
     return rounds
 
 
-def _sender(port: int, args: dict, out: "mp.Queue") -> None:
+def _sender(port: int, args: dict, out: mp.Queue) -> None:
     from ckpt_engine.device import detect_device
-    from ckpt_engine.transport.group import SyncGroup, open_store
-    from ckpt_engine.send.publisher import Publisher
     from ckpt_engine.plan.tensors import NamedTensors
+    from ckpt_engine.send.publisher import Publisher
+    from ckpt_engine.transport.group import SyncGroup, open_store
 
     torch.set_num_threads(1)
     group = SyncGroup(open_store("127.0.0.1", port, timeout_s=60), name="sparse-bench", generation=0, rank=0,
@@ -73,8 +73,8 @@ def _sender(port: int, args: dict, out: "mp.Queue") -> None:
 
 def _receiver(port: int, rank: int) -> None:
     from ckpt_engine.device import detect_device
-    from ckpt_engine.transport.group import SyncGroup, open_store
     from ckpt_engine.receive.collective import Receiver
+    from ckpt_engine.transport.group import SyncGroup, open_store
 
     torch.set_num_threads(1)
     group = SyncGroup(open_store("127.0.0.1", port, timeout_s=60), name="sparse-bench", generation=0, rank=rank,

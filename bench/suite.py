@@ -32,11 +32,22 @@ import shlex
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from ckpt_engine.bench import (control_plane, curves, daemon_e2e, gpu_bench, ipc_bench, load_bench, plots, receiver_memory,
-                   sync_bench, trainer_overhead)
+from ckpt_engine.bench import (
+    control_plane,
+    curves,
+    daemon_e2e,
+    gpu_bench,
+    ipc_bench,
+    load_bench,
+    plots,
+    receiver_memory,
+    sync_bench,
+    trainer_overhead,
+)
 from ckpt_engine.bench.common import REPO, GiB, MiB, machine_info
 
 DEFAULT_OUT = REPO / "docs" / "benchmarks.md"
@@ -182,7 +193,7 @@ def _write(report: dict, out_path: Path, json_path: str | None) -> int:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(report, indent=1, default=str))
         print(f"wrote {json_path}", flush=True)
-    print("", flush=True)
+    print(flush=True)
     for t in report["targets"]:
         print(f"{t['status']:<13} {t['target']}: {t['summary']}", flush=True)
     return 1 if any(k != "plots" for k in report["errors"]) else 0
@@ -415,7 +426,7 @@ def render(report: dict) -> str:
         bypass = head["variants"]["bypass"]["seconds"]["median"]
         for b in bars:
             med = b["seconds"]["median"]
-            rel = lambda ours: (f"{med / ours:.2f}× faster" if med >= ours else f"{ours / med:.2f}× slower")  # noqa: E731
+            rel = lambda ours: (f"{med / ours:.2f}× faster" if med >= ours else f"{ours / med:.2f}× slower")
             note = f" ({b['note']})" if b.get("note") else ""
             ours = b["key"] in ("cached", "bypass") or b["key"].startswith(("ipc_", "daemon_"))
             add(f"| {b['label']}{note} | {med:.3f} ({b['seconds']['min']:.3f}–{b['seconds']['max']:.3f}) | "

@@ -5,9 +5,9 @@ Spawned processes (1 sender + N receivers) share one gloo sync group on 127.0.0.
 configuration (fixed total bytes split into float32 tensors) the variants below run round-robin
 interleaved across repetitions (the order rotates every round), so machine noise hits all of them alike:
 
-- ``cached``:     ``Publisher.publish(..., bypass_cpu=False)`` until ``transfer.result()`` reports every
+- ``cached``:     ``Publisher.publish(..., mode="cached")`` until ``transfer.result()`` reports every
                   receiver verified and acknowledged (``ok``). Trainer held = publish() returning.
-- ``bypass``:     the same with ``bypass_cpu=True``; trainer held = ``params_released.wait()`` returning.
+- ``bypass``:     the same with ``mode="bypass_cpu"``; trainer held = ``params_released.wait()`` returning.
 - ``raw``:        one ``group.broadcast`` + ``group.wait`` of a single uint8 buffer of ``layout.total_bytes``.
 - ``per_tensor``: one broadcast + wait per tensor (the ``update_weights_from_distributed`` pattern),
                   receivers receive into preallocated tensors of the same shape and dtype.
@@ -25,7 +25,6 @@ from __future__ import annotations
 import gc
 import logging
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -45,6 +44,8 @@ from ckpt_engine.bench.common import (
     stats,
     sync_group,
 )
+
+from ckpt_engine.plan.modes import mode_of
 
 GROUP_NAME = "bench"
 ALL_VARIANTS = ("cached", "bypass", "raw", "per_tensor", "memcpy", "disk_local", "disk_shm")
@@ -167,8 +168,8 @@ def _sender(group: Any, world: int, configs: list[ModelConfig], schedule: list[S
     import torch
 
     from ckpt_engine.plan.layout import plan_layout
-    from ckpt_engine.send.publisher import Publisher
     from ckpt_engine.plan.tensors import NamedTensors, specs_of
+    from ckpt_engine.send.publisher import Publisher
 
     publisher = Publisher(group, bucket_size=bucket_size, keep_versions=1)
     records: list[dict] = []
@@ -207,7 +208,7 @@ def _sender(group: Any, world: int, configs: list[ModelConfig], schedule: list[S
             version += 1
             bypass = step.variant == "bypass"
             t0 = time.perf_counter()
-            transfer = publisher.publish(version, named, bypass_cpu=bypass)
+            transfer = publisher.publish(version, named, mode=mode_of(bypass))
             if bypass:
                 transfer.params_released.wait()
                 held = time.perf_counter() - t0
@@ -451,7 +452,7 @@ def render(result: dict, machine: dict) -> list[str]:
     add("")
     add("- **ckpt-engine e2e cached**: `publish(v, named)` → `transfer.result()` returns `ok` with every receiver "
         "acknowledged (received, verified every digest, `load` called). *Trainer held*: until `publish()` returns.")
-    add("- **ckpt-engine e2e bypass_cpu**: the same with `bypass_cpu=True`; *held* until `params_released` is set.")
+    add("- **ckpt-engine e2e bypass_cpu**: the same with `mode=\"bypass_cpu\"`; *held* until `params_released` is set.")
     add("- **raw single broadcast**: one `group.broadcast` + `wait` of a uint8 buffer of the same bytes on the same "
         "group (the limit of the transport). **per-tensor loop**: one broadcast + wait per tensor into preallocated "
         "tensors. For both, the time stops when the sender's wait returns; *confirmed* adds a barrier the "

@@ -11,14 +11,16 @@ import re
 import socket
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ckpt_engine.control.auth import DEFAULT_CREDENTIALS_FILE, TOKEN_PATTERN
 from ckpt_engine.errors import ConfigError
+from ckpt_engine.plan.modes import SPARSE_NEEDS_THE_CACHE
 
 DAY_S = 86400.0
 # Visible ASCII only: tokens travel in an HTTP header, and surrounding spaces would be stripped there.
@@ -203,6 +205,17 @@ class AuthConfig(_Strict):
     trainer_token: Token | None = None
     rollout_token: Token | None = None
 
+    @model_validator(mode="after")
+    def _one_token_per_role(self) -> AuthConfig:
+        # A token shared by two roles (a copy-paste slip) would let every rollout host act as the operator.
+        given = [(role, getattr(self, f"{role}_token")) for role in ("operator", "trainer", "rollout")]
+        for index, (role, token) in enumerate(given):
+            for other, same in given[index + 1:]:
+                if token is not None and token == same:
+                    raise ValueError(f"auth.{role}_token and auth.{other}_token are the same token: a holder of one "
+                                     "could act as both; give each role its own")
+        return self
+
 
 class EngineConfig(_Strict):
     bypass_cpu: bool = Field(False, description="copy live params straight into the broadcast buffer (no cache)")
@@ -214,6 +227,8 @@ class EngineConfig(_Strict):
     verify: bool = Field(True, description="receivers recompute and compare every tensor digest before load")
     sparse: bool = Field(False, description="send only tensors changed since the version every receiver holds")
     min_receivers: Int = Field(1, ge=0, le=1 << 16, description="receivers that must commit for a version to commit")
+    max_agents: Int = Field(4096, ge=2, le=1 << 16, description="registered agents at most (each holds daemon "
+                                                                  "memory; a register past it is refused)")
     transport: Literal["auto", "collective", "ipc"] = Field(
         "auto", description="auto: shared memory for receivers on the sender's host, the collective for others")
     auth_token: Token | None = Field(None, description="one token for every role (older deployments; roles are "
@@ -353,7 +368,7 @@ def _inconsistencies(config: EngineConfig) -> list[str]:
     if config.bucket_size < config.alignment:
         problems.append(f"bucket_size_mb: {config.bucket_size_mb} MiB is less than alignment ({config.alignment} B)")
     if config.sparse and config.bypass_cpu:
-        problems.append("sparse: works from the host cache, so it cannot be combined with bypass_cpu")
+        problems.append(f"sparse: {SPARSE_NEEDS_THE_CACHE}")
     if config.backend in ("nccl", "hccl") and config.device in ("cpu", "cuda", "npu") and \
             _BACKEND_OF.get(config.device) != config.backend:
         problems.append(f"backend: {config.backend} does not run on device {config.device}")

@@ -7,8 +7,9 @@ import contextlib
 import importlib
 import importlib.util
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import torch
 

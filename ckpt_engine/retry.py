@@ -11,8 +11,8 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 
 @dataclass
@@ -56,8 +56,14 @@ class FailureLog:
     def failed(self, error: object) -> None:
         now = time.monotonic()
         self.failures += 1
+        changed = self.last_error is not None and _kind(str(error)) != _kind(self.last_error)
         self.last_error = str(error)
-        if self.first_at is None:
+        if changed:  # e.g. a timeout became "unauthorized": a new cause is said at once, not a minute later
+            self._last_logged = now
+            self.log.warning("%s now fails differently after %d attempts: %s", self.what, self.failures, error)
+            if self._on_change is not None:
+                self._on_change(self.last_error)
+        elif self.first_at is None:
             self.first_at, self._last_logged = now, now
             self.log.warning("%s failed: %s (retrying with backoff)", self.what, error)
             if self._on_change is not None:
@@ -78,3 +84,8 @@ class FailureLog:
     @property
     def failing_for_s(self) -> float:
         return 0.0 if self.first_at is None else time.monotonic() - self.first_at
+
+
+def _kind(error: str) -> str:
+    """The cause of an error message, without its details (``"unauthorized: ..."`` -> ``"unauthorized"``)."""
+    return error.split(":", 1)[0].strip()

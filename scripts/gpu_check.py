@@ -27,8 +27,9 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 try:  # a real packaging when installed, else the copy every pip carries
     from packaging import tags as _tags

@@ -44,11 +44,16 @@ class Agent:
     engine: str | None = None
     driven: bool = False
     members: int | None = None  # drivers: receivers of their engine
+    whole_versions: bool = False  # receivers whose engine takes no sparse version (vLLM)
     # what the model holds (receivers)
     serving: int | None = None  # the version it holds whole, as far as the daemon knows
     last_served: int | None = None  # the last version it held whole (a repair re-applies it)
     staged: int | None = None  # driven receivers: verified, waiting for the driver
     torn: str | None = None  # why the model holds no whole version (a failed apply), until repaired
+    # it took a whole version under this registration (a newcomer's claim to hold one is not proof, nor is
+    # a receiver's that was cut off from a version's rendezvous); until then it gets versions of its own
+    proven: bool = False
+    applying: int | None = None  # drivers: the version they were told to apply (its outcome is theirs to say)
     unable: str | None = None  # why it cannot receive now; out of the quorum until unable_until
     unable_until: float = 0.0
     unable_backoff: Backoff = field(default_factory=lambda: Backoff(**_UNABLE_BACKOFF))
@@ -81,6 +86,7 @@ class Agent:
                 "device": self.device, "host_id": self.host_id, "versions": self.versions, "sync_every": self.sync_every,
                 "registered_at": self.registered_at, "seconds_since_seen": round(now - self.last_seen, 3),
                 "engine": self.engine, "driven": self.driven, "members": self.members, "state": self.state(),
+                "whole_versions": self.whole_versions, "proven": self.proven,
                 "serving": self.serving, "staged": self.staged, "torn": self.torn, "unable": self.unable,
                 "unable_for_s": round(max(0.0, self.unable_until - now), 3) if self.unable else None}
 
@@ -97,7 +103,8 @@ class AgentRegistry:
         now = time.monotonic()
         agent = Agent(secrets.token_hex(8), secrets.token_hex(24), next(self._seq), message.role, message.rank,
                       message.host, message.pid, message.device, message.host_id, time.time(), now, versions,
-                      message.sync_every, engine=message.engine, driven=message.driven, members=message.members)
+                      message.sync_every, engine=message.engine, driven=message.driven, members=message.members,
+                      whole_versions=message.whole_versions)
         if message.role == "trainer":
             agent.ipc_name = message.ipc_name
         if message.role == "receiver" and versions:

@@ -5,28 +5,12 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_type_hints
 
+from ckpt_engine.server.history import STATUSES, VersionRecord
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from ckpt_engine.control.messages import WireInt
-from ckpt_engine.server.history import STATUSES, VersionRecord
+from ckpt_engine.plan.modes import Mode
 
 Status = Literal[STATUSES]  # type: ignore[valid-type]  # the store's statuses, one list for both
-
-
-# sparse works from the host cache, bypass_cpu skips it: a body asking for both gets a 400 (the controller's
-# check, which also covers one of them coming from the deployment's defaults); the schema says so too.
-_NOT_SPARSE_AND_BYPASS = {"not": {"required": ["sparse", "bypass_cpu"],
-                                  "properties": {"sparse": {"const": True}, "bypass_cpu": {"const": True}}}}
-
-
-class SyncBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra=_NOT_SPARSE_AND_BYPASS)
-    step: WireInt | None = Field(None, description="trainer step this version belongs to")
-    bypass_cpu: bool | None = Field(None, description="override the deployment's bypass_cpu for this version")
-    sparse: bool | None = Field(None, description="send only tensors changed since the version every receiver "
-                                "holds (default: the deployment's sparse)")
-    wait: bool = Field(False, description="answer with the final record instead of 202 at once")
-    timeout_s: float | None = Field(None, gt=0, le=86400, description="how long to wait when wait is true")
 
 
 class FieldProblem(BaseModel):
@@ -50,7 +34,7 @@ class _Out(BaseModel):
 
 
 # One row of the version history: the store's own record, with its mode and status spelled out for the schema.
-_SPELLED_OUT = {"mode": Literal["cached", "bypass_cpu"], "status": Status}
+_SPELLED_OUT = {"mode": Mode, "status": Status}
 VersionOut = create_model(
     "VersionOut", __base__=_Out, __doc__="One row of the version history (``HistoryStore``).",
     **{name: (_SPELLED_OUT.get(name, hint), ...) for name, hint in get_type_hints(VersionRecord).items()},
@@ -95,6 +79,12 @@ class AgentOut(_Out):
     torn: str | None = None
     unable: str | None = None
     unable_for_s: float | None = None
+    proven: bool = Field(False, description="receivers: took a whole version under this registration. Until then "
+                                            "what it says it holds is a claim, and it is sent versions of its own "
+                                            "(catch-ups) rather than joining everyone's")
+    whole_versions: bool = Field(False, description="its engine takes whole versions only (vLLM): never sent sparse")
+    joins_next: bool | None = Field(None, description="receivers: it would be in the next regular version now (not "
+                                                      "waiting for a catch-up or repair, not benched, heartbeating)")
 
 
 class AgentList(_Out):
@@ -119,8 +109,9 @@ class StatusOut(_Out):
 
 
 class Health(_Out):
-    ok: bool
-    degraded: bool = False
+    ok: bool  # false (HTTP 503) while the controller's periodic work keeps failing: restart the daemon
+    degraded: bool = False  # the history cannot be written (reads and the versions in memory still work)
+    problem: str | None = None
 
 
 _DESCRIPTIONS = {

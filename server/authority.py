@@ -4,14 +4,14 @@ the roles it needs. ``auth.open`` grants every role to everyone (development onl
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
-from ckpt_engine.control.auth import ROLES, Credentials, Role, credentials_path, daemon_credentials
-from ckpt_engine.config import EngineConfig
 from ckpt_engine.server.errors import Forbidden, Unauthorized
 
+from ckpt_engine.config import EngineConfig
+from ckpt_engine.control.auth import ANY_ROLE, ROLES, Credentials, Role, credentials_path, daemon_credentials
+
 log = logging.getLogger(__name__)
-ANY: frozenset[Role] = frozenset(ROLES)
 
 
 class Authority:
@@ -36,7 +36,7 @@ class Authority:
 
     def roles_of(self, token: object) -> set[Role]:
         if self.open:
-            return set(ANY)
+            return set(ANY_ROLE)
         if not isinstance(token, str) or self.credentials is None:
             return set()
         return self.credentials.roles_of(token)

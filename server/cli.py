@@ -13,10 +13,10 @@ import httpx
 
 from ckpt_engine import __version__
 from ckpt_engine.config import load_config
+from ckpt_engine.control.messages import TERMINAL
 from ckpt_engine.errors import ConfigError
 
 DEFAULT_URL = "http://127.0.0.1:8765"
-TERMINAL = ("committed", "failed", "cancelled")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,8 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ckpt-engine {__version__}")
     parser.add_argument("--url", default=os.environ.get("CKPT_ENGINE_URL", DEFAULT_URL), help="daemon HTTP address")
     parser.add_argument("--token", default=os.environ.get("CKPT_ENGINE_TOKEN"),
-                        help="bearer token (default: $CKPT_ENGINE_TOKEN, else the operator token of the credentials "
-                             "file)")
+                        help="bearer token (default: $CKPT_ENGINE_TOKEN, else the credentials file's token for the "
+                             "command: operator, or rollout for vllm-driver)")
     parser.add_argument("--credentials", default=None,
                         help="credentials file the daemon wrote (default: $CKPT_ENGINE_CREDENTIALS, else "
                              "~/.ckpt-engine/credentials.json)")
@@ -90,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="the daemon's ZMQ endpoint")
     driver.add_argument("--engine", default=None, help="this vLLM instance's name (default: vllm-<host>-<pid>)")
     driver.add_argument("--vllm-api-key", default=os.environ.get("VLLM_API_KEY"))
+    driver.add_argument("--pause-mode", choices=["keep", "wait", "abort"], default="keep",
+                        help="what vLLM does with requests in flight during an update (docs/workers.md)")
     driver.set_defaults(run=_vllm_driver)
     check = sub.add_parser("check-config", help="validate a deployment YAML and print the effective settings")
     check.add_argument("path")
@@ -128,8 +130,9 @@ def _vllm_driver(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    control = HttpControl(args.vllm_url, api_key=args.vllm_api_key)
-    driver = start_vllm_driver(control, args.endpoint, engine=args.engine, token=args.token)
+    control = HttpControl(args.vllm_url, api_key=args.vllm_api_key, pause_mode=args.pause_mode)
+    driver = start_vllm_driver(control, args.endpoint, engine=args.engine, token=args.token,
+                               credentials=args.credentials)
     print(f"driving {args.vllm_url} as engine {driver.engine} (agent {driver.agent_id})", flush=True)
     stop.wait()
     driver.close()
@@ -140,10 +143,16 @@ def _vllm_driver(args: argparse.Namespace) -> int:
 def _check_config(args: argparse.Namespace) -> int:
     from ckpt_engine.server.history import HistoryError, check_history_path
 
+    from ckpt_engine.control.auth import check_credentials_path, credentials_path
+
     config = load_config(args.path)
     try:
         check_history_path(config.store.history_path)
+        if not config.auth.open:
+            check_credentials_path(credentials_path(config.auth.credentials_file))
     except HistoryError as exc:
+        raise ConfigError(f"{args.path}: {exc}") from exc
+    except ConfigError as exc:
         raise ConfigError(f"{args.path}: {exc}") from exc
     print(config.model_dump_json(indent=2))
     return 0

@@ -18,15 +18,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ckpt_engine.config import EngineConfig
-from ckpt_engine.control.messages import Assignment, Poll, Register, RegisterReply, Report
-from ckpt_engine.errors import ProtocolError
 from ckpt_engine.server.agents import Agent, AgentRegistry
 from ckpt_engine.server.errors import BadRequest, Conflict, Forbidden, NotFound, Unavailable
 from ckpt_engine.server.history import TERMINAL, HistoryStore, StorageUnavailable, VersionRecord
 from ckpt_engine.server.metrics import Metrics
 
+from ckpt_engine.config import EngineConfig
+from ckpt_engine.control.messages import Assignment, Poll, Register, RegisterReply, Report
+from ckpt_engine.errors import ConfigError, ProtocolError
+from ckpt_engine.plan.modes import Mode, check_sparse, mode_of
+
 log = logging.getLogger(__name__)
+_NEWCOMER_SETTLE_S = 1.0
+_TICK_FAILING_S = 5.0  # ticks failing this long make /health say not ok
 _ORDER = {"requested": 0, "snapshotting": 1, "transferring": 2, "verifying": 3}
 _TRAINER_EVENTS = {"snapshotting", "transferring", "verifying", "done", "evicted"}
 _EVENTS_OF = {"trainer": _TRAINER_EVENTS, "receiver": {"staged", "received"}, "driver": {"applied"}}
@@ -37,7 +41,7 @@ ROLE_OF_AGENT = {"trainer": "trainer", "receiver": "rollout", "driver": "rollout
 @dataclass
 class InFlight:
     version: int
-    mode: str
+    mode: Mode
     trainer: str
     quorum: dict[str, int]  # receiver agent id -> rank in the sync group
     engines: dict[str, list[str]]  # driven engines in the quorum -> their members' agent ids
@@ -65,6 +69,11 @@ class Controller:
         self._membership: tuple[str, ...] = ()
         self._generation = 0
         self._group_dirty = False
+        # a sync was refused while a catch-up or repair was in flight: no new one starts before this, so the
+        # caller's retry gets the slot (newcomers that keep failing theirs cannot starve regular versions)
+        self._sync_wanted_until = 0.0
+        self._tick_failing_since: float | None = None
+        self._tick_error: str | None = None
         self._max_issued = (history.latest().id if history.latest() else 0)
         self.started_at = time.time()
 
@@ -72,13 +81,19 @@ class Controller:
     def register(self, message: Register) -> RegisterReply:
         if message.role == "driver" and message.engine is None:
             raise BadRequest("a driver names its engine")
+        if message.role == "driver":
+            self._check_one_driver(message.engine)  # type: ignore[arg-type]
         if message.driven and (message.engine is None or message.members is None):
             raise BadRequest("a driven receiver names its engine and how many workers the engine has (members)")
         with self._lock:
+            if len(self.agents.all()) >= self.config.max_agents:
+                raise Unavailable(f"{self.config.max_agents} agents are registered (max_agents); unregister some "
+                                  "or raise the limit")
             # Versions are numbered by one history: those of another mean nothing here (the file was lost or
             # replaced), and ids this history never issued are a peer's invention. Neither touches our numbering.
             held = self._known(message.versions) if message.history_id == self.history.history_id else []
             agent = self.agents.add(message, held)
+            agent.catch_up_due = time.monotonic() + _NEWCOMER_SETTLE_S  # one that vanishes at once costs nothing
             self._update_gauges()
         log.info("agent %s registered: %s rank %d on %s (%s)%s", agent.agent_id, agent.role, agent.rank,
                  agent.host, agent.device, f" engine {agent.engine}" if agent.engine else "")
@@ -100,6 +115,11 @@ class Controller:
             agent.versions, agent.poll_wait_s = self._known(message.versions), message.wait_s
             if agent.pending and message.received == agent.pending[0].key():
                 agent.pending.popleft()
+            if message.unable and agent.role == "receiver" and agent.able(time.monotonic()):
+                agent.unable = message.unable
+                agent.unable_until = time.monotonic() + agent.unable_backoff.next_delay()
+                log.warning("receiver %s cannot receive for now (%s); out of the quorum for %.0fs", agent.agent_id,
+                            message.unable, agent.unable_until - time.monotonic())
 
     def poll(self, message: Poll, roles: set[str]) -> Assignment | None:
         """The agent's next assignment, if any; it stays queued until a later poll acknowledges it."""
@@ -150,20 +170,28 @@ class Controller:
 
     def agents_public(self) -> list[dict]:
         with self._lock:
-            return [a.public() for a in self.agents.all()]
+            regular = {r.agent_id for r in self._candidates()}
+            return [{**a.public(), **({"joins_next": a.agent_id in regular} if a.role == "receiver" else {})}
+                    for a in self.agents.all()]
 
     # ---- versions -----------------------------------------------------------------------------------
     def request_sync(self, *, step: int | None, bypass_cpu: bool | None, sparse: bool | None = None,
                      source_version: int | None = None) -> VersionRecord:
-        bypass = self.config.bypass_cpu if bypass_cpu is None else bypass_cpu
+        # a re-push is always from the cache
+        mode = "cached" if source_version is not None else mode_of(self.config.bypass_cpu if bypass_cpu is None
+                                                                    else bypass_cpu)
         sparse = self.config.sparse if sparse is None else sparse
-        if sparse and bypass and source_version is None:
-            raise BadRequest("sparse sync works from the cache: it cannot be combined with bypass_cpu")
-        mode = "cached" if source_version is not None else ("bypass_cpu" if bypass else "cached")
+        try:
+            check_sparse(mode, sparse)
+        except ConfigError as exc:
+            raise BadRequest(str(exc)) from None
         with self._lock:
             if self._in_flight is not None:
-                raise Conflict(f"version {self._in_flight.version} is in flight; retry when it has ended",
-                               {"in_flight": self._in_flight.version})
+                flight = self._in_flight
+                if flight.purpose in ("catch_up", "repair"):
+                    self._sync_wanted_until = time.monotonic() + 2 * self.config.timeouts.connect_s + 5
+                raise Conflict(f"version {flight.version} is in flight ({flight.purpose}); retry when it has ended",
+                               {"in_flight": flight.version, "purpose": flight.purpose})
             self._require_storage()
             trainer = self.agents.trainer()
             receivers = self._candidates()
@@ -249,6 +277,21 @@ class Controller:
                 "unable": [a.agent_id for a in self.agents.receivers() if a.state() == "unable"],
             }
 
+    def tick_failed(self, error: str) -> None:
+        if self._tick_failing_since is None:
+            self._tick_failing_since = time.monotonic()
+        self._tick_error = error
+
+    def tick_succeeded(self) -> None:
+        self._tick_failing_since, self._tick_error = None, None
+
+    def tick_problem(self) -> str | None:
+        """Why the periodic work (expiry, timeouts, repairs) has kept failing for a while, if it has."""
+        since = self._tick_failing_since
+        if since is None or time.monotonic() - since < _TICK_FAILING_S:
+            return None
+        return f"the controller's periodic work has failed for {time.monotonic() - since:.0f}s: {self._tick_error}"
+
     def tick(self) -> None:
         """Expire silent agents, end versions past their time limit, write what storage still owes, and bring
         a version to receivers that hold none (called periodically)."""
@@ -284,8 +327,9 @@ class Controller:
             deadline = time.monotonic() + grace_s
             while self._in_flight is not None and time.monotonic() < deadline:
                 self._changed.wait(0.2)
-            if self._in_flight is not None:
-                self._fail(self._in_flight, "daemon stopped while the version was in flight")
+            if self._in_flight is not None:  # its receivers may have applied it: its outcome is unknown
+                self._fail(self._in_flight, "the daemon stopped before this version's outcome was known; receivers "
+                                            "may hold it (they are sent a whole version again)", "interrupted")
 
     # ---- reports ------------------------------------------------------------------------------------
     def _trainer_bookkeeping(self, agent: Agent, message: Report) -> None:
@@ -318,8 +362,9 @@ class Controller:
             agent.catch_up_attempts = 0
         elif message.torn:
             self._tear([agent], message.reason or "its apply failed part way")
-        else:  # refused or not verified: the model holds what the receiver says (nothing was changed)
+        elif not agent.driven:  # refused or not verified: the model holds what the receiver says (nothing changed)
             agent.serving = message.serving if message.serving is not None and self._known([message.serving]) else None
+        # (a driven member's model is its engine's: only the driver's report says what the engine serves)
         if message.unable:
             agent.unable = message.unable
             agent.unable_until = time.monotonic() + agent.unable_backoff.next_delay()
@@ -343,15 +388,29 @@ class Controller:
         if all(m is not None and m.staged == flight.version for m in members):
             driver = self.agents.driver(engine)
             if driver is not None:
+                driver.applying = flight.version
                 record = self.history.get(flight.version)
                 driver.pending.append(Assignment(kind="apply", version=flight.version, mode=flight.mode,  # type: ignore[arg-type]
                                                  step=record.step if record else None))
                 flight.apply_sent.add(engine)
 
+    def _check_one_driver(self, engine: str) -> None:
+        """One driver speaks for an engine: a second one (another process with the rollout token, or a
+        driver started twice) is refused while the first is alive."""
+        with self._lock:
+            current = self.agents.driver(engine)
+            if current is not None and current.heartbeating(time.monotonic(), self.config.timeouts.heartbeat_s):
+                raise Conflict(f"engine {engine!r} has a driver already (agent {current.agent_id}, pid {current.pid} "
+                               f"on {current.host}); stop it first, or wait for its heartbeat to expire")
+
     def _applied(self, driver: Agent, message: Report, flight: InFlight | None) -> None:
-        """A driver's outcome for its whole engine: members serve the version, or the engine is torn."""
-        if driver.engine is None:
+        """A driver's outcome for its whole engine: members serve the version, or the engine is torn. Only the
+        outcome of the apply the daemon asked this driver for counts."""
+        if driver.engine is None or driver.applying != message.version:
+            log.warning("ignoring driver %s's outcome of version %d: it was not asked to apply it", driver.agent_id,
+                        message.version)
             return
+        driver.applying = None
         members = self.agents.engine_members(driver.engine)
         if message.ok:
             for member in members:
@@ -359,8 +418,15 @@ class Controller:
                 member.torn, member.staged = None, None
         elif message.torn:
             self._tear(members, f"engine {driver.engine}: {message.reason or 'apply failed part way'}")
+        if not message.ok:  # workers still holding the version staged would wait for it in vain
+            for member in members:
+                if member.staged == message.version:
+                    member.staged = None
+                    member.pending.append(Assignment(kind="discard", version=message.version,
+                                                     reason=f"the engine's driver failed: {message.reason}"[:2000]))
         if flight is not None:
             flight.applied[driver.engine] = message
+            self._maybe_finish(flight)
 
     def _tear(self, agents: list[Agent], reason: str) -> None:
         for agent in agents:
@@ -392,6 +458,8 @@ class Controller:
             return
         if flight.done.version_digest is not None:  # without it nothing can commit: no need to hear receivers
             waiting = [a for a in flight.quorum if a not in flight.reports and self.agents.get(a) is not None]
+            # and the drivers told to apply: what their engines serve afterwards goes into the record
+            waiting += [e for e in flight.apply_sent if e not in flight.applied and self.agents.driver(e) is not None]
             if waiting and time.monotonic() - flight.done_at < self.config.timeouts.ack_s:
                 return
         self._finish(flight, flight.done)
@@ -406,7 +474,8 @@ class Controller:
             reason = (f"committed by {len(committed)} of {len(flight.quorum)} receivers; " + "; ".join(failures)
                       if failures else None)
         else:
-            reason = "; ".join(filter(None, [done.reason if not done.ok else None, *failures])) or \
+            # the trainer's reason may already name the same receivers' failures: each once
+            reason = "; ".join(dict.fromkeys(filter(None, [done.reason if not done.ok else None, *failures]))) or \
                 f"{len(committed)}/{len(flight.quorum)} receivers committed, {need} needed"
         status = "committed" if ok else "failed"
         cached = flight.mode == "cached" and done.cache_versions is not None and flight.version in done.cache_versions
@@ -418,7 +487,28 @@ class Controller:
             self._group_dirty = True
         if done.version_digest is not None:  # then the daemon waited for every receiver's own report
             self._bench_the_silent(flight)
+        self._bench_the_absent(flight, done.absent_ranks)
+        if ok:
+            for entry in committed:  # it took a whole version under this registration: regular versions again
+                agent = self.agents.get(entry["agent_id"])
+                if agent is not None:
+                    agent.proven = True
         self._end(flight, status, done.bytes, stages)
+
+    def _bench_the_absent(self, flight: InFlight, ranks: list[int]) -> None:
+        """Receivers that never joined the version's rendezvous (cut off from the trainer, or claiming to be
+        receivers without being one) failed it for everyone: out of the quorum for a while, longer each time,
+        and back only through a version of their own (a catch-up), so they fail no one else's again."""
+        by_rank = {rank: agent_id for agent_id, rank in flight.quorum.items()}
+        for rank in ranks:
+            agent = self.agents.get(by_rank.get(rank, ""))
+            if agent is None:
+                continue
+            agent.proven = False
+            agent.unable = f"did not join the sync group of version {flight.version}"
+            agent.unable_until = time.monotonic() + agent.unable_backoff.next_delay()
+            log.warning("receiver %s %s; out of the quorum for %.0fs", agent.agent_id, agent.unable,
+                        agent.unable_until - time.monotonic())
 
     def _bench_the_silent(self, flight: InFlight) -> None:
         """Receivers silent about their own outcome (stalled, cut off, or not playing along) would fail the
@@ -472,14 +562,14 @@ class Controller:
                 if entry["ok"]:
                     entry.update(ok=False, reason=why)
 
-    def _fail(self, flight: InFlight, reason: str) -> None:
-        log.warning("version %d failed: %s", flight.version, reason)
+    def _fail(self, flight: InFlight, reason: str, status: str = "failed") -> None:
+        log.warning("version %d %s: %s", flight.version, status, reason)
         receivers = [dict(e) for e in (self.history.get(flight.version).receivers or [])]  # type: ignore[union-attr]
         for entry in receivers:
             own = flight.reports.get(entry.get("agent_id", ""))
             entry.update(ok=False, reason=(own.reason if own and not own.ok else None) or reason,
                          missing_report=own is None)
-        self.history.update(flight.version, status="failed", reason=reason, receivers=receivers)
+        self.history.update(flight.version, status=status, reason=reason, receivers=receivers)
         for agent_id in flight.quorum:
             agent = self.agents.get(agent_id)
             if agent is not None and agent_id not in flight.reports:
@@ -497,7 +587,7 @@ class Controller:
             if agent is None:
                 continue
             agent.staged = None
-            if agent.serving is None and flight.purpose in ("catch_up", "repair"):
+            if (agent.serving is None or not agent.proven) and flight.purpose in ("catch_up", "repair"):
                 agent.catch_up_attempts += 1
                 agent.catch_up_due = time.monotonic() + agent.catch_up_backoff.next_delay()
 
@@ -511,9 +601,9 @@ class Controller:
         the trainer's cache as a re-push of their own, without the training loop: a torn one the version it
         served last (known to work on it), the others the newest committed one."""
         trainer = self.agents.trainer()
-        if trainer is None:
-            return
         now = time.monotonic()
+        if trainer is None or now < self._sync_wanted_until:
+            return
         pool = self._candidates(regular=False)
 
         def due(receiver: Agent) -> bool:  # an engine's members are due together
@@ -589,7 +679,7 @@ class Controller:
 
     def _require_storage(self) -> None:
         storage = self.history.storage()
-        if not storage.ok and not self.history.flush(force=True):
+        if not storage.ok and not self.history.flush():  # a retry at most once per backoff: no stall per request
             raise Unavailable(f"history storage is degraded ({storage.error}); no new version until it can be "
                               "written (reads still work)")
 
@@ -615,10 +705,12 @@ class Controller:
 
     @staticmethod
     def _needs_catch_up(receiver: Agent, pool: list[Agent]) -> bool:
-        """It holds no whole version, or (a driven engine's member) one of its engine's members does not."""
+        """It holds no whole version, or has not taken one under this registration yet (what a newcomer says
+        it holds is a claim: it proves it with a version of its own before it can fail anyone else's), or
+        (a driven engine's member) one of its engine's members is so."""
         if not receiver.driven:
-            return receiver.serving is None
-        return any(m.serving is None for m in pool if m.engine == receiver.engine and m.driven)
+            return receiver.serving is None or not receiver.proven
+        return any(m.serving is None or not m.proven for m in pool if m.engine == receiver.engine and m.driven)
 
     def _quorum_problem(self, trainer: Agent | None, receivers: list[Agent]) -> str | None:
         if trainer is None:
@@ -635,7 +727,10 @@ class Controller:
 
     def _sparse_base(self, receivers: list[Agent]) -> int | None:
         """The version every receiver of the quorum serves whole, if they all serve the same one; else None (a
-        new, torn, lagging or unsettled receiver makes it a full version)."""
+        new, torn, lagging or unsettled receiver makes it a full version, and so does an engine that takes
+        whole versions only)."""
+        if any(r.whole_versions for r in receivers):
+            return None
         held = {r.serving for r in receivers}
         return held.pop() if len(held) == 1 else None
 

@@ -1,7 +1,8 @@
 """``ckpt-engine serve``: history, rendezvous store, controller, ZMQ and HTTP control planes in one process.
 
 SIGTERM/SIGINT: uvicorn stops accepting requests, the in-flight version gets a grace period to end and is
-otherwise recorded as failed, sockets close, and the process exits 0.
+otherwise recorded as interrupted, sockets close, and the process exits 0 (1 when the history could not be
+written: the log names every outcome that was lost).
 """
 
 from __future__ import annotations
@@ -11,21 +12,22 @@ import faulthandler
 import logging
 import signal
 import threading
+import time
 import uuid
-from typing import Iterator
+from collections.abc import Iterator
 
 import uvicorn
-
-from ckpt_engine.config import EngineConfig, is_loopback, parse_zmq_endpoint
-from ckpt_engine.errors import CkptEngineError
-from ckpt_engine.transport.group import serve_store
-from ckpt_engine.retry import FailureLog
 from ckpt_engine.server.authority import Authority
 from ckpt_engine.server.controller import Controller
 from ckpt_engine.server.history import HistoryStore
 from ckpt_engine.server.http_app import create_app
 from ckpt_engine.server.metrics import Metrics
 from ckpt_engine.server.zmq_server import ZmqServer
+
+from ckpt_engine.config import EngineConfig, is_loopback, parse_zmq_endpoint
+from ckpt_engine.errors import CkptEngineError
+from ckpt_engine.retry import FailureLog
+from ckpt_engine.transport.group import serve_store
 
 log = logging.getLogger("ckpt_engine.daemon")
 _TICK_S = 0.5
@@ -53,9 +55,10 @@ class Daemon:
         self.config = config
         self.authority = Authority(config)
         self.history = HistoryStore(config.store.history_path, lock_wait_s=config.store.lock_wait_s)
-        failed = self.history.fail_unfinished("daemon restarted while the version was in flight")
-        if failed:
-            log.warning("marked versions %s failed: they were in flight when the daemon stopped", failed)
+        stopped = self.history.interrupt_unfinished("the daemon stopped before this version's outcome was recorded; "
+                                                    "receivers may hold it (they are sent a whole version again)")
+        if stopped:
+            log.warning("marked versions %s interrupted: they were in flight when the daemon stopped", stopped)
         try:
             self.store = serve_store(config.store.rendezvous_host, config.store.rendezvous_port,
                                      timeout_s=config.timeouts.connect_s)
@@ -83,16 +86,24 @@ class Daemon:
         try:
             server.run()  # returns after SIGTERM/SIGINT
         finally:
-            self.shutdown()
-        return 0
+            lost = self.shutdown()
+        return 1 if lost else 0
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> int:
+        """Stop; returns how many history records could not be written (their latest state is lost)."""
         log.warning("shutting down: giving the in-flight version %.0fs to end", self.config.timeouts.ack_s)
         self.controller.shutdown(grace_s=min(self.config.timeouts.ack_s, 30.0))
         self._stop.set()
         self.zmq.stop()
-        self.history.close()
-        log.warning("stopped")
+        grace = time.monotonic() + min(self.config.timeouts.ack_s, 10.0)
+        while not self.history.flush(force=True) and time.monotonic() < grace:  # e.g. a disk that frees up
+            time.sleep(0.5)
+        lost = self.history.close()
+        for record in lost:
+            log.error("history could not be written: version %d %s (%s) is lost from the file; it will read as "
+                      "interrupted after a restart", record.id, record.status, record.reason or "no reason")
+        log.warning("stopped%s", f" with {len(lost)} unwritten history record(s)" if lost else "")
+        return len(lost)
 
     def _tick(self) -> None:
         failures = FailureLog(log, "controller tick")
@@ -100,8 +111,10 @@ class Daemon:
             try:
                 self.controller.tick()
                 failures.succeeded()
-            except Exception as exc:  # logged once, then periodically: the ticker itself never dies
+                self.controller.tick_succeeded()
+            except Exception as exc:  # logged once, then periodically, and /health says so: the ticker never dies
                 failures.failed(f"{type(exc).__name__}: {exc}")
+                self.controller.tick_failed(f"{type(exc).__name__}: {exc}")
 
     def _warn_if_exposed(self) -> None:
         exposed = self.exposed_binds(self.config)

@@ -7,7 +7,8 @@ degraded, and :meth:`HistoryStore.flush` writes it later, with backoff, once it 
 memory over the file. A new version needs its row (its id is the row's), so while degraded :meth:`create`
 raises :class:`StorageUnavailable` instead of handing out an id that a crash could hand out again.
 
-One daemon writes a history at a time: the store holds an exclusive lock on ``<history>.lock`` for its life.
+One daemon writes a history at a time: the store holds an exclusive lock on the history file itself for its
+life (``<history>.lock`` says who holds it).
 """
 
 from __future__ import annotations
@@ -28,10 +29,17 @@ from typing import Any
 
 from ckpt_engine.control.messages import STATUSES, TERMINAL
 from ckpt_engine.errors import CkptEngineError
+from ckpt_engine.plan.modes import Mode
 from ckpt_engine.retry import Backoff
 
 log = logging.getLogger(__name__)
 _CLEAN_KEPT = 1024  # clean records kept in memory besides the dirty ones
+# What a write may raise: SQLite's errors, and a value SQLite cannot store (e.g. OverflowError for an integer
+# past 2^63). Each is a storage fault (degraded, retried), never an exception out of the store.
+_WRITE_ERRORS = (sqlite3.Error, OverflowError, ValueError, TypeError, OSError)
+# The writer gives up on a lock another process holds after this long (then degraded, retried with backoff):
+# writes happen under the controller's lock, which agents' polls and /status wait for.
+_WRITE_BUSY_S = 0.25
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS versions (
@@ -80,7 +88,7 @@ class StorageUnavailable(CkptEngineError):
 class VersionRecord:
     id: int
     step: int | None
-    mode: str
+    mode: Mode
     status: str
     reason: str | None
     source_version: int | None
@@ -123,6 +131,7 @@ class HistoryStore:
         try:
             self._db = _connect(self.path)
             self.history_id = _prepare(self._db, self.path)
+            self._db.execute(f"PRAGMA busy_timeout={int(_WRITE_BUSY_S * 1000)}")  # from now on: see _WRITE_BUSY_S
             self._reader = _connect(self.path, readonly=True) if self.path != ":memory:" else self._db
         except sqlite3.Error as exc:
             self._release_lock()
@@ -150,9 +159,9 @@ class HistoryStore:
         return self._problem is not None
 
     # ---- writes --------------------------------------------------------------------------------------
-    def create(self, *, mode: str, step: int | None, source_version: int | None = None) -> VersionRecord:
+    def create(self, *, mode: Mode, step: int | None, source_version: int | None = None) -> VersionRecord:
         """A new version row; its id is the row's. Raises StorageUnavailable while the file cannot be written."""
-        if self._problem is not None and not self.flush(force=True):
+        if self._problem is not None and not self.flush():  # (at most once per backoff: never a stall per call)
             raise StorageUnavailable(f"the history cannot be written ({self._problem}); no new version until it can")
         now = time.time()
         try:
@@ -161,7 +170,7 @@ class HistoryStore:
                     "INSERT INTO versions (step, mode, status, source_version, created_at, updated_at) "
                     "VALUES (?, ?, 'requested', ?, ?, ?)", (step, mode, source_version, now, now))
                 version = int(cursor.lastrowid)  # type: ignore[arg-type]
-        except sqlite3.Error as exc:
+        except _WRITE_ERRORS as exc:
             self._failed(exc)
             raise StorageUnavailable(f"the history cannot be written ({self._problem}); no new version until "
                                      "it can") from exc
@@ -188,13 +197,19 @@ class HistoryStore:
         self.flush(force=self._problem is None)
         return replace(updated)
 
-    def fail_unfinished(self, reason: str) -> list[int]:
-        """Mark every version that was in flight (e.g. at a crash) failed; returns their ids."""
+    def interrupt_unfinished(self, reason: str) -> list[int]:
+        """Mark every version that was in flight when the daemon stopped (e.g. at a crash) ``interrupted``: its
+        outcome was never recorded, receivers may hold it; returns their ids."""
         ids = [r.id for r in self._query(f"SELECT * FROM versions WHERE status NOT IN "
                                          f"({','.join('?' * len(TERMINAL))})", TERMINAL)]
         for version in ids:
-            self.update(version, status="failed", reason=reason)
+            self.update(version, status="interrupted", reason=reason)
         return ids
+
+    def unwritten(self) -> list[VersionRecord]:
+        """Records whose latest state is only in memory (the file could not be written)."""
+        with self._mem:
+            return [replace(self._records[v]) for v in sorted(self._dirty)]
 
     def set_cached(self, cached_versions: set[int]) -> None:
         """Record which versions the trainer's cache holds now."""
@@ -227,7 +242,7 @@ class HistoryStore:
                     if self._db.in_transaction:  # SQLite may have rolled back by itself (e.g. disk full)
                         self._db.execute("ROLLBACK")
                     raise
-        except sqlite3.Error as exc:
+        except _WRITE_ERRORS as exc:
             self._failed(exc)
             return False
         with self._mem:
@@ -291,14 +306,17 @@ class HistoryStore:
             statuses = [self._records[i].status if i in self._records else s for i, s in rows]
         return dict(collections.Counter(statuses))
 
-    def close(self) -> None:
+    def close(self) -> list[VersionRecord]:
+        """Write what is pending and close; returns the records that could not be written (lost)."""
         self.flush(force=True)
+        lost = self.unwritten()
         with self._db_lock:
             self._db.close()
         if self._reader is not self._db:
             with self._read_lock:
                 self._reader.close()
         self._release_lock()
+        return lost
 
     # ---- internals -----------------------------------------------------------------------------------
     def _remember(self, record: VersionRecord) -> None:
@@ -333,7 +351,7 @@ class HistoryStore:
         except sqlite3.Error as exc:
             raise StorageUnavailable(f"the history cannot be read: {exc}") from exc
 
-    def _failed(self, exc: sqlite3.Error) -> None:
+    def _failed(self, exc: BaseException) -> None:
         text = f"{type(exc).__name__}: {exc}"
         if self._problem is None:
             log.error("history storage failed (%s); keeping versions in memory until it can be written", text)
@@ -377,9 +395,9 @@ def _record(row: sqlite3.Row) -> VersionRecord:
     return VersionRecord(**data)
 
 
-def _connect(path: str, *, readonly: bool = False) -> sqlite3.Connection:
+def _connect(path: str, *, readonly: bool = False, busy_s: float = 10.0) -> sqlite3.Connection:
     target = f"file:{path}?mode=ro" if readonly else path
-    db = sqlite3.connect(target, uri=readonly, check_same_thread=False, isolation_level=None, timeout=10)
+    db = sqlite3.connect(target, uri=readonly, check_same_thread=False, isolation_level=None, timeout=busy_s)
     db.row_factory = sqlite3.Row
     return db
 
@@ -426,6 +444,9 @@ def check_history_path(path: str) -> None:
         return
     if not target.is_file():
         raise HistoryError(f"store.history_path: {path} is not a regular file")
+    for suffix in ("-wal", "-shm"):  # SQLite's own files beside it
+        if Path(f"{path}{suffix}").is_dir():
+            raise HistoryError(f"store.history_path: {path}{suffix} is a directory (SQLite needs that name for a file)")
     if not os.access(target, os.R_OK | os.W_OK) or not os.access(target.parent, os.W_OK | os.X_OK):
         raise HistoryError(f"store.history_path: {path}: not writable here (the file and its directory must be)")
     with open(target, "rb") as handle:
@@ -451,28 +472,54 @@ def check_history_path(path: str) -> None:
 
 
 def _lock_history(path: str, wait_s: float) -> Any:
-    """An exclusive lock on ``<path>.lock`` for this process's life; HistoryLocked names who holds it."""
-    lock_path = f"{path}.lock"
+    """An exclusive lock on the history file itself (its real path: a symlink or another name for it is the
+    same history) for this process's life; HistoryLocked names who holds it. SQLite's own locks are fcntl
+    locks, which flock does not touch; the descriptor stays open until the store closes (closing another
+    descriptor of the file would drop SQLite's fcntl locks). ``<history>.lock`` only says who holds it."""
+    real = os.path.realpath(path)
     try:
-        Path(lock_path).parent.mkdir(parents=True, exist_ok=True)
-        handle = open(lock_path, "a+")
+        Path(real).parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(real, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as exc:
-        raise HistoryError(f"store.history_path: cannot create {lock_path}: {exc.strerror}") from exc
+        raise HistoryError(f"store.history_path: cannot open {path}: {exc.strerror}") from exc
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             break
         except BlockingIOError:
             if time.monotonic() >= deadline:
-                handle.seek(0)
-                holder = handle.read(200).strip() or "another process"
-                handle.close()
-                raise HistoryLocked(f"store.history_path: {path} is in use by another daemon ({holder}); one daemon "
-                                    "writes a history at a time (store.lock_wait_s waits for it)") from None
+                os.close(fd)
+                raise HistoryLocked(f"store.history_path: {path} is in use by another daemon ({_holder(real)}); one "
+                                    "daemon writes a history at a time (store.lock_wait_s waits for it)") from None
             time.sleep(0.1)
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
-    handle.flush()
-    return handle
+    _say_holder(real)
+    return _HistoryLock(fd)
+
+
+class _HistoryLock:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _say_holder(real: str) -> None:
+    """Best effort: write who holds the history into ``<history>.lock``, never through a symlink."""
+    try:
+        fd = os.open(f"{real}.lock", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        log.warning("cannot write %s.lock (who holds the history): %s", real, exc.strerror)
+        return
+    with os.fdopen(fd, "w") as handle:
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+
+
+def _holder(real: str) -> str:
+    try:
+        fd = os.open(f"{real}.lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return "another process"
+    with os.fdopen(fd) as handle:
+        return handle.read(200).strip() or "another process"

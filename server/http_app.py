@@ -6,11 +6,27 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from http import HTTPStatus
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any
 
 import anyio.to_thread
-
+from ckpt_engine.server.api_models import (
+    AgentList,
+    Health,
+    PushAccepted,
+    Status,
+    StatusOut,
+    SyncAccepted,
+    VersionList,
+    VersionOut,
+    error_responses,
+)
+from ckpt_engine.server.authority import Authority
+from ckpt_engine.server.controller import Controller
+from ckpt_engine.server.errors import ControlError, Forbidden, TooManyRequests, Unavailable
+from ckpt_engine.server.history import TERMINAL, StorageUnavailable, VersionRecord
+from ckpt_engine.server.operations import OPERATIONS
 from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -21,15 +37,8 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ckpt_engine import __version__
-from ckpt_engine.control.auth import Role
 from ckpt_engine.config import EngineConfig
-from ckpt_engine.control.messages import MAX_ID
-from ckpt_engine.server.authority import Authority
-from ckpt_engine.server.api_models import (AgentList, Health, PushAccepted, Status, StatusOut, SyncAccepted, SyncBody,
-                                           VersionList, VersionOut, error_responses)
-from ckpt_engine.server.controller import Controller
-from ckpt_engine.server.errors import ControlError, Forbidden, NotFound, TooManyRequests, Unavailable
-from ckpt_engine.server.history import TERMINAL, StorageUnavailable, VersionRecord
+from ckpt_engine.control.messages import MAX_ID, SyncRequest
 
 # Bounded like every id on the wire: a larger path value is a 422, not an OverflowError (500) in the store.
 _MAX_WAITING = 64
@@ -101,7 +110,17 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
     app.add_middleware(LimitsAndAuth, max_body_bytes=config.http.max_body_bytes, authority=authority)
     # Declares the bearer scheme in the OpenAPI document; LimitsAndAuth does the checking (also for 404s).
     auth = [] if authority.open else [Depends(HTTPBearer(auto_error=False))]
-    operator = [*auth, Depends(_needs("operator"))]
+
+    def call(name: str, request: Request, body: dict[str, Any] | None = None) -> Any:
+        """The operation of server/operations.py, as the ZMQ plane calls it: the roles the token holds must
+        include one it allows."""
+        operation = OPERATIONS[name]
+        roles = getattr(request.state, "roles", set())
+        allowed = operation.roles(body or {})
+        if not roles & allowed:
+            raise Forbidden(f"{name} needs a token of role {' or '.join(sorted(allowed))}; this one is "
+                            f"{', '.join(sorted(roles)) or 'none'}")
+        return operation.run(controller, body or {}, roles)
     guarded = (401, 413)  # what LimitsAndAuth can answer on every operation but /health
     # Requests that wait on agents (sync with wait, evict) wait asynchronously, never in a worker thread, so
     # /health and reads are never queued behind them; at most this many wait at once (then 429).
@@ -142,40 +161,35 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
             return found
 
     @app.post("/sync", status_code=202, summary="Start a new version (or wait for its end with wait=true)",
-              dependencies=operator, response_model=SyncAccepted, responses={
+              dependencies=auth, response_model=SyncAccepted, responses={
                   200: {"model": VersionOut, "description": "wait=true: the version committed"},
                   502: {"model": VersionOut, "description": "wait=true: the version failed or was cancelled"},
                   504: {"model": VersionOut, "description": "wait=true: still in flight when the wait ran out"},
                   **error_responses(*guarded, 400, 403, 409, 422, 429, 503)})
-    async def sync(body: SyncBody, request: Request) -> Any:
+    async def sync(body: SyncRequest, request: Request) -> Any:
         if body.wait and waiting.locked():
             raise TooManyRequests(f"{_MAX_WAITING} requests are waiting already; retry later or do not wait")
-        record = await anyio.to_thread.run_sync(
-            lambda: controller.request_sync(step=body.step, bypass_cpu=body.bypass_cpu, sparse=body.sparse))
+        record = await anyio.to_thread.run_sync(lambda: call("sync", request, body.model_dump()))
+        version = record["id"]
         if not body.wait:
-            return JSONResponse({"version": record.id, "status_url": str(request.url_for("version", version=record.id))},
+            return JSONResponse({"version": version, "status_url": str(request.url_for("version", version=version))},
                                 status_code=202)
-        final = await wait_for(lambda: controller.terminal(record.id), body.timeout_s or config.timeouts.version_s)
-        final = final or controller.history.get(record.id)
+        final = await wait_for(lambda: controller.terminal(version), body.timeout_s or config.timeouts.version_s)
+        final = final or controller.history.get(version)
         return JSONResponse(final.to_dict(), status_code=200 if final.status == "committed" else  # type: ignore[union-attr]
                             (504 if final.status not in TERMINAL else 502))  # type: ignore[union-attr]
 
     @app.get("/versions", summary="Version history, newest first (page with before=next_before)",
              dependencies=auth, response_model=VersionList, responses=error_responses(*guarded, 422, 503))
-    def versions(limit: int = Query(50, ge=1, le=1000), status: Status | None = None,
+    def versions(request: Request, limit: int = Query(50, ge=1, le=1000), status: Status | None = None,
                  before: int | None = Query(None, ge=1, le=MAX_ID, description="only versions with a smaller id")
                  ) -> dict:
-        rows = controller.history.list(limit=limit, status=status, before=before)
-        return {"versions": [r.to_dict() for r in rows],
-                "next_before": rows[-1].id if len(rows) == limit else None}
+        return call("versions", request, {"limit": limit, "status": status, "before": before})
 
     @app.get("/versions/latest", summary="The newest version (any status)", dependencies=auth,
              response_model=VersionOut, responses=error_responses(*guarded, 404, 422, 503))
-    def latest(status: Status | None = None) -> dict:
-        record = controller.history.latest(status=status)
-        if record is None:
-            raise NotFound("no versions yet")
-        return record.to_dict()
+    def latest(request: Request, status: Status | None = None) -> dict:
+        return call("latest", request, {"status": status})
 
     @app.delete("/versions/latest", include_in_schema=False)
     def evict_latest() -> None:
@@ -184,27 +198,24 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
 
     @app.get("/versions/{version}", name="version", summary="One version's record", dependencies=auth,
              response_model=VersionOut, responses=error_responses(*guarded, 404, 422, 503))
-    def version(version: VersionId) -> dict:
-        record = controller.history.get(version)
-        if record is None:
-            raise NotFound(f"version {version} is unknown")
-        return record.to_dict()
+    def version(version: VersionId, request: Request) -> dict:
+        return call("version", request, {"version": version})
 
     @app.post("/versions/{version}/push", status_code=202, summary="Re-push a cached version (rollback)",
-              dependencies=operator, response_model=PushAccepted,
+              dependencies=auth, response_model=PushAccepted,
               responses=error_responses(*guarded, 403, 404, 409, 422, 503))
     def push(version: VersionId, request: Request) -> JSONResponse:
-        record = controller.push(version)
-        return JSONResponse({"version": record.id, "source_version": version,
-                             "status_url": str(request.url_for("version", version=record.id))}, status_code=202)
+        record = call("push", request, {"version": version})
+        return JSONResponse({"version": record["id"], "source_version": version,
+                             "status_url": str(request.url_for("version", version=record["id"]))}, status_code=202)
 
     @app.delete("/versions/{version}", summary="Evict a version from the trainer's cache (history stays)",
-                dependencies=operator, response_model=VersionOut,
+                dependencies=auth, response_model=VersionOut,
                 responses=error_responses(*guarded, 403, 404, 409, 422, 429, 503))
-    async def evict(version: VersionId) -> dict:
+    async def evict(version: VersionId, request: Request) -> dict:
         if waiting.locked():
             raise TooManyRequests(f"{_MAX_WAITING} requests are waiting already; retry later")
-        await anyio.to_thread.run_sync(lambda: controller.request_evict(version))
+        await anyio.to_thread.run_sync(lambda: call("evict", request, {"version": version}))
         record = await wait_for(lambda: controller.evicted(version), _EVICT_WAIT_S)
         if record is None:
             raise Unavailable(f"the trainer did not confirm eviction of version {version} in {_EVICT_WAIT_S:.0f}s")
@@ -212,23 +223,27 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
 
     @app.get("/receivers", summary="Registered agents and what each receiver's model holds", dependencies=auth,
              response_model=AgentList, responses=error_responses(*guarded))
-    def receivers() -> dict:
-        return {"agents": controller.agents_public()}
+    def receivers(request: Request) -> dict:
+        return call("receivers", request)
 
     @app.get("/status", summary="Config summary, in-flight version, cache, storage", dependencies=auth,
              response_model=StatusOut, responses=error_responses(*guarded, 503))
-    def status() -> dict:
-        return {**controller.status(), "config": {
+    def status(request: Request) -> dict:
+        return {**call("status", request), "config": {
             "bypass_cpu": config.bypass_cpu, "bucket_size_mb": config.bucket_size_mb, "device": config.device,
             "backend": config.backend, "keep_versions": config.keep_versions, "verify": config.verify,
             "min_receivers": config.min_receivers, "transport": config.transport, "zmq": config.zmq.endpoint,
             "auth": not authority.open,
         }, "version": __version__}
 
-    @app.get("/health", summary="Liveness (no token needed); degraded while the history cannot be written",
-             response_model=Health, responses=error_responses(413))
-    async def health() -> dict:
-        return {"ok": True, "degraded": controller.history.degraded}
+    @app.get("/health", summary="Liveness (no token needed): 503 while the controller's periodic work keeps "
+             "failing; degraded while the history cannot be written", response_model=Health,
+             responses={503: {"model": Health, "description": "the controller's periodic work keeps failing"},
+                        **error_responses(413)})
+    async def health() -> Any:
+        problem = controller.tick_problem()
+        body = {"ok": problem is None, "degraded": controller.history.degraded, "problem": problem}
+        return body if problem is None else JSONResponse(body, status_code=503)
 
     @app.get("/metrics", summary="Prometheus metrics", dependencies=auth, response_class=Response,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
@@ -237,14 +252,6 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
         return Response(controller.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
-
-
-def _needs(role: Role) -> Callable[[Request], None]:
-    def check(request: Request) -> None:
-        roles = getattr(request.state, "roles", set())
-        if role not in roles:
-            raise Forbidden(f"this operation needs a token of role {role}; this one is {', '.join(sorted(roles))}")
-    return check
 
 
 def _allowed_methods(app: FastAPI, scope: Scope) -> list[str]:

@@ -14,25 +14,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import zmq
-
-from ckpt_engine.control.auth import Role
-from ckpt_engine.control.messages import (MAX_ID, Poll, PollReply, Register, Report, SyncRequest, Unregister, decode_frame,
-                                  encode_frame, parse_body)
-from ckpt_engine.errors import ProtocolError
-from ckpt_engine.server.authority import ANY, Authority
+from ckpt_engine.server.authority import Authority
 from ckpt_engine.server.controller import Controller
-from ckpt_engine.server.errors import BadRequest, ControlError, NotFound
+from ckpt_engine.server.errors import BadRequest, ControlError
 from ckpt_engine.server.history import TERMINAL
+from ckpt_engine.server.operations import OPERATIONS
+
+from ckpt_engine.control.auth import ANY_ROLE, Role
+from ckpt_engine.control.messages import Poll, PollReply, decode_frame, encode_frame
+from ckpt_engine.errors import ProtocolError
 
 log = logging.getLogger(__name__)
 _LOOP_POLL_MS = 20
 _MAX_FRAMES = 8  # routing id + a REQ delimiter or a few proxy hops + the payload
 _MAX_PARKED = 4096  # waiting polls and syncs; beyond this they are answered at once instead of parked
-_ID_RANGE = (-MAX_ID, MAX_ID)
 
 
 def hard_frame_cap(max_frame_bytes: int) -> int:
@@ -151,62 +151,30 @@ class ZmqServer:
             raise ProtocolError("frame has no 'type'")
         if not isinstance(body, dict):
             raise ProtocolError("'body' must be a map")
-        operation = _OPERATIONS.get(kind)
+        operation = OPERATIONS.get(kind)
         # Before anything else is parsed: without a valid token a peer learns nothing but "unauthorized".
         # Agents send the token on every frame; a Register may carry it in its body instead.
         in_body = body.get("token") if kind == "register" else None
         token = in_body if in_body is not None else message.get("token")
         if operation is None:
-            self.authority.require(token, ANY, "any request")
+            self.authority.require(token, ANY_ROLE, "any request")
             raise BadRequest(f"unknown message type {kind!r}")
         roles = self.authority.require(token, operation.roles(body), f"{kind!r}")
-        return operation.run(self, _Request(message, envelope, encoding, body, roles))
+        result = operation.run(self.controller, body, roles)
+        if kind == "poll":  # answered when there is work, or parked until there is (or its wait ends)
+            return self._poll_reply(message, envelope, encoding, result, roles)
+        if kind == "sync" and body.get("wait") is True and len(self._parked) < _MAX_PARKED:
+            timeout_s = body.get("timeout_s")
+            return self._park_until_terminal(message, envelope, encoding, result["id"],
+                                             timeout_s if isinstance(timeout_s, (int, float)) else None)
+        return result
 
-    # ---- operations ----------------------------------------------------------------------------------
-    def _register(self, request: "_Request") -> dict:
-        return self.controller.register(parse_body(Register, request.body)).model_dump()
-
-    def _poll(self, request: "_Request") -> dict | _Parked:
-        poll = parse_body(Poll, request.body)
-        self.controller.acknowledge(poll, request.roles)  # first: an acknowledged assignment must not be sent again
-        assignment = self.controller.poll(poll, request.roles)
+    def _poll_reply(self, message: dict, envelope: list[bytes], encoding: str, poll: Poll,
+                    roles: set[Role]) -> dict | _Parked:
+        assignment = self.controller.poll(poll, roles)
         if assignment is None and poll.wait_s > 0 and len(self._parked) < _MAX_PARKED:
-            return self._park_poll(request.message, request.envelope, request.encoding, poll, request.roles)
+            return self._park_poll(message, envelope, encoding, poll, roles)
         return PollReply(assignment=assignment).model_dump()
-
-    def _report(self, request: "_Request") -> dict:
-        self.controller.report(parse_body(Report, request.body), request.roles)
-        return {}
-
-    def _unregister(self, request: "_Request") -> dict:
-        leaving = parse_body(Unregister, request.body)
-        self.controller.unregister(leaving.agent_id, leaving.session, request.roles)
-        return {}
-
-    def _sync(self, request: "_Request") -> dict | _Parked:
-        sync = parse_body(SyncRequest, request.body)
-        record = self.controller.request_sync(step=sync.step, bypass_cpu=sync.bypass_cpu, sparse=sync.sparse)
-        if sync.wait and len(self._parked) < _MAX_PARKED:
-            return self._park_until_terminal(request.message, request.envelope, request.encoding, record.id,
-                                             sync.timeout_s)
-        return record.to_dict()
-
-    def _versions(self, request: "_Request") -> dict:
-        limit = _int_arg(request.body, "limit", 50, (1, 1000))
-        return {"versions": [r.to_dict() for r in self.controller.history.list(limit=limit)]}
-
-    def _version(self, request: "_Request") -> dict:
-        version = _int_arg(request.body, "version", None, _ID_RANGE)
-        record = self.controller.history.get(version)
-        if record is None:
-            raise NotFound(f"version {version} is unknown")
-        return record.to_dict()
-
-    def _push(self, request: "_Request") -> dict:
-        return self.controller.push(_int_arg(request.body, "version", None, _ID_RANGE)).to_dict()
-
-    def _status(self, request: "_Request") -> dict:
-        return self.controller.status()
 
     def _park_until_terminal(self, message: dict, envelope: list[bytes], encoding: str, version: int,
                              timeout_s: float | None) -> _Parked:
@@ -253,49 +221,3 @@ class ZmqServer:
             sock.send_multipart([*envelope, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("could not reply to a ZMQ peer: %s", exc)
-
-
-@dataclass(frozen=True)
-class _Request:
-    message: dict
-    envelope: list[bytes]
-    encoding: str
-    body: dict
-    roles: set[Role]
-
-
-@dataclass(frozen=True)
-class _Operation:
-    roles: Callable[[dict], frozenset[Role]]
-    run: Callable[[ZmqServer, _Request], dict | _Parked]
-
-
-def _fixed(*roles: Role) -> Callable[[dict], frozenset[Role]]:
-    return lambda body: frozenset(roles)
-
-
-def _registering(body: dict) -> frozenset[Role]:
-    return frozenset({"trainer"} if body.get("role") == "trainer" else {"rollout"})
-
-
-# One entry per message type: the roles a token must grant, and the handler.
-_OPERATIONS: dict[str, _Operation] = {
-    "register": _Operation(_registering, ZmqServer._register),
-    "poll": _Operation(_fixed("trainer", "rollout"), ZmqServer._poll),
-    "report": _Operation(_fixed("trainer", "rollout"), ZmqServer._report),
-    "unregister": _Operation(_fixed("trainer", "rollout"), ZmqServer._unregister),
-    "sync": _Operation(_fixed("operator", "trainer"), ZmqServer._sync),
-    "push": _Operation(_fixed("operator"), ZmqServer._push),
-    "versions": _Operation(lambda body: ANY, ZmqServer._versions),
-    "version": _Operation(lambda body: ANY, ZmqServer._version),
-    "status": _Operation(lambda body: ANY, ZmqServer._status),
-}
-
-
-def _int_arg(body: dict, key: str, default: int | None, bounds: tuple[int, int]) -> int:
-    """An integer field of a body within ``bounds`` (bools are not integers here)."""
-    value = body.get(key, default)
-    low, high = bounds
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise BadRequest(f"'{key}' must be an integer from {low} to {high}")
-    return value

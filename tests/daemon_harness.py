@@ -34,3 +34,41 @@ def train_until_stopped(agent, stop_file: str, on_version=None) -> None:
         time.sleep(0.01)
     agent.wait_idle(30)
     agent.close()
+
+
+class TrainerLoop:
+    """A TrainerAgent stepping in a thread of the test process; ``tensors()`` says what it serves now."""
+
+    def __init__(self, endpoint: str, tensors, poll_wait_s: float = 0.2) -> None:
+        import threading
+
+        from ckpt_engine.workers.trainer_agent import TrainerAgent
+
+        self.agent = TrainerAgent(tensors, endpoint, poll_wait_s=poll_wait_s).start()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        step = 0
+        while not self._stop.is_set():
+            step += 1
+            self.agent.step(step)
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.agent.wait_idle(30)
+        self.agent.close()
+
+
+def sync_when_idle(http, body: dict | None = None, timeout_s: float = 60) -> dict:
+    """POST /sync and wait for its end, waiting out a version already in flight (a catch-up or repair the
+    daemon started by itself answers 409 meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reply = http.post("/sync", json={"wait": True, "timeout_s": timeout_s, **(body or {})})
+        if reply.status_code != 409 or time.monotonic() > deadline:
+            return reply.json()
+        time.sleep(0.2)

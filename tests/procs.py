@@ -10,10 +10,11 @@ import multiprocessing as mp
 import queue
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
-def _child(index: int, target: Callable[..., Any], args: tuple, results: "mp.Queue") -> None:
+def _child(index: int, target: Callable[..., Any], args: tuple, results: mp.Queue) -> None:
     try:
         results.put((index, "ok", target(*args)))
     except BaseException:  # report everything, including SystemExit, to the test
@@ -43,7 +44,7 @@ class Running:
                                          f"did not finish within {timeout_s}s")
                 try:
                     index, status, value = self._results.get(timeout=min(remaining, 1.0))
-                except queue.Empty:  # noqa: PERF203 - poll, then check for dead children
+                except queue.Empty:
                     dead = [i for i, p in enumerate(self.procs) if i not in collected and p.exitcode not in (None, 0)]
                     if dead:
                         raise AssertionError(f"process(es) {dead} died with exit codes "

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import httpx
 import yaml
-
 from ckpt_engine.server.trials.proxy import Proxy
 from ckpt_engine.workers.rollout_agent import RolloutAgent
-from tests.daemon_harness import start_daemon, write_config
+
+from tests.daemon_harness import TrainerLoop, start_daemon, sync_when_idle, write_config
 from tests.raw_agent import RawAgent
 
 
@@ -85,6 +85,9 @@ def test_same_host_path_survives_a_daemon_restart(tmp_path: Path) -> None:
         daemon = start_daemon(config)
         with daemon.client() as client:
             wait_until(lambda: len(agents_of(client)) == 3, timeout_s=20, what="registration after the restart")
+            # what they hold is a claim to the new daemon until a version of their own proves it (a catch-up)
+            wait_until(lambda: all(a["proven"] for a in agents_of(client) if a["role"] == "receiver"), timeout_s=30,
+                       what="the receivers' catch-up after the restart")
             after = sync(client)
     finally:
         stop.touch()
@@ -196,9 +199,10 @@ def test_a_receiver_whose_outcome_is_unknown_gets_a_full_version(tmp_path: Path)
 def test_agents_skip_versions_superseded_before_they_started() -> None:
     """The daemon has one version in flight, so a queued older version has already ended there: serving or
     waiting for it would only make the agent miss the newer one (found by the fault trials)."""
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
+
     from ckpt_engine.control.messages import Assignment
     from ckpt_engine.plan.tensors import NamedTensors
-    from ckpt_engine.workers.trainer_agent import TrainerAgent
 
     trainer = TrainerAgent(lambda: NamedTensors({}), "tcp://127.0.0.1:9")  # never started: no daemon needed
     receiver = RolloutAgent(lambda payload: None, "tcp://127.0.0.1:9")
@@ -279,7 +283,6 @@ _SHORT = {"connect_s": 5, "collective_s": 5, "ack_s": 5, "heartbeat_s": 2, "vers
 
 def _in_process_agents(trainer_endpoint: str, receiver_endpoint: str):
     import torch
-
     from ckpt_engine.workers.trainer_agent import TrainerAgent
 
     trainer = TrainerAgent(torch.nn.Linear(64, 64), trainer_endpoint, poll_wait_s=0.2).start()
@@ -333,3 +336,43 @@ def _train_until_terminal(trainer, client: httpx.Client, version: int, timeout_s
     finally:
         stop.set()
         loop.join(30)
+
+
+def test_a_colocated_receiver_dropped_for_one_slow_load_receives_again(tmp_path: Path) -> None:
+    """One load that outlasts ack_s gets the receiver dropped by the trainer's hub; the next version must reach
+    it over a new connection (found by the outside attack on issue 14: it never received again)."""
+    import torch
+
+    from ckpt_engine.plan.tensors import NamedTensors
+
+    daemon = start_daemon(write_config(tmp_path, transport="ipc", timeouts={
+        "connect_s": 10, "collective_s": 10, "ack_s": 3, "heartbeat_s": 5, "version_s": 60}))
+    tensors = {"w": torch.zeros(1000)}
+    trainer = TrainerLoop(daemon.zmq, lambda: NamedTensors(dict(tensors)))
+    loads: list[float] = []
+
+    def load(payload) -> None:
+        loads.append(float(payload.tensors["w"][0]))
+        if len(loads) == 2:
+            time.sleep(6)  # one slow apply, longer than ack_s
+
+    rollout = RolloutAgent(load, daemon.zmq, poll_wait_s=0.2).start()
+    try:
+        with daemon.client() as http:
+            deadline = time.monotonic() + 30
+            while not [a for a in http.get("/receivers").json()["agents"] if a["role"] == "receiver"]:
+                assert time.monotonic() < deadline, "the receiver did not register"
+                time.sleep(0.2)
+            outcomes = []
+            for value in (1.0, 2.0, 3.0, 4.0):
+                tensors["w"] = torch.full((1000,), value)
+                outcomes.append(sync_when_idle(http)["status"])
+                if value == 2.0:
+                    time.sleep(5)  # the slow load ends
+    finally:
+        rollout.close()
+        trainer.close()
+        daemon.stop()
+    assert outcomes[0] == "committed" and outcomes[1] == "failed", outcomes
+    assert outcomes[2:] == ["committed", "committed"], outcomes
+    assert loads[-1] == 4.0

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckpt_engine.send.cache import VersionCache
 from ckpt_engine.device import detect_device
 from ckpt_engine.errors import CacheError, ConfigError, LayoutMismatchError
 from ckpt_engine.plan.layout import plan_layout
 from ckpt_engine.plan.tensors import specs_of
+from ckpt_engine.send.cache import VersionCache
 
 
 def model(scale: float = 1.0) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The fault-trial invariants (bench/chaos_checks.py), on hand-made evidence: each check must catch what it
+"""The fault-trial invariants (server/trials/checks.py), on hand-made evidence: each check must catch what it
 exists for, and pass what is fine."""
 
 from __future__ import annotations

@@ -19,16 +19,17 @@ import socket
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
 import zmq
 
 from ckpt_engine.config import EngineConfig, load_config
-from ckpt_engine.control.messages import RegisterReply, ReceiverAck, Report, encode_frame
+from ckpt_engine.control.messages import ReceiverAck, RegisterReply, Report, encode_frame
 from ckpt_engine.errors import ConfigError
 from tests.daemon_harness import ROOT, free_port, start_daemon
 

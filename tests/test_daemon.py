@@ -12,8 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ckpt_engine.control.messages import TERMINAL
 from ckpt_engine.device import detect_device
-from tests.daemon_harness import DaemonProcess, ROOT, start_daemon, train_until_stopped, write_config
+from tests.daemon_harness import ROOT, DaemonProcess, start_daemon, train_until_stopped, write_config
 from tests.models import AwkwardModel, load_into, state_bytes
 from tests.procs import start_processes
 
@@ -110,7 +111,7 @@ def _wait_terminal(client: httpx.Client, version: int, timeout_s: float = 60) ->
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         record = client.get(f"/versions/{version}").json()
-        if record["status"] in ("committed", "failed", "cancelled"):
+        if record["status"] in TERMINAL:
             return record
         time.sleep(0.05)
     raise AssertionError(f"version {version} did not end in {timeout_s}s")
@@ -135,7 +136,7 @@ def test_bypass_cpu_from_deploy_yaml_with_env_overrides(tmp_path: Path, stop_fil
         daemon.stop()
 
 
-def test_restart_after_kill9_keeps_history_and_fails_the_in_flight_version(tmp_path: Path) -> None:
+def test_restart_after_kill9_keeps_history_and_interrupts_the_in_flight_version(tmp_path: Path) -> None:
     from ckpt_engine.workers.rollout_agent import RolloutAgent
     from ckpt_engine.workers.trainer_agent import TrainerAgent
 
@@ -162,7 +163,7 @@ def test_restart_after_kill9_keeps_history_and_fails_the_in_flight_version(tmp_p
             with daemon.client() as fresh:
                 assert fresh.get(f"/versions/{refused.json()['record']['id']}").json()["status"] == "failed"
                 crashed = fresh.get(f"/versions/{in_flight}").json()
-                assert crashed["status"] == "failed" and "restarted" in crashed["reason"]
+                assert crashed["status"] == "interrupted" and "may hold it" in crashed["reason"]
                 wait_for_agents(fresh, 2)  # the agents noticed and registered again
                 later = fresh.post("/sync", json={"step": 4})
                 assert later.json()["version"] > in_flight
@@ -258,8 +259,9 @@ def test_garbage_zmq_frames_get_error_replies_and_the_daemon_stays_up(guarded: D
 
 
 def flaky_trainer_proc(zmq: str, stop_file: str) -> dict:
-    from ckpt_engine.plan.tensors import named_tensors_of
     from ckpt_engine.workers.trainer_agent import TrainerAgent
+
+    from ckpt_engine.plan.tensors import named_tensors_of
 
     model = AwkwardModel(seed=1)
     calls = {"n": 0}

@@ -10,17 +10,17 @@ import hashlib
 import subprocess
 import sys
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
 import torch
-
-from ckpt_engine.device import detect_device
-from ckpt_engine.receive.collective import VersionPayload
-from ckpt_engine.plan.tensors import named_tensors_of
 from ckpt_engine.workers.adapters.push_group import PushGroup, PushSettings
 from ckpt_engine.workers.adapters.sglang import EngineUpdateError, SGLangAdapter
+
+from ckpt_engine.device import detect_device
+from ckpt_engine.plan.tensors import named_tensors_of
+from ckpt_engine.receive.collective import VersionPayload
 from tests.daemon_harness import ROOT, free_port
 from tests.tiny_lm import tiny_llama
 
@@ -28,8 +28,8 @@ pytestmark = pytest.mark.multiproc
 
 
 @contextlib.contextmanager
-def fake_server(module: str, *flags: str) -> Iterator[str]:
-    port = free_port()
+def fake_server(module: str, *flags: str, port: int | None = None) -> Iterator[str]:
+    port = port or free_port()
     proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), *flags], cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -80,11 +80,13 @@ def test_sglang_update_flow_in_order_with_version_label() -> None:
         state = httpx.get(f"{url}/_fake/state").json()
         adapter.close()
     calls = [c["call"] for c in state["calls"]]
-    assert calls[:3] == ["init_weights_update_group", "pause_generation", "begin_weight_update"]
+    # a group of the same name left by an earlier run is destroyed first (SGLang refuses a second one)
+    assert calls[:4] == ["destroy_weights_update_group", "init_weights_update_group", "pause_generation",
+                         "begin_weight_update"]
     assert calls[-2:] == ["end_weight_update", "continue_generation"]
-    assert state["calls"][1]["mode"] == "retract"  # in_place would make every flush fail
+    assert state["calls"][2]["mode"] == "retract"  # in_place would make every flush fail
     updates = [c for c in state["calls"] if c["call"] == "update_weights_from_distributed"]
-    assert len(updates) > 1 and len(calls) == len(updates) + 5
+    assert len(updates) > 1 and len(calls) == len(updates) + 6
     # the label and the flush with the last batch only: SGLang applies weight_version after every request
     assert [u["weight_version"] for u in updates] == [None] * (len(updates) - 1) + ["7"]
     assert [u["flush_cache"] for u in updates] == [False] * (len(updates) - 1) + [True]
@@ -125,6 +127,56 @@ def test_sglang_refusing_before_any_weight_changes_nothing() -> None:
         state = httpx.get(f"{url}/_fake/state").json()
         adapter.close()
     assert state["paused"] is None and adapter.torn is None and state["weight_version"] == "default"
+    assert state["session"]  # the other client's session is not ours to close
+
+
+def test_sglang_adapter_restarted_joins_again() -> None:
+    """Our side restarts while SGLang keeps the update group of the old run: the new adapter destroys it and
+    joins anew, instead of failing every version (found by the outside attack on issue 14)."""
+    with fake_server("tests.fakes.fake_sglang") as url:
+        first_settings = push_settings()
+        first = SGLangAdapter(url, first_settings, group=cpu_group(first_settings))
+        first.connect()
+        first.load(payload(3))
+        first.group.close()  # the old process is gone; SGLang still holds its group
+        settings = push_settings()
+        second = SGLangAdapter(url, settings, group=cpu_group(settings))
+        second.connect()
+        second.load(payload(4))
+        state = httpx.get(f"{url}/_fake/state").json()
+        second.close()
+    assert state["weight_version"] == "4" and state["paused"] is None
+    assert [c["call"] for c in state["calls"]].count("destroy_weights_update_group") == 2
+
+
+def test_sglang_restarted_is_refused_then_joined_again() -> None:
+    """SGLang restarts: the next version fails before any weight lands (refused, nothing changed, not torn) and
+    the one after joins a new group and applies; a sparse version onto the restarted server's own weights
+    would be a mix, so that one makes the engine torn until a whole version."""
+    from ckpt_engine.errors import ApplyRefused, TornModelError
+
+    port = free_port()
+    settings = push_settings()
+    with fake_server("tests.fakes.fake_sglang", port=port) as url:
+        adapter = SGLangAdapter(url, settings, group=cpu_group(settings))
+        adapter.connect()
+        adapter.load(payload(3))
+    with fake_server("tests.fakes.fake_sglang", port=port):  # the same server, restarted
+        sparse = payload(4)
+        sparse.sparse = True
+        with pytest.raises(TornModelError, match="not 3"):
+            adapter.load(sparse)
+        assert adapter.torn is not None
+        adapter.load(payload(5))  # whole: joins a new group, applies, continues generation
+        state = httpx.get(f"{url}/_fake/state").json()
+        assert state["weight_version"] == "5" and state["paused"] is None and adapter.torn is None
+    with fake_server("tests.fakes.fake_sglang", port=port):  # restarted again, now with a whole version
+        adapter.load(payload(6))
+        state = httpx.get(f"{url}/_fake/state").json()
+    with pytest.raises(ApplyRefused, match="unreachable"):  # the server is down: nothing changed
+        adapter.load(payload(7))
+    adapter.close()
+    assert state["weight_version"] == "6" and adapter.version == 6
 
 
 def test_the_push_group_uses_the_store_keys_sglang_s_group_waits_on() -> None:

@@ -21,11 +21,11 @@ PUSHES = {4: False, 9: True}  # step -> bypass_cpu
 
 def fsdp_trainer(rank: int, port: int, zmq: str, steps: int, pushes: dict[int, bool] = PUSHES,
                  train_only_first_layer: bool = False) -> dict:
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     from ckpt_engine.plan.tensors import named_tensors_of
-    from ckpt_engine.workers.trainer_agent import TrainerAgent
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
@@ -68,9 +68,10 @@ LOAD_DELAY_S = 0.5  # a rollout engine whose load takes a while, as real ones do
 def transformers_receiver(zmq: str, seed: int, stop_file: str) -> dict:
     import time
 
-    from ckpt_engine.plan.tensors import named_tensors_of
     from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
     from ckpt_engine.workers.rollout_agent import RolloutAgent
+
+    from ckpt_engine.plan.tensors import named_tensors_of
 
     model = tiny_llama(seed=seed).eval()
     adapter = ModuleAdapter(model)

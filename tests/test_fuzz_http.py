@@ -1,4 +1,4 @@
-"""Schemathesis against the real daemon's live /openapi.json (bench/fuzz_http.py runs the same, longer), and
+"""Schemathesis against the real daemon's live /openapi.json (server/trials/fuzz_http.py runs the same, longer), and
 regression tests for what it found: 500s from ids beyond SQLite's INTEGER, undeclared statuses and content
 types, 405s without the right Allow header, a chunked body over the limit answered 400 instead of 413."""
 
@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from ckpt_engine.server.trials.fuzz_http import EXPECTED_5XX, format_summary, run_fuzz
+
 from tests.daemon_harness import DaemonProcess, start_daemon, write_config
 
 pytestmark = pytest.mark.multiproc
 
 TOKEN = "fuzz-test-token-0123456789"
-CASES = 50  # per operation and phase: about 5 s here; bench/fuzz_http.py runs 200 (or more) the same way
+CASES = 50  # per operation and phase: about 5 s here; server/trials/fuzz_http.py runs 200 (or more) the same way
 OPERATIONS = {"POST /sync", "GET /versions", "GET /versions/latest", "GET /versions/{version}",
               "POST /versions/{version}/push", "DELETE /versions/{version}", "GET /receivers", "GET /status",
               "GET /health", "GET /metrics"}
@@ -37,7 +37,7 @@ def test_generated_requests_with_the_token_get_declared_answers_and_no_5xx(daemo
         fives = {s for s in operation["statuses"] if s.startswith("5")}
         assert fives <= {str(s) for s in EXPECTED_5XX.get(label, ())}, report
     with daemon.client() as client:
-        assert client.get("/health").json() == {"ok": True, "degraded": False}
+        assert client.get("/health").json() == {"ok": True, "degraded": False, "problem": None}
         history = client.get("/versions", params={"limit": 1000}).json()["versions"]
     # Every generated sync was refused and recorded as such: nothing else appeared in history.
     assert history and {(v["status"], v["reason"]) for v in history} == {("failed", NO_AGENTS)}

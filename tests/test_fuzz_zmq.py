@@ -10,14 +10,15 @@ import json
 import random
 import string
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgpack
 import pytest
 import zmq
+from ckpt_engine.server.zmq_server import hard_frame_cap
 
 from ckpt_engine.control.messages import MAX_ID
-from ckpt_engine.server.zmq_server import hard_frame_cap
 from tests.daemon_harness import DaemonProcess, free_port, start_daemon, write_config
 
 pytestmark = pytest.mark.multiproc
@@ -303,7 +304,7 @@ def test_the_daemon_is_whole_afterwards(daemon: DaemonProcess) -> None:
     before = _history(daemon)
     assert daemon.proc.poll() is None and "Traceback" not in daemon.log()
     with daemon.client() as client:
-        assert client.get("/health").json() == {"ok": True, "degraded": False}
+        assert client.get("/health").json() == {"ok": True, "degraded": False, "problem": None}
         assert client.get("/status").json()["in_flight"] is None
     fresh = Peer(daemon.zmq)
     try:
@@ -321,14 +322,14 @@ def test_the_daemon_is_whole_afterwards(daemon: DaemonProcess) -> None:
 # ---- a hostile peer with valid credentials ------------------------------------------------------------------
 
 def test_a_hostile_peer_with_a_rollout_token_changes_nothing_but_its_own_standing(tmp_path) -> None:
-    from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
-    from ckpt_engine.workers.rollout_agent import RolloutAgent
-    from ckpt_engine.workers.trainer_agent import TrainerAgent
     import threading
 
     import torch
-
     from ckpt_engine.server.trials.hostile import hostile_messages
+    from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
+    from ckpt_engine.workers.rollout_agent import RolloutAgent
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
+
     from tests.raw_agent import RawAgent
 
     daemon = start_daemon(write_config(tmp_path, transport="collective"))
@@ -406,4 +407,4 @@ def test_a_hostile_peer_with_a_rollout_token_changes_nothing_but_its_own_standin
         receiver.close()
         trainer.close()
         daemon.stop()
-    assert set(answers) <= {"ok", "forbidden", "bad request", "not found"}, answers
+    assert set(answers) <= {"ok", "forbidden", "bad request", "not found", "conflict"}, answers  # conflict: a second driver

@@ -85,7 +85,7 @@ def test_padding_bytes_do_not_change_digests() -> None:
 
 
 def test_chunked_device_digest_matches_reference_across_chunk_boundaries(monkeypatch) -> None:
-    import ckpt_engine.plan.hashing as hashing
+    from ckpt_engine.plan import hashing
 
     monkeypatch.setattr(hashing, "_CHUNK_WORDS", 5)  # force many chunks and tensors spanning them
     t = torch.randn(37)
@@ -123,7 +123,7 @@ def test_device_digest_matches_reference_on_random_layouts(monkeypatch, chunk_wo
     """Tensors of every size class (empty, under a word, partial last word, many words) around chunk edges."""
     import random
 
-    import ckpt_engine.plan.hashing as hashing
+    from ckpt_engine.plan import hashing
 
     monkeypatch.setattr(hashing, "_CHUNK_WORDS", chunk_words)
     rng = random.Random(chunk_words)

@@ -1,11 +1,10 @@
-"""History store: ids monotonic across restarts, in-flight versions failed on restart, JSON columns."""
+"""History store: ids monotonic across restarts, in-flight versions interrupted on restart, JSON columns."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-
 from ckpt_engine.server.history import HistoryError, HistoryLocked, HistoryStore, check_history_path
 
 
@@ -31,12 +30,12 @@ def test_ids_never_reused_across_restarts_and_in_flight_rows_fail(tmp_path: Path
     store.close()
 
     reopened = HistoryStore(path)
-    assert reopened.fail_unfinished("daemon restarted") == [second.id]
+    assert reopened.interrupt_unfinished("daemon restarted") == [second.id]
     assert reopened.get(first.id).status == "committed"
     failed = reopened.get(second.id)
-    assert failed.status == "failed" and failed.reason == "daemon restarted"
+    assert failed.status == "interrupted" and failed.reason == "daemon restarted"
     assert reopened.create(mode="cached", step=3).id > second.id
-    assert reopened.counts() == {"committed": 1, "failed": 1, "requested": 1}
+    assert reopened.counts() == {"committed": 1, "interrupted": 1, "requested": 1}
 
 
 def test_list_is_newest_first_and_filters(tmp_path: Path) -> None:

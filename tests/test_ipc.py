@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from ckpt_engine.device import detect_device
-from ckpt_engine.transport.group import open_store
-from ckpt_engine.transport.same_host import FramedSocket, IpcHub, abstract_address, host_identity
+from ckpt_engine.plan.modes import mode_of
+from ckpt_engine.plan.tensors import named_tensors_of
+from ckpt_engine.receive.collective import Receiver
 from ckpt_engine.receive.colocated import BucketNotice, IpcReceiver
 from ckpt_engine.send.publisher import Publisher
-from ckpt_engine.receive.collective import Receiver
-from ckpt_engine.plan.tensors import named_tensors_of
+from ckpt_engine.transport.group import open_store
+from ckpt_engine.transport.same_host import FramedSocket, IpcHub, abstract_address, host_identity
 from tests.models import BUCKET_SIZE, AwkwardModel, load_into, state_bytes
 from tests.procs import run_processes, start_processes
 from tests.test_sync_multiproc import _sync_group
@@ -41,7 +42,7 @@ def mixed_sender(port: int, hub: str, versions: int) -> dict:
     results, states = [], []
     for version in range(1, versions + 1):
         model.perturb(version)
-        result = publisher.publish(version, named_tensors_of(model), bypass_cpu=version % 2 == 0).result(60)
+        result = publisher.publish(version, named_tensors_of(model), mode=mode_of(version % 2 == 0)).result(60)
         results.append((result.ok, result.reason, sorted(result.committed_ranks), result.version_digest))
         states.append(state_bytes(model))
     publisher.close()
@@ -95,8 +96,8 @@ def old_minimal_sender(hub_name: str) -> dict:
     """An older sender speaking the IPC protocol by hand, without any optional field."""
     from ckpt_engine.plan.hashing import bucket_digests, version_digest
     from ckpt_engine.plan.layout import plan_layout
-    from ckpt_engine.transport.messages import LayoutMessage, VersionHeader, VersionTrailer, encode
     from ckpt_engine.plan.tensors import fill_bucket, specs_of
+    from ckpt_engine.transport.messages import LayoutMessage, VersionHeader, VersionTrailer, encode
 
     tensors = {"a": torch.arange(6.0), "b": torch.ones(2, 3, dtype=torch.bfloat16)}
     layout = plan_layout(specs_of(tensors), bucket_size=64)
@@ -216,7 +217,7 @@ def hub_only_sender(hub: str) -> dict:
     publisher = Publisher(device=CPU, bucket_size=BUCKET_SIZE, ipc_hub_name=hub, timeout_s=3)
     publisher.attach(None, ipc_peers={"colocated": 2})
     started = time.monotonic()
-    result = publisher.publish(1, named_tensors_of(AwkwardModel(seed=1)), bypass_cpu=True).result(60)
+    result = publisher.publish(1, named_tensors_of(AwkwardModel(seed=1)), mode="bypass_cpu").result(60)
     return {"ok": result.ok, "reason": result.reason, "elapsed": time.monotonic() - started}
 
 
@@ -318,7 +319,7 @@ def two_peer_sender(hub: str) -> dict:
     publisher = Publisher(device=CPU, bucket_size=BUCKET_SIZE, ipc_hub_name=hub, timeout_s=4)
     publisher.attach(None, ipc_peers={"healthy": 1, "silent": 2})
     started = time.monotonic()
-    result = publisher.publish(1, named_tensors_of(AwkwardModel(seed=1)), bypass_cpu=True).result(60)
+    result = publisher.publish(1, named_tensors_of(AwkwardModel(seed=1)), mode="bypass_cpu").result(60)
     return {"acks": {a.rank: (a.ok, a.reason) for a in result.receivers}, "elapsed": time.monotonic() - started,
             "buckets": result.buckets}
 

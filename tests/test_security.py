@@ -96,10 +96,11 @@ def test_a_wildcard_bind_is_guarded_by_the_role_tokens_and_warns_loudly_when_ope
 
 
 def test_tokens_and_sessions_are_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from ckpt_engine.config import parse_config
-    from ckpt_engine.control.messages import Register
     from ckpt_engine.server.agents import AgentRegistry
     from ckpt_engine.server.authority import Authority
+
+    from ckpt_engine.config import parse_config
+    from ckpt_engine.control.messages import Register
 
     calls: list[tuple[bytes, bytes]] = []
     compare_digest = hmac.compare_digest

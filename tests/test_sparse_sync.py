@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_engine.transport.group import open_store
-from ckpt_engine.send.publisher import Publisher
-from ckpt_engine.receive.collective import Receiver
 from ckpt_engine.plan.tensors import named_tensors_of
+from ckpt_engine.receive.collective import Receiver
+from ckpt_engine.send.publisher import Publisher
+from ckpt_engine.transport.group import open_store
 from tests.models import BUCKET_SIZE, AwkwardModel, load_into, state_bytes
 from tests.procs import run_processes
 from tests.test_sync_multiproc import _sync_group

@@ -17,10 +17,11 @@ import torch.distributed as dist
 
 from ckpt_engine.device import detect_device
 from ckpt_engine.errors import SyncTimeoutError
-from ckpt_engine.transport.group import SyncGroup, open_store
-from ckpt_engine.send.publisher import Publisher
-from ckpt_engine.receive.collective import Receiver, VersionPayload
+from ckpt_engine.plan.modes import mode_of
 from ckpt_engine.plan.tensors import NamedTensors, named_tensors_of
+from ckpt_engine.receive.collective import Receiver, VersionPayload
+from ckpt_engine.send.publisher import Publisher
+from ckpt_engine.transport.group import SyncGroup, open_store
 from tests.models import BUCKET_SIZE, AwkwardModel, load_into, state_bytes
 from tests.procs import run_processes
 
@@ -77,7 +78,7 @@ def trainer(rank: int, default_port: int, sync_port: int, algo: str) -> dict:
         if version == 5:
             model.perturb(version)
         corrupting["on"] = version == CORRUPT_VERSION
-        transfer = publisher.publish(version, named_tensors_of(model), bypass_cpu=bypass, step=version * 10)
+        transfer = publisher.publish(version, named_tensors_of(model), mode=mode_of(bypass), step=version * 10)
         result = transfer.result(timeout_s=60)
         results.append(result)
         states.append(state_bytes(model))
@@ -272,9 +273,9 @@ def aborting_sender(port: int) -> list:
 
     state = {"fail": True}
     publisher = Publisher(group, bucket_size=BUCKET_SIZE, wire_hook=hook)
-    first = publisher.publish(1, named_tensors_of(model), bypass_cpu=True).result(timeout_s=60)
+    first = publisher.publish(1, named_tensors_of(model), mode="bypass_cpu").result(timeout_s=60)
     state["fail"] = False
-    second = publisher.publish(2, named_tensors_of(model), bypass_cpu=True).result(timeout_s=60)
+    second = publisher.publish(2, named_tensors_of(model), mode="bypass_cpu").result(timeout_s=60)
     publisher.close()
     return [(first.ok, first.reason), (second.ok, second.reason)]
 

@@ -24,8 +24,8 @@ import httpx
 import pytest
 import torch
 
-from ckpt_engine.control.messages import MAX_ID
 from ckpt_engine.control.client import ControlClient, ControlReplyError
+from ckpt_engine.control.messages import MAX_ID
 from tests.daemon_harness import ROOT, start_daemon, write_config
 from tests.procs import start_processes
 from tests.raw_agent import RawAgent
@@ -68,8 +68,9 @@ def test_a_peer_claiming_huge_versions_moves_nothing(tmp_path: Path) -> None:
 # ---- 2. a receiver that cannot receive ---------------------------------------------------------------------
 def growing_trainer(zmq: str, stop_file: str) -> dict:
     """From its second version on, the trainer's model has 64 MiB more (eight 8 MiB tensors)."""
-    from ckpt_engine.plan.tensors import NamedTensors
     from ckpt_engine.workers.trainer_agent import TrainerAgent
+
+    from ckpt_engine.plan.tensors import NamedTensors
     from tests.daemon_harness import train_until_stopped
 
     small = {"w": torch.randn(256, 256)}
@@ -132,8 +133,9 @@ def test_a_receiver_that_cannot_allocate_leaves_the_quorum_and_the_others_go_on(
 
 def test_a_receive_loop_survives_an_error_that_is_not_the_library_s(tmp_path: Path) -> None:
     """Any exception on the receive thread becomes a failed version with its reason, and the loop goes on."""
-    from ckpt_engine.control.messages import Assignment
     from ckpt_engine.workers.rollout_agent import RolloutAgent
+
+    from ckpt_engine.control.messages import Assignment
 
     daemon = start_daemon(write_config(tmp_path, timeouts=_QUICK))
     agent = RolloutAgent(lambda payload: None, daemon.zmq, poll_wait_s=0.2).start()
@@ -240,7 +242,7 @@ def test_a_full_disk_is_a_state_and_applied_versions_are_recorded_committed(tmp_
             trainer.report(version, "done", ok=True, version_digest="e" * 16, cache_versions=[version])
             record = http.get(f"/versions/{version}").json()
             assert record["status"] == "committed" and record["cached"], record  # the truth, from memory
-            assert http.get("/health").json() == {"ok": True, "degraded": True}
+            assert http.get("/health").json() == {"ok": True, "degraded": True, "problem": None}
             status = http.get("/status").json()
             assert status["degraded"] and status["storage"]["pending_writes"] >= 1, status
             refused = http.post("/sync", json={})
@@ -288,24 +290,39 @@ def test_agents_with_a_refused_token_back_off_and_say_so(tmp_path: Path) -> None
 
 # ---- 6. one daemon per history ----------------------------------------------------------------------------
 def test_a_second_daemon_on_the_same_history_is_refused(tmp_path: Path) -> None:
+    """Whatever path names the history (a symlink, the same file after its ``.lock`` note was deleted), and
+    the note is never written through a symlink (the outside attack on issue 15 found both ways in)."""
+    import yaml
+
     config = write_config(tmp_path)
     first = start_daemon(config)
+    history = tmp_path / "history.sqlite3"
+    (tmp_path / "second").mkdir()
+    link = tmp_path / "second" / "link.sqlite3"
+    link.symlink_to(history)
     try:
-        (tmp_path / "second").mkdir()
-        second_config = write_config(tmp_path / "second")
-        import yaml
-
-        data = yaml.safe_load(second_config.read_text())
-        data["store"]["history_path"] = str(tmp_path / "history.sqlite3")
-        second_config.write_text(yaml.safe_dump(data))
-        result = subprocess.run([sys.executable, "-m", "ckpt_engine.server", "serve", "--config", str(second_config)],
-                                capture_output=True, text=True, timeout=60, cwd=ROOT)
-        assert result.returncode == 2, result.stderr
-        assert "in use by another daemon" in result.stderr and f"pid {first.proc.pid}" in result.stderr
+        for path, note in ((history, True), (link, True), (history, False)):
+            if not note:
+                Path(f"{history}.lock").unlink()  # deleting who-holds-it does not free the history
+            second_config = write_config(tmp_path / "second")
+            data = yaml.safe_load(second_config.read_text())
+            data["store"]["history_path"] = str(path)
+            second_config.write_text(yaml.safe_dump(data))
+            result = subprocess.run([sys.executable, "-m", "ckpt_engine.server", "serve", "--config",
+                                     str(second_config)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+            assert result.returncode == 2, result.stderr
+            assert "in use by another daemon" in result.stderr
+            assert not note or f"pid {first.proc.pid}" in result.stderr
         with first.client() as http:
             assert http.get("/health").json()["ok"]
     finally:
         first.stop()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    Path(f"{history}.lock").unlink(missing_ok=True)
+    Path(f"{history}.lock").symlink_to(victim)
+    start_daemon(config).stop()  # says who holds the history, never through the symlink
+    assert victim.read_text() == "keep me"
 
 
 # ---- 7. a slow control plane ------------------------------------------------------------------------------
@@ -376,9 +393,10 @@ def test_versions_page_past_the_newest_thousand(tmp_path: Path) -> None:
 
 
 def test_a_tensor_the_model_does_not_have_is_refused_before_anything_changes() -> None:
-    from ckpt_engine.receive.assembly import VersionPayload
-    from ckpt_engine.errors import ApplyRefused
     from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
+
+    from ckpt_engine.errors import ApplyRefused
+    from ckpt_engine.receive.assembly import VersionPayload
 
     model = torch.nn.Linear(4, 4)
     before = model.weight.detach().clone()

@@ -15,16 +15,17 @@ import queue
 import socket
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ckpt_engine.control.auth import Role, client_token
+from ckpt_engine.control.client import ControlClient, ControlReplyError, RequestAbandoned
 from ckpt_engine.control.messages import Assignment, RegisterReply
 from ckpt_engine.device import DeviceInfo, detect_device
 from ckpt_engine.errors import CkptEngineError
+from ckpt_engine.retry import Backoff, FailureLog
 from ckpt_engine.transport.group import SyncGroup, open_store
 from ckpt_engine.transport.same_host import host_identity
-from ckpt_engine.retry import Backoff, FailureLog
-from ckpt_engine.control.client import ControlClient, ControlReplyError, RequestAbandoned
 
 log = logging.getLogger(__name__)
 _CREDENTIAL_OF: dict[str, Role] = {"trainer": "trainer", "receiver": "rollout", "driver": "rollout"}
@@ -39,7 +40,7 @@ def supervised(target: Callable[[], None], name: str, on_death: Callable[[BaseEx
     def run() -> None:
         try:
             target()
-        except BaseException as exc:  # noqa: BLE001 - the point is that nothing ends the thread unseen
+        except BaseException as exc:
             log.exception("thread %s died", name)
             if on_death is not None:
                 try:
@@ -97,7 +98,7 @@ class Agent:
                 return f"{failures.what}: {failures.last_error} (for {failures.failing_for_s:.0f}s)"
         return None
 
-    def start(self) -> "Agent":
+    def start(self) -> Agent:
         self._register()
         self._reporter.start()
         self.on_registered()
@@ -281,8 +282,10 @@ class Agent:
         """One poll (and what its reply asks for); False when it failed and the loop should back off."""
         polled_as = self.agent_id
         try:
+            unable = self.unable_now()
             reply = poller.request("poll", {**self._identity(), "versions": self.versions_held(),
-                                            "wait_s": self.poll_wait_s, "received": self._received})
+                                            "wait_s": self.poll_wait_s, "received": self._received,
+                                            **({"unable": unable} if unable else {})})
         except ControlReplyError as exc:
             self._poll_failures.failed(exc)
             if "unregistered agent" in str(exc.detail) or exc.error == "unauthorized":
@@ -312,6 +315,10 @@ class Agent:
             log.warning("registered again as %s", self.agent_id)
         except CkptEngineError as exc:
             self._poll_failures.failed(f"registering again: {exc}")
+
+    def unable_now(self) -> str | None:
+        """Why this agent cannot take versions now, said with every poll (None: it can)."""
+        return None
 
     def _poll_loop_died(self, exc: BaseException) -> None:
         # Without polls the daemon drops this agent after its heartbeat timeout; say so where it is seen.

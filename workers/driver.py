@@ -23,9 +23,10 @@ import queue
 import threading
 from typing import Any, Protocol
 
+from ckpt_engine.workers.agent import Agent, supervised
+
 from ckpt_engine.control.messages import Assignment
 from ckpt_engine.errors import CkptEngineError
-from ckpt_engine.workers.agent import Agent, supervised
 
 log = logging.getLogger(__name__)
 

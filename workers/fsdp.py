@@ -9,8 +9,8 @@ placements fall back to ``full_tensor()``. Memory stays at about one bucket of g
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,6 @@ from torch.distributed.tensor import DTensor, Shard
 from ckpt_engine.errors import LayoutMismatchError
 from ckpt_engine.plan.layout import Bucket
 from ckpt_engine.plan.tensors import NamedTensors, NameMap, named_tensors_of
-
 
 # torch >= 2.13 names it all_gather_single; older releases only have all_gather_into_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -11,16 +11,20 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections.abc import Callable
+
+from ckpt_engine.workers.agent import Agent, supervised
 
 from ckpt_engine.control.messages import Assignment
 from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.receive.assembly import VersionAssembler
-from ckpt_engine.receive.colocated import IpcReceiver
 from ckpt_engine.receive.collective import LoadFn, Receiver, ReceiveResult
-from ckpt_engine.workers.agent import Agent, supervised
+from ckpt_engine.receive.colocated import IpcReceiver
 
 log = logging.getLogger(__name__)
+_UNABLE_SAID_S = 10.0  # how long a dead receive loop's reason rides along with the polls
 
 
 class RolloutAgent(Agent):
@@ -28,13 +32,17 @@ class RolloutAgent(Agent):
 
     def __init__(self, load: LoadFn, endpoint: str, *, token: str | None = None, device: DeviceInfo | None = None,
                  poll_wait_s: float = 1.0, host_id: str | None = None, sync_every: int = 1,
-                 engine: str | None = None, driven: bool = False, members: int | None = None) -> None:
+                 engine: str | None = None, driven: bool = False, members: int | None = None,
+                 whole_versions: bool = False, discard: Callable[[int, str], None] | None = None) -> None:
         """``sync_every``: take only every N-th version (a slow engine); rollbacks and catch-ups still come.
         ``engine``/``members``: this receiver is one of ``members`` workers of an engine that apply versions
-        together; ``driven``: the engine's driver applies them (``load`` only stages, see staged.py)."""
+        together; ``driven``: the engine's driver applies them (``load`` only stages, see staged.py), and
+        ``discard(version, reason)`` drops a staged version the driver could not apply.
+        ``whole_versions``: the engine cannot take sparse versions (the daemon sends it whole ones)."""
         super().__init__(endpoint, token=token, device=device, poll_wait_s=poll_wait_s, host_id=host_id)
         self.sync_every = sync_every
         self.engine, self.driven, self.members = engine, driven, members
+        self.whole_versions, self.discard = whole_versions, discard
         self.load = load
         self.current_version: int | None = None
         self.results: list[ReceiveResult] = []
@@ -44,10 +52,13 @@ class RolloutAgent(Agent):
         self._ipc_name: str | None = None
         self._shared_assembler: VersionAssembler | None = None
         self._worker = supervised(self._work_loop, "ckpt-receiver", self._work_loop_died)
+        self._receiving: int | None = None  # the version the receive loop is on
+        self._unable: tuple[str | None, float] = (None, 0.0)  # said with polls until then
         self.applied = threading.Condition()
 
     def register_extra(self) -> dict:
-        return {"engine": self.engine, "driven": self.driven, "members": self.members} if self.engine else {}
+        extra = {"engine": self.engine, "driven": self.driven, "members": self.members} if self.engine else {}
+        return {**extra, "whole_versions": True} if self.whole_versions else extra
 
     def on_registered(self) -> None:
         if not self._worker.is_alive():
@@ -67,6 +78,8 @@ class RolloutAgent(Agent):
     def handle(self, assignment: Assignment) -> None:
         if assignment.kind == "receive":
             self._work.put(assignment)
+        elif assignment.kind == "discard" and self.discard is not None:
+            self.discard(assignment.version, assignment.reason or "its engine's driver did not apply it")
 
     def close(self) -> None:
         self._work.put(None)
@@ -83,24 +96,32 @@ class RolloutAgent(Agent):
             return self.applied.wait_for(
                 lambda: self.current_version is not None and self.current_version >= version, timeout_s)
 
+    def unable_now(self) -> str | None:
+        reason, until = self._unable
+        return reason if reason is not None and time.monotonic() < until else None
+
     def _work_loop(self) -> None:
         while (assignment := self._work.get()) is not None:
             if self._superseded(assignment):
                 continue
+            self._receiving = assignment.version
             try:
                 result = self._receive(assignment)
             except Exception as exc:  # whatever it was, this receiver reports it and takes the next version
                 log.exception("version %d: receiving failed", assignment.version)
                 result = ReceiveResult(assignment.version, False, f"{type(exc).__name__}: {exc}")
             self._record(assignment, result)
+            self._receiving = None
 
     def _work_loop_died(self, exc: BaseException) -> None:
-        """The receive loop ended unexpectedly (its own handling failed): leave the quorum with the reason, and
-        run a new loop so later versions are received again."""
+        """The receive loop ended unexpectedly (its own handling failed): leave the quorum with the reason (the
+        outcome of the version it was on, and the next polls), and run a new loop so later versions are
+        received again."""
         reason = f"the receive thread died: {type(exc).__name__}: {exc}"
-        if self.settings is not None:
-            self.report(0 if self.current_version is None else self.current_version, "received", ok=False,
-                        reason=reason, unable=reason, serving=self.current_version)
+        self._unable = (reason, time.monotonic() + _UNABLE_SAID_S)
+        version = self._receiving
+        if self.settings is not None and version is not None:
+            self.report(version, "received", ok=False, reason=reason, unable=reason, serving=self.current_version)
         if not self._stop.is_set():
             self._worker = supervised(self._work_loop, "ckpt-receiver", self._work_loop_died)
             self._worker.start()
@@ -126,15 +147,27 @@ class RolloutAgent(Agent):
         if settings is None:
             raise CkptEngineError("not registered")
         if assignment.transport == "ipc":
-            ipc = self._ipc_receiver(assignment, settings)
-            result = ipc.receive(begin_timeout_s=settings.version_timeout_s,
-                                 abandon=lambda: self._will_not_come(assignment))
+            result = self._receive_colocated(assignment, settings)
         else:
             result = self._collective_receiver(assignment, settings).receive(begin_timeout_s=settings.version_timeout_s)
         if result is None:
             return ReceiveResult(assignment.version, False, "the sender closed the channel")
         if result.version is not None and result.version != assignment.version:
             result.ok, result.reason = False, f"received version {result.version}, expected {assignment.version}"
+        return result
+
+    def _receive_colocated(self, assignment: Assignment, settings) -> ReceiveResult | None:
+        """Over the same-host channel; one that the trainer's hub closed meanwhile (e.g. it dropped this
+        receiver as too slow last time) is found closed only now: connect again once, for this version."""
+        result = None
+        for _ in range(2):
+            ipc = self._ipc_receiver(assignment, settings)
+            result = ipc.receive(begin_timeout_s=settings.version_timeout_s,
+                                 abandon=lambda: self._will_not_come(assignment))
+            if result is not None or ipc.broken is None:
+                return result
+            log.info("version %d: the same-host channel was closed (%s); connecting again", assignment.version,
+                     ipc.broken)
         return result
 
     def _collective_receiver(self, assignment: Assignment, settings) -> Receiver:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ckpt_engine.errors import ApplyRefused, CkptEngineError, SyncTimeoutError
 from ckpt_engine.receive.collective import VersionPayload
@@ -25,11 +25,14 @@ class StagedVersion:
     """One version in hand between two threads. ``on_staged(version)`` is called (on the receive thread) when
     a version is ready to be applied, e.g. to tell the daemon, which then tells the engine's driver."""
 
-    def __init__(self, *, on_staged: Callable[[int], None], take_timeout_s: float, apply_timeout_s: float) -> None:
+    def __init__(self, *, on_staged: Callable[[int], None], take_timeout_s: float, apply_timeout_s: float,
+                 check: Callable[[VersionPayload], None] | None = None,
+                 on_applied: Callable[[frozenset[str]], None] | None = None) -> None:
         """``take_timeout_s``: how long a staged version waits for the engine to take it (then it is refused,
         nothing changed); ``apply_timeout_s``: how long an apply in progress may take (then the model is
-        declared torn)."""
-        self.on_staged = on_staged
+        declared torn). ``check(payload)`` may refuse a version before it is staged (ApplyRefused);
+        ``on_applied(names)`` hears the names of each version applied whole."""
+        self.on_staged, self.check, self.on_applied = on_staged, check, on_applied
         self.take_timeout_s, self.apply_timeout_s = take_timeout_s, apply_timeout_s
         self._cond = threading.Condition()
         self._payload: VersionPayload | None = None
@@ -45,6 +48,8 @@ class StagedVersion:
     # ---- the receive thread ---------------------------------------------------------------------------
     def load(self, payload: VersionPayload) -> None:
         """LoadFn: stage ``payload`` and wait until the engine has applied it (or refused, or failed)."""
+        if self.check is not None:
+            self.check(payload)
         with self._cond:
             self._payload, self._taken, self._outcome, self._done = payload, False, None, False
         try:
@@ -91,7 +96,19 @@ class StagedVersion:
                 return  # the receive thread gave up on it already
             if error is not None and not isinstance(error, (ApplyRefused, CkptEngineError)):
                 error = _Failed(f"{type(error).__name__}: {error}")
+            if error is None and self.on_applied is not None:
+                self.on_applied(frozenset(self._payload.tensors))
             self._outcome, self._done = error, True
+            self._cond.notify_all()
+
+    def discard(self, version: int, reason: str) -> None:
+        """The engine will not take ``version`` (its driver failed before the workers were asked): refuse it
+        now instead of after ``take_timeout_s``, so this worker can receive the next version (e.g. a repair).
+        A version the engine has taken already is left to its apply."""
+        with self._cond:
+            if self._payload is None or self._payload.version != version or self._taken:
+                return
+            self._outcome, self._done = ApplyRefused(f"version {version} was not applied: {reason}"), True
             self._cond.notify_all()
 
 

@@ -25,27 +25,26 @@ import collections
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from ckpt_engine.workers.agent import Agent
+from ckpt_engine.workers.fsdp import sharded_tensors_of
 from torch import nn
 
-from ckpt_engine.plan.changes import ChangeTracker
+from ckpt_engine.control.client import ControlReplyError
 from ckpt_engine.control.messages import TERMINAL, Assignment
 from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError, SyncTimeoutError
-from ckpt_engine.plan.layout import Bucket, Layout
-from ckpt_engine.send.publisher import Publisher
-from ckpt_engine.retry import Backoff
-from ckpt_engine.send.sender import Transfer, TransferResult
+from ckpt_engine.plan.modes import MODES
 from ckpt_engine.plan.tensors import NamedTensors, NameMap
-from ckpt_engine.workers.agent import Agent
-from ckpt_engine.workers.fsdp import sharded_tensors_of
+from ckpt_engine.retry import Backoff, FailureLog
+from ckpt_engine.send.publisher import Publisher, Route, owns_nothing
+from ckpt_engine.send.sender import Transfer, TransferResult
 
 log = logging.getLogger(__name__)
 TensorSource = Callable[[], NamedTensors]
-_MODES = {"cached": 1, "bypass_cpu": 2}
 
 
 class TrainerAgent(Agent):
@@ -71,7 +70,9 @@ class TrainerAgent(Agent):
         self.held_seconds: list[float] = []  # per served version: how long step() held the training loop
         self.gathered: dict[int, int] = {}  # per served version: bytes of full tensors assembled on this rank
         self.served: list[int] = []  # versions this rank served (rank 0: sent), oldest first
-        self._changes_seen: ChangeTracker | None = None
+        self._push_backoff = Backoff(initial_s=1.0, max_s=30.0)
+        self._push_after = 0.0
+        self._push_failures = FailureLog(log, "trainer agent: push (a version requested from the loop)")
 
     def register_extra(self) -> dict:
         hub = self.publisher.hub if self.publisher is not None else None
@@ -94,9 +95,7 @@ class TrainerAgent(Agent):
     def forget_versions(self) -> None:
         # Their ids mean nothing to the daemon's history: they could never be asked for again.
         if self.publisher is not None:
-            for version in self.publisher.cache.versions():
-                self.publisher.cache.evict(version)
-            self.publisher.manifests.clear()
+            self.publisher.forget()
 
     def handle(self, assignment: Assignment) -> None:
         if assignment.kind == "evict":
@@ -107,7 +106,8 @@ class TrainerAgent(Agent):
         elif assignment.kind == "send":
             self._pending.append(assignment)
             # Rendezvous with the receivers now, while the loop runs on to its next step boundary.
-            threading.Thread(target=self._prepare_group, args=(assignment,), daemon=True).start()
+            threading.Thread(target=self._prepare_group, args=(assignment,), name="ckpt-trainer-rendezvous",
+                             daemon=True).start()
 
     def step(self, step: int) -> int | None:
         """Call once per training step on every rank, after ``optimizer.step()``: serves a due sync.
@@ -119,7 +119,7 @@ class TrainerAgent(Agent):
         if self.rank == 0:
             self._serve(assignment, step, started)
         else:
-            self._assist(assignment)
+            self._assist(assignment, step)
         self.served.append(assignment.version)
         return assignment.version
 
@@ -127,13 +127,26 @@ class TrainerAgent(Agent):
         """Ask the daemon for a new version from the training loop and serve it now (call on every rank);
         returns the version id on rank 0."""
         version = None
-        if self.rank == 0:
+        if self.rank == 0 and time.monotonic() >= self._push_after:
             try:
                 version = self._request_version(step, bypass_cpu, timeout_s)
-            except CkptEngineError as exc:  # e.g. 409 while a version is in flight: this step syncs nothing
-                log.info("push at step %d: %s", step, exc)
+                self._push_backoff.reset()
+                self._push_failures.succeeded()
+            except CkptEngineError as exc:  # ControlReplyError (refused) or no answer
+                self._push_refused(step, exc)
         self.step(step)  # every rank, also when the request failed: the ranks' agreement stays matched
         return version
+
+    def _push_refused(self, step: int, exc: CkptEngineError) -> None:
+        """A version in flight (409) is the normal answer now and then: this step syncs nothing. Anything else
+        (no receivers, storage degraded, the daemon unreachable) repeats until it changes: pushes from the
+        loop pause with backoff instead of asking (and adding a history row) every step."""
+        if isinstance(exc, ControlReplyError) and exc.error == "conflict":
+            log.debug("push at step %d: %s", step, exc)
+            return
+        delay = self._push_backoff.next_delay()
+        self._push_after = time.monotonic() + delay
+        self._push_failures.failed(f"{exc} (next push in {delay:.1f}s or later)")
 
     def _request_version(self, step: int, bypass_cpu: bool | None, timeout_s: float) -> int:
         version = int(self._client.request("sync", {"step": step, "bypass_cpu": bypass_cpu})["id"])
@@ -172,14 +185,13 @@ class TrainerAgent(Agent):
             return self._next_due()
         mine = self._next_due() if self.rank == 0 else None
         flag = torch.zeros(3, dtype=torch.int64, device=_group_device(self.process_group))
-        if mine is not None:
-            flag[0], flag[1], flag[2] = mine.version, _MODES[mine.mode], int(mine.sparse)
+        if mine is not None:  # the mode travels as its index in MODES, plus one (0: nothing is due)
+            flag[0], flag[1], flag[2] = mine.version, MODES.index(mine.mode) + 1, int(mine.sparse)
         dist.broadcast(flag, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
         version, mode, sparse = flag.tolist()
         if mode == 0:
             return None
-        return mine or Assignment(kind="send", version=version, mode="cached" if mode == 1 else "bypass_cpu",
-                                  sparse=bool(sparse))
+        return mine or Assignment(kind="send", version=version, mode=MODES[mode - 1], sparse=bool(sparse))
 
     def _next_due(self) -> Assignment | None:
         """The next version to serve, once the previous transfer has ended. While that one still runs (e.g. it
@@ -199,32 +211,28 @@ class TrainerAgent(Agent):
                         stale.version, self._pending[-1].version)
         return self._pending.popleft()
 
-    def _changes(self, assignment: Assignment, named: NamedTensors, layout: Layout) -> tuple[int, Layout] | None:
-        """Sparse versions: (parent version, layout of the tensors changed since it) as all ranks agree, or None
-        for a full snapshot. Every rank calls this for the same versions (one all-reduce when sharded)."""
-        if not (assignment.sparse and assignment.mode == "cached"):
-            return None
-        publisher = self._publisher()
-        if self._changes_seen is None:
-            self._changes_seen = ChangeTracker(self.device.digest_algo, publisher.bucket_size, publisher.alignment)
-        # rank 0 caches: its parent may be gone (evicted, or its snapshot failed), then nothing is shared
-        vector = self._changes_seen.vector(assignment.version, named, layout,
-                                           lambda parent: self.rank != 0 or parent in publisher.cache)
-        if self.world_size > 1:
-            reduced = torch.tensor(vector, dtype=torch.int64, device=_group_device(self.process_group))
-            dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=self.process_group)
-            vector = reduced.tolist()
-        return self._changes_seen.delta(vector, layout)
+    def _publish(self, assignment: Assignment, step: int) -> Transfer:
+        """This rank's part of a version, through the publisher's one entry: rank 0 stores and sends it, the
+        other ranks take part in the gathers (every rank calls this for the same versions, in order)."""
+        return self._publisher().publish(
+            assignment.version, self._tensors(), mode=assignment.mode,
+            step=assignment.step if assignment.step is not None else step,
+            sparse=assignment.sparse and assignment.mode == "cached", sparse_base=assignment.sparse_base,
+            agree=self._all_reduce_max if self.world_size > 1 else None,
+            route=lambda: self._route(assignment), owns=None if self.rank == 0 else owns_nothing)
 
-    def _assist(self, assignment: Assignment) -> None:
+    def _all_reduce_max(self, vector: list[int]) -> list[int]:
+        """Sparse versions: every rank's change flags merged (one all-reduce on the trainer's group)."""
+        reduced = torch.tensor(vector, dtype=torch.int64, device=_group_device(self.process_group))
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=self.process_group)
+        return reduced.tolist()
+
+    def _route(self, assignment: Assignment) -> Route:
+        return Route(self.group_for(assignment), assignment.ipc_peers)
+
+    def _assist(self, assignment: Assignment, step: int) -> None:
         """Ranks > 0: take part in every bucket's gather, in the order rank 0 reads them."""
-        named = self._tensors()
-        layout = self._publisher().layout_for(named)
-        delta = self._changes(assignment, named, layout)
-        layout = delta[1] if delta is not None else layout
-        for bucket in layout.buckets:
-            named.bucket_tensors(bucket)
-        self.gathered[assignment.version] = layout.total_bytes
+        self.gathered[assignment.version] = self._publish(assignment, step).gathered_bytes
 
     # ---- serving on rank 0 ---------------------------------------------------------------------------
     def _serve(self, assignment: Assignment, step: int, started: float) -> None:
@@ -232,55 +240,22 @@ class TrainerAgent(Agent):
         self.report(version, "snapshotting", step=step)
         if self._background is not None:  # one version in flight (reports are not waited for: see wait_idle)
             self._background.join(self.settings.version_timeout_s if self.settings else 600)
-        publisher = self._publisher()
-        cursor: _GatherCursor | None = None
-        transfer: Transfer | None = None
         try:
-            named = self._tensors()
-            layout = publisher.layout_for(named)
-            delta = self._changes(assignment, named, layout)
-            cursor = _GatherCursor(named, delta[1] if delta is not None else layout)
-            self.gathered[version] = cursor.layout.total_bytes
-            at_step = assignment.step if assignment.step is not None else step
-            if delta is not None:  # only what changed is gathered and stored; the rest is shared in the cache
-                publisher.cache.snapshot_delta(version, delta[0], cursor.layout, cursor.bucket_tensors,
-                                               aliases=named.aliases, step=at_step)
-                held = time.perf_counter() - started
-                self._in_background(assignment, lambda a: self._send_cached(a, held))
-            elif assignment.mode == "cached":
-                publisher.cache.snapshot(version, cursor.layout, cursor.bucket_tensors, aliases=named.aliases,
-                                         step=at_step, check=False)
-                held = time.perf_counter() - started
-                self._in_background(assignment, lambda a: self._send_cached(a, held))
-            else:
-                transfer = self._send_live(assignment, cursor, step)
-                transfer.params_released.wait()
-                held = time.perf_counter() - started
-                self._in_background(assignment, lambda a: self._finish(transfer, held))
+            transfer = self._publish(assignment, step)
         except Exception as exc:  # every failure ends the version with a reason in history
             log.exception("version %d failed on the trainer", version)
             reason = f"{type(exc).__name__}: {exc}"
-            if transfer is None:  # nothing went on the wire: release the waiting receivers
-                self._abort_before_start(assignment, reason)
-            self._report_failure(version, reason)
+            self._abort_before_start(assignment, reason)  # nothing went on the wire: release the receivers
+            self._report_failure(version, reason, list(getattr(exc, "absent_ranks", [])))
+        else:
+            self.gathered[version] = transfer.gathered_bytes
             held = time.perf_counter() - started
-        finally:
-            if cursor is not None:
-                cursor.drain()  # other ranks wait in the gathers rank 0 did not reach: let them through
-        self.held_seconds.append(held)
-
-    def _send_live(self, assignment: Assignment, cursor: "_GatherCursor", step: int) -> Transfer:
-        publisher = self._publisher()
-        publisher.attach(self.group_for(assignment), assignment.ipc_peers)
-        return publisher.sender.send_live(  # type: ignore[union-attr]
-            assignment.version, cursor.layout, cursor.bucket_tensors, aliases=cursor.named.aliases,
-            step=assignment.step if assignment.step is not None else step, check=False)
+            self._in_background(assignment, lambda a: self._finish(transfer, held))
+        self.held_seconds.append(time.perf_counter() - started)
 
     def _abort_before_start(self, assignment: Assignment, reason: str) -> None:
         try:
-            publisher = self._publisher()
-            publisher.attach(self.group_for(assignment), assignment.ipc_peers)
-            publisher.sender.abort_before_start(assignment.version, reason)  # type: ignore[union-attr]
+            self._publisher().abort_before_start(assignment.version, reason, lambda: self._route(assignment))
         except CkptEngineError as exc:  # receivers then fall back on their own timeout
             log.warning("could not tell receivers that version %d is abandoned: %s", assignment.version, exc)
 
@@ -289,20 +264,12 @@ class TrainerAgent(Agent):
             self.group_for(assignment)
         except CkptEngineError as exc:
             log.warning("sync group for version %d not ready yet: %s", assignment.version, exc)
-
-    def _send_cached(self, assignment: Assignment, held: float) -> None:
-        publisher = self._publisher()
-        publisher.attach(self.group_for(assignment), assignment.ipc_peers)
-        if assignment.sparse_base is not None:
-            transfer = publisher.send_sparse(assignment.version, assignment.sparse_base)
-        else:
-            transfer = publisher.sender.send_cached(publisher.cache, assignment.version)  # type: ignore[union-attr]
-        self._finish(transfer, held)
+        except Exception:  # the step boundary tries again and reports the failure: this thread must not die mute
+            log.exception("preparing the sync group for version %d failed", assignment.version)
 
     def _republish(self, assignment: Assignment) -> None:
-        publisher = self._publisher()
-        publisher.attach(self.group_for(assignment), assignment.ipc_peers)
-        transfer = publisher.republish(assignment.source_version, as_version=assignment.version)  # type: ignore[arg-type]
+        transfer = self._publisher().publish(assignment.version, source_version=assignment.source_version,
+                                             route=lambda: self._route(assignment))
         self._finish(transfer, 0.0)
 
     def _finish(self, transfer: Transfer, held: float) -> None:
@@ -318,7 +285,8 @@ class TrainerAgent(Agent):
                     tensors_skipped=result.tensors_skipped, bytes_skipped=result.bytes_skipped, stages=stages,
                     receivers=[ack.model_dump() for ack in result.receivers],
                     cache_versions=publisher.cache.versions(), cache_bytes=publisher.cache.bytes_held,
-                    group_broken=self.group is not None and self.group.broken is not None)
+                    group_broken=self.group is not None and self.group.broken is not None,
+                    absent_ranks=result.absent_ranks)
 
     def _in_background(self, assignment: Assignment, work: Callable[[Assignment], None]) -> None:
         def run() -> None:
@@ -326,16 +294,18 @@ class TrainerAgent(Agent):
                 work(assignment)
             except Exception as exc:  # every failure ends the version with a reason in history
                 log.exception("version %d failed on the trainer", assignment.version)
-                self._report_failure(assignment.version, f"{type(exc).__name__}: {exc}")
+                self._report_failure(assignment.version, f"{type(exc).__name__}: {exc}",
+                                     list(getattr(exc, "absent_ranks", [])))
 
         self._background = threading.Thread(target=run, name=f"ckpt-trainer-v{assignment.version}", daemon=True)
         self._background.start()
 
-    def _report_failure(self, version: int, reason: str) -> None:
+    def _report_failure(self, version: int, reason: str, absent_ranks: list[int] | None = None) -> None:
         publisher = self.publisher
         self.report(version, "done", ok=False, reason=reason,
                     cache_versions=publisher.cache.versions() if publisher else None,
-                    group_broken=self.group is not None and self.group.broken is not None)
+                    group_broken=self.group is not None and self.group.broken is not None,
+                    absent_ranks=absent_ranks or [])
 
     def _evict(self, version: int) -> None:
         publisher = self._publisher()
@@ -353,29 +323,6 @@ class TrainerAgent(Agent):
         if self.publisher is None:
             raise CkptEngineError("trainer agent not started")
         return self.publisher
-
-
-class _GatherCursor:
-    """Hands out full tensors bucket by bucket and remembers how far it got, so that after a failure rank 0
-    can still take part in the remaining gathers the other trainer ranks are waiting in."""
-
-    def __init__(self, named: NamedTensors, layout: Layout) -> None:
-        self.named, self.layout = named, layout
-        self._next = 0
-        self._lock = threading.Lock()
-
-    def bucket_tensors(self, bucket: Bucket):
-        with self._lock:
-            if bucket.index != self._next:
-                raise CkptEngineError(f"bucket {bucket.index} requested out of order (expected {self._next})")
-            self._next += 1
-            return self.named.bucket_tensors(bucket)
-
-    def drain(self) -> None:
-        with self._lock:
-            for bucket in self.layout.buckets[self._next :]:
-                self.named.bucket_tensors(bucket)
-            self._next = len(self.layout.buckets)
 
 
 def _group_device(group: dist.ProcessGroup | None) -> torch.device:

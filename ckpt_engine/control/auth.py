@@ -18,8 +18,9 @@ import json
 import os
 import secrets
 import stat
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -27,6 +28,7 @@ from ckpt_engine.errors import ConfigError
 
 Role = Literal["operator", "trainer", "rollout"]
 ROLES: tuple[Role, ...] = ("operator", "trainer", "rollout")
+ANY_ROLE: frozenset[Role] = frozenset(ROLES)  # an operation any valid token may call
 DEFAULT_CREDENTIALS_FILE = "~/.ckpt-engine/credentials.json"
 CREDENTIALS_ENV = "CKPT_ENGINE_CREDENTIALS"
 TOKEN_ENV = "CKPT_ENGINE_TOKEN"
@@ -74,10 +76,11 @@ def read_credentials(path: Path) -> Credentials | None:
         return None
     except OSError as exc:
         raise ConfigError(f"credentials file {path}: cannot open: {exc.strerror}") from exc
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):  # (before fdopen, which refuses a directory with its own error)
+        os.close(fd)
+        raise ConfigError(f"credentials file {path}: not a regular file")
     with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"credentials file {path}: not a regular file")
         if info.st_uid != os.getuid():
             raise ConfigError(f"credentials file {path}: owned by uid {info.st_uid}, not by this user")
         if info.st_mode & 0o077:
@@ -123,6 +126,17 @@ def daemon_credentials(path: Path, fixed: Mapping[Role, str | None]) -> Credenti
         except OSError as exc:
             raise ConfigError(f"auth.credentials_file: cannot write {path}: {exc.strerror}") from exc
     return credentials
+
+
+def check_credentials_path(path: Path) -> None:
+    """What ``serve`` would refuse about the credentials file, found without writing it (ConfigError)."""
+    if read_credentials(path) is not None:  # it exists: mode, owner, type and contents are checked
+        return
+    parent = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("/"))
+    if not parent.is_dir():
+        raise ConfigError(f"auth.credentials_file: {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"auth.credentials_file: {path}: cannot create files in {parent}")
 
 
 def client_token(role: Role, explicit: str | None = None, path: str | None = None) -> str | None:

@@ -14,18 +14,27 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from ckpt_engine.errors import ProtocolError
+from ckpt_engine.plan.modes import Mode
 
 Role = Literal["trainer", "receiver", "driver"]
 # A version's lifecycle in the daemon: requested -> snapshotting -> transferring -> verifying -> one of TERMINAL.
-VersionStatus = Literal["requested", "snapshotting", "transferring", "verifying", "committed", "failed", "cancelled"]
+# interrupted: the daemon stopped before the version's outcome was known (receivers may hold it)
+VersionStatus = Literal["requested", "snapshotting", "transferring", "verifying", "committed", "failed", "cancelled",
+                        "interrupted"]
 STATUSES: tuple[str, ...] = VersionStatus.__args__  # type: ignore[attr-defined]
-TERMINAL: tuple[str, ...] = ("committed", "failed", "cancelled")
+TERMINAL: tuple[str, ...] = ("committed", "failed", "cancelled", "interrupted")
 Encoding = Literal["msgpack", "json"]
 # Version ids and steps: exact in every JSON parser (2**53) and within SQLite's INTEGER, so a larger value is a
 # validation error, never an OverflowError deep in the history store.
 MAX_ID = (1 << 53) - 1
 WireInt = Annotated[int, Field(ge=-MAX_ID, le=MAX_ID)]
 MAX_LISTED_VERSIONS = 1024  # an agent holds a handful of versions; the cap bounds what one frame can make us store
+# Counts and sizes a peer reports: what the history stores must fit its integer columns (and JSON's exact range).
+Count = Annotated[int, Field(ge=0, le=MAX_ID)]
+Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
+StageName = Annotated[str, Field(max_length=64)]
+MAX_STAGES = 64
+MAX_RANKS = 1 << 16
 # Secrets and ids the daemon issues, and names agents choose: bounded, printable, no spaces.
 Secret = Annotated[str, Field(min_length=16, max_length=128, pattern=r"^[\x21-\x7e]+$")]
 AgentId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[\x21-\x7e]+$")]
@@ -46,9 +55,9 @@ class Register(_Body):
     # (the daemon lost or replaced its file) mean nothing here and are ignored.
     versions: list[WireInt] = Field(default_factory=list, max_length=MAX_LISTED_VERSIONS)
     history_id: str | None = Field(None, max_length=64)
-    token: str | None = None
-    host_id: str | None = None  # ipc.host_identity(): equal ids can use the same-host path
-    sync_every: int = Field(1, ge=1)  # receivers: take only every N-th version (slow engines)
+    token: str | None = Field(None, max_length=512)
+    host_id: str | None = Field(None, max_length=256)  # ipc.host_identity(): equal ids can use the same-host path
+    sync_every: int = Field(1, ge=1, le=1 << 20)  # receivers: take only every N-th version (slow engines)
     # trainers registering again (daemon restart, expired heartbeat): the same-host hub they already serve,
     # which colocated receivers must keep being sent to
     ipc_name: str | None = Field(None, max_length=200, pattern=r"^ckpt-engine/[\x21-\x7e]+$")
@@ -58,6 +67,9 @@ class Register(_Body):
     engine: EngineName | None = None
     driven: bool = False
     members: int | None = Field(None, ge=1, le=4096)
+    # receivers whose engine cannot take a sparse version (vLLM rebuilds every layer it loads): versions sent
+    # to a quorum with one of them are whole
+    whole_versions: bool = False
 
 
 class RegisterReply(_Body):
@@ -90,12 +102,16 @@ class Poll(_Body):
     # kept by the daemon until the agent says it got them (a reply can be lost with a connection or arrive
     # after the agent gave up on its request).
     received: str | None = Field(None, max_length=64)
+    # Receivers: why it cannot take versions now (e.g. its receive thread died before any version); it is left
+    # out of the quorum for a while
+    unable: str | None = Field(None, max_length=2000)
 
 
 class Assignment(_Body):
-    kind: Literal["send", "receive", "evict", "apply"]
+    # discard: a driven receiver drops the staged ``version`` (its engine's driver could not apply it)
+    kind: Literal["send", "receive", "evict", "apply", "discard"]
     version: int
-    mode: Literal["cached", "bypass_cpu"] = "cached"
+    mode: Mode = "cached"
     step: int | None = None
     source_version: int | None = None  # send: re-push this cached version under ``version``
     generation: int = 0
@@ -106,6 +122,7 @@ class Assignment(_Body):
     ipc_peers: dict[str, int] = Field(default_factory=dict)  # send: colocated receivers (agent id -> rank)
     sparse_base: int | None = None  # send: only changes since this version, which every receiver holds
     sparse: bool = False  # send: snapshot only what changed since the previous cached version (shared in cache)
+    reason: str | None = Field(None, max_length=2000)  # discard: why
     # Not on the wire: the agent id this assignment was polled under. After a daemon restart the agent has a
     # new id, and what the old daemon assigned will not be served (the new one marked it failed).
     _received_as: str | None = PrivateAttr(default=None)
@@ -114,7 +131,7 @@ class Assignment(_Body):
     def received_as(self) -> str | None:
         return self._received_as
 
-    def receipt(self, agent_id: str) -> "Assignment":
+    def receipt(self, agent_id: str) -> Assignment:
         self._received_as = agent_id
         return self
 
@@ -131,11 +148,11 @@ class ReceiverAck(BaseModel):
     """One receiver's outcome inside a trainer's ``done`` report (other fields are kept as sent)."""
 
     model_config = ConfigDict(extra="allow")
-    rank: int
+    rank: int = Field(ge=0, le=MAX_RANKS)
     ok: bool
-    version_digest: str | None = None
-    reason: str | None = None
-    seconds: dict[str, float] = Field(default_factory=dict)
+    version_digest: str | None = Field(None, max_length=64)
+    reason: str | None = Field(None, max_length=20000)
+    seconds: dict[StageName, Seconds] = Field(default_factory=dict, max_length=MAX_STAGES)
 
 
 ReportEvent = Literal["snapshotting", "transferring", "verifying", "done", "received", "evicted", "staged", "applied"]
@@ -154,16 +171,18 @@ class Report(_Body):
     ok: bool | None = None
     reason: str | None = Field(None, max_length=20000)
     version_digest: str | None = Field(None, max_length=64)
-    bytes: int = 0
-    buckets: int = 0
-    tensors: int = 0
-    tensors_skipped: int = 0
-    bytes_skipped: int = 0
-    stages: dict[str, float] = Field(default_factory=dict)
-    receivers: list[ReceiverAck] = Field(default_factory=list)
+    bytes: Count = 0
+    buckets: Count = 0
+    tensors: Count = 0
+    tensors_skipped: Count = 0
+    bytes_skipped: Count = 0
+    stages: dict[StageName, Seconds] = Field(default_factory=dict, max_length=MAX_STAGES)
+    receivers: list[ReceiverAck] = Field(default_factory=list, max_length=MAX_RANKS)
     cache_versions: list[WireInt] | None = Field(None, max_length=MAX_LISTED_VERSIONS)
-    cache_bytes: int | None = None
+    cache_bytes: Count | None = None
     group_broken: bool = False
+    # Trainers: ranks of the sync group that never joined its rendezvous (they are benched, not the others)
+    absent_ranks: list[Annotated[int, Field(ge=1, le=MAX_RANKS)]] = Field(default_factory=list, max_length=MAX_RANKS)
     # Receivers and drivers: the model was changed part way and holds no whole version (a failed apply);
     # ``serving``: the version the model holds whole after this event (None: none, or unknown).
     torn: bool = False
@@ -178,12 +197,23 @@ class Unregister(_Body):
     session: Secret
 
 
-class SyncRequest(_Body):
-    step: WireInt | None = None
-    bypass_cpu: bool | None = None
-    sparse: bool | None = None
-    wait: bool = False
-    timeout_s: float | None = Field(None, gt=0, le=86400)  # the same bounds as HTTP's POST /sync
+# sparse works from the host cache, bypass_cpu skips it: a request asking for both is refused (the controller
+# also refuses one of them coming from the deployment's defaults); the schema says so too.
+_NOT_SPARSE_AND_BYPASS = {"not": {"required": ["sparse", "bypass_cpu"],
+                                  "properties": {"sparse": {"const": True}, "bypass_cpu": {"const": True}}}}
+
+
+class SyncRequest(BaseModel):
+    """A request for a new version: the body of ``POST /sync`` and of the ZMQ ``sync`` message alike. An unknown
+    key is refused (a typo such as ``"bypass": true`` must not quietly become a cached version)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_NOT_SPARSE_AND_BYPASS)
+    step: WireInt | None = Field(None, description="trainer step this version belongs to")
+    bypass_cpu: bool | None = Field(None, description="override the deployment's bypass_cpu for this version")
+    sparse: bool | None = Field(None, description="send only tensors changed since the version every receiver "
+                                "holds (default: the deployment's sparse)")
+    wait: bool = Field(False, description="answer with the final record instead of at once")
+    timeout_s: float | None = Field(None, gt=0, le=86400, description="how long to wait when wait is true")
 
 
 def encode_frame(message: dict[str, Any], encoding: Encoding = "msgpack") -> bytes:

@@ -8,7 +8,7 @@ rest with (VersionCache.snapshot_delta).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor

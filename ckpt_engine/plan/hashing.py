@@ -19,8 +19,9 @@ import ctypes
 import logging
 import os
 import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import xxhash

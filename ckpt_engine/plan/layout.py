@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import xxhash
 
-from ckpt_engine.plan.dtypes import itemsize
 from ckpt_engine.errors import LayoutError, LayoutMismatchError
+from ckpt_engine.plan.dtypes import itemsize
 
 DEFAULT_ALIGNMENT = 256
 # Device digests read buckets as 8-byte words, so offsets must stay word-aligned.

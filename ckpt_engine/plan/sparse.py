@@ -7,8 +7,8 @@ digest from their own manifest with the changed digests put in, and load only if
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from ckpt_engine.plan.hashing import version_digest
 from ckpt_engine.plan.layout import Layout, plan_layout
@@ -28,7 +28,7 @@ class Manifest:
     def version_digest(self) -> str:
         return version_digest(self.algo, self.layout_digest, list(self.digests))
 
-    def updated(self, version: int, changed: dict[str, int]) -> "Manifest":
+    def updated(self, version: int, changed: dict[str, int]) -> Manifest:
         """This manifest with some tensors' digests replaced, as ``version``."""
         unknown = set(changed) - set(self.names)
         if unknown:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Union
+from typing import Union
 
 import torch
 
-from ckpt_engine.plan.dtypes import dtype_from_name, dtype_name
 from ckpt_engine.errors import LayoutMismatchError
+from ckpt_engine.plan.dtypes import dtype_from_name, dtype_name
 from ckpt_engine.plan.layout import Bucket, Layout, TensorSlot, TensorSpec
 
 NameMap = Callable[[str], str]

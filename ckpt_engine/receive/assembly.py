@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -15,9 +15,10 @@ from ckpt_engine.device import DeviceInfo, comm_empty
 from ckpt_engine.errors import ApplyRefused, CkptEngineError, ProtocolError, StagingUnavailable
 from ckpt_engine.plan.hashing import bucket_digests, check_algo, version_digest
 from ckpt_engine.plan.layout import Bucket, Layout
-from ckpt_engine.transport.messages import Ack, VersionHeader, VersionTrailer
+from ckpt_engine.plan.modes import Mode
 from ckpt_engine.plan.sparse import Manifest, manifest_of
 from ckpt_engine.plan.tensors import slot_view
+from ckpt_engine.transport.messages import Ack, VersionHeader, VersionTrailer
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class VersionPayload:
 
     version: int
     step: int | None
-    mode: str
+    mode: Mode
     version_digest: str
     tensors: dict[str, torch.Tensor]
     sparse: bool = False  # only the tensors that changed since the version the receiver holds

@@ -14,12 +14,18 @@ import time
 
 import torch
 
-from ckpt_engine.receive.assembly import (Incoming, LoadFn, ReceiveResult, SenderAborted, VersionAssembler,
-                                  VersionPayload)
 from ckpt_engine.errors import CkptEngineError, ProtocolError, StagingUnavailable
+from ckpt_engine.receive.assembly import (
+    Incoming,
+    LoadFn,
+    ReceiveResult,
+    SenderAborted,
+    VersionAssembler,
+    VersionPayload,
+)
+from ckpt_engine.transport.framing import Channel, Frame, FrameKind
 from ckpt_engine.transport.group import SyncGroup
 from ckpt_engine.transport.messages import AbortMessage, VersionHeader, VersionTrailer, decode
-from ckpt_engine.transport.framing import Channel, Frame, FrameKind
 
 log = logging.getLogger(__name__)
 __all__ = ["LoadFn", "ReceiveResult", "Receiver", "VersionPayload"]

@@ -7,16 +7,17 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ckpt_engine.receive.assembly import Incoming, LoadFn, ReceiveResult, VersionAssembler
 from ckpt_engine.device import DeviceInfo, stream_synchronize
 from ckpt_engine.errors import CkptEngineError, ProtocolError, StagingUnavailable, SyncTimeoutError
-from ckpt_engine.transport.same_host import IPC_PROTO, FramedSocket, PeerGone, abstract_address, map_slot
+from ckpt_engine.receive.assembly import Incoming, LoadFn, ReceiveResult, VersionAssembler
 from ckpt_engine.transport.messages import VersionHeader, VersionTrailer, decode
+from ckpt_engine.transport.same_host import IPC_PROTO, FramedSocket, PeerGone, abstract_address, map_slot
 
 log = logging.getLogger(__name__)
 _ABANDON_CHECK_S = 0.1
@@ -60,6 +61,7 @@ class IpcReceiver:
                 return ReceiveResult(None, False, f"stopped waiting for the version: {reason}")
             message = self._next(begin_timeout_s, {"begin", "abort", "close"})
             if message["type"] == "close":
+                self.broken = "the sender closed the channel"  # the next version needs a new connection
                 return None
             if message["type"] == "abort":
                 return ReceiveResult(None, False, f"sender aborted the version: {_reason(message)}")
@@ -70,6 +72,7 @@ class IpcReceiver:
         except StagingUnavailable as exc:
             return self._drain(header, exc)
         except PeerGone:
+            self.broken = "the sender is gone"  # (e.g. it dropped this receiver as too slow): reconnect next time
             return None
         except CkptEngineError as exc:
             return ReceiveResult(None, False, self._broke(exc))

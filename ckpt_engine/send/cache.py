@@ -16,16 +16,16 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping
 
 import torch
 
 from ckpt_engine.device import DeviceInfo, host_empty, synchronize
 from ckpt_engine.errors import CacheError, ConfigError, LayoutMismatchError
-from ckpt_engine.transport.same_host import SharedSlot, create_slot
 from ckpt_engine.plan.layout import Layout
 from ckpt_engine.plan.tensors import TensorsOrProvider, check_matches_layout, fill_bucket, provider_of, slot_view
+from ckpt_engine.transport.same_host import SharedSlot, create_slot
 
 log = logging.getLogger(__name__)
 _segment_ids = itertools.count(1000)  # ids of shareable cache buffers (slots use 0 and 1)

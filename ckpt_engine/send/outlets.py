@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
 from ckpt_engine.device import stream_synchronize
 from ckpt_engine.errors import CkptEngineError, ProtocolError, SyncTimeoutError
-from ckpt_engine.transport.same_host import IpcHub, IpcPeer, SharedSlot
 from ckpt_engine.plan.layout import Bucket
-from ckpt_engine.transport.messages import Ack
 from ckpt_engine.transport.framing import Channel, Frame, FrameKind
+from ckpt_engine.transport.messages import Ack
+from ckpt_engine.transport.same_host import IpcHub, IpcPeer, SharedSlot
 
 log = logging.getLogger(__name__)
 

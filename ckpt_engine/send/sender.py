@@ -12,23 +12,25 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from ckpt_engine.send.cache import CachedVersion, VersionCache
 from ckpt_engine.device import DeviceInfo, DigestAlgo, comm_empty, current_stream, new_stream, on_stream, set_current
 from ckpt_engine.errors import CkptEngineError, ConfigError, ProtocolError, SyncTimeoutError
-from ckpt_engine.transport.group import SyncGroup
-from ckpt_engine.transport.same_host import IpcHub
-from ckpt_engine.send.outlets import CollectiveOutlet, IpcOutlet, Outlet
 from ckpt_engine.plan.hashing import bucket_digests, layout_digests, version_digest
 from ckpt_engine.plan.layout import Layout
-from ckpt_engine.transport.messages import AbortMessage, Ack, LayoutMessage, Mode, VersionHeader, VersionTrailer, encode
+from ckpt_engine.plan.modes import Mode
 from ckpt_engine.plan.sparse import Manifest, SparsePlan, manifest_of, plan_sparse
 from ckpt_engine.plan.tensors import BucketTensors, TensorsOrProvider, check_matches_layout, fill_bucket, provider_of
+from ckpt_engine.send.cache import CachedVersion, VersionCache
+from ckpt_engine.send.outlets import CollectiveOutlet, IpcOutlet, Outlet
 from ckpt_engine.transport.framing import Channel, Frame, FrameKind
+from ckpt_engine.transport.group import SyncGroup
+from ckpt_engine.transport.messages import AbortMessage, Ack, LayoutMessage, VersionHeader, VersionTrailer, encode
+from ckpt_engine.transport.same_host import IpcHub
 
 log = logging.getLogger(__name__)
 _MANIFESTS_KEPT = 8
@@ -54,6 +56,7 @@ class TransferResult:
     tensors_skipped: int = 0  # sparse: unchanged tensors not sent
     bytes_skipped: int = 0  # sparse: their bytes
     base_version: int | None = None  # sparse: the version the receivers held
+    absent_ranks: list[int] = field(default_factory=list)  # receivers that never joined the rendezvous
 
     @property
     def committed_ranks(self) -> list[int]:
@@ -66,6 +69,7 @@ class Transfer:
     def __init__(self, version: int, mode: Mode) -> None:
         self.version = version
         self.mode = mode
+        self.gathered_bytes = 0  # bytes of full tensors this rank assembled for it (gathers of a sharded model)
         self.params_released = threading.Event()
         self._done = threading.Event()
         self._result: TransferResult | None = None
@@ -457,7 +461,7 @@ class Sender:
 
         return full, encode(VersionHeader(**fields))
 
-    def _send_buckets(self, source: _Source, outlets: list[Outlet], slots: list[torch.Tensor], timer: "_Timer",
+    def _send_buckets(self, source: _Source, outlets: list[Outlet], slots: list[torch.Tensor], timer: _Timer,
                       result: TransferResult) -> list[int]:
         layout = source.layout
         digests: list[int] = []

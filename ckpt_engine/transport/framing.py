@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from ckpt_engine.errors import ProtocolError
-from ckpt_engine.transport.group import SyncGroup
 from ckpt_engine.plan.hashing import host_buffer
+from ckpt_engine.transport.group import SyncGroup
 from ckpt_engine.transport.messages import PROTO_VERSION, Ack, decode, encode
 
 MAGIC = 0x434B5054  # "CKPT"

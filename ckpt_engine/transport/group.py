@@ -14,7 +14,8 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -101,10 +102,13 @@ class SyncGroup:
             # Members of a group under another project's prefix do not follow our rendezvous: NCCL stays lazy.
             self._pg = _construct(prefixed, rank, world_size, device, timeout_s, bind_host, own=prefix is None)
         except Exception as exc:
-            raise SyncTimeoutError(
+            absent = absent_members(prefixed, world_size) if prefix is None else []
+            who = f"; rank(s) {absent} never joined" if absent else ""
+            error = SyncTimeoutError(
                 f"sync group {name!r} gen {generation}: rank {rank} could not rendezvous with "
-                f"{world_size - 1} peer(s) within {connect_s:.1f}s ({time.monotonic() - started:.1f}s): {exc}"
-            ) from exc
+                f"{world_size - 1} peer(s) within {connect_s:.1f}s ({time.monotonic() - started:.1f}s){who}: {exc}")
+            error.absent_ranks = absent  # type: ignore[attr-defined]
+            raise error from exc
         log.info("sync group %s gen %d up: rank %d/%d on %s", name, generation, rank, world_size, device.backend)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Any:
@@ -169,6 +173,8 @@ def _construct(
     own: bool = True,
 ) -> Any:
     """The backend's process group. ``own``: every member is a SyncGroup (NCCL: rendezvous and connect now)."""
+    if own:
+        await_members(store, rank, size)
     if device.backend == "gloo":
         gloo = dist.ProcessGroupGloo
         options = gloo._Options()
@@ -177,8 +183,6 @@ def _construct(
         return gloo(store, rank, size, options)
     set_current(device)
     if device.backend == "nccl":
-        if own:
-            await_members(store, rank, size)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = _td(timeout_s)
         with _nccl_failures_cleanup_only():
@@ -205,11 +209,20 @@ _NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 
 def await_members(store: dist.Store, rank: int, size: int) -> None:
-    """Every rank announces itself in ``store`` and waits, up to the store's timeout, until all have: the
-    rendezvous that gloo's constructor does itself. NCCL builds its communicator lazily, inside the first
-    collective, where a missing peer blocks the caller with no timeout at all."""
+    """Every rank announces itself in ``store`` and waits, up to the store's timeout, until all have. gloo's
+    constructor would wait too, but could not say who is missing; NCCL builds its communicator lazily, inside
+    the first collective, where a missing peer blocks the caller with no timeout at all."""
     store.set(f"{_MEMBER_KEY}{rank}", b"1")
     store.wait([f"{_MEMBER_KEY}{r}" for r in range(size)])
+
+
+def absent_members(store: dist.Store, size: int) -> list[int]:
+    """Ranks that never announced themselves (after a failed rendezvous): the daemon benches those, not the
+    ranks that came and waited."""
+    try:
+        return [r for r in range(size) if not store.check([f"{_MEMBER_KEY}{r}"])]
+    except Exception:  # noqa: BLE001 - the store itself is gone: nobody can be named
+        return []
 
 
 @contextlib.contextmanager

@@ -6,18 +6,18 @@ optional with a safe default, and required fields are only ever added with a new
 
 from __future__ import annotations
 
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ckpt_engine.errors import ProtocolError
 from ckpt_engine.plan.layout import Layout, TensorSpec, check_same_layout, plan_layout
+from ckpt_engine.plan.modes import Mode
 
 PROTO_VERSION = 1
 MAX_MESSAGE_BYTES = 64 << 20
 
-Mode = Literal["cached", "bypass_cpu"]
 
 
 class _Message(BaseModel):
@@ -35,7 +35,7 @@ class LayoutMessage(_Message):
     digest: str
 
     @classmethod
-    def of(cls, layout: Layout) -> "LayoutMessage":
+    def of(cls, layout: Layout) -> LayoutMessage:
         slots = layout.slots
         return cls(
             bucket_size=layout.bucket_size,

@@ -222,7 +222,7 @@ class IpcHub:
         self.device = device
         self.slots: list[SharedSlot] = []
         self.slots_generation = 0
-        self._peers: dict[str, "IpcPeer"] = {}
+        self._peers: dict[str, IpcPeer] = {}
         self._changed = threading.Condition()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(abstract_address(name))
@@ -238,7 +238,7 @@ class IpcHub:
             self.slots_generation += 1
         return [slot.tensor for slot in self.slots]
 
-    def peers(self, wanted: dict[str, int], timeout_s: float) -> tuple[list["IpcPeer"], dict[str, str]]:
+    def peers(self, wanted: dict[str, int], timeout_s: float) -> tuple[list[IpcPeer], dict[str, str]]:
         """The connected peers among ``wanted`` (agent id -> rank), waiting up to ``timeout_s`` for the rest;
         returns them and the reasons for those still missing."""
         deadline = time.monotonic() + timeout_s
@@ -256,7 +256,7 @@ class IpcHub:
                    if a not in {p.agent_id for p in found}}
         return found, missing
 
-    def release(self, peers: list["IpcPeer"]) -> None:
+    def release(self, peers: list[IpcPeer]) -> None:
         """A version is over with these peers; close the channels of those replaced by a reconnect meanwhile
         (kept open until now so what they already sent, such as their acknowledgement, is still read)."""
         with self._changed:
@@ -265,7 +265,7 @@ class IpcHub:
                 if self._peers.get(peer.agent_id) is not peer:
                     peer.channel.close()
 
-    def forget(self, peer: "IpcPeer") -> None:
+    def forget(self, peer: IpcPeer) -> None:
         peer.channel.close()
         with self._changed:
             if self._peers.get(peer.agent_id) is peer:

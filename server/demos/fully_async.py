@@ -21,9 +21,10 @@ from pathlib import Path
 
 import httpx
 import torch
-
 from ckpt_engine.server.launch import DaemonProcess, free_port
 from ckpt_engine.server.launch import start_daemon as launch_daemon
+
+from ckpt_engine.control.messages import TERMINAL
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = ROOT / "deploy" / "engine.yaml"
@@ -55,9 +56,8 @@ def synthetic_batch(size: ModelSize, gen: torch.Generator, batch: int = 8, lengt
 def trainer(rank: int, port: int, zmq: str, size: ModelSize, steps: int, sync_every: int,
             bypass: bool | None) -> dict:
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
     from ckpt_engine.workers.trainer_agent import TrainerAgent
+    from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -99,11 +99,12 @@ def trainer(rank: int, port: int, zmq: str, size: ModelSize, steps: int, sync_ev
     return {"versions": versions}
 
 
-def rollout(index: int, zmq: str, size: ModelSize, stop: "mp.Event", report: "mp.Queue") -> None:
-    from ckpt_engine.send.publisher import version_digest_of
-    from ckpt_engine.plan.tensors import named_tensors_of
+def rollout(index: int, zmq: str, size: ModelSize, stop: mp.Event, report: mp.Queue) -> None:
     from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
     from ckpt_engine.workers.rollout_agent import RolloutAgent
+
+    from ckpt_engine.plan.tensors import named_tensors_of
+    from ckpt_engine.send.publisher import version_digest_of
 
     torch.set_num_threads(1)
     model = build_model(size, seed=100 + index).eval()
@@ -228,7 +229,7 @@ def _wait_for_rollouts(url: str, version: int, timeout_s: float = 60) -> None:
 
 def _print_new_versions(url: str, printed: set[int]) -> None:
     for record in reversed(_get(url, "/versions", limit=50).json()["versions"]):
-        if record["id"] in printed or record["status"] not in ("committed", "failed", "cancelled"):
+        if record["id"] in printed or record["status"] not in TERMINAL:
             continue
         printed.add(record["id"])
         stages = record["stages"]

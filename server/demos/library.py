@@ -20,11 +20,12 @@ from torch import nn
 
 from ckpt_engine.config import EngineConfig, load_config
 from ckpt_engine.device import detect_device
-from ckpt_engine.transport.group import SyncGroup, open_store
 from ckpt_engine.plan.hashing import version_digest, xxh3_digest
-from ckpt_engine.send.publisher import Publisher
-from ckpt_engine.receive.collective import Receiver, VersionPayload
+from ckpt_engine.plan.modes import mode_of
 from ckpt_engine.plan.tensors import named_tensors_of
+from ckpt_engine.receive.collective import Receiver, VersionPayload
+from ckpt_engine.send.publisher import Publisher
+from ckpt_engine.transport.group import SyncGroup, open_store
 
 HOST = "127.0.0.1"
 RECEIVERS = 2
@@ -63,7 +64,7 @@ def _group(config: EngineConfig, port: int, rank: int) -> SyncGroup:
                      bind_host=HOST)
 
 
-def run_receiver(rank: int, port: int, config: EngineConfig, report: "mp.Queue") -> None:
+def run_receiver(rank: int, port: int, config: EngineConfig, report: mp.Queue) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"[receiver {rank}] %(message)s")
     torch.manual_seed(100 + rank)  # starts from different weights than the trainer
     model = TinyLM().eval()
@@ -102,7 +103,7 @@ def run_trainer(port: int, config: EngineConfig, steps: int, sync_every: int, bo
         version += 1
         bypass = (version % 2 == 0) if both_modes else config.bypass_cpu
         started = time.perf_counter()
-        transfer = publisher.publish(version, named_tensors_of(model), bypass_cpu=bypass, step=step)
+        transfer = publisher.publish(version, named_tensors_of(model), mode=mode_of(bypass), step=step)
         transfer.params_released.wait()
         held = time.perf_counter() - started
         in_flight = (transfer, step, held, started, loss.item())
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     return _print_report(rows, finals)
 
 
-def _collect_finals(report: "mp.Queue", procs: list) -> dict[int, str]:
+def _collect_finals(report: mp.Queue, procs: list) -> dict[int, str]:
     finals: dict[int, str] = {}
     deadline = time.monotonic() + 120
     while len(finals) < len(procs) and time.monotonic() < deadline:

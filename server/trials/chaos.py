@@ -1,8 +1,8 @@
 """Randomized fault trials: ``ckpt-engine chaos`` (or ``python -m ckpt_engine.server.trials.chaos``).
 
 A cluster is the real daemon, a 2-rank FSDP2 trainer job and 2-3 rollout receivers on 127.0.0.1, each its
-own process (bench/chaos_procs.py); every agent reaches the daemon's ZMQ port through its own TCP proxy
-(bench/chaos_proxy.py), so its control connection can be cut. Each trial:
+own process (server/trials/procs.py); every agent reaches the daemon's ZMQ port through its own TCP proxy
+(server/trials/proxy.py), so its control connection can be cut. Each trial:
 
 1. requests a version (cached, sparse or bypass_cpu, at random) and, at a random point of it, injects one
    fault: kill -9 of a receiver, a trainer rank or the daemon; SIGSTOP of one of them for a random stall
@@ -13,7 +13,7 @@ own process (bench/chaos_procs.py); every agent reaches the daemon's ZMQ port th
    wait on a stalled trainer while /health is probed;
 2. recovers as an operator or supervisor would: restarts what was killed (the whole trainer job when a rank
    died, as torchrun does), SIGCONTs what was stalled, lets the connection back;
-3. checks the invariants (bench/chaos_checks.py) and that the next sync after recovery commits.
+3. checks the invariants (server/trials/checks.py) and that the next sync after recovery commits.
 
 Results go to ``--json`` and, with ``--report``, into docs/reliability.md.
 """
@@ -35,12 +35,19 @@ from pathlib import Path
 
 import httpx
 import yaml
-
-from ckpt_engine.server.trials.checks import (Limits, applied_violations, history_violations, read_jsonl, storage_violations,
-                                wait_violations)
+from ckpt_engine.server.launch import REPO, free_port, start_daemon, write_config
+from ckpt_engine.server.trials.checks import (
+    Limits,
+    applied_violations,
+    history_violations,
+    read_jsonl,
+    storage_violations,
+    wait_violations,
+)
 from ckpt_engine.server.trials.hostile import hostile_messages
 from ckpt_engine.server.trials.proxy import Proxy
-from ckpt_engine.server.launch import REPO, free_port, start_daemon, write_config
+
+from ckpt_engine.control.messages import TERMINAL
 
 FAULTS = ("kill_receiver", "kill_trainer", "kill_daemon", "stop_receiver", "stop_trainer", "stop_daemon",
           "drop_receiver", "drop_trainer",
@@ -180,7 +187,10 @@ class Cluster:
         # ...and every one of them heartbeating (a supervisor's readiness check): one just woken from a stall
         # is still registered but may be dropped any moment, and the daemon leaves it out of quorums
         fresh = all(a["seconds_since_seen"] <= FRESH_S for a in agents)
-        return {a["pid"] for a in agents} == live and fresh
+        # ...and every receiver ready for the next regular version (after a restart of the daemon or of the
+        # receiver, it first gets a version of its own from the cache when there is one)
+        serving = all(a.get("joins_next") for a in agents if a["role"] == "receiver")
+        return {a["pid"] for a in agents} == live and fresh and serving
 
     def wait_whole(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -190,11 +200,17 @@ class Cluster:
             time.sleep(0.2)
         return False
 
-    def request(self, body: dict) -> tuple[int | None, str]:
-        try:
-            reply = self.http.post("/sync", json=body)
-        except httpx.HTTPError as exc:
-            return None, f"http error: {exc}"
+    def request(self, body: dict, *, conflict_wait_s: float = 0.0) -> tuple[int | None, str]:
+        """POST /sync; ``conflict_wait_s``: retry a 409 (a catch-up or repair in flight) for that long."""
+        deadline = time.monotonic() + conflict_wait_s
+        while True:
+            try:
+                reply = self.http.post("/sync", json=body)
+            except httpx.HTTPError as exc:
+                return None, f"http error: {exc}"
+            if reply.status_code != 409 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         data = reply.json() if reply.headers.get("content-type", "").startswith("application/json") else {}
         version = data.get("version") or (data.get("record") or {}).get("id")
         return version, f"{reply.status_code} {data.get('error', '')}".strip()
@@ -210,7 +226,7 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             record = self.record(version)
-            if record is not None and record["status"] in ("committed", "failed", "cancelled"):
+            if record is not None and record["status"] in TERMINAL:
                 return record
             time.sleep(0.1)
         return self.record(version)
@@ -225,6 +241,16 @@ class Cluster:
                 pass
             time.sleep(0.1)
         return False
+
+    def wait_repaired(self, timeout_s: float) -> list[str]:
+        """Wait until no receiver is torn (the daemon repairs them from the cache); the ones still torn."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            agents = self.http.get("/receivers").json()["agents"]
+            torn = [a["agent_id"] for a in agents if a.get("state") == "torn"]
+            if not torn or time.monotonic() > deadline:
+                return torn
+            time.sleep(0.2)
 
     def history(self) -> dict[int, dict]:
         return {v["id"]: v for v in self.http.get("/versions", params={"limit": 1000}).json()["versions"]}
@@ -258,10 +284,12 @@ def run_trial(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
         record = cluster.wait_terminal(version, LIMITS.version_s + LIMITS.margin_s)
         trial.in_flight_status = record["status"] if record else "unknown"
         trial.in_flight_reason = record.get("reason") if record else None
+    if trial.fault in ("refuse_receiver", "tear_receiver"):  # it was for the in-flight version, not the next
+        (cluster.workdir / f"{trial.target}.arm").write_text("disarm")
     if not supervise(cluster, trial, RECOVER_S) or not cluster.wait_idle(LIMITS.version_s + LIMITS.margin_s):
         trial.violations.append(f"the cluster was not whole and idle within {RECOVER_S}s of recovery")
         return
-    next_version, answer = cluster.request({"sparse": rng.random() < 0.5})
+    next_version, answer = cluster.request({"sparse": rng.random() < 0.5}, conflict_wait_s=LIMITS.version_s)
     record = cluster.wait_terminal(next_version, LIMITS.version_s + LIMITS.margin_s) if next_version else None
     if record is None or record["status"] != "committed":
         cluster.dump_stacks()
@@ -292,9 +320,11 @@ def inject(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
         time.sleep(trial.stall_s)
 
 
+_ARMED = {"refuse_receiver": "refuse", "tear_receiver": "torn", "starve_receiver": "alloc"}
+
+
 def _arm(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
-    fault = {"refuse_receiver": "refuse", "tear_receiver": "torn", "starve_receiver": "alloc"}[trial.fault]
-    (cluster.workdir / f"{trial.target}.arm").write_text(fault)
+    (cluster.workdir / f"{trial.target}.arm").write_text(_ARMED[trial.fault])
     time.sleep(trial.stall_s)
 
 
@@ -452,10 +482,11 @@ def check(cluster: Cluster, trial: Trial, first_new: int) -> None:
     trial.violations += wait_violations([w for w in trial.waits if not w[0].startswith(("slowest", "second"))], LIMITS)
     if trial.fault == "fill_disk":  # nothing else went wrong: what a receiver applied must be recorded committed
         trial.violations += storage_violations(applied, {v: r for v, r in history.items() if v >= first_new})
-    agents = cluster.http.get("/receivers").json()["agents"]
-    torn = [a["agent_id"] for a in agents if a.get("state") == "torn"]
+    torn = cluster.wait_repaired(LIMITS.version_s + LIMITS.margin_s)
     if torn:
-        trial.violations.append(f"receivers {torn} still torn after recovery (no repair)")
+        trial.violations.append(f"receivers {torn} still torn {LIMITS.version_s + LIMITS.margin_s:.0f}s after "
+                                "recovery (no repair)")
+    agents = cluster.http.get("/receivers").json()["agents"]
     trainers = {a["pid"] for a in agents if a["role"] == "trainer"}
     ours = {cluster.procs[t].pid for t in ("trainer0", "trainer1") if cluster.alive(t)}
     if not trainers <= ours:

@@ -10,10 +10,10 @@ processes in tests/test_chaos_checks.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
-TERMINAL = ("committed", "failed", "cancelled")
+from ckpt_engine.control.messages import TERMINAL
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ agents' ids with guessed sessions, requests its role may not make.
 from __future__ import annotations
 
 import random
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from ckpt_engine.control.messages import MAX_ID
 
@@ -17,8 +17,8 @@ def hostile_messages(rng: random.Random, victims: list[str], mine: dict, in_flig
     """Well-formed messages a rollout token holder could send: claims of huge or foreign versions, reports of
     every event (also the trainer's) about the version in flight, and other agents' ids with guessed sessions."""
     versions = [1, 2, MAX_ID, MAX_ID - 1, 1 << 40, *( [in_flight] if in_flight else [])]
-    digest = lambda: "".join(rng.choice("0123456789abcdef") for _ in range(16))  # noqa: E731
-    someone = lambda: {"agent_id": rng.choice(victims), "session": rng.randbytes(24).hex()}  # noqa: E731
+    digest = lambda: "".join(rng.choice("0123456789abcdef") for _ in range(16))
+    someone = lambda: {"agent_id": rng.choice(victims), "session": rng.randbytes(24).hex()}
     choices: list[Callable[[], dict]] = [
         lambda: {"type": "register", "body": {"role": rng.choice(["receiver", "driver"]), "rank": rng.randint(0, 3),
                                               "host": "evil", "pid": 1, "device": "cpu",

@@ -8,7 +8,8 @@ harness can kill -9, SIGSTOP and restart any of them independently.
   of its own weights and appends ``{version, manifest_digest, model_digest}`` to its log, the evidence for
   the invariant "no receiver ever applied a version whose digest differs from the manifest". The harness
   arms faults at a stage of its receive path by writing ``receiverN.arm``: ``refuse`` (its engine refuses
-  the next version before changing anything), ``torn`` (the next apply fails half way), ``alloc`` (its
+  the next version before changing anything), ``torn`` (the next apply fails half way), ``disarm`` (whatever
+  is armed and not yet met), ``alloc`` (its
   address space is capped so the next staging cannot be allocated) and ``unalloc`` (the cap is lifted).
 
 Both run until the file ``stop`` appears in their work directory.
@@ -49,9 +50,8 @@ class EventLog:
 
 def trainer(args: dict) -> int:
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
     from ckpt_engine.workers.trainer_agent import TrainerAgent
+    from torch.distributed.fsdp import fully_shard
 
     workdir, rank = Path(args["workdir"]), int(args["rank"])
     log = EventLog(workdir / f"trainer{rank}.jsonl")
@@ -98,9 +98,17 @@ class _ArmedAdapter:
         armed = self
 
         class Adapter(ModuleAdapter):
+            copied = 0
+
+            def load(self, payload) -> None:
+                self.copied = 0
+                self.half = max(1, len(payload.tensors) // 2)
+                super().load(payload)
+
             def _copy(self, name: str, target: torch.Tensor, source: torch.Tensor) -> None:
                 super()._copy(name, target, source)
-                if armed.armed == "torn" and name == "3.weight":  # half the layers are new, half old
+                self.copied += 1
+                if armed.armed == "torn" and self.copied == self.half:  # half of what it carries is new
                     armed.armed = None
                     raise RuntimeError("injected: the engine failed half way through the apply")
 
@@ -126,6 +134,8 @@ class _ArmedAdapter:
             import resource
 
             resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        elif fault == "disarm":  # the trial is over: a fault its version never met does not leak into the next
+            self.armed = None
         else:
             self.armed = fault
 
@@ -139,9 +149,10 @@ class _ArmedAdapter:
 
 
 def receiver(args: dict) -> int:
-    from ckpt_engine.send.publisher import version_digest_of
-    from ckpt_engine.plan.tensors import named_tensors_of
     from ckpt_engine.workers.rollout_agent import RolloutAgent
+
+    from ckpt_engine.plan.tensors import named_tensors_of
+    from ckpt_engine.send.publisher import version_digest_of
 
     workdir, index = Path(args["workdir"]), int(args["index"])
     log = EventLog(workdir / f"receiver{index}.applied.jsonl")

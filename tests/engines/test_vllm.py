@@ -25,11 +25,20 @@ import torch
 
 pytest.importorskip("vllm", reason="the engine tests run in scripts/test-engines.sh's environment")
 
-from ckpt_engine.errors import TornModelError  # noqa: E402
-from ckpt_engine.workers.adapters.vllm import ExtensionControl, HttpControl, LLMControl, start_vllm_driver  # noqa: E402
-from tests.daemon_harness import free_port, start_daemon, write_config  # noqa: E402
-from tests.engines.vllm_helpers import (PROMPT, TrainerLoop, hf_tensors, llama, make_llm, reference_tokens,  # noqa: E402
-                                        save_model, vllm_tokens)
+from ckpt_engine.workers.adapters.vllm import ExtensionControl, HttpControl, LLMControl, start_vllm_driver
+
+from ckpt_engine.errors import TornModelError
+from tests.daemon_harness import free_port, start_daemon, write_config
+from tests.engines.vllm_helpers import (
+    PROMPT,
+    TrainerLoop,
+    hf_tensors,
+    llama,
+    make_llm,
+    reference_tokens,
+    save_model,
+    vllm_tokens,
+)
 
 pytestmark = pytest.mark.timeout(600)
 _TIMEOUTS = {"connect_s": 20, "collective_s": 20, "ack_s": 60, "heartbeat_s": 10, "version_s": 120}
@@ -186,9 +195,8 @@ def test_a_torn_engine_does_not_serve_until_repaired(tmp_path: Path) -> None:
             wait_for(lambda: driver.torn, 30, "the driver to see the engine torn")
             time.sleep(3)  # nothing in the cache it served (it served the model it loaded): no repair
             assert receivers_of(http)[0]["state"] == "torn"
-            with pytest.raises(TornModelError):
-                with control.serving(timeout_s=2):
-                    vllm_tokens(llm)
+            with pytest.raises(TornModelError), control.serving(timeout_s=2):
+                vllm_tokens(llm)
             state["tensors"] = hf_tensors(llama(seed=4))  # the next whole version repairs it
             fixed = sync(http)
             assert fixed["status"] == "committed", fixed
@@ -234,6 +242,24 @@ def test_vllm_serve_with_the_ckpt_engine_backend(tmp_path: Path) -> None:
                 assert record["status"] == "committed", record
                 assert driver.wait_for_version(record["id"], 60)
                 assert control.weight_version() == str(record["id"])
+                assert _complete(url, str(model_dir)) == reference_tokens(pushed)
+
+                # A driver that died between start_weight_update and finish leaves vLLM's update open; vLLM
+                # refuses the next start with a 500 that closes the connection. The new driver must still get
+                # the update closed and the engine whole again (it stayed paused for good before).
+                assert httpx.post(f"{url}/pause?mode=keep").status_code == 200
+                assert httpx.post(f"{url}/start_weight_update").status_code == 200
+                driver.close()
+                control.close()
+                control = HttpControl(url)
+                driver = start_vllm_driver(control, daemon.zmq, engine="vllm-serve")
+
+                def whole_again() -> bool:
+                    mine = [r for r in receivers_of(http) if r["state"] == "serving"]
+                    return bool(mine) and control.weight_version() == str(mine[0]["serving"])
+
+                wait_for(whole_again, 180, "the engine to be whole and serving again")
+                assert not httpx.get(f"{url}/is_paused").json()["is_paused"]
                 assert _complete(url, str(model_dir)) == reference_tokens(pushed)
         finally:
             driver.close()

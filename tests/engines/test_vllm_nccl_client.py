@@ -10,8 +10,9 @@ import torch
 
 pytest.importorskip("vllm", reason="the engine tests run in scripts/test-engines.sh's environment")
 
-from ckpt_engine.errors import ConfigError  # noqa: E402
-from ckpt_engine.workers.adapters.vllm.nccl_client import VLLMWeightTransferClient, init_info, update_info  # noqa: E402
+from ckpt_engine.workers.adapters.vllm.nccl_client import VLLMWeightTransferClient, init_info, update_info
+
+from ckpt_engine.errors import ConfigError
 
 
 def test_init_and_update_infos_are_what_vllm_parses() -> None:

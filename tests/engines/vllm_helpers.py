@@ -3,12 +3,12 @@ vLLM ``LLM`` on the CPU build, and a trainer agent serving versions from the tes
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
+
+from tests.daemon_harness import TrainerLoop  # noqa: F401 - the engine tests take it from here
 
 PROMPT = [1, 17, 33, 90, 4]
 NEW_TOKENS = 8
@@ -51,31 +51,6 @@ def vllm_tokens(llm) -> list[int]:
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, detokenize=False)
     out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)
     return list(out[0].outputs[0].token_ids)
-
-
-class TrainerLoop:
-    """A TrainerAgent stepping in a thread of the test process; ``tensors`` says what it serves now."""
-
-    def __init__(self, endpoint: str, tensors: Callable[[], Any]) -> None:
-        from ckpt_engine.workers.trainer_agent import TrainerAgent
-
-        self.agent = TrainerAgent(tensors, endpoint, poll_wait_s=0.2).start()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        step = 0
-        while not self._stop.is_set():
-            step += 1
-            self.agent.step(step)
-            time.sleep(0.01)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        self.agent.wait_idle(30)
-        self.agent.close()
 
 
 def hf_tensors(model, extra: dict[str, torch.Tensor] | None = None, after: str | None = None):

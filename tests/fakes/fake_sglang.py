@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,8 @@ _TIMEOUT = datetime.timedelta(seconds=60)
 
 class _Req(BaseModel):
     model_config = ConfigDict(extra="ignore")  # msgspec's typed dict: unknown keys dropped
-    rid: Optional[str] = None  # every BaseReq has these two
-    http_worker_ipc: Optional[str] = None
+    rid: str | None = None  # every BaseReq has these two
+    http_worker_ipc: str | None = None
 
 
 class InitWeightsUpdateGroupReqInput(_Req):  # io_struct.py:2126
@@ -49,6 +49,10 @@ class InitWeightsUpdateGroupReqInput(_Req):  # io_struct.py:2126
     backend: str = "nccl"
 
 
+class DestroyWeightsUpdateGroupReqInput(_Req):  # io_struct.py:2146
+    group_name: str = "weight_update_group"
+
+
 class UpdateWeightsFromDistributedReqInput(_Req):  # io_struct.py:2002
     names: list[str]
     dtypes: list[str]
@@ -56,8 +60,8 @@ class UpdateWeightsFromDistributedReqInput(_Req):  # io_struct.py:2002
     group_name: str = "weight_update_group"
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: Optional[str] = None
-    load_format: Optional[str] = None
+    weight_version: str | None = None
+    load_format: str | None = None
     selector: Literal["target", "draft", "all"] = "all"
     torch_empty_cache: bool = False
 
@@ -98,6 +102,15 @@ class UpdateGroup:
                                           backend_options=None, timeout=_TIMEOUT, device_id=None)
         _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
         self.groups[req.group_name] = pg
+
+    def destroy(self, group_name: str) -> tuple[bool, str]:  # model_runner_components/weight_updater.py:146
+        try:
+            if group_name in self.groups:
+                dist.destroy_process_group(self.groups.pop(group_name))
+                return True, "Succeeded to destroy custom process group."
+            return False, "The group to be destroyed does not exist."
+        except Exception as exc:  # noqa: BLE001 - as SGLang
+            return False, f"Failed to destroy custom process group: {exc}."
 
     def receive(self, req: UpdateWeightsFromDistributedReqInput) -> dict[str, torch.Tensor]:
         pg = self.groups[req.group_name]
@@ -140,6 +153,11 @@ def create_app(fail_second_update: bool) -> FastAPI:
             return answer(False, f"Failed to initialize custom process group: {exc}.")
         return answer(True, "Succeeded to initialize custom process group.")
 
+    @app.post("/destroy_weights_update_group")
+    def destroy_group(req: DestroyWeightsUpdateGroupReqInput) -> JSONResponse:
+        state["calls"].append({"call": "destroy_weights_update_group", "group_name": req.group_name})
+        return answer(*group.destroy(req.group_name))
+
     @app.post("/pause_generation")
     def pause(req: PauseGenerationReqInput) -> dict:
         state["calls"].append({"call": "pause_generation", "mode": req.mode})
@@ -178,7 +196,10 @@ def create_app(fail_second_update: bool) -> FastAPI:
         if req.group_name not in group.groups:
             return answer(False, f"Group {req.group_name} not in {list(group.groups)}. Please call "
                                  "`init_weights_update_group` first.")
-        received = group.receive(req)
+        try:  # scheduler_components/weight_updater.py:199-211
+            received = group.receive(req)
+        except Exception as exc:  # noqa: BLE001 - as SGLang: nothing of this batch was loaded
+            return answer(False, f"Failed to receive weights: {exc}")
         state["updates"] += 1
         if fail_second_update and state["updates"] == 2:
             return answer(False, "Failed to receive weights: injected failure (the first batch was applied)")

@@ -12,8 +12,8 @@ import xxhash
 from torch import nn
 
 from ckpt_engine.device import DeviceInfo, detect_device
-from ckpt_engine.transport.group import SyncGroup, open_store
 from ckpt_engine.plan.hashing import host_buffer
+from ckpt_engine.transport.group import SyncGroup, open_store
 
 HOST = "127.0.0.1"
 

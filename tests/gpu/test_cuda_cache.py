@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_engine.send.cache import VersionCache
 from ckpt_engine.device import detect_device, host_empty
 from ckpt_engine.plan.layout import plan_layout
-from ckpt_engine.send.publisher import Publisher
-from ckpt_engine.receive.collective import Receiver
+from ckpt_engine.plan.modes import mode_of
 from ckpt_engine.plan.tensors import named_tensors_of, specs_of
+from ckpt_engine.receive.collective import Receiver
+from ckpt_engine.send.cache import VersionCache
+from ckpt_engine.send.publisher import Publisher
 from tests.gpu.common import WireLog, cuda, perturb, requires_cuda, state_hashes, sync_group, tensor_hash
 from tests.models import BUCKET_SIZE, AwkwardModel, load_into
 from tests.procs import run_processes
@@ -47,7 +48,7 @@ def host_wire_sender(port: int) -> dict:
         if version == 3:
             perturb(model, version)
         wire.version = version
-        result = publisher.publish(version, named_tensors_of(model), bypass_cpu=bypass).result(60)
+        result = publisher.publish(version, named_tensors_of(model), mode=mode_of(bypass)).result(60)
         results.append((result.ok, result.reason, result.version_digest, result.mode))
         states.append(state_hashes(model))
     publisher.close()

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-import ckpt_engine.plan.hashing as hashing
+from ckpt_engine.plan import hashing
 from ckpt_engine.plan.dtypes import DTYPE_BY_NAME
 from ckpt_engine.plan.layout import TensorSpec, plan_layout
 from ckpt_engine.plan.tensors import fill_bucket

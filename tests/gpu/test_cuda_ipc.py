@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from ckpt_engine.plan.modes import mode_of
+from ckpt_engine.plan.tensors import named_tensors_of
 from ckpt_engine.receive.colocated import IpcReceiver
 from ckpt_engine.send.publisher import Publisher
-from ckpt_engine.plan.tensors import named_tensors_of
 from tests.gpu.common import WireLog, cuda, memory, perturb, requires_cuda, state_hashes
 from tests.models import BUCKET_SIZE, AwkwardModel, load_into
 from tests.procs import run_processes, start_processes
@@ -49,7 +50,7 @@ def ipc_trainer(hub: str) -> dict:
         if version > VERSIONS:
             named.tensors["grown"] = grown
         wire.version = version
-        result = publisher.publish(version, named, bypass_cpu=version % 2 == 0).result(120)
+        result = publisher.publish(version, named, mode=mode_of(version % 2 == 0)).result(120)
         out["results"].append((result.ok, result.reason, result.committed_ranks, result.version_digest))
         out["states"].append(state_hashes(model))
         if version in SAMPLE_AT:
@@ -115,7 +116,7 @@ def corrupting_trainer(hub: str, algo: str, corrupt: tuple[int, int] | None = (2
     for version, bypass in ((1, False), (2, True), (3, True)):
         perturb(model, version)
         wire.version = version
-        result = publisher.publish(version, named_tensors_of(model), bypass_cpu=bypass).result(60)
+        result = publisher.publish(version, named_tensors_of(model), mode=mode_of(bypass)).result(60)
         out.append((result.ok, result.reason, state_hashes(model)))
     publisher.close()
     return {"versions": out}

@@ -15,13 +15,22 @@ import pytest
 import torch
 
 from ckpt_engine.errors import SyncTimeoutError
-from ckpt_engine.transport.group import open_store
+from ckpt_engine.plan.modes import mode_of
+from ckpt_engine.plan.tensors import named_tensors_of
+from ckpt_engine.receive.collective import Receiver
 from ckpt_engine.receive.colocated import IpcReceiver
 from ckpt_engine.send.publisher import Publisher
-from ckpt_engine.receive.collective import Receiver
-from ckpt_engine.plan.tensors import named_tensors_of
-from tests.gpu.common import (WireLog, cuda, cuda_count, perturb, requires_2_gpus, state_hashes, sync_group,
-                              visible_devices)
+from ckpt_engine.transport.group import open_store
+from tests.gpu.common import (
+    WireLog,
+    cuda,
+    cuda_count,
+    perturb,
+    requires_2_gpus,
+    state_hashes,
+    sync_group,
+    visible_devices,
+)
 from tests.models import BUCKET_SIZE, AwkwardModel, load_into
 from tests.procs import run_processes, start_processes
 
@@ -43,7 +52,7 @@ def nccl_sender(port: int, world: int, algo: str) -> dict:
         if version in (3, 4):
             perturb(model, version)
         wire.version = version
-        result = publisher.publish(version, named_tensors_of(model), bypass_cpu=bypass).result(120)
+        result = publisher.publish(version, named_tensors_of(model), mode=mode_of(bypass)).result(120)
         out.append({"ok": result.ok, "reason": result.reason, "ranks": sorted(result.committed_ranks),
                     "digest": result.version_digest, "state": state_hashes(model)})
     publisher.close()
@@ -135,7 +144,7 @@ def cross_gpu_trainer(hub: str) -> dict:
     out = []
     for version, bypass in ((1, False), (2, True), (3, False)):
         perturb(model, version)
-        result = publisher.publish(version, named_tensors_of(model), bypass_cpu=bypass).result(60)
+        result = publisher.publish(version, named_tensors_of(model), mode=mode_of(bypass)).result(60)
         out.append((result.ok, result.reason, state_hashes(model)))
     publisher.close()
     return {"versions": out, "uuid": str(torch.cuda.get_device_properties(0).uuid)}

@@ -11,8 +11,9 @@ Only versions the agent has already verified are pushed; the engine then confirm
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -70,8 +71,11 @@ class PushGroup:
             self.group.broadcast_and_wait(tensor.contiguous().to(self.device.comm_device), f"push tensor {index}")
 
     def close(self) -> None:
+        """Leave the group and stop hosting the store (its port is free for a new group)."""
         if self.group is not None:
             self.group.close()
+        self.group = None
+        self._store = None
 
 
 def push_while(call: Callable[[], T], work: Callable[[], None], timeout_s: float) -> T:

@@ -23,18 +23,20 @@ nothing: generation continues and the version is refused.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import httpx
 import torch
-
-from ckpt_engine.plan.dtypes import dtype_name
-from ckpt_engine.errors import ApplyRefused
-from ckpt_engine.receive.collective import VersionPayload
 from ckpt_engine.workers.adapters.engine_http import EngineUpdateError, checked
 from ckpt_engine.workers.adapters.push_group import PushGroup, PushSettings, chunks, push_while, unique_tensors
 
+from ckpt_engine.errors import ApplyRefused, CkptEngineError, SyncTimeoutError, TornModelError
+from ckpt_engine.plan.dtypes import dtype_name
+from ckpt_engine.receive.collective import VersionPayload
+
 __all__ = ["EngineUpdateError", "SGLangAdapter"]
+log = logging.getLogger(__name__)
 Batch = list[tuple[str, torch.Tensor]]
 
 
@@ -48,40 +50,84 @@ class SGLangAdapter:
         self.group = group or PushGroup(push)
         self.version: int | None = None
         self.torn: str | None = None  # SGLang holds a mix: generation stays paused until a whole version
+        self._stale: str | None = None  # why the update group must be joined anew before the next version
 
     def connect(self) -> None:
-        """Create the update group on the server and join it from here, concurrently (they rendezvous)."""
+        """Create the update group on the server and join it from here, concurrently (they rendezvous). A group
+        of the same name left on the server (by an earlier run of this agent) is destroyed first: SGLang, like
+        torch, refuses a second group by one name."""
+        self._destroy_server_group()
         body = {"master_address": self.push.master_address, "master_port": self.push.master_port,
                 "rank_offset": 1, "world_size": self.push.world_size, "group_name": self.push.group_name,
                 "backend": self.push.backend}
         push_while(lambda: self.post("/init_weights_update_group", body), self.group.join, self.push.timeout_s)
+        self._stale = None
 
     def load(self, payload: VersionPayload) -> None:
         """LoadFn: push one verified version; raises if SGLang refuses it (ApplyRefused when nothing changed)."""
+        self._check_still_ours(payload)
+        if self._stale is not None:  # a broadcast failed (e.g. SGLang restarted): a new group first
+            self._reconnect(payload.version)
         if self.torn is None:
             self.post("/pause_generation", {"mode": self.pause_mode})
-        sent = False
+        opened, done = False, 0
         try:
             self.post("/begin_weight_update", {})
+            opened = True
             batches = chunks(unique_tensors(payload.tensors), self.push.chunk_bytes)
             for index, batch in enumerate(batches):
-                last = index == len(batches) - 1
-                sent = True
-                push_while(lambda: self.post("/update_weights_from_distributed", _update(batch, self.push.group_name,
-                                                                                        last, payload.version)),
-                           lambda: self.group.broadcast(t for _, t in batch), self.push.timeout_s)
+                update = _update(batch, self.push.group_name, index == len(batches) - 1, payload.version)
+                push_while(lambda: self.post("/update_weights_from_distributed", update),  # noqa: B023 - awaited here
+                           lambda: self.group.broadcast(t for _, t in batch), self.push.timeout_s)  # noqa: B023
+                done += 1
             self.post("/end_weight_update", {})
         except Exception as exc:
-            self._close_session()
-            if sent:  # some weights may have landed: a mix is not served
-                self.torn = f"version {payload.version} failed part way: {exc}"
-                self.version = None
-                raise
-            if self.torn is None:
-                self.post("/continue_generation", {})
-            raise ApplyRefused(f"SGLang refused version {payload.version} before any weight was sent: {exc}") from exc
+            self._failed(payload.version, exc, opened, done)
         self.version, self.torn = payload.version, None
         self.post("/continue_generation", {})
+
+    def _check_still_ours(self, payload: VersionPayload) -> None:
+        """SGLang still labels its weights with the version this adapter applied last. A restarted SGLang
+        serves its checkpoint instead (and has no update group): a whole version simply replaces that, but a
+        sparse one would make a mix, so the engine is declared torn and the daemon repairs it whole."""
+        if self.version is None:
+            return
+        try:
+            label = self.weight_version()
+        except (httpx.HTTPError, EngineUpdateError) as exc:
+            self._stale = f"SGLang unreachable: {exc}"
+            raise ApplyRefused(f"version {payload.version} not pushed: SGLang is unreachable ({exc})") from exc
+        if label == str(self.version):
+            return
+        self._stale = f"SGLang reports weight version {label!r}, not {self.version}"
+        self.version = None
+        if payload.sparse:
+            self.post("/pause_generation", {"mode": self.pause_mode})
+            self.torn = f"{self._stale}: it restarted or another client changed it; a whole version repairs it"
+            raise TornModelError(self.torn)
+
+    def _failed(self, version: int, exc: Exception, opened: bool, done: int) -> None:
+        if opened:
+            self._close_session()  # only our own: another client's open session is not ours to end
+        if not isinstance(exc, EngineUpdateError) or "Failed to receive weights" in str(exc):
+            self._stale = f"{type(exc).__name__}: {exc}"  # the group may be broken: join a new one next time
+        if done or (opened and _may_have_landed(exc)):  # some weights may have landed: a mix is not served
+            self.torn = f"version {version} failed part way: {exc}"
+            self.version = None
+            raise exc
+        if self.torn is None:
+            self.post("/continue_generation", {})
+        raise ApplyRefused(f"SGLang refused version {version} before any weight landed: {exc}") from exc
+
+    def _reconnect(self, version: int) -> None:
+        log.warning("version %d: joining a new update group with SGLang (the last one failed: %s)", version,
+                    self._stale)
+        self.group.close()
+        self.group = PushGroup(self.push, self.group.device)  # a fresh store: no keys of the broken rendezvous
+        try:
+            self.connect()
+        except Exception as exc:
+            raise ApplyRefused(f"could not join a new update group with SGLang: {exc}") from exc
 
     def weight_version(self) -> str | None:
         """The version label SGLang reports (``GET /model_info``)."""
@@ -97,8 +143,28 @@ class SGLangAdapter:
     def _close_session(self) -> None:
         try:
             self.post("/end_weight_update", {})
-        except EngineUpdateError:  # no session open (it failed before one), or the server is gone
+        except (EngineUpdateError, httpx.HTTPError) as exc:  # the server closed it, or is gone
+            log.info("closing the weight-update session: %s", exc)
+
+    def _destroy_server_group(self) -> None:
+        try:
+            self.post("/destroy_weights_update_group", {"group_name": self.push.group_name})
+        except EngineUpdateError:  # "The group to be destroyed does not exist.": nothing to clean up
             pass
+
+
+def _may_have_landed(exc: Exception) -> bool:
+    """Whether a failed first batch may have changed SGLang's weights. SGLang says "Failed to receive weights"
+    when the broadcast failed (nothing was loaded); a batch refused before its broadcast, a connection that
+    never reached the server, or our own side failing before SGLang received all of it change nothing. No
+    answer at all (a timeout), or any other failure, may have come after a load."""
+    if isinstance(exc, EngineUpdateError):
+        text = str(exc)
+        return not any(sign in text for sign in ("Failed to receive weights", "must run between",
+                                                  "Please call `init_weights_update_group`"))
+    if isinstance(exc, SyncTimeoutError):
+        return True
+    return not isinstance(exc, (httpx.ConnectError, CkptEngineError))
 
 
 def _update(batch: Batch, group_name: str, last: bool, version: int) -> dict[str, Any]:

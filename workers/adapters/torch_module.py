@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from ckpt_engine.errors import ApplyRefused, TornModelError
-from ckpt_engine.receive.collective import VersionPayload
 from ckpt_engine.plan.tensors import NameMap, persistent_buffers, strip_wrapper_prefixes
+from ckpt_engine.receive.collective import VersionPayload
 
 
 class ModuleAdapter:

@@ -8,8 +8,7 @@
 - ``nccl_client.py``: a bridge into vLLM's own ``nccl`` backend (schema-exact; needs CUDA).
 """
 
-from ckpt_engine.workers.adapters.vllm.control import (ExtensionControl, HttpControl, LLMControl,
-                                                       start_vllm_driver)
+from ckpt_engine.workers.adapters.vllm.control import ExtensionControl, HttpControl, LLMControl, start_vllm_driver
 from ckpt_engine.workers.adapters.vllm.extension import CkptEngineWorkerExtension
 from ckpt_engine.workers.adapters.vllm.nccl_client import VLLMWeightTransferClient
 

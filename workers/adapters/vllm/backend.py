@@ -20,13 +20,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from ckpt_engine.workers.adapters.vllm.worker import (
+    WorkerReceiver,
+    WorkerSettings,
+    begin_reload,
+    end_reload,
+    load_version,
+    members_of,
+    reset_reload,
+)
 from vllm.config.weight_transfer import WeightTransferConfig
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from ckpt_engine.errors import CkptEngineError
-from ckpt_engine.workers.adapters.vllm.worker import (WorkerReceiver, WorkerSettings, begin_reload, end_reload,
-                                                      load_version, members_of, reset_reload)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -65,7 +71,7 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
     update_info_cls = CkptEngineUpdateInfo
     supports_draft_weight_update = False
 
-    def __init__(self, config: WeightTransferConfig, vllm_config: "VllmConfig", device: torch.device,
+    def __init__(self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device,
                  model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.receiver: WorkerReceiver | None = None

@@ -19,13 +19,15 @@ import logging
 import os
 import socket
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
-
-from ckpt_engine.errors import TornModelError
 from ckpt_engine.workers.adapters.engine_http import EngineUpdateError, checked
 from ckpt_engine.workers.driver import EngineDriver
+
+from ckpt_engine.errors import TornModelError
+from ckpt_engine.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ class HttpControl:
         self._post("/init_weight_transfer_engine", {"init_info": init_info})
 
     def pause(self) -> None:
-        self._post(f"/pause?mode={self.pause_mode}")
+        self._post(f"/pause?mode={self.pause_mode}", retries=3)
 
     def apply(self, version: int) -> None:
         self.start()
@@ -52,7 +54,9 @@ class HttpControl:
         self.finish(str(version))
 
     def abandon(self) -> None:
-        self.finish(None)
+        # retried: vLLM answers a failed step with a 500 that closes the connection, and an update left open
+        # would refuse every later one (the engine would stay paused for good)
+        self._post("/finish_weight_update", retries=3)
 
     def start(self) -> None:
         self._post("/start_weight_update")
@@ -65,7 +69,7 @@ class HttpControl:
         self._post("/finish_weight_update", {"weight_version": label} if label is not None else None)
 
     def resume(self) -> None:
-        self._post("/resume")
+        self._post("/resume", retries=3)
 
     def weight_version(self) -> str | None:
         return checked(self.http.get("/weight_info"), "/weight_info").get("weight_version")
@@ -73,12 +77,22 @@ class HttpControl:
     def close(self) -> None:
         self.http.close()
 
-    def _post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        try:
-            response = self.http.post(path, json=body) if body is not None else self.http.post(path)
-        except httpx.HTTPError as exc:
-            raise EngineUpdateError(f"{path}: {type(exc).__name__}: {exc}") from exc
-        return checked(response, path)
+    def _post(self, path: str, body: dict[str, Any] | None = None, *, retries: int = 0) -> dict[str, Any]:
+        """POST and check the answer; ``retries``: attempts after a connection failure (for calls that are
+        safe to repeat), each on a fresh connection after a backoff."""
+        backoff, attempt = Backoff(initial_s=0.2, max_s=2.0), 0
+        while True:
+            try:
+                response = self.http.post(path, json=body) if body is not None else self.http.post(path)
+                return checked(response, path)
+            except httpx.TransportError as exc:
+                if attempt == retries:
+                    raise EngineUpdateError(f"{path}: {type(exc).__name__}: {exc}") from exc
+                log.info("%s: %s: %s; retrying", path, type(exc).__name__, exc)
+            except httpx.HTTPError as exc:
+                raise EngineUpdateError(f"{path}: {type(exc).__name__}: {exc}") from exc
+            attempt += 1
+            backoff.wait()
 
 
 class LLMControl:
@@ -144,15 +158,16 @@ def default_engine_name(kind: str = "vllm") -> str:
 
 def start_vllm_driver(control: HttpControl | LLMControl, endpoint: str, *, engine: str | None = None,
                       token: str | None = None, worker_token: str | None = None, poll_wait_s: float = 1.0,
-                      take_timeout_s: float = 60.0) -> EngineDriver:
+                      take_timeout_s: float = 60.0, credentials: str | None = None) -> EngineDriver:
     """Start the workers' receivers (through ``control``) and the driver of engine ``engine``.
 
-    ``token``: the driver's rollout token; ``worker_token``: the one the workers send (default: the same; a
-    worker on another host or user than the credentials file needs it passed)."""
+    ``token``: the driver's rollout token (default: $CKPT_ENGINE_TOKEN, else the rollout token of the
+    ``credentials`` file); ``worker_token``: the one the workers send (default: the same; a worker on another
+    host or user than the credentials file needs it passed)."""
     from ckpt_engine.control.auth import client_token
 
     name = engine or default_engine_name()
-    token = client_token("rollout", token)
+    token = client_token("rollout", token, credentials)
     driver = EngineDriver(control, endpoint, engine=name, token=token, poll_wait_s=poll_wait_s).start()
     control.start_workers({"endpoint": endpoint, "engine": name, "token": worker_token or token,
                            "poll_wait_s": poll_wait_s, "take_timeout_s": take_timeout_s})

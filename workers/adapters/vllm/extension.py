@@ -14,9 +14,17 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+from ckpt_engine.workers.adapters.vllm.worker import (
+    WorkerReceiver,
+    WorkerSettings,
+    begin_reload,
+    end_reload,
+    load_version,
+    members_of,
+    reset_reload,
+)
+
 from ckpt_engine.errors import CkptEngineError
-from ckpt_engine.workers.adapters.vllm.worker import (WorkerReceiver, WorkerSettings, begin_reload, end_reload,
-                                                      load_version, members_of, reset_reload)
 
 
 class CkptEngineWorkerExtension:

