@@ -20,22 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_engine.bench.common import HOST, REPO, MiB, Progress, auth_headers, fmt_s, free_port, stats
-from ckpt_engine.server.launch import DaemonProcess
+from ckpt_engine.bench.common import MiB, Progress, auth_headers, fmt_s, stats
+from ckpt_engine.server.launch import DaemonProcess, write_config
 from ckpt_engine.server.launch import start_daemon as launch_daemon
-
-CONFIG = REPO / "deploy" / "engine.yaml"
 
 
 def start_daemon(workdir: Path, bucket_mb: float, *, transport: str = "collective", timeout_s: float = 60
                  ) -> DaemonProcess:
-    """deploy/engine.yaml as shipped, with the suite's overrides (see the module doc)."""
-    env = {"CKPT_ENGINE_HTTP__PORT": str(free_port()), "CKPT_ENGINE_HTTP__HOST": HOST,
-           "CKPT_ENGINE_ZMQ__ENDPOINT": f"tcp://{HOST}:{free_port()}",
-           "CKPT_ENGINE_STORE__HISTORY_PATH": str(workdir / "history.sqlite3"),
-           "CKPT_ENGINE_STORE__RENDEZVOUS_PORT": "0", "CKPT_ENGINE_BUCKET_SIZE_MB": f"{bucket_mb:g}",
-           "CKPT_ENGINE_TRANSPORT": transport, "CKPT_ENGINE_AUTH__CREDENTIALS_FILE": str(workdir / "credentials.json")}
-    return launch_daemon(CONFIG, env=env, timeout_s=timeout_s, log_path=workdir / "daemon.log")
+    """The built-in defaults (deploy/engine.yaml lists them), with the suite's overrides (see the module doc)."""
+    config = write_config(workdir, test_timeouts=False, bucket_size_mb=bucket_mb, transport=transport)
+    return launch_daemon(config, timeout_s=timeout_s, log_path=workdir / "daemon.log")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -141,16 +141,17 @@ def compare_plot(bars: list[dict], path: Path, title: str) -> bool:
 
 
 def make_all(results: dict[str, Any], out_dir: Path, subtitle: str, compare_bars: list[dict],
-             compare_title: str) -> dict[str, str]:
-    """Write every plot the results allow; returns {kind: file name} of those written."""
+             compare_title: str, prefix: str = "bench") -> dict[str, str]:
+    """Write every plot the results allow, as ``<prefix>-<kind>.png``; returns {kind: file name} of those
+    written."""
     written: dict[str, str] = {}
     jobs = []
     if results.get("curves"):
-        jobs += [("size", "bench-size.png", lambda p: size_plot(results["curves"], p, subtitle)),
-                 ("receivers", "bench-receivers.png", lambda p: receivers_plot(results["curves"], p, subtitle))]
+        jobs += [("size", f"{prefix}-size.png", lambda p: size_plot(results["curves"], p, subtitle)),
+                 ("receivers", f"{prefix}-receivers.png", lambda p: receivers_plot(results["curves"], p, subtitle))]
     if results.get("side_by_side"):
-        jobs.append(("tensors", "bench-tensors.png", lambda p: tensors_plot(results["side_by_side"], p, subtitle)))
-    jobs.append(("compare", "bench-compare.png", lambda p: compare_plot(compare_bars, p, compare_title)))
+        jobs.append(("tensors", f"{prefix}-tensors.png", lambda p: tensors_plot(results["side_by_side"], p, subtitle)))
+    jobs.append(("compare", f"{prefix}-compare.png", lambda p: compare_plot(compare_bars, p, compare_title)))
     for kind, name, fn in jobs:
         path = out_dir / name
         if fn(path):

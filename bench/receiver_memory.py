@@ -18,9 +18,8 @@ from typing import Any
 
 from ckpt_engine.bench.common import MiB, Progress, master_store, proc_status, run_processes, stats, sync_group
 
-from ckpt_engine.plan.modes import mode_of
+from ckpt_engine.plan.modes import MODES
 
-MODES = ("cached", "bypass")
 REPEATS = 3  # versions per transport and mode
 
 
@@ -112,7 +111,7 @@ def _sender(port: int, hub: str, args: dict, results: Any) -> None:
                 version += 1
                 tensors["t0"].add_(1)
                 time.sleep(0.05)  # let the receiver take its pre-version reading
-                result = publisher.publish(version, named, mode=mode_of(mode == "bypass")).result(300)
+                result = publisher.publish(version, named, mode=mode).result(300)
                 if not result.ok or not all(a.ok for a in result.receivers):
                     raise RuntimeError(f"{transport} {mode} version {version}: {result.reason}")
                 results.put(("progress", 0, f"  {transport:<10} {mode:<6} version {version} ok"))

@@ -7,6 +7,8 @@ Sections (each in its own module, run in this order; ``--only`` / ``--skip`` pic
 - ``side_by_side``  (bench/sync_bench.py): ckpt-engine e2e cached and bypass_cpu vs raw broadcast, memcpy,
                     per-tensor broadcast loop, safetensors disk round trip (local disk, /dev/shm), 100 → 20,000
                     tensors at fixed bytes.
+- ``owners``        (bench/owners_bench.py): trainer held time and per-rank host cache with 1, 2 and 4 trainer
+                    ranks owning shares of each version.
 - ``ipc``           (bench/ipc_bench.py): the same-host shared-memory path vs memcpy and gloo.
 - ``curves``        (bench/curves.py): model size 64 MiB → 4 GiB, receivers 1 → 3.
 - ``memory``        (bench/receiver_memory.py): receiver peak extra memory during a sync vs bucket size.
@@ -27,6 +29,7 @@ It writes the markdown report (default docs/benchmarks.md), PNG plots next to it
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shlex
 import sys
@@ -43,14 +46,17 @@ from ckpt_engine.bench import (
     gpu_bench,
     ipc_bench,
     load_bench,
+    owners_bench,
     plots,
     receiver_memory,
     sync_bench,
     trainer_overhead,
 )
-from ckpt_engine.bench.common import REPO, GiB, MiB, machine_info
+from ckpt_engine.bench.common import GiB, MiB, machine_info
 
-DEFAULT_OUT = REPO / "docs" / "benchmarks.md"
+# under the working directory (a checkout's root: its docs/); a quick run never overwrites the full report
+DEFAULT_OUT = Path("docs") / "benchmarks.md"
+QUICK_OUT = Path("docs") / "benchmarks-quick.md"
 
 class _SparseSection:
     """bench/sparse_bench.py exposes ``run(quick, progress)`` and ``section(result)``: adapt them."""
@@ -73,6 +79,7 @@ class _SparseSection:
 
 SECTIONS: list[tuple[str, str, Any]] = [
     ("side_by_side", "Side by side: ckpt-engine vs the alternatives", sync_bench),
+    ("owners", "Owner-sharded versions: 1, 2 and 4 trainer ranks", owners_bench),
     ("ipc", "Same-host shared-memory path", ipc_bench),
     ("curves", "Curves: model size and receivers", curves),
     ("memory", "Receiver memory during a sync", receiver_memory),
@@ -93,7 +100,8 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smaller models, fewer repetitions (~1-3 minutes)")
     p.add_argument("--json", metavar="PATH", help="also write every measured figure as JSON")
     p.add_argument("--out", metavar="PATH", default=None,
-                   help=f"markdown report (default {DEFAULT_OUT.relative_to(REPO)}); plots go next to it")
+                   help=f"markdown report (default {DEFAULT_OUT}, with --quick {QUICK_OUT}, under the working "
+                        "directory); plots go next to it")
     p.add_argument("--only", metavar="LIST", help="comma-separated sections to run (default: all)")
     p.add_argument("--skip", metavar="LIST", help="comma-separated sections to leave out")
     p.add_argument("--repeats", type=int, default=None, help="measured rounds per variant (default 5, quick 3)")
@@ -118,12 +126,17 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
 def main(argv: list[str] | None = None, prog: str = "python -m ckpt_engine.bench.suite") -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv, prog)
+    if importlib.util.find_spec("matplotlib") is None:  # before anything is measured
+        print("error: the benchmark suite draws its plots with matplotlib, which is not installed here: "
+              "pip install matplotlib (or, in a checkout, pip install -e '.[bench]'; scripts/setup.sh does)",
+              file=sys.stderr)
+        return 2
     chosen = [s.strip() for s in args.only.split(",")] if args.only else list(SECTION_NAMES)
     if args.skip:
         chosen = [s for s in chosen if s not in {x.strip() for x in args.skip.split(",")}]
     opts = {"quick": args.quick, "repeats": args.repeats if args.repeats is not None else (3 if args.quick else 5),
             "warmup": args.warmup, "bucket_size": int(args.bucket_mib * MiB), "timeout_s": args.timeout}
-    out_path = Path(args.out) if args.out else DEFAULT_OUT
+    out_path = Path(args.out) if args.out else (QUICK_OUT if args.quick else DEFAULT_OUT)
     if args.from_json:
         return _write(merge_sections(json.loads(Path(args.from_json).read_text()), args.merge_json), out_path,
                       args.json)
@@ -182,7 +195,8 @@ def _write(report: dict, out_path: Path, json_path: str | None) -> int:
         bars, bar_title = compare_bars(report)
         subtitle = (f"{'quick' if report['settings']['quick'] else 'full'} run, {machine['usable_cores']} CPU "
                     f"cores, gloo, {machine['date_utc']}")
-        images = plots.make_all(report["results"], out_path.parent, subtitle, bars, bar_title)
+        prefix = "bench" if out_path.stem == "benchmarks" else f"bench-{out_path.stem.removeprefix('benchmarks-')}"
+        images = plots.make_all(report["results"], out_path.parent, subtitle, bars, bar_title, prefix)
     except Exception:  # no matplotlib, say: the report still comes out, without pictures
         report["errors"]["plots"] = traceback.format_exc()
         print(f"plots FAILED:\n{report['errors']['plots']}", flush=True)
@@ -243,27 +257,59 @@ def evaluate_targets(report: dict) -> list[dict]:
         rows = res["side_by_side"]["rows"]
         out = []
         for row in rows:
-            if set(sync_bench.ALL_VARIANTS) <= set(row["variants"]) and (rows_filter is None or rows_filter(row)):
+            if rows_filter is None or rows_filter(row):
                 r = row["ratios"].get(key)
                 if r:
                     out.append((row["name"], r["value"], f"[{r['paired_min']:.3f}–{r['paired_max']:.3f}]"))
         return out
 
     def biggest(row: dict) -> bool:
-        return row["num_tensors"] == max(r["num_tensors"] for r in res["side_by_side"]["rows"])
+        return row["num_tensors"] == max(r["num_tensors"] for r in res["side_by_side"]["rows"]
+                                         if "per_tensor" in r["variants"])
 
-    add("ckpt-engine e2e (cached) throughput ÷ raw broadcast", ">=", 0.9, "", "side_by_side",
-        lambda: side_ratio("raw_over_cached"), "raw time / cached time-to-verified, same bytes, same group")
+    def every_variant(row: dict) -> bool:
+        return set(sync_bench.ALL_VARIANTS) <= set(row["variants"])
+
+    add("ckpt-engine e2e (cached) throughput ÷ raw broadcast, 100 and 2,000 tensors", ">=", 0.9, "", "side_by_side",
+        lambda: side_ratio("raw_over_cached", lambda row: row["num_tensors"] in (100, 2000)),
+        "raw time / cached time-to-verified, same bytes, same group")
+    add("ckpt-engine e2e (cached) throughput ÷ raw broadcast, 20,000 tensors", ">=", 0.8, "", "side_by_side",
+        lambda: side_ratio("raw_over_cached", lambda row: row["num_tensors"] == 20000), "the same at 20,000 tensors")
+    add("ckpt-engine e2e (cached) throughput ÷ raw broadcast, 100,000 tensors (reported)", ">=", 0.0, "",
+        "side_by_side", lambda: side_ratio("raw_over_cached", lambda row: row["num_tensors"] == 100000),
+        "the same at 100,000 tensors: no goal, reported")
+
+    def slope_measure() -> list[tuple[str, float, str]]:
+        slopes = res["side_by_side"].get("slopes", {})
+        return [(VARIANT, slopes[VARIANT]["slope_s"] * 1e6, f"({slopes[VARIANT]['points']} tensor counts)")
+                for VARIANT in ("cached", "bypass") if VARIANT in slopes]
+
+    add("per-tensor slope of e2e time at fixed bytes", "<=", 2.0, " µs", "side_by_side", slope_measure,
+        "least-squares slope of the median time-to-verified over the tensor counts")
+
+    def owners_measure(key: str) -> Callable[[], list[tuple[str, float, str]]]:
+        def measure() -> list[tuple[str, float, str]]:
+            r = res["owners"]["ratios"].get(key)
+            if r is None:
+                return []
+            rng = f"[{r['paired_min']:.3f}–{r['paired_max']:.3f}]" if "paired_min" in r else ""
+            return [(f"{res['owners']['args']['bytes'] // MiB} MiB, 4 ranks ÷ 1", r["value"], rng)]
+        return measure
+
+    add("trainer held time (cached), 4 trainer ranks ÷ 1", "<=", 0.35, "", "owners",
+        owners_measure("held_cached_4_over_1"), "slowest rank's publish() return with 4 owners / with 1")
+    add("host cache per rank, 4 trainer ranks ÷ 1", "<=", 0.3, "", "owners", owners_measure("cache_4_over_1"),
+        "largest rank's cache bytes with 4 owners / the single rank's")
     add("speedup over a per-tensor broadcast loop at 20k tensors", ">=", 20, "×", "side_by_side",
         lambda: side_ratio("per_tensor_over_cached", biggest), "per-tensor loop time / cached time-to-verified")
     add("speedup over a safetensors round trip on local disk", ">=", 3, "×", "side_by_side",
-        lambda: side_ratio("disk_local_over_cached"), "save → every receiver loaded + copied / cached time")
+        lambda: side_ratio("disk_local_over_cached", every_variant), "save → every receiver loaded + copied / cached time")
     add("speedup over a safetensors round trip on /dev/shm", ">=", 3, "×", "side_by_side",
-        lambda: side_ratio("disk_shm_over_cached"), "the same with the file on tmpfs")
+        lambda: side_ratio("disk_shm_over_cached", every_variant), "the same with the file on tmpfs")
     add("bypass_cpu time-to-verified ÷ cached", "<=", 0.8, "", "side_by_side",
-        lambda: side_ratio("bypass_over_cached"), "bypass time / cached time")
+        lambda: side_ratio("bypass_over_cached", every_variant), "bypass time / cached time")
     add("cached trainer-held ÷ bypass_cpu trainer-held", "<=", 0.25, "", "side_by_side",
-        lambda: side_ratio("held_cached_over_bypass"), "publish() return / params_released")
+        lambda: side_ratio("held_cached_over_bypass", every_variant), "publish() return / params_released")
 
     def sparse_measure() -> list[tuple[str, float, str]]:
         r = res["sparse"]

@@ -50,6 +50,9 @@ from ckpt_engine.plan.modes import mode_of
 GROUP_NAME = "bench"
 ALL_VARIANTS = ("cached", "bypass", "raw", "per_tensor", "memcpy", "disk_local", "disk_shm")
 CURVE_VARIANTS = ("cached", "bypass", "raw", "per_tensor")
+# MoE scale (Kimi-K2 has ~69k expert weights): the per-tensor loop would take minutes a round there
+MOE_COUNTS = (100_000,)
+MOE_VARIANTS = ("cached", "bypass", "raw")
 VARIANT_LABEL = {
     "cached": "ckpt-engine e2e, cached",
     "bypass": "ckpt-engine e2e, bypass_cpu",
@@ -416,9 +419,36 @@ def plan(opts: dict) -> dict:
     size = int((64 if quick else 256) * MiB)
     full = (100, 2000, 20000)  # every variant
     extra = () if quick else (500, 5000)  # tensor-count curve points: fewer variants
-    counts = sorted(set(full) | set(extra))
-    configs = [make_config(size, n, ALL_VARIANTS if n in full else CURVE_VARIANTS) for n in counts]
+    counts = sorted(set(full) | set(extra) | set(MOE_COUNTS))
+    configs = [make_config(size, n, ALL_VARIANTS if n in full else MOE_VARIANTS if n in MOE_COUNTS
+                           else CURVE_VARIANTS) for n in counts]
     return {"configs": configs, "repeats": opts["repeats"], "warmup": opts["warmup"]}
+
+
+def tensor_slopes(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Seconds per added tensor at fixed bytes (least squares over the rows' medians), for every variant that ran
+    at three or more tensor counts, and for each stage of the cached and bypass_cpu sends (sender and receiver):
+    where the per-tensor cost goes."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        n = row["num_tensors"]
+        for v, e in row["variants"].items():
+            series.setdefault(v, []).append((n, e["seconds"]["median"]))
+            for side in ("sender", "receiver"):
+                for stage, value in e.get(f"{side}_stages_median", {}).items():
+                    series.setdefault(f"{v} {side} {stage}", []).append((n, value))
+    out: dict[str, dict[str, float]] = {}
+    for key, points in series.items():
+        if len(points) >= 3:
+            out[key] = {"slope_s": _slope(points), "points": len(points)}
+    return out
+
+
+def _slope(points: list[tuple[int, float]]) -> float:
+    mean_x = statistics.fmean(x for x, _ in points)
+    mean_y = statistics.fmean(y for _, y in points)
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    return sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var else 0.0
 
 
 def run(opts: dict, progress: Progress) -> dict:
@@ -426,7 +456,9 @@ def run(opts: dict, progress: Progress) -> dict:
     for c in p["configs"]:
         progress(f"  config {c.name}: {c.num_tensors} × float32[{c.rows}, {c.cols}] = {c.payload_bytes:,} bytes, "
                  f"variants {', '.join(c.variants)}")
-    return run_engine(3, p["configs"], p["repeats"], p["warmup"], opts["bucket_size"], opts["timeout_s"], progress)
+    result = run_engine(3, p["configs"], p["repeats"], p["warmup"], opts["bucket_size"], opts["timeout_s"], progress)
+    result["slopes"] = tensor_slopes(result["rows"])
+    return result
 
 
 def headline_row(result: dict) -> dict | None:
@@ -533,4 +565,24 @@ def render(result: dict, machine: dict) -> list[str]:
                 + " | ".join(f"{ss.get(k, 0.0):.3f}" for k in keys) + " | "
                 + " | ".join(f"{rs.get(k, 0.0):.3f}" for k in ("recv", "verify", "load", "total")) + " |")
     add("")
+    lines += render_slopes(result)
+    return lines
+
+
+def render_slopes(result: dict) -> list[str]:
+    slopes = result.get("slopes") or {}
+    if not slopes:
+        return []
+    counts = ", ".join(f"{row['num_tensors']:,}" for row in result["rows"])
+    lines = [f"Per-tensor cost: time per added tensor at fixed bytes, µs (least-squares slope of the medians over "
+             f"the tensor counts {counts}). Whole operations first, then the stages of the ckpt-engine sends "
+             "(sender, and receivers pooled) that grow with the tensor count by 0.05 µs or more.", "",
+             "| What | µs per tensor | counts |", "|---|---:|---:|"]
+    whole = [k for k in ("cached", "bypass", "raw", "per_tensor") if k in slopes]
+    stages = sorted((k for k in slopes if k not in whole and k.split()[-1] != "total"
+                     and abs(slopes[k]["slope_s"]) >= 0.05e-6), key=lambda k: -slopes[k]["slope_s"])
+    for key in [*whole, *stages]:
+        label = VARIANT_LABEL.get(key, key)
+        lines.append(f"| {label} | {slopes[key]['slope_s'] * 1e6:.2f} | {slopes[key]['points']} |")
+    lines.append("")
     return lines

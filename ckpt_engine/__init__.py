@@ -3,7 +3,8 @@
 The library's folders are its pipeline: ``plan`` (layout, digests, modes: pure), ``send`` (publisher, cache),
 ``transport`` (sync group, framing, messages), ``receive`` (assembly, receivers), ``control`` (the daemon's
 messages, tokens, client). The names most users need are importable from here; they load on first use, so
-``import ckpt_engine`` stays cheap (no torch.distributed set-up, no CUDA probing)."""
+``import ckpt_engine`` stays cheap (no torch.distributed set-up, no CUDA probing). The agents that run the
+library inside trainers and rollout engines are ``ckpt_engine.workers.TrainerAgent`` / ``RolloutAgent``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import importlib
 from typing import Any
 
 __version__ = "0.1.0"
+
+from ckpt_engine import _moved  # noqa: E402 - old module paths keep importing (with a DeprecationWarning)
+
+_moved.install()
 
 _PUBLIC = {
     "Publisher": "ckpt_engine.send.publisher",
@@ -21,8 +26,6 @@ _PUBLIC = {
     "named_tensors_of": "ckpt_engine.plan.tensors",
     "EngineConfig": "ckpt_engine.config",
     "load_config": "ckpt_engine.config",
-    "TrainerAgent": "ckpt_engine.workers.trainer_agent",
-    "RolloutAgent": "ckpt_engine.workers.rollout_agent",
 }
 __all__ = ["__version__", *_PUBLIC]
 
@@ -32,3 +35,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'ckpt_engine' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

@@ -20,7 +20,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from ckpt_engine.control.auth import DEFAULT_CREDENTIALS_FILE, TOKEN_PATTERN
 from ckpt_engine.errors import ConfigError
-from ckpt_engine.plan.modes import SPARSE_NEEDS_THE_CACHE
+from ckpt_engine.plan.modes import check_sparse, mode_of
 
 DAY_S = 86400.0
 # Visible ASCII only: tokens travel in an HTTP header, and surrounding spaces would be stripped there.
@@ -195,8 +195,8 @@ class StoreConfig(_Strict):
 
 
 class AuthConfig(_Strict):
-    """Per-role tokens (see ckpt_engine/auth.py). Roles without a token here get one generated once and kept in
-    ``credentials_file`` (mode 0600), where local clients of the same user find them."""
+    """Per-role tokens (see ckpt_engine/control/auth.py). Roles without a token here get one generated once and
+    kept in ``credentials_file`` (mode 0600), where local clients of the same user find them."""
 
     open: bool = Field(False, description="no authentication at all: anyone who reaches a port is operator, "
                                          "trainer and rollout (development only)")
@@ -226,7 +226,7 @@ class EngineConfig(_Strict):
     keep_versions: Int = Field(2, ge=1, le=1024, description="versions kept in the host cache (cached mode)")
     verify: bool = Field(True, description="receivers recompute and compare every tensor digest before load")
     sparse: bool = Field(False, description="send only tensors changed since the version every receiver holds")
-    min_receivers: Int = Field(1, ge=0, le=1 << 16, description="receivers that must commit for a version to commit")
+    min_receivers: Int = Field(1, ge=1, le=1 << 16, description="receivers that must commit for a version to commit")
     max_agents: Int = Field(4096, ge=2, le=1 << 16, description="registered agents at most (each holds daemon "
                                                                   "memory; a register past it is refused)")
     transport: Literal["auto", "collective", "ipc"] = Field(
@@ -367,8 +367,10 @@ def _inconsistencies(config: EngineConfig) -> list[str]:
         problems.append(f"alignment: must be a power of two, got {config.alignment}")
     if config.bucket_size < config.alignment:
         problems.append(f"bucket_size_mb: {config.bucket_size_mb} MiB is less than alignment ({config.alignment} B)")
-    if config.sparse and config.bypass_cpu:
-        problems.append(f"sparse: {SPARSE_NEEDS_THE_CACHE}")
+    try:
+        check_sparse(mode_of(config.bypass_cpu), config.sparse)
+    except ConfigError as exc:
+        problems.append(f"sparse: {exc}")
     if config.backend in ("nccl", "hccl") and config.device in ("cpu", "cuda", "npu") and \
             _BACKEND_OF.get(config.device) != config.backend:
         problems.append(f"backend: {config.backend} does not run on device {config.device}")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Launch example: the daemon, then an FSDP trainer under torchrun whose rank 0 runs the TrainerAgent, then
+# Launch example: the daemon, then an FSDP trainer under torchrun whose every rank runs a TrainerAgent (each
+# owns and sends a share of every version; rank 0 also talks to the daemon), then
 # rollout workers with a RolloutAgent each. Replace train.py / rollout.py with your programs; the agents
 # need only the ZMQ endpoint, and the trainer token (CKPT_ENGINE_TOKEN) when the credentials file the daemon
 # wrote is not readable here (another host or user).

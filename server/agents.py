@@ -45,6 +45,7 @@ class Agent:
     driven: bool = False
     members: int | None = None  # drivers: receivers of their engine
     whole_versions: bool = False  # receivers whose engine takes no sparse version (vLLM)
+    trainer_ranks: int = 1  # trainer rank 0: ranks of its job
     # what the model holds (receivers)
     serving: int | None = None  # the version it holds whole, as far as the daemon knows
     last_served: int | None = None  # the last version it held whole (a repair re-applies it)
@@ -104,7 +105,7 @@ class AgentRegistry:
         agent = Agent(secrets.token_hex(8), secrets.token_hex(24), next(self._seq), message.role, message.rank,
                       message.host, message.pid, message.device, message.host_id, time.time(), now, versions,
                       message.sync_every, engine=message.engine, driven=message.driven, members=message.members,
-                      whole_versions=message.whole_versions)
+                      whole_versions=message.whole_versions, trainer_ranks=message.trainer_ranks or 1)
         if message.role == "trainer":
             agent.ipc_name = message.ipc_name
         if message.role == "receiver" and versions:
@@ -144,6 +145,13 @@ class AgentRegistry:
         """The sending trainer rank (rank 0, the earliest registered if several claim it)."""
         candidates = [a for a in self._agents.values() if a.role == "trainer" and a.rank == 0]
         return min(candidates, key=lambda a: a.seq) if candidates else None
+
+    def trainers(self) -> dict[int, Agent]:
+        """Every trainer rank's agent (the earliest registered for a rank claimed twice)."""
+        out: dict[int, Agent] = {}
+        for agent in sorted((a for a in self._agents.values() if a.role == "trainer"), key=lambda a: a.seq):
+            out.setdefault(agent.rank, agent)
+        return out
 
     def receivers(self) -> list[Agent]:
         return sorted((a for a in self._agents.values() if a.role == "receiver"), key=lambda a: a.seq)

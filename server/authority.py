@@ -1,4 +1,4 @@
-"""Who may do what on the control planes: a token grants roles (see ckpt_engine/auth.py), an operation names
+"""Who may do what on the control planes: a token grants roles (see ckpt_engine/control/auth.py), an operation names
 the roles it needs. ``auth.open`` grants every role to everyone (development only)."""
 
 from __future__ import annotations

@@ -100,13 +100,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _bench(argv: list[str]) -> int:
-    """The benchmark suite (bench/, installed as ckpt_engine.bench); it draws its plots with matplotlib."""
-    import importlib.util
-
-    if importlib.util.find_spec("matplotlib") is None:
-        print("error: the benchmark suite draws its plots with matplotlib, which is not installed here: "
-              "pip install -e '.[bench]' (scripts/setup.sh installs it)", file=sys.stderr)
-        return 2
+    """The benchmark suite (bench/, installed as ckpt_engine.bench; it checks for matplotlib first)."""
     from ckpt_engine.bench.suite import main as bench_main
 
     return bench_main(argv, prog="ckpt-engine bench")

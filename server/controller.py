@@ -52,6 +52,7 @@ class InFlight:
     apply_sent: set[str] = field(default_factory=set)
     done: Report | None = None  # the trainer's
     done_at: float = 0.0
+    owner_failures: dict[int, str] = field(default_factory=dict)  # other owner ranks' own failures, by rank
 
 
 class Controller:
@@ -94,6 +95,8 @@ class Controller:
             held = self._known(message.versions) if message.history_id == self.history.history_id else []
             agent = self.agents.add(message, held)
             agent.catch_up_due = time.monotonic() + _NEWCOMER_SETTLE_S  # one that vanishes at once costs nothing
+            if agent.role == "trainer":
+                self._update_cached()
             self._update_gauges()
         log.info("agent %s registered: %s rank %d on %s (%s)%s", agent.agent_id, agent.role, agent.rank,
                  agent.host, agent.device, f" engine {agent.engine}" if agent.engine else "")
@@ -152,6 +155,8 @@ class Controller:
                 self._applied(agent, message, flight if current else None)
             elif current and agent.agent_id == flight.trainer:  # type: ignore[union-attr]
                 self._trainer_event(flight, message)  # type: ignore[arg-type]
+            elif current and agent.role == "trainer" and message.event == "done" and message.ok is False:
+                flight.owner_failures[agent.rank] = message.reason or "failed"  # type: ignore[union-attr]
             elif message.event not in ("evicted", "staged"):
                 log.info("ignoring %s report for version %d (not in flight)", message.event, message.version)
             self._changed.notify_all()
@@ -162,6 +167,8 @@ class Controller:
             agent = self._agent(agent_id, session, roles)
             self.agents.remove(agent.agent_id)
             self._group_dirty = True
+            if agent.role == "trainer":
+                self._update_cached()  # its share of the cached versions went with it
             flight = self._in_flight
             if flight and agent.agent_id == flight.trainer:
                 self._fail(flight, f"trainer agent {agent.agent_id} left during the version")
@@ -206,8 +213,10 @@ class Controller:
                 receivers = due
             record = self._create(mode=mode, step=step, source_version=source_version)
             problem = self._quorum_problem(trainer, receivers)
+            owners = 1
             if problem is None:
-                colocated, problem = self._transports(trainer, receivers)  # type: ignore[arg-type]
+                owners = self._owners_for(trainer, self.history.get(source_version) if source_version else None)  # type: ignore[arg-type]
+                colocated, problem = self._transports(trainer, receivers, owners)  # type: ignore[arg-type]
             if problem:
                 failed = self.history.update(record.id, status="failed", reason=problem)
                 self.metrics.version_done("failed", 0, {})
@@ -215,7 +224,7 @@ class Controller:
             base = self._sparse_base(receivers) if sparse and source_version is None else None
             purpose = "push" if source_version is not None else "sync"
             self._start(record, trainer, receivers, colocated, source_version, base,  # type: ignore[arg-type]
-                        sparse=sparse and source_version is None, purpose=purpose)
+                        sparse=sparse and source_version is None, purpose=purpose, owners=owners)
             return record
 
     def push(self, version: int) -> VersionRecord:
@@ -223,8 +232,12 @@ class Controller:
         if record is None:
             raise NotFound(f"version {version} is unknown")
         if not record.cached:
-            raise Conflict(f"version {version} is not in the trainer's cache (it was evicted, never cached, or "
-                           f"sent with bypass_cpu)")
+            with self._lock:
+                missing = self._missing_shares(version) if record.mode == "cached" else []
+            held = (f": owner rank(s) {missing} of its {record.owners} no longer hold their share (a rank that "
+                    "restarted or went away takes its share with it)" if missing and record.owners > 1 else
+                    " (it was evicted, never cached, or sent with bypass_cpu)")
+            raise Conflict(f"version {version} is not in the trainer's cache{held}")
         return self.request_sync(step=record.step, bypass_cpu=False, source_version=version)
 
     def request_evict(self, version: int) -> VersionRecord:
@@ -236,11 +249,12 @@ class Controller:
         if not record.cached:
             raise Conflict(f"version {version} is not in the trainer's cache")
         with self._lock:
-            trainer = self.agents.trainer()
-            if trainer is None:
+            trainers = self.agents.trainers()
+            if 0 not in trainers:
                 raise Unavailable("no trainer agent is registered to evict from")
-            if not any(a.kind == "evict" and a.version == version for a in trainer.pending):
-                trainer.pending.append(Assignment(kind="evict", version=version))
+            for trainer in trainers.values():  # every owner drops its share
+                if not any(a.kind == "evict" and a.version == version for a in trainer.pending):
+                    trainer.pending.append(Assignment(kind="evict", version=version))
         return record
 
     def evicted(self, version: int) -> VersionRecord | None:
@@ -306,6 +320,8 @@ class Controller:
                 log.warning("agent %s (%s rank %d) missed heartbeats; marked gone", agent.agent_id, agent.role,
                             agent.rank)
                 self._group_dirty = True
+                if agent.role == "trainer":
+                    self._update_cached()
                 flight = self._in_flight
                 if flight and agent.agent_id == flight.trainer:
                     self._fail(flight, f"trainer agent {agent.agent_id} went away during the version")
@@ -336,9 +352,25 @@ class Controller:
         # Only a trainer holds the cache: a receiver's report must not rewrite which versions are cached.
         if message.cache_versions is not None:
             agent.versions = self._known(message.cache_versions)
-            self.history.set_cached(set(agent.versions))
-        if message.cache_bytes is not None:
+            self._update_cached()
+        if message.cache_bytes is not None and agent.rank == 0:
             self.metrics.cache_bytes.set(message.cache_bytes)
+
+    def _update_cached(self) -> None:
+        """A version is cached (can be sent again) while every trainer rank that owns a share of it holds its
+        share: a rank that restarted or went away took its share with it."""
+        self.history.set_cached({v for v in self._lead_versions() if not self._missing_shares(v)})
+
+    def _lead_versions(self) -> list[int]:
+        lead = self.agents.trainers().get(0)
+        return list(lead.versions) if lead is not None else []
+
+    def _missing_shares(self, version: int) -> list[int]:
+        """Owner ranks of ``version`` that do not hold their share of it (now)."""
+        record = self.history.get(version)
+        owners = record.owners if record is not None else 1
+        trainers = self.agents.trainers()
+        return [r for r in range(owners) if r not in trainers or version not in trainers[r].versions]
 
     def _trainer_event(self, flight: InFlight, message: Report) -> None:
         if message.group_broken:
@@ -475,10 +507,14 @@ class Controller:
                       if failures else None)
         else:
             # the trainer's reason may already name the same receivers' failures: each once
-            reason = "; ".join(dict.fromkeys(filter(None, [done.reason if not done.ok else None, *failures]))) or \
+            owners = [f"owner rank {rank}: {why}" for rank, why in sorted(flight.owner_failures.items())]
+            reason = "; ".join(dict.fromkeys(filter(None, [done.reason if not done.ok else None, *owners,
+                                                           *failures]))) or \
                 f"{len(committed)}/{len(flight.quorum)} receivers committed, {need} needed"
         status = "committed" if ok else "failed"
-        cached = flight.mode == "cached" and done.cache_versions is not None and flight.version in done.cache_versions
+        # (other owners' shares: as far as their reports have come; each later report updates it)
+        cached = (flight.mode == "cached" and done.cache_versions is not None and flight.version in done.cache_versions
+                  and not self._missing_shares(flight.version))
         self.history.update(flight.version, status=status, reason=reason, bytes=done.bytes, buckets=done.buckets,
                             tensors_sent=done.tensors, tensors_skipped=done.tensors_skipped,
                             bytes_skipped=done.bytes_skipped, stages=stages, receivers=receivers,
@@ -629,8 +665,11 @@ class Controller:
             return
         source_id, receivers = max(by_source.items(), key=lambda item: len(item[1]))
         source = self.history.get(source_id)
-        colocated, problem = self._transports(trainer, receivers)
-        if problem or source is None:
+        if source is None:
+            return
+        owners = self._owners_for(trainer, source)
+        colocated, problem = self._transports(trainer, receivers, owners)
+        if problem:
             return
         purpose = "repair" if any(r.torn is not None for r in receivers) else "catch_up"
         try:
@@ -638,7 +677,7 @@ class Controller:
         except Unavailable:
             return
         log.info("%s: version %d to %d receiver(s) as version %d", purpose, source.id, len(receivers), record.id)
-        self._start(record, trainer, receivers, colocated, source.id, purpose=purpose)
+        self._start(record, trainer, receivers, colocated, source.id, purpose=purpose, owners=owners)
 
     def _repair_source(self, receiver: Agent, latest: VersionRecord | None) -> VersionRecord | None:
         if receiver.torn is not None and receiver.last_served is not None:
@@ -734,9 +773,27 @@ class Controller:
         held = {r.serving for r in receivers}
         return held.pop() if len(held) == 1 else None
 
-    def _transports(self, trainer: Agent, receivers: list[Agent]) -> tuple[list[Agent], str | None]:
-        """Which receivers take the same-host path (shared memory / CUDA IPC), per ``transport``."""
+    def _owners_for(self, trainer: Agent, source: VersionRecord | None) -> int:
+        """How many trainer ranks own shares of a version: a re-push, as many as its source had; a new one,
+        every rank of the trainer job when each one's agent is heard from (else rank 0 sends everything and
+        the others only gather), unless the deployment wants the same-host path only (``transport: ipc``)."""
+        if source is not None:
+            return source.owners
+        ranks = trainer.trainer_ranks
+        if ranks <= 1 or self.config.transport == "ipc":
+            return 1
+        now, heartbeat_s = time.monotonic(), self.config.timeouts.heartbeat_s
+        trainers = self.agents.trainers()
+        return ranks if all(r in trainers and trainers[r].heartbeating(now, heartbeat_s) for r in range(ranks)) else 1
+
+    def _transports(self, trainer: Agent, receivers: list[Agent], owners: int = 1) -> tuple[list[Agent], str | None]:
+        """Which receivers take the same-host path (shared memory / CUDA IPC), per ``transport``: none for a
+        version several trainer ranks own (each sends on its own sync group)."""
         mode = self.config.transport
+        if owners > 1:
+            if mode == "ipc":
+                return [], f"transport is ipc, but this version is owned by {owners} trainer ranks"
+            return [], None
         colocated = [r for r in receivers if mode != "collective" and _colocatable(trainer, r)]
         if mode == "ipc" and len(colocated) < len(receivers):
             far = [r.agent_id for r in receivers if r not in colocated]
@@ -745,16 +802,20 @@ class Controller:
 
     def _start(self, record: VersionRecord, trainer: Agent, receivers: list[Agent], colocated: list[Agent],
                source_version: int | None, sparse_base: int | None = None, *, sparse: bool = False,
-               purpose: str = "sync") -> None:
+               purpose: str = "sync", owners: int = 1) -> None:
         remote = [r for r in receivers if r not in colocated]
-        membership = (trainer.agent_id, *(r.agent_id for r in remote), "|", *(r.agent_id for r in colocated))
+        # (with another number of owners the receivers join other groups: a new generation, fresh store keys)
+        trainers = self.agents.trainers()
+        owner_ids = [trainers[r].agent_id for r in range(owners) if r in trainers] if owners > 1 else [trainer.agent_id]
+        membership = (*owner_ids, f"owners={owners}", *(r.agent_id for r in remote), "|",
+                      *(r.agent_id for r in colocated))
         if membership != self._membership or self._group_dirty:
             self._generation += 1
             self._membership, self._group_dirty = membership, False
             log.info("sync group generation %d: trainer %s + %d remote and %d colocated receiver(s)",
                      self._generation, trainer.agent_id, len(remote), len(colocated))
         common = dict(version=record.id, mode=record.mode, step=record.step, generation=self._generation,
-                      world_size=1 + len(remote))
+                      world_size=1 + len(remote), owners=owners)
         quorum = {r.agent_id: rank for rank, r in enumerate(remote + colocated, start=1)}
         for receiver in remote:
             receiver.pending.append(Assignment(kind="receive", rank=quorum[receiver.agent_id], **common))
@@ -769,7 +830,7 @@ class Controller:
             if receiver.driven and receiver.engine is not None:
                 engines.setdefault(receiver.engine, []).append(receiver.agent_id)
         self._in_flight = InFlight(record.id, record.mode, trainer.agent_id, quorum, engines, purpose)
-        self.history.update(record.id, purpose=purpose, receivers=[
+        self.history.update(record.id, purpose=purpose, owners=owners, receivers=[
             {"rank": r, "agent_id": a, "transport": "ipc" if any(c.agent_id == a for c in colocated) else "collective"}
             for a, r in quorum.items()])
         self.metrics.in_flight.set(1)

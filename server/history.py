@@ -61,13 +61,15 @@ CREATE TABLE IF NOT EXISTS versions (
     receivers TEXT NOT NULL DEFAULT '[]',
     version_digest TEXT,
     cached INTEGER NOT NULL DEFAULT 0,
-    purpose TEXT NOT NULL DEFAULT 'sync'
+    purpose TEXT NOT NULL DEFAULT 'sync',
+    owners INTEGER NOT NULL DEFAULT 1
 );
 CREATE INDEX IF NOT EXISTS versions_status ON versions(status);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 # columns added since the first release
-_ADDED_COLUMNS = {"bytes_skipped": "INTEGER NOT NULL DEFAULT 0", "purpose": "TEXT NOT NULL DEFAULT 'sync'"}
+_ADDED_COLUMNS = {"bytes_skipped": "INTEGER NOT NULL DEFAULT 0", "purpose": "TEXT NOT NULL DEFAULT 'sync'",
+                  "owners": "INTEGER NOT NULL DEFAULT 1"}
 _REQUIRED_COLUMNS = {"id", "step", "mode", "status", "reason", "source_version", "created_at", "updated_at"}
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 
@@ -105,6 +107,7 @@ class VersionRecord:
     version_digest: str | None = None
     cached: bool = False
     purpose: str = "sync"  # sync, push (rollback), catch_up (a receiver that joined), repair (a torn receiver)
+    owners: int = 1  # trainer ranks that each hold and send a share of it (cached: complete while all hold theirs)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -368,6 +371,7 @@ class HistoryStore:
 _COLUMNS = {
     "step", "mode", "status", "reason", "source_version", "updated_at", "committed_at", "bytes", "buckets",
     "tensors_sent", "tensors_skipped", "bytes_skipped", "stages", "receivers", "version_digest", "cached", "purpose",
+    "owners",
 }
 
 

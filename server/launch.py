@@ -29,18 +29,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def write_config(directory: Path, base: Path | None = None, **overrides: Any) -> Path:
-    """``directory/engine.yaml``: ``base`` (a deployment YAML) with free loopback ports, the history and the
-    credentials in ``directory``, short timeouts, then ``overrides`` (top-level keys)."""
+TEST_TIMEOUTS = {"connect_s": 15, "collective_s": 15, "ack_s": 30, "heartbeat_s": 5, "version_s": 60}
+
+
+def write_config(directory: Path, base: Path | None = None, *, test_timeouts: bool = True, **overrides: Any) -> Path:
+    """``directory/engine.yaml``: ``base`` (a deployment YAML; None: the built-in defaults, which
+    deploy/engine.yaml lists) on free loopback ports, with the history and the credentials in ``directory``,
+    short timeouts for tests (``test_timeouts``), then ``overrides`` (top-level keys)."""
     data = yaml.safe_load(base.read_text()) if base else {}
-    data.update({
-        "bucket_size_mb": 0.0625,
-        "http": {"host": HOST, "port": free_port()},
-        "zmq": {"endpoint": f"tcp://{HOST}:{free_port()}"},
-        "store": {"history_path": str(directory / "history.sqlite3"), "rendezvous_host": HOST, "rendezvous_port": 0},
-        "timeouts": {"connect_s": 15, "collective_s": 15, "ack_s": 30, "heartbeat_s": 5, "version_s": 60},
-        "auth": {"credentials_file": str(directory / "credentials.json")},
-    })
+    data["http"] = {**(data.get("http") or {}), "host": HOST, "port": free_port()}
+    data["zmq"] = {**(data.get("zmq") or {}), "endpoint": f"tcp://{HOST}:{free_port()}"}
+    data["store"] = {**(data.get("store") or {}), "history_path": str(directory / "history.sqlite3"),
+                     "rendezvous_host": HOST, "rendezvous_port": 0}
+    data["auth"] = {**(data.get("auth") or {}), "credentials_file": str(directory / "credentials.json")}
+    if test_timeouts:
+        data.update(bucket_size_mb=0.0625, timeouts=dict(TEST_TIMEOUTS))
     data.update(overrides)
     path = directory / "engine.yaml"
     path.write_text(yaml.safe_dump(data))

@@ -26,7 +26,7 @@ from ckpt_engine.server.history import TERMINAL
 from ckpt_engine.server.operations import OPERATIONS
 
 from ckpt_engine.control.auth import ANY_ROLE, Role
-from ckpt_engine.control.messages import Poll, PollReply, decode_frame, encode_frame
+from ckpt_engine.control.messages import Poll, PollReply, SyncRequest, decode_frame, encode_frame, parse_body
 from ckpt_engine.errors import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -163,10 +163,10 @@ class ZmqServer:
         result = operation.run(self.controller, body, roles)
         if kind == "poll":  # answered when there is work, or parked until there is (or its wait ends)
             return self._poll_reply(message, envelope, encoding, result, roles)
-        if kind == "sync" and body.get("wait") is True and len(self._parked) < _MAX_PARKED:
-            timeout_s = body.get("timeout_s")
-            return self._park_until_terminal(message, envelope, encoding, result["id"],
-                                             timeout_s if isinstance(timeout_s, (int, float)) else None)
+        if kind == "sync":  # waits as the parsed request says, the same as over HTTP
+            request = parse_body(SyncRequest, body)
+            if request.wait and len(self._parked) < _MAX_PARKED:
+                return self._park_until_terminal(message, envelope, encoding, result["id"], request.timeout_s)
         return result
 
     def _poll_reply(self, message: dict, envelope: list[bytes], encoding: str, poll: Poll,

@@ -294,3 +294,36 @@ def test_a_failed_snapshot_releases_the_receivers_at_once(tmp_path: Path, stop_f
         results = agents.collect(120)
         daemon.stop()
     assert [ok for _, ok, _ in results[1]["results"]] == [False, True]
+
+
+@pytest.mark.parametrize("body", [{"wait": 1, "timeout_s": 2}, {"wait": "true", "timeout_s": "2"}])
+def test_one_sync_body_waits_the_same_over_zmq_and_http(tmp_path: Path, body: dict) -> None:
+    """The request model parses both planes' bodies alike (lax: 1 and "true" are true), and what it parsed
+    decides how long each waits (found by the outside review of issue 16: ZMQ read the raw body)."""
+    import time
+
+    from tests.raw_agent import RawAgent
+
+    daemon = start_daemon(write_config(tmp_path))
+    trainer, receiver = RawAgent(daemon, "trainer"), RawAgent(daemon, "receiver")  # they never answer
+    try:
+        started = time.monotonic()
+        record = trainer.client.request("sync", body, timeout_s=20)
+        zmq_waited = time.monotonic() - started
+        assert record["status"] not in TERMINAL and 1.5 < zmq_waited < 10, (record, zmq_waited)
+        trainer.poll()
+        receiver.poll()
+        trainer.report(record["id"], "done", ok=False, reason="test")  # end it
+        with daemon.client() as http:
+            deadline = time.monotonic() + 20
+            while http.get(f"/versions/{record['id']}").json()["status"] not in TERMINAL:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            started = time.monotonic()
+            reply = http.post("/sync", json=body)
+            http_waited = time.monotonic() - started
+        assert reply.status_code == 504 and 1.5 < http_waited < 10, (reply.text, http_waited)
+    finally:
+        trainer.close()
+        receiver.close()
+        daemon.stop()

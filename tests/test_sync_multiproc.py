@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from ckpt_engine.server.launch import free_port
 
 from ckpt_engine.device import detect_device
 from ckpt_engine.errors import SyncTimeoutError
@@ -111,7 +112,7 @@ def receiver(rank: int, sync_port: int, seed: int) -> dict:
 @pytest.mark.parametrize("algo", ["xxh3-64", "torch-mix64"])
 def test_two_receivers_bit_identical_in_both_modes(algo: str) -> None:
     sync_store = open_store(HOST, 0, is_master=True, timeout_s=TIMEOUT_S)
-    default_port = _free_port()
+    default_port = free_port()
     trainer0, trainer1, rx1, rx2 = run_processes([
         (trainer, (0, default_port, sync_store.port, algo)),
         (trainer, (1, default_port, sync_store.port, algo)),
@@ -223,13 +224,6 @@ def _run_with_dying_peer(port: int) -> tuple[dict, dict]:
     assert dying.exitcode == 17
     return sender, steady
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 def member(rank: int, port: int, generations: list[tuple[int, int]]) -> list:

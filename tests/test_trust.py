@@ -247,10 +247,17 @@ def test_a_full_disk_is_a_state_and_applied_versions_are_recorded_committed(tmp_
             assert status["degraded"] and status["storage"]["pending_writes"] >= 1, status
             refused = http.post("/sync", json={})
             assert refused.status_code == 503 and "history" in refused.json()["detail"], refused.text
-            time.sleep(2)  # the controller keeps ticking: nothing times out or is rewritten meanwhile
+            def alive() -> None:  # heartbeats: a trainer that went away would take its cache with it
+                trainer.poll()
+                receiver.poll()
+
+            for _ in range(4):  # the controller keeps ticking: nothing times out or is rewritten meanwhile
+                alive()
+                time.sleep(0.5)
             assert http.get(f"/versions/{version}").json()["status"] == "committed"
             resource.prlimit(daemon.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-            wait_until(lambda: not http.get("/health").json()["degraded"], 40, "the history to be written")
+            wait_until(lambda: alive() or not http.get("/health").json()["degraded"], 40, "the history to be written")
+            assert http.get(f"/versions/{version}").json()["cached"]
         assert daemon.stop() == 0
         import sqlite3
 

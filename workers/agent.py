@@ -24,7 +24,7 @@ from ckpt_engine.control.messages import Assignment, RegisterReply
 from ckpt_engine.device import DeviceInfo, detect_device
 from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.retry import Backoff, FailureLog
-from ckpt_engine.transport.group import SyncGroup, open_store
+from ckpt_engine.transport.group import SyncGroup, open_store, owner_part
 from ckpt_engine.transport.same_host import host_identity
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,11 @@ class Agent:
         self._received: str | None = None  # key of the last assignment got, acknowledged by the next poll
         # (agent id, assignment key) of what was handled: delivery is at least once
         self._handled: collections.deque[tuple[str, str]] = collections.deque(maxlen=64)
-        self.group: SyncGroup | None = None
+        # The sync groups of the current generation: receivers have one per trainer rank that owns shares of
+        # the versions (``groups[r]``: owner r's); a trainer rank has its own, and ``owners_group`` with the
+        # other owners.
+        self.groups: list[SyncGroup] = []
+        self.owners_group: SyncGroup | None = None
         self._group_lock = threading.Lock()
         self._poll_failures = FailureLog(log, f"{self.role} agent: polling the daemon at {endpoint}")
         self._report_failures = FailureLog(log, f"{self.role} agent: reporting to the daemon at {endpoint}")
@@ -118,8 +122,7 @@ class Agent:
                 self._client.request("unregister", self._identity(), timeout_s=2.0)
             except CkptEngineError as exc:  # the daemon may be gone already; its heartbeat timeout covers us
                 log.info("unregister: %s", exc)
-        if self.group is not None:
-            self.group.close()
+        self._close_groups()
         self._client.close()
 
     def report(self, version: int, event: str, **fields: Any) -> None:
@@ -209,9 +212,20 @@ class Agent:
     def handle(self, assignment: Assignment) -> None:
         raise NotImplementedError
 
+    @property
+    def group(self) -> SyncGroup | None:
+        """The (first) sync group of the current generation: rank 0's, where versions begin and end."""
+        return self.groups[0] if self.groups else None
+
+    @property
+    def group_broken(self) -> bool:
+        groups = [*self.groups, *([self.owners_group] if self.owners_group is not None else [])]
+        return any(g.broken is not None for g in groups)
+
     def group_for(self, assignment: Assignment) -> SyncGroup | None:
         """The sync group of the assignment's generation, rebuilt when the generation changed or it broke;
-        None when the version has no collective receivers (all colocated)."""
+        None when the version has no collective receivers (all colocated). A receiver of a version several
+        trainer ranks own joins one group per owner (see ``groups``)."""
         settings = self.settings
         if settings is None:
             raise CkptEngineError("agent is not registered")
@@ -221,24 +235,46 @@ class Agent:
     def _group_for(self, assignment: Assignment, settings: RegisterReply) -> SyncGroup | None:
         current = self.group
         if assignment.world_size < 2:
-            if current is not None:
-                current.close()
-                self.group = None
+            self._close_groups()
             return None
-        if current is not None and current.generation == assignment.generation and current.broken is None:
+        wanted = self._group_count(assignment)
+        owner_rank = self._owner_rank(assignment)
+        with_owners = owner_rank is not None and assignment.owners > 1
+        usable = (current is not None and current.generation == assignment.generation and not self.group_broken
+                  and len(self.groups) == wanted and (self.owners_group is not None) == with_owners)
+        if usable:
             return current
         if current is not None and current.name == settings.group_name and assignment.generation < current.generation:
             # a version the daemon has already ended: rebuilding its old group would tear down the current one
             raise CkptEngineError(f"version {assignment.version} belongs to sync group generation "
                                   f"{assignment.generation}, superseded by {current.generation}")
-        if current is not None:
-            current.close()
-            self.group = None
+        self._close_groups()
         store = open_store(settings.store_host, settings.store_port, timeout_s=settings.connect_timeout_s)
-        self.group = SyncGroup(store, name=settings.group_name, generation=assignment.generation,
-                               rank=assignment.rank, world_size=assignment.world_size, device=self.device,
-                               timeout_s=settings.collective_timeout_s, connect_timeout_s=settings.connect_timeout_s)
+        parts = [owner_part(owner_rank)] if owner_rank is not None else [owner_part(o) for o in range(wanted)]
+        for part in parts:
+            self.groups.append(self._sync_group(store, settings, assignment, part, assignment.rank,
+                                                assignment.world_size))
+        if with_owners:
+            self.owners_group = self._sync_group(store, settings, assignment, "owners/", owner_rank, assignment.owners)
         return self.group
+
+    def _group_count(self, assignment: Assignment) -> int:
+        return 1 if self._owner_rank(assignment) is not None else max(assignment.owners, 1)
+
+    def _owner_rank(self, assignment: Assignment) -> int | None:
+        """This process's rank among the owners of the version, when it sends (a trainer rank); else None."""
+        return None
+
+    def _sync_group(self, store, settings: RegisterReply, assignment: Assignment, part: str, rank: int,
+                    world_size: int) -> SyncGroup:
+        return SyncGroup(store, name=settings.group_name, generation=assignment.generation, rank=rank,
+                         world_size=world_size, device=self.device, timeout_s=settings.collective_timeout_s,
+                         connect_timeout_s=settings.connect_timeout_s, part=part)
+
+    def _close_groups(self) -> None:
+        for group in [*self.groups, *([self.owners_group] if self.owners_group is not None else [])]:
+            group.close()
+        self.groups, self.owners_group = [], None
 
     def _resolve_token(self) -> str | None:
         return client_token(_CREDENTIAL_OF[self.role], self._explicit_token)

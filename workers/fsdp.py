@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ckpt_engine.errors import LayoutMismatchError
 from ckpt_engine.plan.layout import Bucket
-from ckpt_engine.plan.tensors import NamedTensors, NameMap, named_tensors_of
+from ckpt_engine.plan.tensors import NamedTensors, NameMap, byte_view, named_tensors_of
 
 # torch >= 2.13 names it all_gather_single; older releases only have all_gather_into_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -40,7 +40,7 @@ def _dim0_sharded(tensor: torch.Tensor) -> bool:
 class ShardedTensors(NamedTensors):
     """NamedTensors whose DTensors are gathered per bucket (shapes and dtypes are the full tensors')."""
 
-    def bucket_tensors(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
+    def bucket_tensors(self, bucket: Bucket, to: int | None = None) -> Mapping[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         sharded: list[tuple[str, DTensor]] = []
         for slot in bucket.slots:
@@ -55,14 +55,21 @@ class ShardedTensors(NamedTensors):
         for name, tensor in sharded:
             by_group.setdefault(id(tensor.device_mesh.get_group()), []).append((name, tensor))
         for items in by_group.values():
-            out.update(_gather_dim0(items))
+            out.update(_gather_dim0(items, to))
         return out
 
 
-def _gather_dim0(items: list[tuple[str, DTensor]]) -> dict[str, torch.Tensor]:
-    """One all-gather for every dim-0-sharded tensor of a bucket that shares a process group."""
+def _gather_dim0(items: list[tuple[str, DTensor]], to: int | None = None) -> dict[str, torch.Tensor]:
+    """One collective for every dim-0-sharded tensor of a bucket that shares a process group: a gather to
+    the process of global rank ``to`` (the bucket's owner; 1/world of an all-gather's traffic), or an
+    all-gather when ``to`` is None or not in that group (e.g. hybrid sharding's replica groups)."""
     group = items[0][1].device_mesh.get_group()
     world, me = dist.get_world_size(group), dist.get_rank(group)
+    if to is not None:
+        try:
+            to = dist.get_group_rank(group, to)
+        except (ValueError, RuntimeError):
+            to = None
     plans, sizes = [], [0] * world
     for name, tensor in items:
         rows = rows_per_rank(tensor.shape[0], world)
@@ -79,9 +86,16 @@ def _gather_dim0(items: list[tuple[str, DTensor]]) -> dict[str, torch.Tensor]:
     send = torch.empty(stride, dtype=torch.uint8, device=device)
     for _, _, local, rows, row_bytes, offsets in plans:
         if rows[me]:
-            send[offsets[me] : offsets[me] + rows[me] * row_bytes] = local.contiguous().reshape(-1).view(torch.uint8)
-    gathered = torch.empty(world * stride, dtype=torch.uint8, device=device)
-    _all_gather_single(gathered, send, group=group)
+            send[offsets[me] : offsets[me] + rows[me] * row_bytes] = byte_view(local)
+    if to is not None:
+        chunks = [torch.empty(stride, dtype=torch.uint8, device=device) for _ in range(world)] if me == to else None
+        dist.gather(send, chunks, dst=dist.get_global_rank(group, to), group=group)
+        if chunks is None:
+            return {}
+        gathered = torch.cat(chunks)
+    else:
+        gathered = torch.empty(world * stride, dtype=torch.uint8, device=device)
+        _all_gather_single(gathered, send, group=group)
     out = {}
     for name, tensor, _, rows, row_bytes, offsets in plans:
         parts = [gathered[r * stride + offsets[r] : r * stride + offsets[r] + rows[r] * row_bytes] for r in range(world)]

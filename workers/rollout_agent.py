@@ -174,8 +174,9 @@ class RolloutAgent(Agent):
         group = self.group_for(assignment)
         if group is None:
             raise CkptEngineError("a collective receive needs a sync group of at least two ranks")
-        if self._receiver is None or self._receiver.group is not group:
-            self._receiver = Receiver(group, self.load, verify=settings.verify, assembler=self._assembler(settings))
+        if self._receiver is None or self._receiver.groups != self.groups:  # (one group per owner of the version)
+            self._receiver = Receiver(list(self.groups), self.load, verify=settings.verify,
+                                      assembler=self._assembler(settings))
         return self._receiver
 
     def _ipc_receiver(self, assignment: Assignment, settings) -> IpcReceiver:
@@ -211,5 +212,5 @@ class RolloutAgent(Agent):
             self.applied.notify_all()
         self.report(assignment.version, "received", ok=result.ok, reason=result.reason,
                     version_digest=result.version_digest, bytes=result.bytes_received, stages=result.seconds,
-                    group_broken=self.group is not None and self.group.broken is not None, torn=result.torn,
+                    group_broken=self.group_broken, torn=result.torn,
                     serving=self.current_version, unable=result.unable)

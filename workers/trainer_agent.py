@@ -6,13 +6,18 @@ daemon's sync assignments at step boundaries, so parameters are never read mid-u
         loss.backward(); optimizer.step()
         agent.step(step)          # one tiny broadcast on the trainer group when sharded; else near-free
 
-Rank 0 of the trainer's process group talks to the daemon and is the sender of the sync group; at a step
-boundary it tells the other ranks (one small broadcast) whether a version is due, and then every rank
-gathers full tensors bucket by bucket, in registration order, so memory stays at about two buckets.
+Rank 0 of the trainer's process group talks to the daemon; at a step boundary it tells the other ranks (one
+small broadcast) whether a version is due. Every bucket of a version has an owner among the ranks
+(plan/owners.py): every rank takes part in gathering each bucket, in registration order, to its owner only,
+and the owner alone stores it in its host cache and sends it, on its own sync group with the receivers. So
+each rank holds about 1/ranks of every cached version and does 1/ranks of the copies, digests and sends.
+(With receivers on the trainer's host that read shared memory, or when the daemon asks for it, rank 0 owns
+every bucket and the others only gather.)
 
 Cached mode holds the loop for the gather + device->host snapshot only; the broadcast runs in the
 background from the cache. bypass_cpu holds it until every bucket has been read from the live parameters.
-Re-pushes of cached versions (rollback) need no parameters and run in the background at once.
+Re-pushes of cached versions (rollback) need no parameters and run in the background: at once when rank 0
+holds the whole version, at the next step boundary when every owner must send its share.
 
 Sparse versions (cached mode): every rank digests its own shards, and one all-reduce gives all ranks the
 same set of tensors that changed since the previous cached version. Only those are gathered and snapshotted;
@@ -40,7 +45,7 @@ from ckpt_engine.errors import CkptEngineError, SyncTimeoutError
 from ckpt_engine.plan.modes import MODES
 from ckpt_engine.plan.tensors import NamedTensors, NameMap
 from ckpt_engine.retry import Backoff, FailureLog
-from ckpt_engine.send.publisher import Publisher, Route, owns_nothing
+from ckpt_engine.send.publisher import Ownership, Publisher, Route
 from ckpt_engine.send.sender import Transfer, TransferResult
 
 log = logging.getLogger(__name__)
@@ -76,7 +81,8 @@ class TrainerAgent(Agent):
 
     def register_extra(self) -> dict:
         hub = self.publisher.hub if self.publisher is not None else None
-        return {"ipc_name": hub.name} if hub is not None else {}  # keep serving receivers where they connect
+        extra = {"ipc_name": hub.name} if hub is not None else {}  # keep serving receivers where they connect
+        return {**extra, "trainer_ranks": self.world_size} if self.rank == 0 else extra
 
     def on_registered(self) -> None:
         settings = self.settings
@@ -100,8 +106,8 @@ class TrainerAgent(Agent):
     def handle(self, assignment: Assignment) -> None:
         if assignment.kind == "evict":
             self._evict(assignment.version)
-        elif assignment.kind == "send" and assignment.source_version is not None:
-            self.served.append(assignment.version)
+        elif assignment.kind == "send" and assignment.source_version is not None and assignment.owners == 1:
+            self.served.append(assignment.version)  # rank 0 holds the whole version: no other rank is needed
             self._in_background(assignment, self._republish)
         elif assignment.kind == "send":
             self._pending.append(assignment)
@@ -116,16 +122,16 @@ class TrainerAgent(Agent):
         if assignment is None:
             return None
         started = time.perf_counter()
-        if self.rank == 0:
+        if self.rank < assignment.owners:
             self._serve(assignment, step, started)
-        else:
+        else:  # it owns no bucket of this version: its part is the gathers
             self._assist(assignment, step)
         self.served.append(assignment.version)
         return assignment.version
 
     def push(self, step: int, *, bypass_cpu: bool | None = None, timeout_s: float = 10.0) -> int | None:
         """Ask the daemon for a new version from the training loop and serve it now (call on every rank);
-        returns the version id on rank 0."""
+        returns the version requested on rank 0 and, on the other ranks, the version served at this step."""
         version = None
         if self.rank == 0 and time.monotonic() >= self._push_after:
             try:
@@ -134,8 +140,8 @@ class TrainerAgent(Agent):
                 self._push_failures.succeeded()
             except CkptEngineError as exc:  # ControlReplyError (refused) or no answer
                 self._push_refused(step, exc)
-        self.step(step)  # every rank, also when the request failed: the ranks' agreement stays matched
-        return version
+        served = self.step(step)  # every rank, also when the request failed: the ranks' agreement stays matched
+        return version if self.rank == 0 else served
 
     def _push_refused(self, step: int, exc: CkptEngineError) -> None:
         """A version in flight (409) is the normal answer now and then: this step syncs nothing. Anything else
@@ -180,18 +186,14 @@ class TrainerAgent(Agent):
 
     # ---- agreement between trainer ranks -------------------------------------------------------------
     def _agree(self) -> Assignment | None:
-        """Rank 0 decides whether a version is due at this boundary and tells the others (one broadcast)."""
+        """Rank 0 decides whether a version is due at this boundary and tells the others (one broadcast of
+        what every rank needs to take its part: the version, how to send it, and the groups to send it on)."""
         if self.world_size == 1:
             return self._next_due()
         mine = self._next_due() if self.rank == 0 else None
-        flag = torch.zeros(3, dtype=torch.int64, device=_group_device(self.process_group))
-        if mine is not None:  # the mode travels as its index in MODES, plus one (0: nothing is due)
-            flag[0], flag[1], flag[2] = mine.version, MODES.index(mine.mode) + 1, int(mine.sparse)
+        flag = torch.tensor(_encode(mine), dtype=torch.int64, device=_group_device(self.process_group))
         dist.broadcast(flag, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
-        version, mode, sparse = flag.tolist()
-        if mode == 0:
-            return None
-        return mine or Assignment(kind="send", version=version, mode=MODES[mode - 1], sparse=bool(sparse))
+        return mine or _decode(flag.tolist())
 
     def _next_due(self) -> Assignment | None:
         """The next version to serve, once the previous transfer has ended. While that one still runs (e.g. it
@@ -212,14 +214,24 @@ class TrainerAgent(Agent):
         return self._pending.popleft()
 
     def _publish(self, assignment: Assignment, step: int) -> Transfer:
-        """This rank's part of a version, through the publisher's one entry: rank 0 stores and sends it, the
-        other ranks take part in the gathers (every rank calls this for the same versions, in order)."""
+        """This rank's part of a version, through the publisher's one entry: the buckets it owns it stores and
+        sends, the others it helps gather (every rank calls this for the same versions, in order)."""
+        ownership = Ownership(self.rank, assignment.owners, self._global_rank if self.world_size > 1 else None)
+        if assignment.source_version is not None:  # a re-push: every owner sends its share from its cache
+            return self._publisher().publish(assignment.version, source_version=assignment.source_version,
+                                             route=lambda: self._route(assignment), ownership=ownership)
         return self._publisher().publish(
             assignment.version, self._tensors(), mode=assignment.mode,
             step=assignment.step if assignment.step is not None else step,
-            sparse=assignment.sparse and assignment.mode == "cached", sparse_base=assignment.sparse_base,
+            sparse=assignment.sparse, sparse_base=assignment.sparse_base,
             agree=self._all_reduce_max if self.world_size > 1 else None,
-            route=lambda: self._route(assignment), owns=None if self.rank == 0 else owns_nothing)
+            route=lambda: self._route(assignment), ownership=ownership)
+
+    def _global_rank(self, rank: int) -> int:
+        return dist.get_global_rank(self.process_group, rank)
+
+    def _owner_rank(self, assignment: Assignment) -> int | None:
+        return self.rank  # a trainer rank sends (its own group; with several owners, also the owners' group)
 
     def _all_reduce_max(self, vector: list[int]) -> list[int]:
         """Sparse versions: every rank's change flags merged (one all-reduce on the trainer's group)."""
@@ -228,7 +240,7 @@ class TrainerAgent(Agent):
         return reduced.tolist()
 
     def _route(self, assignment: Assignment) -> Route:
-        return Route(self.group_for(assignment), assignment.ipc_peers)
+        return Route(self.group_for(assignment), assignment.ipc_peers, self.owners_group)
 
     def _assist(self, assignment: Assignment, step: int) -> None:
         """Ranks > 0: take part in every bucket's gather, in the order rank 0 reads them."""
@@ -237,7 +249,8 @@ class TrainerAgent(Agent):
     # ---- serving on rank 0 ---------------------------------------------------------------------------
     def _serve(self, assignment: Assignment, step: int, started: float) -> None:
         version = assignment.version
-        self.report(version, "snapshotting", step=step)
+        if self.rank == 0:
+            self.report(version, "snapshotting", step=step)
         if self._background is not None:  # one version in flight (reports are not waited for: see wait_idle)
             self._background.join(self.settings.version_timeout_s if self.settings else 600)
         try:
@@ -277,6 +290,8 @@ class TrainerAgent(Agent):
         self._report_result(transfer.result(timeout_s=settings.version_timeout_s if settings else None), held)
 
     def _report_result(self, result: TransferResult, held: float) -> None:
+        """Rank 0's outcome is the version's (with the receivers' acknowledgements); another owner's says how
+        its share went, and what its cache holds now."""
         publisher = self._publisher()
         stages = {k: v for k, v in result.seconds.items() if k != "total"}
         stages["snapshot" if result.mode == "cached" else "held"] = held
@@ -285,7 +300,7 @@ class TrainerAgent(Agent):
                     tensors_skipped=result.tensors_skipped, bytes_skipped=result.bytes_skipped, stages=stages,
                     receivers=[ack.model_dump() for ack in result.receivers],
                     cache_versions=publisher.cache.versions(), cache_bytes=publisher.cache.bytes_held,
-                    group_broken=self.group is not None and self.group.broken is not None,
+                    group_broken=self.group_broken,
                     absent_ranks=result.absent_ranks)
 
     def _in_background(self, assignment: Assignment, work: Callable[[Assignment], None]) -> None:
@@ -304,7 +319,7 @@ class TrainerAgent(Agent):
         publisher = self.publisher
         self.report(version, "done", ok=False, reason=reason,
                     cache_versions=publisher.cache.versions() if publisher else None,
-                    group_broken=self.group is not None and self.group.broken is not None,
+                    group_broken=self.group_broken,
                     absent_ranks=absent_ranks or [])
 
     def _evict(self, version: int) -> None:
@@ -333,3 +348,29 @@ def _group_device(group: dist.ProcessGroup | None) -> torch.device:
     if backend == "hccl":
         return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
     return torch.device("cpu")
+
+
+# What rank 0 tells the other ranks at a boundary (int64): version, mode (index in MODES + 1; 0: nothing due),
+# sparse, sparse_base + 1, source_version + 1 (0: None), sync-group generation and size, owners.
+_AGREEMENT = 8
+
+
+def _encode(assignment: Assignment | None) -> list[int]:
+    if assignment is None:
+        return [0] * _AGREEMENT
+    return [assignment.version, MODES.index(assignment.mode) + 1, int(assignment.sparse),
+            _plus_one(assignment.sparse_base), _plus_one(assignment.source_version), assignment.generation,
+            assignment.world_size, assignment.owners]
+
+
+def _decode(values: list[int]) -> Assignment | None:
+    version, mode, sparse, base, source, generation, world_size, owners = values[:_AGREEMENT]
+    if mode == 0:
+        return None
+    return Assignment(kind="send", version=version, mode=MODES[mode - 1], sparse=bool(sparse),
+                      sparse_base=base - 1 if base else None, source_version=source - 1 if source else None,
+                      generation=generation, world_size=world_size, rank=0, owners=owners)
+
+
+def _plus_one(value: int | None) -> int:
+    return 0 if value is None else value + 1

@@ -70,6 +70,8 @@ class Register(_Body):
     # receivers whose engine cannot take a sparse version (vLLM rebuilds every layer it loads): versions sent
     # to a quorum with one of them are whole
     whole_versions: bool = False
+    # trainer rank 0: ranks of the trainer job (each can own a share of every version)
+    trainer_ranks: int | None = Field(None, ge=1, le=1 << 16)
 
 
 class RegisterReply(_Body):
@@ -123,6 +125,9 @@ class Assignment(_Body):
     sparse_base: int | None = None  # send: only changes since this version, which every receiver holds
     sparse: bool = False  # send: snapshot only what changed since the previous cached version (shared in cache)
     reason: str | None = Field(None, max_length=2000)  # discard: why
+    # trainer ranks that own shares of the version (each sends its buckets on its own group with the
+    # receivers; receivers join one group per owner); 1: the trainer's rank 0 sends everything
+    owners: int = Field(1, ge=1, le=1 << 16)
     # Not on the wire: the agent id this assignment was polled under. After a daemon restart the agent has a
     # new id, and what the old daemon assigned will not be served (the new one marked it failed).
     _received_as: str | None = PrivateAttr(default=None)

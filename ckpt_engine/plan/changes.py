@@ -17,8 +17,9 @@ from ckpt_engine.device import DigestAlgo
 from ckpt_engine.plan.dtypes import dtype_name
 from ckpt_engine.plan.hashing import layout_digests, xxh3_digest
 from ckpt_engine.plan.layout import Bucket, Layout, plan_layout
+from ckpt_engine.plan.owners import Owners
 from ckpt_engine.plan.sparse import agreed_changes, agreement_vector, changed_layout
-from ckpt_engine.plan.tensors import NamedTensors, fill_bucket, specs_of
+from ckpt_engine.plan.tensors import NamedTensors, byte_view, fill_bucket, specs_of
 
 
 class ShardDigester:
@@ -38,7 +39,7 @@ class ShardDigester:
             return []
         if self.algo == "xxh3-64" and all(t.device.type == "cpu" and t.is_contiguous() for t in local.values()):
             # host tensors are hashed where they are: no copy into a bucket first
-            return [xxh3_digest(dtype_name(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8))
+            return [xxh3_digest(dtype_name(t.dtype), tuple(t.shape), byte_view(t))
                     for t in local.values()]
         key = [(name, t.dtype, t.shape, t.device) for name, t in local.items()]
         if key != self._key or self._layout is None:
@@ -76,12 +77,14 @@ class ChangeTracker:
         parent = previous[0] if previous is not None and can_share(previous[0]) else None
         return agreement_vector(parent, previous[2] if previous is not None else None, digests)
 
-    def delta(self, reduced: list[int], layout: Layout) -> tuple[int, Layout] | None:
-        """(parent version, layout of the changed tensors), or None for a full snapshot."""
+    def delta(self, reduced: list[int], layout: Layout, owners: Owners | None = None) -> tuple[int, Layout] | None:
+        """(parent version, layout of the changed tensors), or None for a full snapshot; with several
+        ``owners`` of ``layout``, a bucket of the changes holds tensors of one owner only."""
         agreed = agreed_changes(reduced)
         if agreed is None:
             return None
-        return agreed[0], changed_layout(layout, agreed[1], bucket_size=self.bucket_size, alignment=self.alignment)
+        return agreed[0], changed_layout(layout, agreed[1], bucket_size=self.bucket_size, alignment=self.alignment,
+                                         owners=owners)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

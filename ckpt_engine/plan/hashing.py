@@ -14,6 +14,7 @@ Digests are signed int64 values so they can travel through any collective backen
 
 from __future__ import annotations
 
+import array
 import bisect
 import ctypes
 import logging
@@ -324,9 +325,9 @@ def bucket_digests(bucket: Bucket, buf: torch.Tensor, algo: DigestAlgo, layout_d
         buf = buf.cpu()  # a device receiver of a host-hashing sender: correct, not fast
     view = host_buffer(buf[: bucket.nbytes])
     digest = xxhash.xxh3_64_intdigest
-    seeds = _xxh3_seeds(bucket, layout_digest)
-    values = [to_signed64(digest(view[s.offset : s.offset + s.nbytes], seed)) for s, seed in zip(bucket.slots, seeds)]
-    return torch.tensor(values, dtype=torch.int64)
+    values = array.array("Q", [digest(view[start:end], seed) for start, end, seed in _xxh3_spans(bucket, layout_digest)])
+    # the unsigned digests' bytes read as int64: the signed values, with no per-tensor Python conversion
+    return torch.frombuffer(values, dtype=torch.int64).clone() if values else torch.empty(0, dtype=torch.int64)
 
 
 def layout_digests(layout: Layout, read: Callable[[Bucket], torch.Tensor], algo: DigestAlgo,
@@ -343,17 +344,20 @@ def layout_digests(layout: Layout, read: Callable[[Bucket], torch.Tensor], algo:
     return torch.cat(parts).cpu().tolist() if parts else []
 
 
-_seed_cache: dict[tuple[str, int], list[int]] = {}
+_span_cache: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
 
 
-def _xxh3_seeds(bucket: Bucket, layout_digest: str) -> list[int]:
+def _xxh3_spans(bucket: Bucket, layout_digest: str) -> list[tuple[int, int, int]]:
+    """(start, end, seed) of every tensor of the bucket, made once per layout: the per-tensor work of a
+    digest is then one xxh3 call."""
     key = (layout_digest, bucket.index)
-    seeds = _seed_cache.get(key)
-    if seeds is None:
-        if len(_seed_cache) > 4096:
-            _seed_cache.clear()
-        seeds = _seed_cache[key] = [header_seed(s.dtype, s.shape) & _MASK64 for s in bucket.slots]
-    return seeds
+    spans = _span_cache.get(key)
+    if spans is None:
+        if len(_span_cache) > 4096:
+            _span_cache.clear()
+        spans = _span_cache[key] = [(s.offset, s.offset + s.nbytes, header_seed(s.dtype, s.shape) & _MASK64)
+                                    for s in bucket.slots]
+    return spans
 
 
 def version_digest(algo: str, layout_digest: str, digests: Sequence[int]) -> str:

@@ -71,6 +71,8 @@ class Layout:
     alignment: int
     buckets: tuple[Bucket, ...]
     digest: str
+    # per tensor, when planned by groups (a bucket never mixes groups): e.g. the trainer rank that owns it
+    groups: tuple[int, ...] | None = None
 
     @functools.cached_property
     def slots(self) -> tuple[TensorSlot, ...]:
@@ -120,34 +122,40 @@ def _validate(specs: Sequence[TensorSpec], bucket_size: int, alignment: int) -> 
 
 
 def plan_layout(
-    specs: Sequence[TensorSpec], bucket_size: int, alignment: int = DEFAULT_ALIGNMENT
+    specs: Sequence[TensorSpec], bucket_size: int, alignment: int = DEFAULT_ALIGNMENT,
+    groups: Sequence[int] | None = None,
 ) -> Layout:
     """Pack tensors into buckets in the given order.
 
     Offsets are aligned to ``alignment``; a tensor larger than ``bucket_size`` gets a bucket of its own.
     A bucket's size is its last tensor's end rounded up to the alignment, so no bucket exceeds
-    ``max(bucket_size rounded up, largest tensor rounded up)``.
+    ``max(bucket_size rounded up, largest tensor rounded up)``. With ``groups`` (one per tensor), a new
+    bucket starts wherever the group changes, so each bucket holds tensors of one group.
     """
     _validate(specs, bucket_size, alignment)
-    groups: list[list[tuple[TensorSpec, int]]] = [[]]
+    if groups is not None and len(groups) != len(specs):
+        raise LayoutError(f"{len(groups)} groups for {len(specs)} tensors")
+    packed: list[list[tuple[TensorSpec, int]]] = [[]]
     cursor = 0
-    for spec in specs:
+    for position, spec in enumerate(specs):
         nbytes = spec.nbytes
         oversize = nbytes > bucket_size
-        if groups[-1] and (oversize or cursor + nbytes > bucket_size):
-            groups.append([])
+        regroup = groups is not None and position > 0 and groups[position] != groups[position - 1]
+        if packed[-1] and (oversize or regroup or cursor + nbytes > bucket_size):
+            packed.append([])
             cursor = 0
-        groups[-1].append((spec, cursor))
+        packed[-1].append((spec, cursor))
         cursor = align_up(cursor + nbytes, alignment)
         if oversize:
-            groups.append([])
+            packed.append([])
             cursor = 0
-    if not groups[-1]:
-        groups.pop()
-    return _build(groups, bucket_size, alignment)
+    if not packed[-1]:
+        packed.pop()
+    return _build(packed, bucket_size, alignment, tuple(groups) if groups is not None else None)
 
 
-def _build(groups: list[list[tuple[TensorSpec, int]]], bucket_size: int, alignment: int) -> Layout:
+def _build(groups: list[list[tuple[TensorSpec, int]]], bucket_size: int, alignment: int,
+           tensor_groups: tuple[int, ...] | None = None) -> Layout:
     buckets: list[Bucket] = []
     flat_offset = 0
     index = 0
@@ -161,13 +169,17 @@ def _build(groups: list[list[tuple[TensorSpec, int]]], bucket_size: int, alignme
         buckets.append(Bucket(bucket_index, nbytes, flat_offset, tuple(slots)))
         flat_offset += nbytes
     specs = [slot.spec for bucket in buckets for slot in bucket.slots]
-    return Layout(bucket_size, alignment, tuple(buckets), layout_digest(specs, bucket_size, alignment))
+    salt = "" if tensor_groups is None else "groups|" + ",".join(map(str, tensor_groups))
+    return Layout(bucket_size, alignment, tuple(buckets), layout_digest(specs, bucket_size, alignment, salt=salt),
+                  tensor_groups)
 
 
-def layout_digest(specs: Iterable[TensorSpec], bucket_size: int, alignment: int) -> str:
+def layout_digest(specs: Iterable[TensorSpec], bucket_size: int, alignment: int, *, salt: str = "") -> str:
     """Hex digest of everything the plan depends on; equal digests mean equal layouts."""
     hasher = xxhash.xxh3_64()
     hasher.update(f"ckpt-layout-v1|{bucket_size}|{alignment}|".encode())
+    if salt:
+        hasher.update(f"{salt}|".encode())
     for spec in specs:
         hasher.update(spec.name.encode())
         hasher.update(b"\0")

@@ -20,3 +20,11 @@ def mode_of(bypass_cpu: bool) -> Mode:
 def check_sparse(mode: Mode, sparse: bool) -> None:
     if sparse and mode == "bypass_cpu":
         raise ConfigError(SPARSE_NEEDS_THE_CACHE)
+
+
+def check_mode(mode: object) -> Mode:
+    """``mode`` if it is one of MODES; a ConfigError naming them otherwise (a typo must not quietly become a
+    cached version)."""
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode  # type: ignore[return-value]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ckpt_engine.plan.hashing import version_digest
 from ckpt_engine.plan.layout import Layout, plan_layout
+from ckpt_engine.plan.owners import Owners, owners_by_group, single_owner
 
 
 @dataclass(frozen=True)
@@ -43,19 +44,28 @@ class SparsePlan:
     changed: tuple[str, ...]
     skipped: int
     skipped_bytes: int
+    owners: Owners  # who sends each bucket of ``layout``
 
 
 def plan_sparse(full: Layout, new: Manifest, base: Manifest | None, *, bucket_size: int,
-                alignment: int) -> SparsePlan | None:
+                alignment: int, owners: Owners | None = None) -> SparsePlan | None:
     """What to send instead of the full version, or None when a full sync is needed (no base, another
-    layout, another digest algorithm)."""
+    layout, another digest algorithm). With several ``owners`` of ``full``, a bucket of the plan holds
+    tensors of one owner only (the one that holds them sends it): see ``SparsePlan.owners``."""
     if base is None or base.layout_digest != full.digest or base.algo != new.algo or base.names != new.names:
         return None
     changed = {name for name, old, now in zip(base.names, base.digests, new.digests) if old != now}
     slots = [slot for slot in full.slots if slot.name in changed]
     skipped = [slot for slot in full.slots if slot.name not in changed]
-    layout = plan_layout([slot.spec for slot in slots], bucket_size, alignment)
-    return SparsePlan(layout, tuple(s.name for s in slots), len(skipped), sum(s.nbytes for s in skipped))
+    if owners is None or owners.ranks == 1:
+        layout = plan_layout([slot.spec for slot in slots], bucket_size, alignment)
+        wire_owners = single_owner(layout)
+    else:
+        groups = [owners.of[slot.bucket] for slot in slots]
+        layout = plan_layout([slot.spec for slot in slots], bucket_size, alignment, groups)
+        wire_owners = owners_by_group(layout, owners.ranks)
+    return SparsePlan(layout, tuple(s.name for s in slots), len(skipped), sum(s.nbytes for s in skipped),
+                      wire_owners)
 
 
 def manifest_of(version: int, algo: str, layout: Layout, digests: Sequence[int]) -> Manifest:
@@ -85,7 +95,10 @@ def agreed_changes(reduced: Sequence[int]) -> tuple[int, list[int]] | None:
     return parent, [i for i, flag in enumerate(reduced[_HEADER:]) if flag]
 
 
-def changed_layout(full: Layout, changed: Sequence[int], *, bucket_size: int, alignment: int) -> Layout:
-    """The layout of the changed tensors, in the full layout's order (every rank plans the same one)."""
-    slots = full.slots
-    return plan_layout([slots[i].spec for i in sorted(changed)], bucket_size, alignment)
+def changed_layout(full: Layout, changed: Sequence[int], *, bucket_size: int, alignment: int,
+                   owners: Owners | None = None) -> Layout:
+    """The layout of the changed tensors, in the full layout's order (every rank plans the same one); with
+    several ``owners`` of ``full``, planned by owner (a bucket holds tensors of one owner)."""
+    slots = [full.slots[i] for i in sorted(changed)]
+    groups = [owners.of[slot.bucket] for slot in slots] if owners is not None and owners.ranks > 1 else None
+    return plan_layout([slot.spec for slot in slots], bucket_size, alignment, groups)

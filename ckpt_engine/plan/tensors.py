@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Union
 
 import torch
 
-from ckpt_engine.errors import LayoutMismatchError
+from ckpt_engine.errors import LayoutError, LayoutMismatchError
 from ckpt_engine.plan.dtypes import dtype_from_name, dtype_name
 from ckpt_engine.plan.layout import Bucket, Layout, TensorSlot, TensorSpec
 
@@ -31,12 +32,15 @@ class NamedTensors:
     tensors: dict[str, torch.Tensor]
     aliases: dict[str, str] = field(default_factory=dict)
 
-    def layout_key(self) -> list[tuple[str, torch.dtype, torch.Size]]:
-        """Cheap identity of what the layout depends on (names, dtypes, full shapes, order)."""
-        return [(name, t.dtype, t.shape) for name, t in self.tensors.items()]
+    def layout_key(self) -> list[tuple]:
+        """Cheap identity of what the layout depends on (names, dtypes, full shapes, order). Flat tuples of
+        plain values: a torch.Size per tensor kept alive costs the garbage collector ~1 µs a tensor."""
+        return [(name, t.dtype, *t.shape) for name, t in self.tensors.items()]
 
-    def bucket_tensors(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
-        """The full tensors of ``bucket`` (every rank of a sharded model must call this for the same buckets)."""
+    def bucket_tensors(self, bucket: Bucket, to: int | None = None) -> Mapping[str, torch.Tensor]:
+        """The full tensors of ``bucket`` (every rank of a sharded model must call this for the same buckets).
+        ``to``: only the process of that global rank needs them (the bucket's owner); a sharded model then
+        gathers to it alone and other ranks get nothing. Tensors held whole are there on every rank anyway."""
         return self.tensors
 
 
@@ -94,7 +98,37 @@ def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]
 
 
 def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
+    """What ``tensor`` is on the wire; a LayoutError naming it when it cannot go there byte-exact."""
+    check_sendable(name, tensor)
     return TensorSpec(name, dtype_name(tensor.dtype), tuple(tensor.shape))
+
+
+def check_sendable(name: str, tensor: torch.Tensor) -> None:
+    """Any dense tensor goes on the wire byte-exact, whatever its strides, storage offset, or conjugate and
+    negative views (its values are what is sent, in row-major order). Sparse, quantized, nested and meta
+    tensors have no such bytes: refused up front, by name."""
+    if tensor.layout != torch.strided:
+        raise LayoutError(f"tensor {name!r} has layout {tensor.layout}: only dense tensors can be sent "
+                          "(convert it, e.g. .to_dense())")
+    if tensor.is_quantized:
+        raise LayoutError(f"tensor {name!r} is quantized ({tensor.dtype}): send its int representation and scales "
+                          "as tensors of their own")
+    if getattr(tensor, "is_nested", False):
+        raise LayoutError(f"tensor {name!r} is a nested tensor: only dense tensors can be sent")
+    if tensor.device.type == "meta":
+        raise LayoutError(f"tensor {name!r} is on the meta device: it holds no data")
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's values as flat uint8 in row-major order: the tensor itself when it is laid out so, else a
+    contiguous copy (strided and offset views, expanded dimensions, conjugate or negative views)."""
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    if tensor.is_neg():
+        tensor = tensor.resolve_neg()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def specs_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
@@ -126,46 +160,50 @@ def check_matches_layout(layout: Layout, tensors: Mapping[str, torch.Tensor]) ->
 def fill_bucket(buf: torch.Tensor, slots: tuple[TensorSlot, ...], tensors: Mapping[str, torch.Tensor],
                 bucket_nbytes: int, base: int = 0) -> None:
     """Copy each slot's tensor into ``buf[base : base + bucket_nbytes]`` with zeroed padding, so every fill puts
-    identical bytes on the wire. Same-device sources go in one ``torch.cat`` (one kernel instead of one copy
-    per tensor); sources on another device (device -> host snapshot) are copied one by one, asynchronously."""
+    identical bytes on the wire. The typed views of the slots and of the padding are made once per (buffer,
+    bucket) and reused, and the copies go in one call for the whole bucket (``torch._foreach_copy_``): what
+    costs per tensor is only torch's own copy. Sources of any strides, offsets or device are copied as they
+    are (a device -> host snapshot is asynchronous)."""
     if bucket_nbytes == 0:
         return
-    out = buf[base : base + bucket_nbytes]
-    sources = [tensors[slot.name] for slot in slots]
-    if all(t.device == out.device for t in sources):
-        torch.cat(_pieces(slots, sources, bucket_nbytes, out.device), out=out)
-        return
-    cursor = 0
-    for slot, source in zip(slots, sources):
+    targets, gaps, names = _fill_views(buf, slots, bucket_nbytes, base)
+    torch._foreach_copy_(targets, _plain(list(map(tensors.__getitem__, names))), non_blocking=True)
+    if gaps:
+        torch._foreach_zero_(gaps)
+
+
+def _plain(sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Conjugate or negative views' values as plain values (copies into the bucket take them as stored);
+    checked with C-level calls only: this runs for every tensor of every version."""
+    if any(map(torch.Tensor.is_conj, sources)) or any(map(torch.Tensor.is_neg, sources)):
+        return [t.resolve_conj().resolve_neg() for t in sources]
+    return sources
+
+
+# (id of the slots tuple, buffer address, size, base) -> (slots, slot views, padding views); the slots tuple is
+# held so its id is not reused while the entry lives. The views keep their buffer alive: a few entries only.
+_FILL_VIEWS: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
+_FILL_VIEWS_KEPT = 64
+
+
+def _fill_views(buf: torch.Tensor, slots: tuple[TensorSlot, ...], nbytes: int,
+                base: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[str]]:
+    key = (id(slots), buf.data_ptr(), buf.numel(), str(buf.device), base)
+    found = _FILL_VIEWS.get(key)
+    if found is not None and found[0] is slots:
+        _FILL_VIEWS.move_to_end(key)
+        return found[1], found[2], found[3]
+    out = buf[base : base + nbytes]
+    targets = [slot_view(out, slot) for slot in slots]
+    gaps, cursor = [], 0
+    for slot in slots:
         if slot.offset > cursor:
-            out[cursor : slot.offset].zero_()
-        slot_view(out, slot).copy_(source, non_blocking=True)
-        cursor = slot.offset + slot.nbytes
-    if bucket_nbytes > cursor:
-        out[cursor:].zero_()
-
-
-_zeros: dict[tuple[int, str], torch.Tensor] = {}
-
-
-def _zero_bytes(n: int, device: torch.device) -> torch.Tensor:
-    key = (n, str(device))
-    zeros = _zeros.get(key)
-    if zeros is None:
-        zeros = _zeros[key] = torch.zeros(n, dtype=torch.uint8, device=device)
-    return zeros
-
-
-def _pieces(slots: tuple[TensorSlot, ...], sources: list[torch.Tensor], nbytes: int,
-            device: torch.device) -> list[torch.Tensor]:
-    """The bucket as a list of byte views: each tensor's bytes and the zero padding between them."""
-    pieces: list[torch.Tensor] = []
-    cursor = 0
-    for slot, source in zip(slots, sources):
-        if slot.offset > cursor:
-            pieces.append(_zero_bytes(slot.offset - cursor, device))
-        pieces.append(source.reshape(-1).view(torch.uint8))
+            gaps.append(out[cursor : slot.offset])
         cursor = slot.offset + slot.nbytes
     if nbytes > cursor:
-        pieces.append(_zero_bytes(nbytes - cursor, device))
-    return pieces
+        gaps.append(out[cursor:nbytes])
+    names = [slot.name for slot in slots]
+    _FILL_VIEWS[key] = (slots, targets, gaps, names)
+    while len(_FILL_VIEWS) > _FILL_VIEWS_KEPT:
+        _FILL_VIEWS.popitem(last=False)
+    return targets, gaps, names

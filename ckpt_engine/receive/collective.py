@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -32,17 +33,20 @@ __all__ = ["LoadFn", "ReceiveResult", "Receiver", "VersionPayload"]
 
 
 class Receiver:
-    """Receives versions on a sync group where this process is a receiving rank."""
+    """Receives versions on a sync group where this process is a receiving rank; for versions several trainer
+    ranks own, on one group per owner (``groups[r]``: owner r's; owner 0 also sends the header and trailer)."""
 
-    def __init__(self, group: SyncGroup, load: LoadFn, *, verify: bool = True,
+    def __init__(self, group: SyncGroup | Sequence[SyncGroup], load: LoadFn, *, verify: bool = True,
                  assembler: VersionAssembler | None = None) -> None:
         """``assembler``: share one across receivers of the same model (another group generation, or the
         same-host path) so the version this process holds, and its staging, carry over."""
-        self.group = group
-        self.channel = Channel(group)
-        if self.channel.is_src:
-            raise ProtocolError("rank 0 is the sender of the sync group; receivers have ranks >= 1")
-        self.assembler = assembler or VersionAssembler(group.device, load, verify=verify)
+        self.groups = [group] if isinstance(group, SyncGroup) else list(group)
+        self.group = self.groups[0]
+        self.channels = [Channel(g) for g in self.groups]
+        self.channel = self.channels[0]
+        if any(channel.is_src for channel in self.channels):
+            raise ProtocolError("rank 0 is the sender of a sync group; receivers have ranks >= 1")
+        self.assembler = assembler or VersionAssembler(self.group.device, load, verify=verify)
 
     @property
     def committed(self) -> VersionPayload | None:
@@ -55,6 +59,7 @@ class Receiver:
         try:
             frame = self.channel.frame(None, 0, "version begin", timeout_s=begin_timeout_s)
             if frame.kind == FrameKind.CLOSE:
+                self._closed_by_the_others(begin_timeout_s)
                 return None
             header = decode(VersionHeader, self._payload_of(frame, FrameKind.BEGIN, "version header"))
             incoming = self.assembler.begin(header)
@@ -65,9 +70,14 @@ class Receiver:
         except CkptEngineError as exc:
             return ReceiveResult(None, False, self._desynced(exc))
         try:
-            self._receive_buckets(incoming)
+            owners = self._owners(header, incoming)
+            aborted = self._receive_buckets(incoming, owners)
+            if 0 in aborted:  # the lead aborted at a bucket: nothing more comes on its group for this version
+                raise SenderAborted(aborted[0])
             frame = self.channel.frame(None, 0, "version end")
             trailer = decode(VersionTrailer, self._payload_of(frame, FrameKind.END, "version trailer"))
+            if aborted:  # another owner aborted; the lead ended the version without an abort: not a whole one
+                raise ProtocolError(f"owner(s) {sorted(aborted)} aborted, yet the version ended: {aborted}")
         except SenderAborted as exc:
             return self.assembler.finish(incoming, str(exc))
         except CkptEngineError as exc:
@@ -75,6 +85,28 @@ class Receiver:
         result = self.assembler.conclude(incoming, trailer)
         self._acknowledge(result)
         return result
+
+    def _closed_by_the_others(self, timeout_s: float | None) -> None:
+        """The lead closed: take the other owners' CLOSE too, so that they are not left announcing it to a
+        receiver that went away (each waits at most ``timeout_s``; whatever else comes is dropped)."""
+        for channel in self.channels[1:]:
+            try:
+                channel.frame(None, 0, "close", timeout_s=min(timeout_s or 10.0, 10.0))
+            except CkptEngineError as exc:
+                log.info("owner group %s did not close cleanly: %s", channel.group.name, exc)
+
+    def _owners(self, header: VersionHeader, incoming: Incoming) -> list[int]:
+        """The owner of each bucket: rank 0 for all, or as the header says (checked against what this
+        receiver can follow)."""
+        buckets = len(incoming.layout.buckets)
+        if header.owners is None:
+            return [0] * buckets
+        if header.owner_ranks > len(self.channels):
+            raise ProtocolError(f"version {header.version} has {header.owner_ranks} owners; this receiver joined "
+                                f"the groups of {len(self.channels)}")
+        if len(header.owners) != buckets or any(not 0 <= o < header.owner_ranks for o in header.owners):
+            raise ProtocolError(f"version {header.version}: owners do not fit its {buckets} buckets")
+        return list(header.owners)
 
     def serve(self, max_versions: int | None = None, begin_timeout_s: float | None = None) -> list[ReceiveResult]:
         """Receive versions until the sender closes the group, ``max_versions`` is reached or the group breaks."""
@@ -94,13 +126,15 @@ class Receiver:
         result = ReceiveResult(header.version, False, str(problem), unable=str(problem))
         try:
             layout = self.assembler.layout_of(header)
+            owners = header.owners or [0] * len(layout.buckets)
             scratch = torch.empty(max(layout.max_bucket_bytes, 1), dtype=torch.uint8, device=self.channel._device)
             for bucket in layout.buckets:
-                frame = self.channel.frame(None, len(bucket.slots), f"bucket {bucket.index} header")
+                channel = self.channels[owners[bucket.index]]
+                frame = channel.frame(None, len(bucket.slots), f"bucket {bucket.index} header")
                 if frame.kind != FrameKind.BUCKET:
-                    self._payload_of(frame, FrameKind.BUCKET, "bucket")
+                    self._payload_of(frame, FrameKind.BUCKET, "bucket", channel)
                 if bucket.nbytes:
-                    self.channel.wait(self.channel.data(scratch[: bucket.nbytes]), f"bucket {bucket.index} data")
+                    channel.wait(channel.data(scratch[: bucket.nbytes]), f"bucket {bucket.index} data")
             frame = self.channel.frame(None, 0, "version end")
             self._payload_of(frame, FrameKind.END, "version trailer")
         except SenderAborted:
@@ -112,41 +146,54 @@ class Receiver:
         return result
 
     def _desynced(self, exc: Exception) -> str:
-        """A failure mid-stream leaves this rank out of step with the sender: the group must be rebuilt."""
+        """A failure mid-stream leaves this rank out of step with the senders: the groups must be rebuilt."""
         reason = f"{type(exc).__name__}: {exc}"
-        if self.group.broken is None:
-            self.group.broken = reason
+        for group in self.groups:
+            if group.broken is None:
+                group.broken = reason
         return reason
 
-    def _payload_of(self, frame: Frame, expected: FrameKind, what: str) -> bytes:
+    def _payload_of(self, frame: Frame, expected: FrameKind, what: str, channel: Channel | None = None) -> bytes:
+        channel = channel or self.channel
         if frame.kind == FrameKind.ABORT:
-            raw = self.channel.payload(None, frame.a, "abort reason")
+            raw = channel.payload(None, frame.a, "abort reason")
             raise SenderAborted(f"sender aborted version {frame.version}: {decode(AbortMessage, raw).reason}")
         if frame.kind != expected:
             raise ProtocolError(f"expected {expected.name} frame, got {frame.kind.name}")
-        return self.channel.payload(None, frame.a, what)
+        return channel.payload(None, frame.a, what)
 
-    def _receive_buckets(self, incoming: Incoming) -> None:
+    def _receive_buckets(self, incoming: Incoming, owners: list[int]) -> dict[int, str]:
+        """Every bucket, each from its owner's group, into staging; returns the owners that aborted (and why):
+        an owner that aborts sends nothing more of the version, the others go on to its end."""
         previous = None
+        aborted: dict[int, str] = {}
         for bucket in incoming.layout.buckets:
-            k = bucket.index
-            frame = self.channel.frame(None, len(bucket.slots), f"bucket {k} header")
+            k, owner = bucket.index, owners[bucket.index]
+            if owner in aborted:
+                continue
+            channel = self.channels[owner]
+            frame = channel.frame(None, len(bucket.slots), f"bucket {k} header")
             if frame.kind != FrameKind.BUCKET:
-                self._payload_of(frame, FrameKind.BUCKET, "bucket")
+                try:
+                    self._payload_of(frame, FrameKind.BUCKET, "bucket", channel)
+                except SenderAborted as exc:
+                    aborted[owner] = str(exc)
+                    continue
             if frame.a != k or frame.b != bucket.nbytes or frame.c != len(bucket.slots):
                 raise ProtocolError(f"bucket {k}: frame says index {frame.a}, {frame.b} bytes, {frame.c} tensors; "
                                     f"layout says {bucket.nbytes} bytes, {len(bucket.slots)} tensors")
             t0 = time.perf_counter()
-            work = self.channel.data(incoming.bucket_view(bucket)) if bucket.nbytes else None
+            work = channel.data(incoming.bucket_view(bucket)) if bucket.nbytes else None
             if previous is not None:
                 self.assembler.check_bucket(incoming, *previous)  # overlaps with bucket k on the wire
             if work is not None:
-                self.channel.wait(work, f"bucket {k} data")
+                channel.wait(work, f"bucket {k} data")
             incoming.add_seconds("recv", time.perf_counter() - t0)
             incoming.result.bytes_received += bucket.nbytes
             previous = (bucket, frame.extra)
         if previous is not None:
             self.assembler.check_bucket(incoming, *previous)
+        return aborted
 
     def _acknowledge(self, result: ReceiveResult) -> None:
         try:

@@ -24,6 +24,7 @@ import torch
 from ckpt_engine.device import DeviceInfo, host_empty, synchronize
 from ckpt_engine.errors import CacheError, ConfigError, LayoutMismatchError
 from ckpt_engine.plan.layout import Layout
+from ckpt_engine.plan.owners import Owners, Share, single_owner
 from ckpt_engine.plan.tensors import TensorsOrProvider, check_matches_layout, fill_bucket, provider_of, slot_view
 from ckpt_engine.transport.same_host import SharedSlot, create_slot
 
@@ -34,7 +35,7 @@ _segment_ids = itertools.count(1000)  # ids of shareable cache buffers (slots us
 @dataclass
 class CachedVersion:
     version: int
-    layout: Layout  # the whole model's
+    layout: Layout  # what this cache holds of the version: the whole model's, or this trainer rank's share
     step: int | None
     aliases: dict[str, str]
     created_at: float
@@ -45,14 +46,35 @@ class CachedVersion:
     _shared: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # delta: unchanged tensors
     _buffers: tuple[torch.Tensor, ...] = field(default=(), repr=False)  # every buffer this version reads
     _views: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    _local: dict[int, int] | None = field(default=None, repr=False)
     _leases: int = field(default=0, repr=False)
     _evicted: bool = field(default=False, repr=False)
+    # Of a version several trainer ranks own: the version's layout, its owners, and the index in it of each
+    # bucket of ``layout`` (this rank's share). None: ``layout`` is the version's, all of it held here.
+    version_layout: Layout | None = None
+    owners: Owners | None = None
+    wire: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.own_layout is None:
             self.own_layout = self.layout
         if not self._buffers:
             self._buffers = (self._buffer,)
+        if self.version_layout is None:
+            self.version_layout = self.layout
+        if self.owners is None:
+            self.owners = single_owner(self.layout)
+        if self.wire is None:
+            self.wire = tuple(range(len(self.layout.buckets)))
+
+    def local_index(self, wire_index: int) -> int:
+        """The index in ``layout`` of the version's bucket ``wire_index`` (which this rank owns)."""
+        if self._local is None:
+            self._local = {wire: local for local, wire in enumerate(self.wire)}  # type: ignore[arg-type]
+        local = self._local.get(wire_index)
+        if local is None:
+            raise CacheError(f"version {self.version}: bucket {wire_index} is not this rank's to send")
+        return local
 
     @property
     def is_whole(self) -> bool:
@@ -137,10 +159,14 @@ class VersionCache:
         aliases: Mapping[str, str] | None = None,
         step: int | None = None,
         check: bool = True,
+        share: Share | None = None,
+        owners: Owners | None = None,
+        version_layout: Layout | None = None,
     ) -> CachedVersion:
         """Copy ``tensors`` (device or host) into the cache as ``version``; returns once the copy is done.
         ``tensors`` may be a per-bucket provider (sharded models assemble full tensors bucket by bucket).
-        ``check=False`` skips re-checking tensors against the layout (for callers that planned it from them)."""
+        ``check=False`` skips re-checking tensors against the layout (for callers that planned it from them).
+        ``share`` (with ``owners`` and ``version_layout``): ``layout`` is this rank's share of that version."""
         if check and not callable(tensors):
             check_matches_layout(layout, tensors)
         started = time.perf_counter()
@@ -150,7 +176,8 @@ class VersionCache:
             buffer = self._take_buffer(layout)
         self._fill(buffer, layout, tensors)
         cached = CachedVersion(version, layout, step, dict(aliases or {}), time.time(),
-                               time.perf_counter() - started, buffer)
+                               time.perf_counter() - started, buffer, version_layout=version_layout, owners=owners,
+                               wire=share.wire if share is not None else None)
         self._add(cached)
         return cached
 
@@ -173,7 +200,8 @@ class VersionCache:
             buffers = (buffer, *_buffers_holding(base._buffers, shared.values()))
             cached = CachedVersion(version, base.layout, step, dict(aliases or {}), time.time(),
                                    time.perf_counter() - started, buffer, own_layout=changed, parent=parent,
-                                   _shared=shared, _buffers=buffers)
+                                   _shared=shared, _buffers=buffers, version_layout=base.version_layout,
+                                   owners=base.owners, wire=base.wire)
             self._add(cached)
         return cached
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -43,22 +44,32 @@ class Outlet(Protocol):
         """The version is over, whatever its outcome."""
 
 
-class CollectiveOutlet:
-    """The sync group: framed broadcasts (see wire.py); bucket data goes out asynchronously."""
+@dataclass
+class LayoutSent:
+    """The layout a group's receivers were last sent: they keep it, so the next versions of that layout carry
+    only its digest (at 100k tensors the layout is megabytes of msgpack to encode and decode). Lives as long
+    as the group; None after a failed version (the next one sends the layout again)."""
 
-    def __init__(self, channel: Channel) -> None:
+    digest: str | None = None
+
+
+class CollectiveOutlet:
+    """The sync group: framed broadcasts (see transport/framing.py); bucket data goes out asynchronously."""
+
+    def __init__(self, channel: Channel, layout_sent: LayoutSent) -> None:
         self.channel = channel
         self._pending: list[Any] = [None, None]
         self._in_flight: list[torch.Tensor | None] = [None, None]  # keeps the sent buffer alive
         self._version = 0
-        self._layout_sent: str | None = None  # receivers of a group hold the layout they were last sent
+        self._layout_sent = layout_sent
 
     def begin(self, version: int, layout_digest: str, full: Callable[[], bytes], slim: bytes) -> None:
         self._version = version
-        header = slim if self._layout_sent == layout_digest else full()
-        self._layout_sent = layout_digest
+        header = slim if self._layout_sent.digest == layout_digest else full()
+        self._layout_sent.digest = None  # until the header went out whole
         self.channel.frame(Frame(FrameKind.BEGIN, version, len(header)), 0, "version begin")
         self.channel.payload(header, len(header), "version header")
+        self._layout_sent.digest = layout_digest
 
     def reclaim(self, slot_index: int, k: int) -> None:
         if self._pending[slot_index] is not None:

@@ -21,7 +21,8 @@ from ckpt_engine.device import DeviceInfo, DigestAlgo
 from ckpt_engine.errors import CkptEngineError, ConfigError
 from ckpt_engine.plan.changes import ChangeTracker
 from ckpt_engine.plan.layout import DEFAULT_ALIGNMENT, Bucket, Layout, plan_layout
-from ckpt_engine.plan.modes import Mode, check_sparse
+from ckpt_engine.plan.modes import Mode, check_mode, check_sparse
+from ckpt_engine.plan.owners import Owners, Share, owners_by_group, plan_owners, share_of, single_owner
 from ckpt_engine.plan.sparse import Manifest
 from ckpt_engine.plan.tensors import NamedTensors, specs_of
 from ckpt_engine.send.cache import VersionCache
@@ -30,24 +31,35 @@ from ckpt_engine.transport.group import SyncGroup
 from ckpt_engine.transport.same_host import IpcHub
 
 log = logging.getLogger(__name__)
+MAX_VERSION = (1 << 53) - 1  # ids travel as JSON numbers and int64 frames: both hold them exactly
 
 # All-reduce (MAX) of this rank's change-agreement vector with the other trainer ranks' (sparse versions);
 # a single process passes None (its own vector is the answer).
 Agree = Callable[[list[int]], list[int]]
 
 
-def owns_nothing(bucket: Bucket) -> bool:
-    """``owns`` of a trainer rank that stores and sends nothing (it only takes part in the gathers)."""
-    return False
-
-
 @dataclass(frozen=True)
 class Route:
-    """Where a version goes: the sync group (None: only colocated receivers) and the colocated receivers
-    (agent id -> rank)."""
+    """Where a version goes: this rank's sync group with the receivers (None: only colocated receivers), the
+    colocated receivers (agent id -> rank), and, when several trainer ranks own shares of the version, the
+    group of those ranks (this rank's rank in it is its rank among the owners)."""
 
     group: SyncGroup | None
     ipc_peers: Mapping[str, int]
+    owners_group: SyncGroup | None = None
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """This trainer rank's place among the ranks that own shares of a version. ``global_rank(owner)``: the
+    process that gathers an owner's buckets (its global rank), for sharded models."""
+
+    rank: int = 0
+    ranks: int = 1
+    global_rank: Callable[[int], int] | None = None
+
+    def of(self, layout: Layout) -> Owners:
+        return plan_owners(layout, self.ranks)
 
 
 class Publisher:
@@ -82,16 +94,17 @@ class Publisher:
                                     on_stage=on_stage, timeout_s=timeout_s, manifests=self.manifests)
         self.sender: Sender | None = None
         self._layout: Layout | None = None
-        self._layout_key: list[tuple[str, torch.dtype, torch.Size]] = []
+        self._layout_key: list[tuple] = []
         self._changes = ChangeTracker(self.device.digest_algo, bucket_size, alignment)
         if group is not None:
             self.attach(group)
 
     # ---- the one entry -------------------------------------------------------------------------------
-    def publish(self, version: int, named: NamedTensors | None = None, *, mode: Mode = "cached",
+    def publish(self, version: int, named: NamedTensors | Mapping[str, torch.Tensor] | None = None, *,
+                mode: Mode = "cached",
                 step: int | None = None, sparse: bool = False, sparse_base: int | None = None,
                 source_version: int | None = None, agree: Agree | None = None,
-                route: Callable[[], Route] | None = None, owns: Callable[[Bucket], bool] | None = None) -> Transfer:
+                route: Callable[[], Route] | None = None, ownership: Ownership | None = None) -> Transfer:
         """Start sending ``version``; the returned transfer's ``params_released`` says when the tensors are no
         longer read (the training loop may go on) and ``result()`` how it ended.
 
@@ -106,37 +119,47 @@ class Publisher:
         the send goes on in the background either way). ``route()`` gives where to send (called where the send
         starts: on the caller's thread for bypass_cpu, on the background thread for the others); without it,
         the attached group and receivers are used.
-        ``owns(bucket)``: whether this rank stores and sends that bucket; a rank that owns none only takes
-        part in the gathers of a sharded model (every trainer rank must call publish for the same versions).
-        Whatever fails, the gathers of every bucket are done, so the other trainer ranks never wait in one."""
-        check_sparse(mode, sparse or sparse_base is not None)
+        ``ownership``: with several trainer ranks (every one calls publish for the same versions, in order),
+        which buckets are this rank's to store and send (plan/owners.py); a rank beyond ``ownership.ranks``
+        stores and sends nothing, it only takes part in the gathers. Whatever fails, the gathers of every
+        bucket are done, so the other trainer ranks never wait in one."""
+        check_version(version)
+        check_sparse(check_mode(mode), sparse or sparse_base is not None)
+        mine = ownership or Ownership()
         if source_version is not None:
+            if mode != "cached":
+                raise ConfigError(f"version {version}: a re-push (source_version) is sent from the cache, so its "
+                                  f"mode is cached, not {mode}")
             transfer = Transfer(version, "cached")
             transfer.params_released.set()
             return self._in_background(transfer, lambda: self._sender(route).send_cached(
                 self.cache, source_version, as_version=version))
-        if named is None:
-            raise ConfigError(f"version {version}: publish needs the tensors (or a source_version to re-send)")
+        named = _named(version, named)
         layout = self.layout_for(named)
-        # a rank that stores nothing can build on any parent; one that stores must still hold it
-        can_share = (lambda parent: True) if owns is owns_nothing else self.cache.__contains__
-        delta = self._delta(version, named, layout, agree, can_share) if sparse else None
-        cursor = GatherCursor(named, delta[1] if delta is not None else layout)
+        owners = mine.of(layout)
+        sender = mine.rank < mine.ranks  # a rank beyond the owners only takes part in the gathers
+        delta = self._delta(version, named, layout, owners, agree, sender) if sparse else None
+        stored, stored_owners = layout, owners  # what the ranks gather and store: all of it, or what changed
+        if delta is not None:
+            stored = delta[1]
+            stored_owners = owners_by_group(stored, owners.ranks) if owners.ranks > 1 else single_owner(stored)
+        cursor = GatherCursor(named, stored, stored_owners, mine.global_rank)
         try:
-            if owns is not None and not any(owns(b) for b in cursor.layout.buckets):
+            if not sender:
                 return self._gather_only(version, mode, cursor)
-            if mode == "bypass_cpu":  # returns once every bucket has been read from the live tensors
-                live = self._sender(route).send_live(version, cursor.layout, cursor.bucket_tensors,
-                                                     aliases=named.aliases, step=step, check=False)
+            share = share_of(stored, stored_owners, mine.rank)
+            if mode == "bypass_cpu":  # returns once every bucket of this rank has been read from the live tensors
+                live = self._sender(route).send_live(version, layout, cursor.provider(mine.rank), aliases=named.aliases,
+                                                     step=step, check=False, owners=owners)
                 live.params_released.wait()
-                live.gathered_bytes = cursor.layout.total_bytes
+                live.gathered_bytes = cursor.gathered_bytes
                 return live
-            self._snapshot(version, named, cursor, delta, step)
+            self._snapshot(version, named, cursor, share, delta, step, layout, owners)
         finally:
-            cursor.drain()  # after a failure part way: let the other ranks' gathers through
+            cursor.drain()  # this rank's part in the remaining gathers (also after a failure part way)
         transfer = Transfer(version, "cached")
         transfer.params_released.set()
-        transfer.gathered_bytes = cursor.layout.total_bytes
+        transfer.gathered_bytes = cursor.gathered_bytes
         if sparse_base is not None:
             send = lambda: self._sender(route).send_sparse(self.cache, version, sparse_base,
                                                            bucket_size=self.bucket_size, alignment=self.alignment)
@@ -148,15 +171,17 @@ class Publisher:
         """Tell receivers waiting for ``version`` that it will not come (e.g. its snapshot failed)."""
         self._sender(route).abort_before_start(version, reason)
 
-    def attach(self, group: SyncGroup | None, ipc_peers: Mapping[str, int] | None = None) -> None:
-        """Send on ``group`` and to the colocated ``ipc_peers`` (agent id -> rank) from now on; the caller
-        closes the previous group. Attaching the same receivers again keeps the sender (and what it knows
-        its receivers hold, such as the layout)."""
+    def attach(self, group: SyncGroup | None, ipc_peers: Mapping[str, int] | None = None,
+               owners_group: SyncGroup | None = None) -> None:
+        """Send on ``group`` and to the colocated ``ipc_peers`` (agent id -> rank) from now on (with the other
+        owners in ``owners_group``); the caller closes the previous groups. Attaching the same again keeps the
+        sender (and what it knows its receivers hold, such as the layout)."""
         peers = dict(ipc_peers or {})
         current = self.sender
-        if current is not None and current.group is group and current.ipc_peers == peers:
+        if (current is not None and current.group is group and current.ipc_peers == peers
+                and current.owners_group is owners_group):
             return
-        self.sender = Sender(group, device=self.device, hub=self.hub, ipc_peers=peers,
+        self.sender = Sender(group, device=self.device, hub=self.hub, ipc_peers=peers, owners_group=owners_group,
                              **self._sender_options)  # type: ignore[arg-type]
 
     def layout_for(self, named: NamedTensors) -> Layout:
@@ -183,26 +208,27 @@ class Publisher:
             self.hub.close()
 
     # ---- internals -----------------------------------------------------------------------------------
-    def _delta(self, version: int, named: NamedTensors, layout: Layout, agree: Agree | None,
-               can_share: Callable[[int], bool]) -> tuple[int, Layout] | None:
+    def _delta(self, version: int, named: NamedTensors, layout: Layout, owners: Owners, agree: Agree | None,
+               stores: bool) -> tuple[int, Layout] | None:
         """(parent version, layout of the tensors changed since it), as every trainer rank agrees, or None for
-        a full snapshot; the cache must still hold the parent to share the rest with it."""
+        a full snapshot; every rank that stores must still hold the parent to share the rest with it. With
+        several owners, a bucket of the changes holds tensors of one owner only."""
+        can_share = self.cache.__contains__ if stores else (lambda parent: True)
         vector = self._changes.vector(version, named, layout, can_share)
-        return self._changes.delta(agree(vector) if agree is not None else vector, layout)
+        return self._changes.delta(agree(vector) if agree is not None else vector, layout, owners)
 
-    def _snapshot(self, version: int, named: NamedTensors, cursor: GatherCursor,
-                  delta: tuple[int, Layout] | None, step: int | None) -> None:
+    def _snapshot(self, version: int, named: NamedTensors, cursor: GatherCursor, share: Share,
+                  delta: tuple[int, Layout] | None, step: int | None, layout: Layout, owners: Owners) -> None:
+        provide = cursor.provider(share.rank, share)
         if delta is not None:  # only what changed is gathered and stored; the rest is shared in the cache
-            self.cache.snapshot_delta(version, delta[0], cursor.layout, cursor.bucket_tensors, aliases=named.aliases,
-                                      step=step)
+            self.cache.snapshot_delta(version, delta[0], share.layout, provide, aliases=named.aliases, step=step)
         else:
-            self.cache.snapshot(version, cursor.layout, cursor.bucket_tensors, aliases=named.aliases, step=step,
-                                check=False)
+            self.cache.snapshot(version, share.layout, provide, aliases=named.aliases, step=step, check=False,
+                                share=share, owners=owners, version_layout=layout)
 
     def _gather_only(self, version: int, mode: Mode, cursor: GatherCursor) -> Transfer:
         """A rank that owns no bucket: its part is the gathers (``cursor.drain``, in the caller's finally)."""
         transfer = Transfer(version, mode)
-        transfer.gathered_bytes = cursor.layout.total_bytes
         transfer._finish(TransferResult(version, mode, True, "this rank sends no bucket of it", None, [], 0, 0, 0,
                                         finished_at=time.perf_counter()))
         return transfer
@@ -210,7 +236,7 @@ class Publisher:
     def _sender(self, route: Callable[[], Route] | None) -> Sender:
         if route is not None:
             where = route()
-            self.attach(where.group, where.ipc_peers)
+            self.attach(where.group, where.ipc_peers, where.owners_group)
         if self.sender is None:
             raise CkptEngineError("no sync group attached to this publisher yet")
         return self.sender
@@ -235,26 +261,70 @@ class Publisher:
 
 
 class GatherCursor:
-    """Hands out full tensors bucket by bucket and remembers how far it got, so that after a failure this rank
-    can still take part in the remaining gathers the other trainer ranks are waiting in."""
+    """Hands out full tensors bucket by bucket, each gathered to the bucket's owner, and remembers how far it
+    got: every trainer rank takes part in every bucket's gather in layout order, however many of them it
+    owns, and after a failure it can still take part in the gathers the other ranks are waiting in."""
 
-    def __init__(self, named: NamedTensors, layout: Layout) -> None:
-        self.named, self.layout = named, layout
+    def __init__(self, named: NamedTensors, layout: Layout, owners: Owners,
+                 global_rank: Callable[[int], int] | None = None) -> None:
+        self.named, self.layout, self.owners = named, layout, owners
+        self._global_rank = global_rank
         self._next = 0
         self._lock = threading.Lock()
+        self.gathered_bytes = 0  # bytes of full tensors this rank assembled (its buckets)
 
-    def bucket_tensors(self, bucket: Bucket) -> Mapping[str, torch.Tensor]:
+    def provider(self, rank: int, share: Share | None = None) -> Callable[[Bucket], Mapping[str, torch.Tensor]]:
+        """The tensors of each bucket ``rank`` owns, asked for in order: by the layout's buckets, or by the
+        buckets of ``share`` (this rank's share of the layout)."""
+        def provide(bucket: Bucket) -> Mapping[str, torch.Tensor]:
+            index = share.wire[bucket.index] if share is not None else bucket.index
+            return self.through(index, rank)
+        return provide
+
+    def through(self, index: int, rank: int) -> Mapping[str, torch.Tensor]:
+        """Take part in every gather up to bucket ``index`` (which ``rank`` owns) and return its tensors."""
         with self._lock:
-            if bucket.index != self._next:
-                raise CkptEngineError(f"bucket {bucket.index} requested out of order (expected {self._next})")
-            self._next += 1
-            return self.named.bucket_tensors(bucket)
+            if index < self._next:
+                raise CkptEngineError(f"bucket {index} requested out of order (next is {self._next})")
+            if self.owners.of[index] != rank:
+                raise CkptEngineError(f"bucket {index} belongs to owner {self.owners.of[index]}, not {rank}")
+            while self._next < index:
+                self._gather(self._next)
+            tensors = self._gather(index)
+            self.gathered_bytes += self.layout.buckets[index].nbytes
+            return tensors
 
     def drain(self) -> None:
         with self._lock:
-            for bucket in self.layout.buckets[self._next:]:
-                self.named.bucket_tensors(bucket)
-            self._next = len(self.layout.buckets)
+            while self._next < len(self.layout.buckets):
+                self._gather(self._next)
+
+    def _gather(self, index: int) -> Mapping[str, torch.Tensor]:
+        bucket = self.layout.buckets[index]
+        owner = self.owners.of[index]
+        self._next = index + 1
+        to = self._global_rank(owner) if self._global_rank is not None else None
+        return self.named.bucket_tensors(bucket, to)
+def check_version(version: object) -> int:
+    """A version id is an int within the wire's range (the daemon issues 1, 2, ...)."""
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= MAX_VERSION:
+        raise ConfigError(f"a version id is an int within 0..{MAX_VERSION}, got {version!r}")
+    return version
+
+
+def _named(version: int, named: NamedTensors | Mapping[str, torch.Tensor] | None) -> NamedTensors:
+    """What publish sends: NamedTensors (named_tensors_of(model)), or a plain name -> tensor mapping such as a
+    state_dict; never nothing."""
+    if named is None:
+        raise ConfigError(f"version {version}: publish needs the tensors (or a source_version to re-send)")
+    if not isinstance(named, NamedTensors):
+        if not isinstance(named, Mapping) or not all(isinstance(t, torch.Tensor) for t in named.values()):
+            raise ConfigError(f"version {version}: publish takes named_tensors_of(model) or a mapping of names to "
+                              f"tensors, got {type(named).__name__}")
+        named = NamedTensors(dict(named))
+    if not named.tensors:
+        raise ConfigError(f"version {version}: there are no tensors to send")
+    return named
 
 
 def version_digest_of(named: NamedTensors, *, bucket_size: int, alignment: int = DEFAULT_ALIGNMENT,

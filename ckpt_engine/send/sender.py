@@ -4,6 +4,13 @@ and broadcasts them double-buffered, so bucket k+1 is being filled while bucket 
 A transfer runs on a background thread. ``Transfer.params_released`` is set as soon as the source tensors
 are no longer read: right away for a cached version (the cache holds the bytes), after the last bucket has
 been filled for a live (``bypass_cpu``) version.
+
+A version of several owners (plan/owners.py): every trainer rank sends the buckets it owns on its own sync
+group (it is rank 0 there; the receivers are the same ranks in every group). Rank 0 leads: it sends the
+version's header and trailer and collects the acknowledgements on its group. The owners vote twice on their
+own group (``owners_group``): before the first bucket (all ready; a sparse version's digests, so every owner
+plans the same changes) and after their last (all sent; every bucket's digests, for the trailer). A failure
+of any owner makes the lead end the version with an abort, so receivers never load it.
 """
 
 from __future__ import annotations
@@ -23,10 +30,11 @@ from ckpt_engine.errors import CkptEngineError, ConfigError, ProtocolError, Sync
 from ckpt_engine.plan.hashing import bucket_digests, layout_digests, version_digest
 from ckpt_engine.plan.layout import Layout
 from ckpt_engine.plan.modes import Mode
+from ckpt_engine.plan.owners import Owners, single_owner
 from ckpt_engine.plan.sparse import Manifest, SparsePlan, manifest_of, plan_sparse
 from ckpt_engine.plan.tensors import BucketTensors, TensorsOrProvider, check_matches_layout, fill_bucket, provider_of
 from ckpt_engine.send.cache import CachedVersion, VersionCache
-from ckpt_engine.send.outlets import CollectiveOutlet, IpcOutlet, Outlet
+from ckpt_engine.send.outlets import CollectiveOutlet, IpcOutlet, LayoutSent, Outlet
 from ckpt_engine.transport.framing import Channel, Frame, FrameKind
 from ckpt_engine.transport.group import SyncGroup
 from ckpt_engine.transport.messages import AbortMessage, Ack, LayoutMessage, VersionHeader, VersionTrailer, encode
@@ -94,7 +102,8 @@ class _Source(Protocol):
     """Where a version's bucket bytes come from: live tensors, the cache, or the cache's changes (sparse)."""
 
     mode: Mode
-    layout: Layout  # what goes on the wire (after prepare)
+    layout: Layout  # what goes on the wire (after plan)
+    owners: Owners  # who sends each bucket of ``layout``
     version: int
     step: int | None
     aliases: Mapping[str, str]
@@ -104,7 +113,11 @@ class _Source(Protocol):
     base_version: int | None
     needs_slot: bool  # bucket() must be given a send slot to fill (else it returns views of the source)
 
-    def prepare(self, algo: DigestAlgo, device: torch.device) -> None: ...
+    def prepare(self, algo: DigestAlgo, device: torch.device, rank: int) -> list[int]:
+        """Work before the first bucket; returns what this owner tells the others (see ``plan``)."""
+
+    def plan(self, told: list[list[int]] | None) -> None:
+        """Fix ``layout`` and ``owners`` from what every owner told (None: this rank is the only one)."""
 
     def manifest(self, version: int, algo: str, wire_digests: list[int]) -> Manifest: ...
 
@@ -121,7 +134,10 @@ class _Full:
     skipped_bytes = 0
     base_version: int | None = None
 
-    def prepare(self, algo: DigestAlgo, device: torch.device) -> None:
+    def prepare(self, algo: DigestAlgo, device: torch.device, rank: int) -> list[int]:
+        return []
+
+    def plan(self, told: list[list[int]] | None) -> None:
         pass
 
     def manifest(self, version: int, algo: str, wire_digests: list[int]) -> Manifest:
@@ -135,8 +151,10 @@ class _LiveSource(_Full):
     needs_slot = True
 
     def __init__(self, version: int, layout: Layout, tensors: TensorsOrProvider,
-                 aliases: Mapping[str, str], step: int | None, released: threading.Event) -> None:
+                 aliases: Mapping[str, str], step: int | None, released: threading.Event,
+                 owners: Owners | None = None) -> None:
         self.version, self.layout, self.aliases, self.step = version, layout, aliases, step
+        self.owners = owners or single_owner(layout)
         self._provide: BucketTensors | None = provider_of(tensors)
         self._released = released
 
@@ -165,13 +183,15 @@ class _CacheSource(_Full):
         self.needs_slot = not (on_host_wire and cached.is_whole)
         # the cache buffer's shareable segment: colocated receivers read it in place
         self.segment = segment if not self.needs_slot else None
-        self.layout, self.aliases, self.step = cached.layout, cached.aliases, cached.step
+        self.layout, self.owners = cached.version_layout, cached.owners  # type: ignore[assignment]
+        self.aliases, self.step = cached.aliases, cached.step
         self.version = cached.version if as_version is None else as_version
 
     def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:
+        local = self.cached.local_index(index)
         if not self.cached.is_whole:
-            return self.cached.fill(index, _need(slot))
-        return _placed(self.cached.bucket(index), _need(slot) if self.needs_slot else slot)
+            return self.cached.fill(local, _need(slot))
+        return _placed(self.cached.bucket(local), _need(slot) if self.needs_slot else slot)
 
     def all_filled(self) -> None:
         pass
@@ -189,69 +209,88 @@ class _SparseCacheSource:
         known; then only the delta's own tensors are digested."""
         self.cached, self.base, self.parent = cached, base, parent
         self.version, self.aliases, self.step = cached.version, cached.aliases, cached.step
-        self.layout = cached.layout
+        self.layout, self.owners = cached.version_layout, cached.owners  # type: ignore[assignment]
         self.bucket_size, self.alignment = bucket_size, alignment
         self.full: Manifest | None = None
-        self.plan: SparsePlan | None = None
+        self.plan_: SparsePlan | None = None
+        self._algo = ""
         self._on_host_wire = on_host_wire
         self._own_wire = False  # the changes are exactly the delta's own buffer, already in wire layout
 
     @property
     def needs_slot(self) -> bool:
-        in_place = self._own_wire if self.plan is not None else self.cached.is_whole
+        in_place = self._own_wire if self.plan_ is not None else self.cached.is_whole
         return not (self._on_host_wire and in_place)
 
     @property
     def skipped(self) -> int:
-        return self.plan.skipped if self.plan else 0
+        return self.plan_.skipped if self.plan_ else 0
 
     @property
     def skipped_bytes(self) -> int:
-        return self.plan.skipped_bytes if self.plan else 0
+        return self.plan_.skipped_bytes if self.plan_ else 0
 
     @property
     def base_version(self) -> int | None:
-        return self.base.version if self.plan and self.base else None
+        return self.base.version if self.plan_ and self.base else None
 
     @property
     def header_extra(self) -> dict:
-        if self.plan is None or self.full is None:
+        if self.plan_ is None or self.full is None:
             return {}
         return {"base_version": self.base_version, "full_layout_digest": self.full.layout_digest,
-                "full_version_digest": self.full.version_digest, "skipped": self.plan.skipped}
+                "full_version_digest": self.full.version_digest, "skipped": self.plan_.skipped}
 
-    def prepare(self, algo: DigestAlgo, device: torch.device) -> None:
-        """Digest the cached version (only a delta's own tensors when its parent's digests are known), then
-        plan what changed against the base."""
-        cached, parent = self.cached, self.parent
-        if (not cached.is_whole and parent is not None and parent.algo == algo
+    def prepare(self, algo: DigestAlgo, device: torch.device, rank: int) -> list[int]:
+        """Digest what this rank caches of the version (only a delta's own tensors when its parent's digests
+        are known and the version is this rank's alone). With several owners, returns (tensor index in the
+        version, digest) pairs of this rank's share, for every owner to build the same manifest."""
+        cached, parent, self._algo = self.cached, self.parent, algo
+        if (self.owners.ranks == 1 and not cached.is_whole and parent is not None and parent.algo == algo
                 and parent.layout_digest == cached.layout.digest):
             # Per-tensor digests do not depend on the layout, so the delta's own buckets give the changed ones.
             own = cached.own_layout
             changed = dict(zip(cached.changed, layout_digests(own, lambda b: cached.buffer[b.flat_offset:], algo,
                                                               device)))
             self.full = parent.updated(self.version, changed)
-        else:
-            scratch = None if cached.is_whole else torch.empty(cached.layout.max_bucket_bytes, dtype=torch.uint8)
-            read = cached.bucket if cached.is_whole else (lambda b: cached.fill(b, scratch))  # type: ignore[arg-type]
-            digests = layout_digests(cached.layout, lambda b: read(b.index), algo, device)
+            return []
+        scratch = None if cached.is_whole else torch.empty(cached.layout.max_bucket_bytes, dtype=torch.uint8)
+        read = cached.bucket if cached.is_whole else (lambda b: cached.fill(b, scratch))  # type: ignore[arg-type]
+        digests = layout_digests(cached.layout, lambda b: read(b.index), algo, device)
+        if self.owners.ranks == 1:
             self.full = manifest_of(self.version, algo, cached.layout, digests)
-        self.plan = plan_sparse(cached.layout, self.full, self.base, bucket_size=self.bucket_size,
-                                alignment=self.alignment)
-        if self.plan is not None:
-            self.layout = self.plan.layout
-            self._own_wire = not cached.is_whole and self.plan.layout.digest == cached.own_layout.digest
+            return []
+        position = {slot.name: slot.index for slot in self.layout.slots}
+        return [value for slot, digest in zip(cached.layout.slots, digests) for value in (position[slot.name], digest)]
+
+    def plan(self, told: list[list[int]] | None) -> None:
+        """What changed against the base; with several owners, from every owner's share of the digests."""
+        full_layout = self.layout
+        if told is not None:
+            found = {index: digest for pairs in told for index, digest in zip(pairs[::2], pairs[1::2])}
+            if len(found) != full_layout.num_tensors:
+                raise ProtocolError(f"the owners' digests cover {len(found)} of {full_layout.num_tensors} tensors")
+            self.full = manifest_of(self.version, self._algo, full_layout, [found[i] for i in range(len(found))])
+        self.plan_ = plan_sparse(full_layout, self.full, self.base, bucket_size=self.bucket_size,  # type: ignore[arg-type]
+                                 alignment=self.alignment, owners=self.owners)
+        if self.plan_ is not None:
+            self.layout, self.owners = self.plan_.layout, self.plan_.owners
+            self._own_wire = (self.owners.ranks == 1 and not self.cached.is_whole
+                              and self.plan_.layout.digest == self.cached.own_layout.digest)
 
     def manifest(self, version: int, algo: str, wire_digests: list[int]) -> Manifest:
-        if self.plan is None or self.full is None:
+        if self.plan_ is None or self.full is None:
             return manifest_of(version, algo, self.layout, wire_digests)
         return self.full
 
     def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:
         bucket = self.layout.buckets[index]
-        if self.plan is None and not self.cached.is_whole:  # no usable base: the full version
-            return self.cached.fill(index, _need(slot))
-        if self.plan is None or self._own_wire:  # bytes already in wire layout in one cache buffer
+        if self.plan_ is None:  # no usable base: the full version, from this rank's share
+            local = self.cached.local_index(index)
+            if not self.cached.is_whole:
+                return self.cached.fill(local, _need(slot))
+            return _placed(self.cached.bucket(local), slot)
+        if self._own_wire:  # bytes already in wire layout in one cache buffer
             return _placed(self.cached.buffer[bucket.flat_offset : bucket.flat_offset + bucket.nbytes], slot)
         fill_bucket(_need(slot), bucket.slots, self.cached.views(), bucket.nbytes)
         return slot[: bucket.nbytes]  # type: ignore[index]
@@ -282,9 +321,16 @@ class Sender:
                  ipc_peers: Mapping[str, int] | None = None, digest_algo: DigestAlgo | None = None,
                  ack_timeout_s: float | None = None, wire_hook: WireHook | None = None,
                  on_stage: Callable[[int, str], None] | None = None, timeout_s: float = 60.0,
-                 manifests: dict[int, Manifest] | None = None) -> None:
+                 manifests: dict[int, Manifest] | None = None, owners_group: SyncGroup | None = None) -> None:
+        """``owners_group``: the trainer ranks that own shares of this sender's versions (this rank is
+        ``owners_group.rank``; rank 0 leads); None: this rank sends every bucket itself."""
         if group is None and not ipc_peers:
             raise ConfigError("a sender needs a sync group, colocated receivers, or both")
+        if owners_group is not None and ipc_peers:
+            raise ConfigError("versions of several owners go on sync groups only (no colocated receivers)")
+        self.owners_group = owners_group
+        self.rank = owners_group.rank if owners_group is not None else 0
+        self.lead = self.rank == 0
         if ipc_peers and hub is None:
             raise ConfigError("colocated receivers need an IPC hub")
         self.group = group
@@ -301,6 +347,7 @@ class Sender:
         self.wire_hook = wire_hook
         self.on_stage = on_stage  # called with (version, "transferring" | "verifying") from the send thread
         self._slots: list[torch.Tensor] = []
+        self._layout_sent = LayoutSent()  # what this group's receivers hold
         self._stream: Any | None = None  # the send thread's own device stream (made on first use)
         self._busy = threading.Lock()
         # Per-tensor digests of recently sent versions: the bases of sparse versions (shared across senders).
@@ -330,19 +377,27 @@ class Sender:
         return self._start(source, transfer, hold)
 
     def send_live(self, version: int, layout: Layout, tensors: TensorsOrProvider, *,
-                  aliases: Mapping[str, str] | None = None, step: int | None = None, check: bool = True) -> Transfer:
-        """Send live tensors without a host copy; read them until ``params_released`` is set.
+                  aliases: Mapping[str, str] | None = None, step: int | None = None, check: bool = True,
+                  owners: Owners | None = None) -> Transfer:
+        """Send live tensors without a host copy; read them until ``params_released`` is set. With ``owners``,
+        only this rank's buckets are read (``tensors`` is asked for those alone, in order).
         ``check=False`` skips re-checking tensors against the layout (for callers that planned it from them)."""
         if check and not callable(tensors):
             check_matches_layout(layout, tensors)
         transfer = Transfer(version, "bypass_cpu")
-        source = _LiveSource(version, layout, tensors, aliases or {}, step, transfer.params_released)
+        source = _LiveSource(version, layout, tensors, aliases or {}, step, transfer.params_released, owners)
         return self._start(source, transfer, contextlib.ExitStack())
 
     def abort_before_start(self, version: int, reason: str) -> None:
         """Tell receivers waiting for ``version`` that it will not come (e.g. the snapshot failed), so they
-        stop waiting now instead of at their timeout. Only valid while no version is on the wire."""
+        stop waiting now instead of at their timeout. Only valid while no version is on the wire. With several
+        owners every owner must call it or send the version: they vote first, and the lead aborts for all."""
         with self._busy:
+            if self.owners_group is not None:  # the two votes every owner takes part in, per version
+                self._vote(version, False, [], "ready")
+                self._vote_failed(version, reason)
+            if not self.lead:
+                return
             raw = encode(AbortMessage(version=version, reason=reason))
             for outlet in self._outlets():
                 outlet.abort(version, 0, raw)
@@ -385,7 +440,7 @@ class Sender:
     def _outlets(self, source: _Source | None = None) -> list[Outlet]:
         outlets: list[Outlet] = []
         if self.channel is not None:
-            outlets.append(CollectiveOutlet(self.channel))
+            outlets.append(CollectiveOutlet(self.channel, self._layout_sent))
         if self.ipc_peers and self.hub is not None:
             peers, missing = self.hub.peers(self.ipc_peers, self.timeout_s)
             in_place = source.segment if isinstance(source, _CacheSource) else None
@@ -396,31 +451,41 @@ class Sender:
         timer = _Timer()
         result = TransferResult(source.version, source.mode, False, None, None, [], 0, 0, 0)
         outlets: list[Outlet] = []
+        voted = [False]  # this rank's vote after sending is in (with several owners there is one per version)
         try:
             with timer.stage("digest"):
-                source.prepare(self.digest_algo, self.device.comm_device)
-            layout = source.layout
+                told = self._ready(source)
+                source.plan(told)
+            layout, owners = source.layout, source.owners
+            mine = owners.buckets_of(self.rank)
             result.buckets, result.tensors = len(layout.buckets), layout.num_tensors
             result.tensors_skipped, result.base_version = source.skipped, source.base_version
             result.bytes_skipped = source.skipped_bytes
             slots = self._ensure_slots(layout, source)
             outlets = self._outlets(source)
-            with timer.stage("header"):
-                full, slim = self._headers(source)
-                for outlet in outlets:
-                    outlet.begin(source.version, layout.digest, full, slim)
+            if self.lead:
+                with timer.stage("header"):
+                    full, slim = self._headers(source)
+                    for outlet in outlets:
+                        outlet.begin(source.version, layout.digest, full, slim)
             self._stage(source.version, "transferring")
-            digests = self._send_buckets(source, outlets, slots, timer, result)
+            digests = self._send_buckets(source, outlets, slots, timer, result, mine)
+            digests = self._gather_digests(source, digests, timer, voted)
+            if self.owners_group is not None:  # every owner sent its buckets: the version's bytes went out
+                result.bytes_sent = layout.total_bytes
             self._stage(source.version, "verifying")
-            wire_digest = version_digest(self.digest_algo, layout.digest, digests)
-            trailer = encode(VersionTrailer(version=source.version, version_digest=wire_digest))
-            with timer.stage("control"):
-                for outlet in outlets:
-                    outlet.end(source.version, trailer)
             manifest = source.manifest(source.version, self.digest_algo, digests)
             result.version_digest = manifest.version_digest  # of the whole model, also for sparse versions
-            with timer.stage("ack"):
-                self._collect_acks(source.version, manifest.version_digest, outlets, result)
+            if self.lead:
+                wire_digest = version_digest(self.digest_algo, layout.digest, digests)
+                trailer = encode(VersionTrailer(version=source.version, version_digest=wire_digest))
+                with timer.stage("control"):
+                    for outlet in outlets:
+                        outlet.end(source.version, trailer)
+                with timer.stage("ack"):
+                    self._collect_acks(source.version, manifest.version_digest, outlets, result)
+            else:
+                result.ok = True  # this owner's part; what the receivers made of it is the lead's to report
             self._remember(manifest)
         except CkptEngineError as exc:  # includes _Aborted: receivers were told
             result.reason = str(exc)
@@ -428,6 +493,10 @@ class Sender:
             log.exception("version %d: unexpected error while sending", source.version)
             result.reason = f"internal error: {type(exc).__name__}: {exc}"
         finally:
+            if not result.ok:  # a receiver may have dropped the version's header: the next one sends the layout
+                self._layout_sent.digest = None
+            if not voted[0] and self.owners_group is not None:  # the other owners wait for this rank's vote
+                self._vote_failed(source.version, result.reason or "failed")
             source.all_filled()
             for outlet in outlets:
                 outlet.release()
@@ -437,6 +506,77 @@ class Sender:
                  "committed" if result.ok else f"failed ({result.reason})", result.seconds["total"],
                  result.bytes_sent, result.buckets)
         return result
+
+    # ---- several owners ------------------------------------------------------------------------------
+    def _ready(self, source: _Source) -> list[list[int]] | None:
+        """Prepare, and with several owners vote that every one is ready (and share what ``plan`` needs);
+        when one is not, the lead aborts the version for the receivers before any bucket went out."""
+        if self.owners_group is None:
+            source.prepare(self.digest_algo, self.device.comm_device, self.rank)
+            return None
+        try:
+            told = source.prepare(self.digest_algo, self.device.comm_device, self.rank)
+        except Exception as exc:
+            self._vote(source.version, False, [], "ready")
+            raise _NotReady(f"owner rank {self.rank} could not prepare version {source.version}: "
+                            f"{type(exc).__name__}: {exc}") from exc
+        votes = self._vote(source.version, True, told, "ready")
+        failed = [rank for rank, (ok, _) in enumerate(votes) if not ok]
+        if failed:
+            reason = f"owner rank(s) {failed} could not prepare version {source.version}"
+            if self.lead:
+                raw = encode(AbortMessage(version=source.version, reason=reason))
+                for outlet in self._outlets(source):
+                    outlet.abort(source.version, 0, raw)
+            raise _NotReady(reason)
+        return [values for _, values in votes]
+
+    def _gather_digests(self, source: _Source, mine: list[int], timer: _Timer, voted: list[bool]) -> list[int]:
+        """Every bucket's digests in the version's order: this rank's own, or with several owners everyone's
+        (after they all sent their buckets). When an owner failed, the lead aborts the version."""
+        if self.owners_group is None:
+            return mine
+        with timer.stage("control"):
+            votes = self._vote(source.version, True, mine, "sent")
+        voted[0] = True
+        failed = [rank for rank, (ok, _) in enumerate(votes) if not ok]
+        if failed:
+            reason = f"owner rank(s) {failed} could not send their buckets of version {source.version}"
+            if self.lead:
+                raw = encode(AbortMessage(version=source.version, reason=reason))
+                for outlet in self._outlets(source):
+                    outlet.abort(source.version, 0, raw)
+            raise _Aborted(reason)
+        layout, owners = source.layout, source.owners
+        cursors = [0] * owners.ranks
+        digests: list[int] = []
+        for bucket in layout.buckets:
+            owner = owners.of[bucket.index]
+            values = votes[owner][1]
+            digests.extend(values[cursors[owner] : cursors[owner] + len(bucket.slots)])
+            cursors[owner] += len(bucket.slots)
+        return digests
+
+    def _vote(self, version: int, ok: bool, values: list[int], what: str) -> list[tuple[bool, list[int]]]:
+        """One exchange among the owners: each says whether it is fine, with its values."""
+        group = self.owners_group
+        if group is None:
+            return [(ok, values)]
+        told = group.exchange_ints([version, int(ok), *values], f"version {version}: owners {what}")
+        out = []
+        for rank, entry in enumerate(told):
+            if len(entry) < 2 or entry[0] != version:
+                raise ProtocolError(f"owner rank {rank} voted on version {entry[0] if entry else '?'}, not {version}")
+            out.append((bool(entry[1]), entry[2:]))
+        return out
+
+    def _vote_failed(self, version: int, reason: str) -> None:
+        """This rank failed between the votes: say so in the vote the others wait in (best effort)."""
+        try:
+            self._vote(version, False, [], "sent")
+        except CkptEngineError as exc:
+            log.warning("version %d: could not tell the other owners that this one failed (%s): %s", version,
+                        reason, exc)
 
     def _stage(self, version: int, stage: str) -> None:
         if self.on_stage is not None:
@@ -448,10 +588,11 @@ class Sender:
     def _headers(self, source: _Source) -> tuple[Callable[[], bytes], bytes]:
         """The version header without the layout (for receivers that hold it), and a function that builds
         the one with the layout only if some receiver needs it (at 20k tensors that costs ~70 ms)."""
-        layout = source.layout
+        layout, owners = source.layout, source.owners
+        several = {"owner_ranks": owners.ranks, "owners": list(owners.of)} if owners.ranks > 1 else {}
         fields = dict(version=source.version, mode=source.mode, digest_algo=self.digest_algo,
                       layout_digest=layout.digest, step=source.step, aliases=dict(source.aliases),
-                      created_at=time.time(), **source.header_extra)
+                      created_at=time.time(), **source.header_extra, **several)
         built: list[bytes] = []
 
         def full() -> bytes:
@@ -462,12 +603,15 @@ class Sender:
         return full, encode(VersionHeader(**fields))
 
     def _send_buckets(self, source: _Source, outlets: list[Outlet], slots: list[torch.Tensor], timer: _Timer,
-                      result: TransferResult) -> list[int]:
+                      result: TransferResult, mine: tuple[int, ...]) -> list[int]:
+        """Send the buckets ``mine`` (indices in the version's layout, in order); their digests, in order."""
         layout = source.layout
         digests: list[int] = []
-        for bucket in layout.buckets:
-            k = bucket.index
-            slot_index = k % 2
+        if not mine:  # this owner has no bucket of the version: its source is not read at all
+            source.all_filled()
+        for position, k in enumerate(mine):
+            bucket = layout.buckets[k]
+            slot_index = position % 2
             with timer.stage("broadcast"):
                 for outlet in outlets:
                     outlet.reclaim(slot_index, k)
@@ -480,7 +624,7 @@ class Sender:
                     buf = self.wire_hook(k, buf)
             except Exception as exc:  # anything that stops us preparing a bucket aborts the version for all
                 self._abort(source.version, outlets, len(bucket.slots), f"bucket {k} could not be prepared: {exc}")
-            if k == len(layout.buckets) - 1:
+            if position == len(mine) - 1:
                 source.all_filled()
             with timer.stage("control"):
                 for outlet in outlets:
@@ -533,6 +677,10 @@ class Sender:
 
 class _Aborted(CkptEngineError):
     pass
+
+
+class _NotReady(CkptEngineError):
+    """An owner could not prepare the version: nothing of it went out (the lead told the receivers)."""
 
 
 class _Timer:

@@ -62,6 +62,11 @@ def store_prefix(name: str, generation: int) -> str:
     return f"ckpt-engine/{name}/gen-{generation}/"
 
 
+def owner_part(owner: int) -> str:
+    """The store part of owner ``owner``'s sync group within a generation (owner 0's is the generation's)."""
+    return "" if owner == 0 else f"owner-{owner}/"
+
+
 class SyncGroup:
     """One generation of a sync group. Rank 0 is the sender by convention; the others receive."""
 
@@ -78,9 +83,11 @@ class SyncGroup:
         bind_host: str | None = None,
         connect_timeout_s: float | None = None,
         prefix: str | None = None,
+        part: str = "",
     ) -> None:
-        """``prefix`` replaces the default store prefix ``ckpt-engine/<name>/gen-<generation>/``; for groups
-        whose other members follow another project's convention (an inference engine's update group)."""
+        """``part``: one of several groups of a generation (``owner-2/``, ``owners/``), under the generation's
+        prefix. ``prefix`` replaces the default store prefix ``ckpt-engine/<name>/gen-<generation>/``; for
+        groups whose other members follow another project's convention (an inference engine's update group)."""
         if world_size < 2:
             raise ConfigError(f"a sync group needs a sender and at least one receiver, got world_size={world_size}")
         if not 0 <= rank < world_size:
@@ -95,7 +102,8 @@ class SyncGroup:
         self.timeout_s = timeout_s
         self.broken: str | None = None
         connect_s = timeout_s if connect_timeout_s is None else connect_timeout_s
-        prefixed = dist.PrefixStore(prefix if prefix is not None else store_prefix(name, generation), store)
+        self.part = part
+        prefixed = dist.PrefixStore(prefix if prefix is not None else store_prefix(name, generation) + part, store)
         prefixed.set_timeout(_td(connect_s))
         started = time.monotonic()
         try:
@@ -146,6 +154,17 @@ class SyncGroup:
             raise self._fail(f"{what} could not start: {exc}") from exc
         self.wait(work, what, timeout_s)
         return outputs
+
+    def exchange_ints(self, values: list[int], what: str, timeout_s: float | None = None) -> list[list[int]]:
+        """Every rank contributes a list of int64 values (of any length); returns every rank's, in rank order."""
+        device = self.device.comm_device
+        counts = self.allgather(torch.tensor([len(values)], dtype=torch.int64, device=device), f"{what} (sizes)",
+                                timeout_s)
+        sizes = [int(c.item()) for c in counts]
+        padded = torch.zeros(max(max(sizes), 1), dtype=torch.int64)
+        padded[: len(values)] = torch.tensor(values, dtype=torch.int64)
+        gathered = self.allgather(padded.to(device), what, timeout_s)
+        return [g[:size].cpu().tolist() for g, size in zip(gathered, sizes)]
 
     def close(self) -> None:
         """Release the backend's resources; the group cannot be used afterwards."""

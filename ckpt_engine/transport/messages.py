@@ -33,6 +33,7 @@ class LayoutMessage(_Message):
     dtypes: list[str]
     shapes: list[list[int]]
     digest: str
+    groups: list[int] | None = None  # planned by owner groups (a sparse version of several owners)
 
     @classmethod
     def of(cls, layout: Layout) -> LayoutMessage:
@@ -44,14 +45,17 @@ class LayoutMessage(_Message):
             dtypes=[s.dtype for s in slots],
             shapes=[list(s.shape) for s in slots],
             digest=layout.digest,
+            groups=list(layout.groups) if layout.groups is not None else None,
         )
 
     def to_layout(self) -> Layout:
         """Re-plan locally and check the result against the sender's digest."""
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
             raise ProtocolError("layout columns names/dtypes/shapes differ in length")
+        if self.groups is not None and len(self.groups) != len(self.names):
+            raise ProtocolError("layout groups and names differ in length")
         specs = [TensorSpec(n, d, tuple(s)) for n, d, s in zip(self.names, self.dtypes, self.shapes)]
-        layout = plan_layout(specs, self.bucket_size, self.alignment)
+        layout = plan_layout(specs, self.bucket_size, self.alignment, self.groups)
         check_same_layout(layout, self.digest, peer="sender")
         return layout
 
@@ -75,6 +79,10 @@ class VersionHeader(_Message):
     full_layout_digest: str | None = None
     full_version_digest: str | None = None
     skipped: int = 0
+    # Versions of several trainer ranks: the rank that sends each bucket (on its own sync group); None: rank 0
+    # sends everything
+    owner_ranks: int = 1
+    owners: list[int] | None = None
 
 
 class VersionTrailer(_Message):

@@ -21,13 +21,10 @@ from pathlib import Path
 
 import httpx
 import torch
-from ckpt_engine.server.launch import DaemonProcess, free_port
+from ckpt_engine.server.launch import DaemonProcess, free_port, write_config
 from ckpt_engine.server.launch import start_daemon as launch_daemon
 
 from ckpt_engine.control.messages import TERMINAL
-
-ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = ROOT / "deploy" / "engine.yaml"
 
 
 @dataclass(frozen=True)
@@ -126,21 +123,19 @@ def rollout(index: int, zmq: str, size: ModelSize, stop: mp.Event, report: mp.Qu
     report.put((index, adapter.version, digest))
 
 
-def start_daemon(config: Path, workdir: Path, bypass: bool) -> DaemonProcess:
-    """The daemon from ``config`` as given (deploy/engine.yaml), on free ports with its files in ``workdir``."""
-    env = {"CKPT_ENGINE_HTTP__PORT": str(free_port()), "CKPT_ENGINE_ZMQ__ENDPOINT": f"tcp://127.0.0.1:{free_port()}",
-           "CKPT_ENGINE_STORE__HISTORY_PATH": str(workdir / "history.sqlite3"),
-           "CKPT_ENGINE_STORE__RENDEZVOUS_PORT": "0", "CKPT_ENGINE_BUCKET_SIZE_MB": "4",
-           "CKPT_ENGINE_AUTH__CREDENTIALS_FILE": str(workdir / "credentials.json")}
-    if bypass:
-        env["CKPT_ENGINE_BYPASS_CPU"] = "true"
-    # the demo's agents (started from here) and its HTTP calls find the role tokens in that file
-    return launch_daemon(config, env=env, timeout_s=60, log_path=workdir / "daemon.log")
+def start_daemon(config: Path | None, workdir: Path, bypass: bool) -> DaemonProcess:
+    """The daemon from ``config`` as given (None: the built-in defaults deploy/engine.yaml lists), on free
+    ports with its files in ``workdir``."""
+    overrides: dict = {"bucket_size_mb": 4, **({"bypass_cpu": True} if bypass else {})}
+    # the demo's agents (started from here) and its HTTP calls find the role tokens in its credentials file
+    return launch_daemon(write_config(workdir, config, test_timeouts=False, **overrides), timeout_s=60,
+                         log_path=workdir / "daemon.log")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ckpt-engine demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG))
+    parser.add_argument("--config", default=None, help="engine YAML (default: the built-in defaults, as in "
+                                                       "deploy/engine.yaml)")
     parser.add_argument("--bypass-cpu", action="store_true", help="sync with bypass_cpu instead of the YAML's mode")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--sync-every", type=int, default=5)
@@ -150,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     size = ModelSize(args.hidden, args.layers, args.vocab)
     with tempfile.TemporaryDirectory(prefix="ckpt-engine-demo-") as tmp:
-        daemon = start_daemon(Path(args.config), Path(tmp), args.bypass_cpu)
+        daemon = start_daemon(Path(args.config) if args.config else None, Path(tmp), args.bypass_cpu)
         url, zmq = daemon.url, daemon.zmq
-        print(f"[demo] daemon up: {url} (zmq {zmq}), config {args.config}"
+        print(f"[demo] daemon up: {url} (zmq {zmq}), config {args.config or 'built-in defaults'}"
               f"{' + bypass_cpu' if args.bypass_cpu else ''}", flush=True)
         try:
             return _run(args, size, url, zmq)

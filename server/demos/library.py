@@ -13,7 +13,6 @@ import multiprocessing as mp
 import queue
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -29,7 +28,6 @@ from ckpt_engine.transport.group import SyncGroup, open_store
 
 HOST = "127.0.0.1"
 RECEIVERS = 2
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "engine.yaml"
 
 
 class TinyLM(nn.Module):
@@ -124,7 +122,8 @@ def _row(transfer, step: int, held: float, started: float, loss: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ckpt-engine demo-library", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="engine YAML (default: deploy/engine.yaml)")
+    parser.add_argument("--config", default=None, help="engine YAML (default: the built-in defaults, as in "
+                                                       "deploy/engine.yaml)")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--sync-every", type=int, default=4)
     parser.add_argument("--mode", choices=["config", "both"], default="both",
@@ -132,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="[trainer] %(message)s")
     # The demo model is ~2 MiB: small buckets so a version spans several, on the CPU path every machine has.
-    config = load_config(args.config).model_copy(update={"bucket_size_mb": 1.0, "device": "cpu", "backend": "gloo"})
+    config = (load_config(args.config) if args.config else EngineConfig()).model_copy(update={"bucket_size_mb": 1.0, "device": "cpu", "backend": "gloo"})
     store = open_store(HOST, 0, is_master=True, timeout_s=config.timeouts.connect_s)
     ctx = mp.get_context("spawn")
     report = ctx.Queue()

@@ -1,0 +1,117 @@
+"""A cost model on paper: the sync time of MoonshotAI checkpoint-engine's README rows, projected for
+ckpt-engine in cached and bypass_cpu mode from per-byte and per-tensor costs and link bandwidths.
+
+    python -m ckpt_engine.bench.cost_model [--per-tensor-us X] [--digest-gbps Y]
+
+Nothing here measures anything; every input is named in ``ASSUMPTIONS`` or given on the command line (the
+per-tensor cost comes from ``ckpt-engine bench``, side-by-side section, *Per-tensor cost*). The wire rate of each
+row is calibrated from MoonshotAI's own measured broadcast time (the same torch.distributed NCCL broadcast we
+use), so the projection isolates what ckpt-engine adds or removes on the same wire: the digests, the per-tensor
+work, the host→device copy, and whether a whole version fits where a receiver stages it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    devices: str
+    ranks: int  # GPUs that own a share of the weights (MoonshotAI: every GPU of the group)
+    bytes: float  # one version on the wire
+    tensors: int
+    measured_s: float  # MoonshotAI README, "Update Broadcast" (bucket size in their table)
+    pcie_gbps: float  # host→device per GPU
+    hbm_gbps: float
+    device_gib: float  # memory of one GPU
+
+
+# Sizes: parameters × bytes per parameter; tensor counts from the models' configs (experts × 3 projections ×
+# MoE layers + the rest; FP8 checkpoints add one scale tensor per quantized weight).
+ROWS = (
+    Row("Qwen3-235B-A22B BF16", "8×H800 TP8", 8, 235e9 * 2, 94 * (128 * 3 + 10) + 3, 6.22, 45, 3350, 80),
+    Row("Kimi-K2 FP8", "256×H20 TP16", 256, 1.03e12, 2 * 60 * 384 * 3 + 61 * 12 + 3, 16.04, 45, 4000, 96),
+)
+
+ASSUMPTIONS = {
+    "pcie_gbps": "45 GB/s pinned host→device per GPU (PCIe Gen5 x16; MoonshotAI's blog: 40–50 GiB/s single-rank H2D)",
+    "wire": "the wire rate is MoonshotAI's: bytes ÷ (their measured broadcast time − their parallel H2D time)",
+    "digest_gbps": "the device digest (torch-mix64: ~10 elementwise int64 passes) at HBM ÷ 12 per GPU; NOT MEASURED "
+                   "(no GPU has run scripts/gpu-check.sh): this is the term most likely to be wrong",
+    "per_tensor": "host work per tensor (views, names, digest bookkeeping), sender and receiver together, as measured "
+                  "on this CPU machine; a GPU host is assumed no slower",
+    "overlap": "cached: owners copy their buckets host→device in parallel (as MoonshotAI does), not overlapped with the "
+               "wire; receivers verify bucket k while bucket k+1 is on the wire, so only the last bucket's verify "
+               "adds (upper bound: every verify adds)",
+}
+
+
+@dataclass(frozen=True)
+class Projection:
+    row: Row
+    wire_gbps: float
+    h2d_s: float
+    wire_s: float
+    verify_s: float  # every receiver hashes every byte it receives
+    verify_tail_s: float
+    per_tensor_s: float
+    owner_digest_s: float  # bypass_cpu: an owner hashes its share on the device before it is sent
+    cached_s: float
+    cached_upper_s: float
+    bypass_s: float
+    bypass_upper_s: float
+    fits_device: bool  # a receiver stages a whole version on its device before it applies it
+
+
+def project(row: Row, per_tensor_us: float, digest_gbps: float | None = None, bucket_bytes: float = 2 << 30) -> Projection:
+    digest = (digest_gbps or row.hbm_gbps / 12) * GB
+    h2d = row.bytes / row.ranks / (row.pcie_gbps * GB)
+    wire_gbps = row.bytes / (row.measured_s - h2d) / GB
+    wire = row.bytes / (wire_gbps * GB)
+    verify = row.bytes / digest
+    tail = min(bucket_bytes, row.bytes) / digest
+    per_tensor = row.tensors * per_tensor_us * 1e-6
+    owner_digest = row.bytes / row.ranks / digest
+    return Projection(row, wire_gbps, h2d, wire, verify, tail, per_tensor, owner_digest,
+                      cached_s=h2d + wire + tail + per_tensor, cached_upper_s=h2d + wire + verify + per_tensor,
+                      bypass_s=owner_digest + wire + tail + per_tensor,
+                      bypass_upper_s=owner_digest + wire + verify + per_tensor,
+                      fits_device=row.bytes <= row.device_gib * (1 << 30) * 0.5)
+
+
+def render(per_tensor_us: float, digest_gbps: float | None = None) -> list[str]:
+    lines = ["| Model, devices | bytes, tensors | MoonshotAI measured | wire GB/s (calibrated) | H2D (cached) "
+             "| owner digest (bypass) | receiver verify: last bucket / all | per-tensor | **ckpt-engine cached** "
+             "| **ckpt-engine bypass_cpu** | whole version fits half a GPU? |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for row in ROWS:
+        p = project(row, per_tensor_us, digest_gbps)
+        lines.append(
+            f"| {row.model}, {row.devices} | {row.bytes / GB:,.0f} GB, {row.tensors:,} | {row.measured_s:.2f} s "
+            f"| {p.wire_gbps:.0f} | {p.h2d_s:.2f} s | {p.owner_digest_s:.2f} s | {p.verify_tail_s:.2f} / "
+            f"{p.verify_s:.2f} s | {p.per_tensor_s:.2f} s | **{p.cached_s:.2f} s** (≤ {p.cached_upper_s:.2f}) "
+            f"| **{p.bypass_s:.2f} s** (≤ {p.bypass_upper_s:.2f}) | {'yes' if p.fits_device else 'no'} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ckpt_engine.bench.cost_model", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--per-tensor-us", type=float, required=True,
+                        help="host µs per tensor, sender + receiver (ckpt-engine bench: per-tensor cost)")
+    parser.add_argument("--digest-gbps", type=float, default=None,
+                        help="device digest GB/s per GPU (default: HBM ÷ 12, unmeasured)")
+    args = parser.parse_args(argv)
+    print("\n".join(render(args.per_tensor_us, args.digest_gbps)))
+    print()
+    for key, text in ASSUMPTIONS.items():
+        print(f"- {key}: {text}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""Who owns which bucket of a version: a pure plan, the same on every trainer rank and every receiver.
+
+With several trainer ranks, each bucket of a version has one owner. The owner alone keeps it in its host cache
+and puts it on the wire (on a sync group of its own with the receivers); the other ranks only take part in
+gathering it. So per-rank host memory is about the model's bytes divided by the ranks, and the copies,
+digests and sends of a version run on every rank at once.
+
+Owners are given in bucket order to the rank that owns the fewest bytes so far (the lowest rank on a tie):
+deterministic, balanced within one bucket's bytes, and interleaved, so that consecutive buckets come from
+different ranks and their transfers overlap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from ckpt_engine.errors import LayoutError, LayoutMismatchError
+from ckpt_engine.plan.layout import Bucket, Layout, TensorSlot, layout_digest
+
+MAX_OWNERS = 1 << 16
+
+
+@dataclass(frozen=True)
+class Owners:
+    """The owner of every bucket of one layout."""
+
+    ranks: int
+    of: tuple[int, ...]  # per bucket, in layout order
+
+    @property
+    def digest(self) -> str:
+        hasher = xxhash.xxh3_64()
+        hasher.update(f"ckpt-owners-v1|{self.ranks}|{','.join(map(str, self.of))}".encode())
+        return hasher.hexdigest()
+
+    def buckets_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(index for index, owner in enumerate(self.of) if owner == rank)
+
+    def bytes_of(self, layout: Layout, rank: int) -> int:
+        return sum(layout.buckets[index].nbytes for index in self.buckets_of(rank))
+
+    def check(self, layout: Layout) -> None:
+        """Raise if these owners cannot belong to ``layout`` (e.g. from a peer's message)."""
+        if not 1 <= self.ranks <= MAX_OWNERS:
+            raise LayoutError(f"owner count {self.ranks} out of range 1..{MAX_OWNERS}")
+        if len(self.of) != len(layout.buckets):
+            raise LayoutMismatchError(f"{len(self.of)} bucket owners for {len(layout.buckets)} buckets")
+        bad = [owner for owner in self.of if not 0 <= owner < self.ranks]
+        if bad:
+            raise LayoutError(f"bucket owner {bad[0]} is not one of {self.ranks} ranks")
+
+
+def single_owner(layout: Layout) -> Owners:
+    """Rank 0 owns everything (a trainer of one rank, or a version sent by one rank)."""
+    return Owners(1, (0,) * len(layout.buckets))
+
+
+def plan_owners(layout: Layout, ranks: int) -> Owners:
+    if not 1 <= ranks <= MAX_OWNERS:
+        raise LayoutError(f"owner count must be within 1..{MAX_OWNERS}, got {ranks}")
+    if ranks == 1:
+        return single_owner(layout)
+    held = [0] * ranks
+    of = []
+    for bucket in layout.buckets:
+        owner = min(range(ranks), key=lambda rank: (held[rank], rank))
+        held[owner] += max(bucket.nbytes, 1)  # empty buckets still take turns
+        of.append(owner)
+    return Owners(ranks, tuple(of))
+
+
+def owners_by_group(layout: Layout, ranks: int) -> Owners:
+    """The owners of a layout planned with ``groups`` (every bucket holds tensors of one group: its owner)."""
+    groups = layout.groups
+    if groups is None:
+        raise LayoutError("this layout was not planned by owner groups")
+    return Owners(ranks, tuple(groups[bucket.slots[0].index] if bucket.slots else 0 for bucket in layout.buckets))
+
+
+@dataclass(frozen=True)
+class Share:
+    """The buckets one rank owns, as a layout of their own (indices 0..m-1, offsets of a buffer holding only
+    them) and where each sits in the version's layout (``wire[i]``: the version's index of local bucket i)."""
+
+    rank: int
+    layout: Layout
+    wire: tuple[int, ...]
+
+    def local_index(self, wire_index: int) -> int:
+        return self.wire.index(wire_index)
+
+
+def share_of(layout: Layout, owners: Owners, rank: int) -> Share:
+    """Rank ``rank``'s share of ``layout``. With one owner, rank 0's share is the layout itself."""
+    owners.check(layout)
+    if owners.ranks == 1 and rank == 0:
+        return Share(0, layout, tuple(range(len(layout.buckets))))
+    mine = owners.buckets_of(rank)
+    buckets: list[Bucket] = []
+    flat = 0
+    index = 0
+    for local, wire in enumerate(mine):
+        source = layout.buckets[wire]
+        slots = []
+        for slot in source.slots:
+            slots.append(TensorSlot(index, slot.name, slot.dtype, slot.shape, local, slot.offset, slot.nbytes))
+            index += 1
+        buckets.append(Bucket(local, source.nbytes, flat, tuple(slots)))
+        flat += source.nbytes
+    specs = [slot.spec for bucket in buckets for slot in bucket.slots]
+    digest = layout_digest(specs, layout.bucket_size, layout.alignment, salt=f"share|{layout.digest}|{rank}")
+    return Share(rank, Layout(layout.bucket_size, layout.alignment, tuple(buckets), digest), mine)
+
+
+def tensor_owners(layout: Layout, owners: Owners) -> Sequence[int]:
+    """The owner of every tensor of ``layout`` (that of its bucket), in layout order."""
+    return [owners.of[slot.bucket] for slot in layout.slots]

@@ -1,0 +1,329 @@
+"""Owner-sharded versions (issue 17): every trainer rank owns, caches and sends a share of each version.
+
+The pure plan (owners, shares, layouts planned by owner), then real jobs: FSDP2 trainers of 1, 2 and 4 ranks
+on gloo with a real daemon and 2 transformers receivers; the receivers get byte-identical weights in both
+modes, the version digest does not depend on the rank count, and each rank's cache holds only its share;
+rollback with several owners; an owner killed after a version was cached (its re-push refused, a new job's
+versions work); and tensors that are views (strided, offset, transposed, expanded) sent byte-exact.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ckpt_engine.errors import LayoutError, LayoutMismatchError
+from ckpt_engine.plan.layout import TensorSpec, plan_layout
+from ckpt_engine.plan.owners import Owners, owners_by_group, plan_owners, share_of
+from ckpt_engine.plan.sparse import manifest_of, plan_sparse
+from tests.daemon_harness import ROOT, free_port, start_daemon, write_config
+from tests.procs import start_processes
+from tests.test_elastic import agents_of, wait_until
+from tests.test_fsdp_sync import transformers_receiver
+from tests.tiny_lm import tensor_bytes, tiny_llama
+
+pytestmark = pytest.mark.multiproc
+
+
+# ---- the plan ----------------------------------------------------------------------------------------------
+def _layout(sizes: list[int], bucket_size: int = 1024):
+    return plan_layout([TensorSpec(f"t{i}", "uint8", (n,)) for i, n in enumerate(sizes)], bucket_size, 8)
+
+
+def test_owners_are_balanced_by_bytes_interleaved_and_the_same_everywhere() -> None:
+    layout = _layout([1000, 200, 200, 1000, 1000, 16, 1000, 500, 500])
+    owners = plan_owners(layout, 3)
+    assert owners == plan_owners(layout, 3) and owners.digest == plan_owners(layout, 3).digest
+    held = [owners.bytes_of(layout, r) for r in range(3)]
+    assert max(held) - min(held) <= layout.max_bucket_bytes  # within one bucket of each other
+    assert owners.of[:3] == (0, 1, 2)  # consecutive buckets from different ranks: their sends overlap
+    assert plan_owners(layout, 1).of == (0,) * len(layout.buckets)
+    assert plan_owners(_layout([10]), 4).of == (0,)  # fewer buckets than ranks: some own nothing
+
+
+def test_a_share_is_a_layout_of_its_own_and_knows_where_its_buckets_go() -> None:
+    layout = _layout([600, 600, 600, 600, 600])
+    owners = plan_owners(layout, 2)
+    shares = [share_of(layout, owners, r) for r in range(2)]
+    assert sorted(w for share in shares for w in share.wire) == list(range(len(layout.buckets)))
+    for share in shares:
+        assert [b.flat_offset for b in share.layout.buckets] == [sum(b.nbytes for b in share.layout.buckets[:i])
+                                                                 for i in range(len(share.layout.buckets))]
+        for local, wire in enumerate(share.wire):
+            assert [s.name for s in share.layout.buckets[local].slots] == [s.name for s in layout.buckets[wire].slots]
+        assert share.layout.digest != layout.digest
+    assert share_of(layout, plan_owners(layout, 1), 0).layout is layout
+
+
+def test_owners_that_do_not_fit_a_layout_are_refused() -> None:
+    layout = _layout([600, 600])
+    with pytest.raises(LayoutMismatchError):
+        Owners(2, (0,)).check(layout)
+    with pytest.raises(LayoutError):
+        Owners(2, (0, 2)).check(layout)
+    with pytest.raises(LayoutError):
+        plan_owners(layout, 0)
+
+
+def test_a_sparse_plan_of_several_owners_never_mixes_owners_in_a_bucket() -> None:
+    layout = _layout([100] * 12, bucket_size=400)
+    owners = plan_owners(layout, 3)
+    names = tuple(s.name for s in layout.slots)
+    base = manifest_of(1, "xxh3-64", layout, list(range(12)))
+    new = manifest_of(2, "xxh3-64", layout, [d + (1 if i % 2 else 0) for i, d in enumerate(range(12))])
+    plan = plan_sparse(layout, new, base, bucket_size=400, alignment=8, owners=owners)
+    assert plan is not None and plan.changed == names[1::2] and plan.skipped == 6
+    owner_of = {slot.name: owners.of[slot.bucket] for slot in layout.slots}
+    for bucket, owner in zip(plan.layout.buckets, plan.owners.of):
+        assert {owner_of[s.name] for s in bucket.slots} == {owner}
+    assert owners_by_group(plan.layout, 3) == plan.owners
+    # receivers re-plan it from the message (groups travel with the layout) and get the same digest
+    from ckpt_engine.transport.messages import LayoutMessage
+
+    assert LayoutMessage.of(plan.layout).to_layout().digest == plan.layout.digest
+
+
+# ---- real jobs ---------------------------------------------------------------------------------------------
+def owner_trainer(rank: int, world: int, port: int, zmq: str, workdir: str, actions: dict[int, str]) -> dict:
+    """A trainer rank (FSDP2 when ``world`` > 1) running until ``workdir/stop``: at step s it does
+    ``actions[s]``: "push" (cached), "bypass", "train" (one optimizer step of the first layer)."""
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from ckpt_engine.plan.tensors import named_tensors_of
+
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=30))
+    model = tiny_llama(seed=0)
+    if world > 1:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    optimizer = torch.optim.SGD(model.model.layers[0].parameters(), lr=0.5)
+    agent = TrainerAgent(model, zmq, poll_wait_s=0.2).start()
+    served, shares = {}, {}
+    step = 0
+    while not os.path.exists(os.path.join(workdir, "stop")):
+        step += 1
+        action = actions.get(step)
+        if action == "train":
+            tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(step))
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if action in ("push", "bypass"):
+            if rank == 0:
+                agent.wait_idle(60)
+            version = agent.push(step, bypass_cpu=action == "bypass")
+        else:
+            version = agent.step(step)
+        if version is not None:
+            full = {n: t.full_tensor() if isinstance(t, DTensor) else t for n, t in named_tensors_of(model).tensors.items()}
+            served[version] = tensor_bytes(full)
+            shares[version] = agent.publisher.cache.bytes_by_version()
+        time.sleep(0.01)
+    agent.wait_idle(60)
+    result = {"served": served, "shares": shares, "cache": agent.publisher.cache.bytes_by_version(),
+              "rank": rank}
+    agent.close()
+    if world > 1:
+        dist.destroy_process_group()
+    return result
+
+
+def _job(daemon, workdir: Path, world: int, actions: dict[int, str]):
+    (workdir / "stop").unlink(missing_ok=True)
+    port = free_port()
+    return start_processes([(owner_trainer, (r, world, port, daemon.zmq, str(workdir), actions))
+                            for r in range(world)])
+
+
+def _cluster(tmp_path: Path, **config):
+    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", bucket_size_mb=0.02,
+                                       transport="collective", **config))
+    receivers = start_processes([(transformers_receiver, (daemon.zmq, 5, str(tmp_path / "rx-stop"))),
+                                 (transformers_receiver, (daemon.zmq, 6, str(tmp_path / "rx-stop")))])
+    return daemon, receivers
+
+
+def _versions(http) -> list[dict]:
+    return sorted(http.get("/versions").json()["versions"], key=lambda v: v["id"])
+
+
+def test_one_two_and_four_owner_ranks_send_the_same_versions_byte_exact(tmp_path: Path) -> None:
+    daemon, receivers = _cluster(tmp_path)
+    digests: dict[int, list[str]] = {}
+    trainers: dict[int, list[dict]] = {}
+    try:
+        with daemon.client() as http:
+            wait_until(lambda: len(agents_of(http)) == 2, what="the receivers")
+            for world in (1, 2, 4):
+                workdir = tmp_path / f"world{world}"
+                workdir.mkdir()
+                before = len(_versions(http))
+                job = _job(daemon, workdir, world, {3: "push", 6: "bypass"})
+                wait_until(lambda: sum(v["status"] in ("committed", "failed") for v in _versions(http)) >= before + 2,
+                           timeout_s=180, what=f"two versions from {world} rank(s)")
+                (workdir / "stop").touch()
+                trainers[world] = job.collect(120)
+                mine = _versions(http)[before:]
+                assert [(v["status"], v["mode"], v["owners"]) for v in mine] == \
+                    [("committed", "cached", world), ("committed", "bypass_cpu", world)], mine
+                digests[world] = [v["version_digest"] for v in mine]
+                wait_until(lambda: all(a["role"] != "trainer" for a in agents_of(http)), what="the job to leave")
+    finally:
+        (tmp_path / "rx-stop").touch()
+        rx = receivers.collect(120)
+        daemon.stop()
+    assert digests[1] == digests[2] == digests[4]  # the version digest does not depend on the rank count
+    for world, ranks in trainers.items():
+        lead = ranks[0]
+        for version, expected in lead["served"].items():
+            for receiver in rx:
+                assert receiver["states"][version] == expected, (world, version)
+        cached = min(lead["served"])  # the cached version: each rank holds only its share of it
+        held = [rank["shares"][cached][cached] for rank in ranks]
+        total = sum(held)
+        assert all(h <= total / world + (32 << 10) for h in held), held  # about 1/world each (within a bucket)
+        assert world == 1 or max(held) < 0.75 * total
+
+
+def test_rollback_of_a_version_several_ranks_own(tmp_path: Path) -> None:
+    daemon, receivers = _cluster(tmp_path, keep_versions=3)
+    workdir = tmp_path / "job"
+    workdir.mkdir()
+    try:
+        with daemon.client() as http:
+            wait_until(lambda: len(agents_of(http)) == 2, what="the receivers")
+            job = _job(daemon, workdir, 2, {3: "push", 5: "train", 7: "push"})
+            wait_until(lambda: sum(v["status"] == "committed" for v in _versions(http)) >= 2, timeout_s=120,
+                       what="two versions")
+            first, second = _versions(http)[:2]
+            assert first["cached"] and second["cached"] and first["owners"] == 2, (first, second)
+            pushed = http.post(f"/versions/{first['id']}/push").json()["version"]
+            wait_until(lambda: http.get(f"/versions/{pushed}").json()["status"] == "committed", timeout_s=60,
+                       what="the rollback")
+            (workdir / "stop").touch()
+            ranks = job.collect(120)
+    finally:
+        (tmp_path / "rx-stop").touch()
+        rx = receivers.collect(120)
+        daemon.stop()
+    served = ranks[0]["served"]
+    assert served[first["id"]] != served[second["id"]]
+    for receiver in rx:  # the rollback is the first version again, byte for byte
+        assert receiver["states"][pushed] == served[first["id"]]
+
+
+def test_an_owner_killed_after_caching_makes_its_versions_unpushable_and_a_new_job_works(tmp_path: Path) -> None:
+    daemon, receivers = _cluster(tmp_path, timeouts={"connect_s": 8, "collective_s": 8, "ack_s": 10,
+                                                     "heartbeat_s": 3, "version_s": 40})
+    workdir = tmp_path / "job"
+    workdir.mkdir()
+    try:
+        with daemon.client() as http:
+            wait_until(lambda: len(agents_of(http)) == 2, what="the receivers")
+            job = _job(daemon, workdir, 2, {3: "push"})
+            wait_until(lambda: any(v["status"] == "committed" for v in _versions(http)), timeout_s=120,
+                       what="the first version")
+            first = _versions(http)[0]
+            wait_until(lambda: http.get(f"/versions/{first['id']}").json()["cached"], what="its shares cached")
+            os.kill(job.procs[1].pid, signal.SIGKILL)  # owner rank 1 and its share of the cache are gone
+            wait_until(lambda: not any(a["role"] == "trainer" and a["rank"] == 1 for a in agents_of(http)),
+                       timeout_s=30, what="the daemon to drop rank 1")
+            assert not http.get(f"/versions/{first['id']}").json()["cached"]
+            refused = http.post(f"/versions/{first['id']}/push")
+            assert refused.status_code == 409 and "owner rank" in refused.json()["detail"], refused.text
+            assert "1" in refused.json()["detail"].split("owner rank(s)")[1].split("of its")[0]
+            job.kill()
+            wait_until(lambda: all(a["role"] != "trainer" for a in agents_of(http)), timeout_s=30,
+                       what="the old job to be gone")
+            (workdir / "stop").unlink(missing_ok=True)
+            again = _job(daemon, workdir, 2, {3: "push"})  # the trainer job is back: new versions work
+            wait_until(lambda: sum(v["status"] == "committed" for v in _versions(http)) >= 2, timeout_s=120,
+                       what="a version of the new job")
+            latest = _versions(http)[-1]
+            assert latest["status"] == "committed" and latest["owners"] == 2, latest
+            (workdir / "stop").touch()
+            ranks = again.collect(120)
+    finally:
+        (tmp_path / "rx-stop").touch()
+        rx = receivers.collect(120)
+        daemon.stop()
+    for receiver in rx:
+        assert receiver["states"][latest["id"]] == ranks[0]["served"][latest["id"]]
+
+
+# ---- any tensor, byte-exact ---------------------------------------------------------------------------------
+def views_trainer(zmq: str, workdir: str) -> dict:
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
+
+    from ckpt_engine.plan.tensors import NamedTensors
+
+    base = torch.arange(4000, dtype=torch.float32)
+    matrix = torch.randn(30, 40, generator=torch.Generator().manual_seed(1))
+    views = {"stepped": base[::3], "offset": base[7:777], "transposed": matrix.t(),
+             "expanded": torch.randn(5, 1, generator=torch.Generator().manual_seed(2)).expand(5, 6),
+             "column": matrix[:, 3], "conj": torch.randn(8, dtype=torch.complex64).conj()}
+    agent = TrainerAgent(lambda: NamedTensors(dict(views)), zmq, poll_wait_s=0.2).start()
+    step = 0
+    while not os.path.exists(os.path.join(workdir, "stop")):
+        step += 1
+        agent.step(step)
+        time.sleep(0.01)
+    agent.wait_idle(30)
+    agent.close()
+    return {name: tensor_bytes({name: v.resolve_conj().contiguous()})[name] for name, v in views.items()}
+
+
+def views_receiver(zmq: str, workdir: str) -> dict:
+    from ckpt_engine.workers.rollout_agent import RolloutAgent
+
+    got: dict[str, bytes] = {}
+
+    def load(payload) -> None:
+        got.update(tensor_bytes({k: v.clone() for k, v in payload.tensors.items()}))
+
+    agent = RolloutAgent(load, zmq, poll_wait_s=0.2).start()
+    while not os.path.exists(os.path.join(workdir, "stop")):
+        time.sleep(0.05)
+    agent.close()
+    return got
+
+
+@pytest.mark.parametrize("mode", ["cached", "bypass_cpu"])
+def test_views_of_any_strides_and_offsets_arrive_byte_exact(tmp_path: Path, mode: str) -> None:
+    daemon = start_daemon(write_config(tmp_path, transport="collective"))
+    procs = start_processes([(views_trainer, (daemon.zmq, str(tmp_path))), (views_receiver, (daemon.zmq, str(tmp_path)))])
+    try:
+        with daemon.client() as http:
+            wait_until(lambda: len(agents_of(http)) == 2, what="registration")
+            record = http.post("/sync", json={"wait": True, "timeout_s": 60,
+                                              "bypass_cpu": mode == "bypass_cpu"}).json()
+            assert record["status"] == "committed", record
+    finally:
+        (tmp_path / "stop").touch()
+        sent, got = procs.collect(120)
+        daemon.stop()
+    assert got == sent
+
+
+@pytest.mark.filterwarnings("ignore:.*quantized tensor creation.*:UserWarning")
+def test_tensors_without_dense_bytes_are_refused_up_front_by_name() -> None:
+    from ckpt_engine.plan.tensors import specs_of
+
+    with pytest.raises(LayoutError, match="'s'.*sparse"):
+        specs_of({"w": torch.zeros(2), "s": torch.eye(3).to_sparse()})
+    with pytest.raises(LayoutError, match="'q'.*quantized"):
+        specs_of({"q": torch.quantize_per_tensor(torch.zeros(4), 0.1, 0, torch.qint8)})
+    with pytest.raises(LayoutError, match="'m'.*meta"):
+        specs_of({"m": torch.empty(4, device="meta")})
