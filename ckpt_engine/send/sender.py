@@ -521,14 +521,7 @@ class Sender:
             raise _NotReady(f"owner rank {self.rank} could not prepare version {source.version}: "
                             f"{type(exc).__name__}: {exc}") from exc
         votes = self._vote(source.version, True, told, "ready")
-        failed = [rank for rank, (ok, _) in enumerate(votes) if not ok]
-        if failed:
-            reason = f"owner rank(s) {failed} could not prepare version {source.version}"
-            if self.lead:
-                raw = encode(AbortMessage(version=source.version, reason=reason))
-                for outlet in self._outlets(source):
-                    outlet.abort(source.version, 0, raw)
-            raise _NotReady(reason)
+        self._end_if_failed(source, votes, "could not prepare", _NotReady)
         return [values for _, values in votes]
 
     def _gather_digests(self, source: _Source, mine: list[int], timer: _Timer, voted: list[bool]) -> list[int]:
@@ -539,14 +532,7 @@ class Sender:
         with timer.stage("control"):
             votes = self._vote(source.version, True, mine, "sent")
         voted[0] = True
-        failed = [rank for rank, (ok, _) in enumerate(votes) if not ok]
-        if failed:
-            reason = f"owner rank(s) {failed} could not send their buckets of version {source.version}"
-            if self.lead:
-                raw = encode(AbortMessage(version=source.version, reason=reason))
-                for outlet in self._outlets(source):
-                    outlet.abort(source.version, 0, raw)
-            raise _Aborted(reason)
+        self._end_if_failed(source, votes, "could not send their buckets of", _Aborted)
         layout, owners = source.layout, source.owners
         cursors = [0] * owners.ranks
         digests: list[int] = []
@@ -556,6 +542,19 @@ class Sender:
             digests.extend(values[cursors[owner] : cursors[owner] + len(bucket.slots)])
             cursors[owner] += len(bucket.slots)
         return digests
+
+    def _end_if_failed(self, source: _Source, votes: list[tuple[bool, list[int]]], what: str,
+                       error: type[CkptEngineError]) -> None:
+        """When an owner voted no, the lead aborts the version for the receivers; every owner raises."""
+        failed = [rank for rank, (ok, _) in enumerate(votes) if not ok]
+        if not failed:
+            return
+        reason = f"owner rank(s) {failed} {what} version {source.version}"
+        if self.lead:
+            raw = encode(AbortMessage(version=source.version, reason=reason))
+            for outlet in self._outlets(source):
+                outlet.abort(source.version, 0, raw)
+        raise error(reason)
 
     def _vote(self, version: int, ok: bool, values: list[int], what: str) -> list[tuple[bool, list[int]]]:
         """One exchange among the owners: each says whether it is fine, with its values."""

@@ -38,10 +38,10 @@ def cuda(index: int = 0) -> DeviceInfo:
 
 
 def sync_group(port: int, rank: int, world: int, device: DeviceInfo, timeout_s: float = 30.0,
-               name: str = "gpu-test") -> SyncGroup:
+               name: str = "gpu-test", part: str = "") -> SyncGroup:
     return SyncGroup(open_store(HOST, port, timeout_s=timeout_s), name=name, generation=0, rank=rank,
                      world_size=world, device=device, timeout_s=timeout_s, bind_host=HOST if device.backend == "gloo"
-                     else None)
+                     else None, part=part)
 
 
 def tensor_hash(tensor: torch.Tensor) -> int:

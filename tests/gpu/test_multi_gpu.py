@@ -1,11 +1,11 @@
 """Two or more GPUs: an NCCL sync group of one sender and receivers (cached, bypass_cpu, a corrupted bucket,
 both digests); a member that never joins or dies mid-version fails the version within the timeouts and the
 sender lives on; a colocated receiver on another GPU than the trainer's (CUDA IPC across devices, with the
-devices numbered differently in the two processes); owner-sharded versions (not built yet: skipped)."""
+devices numbered differently in the two processes); two trainer ranks that each own, cache and broadcast a
+share of every version (three GPUs: NCCL refuses two ranks of one group on one device)."""
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing as mp
 import os
 import time
@@ -19,8 +19,8 @@ from ckpt_engine.plan.modes import mode_of
 from ckpt_engine.plan.tensors import named_tensors_of
 from ckpt_engine.receive.collective import Receiver
 from ckpt_engine.receive.colocated import IpcReceiver
-from ckpt_engine.send.publisher import Publisher
-from ckpt_engine.transport.group import open_store
+from ckpt_engine.send.publisher import Ownership, Publisher
+from ckpt_engine.transport.group import open_store, owner_part
 from tests.gpu.common import (
     WireLog,
     cuda,
@@ -178,9 +178,46 @@ def test_a_colocated_receiver_on_another_gpu_maps_the_trainers_slots(monkeypatch
         assert held == state
 
 
+def owner_rank(port: int, rank: int) -> dict:
+    """Trainer rank ``rank`` of 2 on GPU ``rank``: the same model on both (as after the gathers), each owning
+    its share; its own group with the receiver on GPU 2, and the owners' group."""
+    device = cuda(rank)
+    model = AwkwardModel(seed=1).to(device.torch_device)
+    group = sync_group(port, 0, 2, device, TIMEOUT_S, part=owner_part(rank))
+    owners = sync_group(port, rank, 2, device, TIMEOUT_S, part="owners/")
+    publisher = Publisher(group, bucket_size=BUCKET_SIZE // 4, keep_versions=2)
+    publisher.attach(group, {}, owners)
+    out = []
+    for version, bypass in ((1, False), (2, True), (3, False)):
+        if version == 3:
+            perturb(model, version)
+        result = publisher.publish(version, named_tensors_of(model), mode=mode_of(bypass),
+                                   ownership=Ownership(rank, 2)).result(120)
+        out.append({"ok": result.ok, "reason": result.reason, "digest": result.version_digest,
+                    "state": state_hashes(model), "cache_bytes": publisher.cache.bytes_held})
+    publisher.close()
+    return {"versions": out}
+
+
+def owners_receiver(port: int) -> list:
+    device = cuda(2)
+    model = AwkwardModel(seed=12).to(device.torch_device)
+    groups = [sync_group(port, 1, 2, device, TIMEOUT_S, part=owner_part(o)) for o in range(2)]
+    rx = Receiver(groups, lambda p: load_into(model, p.tensors))
+    out = []
+    while (result := rx.receive(TIMEOUT_S)) is not None:
+        out.append((result.ok, result.reason, state_hashes(model)))
+    return out
+
+
+@pytest.mark.skipif(cuda_count() < 3, reason=f"needs 3 CUDA devices, this machine has {cuda_count()}")
 def test_two_trainer_ranks_as_owners_of_one_version() -> None:
-    if importlib.util.find_spec("ckpt_engine.owners") is None:
-        pytest.skip("owner-sharded versions do not exist yet (no ckpt_engine.owners planner): two trainer ranks "
-                    "each sending the buckets they own on one NCCL group is to be tested once they do")
-    pytest.fail("ckpt_engine.owners exists now: write this test (two trainer ranks on two GPUs, each the owner "
-                "and broadcaster of its buckets, one receiver; cached and bypass_cpu; byte-identical)")
+    store = open_store("127.0.0.1", 0, is_master=True, timeout_s=60)
+    lead, other, received = run_processes([(owner_rank, (store.port, 0)), (owner_rank, (store.port, 1)),
+                                           (owners_receiver, (store.port,))], timeout_s=240)
+    assert len(received) == 3
+    for v, w, (ok, reason, state) in zip(lead["versions"], other["versions"], received):
+        assert v["ok"] and w["ok"] and ok, (v["reason"], w["reason"], reason)
+        assert state == v["state"]
+    assert lead["versions"][0]["digest"] == lead["versions"][1]["digest"]  # cached == bypass_cpu
+    assert 0 < lead["versions"][2]["cache_bytes"] and 0 < other["versions"][2]["cache_bytes"]
