@@ -327,3 +327,168 @@ def test_tensors_without_dense_bytes_are_refused_up_front_by_name() -> None:
         specs_of({"q": torch.quantize_per_tensor(torch.zeros(4), 0.1, 0, torch.qint8)})
     with pytest.raises(LayoutError, match="'m'.*meta"):
         specs_of({"m": torch.empty(4, device="meta")})
+
+
+# ---- what the outside attack on issue 17 found (library level: 2 owner ranks, 1 receiver) --------------------
+_T = 15.0
+
+
+def _library_groups(port: int, member: int, owners: int = 2):
+    """Member < owners: an owner rank (its own sync group, the owners' group); else the receiver."""
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.transport.group import SyncGroup, open_store, owner_part
+
+    store = open_store("127.0.0.1", port, timeout_s=_T)
+
+    def group(part: str, rank: int, world: int) -> SyncGroup:
+        return SyncGroup(store, name="attack", generation=0, rank=rank, world_size=world,
+                         device=detect_device("cpu"), timeout_s=_T, bind_host="127.0.0.1", part=part)
+
+    if member >= owners:
+        return [group(owner_part(o), 1, 2) for o in range(owners)], None
+    return [group(owner_part(member), 0, 2)], group("owners/", member, owners)
+
+
+def _model(version: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(version)
+    return {f"t{i}": torch.randn(64, 64, generator=gen) for i in range(8)}
+
+
+def library_owner(port: int, rank: int, scenario: str) -> list:
+    from ckpt_engine.send.publisher import Ownership, Publisher
+
+    (group,), owners = _library_groups(port, rank)
+    publisher = Publisher(group, bucket_size=16 << 10, keep_versions=3)
+    publisher.attach(group, {}, owners)
+    out = []
+    for version in (1, 2, 3):
+        tensors, source = _model(version), None
+        if version == 2 and rank == 1 and scenario == "order":  # the same tensors, another order
+            tensors = dict(reversed(list(tensors.items())))
+        if version == 3 and scenario == "repush":  # rank 1 no longer holds version 1
+            if rank == 1:
+                publisher.cache.evict(1)
+            tensors, source = None, 1
+        result = publisher.publish(version, tensors, ownership=Ownership(rank, 2),
+                                   source_version=source).result(60)
+        out.append((result.ok, result.reason))
+    publisher.close()
+    return out
+
+
+def library_receiver(port: int) -> list:
+    from ckpt_engine.receive.collective import Receiver
+
+    groups, _ = _library_groups(port, 2)
+    held: dict[str, torch.Tensor] = {}
+    receiver = Receiver(groups, load=lambda payload: held.update({k: v.clone() for k, v in payload.tensors.items()}))
+    out = []
+    for _ in range(3):
+        result = receiver.receive(begin_timeout_s=_T)
+        out.append((result.ok, result.reason, {k: v.tolist() for k, v in held.items()} if result.ok else None))
+    return out
+
+
+def _run_library(scenario: str) -> tuple[list, list, list]:
+    from ckpt_engine.transport.group import open_store
+    from tests.procs import run_processes
+
+    store = open_store("127.0.0.1", 0, is_master=True, timeout_s=60)
+    return run_processes([(library_owner, (store.port, 0, scenario)), (library_owner, (store.port, 1, scenario)),
+                          (library_receiver, (store.port,))], timeout_s=180)
+
+
+def test_owners_that_planned_a_version_differently_refuse_it_before_any_bucket() -> None:
+    lead, other, received = _run_library("order")
+    assert lead[0][0] and other[0][0] and lead[2][0] and other[2][0]
+    assert not lead[1][0] and "owner rank(s) [1] planned version 2 differently" in lead[1][1]
+    assert not other[1][0] and "planned version 2 differently" in other[1][1]
+    ok, reason, _ = received[1]
+    assert not ok and "planned version 2 differently" in reason  # told at once, nothing loaded
+    assert received[2][0] and received[2][2] == {k: v.tolist() for k, v in _model(3).items()}
+
+
+def test_a_repush_an_owner_cannot_serve_is_refused_naming_it_and_the_receivers_are_told() -> None:
+    lead, other, received = _run_library("repush")
+    assert not other[2][0] and "not in the cache" in other[2][1]
+    assert not lead[2][0] and "owner rank(s) [1] could not prepare version 3" in lead[2][1]
+    assert not received[2][0] and "owner rank(s) [1]" in received[2][1]
+
+
+def test_shares_and_their_fill_views_are_built_once_per_layout() -> None:
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.plan.tensors import _FILL_VIEWS
+    from ckpt_engine.send.cache import VersionCache
+
+    layout = _layout([600] * 12)
+    owners = plan_owners(layout, 2)
+    assert share_of(layout, owners, 1) is share_of(_layout([600] * 12), owners, 1)  # another object, same plan
+    cache = VersionCache(detect_device("cpu"), keep_versions=1)
+    tensors = {f"t{i}": torch.full((600,), i, dtype=torch.uint8) for i in range(12)}
+    _FILL_VIEWS.clear()
+    entries = []
+    for version in (1, 2, 3, 4):
+        cache.snapshot(version, layout, tensors, share=share_of(layout, owners, 1), owners=owners)
+        entries.append(len(_FILL_VIEWS))
+    assert entries[-1] == entries[-2] <= 2 * 6  # per bucket of the share and cache buffer, reused by every version
+    for version, size in ((5, 700), (6, 800), (7, 900)):  # new shapes: new buffers, the old ones freed
+        bigger = _layout([size] * 12)
+        cache.snapshot(version, bigger, {f"t{i}": torch.zeros(size, dtype=torch.uint8) for i in range(12)})
+    alive = {buffer.data_ptr() for cached in [cache.get(v) for v in cache.versions()] for buffer in cached._buffers}
+    assert {key[1] for key in _FILL_VIEWS} <= alive | {b.data_ptr() for b in cache._pool}
+
+
+def test_a_tensor_that_turns_unsendable_under_the_same_key_is_refused_by_name() -> None:
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.errors import ConfigError
+    from ckpt_engine.plan.tensors import NamedTensors
+    from ckpt_engine.send.publisher import Ownership, Publisher
+
+    publisher = Publisher(None, device=detect_device("cpu"), bucket_size=1 << 20)
+    publisher.layout_for(NamedTensors({"w": torch.eye(3)}))
+    with pytest.raises(LayoutError, match="'w'.*sparse"):
+        publisher.layout_for(NamedTensors({"w": torch.eye(3).to_sparse()}))  # same name, dtype and shape
+    with pytest.raises(LayoutError, match="'n'.*nested"):
+        publisher.layout_for(NamedTensors({"n": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])}))
+    with pytest.raises(LayoutError, match="'h'.*complex32"):
+        publisher.layout_for(NamedTensors({"h": torch.ones(2, dtype=torch.complex32)}))
+    with pytest.raises(ConfigError, match="rank -1"):
+        Ownership(-1, 2)
+
+
+def _pair(port: int, rank: int):
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.transport.group import SyncGroup, open_store
+
+    return SyncGroup(open_store("127.0.0.1", port, timeout_s=_T), name="lone", generation=0, rank=rank, world_size=2,
+                     device=detect_device("cpu"), timeout_s=_T, bind_host="127.0.0.1")
+
+
+def lone_owner(port: int) -> list:
+    from ckpt_engine.send.publisher import Ownership, Publisher
+
+    group = _pair(port, 0)
+    publisher = Publisher(group, bucket_size=16 << 10)
+    out = []
+    for version, ownership in ((1, Ownership(1, 2)), (2, None)):
+        result = publisher.publish(version, _model(version), ownership=ownership).result(60)
+        out.append((result.ok, result.reason))
+    publisher.close()
+    return out
+
+
+def lone_receiver(port: int) -> list:
+    from ckpt_engine.receive.collective import Receiver
+
+    receiver = Receiver(_pair(port, 1), load=lambda payload: None)
+    return [(r.ok, r.reason) for r in (receiver.receive(begin_timeout_s=_T), receiver.receive(begin_timeout_s=_T))]
+
+
+def test_ownership_of_several_ranks_without_an_owners_group_is_refused_and_the_receiver_told() -> None:
+    from ckpt_engine.transport.group import open_store
+    from tests.procs import run_processes
+
+    store = open_store("127.0.0.1", 0, is_master=True, timeout_s=60)
+    sent, got = run_processes([(lone_owner, (store.port,)), (lone_receiver, (store.port,))], timeout_s=120)
+    assert not sent[0][0] and "no owners' group" in sent[0][1] and sent[1][0]
+    assert not got[0][0] and "no owners' group" in got[0][1] and got[1][0]

@@ -12,6 +12,8 @@ different ranks and their transfers overlap.
 
 from __future__ import annotations
 
+import collections
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -93,11 +95,33 @@ class Share:
         return self.wire.index(wire_index)
 
 
+# (layout digest, owners, rank) -> share: every version of a layout gets the same share object, so what is
+# built once per share (the fill views of its buckets) is reused; a few layouts at a time.
+_SHARES: collections.OrderedDict[tuple, Share] = collections.OrderedDict()
+_SHARES_KEPT = 8
+_SHARES_LOCK = threading.Lock()
+
+
 def share_of(layout: Layout, owners: Owners, rank: int) -> Share:
     """Rank ``rank``'s share of ``layout``. With one owner, rank 0's share is the layout itself."""
     owners.check(layout)
     if owners.ranks == 1 and rank == 0:
         return Share(0, layout, tuple(range(len(layout.buckets))))
+    key = (layout.digest, owners.ranks, owners.of, rank)
+    with _SHARES_LOCK:
+        share = _SHARES.get(key)
+        if share is not None:
+            _SHARES.move_to_end(key)
+            return share
+    share = _plan_share(layout, owners, rank)
+    with _SHARES_LOCK:
+        _SHARES[key] = share
+        while len(_SHARES) > _SHARES_KEPT:
+            _SHARES.popitem(last=False)
+    return share
+
+
+def _plan_share(layout: Layout, owners: Owners, rank: int) -> Share:
     mine = owners.buckets_of(rank)
     buckets: list[Bucket] = []
     flat = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Union
@@ -10,7 +11,7 @@ from typing import Union
 import torch
 
 from ckpt_engine.errors import LayoutError, LayoutMismatchError
-from ckpt_engine.plan.dtypes import dtype_from_name, dtype_name
+from ckpt_engine.plan.dtypes import NAME_BY_DTYPE, dtype_from_name, dtype_name
 from ckpt_engine.plan.layout import Bucket, Layout, TensorSlot, TensorSpec
 
 NameMap = Callable[[str], str]
@@ -31,6 +32,14 @@ class NamedTensors:
 
     tensors: dict[str, torch.Tensor]
     aliases: dict[str, str] = field(default_factory=dict)
+
+    def check_sendable(self) -> None:
+        """Every tensor can go on the wire byte-exact, checked on every version (a tensor may turn sparse or meta
+        under the same name, dtype and shape): one cheap pass, the full check only for the ones it flags."""
+        strided = torch.strided
+        for name, t in self.tensors.items():
+            if t.layout is not strided or t.is_meta or t.is_nested or t.dtype not in NAME_BY_DTYPE:
+                check_sendable(name, t)
 
     def layout_key(self) -> list[tuple]:
         """Cheap identity of what the layout depends on (names, dtypes, full shapes, order). Flat tuples of
@@ -117,6 +126,9 @@ def check_sendable(name: str, tensor: torch.Tensor) -> None:
         raise LayoutError(f"tensor {name!r} is a nested tensor: only dense tensors can be sent")
     if tensor.device.type == "meta":
         raise LayoutError(f"tensor {name!r} is on the meta device: it holds no data")
+    if tensor.dtype not in NAME_BY_DTYPE:
+        raise LayoutError(f"tensor {name!r} has dtype {tensor.dtype}, which cannot go on the wire (supported: "
+                          f"{', '.join(sorted(NAME_BY_DTYPE.values()))})")
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -184,15 +196,25 @@ def _plain(sources: list[torch.Tensor]) -> list[torch.Tensor]:
 # held so its id is not reused while the entry lives. The views keep their buffer alive: a few entries only.
 _FILL_VIEWS: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
 _FILL_VIEWS_KEPT = 64
+_FILL_VIEWS_LOCK = threading.Lock()  # the training thread snapshots while send threads fill
+
+
+def forget_fill_views(buffer: torch.Tensor) -> None:
+    """Drop the views kept into ``buffer``, which its owner is freeing: they would keep its memory alive."""
+    ptr = buffer.data_ptr()
+    with _FILL_VIEWS_LOCK:
+        for key in [k for k in _FILL_VIEWS if k[1] == ptr]:
+            del _FILL_VIEWS[key]
 
 
 def _fill_views(buf: torch.Tensor, slots: tuple[TensorSlot, ...], nbytes: int,
                 base: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[str]]:
     key = (id(slots), buf.data_ptr(), buf.numel(), str(buf.device), base)
-    found = _FILL_VIEWS.get(key)
-    if found is not None and found[0] is slots:
-        _FILL_VIEWS.move_to_end(key)
-        return found[1], found[2], found[3]
+    with _FILL_VIEWS_LOCK:
+        found = _FILL_VIEWS.get(key)
+        if found is not None and found[0] is slots:
+            _FILL_VIEWS.move_to_end(key)
+            return found[1], found[2], found[3]
     out = buf[base : base + nbytes]
     targets = [slot_view(out, slot) for slot in slots]
     gaps, cursor = [], 0
@@ -203,7 +225,8 @@ def _fill_views(buf: torch.Tensor, slots: tuple[TensorSlot, ...], nbytes: int,
     if nbytes > cursor:
         gaps.append(out[cursor:nbytes])
     names = [slot.name for slot in slots]
-    _FILL_VIEWS[key] = (slots, targets, gaps, names)
-    while len(_FILL_VIEWS) > _FILL_VIEWS_KEPT:
-        _FILL_VIEWS.popitem(last=False)
+    with _FILL_VIEWS_LOCK:
+        _FILL_VIEWS[key] = (slots, targets, gaps, names)
+        while len(_FILL_VIEWS) > _FILL_VIEWS_KEPT:
+            _FILL_VIEWS.popitem(last=False)
     return targets, gaps, names

@@ -25,7 +25,14 @@ from ckpt_engine.device import DeviceInfo, host_empty, synchronize
 from ckpt_engine.errors import CacheError, ConfigError, LayoutMismatchError
 from ckpt_engine.plan.layout import Layout
 from ckpt_engine.plan.owners import Owners, Share, single_owner
-from ckpt_engine.plan.tensors import TensorsOrProvider, check_matches_layout, fill_bucket, provider_of, slot_view
+from ckpt_engine.plan.tensors import (
+    TensorsOrProvider,
+    check_matches_layout,
+    fill_bucket,
+    forget_fill_views,
+    provider_of,
+    slot_view,
+)
 from ckpt_engine.transport.same_host import SharedSlot, create_slot
 
 log = logging.getLogger(__name__)
@@ -333,6 +340,7 @@ class VersionCache:
 
     def _drop(self, buffer: torch.Tensor) -> None:
         self._unpool(buffer)
+        forget_fill_views(buffer)
         self.bytes_allocated -= buffer.numel()
         segment = self._shared.pop(buffer.data_ptr(), None)
         if segment is not None:

@@ -58,6 +58,10 @@ class Ownership:
     ranks: int = 1
     global_rank: Callable[[int], int] | None = None
 
+    def __post_init__(self) -> None:
+        if self.ranks < 1 or self.rank < 0:  # a rank at or beyond ``ranks`` only takes part in the gathers
+            raise ConfigError(f"ownership: rank {self.rank} of {self.ranks} owner ranks (need ranks >= 1, rank >= 0)")
+
     def of(self, layout: Layout) -> Owners:
         return plan_owners(layout, self.ranks)
 
@@ -187,6 +191,7 @@ class Publisher:
     def layout_for(self, named: NamedTensors) -> Layout:
         """The layout of these tensors; re-planned only when names, dtypes or shapes changed. Either way the
         tensors match the returned layout, so the cache and sender need not check them again."""
+        named.check_sendable()  # before the key: a nested tensor has no shape to key on
         key = named.layout_key()  # cheap key first (no dtype-name lookups or spec objects)
         if self._layout is None or key != self._layout_key:
             self._layout = plan_layout(specs_of(named.tensors), self.bucket_size, self.alignment)

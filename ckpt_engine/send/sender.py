@@ -24,15 +24,23 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+import xxhash
 
 from ckpt_engine.device import DeviceInfo, DigestAlgo, comm_empty, current_stream, new_stream, on_stream, set_current
 from ckpt_engine.errors import CkptEngineError, ConfigError, ProtocolError, SyncTimeoutError
 from ckpt_engine.plan.hashing import bucket_digests, layout_digests, version_digest
 from ckpt_engine.plan.layout import Layout
-from ckpt_engine.plan.modes import Mode
+from ckpt_engine.plan.modes import MODES, Mode
 from ckpt_engine.plan.owners import Owners, single_owner
 from ckpt_engine.plan.sparse import Manifest, SparsePlan, manifest_of, plan_sparse
-from ckpt_engine.plan.tensors import BucketTensors, TensorsOrProvider, check_matches_layout, fill_bucket, provider_of
+from ckpt_engine.plan.tensors import (
+    BucketTensors,
+    TensorsOrProvider,
+    check_matches_layout,
+    fill_bucket,
+    forget_fill_views,
+    provider_of,
+)
 from ckpt_engine.send.cache import CachedVersion, VersionCache
 from ckpt_engine.send.outlets import CollectiveOutlet, IpcOutlet, LayoutSent, Outlet
 from ckpt_engine.transport.framing import Channel, Frame, FrameKind
@@ -357,7 +365,7 @@ class Sender:
         """Send a version held in ``cache`` (labelled ``as_version`` on the wire when given, e.g. a rollback);
         the cache keeps its buffer alive until the transfer ends."""
         hold = contextlib.ExitStack()
-        cached = hold.enter_context(cache.lease(version))
+        cached = self._lease(hold, cache, version, as_version if as_version is not None else version)
         source = _CacheSource(cached, self.device.comm_device.type == "cpu", as_version, cache.shared_segment(cached))
         transfer = Transfer(source.version, "cached")
         transfer.params_released.set()
@@ -368,7 +376,7 @@ class Sender:
         """Send a cached version as the changes against ``base_version`` (a version this sender sent and the
         receivers hold); a full version when that base is unknown or has another layout."""
         hold = contextlib.ExitStack()
-        cached = hold.enter_context(cache.lease(version))
+        cached = self._lease(hold, cache, version, version)
         parent = self.manifests.get(cached.parent) if cached.parent is not None else None
         source = _SparseCacheSource(cached, self.manifests.get(base_version), bucket_size, alignment,
                                     self.device.comm_device.type == "cpu", parent)
@@ -388,14 +396,28 @@ class Sender:
         source = _LiveSource(version, layout, tensors, aliases or {}, step, transfer.params_released, owners)
         return self._start(source, transfer, contextlib.ExitStack())
 
+    def _lease(self, hold: contextlib.ExitStack, cache: VersionCache, version: int, label: int) -> CachedVersion:
+        """``version`` from the cache for the transfer's lifetime; when this rank does not hold it, the other
+        owners hear so in the votes they wait in (and the lead tells the receivers)."""
+        try:
+            return hold.enter_context(cache.lease(version))
+        except CkptEngineError as exc:
+            if self.owners_group is not None:
+                self.abort_before_start(label, f"owner rank {self.rank} cannot send version {version}: {exc}")
+            raise
+
     def abort_before_start(self, version: int, reason: str) -> None:
         """Tell receivers waiting for ``version`` that it will not come (e.g. the snapshot failed), so they
         stop waiting now instead of at their timeout. Only valid while no version is on the wire. With several
         owners every owner must call it or send the version: they vote first, and the lead aborts for all."""
         with self._busy:
             if self.owners_group is not None:  # the two votes every owner takes part in, per version
-                self._vote(version, False, [], "ready")
-                self._vote_failed(version, reason)
+                try:
+                    self._vote(version, False, [], "ready")
+                except CkptEngineError as exc:  # the lead still tells the receivers below
+                    log.warning("version %d: the owners' ready vote failed: %s", version, exc)
+                else:
+                    self._vote_failed(version, reason)
             if not self.lead:
                 return
             raw = encode(AbortMessage(version=version, reason=reason))
@@ -512,17 +534,32 @@ class Sender:
         """Prepare, and with several owners vote that every one is ready (and share what ``plan`` needs);
         when one is not, the lead aborts the version for the receivers before any bucket went out."""
         if self.owners_group is None:
+            if source.owners.ranks != 1:  # before anything goes out: receivers would wait for other owners
+                reason = (f"version {source.version} is planned for {source.owners.ranks} owner ranks, but this "
+                          "sender has no owners' group (attach one, or publish without ownership)")
+                self._abort_receivers(source, reason)
+                raise ConfigError(reason)
             source.prepare(self.digest_algo, self.device.comm_device, self.rank)
             return None
         try:
+            if source.owners.ranks != self.owners_group.world_size:
+                raise ConfigError(f"it is planned for {source.owners.ranks} owner ranks, the owners' group has "
+                                  f"{self.owners_group.world_size}")
             told = source.prepare(self.digest_algo, self.device.comm_device, self.rank)
         except Exception as exc:
-            self._vote(source.version, False, [], "ready")
+            self._vote_or_abort(source, False, [], "ready")
             raise _NotReady(f"owner rank {self.rank} could not prepare version {source.version}: "
                             f"{type(exc).__name__}: {exc}") from exc
-        votes = self._vote(source.version, True, told, "ready")
+        plan = _plan_words(source)
+        votes = self._vote_or_abort(source, True, [*plan, *told], "ready")
         self._end_if_failed(source, votes, "could not prepare", _NotReady)
-        return [values for _, values in votes]
+        differ = [rank for rank, (_, values) in enumerate(votes) if values[: len(plan)] != plan]
+        if differ:  # each owner would send its buckets of another plan: refused before any bucket goes out
+            reason = (f"owner rank(s) {differ} planned version {source.version} differently from owner rank "
+                      f"{self.rank} (tensor names, order, dtypes or shapes, the owner count, or the mode differ)")
+            self._abort_receivers(source, reason)
+            raise _NotReady(reason)
+        return [values[len(plan):] for _, values in votes]
 
     def _gather_digests(self, source: _Source, mine: list[int], timer: _Timer, voted: list[bool]) -> list[int]:
         """Every bucket's digests in the version's order: this rank's own, or with several owners everyone's
@@ -530,8 +567,8 @@ class Sender:
         if self.owners_group is None:
             return mine
         with timer.stage("control"):
-            votes = self._vote(source.version, True, mine, "sent")
-        voted[0] = True
+            voted[0] = True  # whatever the vote's outcome, this rank took part in it
+            votes = self._vote_or_abort(source, True, mine, "sent")
         self._end_if_failed(source, votes, "could not send their buckets of", _Aborted)
         layout, owners = source.layout, source.owners
         cursors = [0] * owners.ranks
@@ -550,18 +587,41 @@ class Sender:
         if not failed:
             return
         reason = f"owner rank(s) {failed} {what} version {source.version}"
-        if self.lead:
-            raw = encode(AbortMessage(version=source.version, reason=reason))
-            for outlet in self._outlets(source):
-                outlet.abort(source.version, 0, raw)
+        self._abort_receivers(source, reason)
         raise error(reason)
+
+    def _abort_receivers(self, source: _Source, reason: str) -> None:
+        """The lead tells the receivers that the version will not complete, and why (best effort)."""
+        if not self.lead:
+            return
+        raw = encode(AbortMessage(version=source.version, reason=reason))
+        for outlet in self._outlets(source):
+            try:
+                outlet.abort(source.version, 0, raw)
+            except CkptEngineError as exc:
+                log.warning("version %d: could not tell the receivers it was aborted (%s): %s", source.version,
+                            reason, exc)
+
+    def _vote_or_abort(self, source: _Source, ok: bool, values: list[int],
+                       what: str) -> list[tuple[bool, list[int]]]:
+        """A vote among the owners; when the vote itself fails (an owner died, stalled or left), the lead
+        tells the receivers why instead of leaving them to their timeout."""
+        try:
+            return self._vote(source.version, ok, values, what)
+        except CkptEngineError as exc:
+            absent = getattr(exc, "absent_ranks", [])
+            who = f"owner rank(s) {absent} did not come" if absent else "an owner rank died, stalled or left"
+            reason = f"the owners' {what} vote of version {source.version} failed ({who}): {exc}"
+            self._abort_receivers(source, reason)
+            raise _Aborted(reason) from exc
 
     def _vote(self, version: int, ok: bool, values: list[int], what: str) -> list[tuple[bool, list[int]]]:
         """One exchange among the owners: each says whether it is fine, with its values."""
         group = self.owners_group
         if group is None:
             return [(ok, values)]
-        told = group.exchange_ints([version, int(ok), *values], f"version {version}: owners {what}")
+        told = group.exchange_ints([version, int(ok), *values], f"version {version}: owners {what}",
+                                   round_id=(what, version))
         out = []
         for rank, entry in enumerate(told):
             if len(entry) < 2 or entry[0] != version:
@@ -670,12 +730,21 @@ class Sender:
         if not source.needs_slot:
             return []
         if not self._slots or self._slots[0].numel() < need:
+            for slot in self._slots:
+                forget_fill_views(slot)
             self._slots = [comm_empty(need, self.device) for _ in range(2)]
         return self._slots
 
 
 class _Aborted(CkptEngineError):
     pass
+
+
+def _plan_words(source: _Source) -> list[int]:
+    """What every owner of a version must have planned alike, as int64 words for the owners' vote."""
+    def word(text: str) -> int:
+        return xxhash.xxh3_64_intdigest(text.encode()) >> 2  # fits int64
+    return [word(source.layout.digest), source.owners.ranks, word(source.owners.digest), MODES.index(source.mode)]
 
 
 class _NotReady(CkptEngineError):

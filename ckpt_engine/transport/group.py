@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ckpt_engine.device import DeviceInfo, set_current
-from ckpt_engine.errors import ConfigError, GroupBrokenError, SyncTimeoutError
+from ckpt_engine.errors import CkptEngineError, ConfigError, GroupBrokenError, SyncTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,7 @@ class SyncGroup:
         self.part = part
         prefixed = dist.PrefixStore(prefix if prefix is not None else store_prefix(name, generation) + part, store)
         prefixed.set_timeout(_td(connect_s))
+        self._store = prefixed
         started = time.monotonic()
         try:
             # Members of a group under another project's prefix do not follow our rendezvous: NCCL stays lazy.
@@ -155,16 +156,46 @@ class SyncGroup:
         self.wait(work, what, timeout_s)
         return outputs
 
-    def exchange_ints(self, values: list[int], what: str, timeout_s: float | None = None) -> list[list[int]]:
-        """Every rank contributes a list of int64 values (of any length); returns every rank's, in rank order."""
+    def exchange_ints(self, values: list[int], what: str, timeout_s: float | None = None, *,
+                      round_id: tuple[str, int] | None = None) -> list[list[int]]:
+        """Every rank contributes a list of int64 values (of any length); returns every rank's, in rank order.
+        ``round_id`` (kind, number): each rank notes in the store that it came to this round, so that when the
+        exchange fails the error names the ranks that never came (``absent_ranks``)."""
+        if round_id is not None:
+            self._note_present(round_id)
         device = self.device.comm_device
-        counts = self.allgather(torch.tensor([len(values)], dtype=torch.int64, device=device), f"{what} (sizes)",
-                                timeout_s)
-        sizes = [int(c.item()) for c in counts]
-        padded = torch.zeros(max(max(sizes), 1), dtype=torch.int64)
-        padded[: len(values)] = torch.tensor(values, dtype=torch.int64)
-        gathered = self.allgather(padded.to(device), what, timeout_s)
+        try:
+            counts = self.allgather(torch.tensor([len(values)], dtype=torch.int64, device=device),
+                                    f"{what} (sizes)", timeout_s)
+            sizes = [int(c.item()) for c in counts]
+            padded = torch.zeros(max(max(sizes), 1), dtype=torch.int64)
+            padded[: len(values)] = torch.tensor(values, dtype=torch.int64)
+            gathered = self.allgather(padded.to(device), what, timeout_s)
+        except CkptEngineError as exc:
+            absent = self._absent_from(round_id) if round_id is not None else []
+            if absent:
+                exc.args = (f"{exc.args[0] if exc.args else exc}; rank(s) {absent} never came to it",)
+            exc.absent_ranks = absent  # type: ignore[attr-defined]
+            raise
         return [g[:size].cpu().tolist() for g, size in zip(gathered, sizes)]
+
+    def _note_present(self, round_id: tuple[str, int]) -> None:
+        try:  # one key per rank and kind, overwritten every round: the store does not grow
+            self._store.set(f"present/{round_id[0]}/{self.rank}", str(round_id[1]))
+        except Exception as exc:  # noqa: BLE001 - only the error text of a failed exchange depends on it
+            log.debug("sync group %s: could not note presence: %s", self.name, exc)
+
+    def _absent_from(self, round_id: tuple[str, int]) -> list[int]:
+        absent = []
+        for rank in range(self.world_size):
+            key = f"present/{round_id[0]}/{rank}"
+            try:
+                came = self._store.check([key]) and self._store.get(key).decode() == str(round_id[1])
+            except Exception:  # noqa: BLE001 - the store itself is gone: nobody can be named
+                return []
+            if not came:
+                absent.append(rank)
+        return absent
 
     def close(self) -> None:
         """Release the backend's resources; the group cannot be used afterwards."""
