@@ -297,9 +297,13 @@ class _Handoff:
         if not self._done.wait(self.timeout_s):
             raise CkptEngineError(f"verl did not consume version {payload.version} within {self.timeout_s:.0f}s "
                                   "(engine_kwargs.ckpt_engine.load_timeout_s)")
+        if not self._whole:  # verl's loader took part of it: the rollout's weights are torn
+            raise CkptEngineError(f"verl stopped reading version {payload.version} part way")
 
-    def consumed(self) -> None:
-        self._done.set()
+    def consumed(self, *, whole: bool) -> None:
+        if not self._done.is_set():
+            self._whole = whole
+            self._done.set()
 
 
 def _set_once(future: asyncio.Future, value: object) -> None:

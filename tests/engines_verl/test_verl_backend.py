@@ -1,0 +1,94 @@
+"""The ckpt_engine backend inside the real verl 0.9.1 (installed from the registry by scripts/test-verl.sh):
+verl's registry builds it, and it is driven as verl's CheckpointEngineManager drives a backend, with 2 actor
+ranks and 2 rollout workers as processes of their own on gloo."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ckpt_engine.plan.layout import plan_layout
+from ckpt_engine.plan.owners import plan_owners
+from ckpt_engine.plan.tensors import spec_of
+
+from .verl_harness import BUCKET_SIZE, Cluster, fingerprint, model_weights
+
+pytestmark = pytest.mark.multiproc
+
+
+def test_importing_ckpt_engine_does_not_import_verl() -> None:
+    code = ("import sys, ckpt_engine, ckpt_engine.workers, ckpt_engine.workers.adapters, ckpt_engine.send.publisher; "
+            "print('verl' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_the_entry_point_registers_the_backend_at_import_verl() -> None:
+    code = ("import verl; from verl.checkpoint_engine.base import CheckpointEngineRegistry as R, CheckpointEngine; "
+            "cls = R.get('ckpt_engine'); print(cls.__module__, issubclass(cls, CheckpointEngine), "
+            "sorted(cls.__abstractmethods__))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split("\n")[-2] == "ckpt_engine.workers.adapters.verl.backend True []"
+
+
+def test_unknown_engine_kwargs_are_refused_by_name() -> None:
+    from ckpt_engine.errors import ConfigError
+    from ckpt_engine.workers.adapters.verl.sync import VerlSync
+
+    with pytest.raises(ConfigError, match="bypass_cpus"):
+        VerlSync(BUCKET_SIZE, bypass_cpus=True)
+    with pytest.raises(ConfigError, match="bypass_cpu must be true or false"):
+        VerlSync(BUCKET_SIZE, bypass_cpu="yes")
+
+
+def _first_bucket_of(rank: int, actors: int, global_steps: int) -> tuple[int, str]:
+    """The first bucket ``rank`` owns in that sync's version, and the name of its first tensor."""
+    layout = plan_layout([spec_of(n, t) for n, t in model_weights(global_steps)], BUCKET_SIZE)
+    owners = plan_owners(layout, actors)
+    index = owners.buckets_of(rank)[0]
+    return index, layout.buckets[index].slots[0].name
+
+
+def _check_delivered(sync: dict, global_steps: int, version: int) -> None:
+    expected = fingerprint(model_weights(global_steps))
+    for actor in sync["actors"]:
+        assert "raised" not in actor, actor
+        assert actor["sent"] == expected
+        assert actor["metrics"]["ckpt_engine/version"] == version
+    for rollout in sync["rollouts"]:
+        assert "raised" not in rollout, rollout
+        assert rollout["received"] == expected  # byte-identical, same names, dtypes, shapes and order
+        assert rollout["version"] == version
+
+
+@pytest.mark.parametrize(("mode", "how"), [("cached", "custom_backend_module"), ("bypass_cpu", "entry_point")])
+def test_verl_syncs_are_versions_byte_exact_and_a_corrupted_byte_is_refused(mode: str, how: str) -> None:
+    cluster = Cluster(2, 2, {"bypass_cpu": mode == "bypass_cpu", "timeout_s": 60.0, "load_timeout_s": 60.0}, how)
+    try:
+        assert [c["class"] for c in cluster.constructed] == ["CkptEngineCheckpointEngine"] * 4
+        assert {c["mode"] for c in cluster.constructed} == {mode}
+
+        first = cluster.update_weights(global_steps=3)
+        assert first["metadata"][0]["role"] == "master" and [m["role"] for m in first["metadata"][1:]] == ["peer"] * 3
+        _check_delivered(first, 3, version=1)
+        # both actor ranks sent: each kept and sent only its own share
+        kept = [a["metrics"][f"ckpt_engine/bytes_kept_rank{r}"] for r, a in enumerate(first["actors"])]
+        assert all(k > 0 for k in kept)
+        assert sum(kept) == sum(t.numel() * t.element_size() for _, t in model_weights(3))
+
+        _check_delivered(cluster.update_weights(global_steps=4), 4, version=2)
+
+        bucket, tensor = _first_bucket_of(1, 2, 5)
+        bad = cluster.update_weights(global_steps=5, corrupt=(1, bucket))
+        for rollout in bad["rollouts"]:
+            assert rollout["yielded"] == 0, rollout  # nothing reached verl's loader
+            assert "VerificationFailed" in rollout["raised"] and "digest mismatch" in rollout["raised"]
+            assert tensor in rollout["raised"], rollout["raised"]
+        # the lead owner (actor rank 0) collects the acknowledgements: its send_weights fails the sync in verl
+        assert "raised" in bad["actors"][0] and tensor in bad["actors"][0]["raised"], bad["actors"][0]
+
+        _check_delivered(cluster.update_weights(global_steps=6), 6, version=4)  # the next sync works again
+    finally:
+        cluster.close()
