@@ -9,11 +9,13 @@ import sys
 
 import pytest
 
+pytest.importorskip("verl", reason="the verl tests run in scripts/test-verl.sh's environment")
+
 from ckpt_engine.plan.layout import plan_layout
 from ckpt_engine.plan.owners import plan_owners
 from ckpt_engine.plan.tensors import spec_of
 
-from .verl_harness import BUCKET_SIZE, Cluster, fingerprint, model_weights
+from tests.engines_verl.verl_harness import BUCKET_SIZE, Cluster, fingerprint, model_weights
 
 pytestmark = pytest.mark.multiproc
 
