@@ -94,3 +94,42 @@ def test_verl_syncs_are_versions_byte_exact_and_a_corrupted_byte_is_refused(mode
         _check_delivered(cluster.update_weights(global_steps=6), 6, version=4)  # the next sync works again
     finally:
         cluster.close()
+
+
+def test_a_streamed_share_is_the_planned_one_for_any_sizes() -> None:
+    """Each rank keeps exactly the tensors of the buckets plan_owners gives it, learnt as the tensors come."""
+    import torch
+
+    from ckpt_engine.workers.adapters.verl.stream import collect_owned
+
+    gen = torch.Generator().manual_seed(5)
+    sizes = torch.randint(1, 3000, (60,), generator=gen).tolist() + [40_000, 3, 0]  # one oversize, one empty
+    weights = [(f"t{i}", torch.full((n,), float(i))) for i, n in enumerate(sizes)]
+    layout = plan_layout([spec_of(n, t) for n, t in weights], 8192)
+    for ranks in (1, 2, 3, 5):
+        owners = plan_owners(layout, ranks)
+        seen = set()
+        for rank in range(ranks):
+            named, kept = collect_owned(iter(weights), rank=rank, ranks=ranks, bucket_size=8192)
+            mine = {slot.name for b in owners.buckets_of(rank) for slot in layout.buckets[b].slots}
+            real = {n for n, t in named.tensors.items() if t.stride() != (0,)}  # placeholders: zero strides
+            assert real - {"t62"} == mine - {"t62"} and not (seen & mine)  # (an empty tensor cannot tell)
+            seen |= mine
+            for name in mine:  # the kept ones are copies of what was yielded
+                assert torch.equal(named.tensors[name], dict(weights)[name])
+        assert seen == {n for n, _ in weights}
+
+
+def test_build_topology_checks_what_verl_hands_it() -> None:
+    from ckpt_engine.errors import ConfigError
+    from ckpt_engine.workers.adapters.verl.sync import VerlSync
+
+    master = {"role": "master", "host": "127.0.0.1", "port": 1, "version": 3}
+    actor, rollout = VerlSync.build_topology(2, 3, [master, {"role": "peer"}] + [{"role": "peer"}] * 3)
+    assert actor["rank"] == [0, 1] and rollout["rank"] == [0, 1, 2] and set(rollout["version"]) == {3}
+    with pytest.raises(ConfigError, match="actor rank 0 must be the master"):
+        VerlSync.build_topology(2, 1, [{"role": "peer"}, master, {"role": "peer"}])
+    with pytest.raises(ConfigError, match="3 prepare"):
+        VerlSync.build_topology(2, 2, [master, {"role": "peer"}, {"role": "peer"}])
+    with pytest.raises(ConfigError, match="at least one"):
+        VerlSync.build_topology(1, 0, [master])

@@ -2,10 +2,11 @@
 
 verl yields full tensors one at a time, and the generator is collective (FSDP gathers inside it): every actor
 rank walks all of it. Our protocol needs the whole layout (names, dtypes, shapes) before the first bucket, so
-the version can only start once the generator is done. What it costs: each rank keeps the tensors of the
-buckets it owns (with ``ranks`` actor ranks, about 1/ranks of the model's full tensors, where verl made them:
-usually the training device) until they are snapshotted (cached) or sent (bypass_cpu); the other tensors are
-dropped as they come. The bucket and owner of each tensor are known as it comes (layout.Packer,
+the version can only start once the generator is done. What it costs: each rank keeps a copy of the tensors of
+the buckets it owns (with ``ranks`` actor ranks, about 1/ranks of the model's full tensors, where verl made
+them: usually the training device) until they are snapshotted (cached) or sent (bypass_cpu); the other tensors
+are dropped as they come. A copy, not the tensor: verl promises a yielded tensor only until the generator
+moves on. The bucket and owner of each tensor are known as it comes (layout.Packer,
 owners.OwnerPicker: the same rules as plan_layout / plan_owners, checked against them at the end).
 
 No verl import here.
@@ -53,7 +54,9 @@ def collect_owned(weights: Iterable[tuple[str, torch.Tensor]], *, rank: int, ran
                 picker.charge(owner_of[-1], packer.bucket_nbytes(len(owner_of) - 1))
             owner_of.append(picker.pick())
         if owner_of[bucket] == rank:
-            tensors[name] = tensor.detach()
+            # A copy: a yielded tensor is valid only until the generator moves on (verl's merged-LoRA export
+            # restores the base weights in place when it ends; an exporter may reuse its buffers).
+            tensors[name] = tensor.detach().clone()
             kept += tensor.numel() * tensor.element_size()
         else:
             tensors[name] = _placeholder(tensor)
