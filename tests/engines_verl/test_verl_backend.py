@@ -14,7 +14,6 @@ pytest.importorskip("verl", reason="the verl tests run in scripts/test-verl.sh's
 from ckpt_engine.plan.layout import plan_layout
 from ckpt_engine.plan.owners import plan_owners
 from ckpt_engine.plan.tensors import spec_of
-
 from tests.engines_verl.verl_harness import BUCKET_SIZE, Cluster, fingerprint, model_weights
 
 pytestmark = pytest.mark.multiproc
@@ -36,8 +35,9 @@ def test_the_entry_point_registers_the_backend_at_import_verl() -> None:
 
 
 def test_unknown_engine_kwargs_are_refused_by_name() -> None:
-    from ckpt_engine.errors import ConfigError
     from ckpt_engine.workers.adapters.verl.sync import VerlSync
+
+    from ckpt_engine.errors import ConfigError
 
     with pytest.raises(ConfigError, match="bypass_cpus"):
         VerlSync(BUCKET_SIZE, bypass_cpus=True)
@@ -92,6 +92,12 @@ def test_verl_syncs_are_versions_byte_exact_and_a_corrupted_byte_is_refused(mode
         assert "raised" in bad["actors"][0] and tensor in bad["actors"][0]["raised"], bad["actors"][0]
 
         _check_delivered(cluster.update_weights(global_steps=6), 6, version=4)  # the next sync works again
+
+        # a loader that stops part way: that rollout's weights are torn, and the sync fails in verl
+        partial = cluster.update_weights(global_steps=7, stop_after={0: 2})
+        assert "part way" in partial["actors"][0]["raised"], partial["actors"][0]
+        assert partial["rollouts"][1]["received"] == fingerprint(model_weights(7))
+        _check_delivered(cluster.update_weights(global_steps=8), 8, version=6)
     finally:
         cluster.close()
 
@@ -99,7 +105,6 @@ def test_verl_syncs_are_versions_byte_exact_and_a_corrupted_byte_is_refused(mode
 def test_a_streamed_share_is_the_planned_one_for_any_sizes() -> None:
     """Each rank keeps exactly the tensors of the buckets plan_owners gives it, learnt as the tensors come."""
     import torch
-
     from ckpt_engine.workers.adapters.verl.stream import collect_owned
 
     gen = torch.Generator().manual_seed(5)
@@ -110,7 +115,7 @@ def test_a_streamed_share_is_the_planned_one_for_any_sizes() -> None:
         owners = plan_owners(layout, ranks)
         seen = set()
         for rank in range(ranks):
-            named, kept = collect_owned(iter(weights), rank=rank, ranks=ranks, bucket_size=8192)
+            named, _kept = collect_owned(iter(weights), rank=rank, ranks=ranks, bucket_size=8192)
             mine = {slot.name for b in owners.buckets_of(rank) for slot in layout.buckets[b].slots}
             real = {n for n, t in named.tensors.items() if t.stride() != (0,)}  # placeholders: zero strides
             assert real - {"t62"} == mine - {"t62"} and not (seen & mine)  # (an empty tensor cannot tell)
@@ -121,8 +126,9 @@ def test_a_streamed_share_is_the_planned_one_for_any_sizes() -> None:
 
 
 def test_build_topology_checks_what_verl_hands_it() -> None:
-    from ckpt_engine.errors import ConfigError
     from ckpt_engine.workers.adapters.verl.sync import VerlSync
+
+    from ckpt_engine.errors import ConfigError
 
     master = {"role": "master", "host": "127.0.0.1", "port": 1, "version": 3}
     actor, rollout = VerlSync.build_topology(2, 3, [master, {"role": "peer"}] + [{"role": "peer"}] * 3)

@@ -19,15 +19,15 @@ import pytest
 
 pytest.importorskip("verl", reason="the verl tests run in scripts/test-verl.sh's environment")
 
-import ray  # noqa: E402
-from verl.checkpoint_engine import CheckpointEngineManager, CheckpointEngineRegistry, CheckpointEngineWorker  # noqa: E402
-from verl.single_controller.base import Worker  # noqa: E402
-from verl.single_controller.base.decorator import Dispatch, register  # noqa: E402
-from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
-from verl.utils.import_utils import import_external_libs  # noqa: E402
-from verl.workers.config import CheckpointEngineConfig, RolloutConfig  # noqa: E402
+import ray
+from verl.checkpoint_engine import CheckpointEngineManager, CheckpointEngineRegistry, CheckpointEngineWorker
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.utils.import_utils import import_external_libs
+from verl.workers.config import CheckpointEngineConfig, RolloutConfig
 
-from tests.engines_verl.verl_harness import fingerprint, model_weights  # noqa: E402
+from tests.engines_verl.verl_harness import fingerprint, model_weights
 
 pytestmark = pytest.mark.multiproc
 ROOT = Path(__file__).resolve().parents[2]

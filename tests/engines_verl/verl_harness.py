@@ -78,7 +78,7 @@ def worker(role: str, rank: int, engine_kwargs: dict[str, Any], how: str, comman
         corrupt = {"bucket": None}
         engine._wire_hook = lambda k, buf: _flip(k, buf) if k == corrupt["bucket"] else buf
         results.put(("ok", {"class": type(engine).__name__, "mode": engine.mode}))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - everything goes back to the driver, which fails the test
         results.put(("error", traceback.format_exc()))
         return
     while True:
@@ -98,15 +98,16 @@ def worker(role: str, rank: int, engine_kwargs: dict[str, Any], how: str, comman
                 metrics = asyncio.run(engine.send_weights(iter(weights), global_steps=args["global_steps"]))
                 value = {"metrics": metrics, "sent": fingerprint(weights)}
             elif command == "receive":
-                value = asyncio.run(_receive(engine, args["global_steps"]))
+                value = asyncio.run(_receive(engine, args["global_steps"], args.get("stop_after")))
             else:
                 raise ValueError(command)
             results.put(("ok", value))
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - the driver checks what each rank raised
             results.put(("raised", f"{type(exc).__name__}: {exc}"))
 
 
-async def _receive(engine, global_steps: int) -> dict[str, Any]:
+async def _receive(engine, global_steps: int, stop_after: int | None = None) -> dict[str, Any]:
+    """``stop_after``: a loader that stops reading after that many tensors."""
     from verl.workers.rollout.utils import ensure_async_iterator
 
     weights = engine.receive_weights(global_steps=global_steps)  # not awaited: verl does not await it
@@ -114,7 +115,9 @@ async def _receive(engine, global_steps: int) -> dict[str, Any]:
     try:
         async for name, tensor in ensure_async_iterator(weights):
             got.append((name, tensor.clone()))  # as SGLang's bucketer does with views
-    except Exception as exc:
+            if stop_after is not None and len(got) >= stop_after:
+                break
+    except Exception as exc:  # noqa: BLE001 - what verl's adapter would see, for the test to check
         return {"raised": f"{type(exc).__name__}: {exc}", "yielded": len(got)}
     return {"received": fingerprint(got), "version": engine.last_version}
 
@@ -151,9 +154,10 @@ class Cluster:
             q.put((command, a))
         return self._collect(range(len(self.roles)), timeout_s)
 
-    def update_weights(self, global_steps: int, corrupt: tuple[int, int] | None = None) -> dict[str, Any]:
+    def update_weights(self, global_steps: int, corrupt: tuple[int, int] | None = None,
+                       stop_after: dict[int, int] | None = None) -> dict[str, Any]:
         """One sync as CheckpointEngineManager.update_weights runs it. ``corrupt``: (actor rank, bucket) whose
-        bytes that actor flips on the wire."""
+        bytes that actor flips on the wire; ``stop_after``: rollout rank -> tensors its loader reads."""
         from ckpt_engine.workers.adapters.verl.backend import CkptEngineCheckpointEngine
 
         metadata = self._all("prepare", [None] * len(self.roles))
@@ -167,7 +171,8 @@ class Cluster:
         sends = [{"global_steps": global_steps,
                   "corrupt_bucket": corrupt[1] if corrupt and corrupt[0] == r else None} for r in range(self.actors)]
         for i, (role, rank) in enumerate(self.roles):  # send and receive together, as the manager does
-            self.commands[i].put(("send", sends[rank]) if role == "actor" else ("receive", {"global_steps": global_steps}))
+            receive = {"global_steps": global_steps, "stop_after": (stop_after or {}).get(rank)}
+            self.commands[i].put(("send", sends[rank]) if role == "actor" else ("receive", receive))
         moved = self._collect(range(len(self.roles)), 180)
         finals = self._all("finalize", [None] * len(self.roles))
         assert all(v is None for v in finals), finals

@@ -140,11 +140,11 @@ class VerlSync:
         if masters != [0]:
             raise ConfigError(f"exactly actor rank 0 must be the master (is_master), found it at {masters}")
         master = metadata[0]
-        common = {"host": master["host"], "port": master["port"], "version": master["version"],
+        common: dict[str, Any] = {"host": master["host"], "port": master["port"], "version": master["version"],
                   "actors": actors, "rollouts": rollouts}
-        actor_kwargs = {"role": ["actor"] * actors, "rank": list(range(actors)),
+        actor_kwargs: dict[str, list] = {"role": ["actor"] * actors, "rank": list(range(actors)),
                         **{key: [value] * actors for key, value in common.items()}}
-        rollout_kwargs = {"role": ["rollout"] * rollouts, "rank": list(range(rollouts)),
+        rollout_kwargs: dict[str, list] = {"role": ["rollout"] * rollouts, "rank": list(range(rollouts)),
                           **{key: [value] * rollouts for key, value in common.items()}}
         return actor_kwargs, rollout_kwargs
 
