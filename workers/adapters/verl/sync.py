@@ -220,8 +220,8 @@ class VerlSync:
         if result is None:
             raise VerificationFailed(f"{BACKEND}: the trainer closed the sync before version {version}")
         if not result.ok:
-            raise VerificationFailed(f"{BACKEND}: version {result.version} (global_steps {global_steps}) "
-                                     f"{'loaded, but ' if result.loaded else 'refused, nothing handed to verl: '}"
+            what = "was handed to verl but did not complete" if handed.done() else "refused, nothing handed to verl"
+            raise VerificationFailed(f"{BACKEND}: version {result.version} (global_steps {global_steps}) {what}: "
                                      f"{result.reason}")
         self.last_version = result.version
 
