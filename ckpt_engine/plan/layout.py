@@ -135,23 +135,45 @@ def plan_layout(
     _validate(specs, bucket_size, alignment)
     if groups is not None and len(groups) != len(specs):
         raise LayoutError(f"{len(groups)} groups for {len(specs)} tensors")
-    packed: list[list[tuple[TensorSpec, int]]] = [[]]
-    cursor = 0
+    packer = Packer(bucket_size, alignment)
     for position, spec in enumerate(specs):
+        packer.add(spec, regroup=groups is not None and position > 0 and groups[position] != groups[position - 1])
+    return _build(packer.packed(), bucket_size, alignment, tuple(groups) if groups is not None else None)
+
+
+class Packer:
+    """plan_layout's packing one tensor at a time: each tensor's bucket is known as it comes, so a stream that
+    cannot be held whole (verl's weight generator) can keep only the tensors of the buckets it owns. The one
+    packing rule, so a streamed plan and plan_layout always agree."""
+
+    def __init__(self, bucket_size: int, alignment: int = DEFAULT_ALIGNMENT) -> None:
+        self.bucket_size = bucket_size
+        self.alignment = alignment
+        self._packed: list[list[tuple[TensorSpec, int]]] = [[]]
+        self._cursor = 0
+
+    def add(self, spec: TensorSpec, *, regroup: bool = False) -> int:
+        """Place ``spec``; returns the index of its bucket (buckets before it are closed from then on)."""
         nbytes = spec.nbytes
-        oversize = nbytes > bucket_size
-        regroup = groups is not None and position > 0 and groups[position] != groups[position - 1]
-        if packed[-1] and (oversize or regroup or cursor + nbytes > bucket_size):
-            packed.append([])
-            cursor = 0
-        packed[-1].append((spec, cursor))
-        cursor = align_up(cursor + nbytes, alignment)
-        if oversize:
-            packed.append([])
-            cursor = 0
-    if not packed[-1]:
-        packed.pop()
-    return _build(packed, bucket_size, alignment, tuple(groups) if groups is not None else None)
+        oversize = nbytes > self.bucket_size
+        if self._packed[-1] and (oversize or regroup or self._cursor + nbytes > self.bucket_size):
+            self._packed.append([])
+            self._cursor = 0
+        self._packed[-1].append((spec, self._cursor))
+        index = len(self._packed) - 1
+        self._cursor = align_up(self._cursor + nbytes, self.alignment)
+        if oversize:  # a tensor larger than a bucket gets a bucket of its own
+            self._packed.append([])
+            self._cursor = 0
+        return index
+
+    def bucket_nbytes(self, index: int) -> int:
+        """Bytes of bucket ``index`` as the layout will have them (final once a later bucket opened)."""
+        end = max((offset + spec.nbytes for spec, offset in self._packed[index]), default=0)
+        return align_up(end, self.alignment)
+
+    def packed(self) -> list[list[tuple[TensorSpec, int]]]:
+        return self._packed[:-1] if not self._packed[-1] else list(self._packed)
 
 
 def _build(groups: list[list[tuple[TensorSpec, int]]], bucket_size: int, alignment: int,

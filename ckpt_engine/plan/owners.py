@@ -61,17 +61,32 @@ def single_owner(layout: Layout) -> Owners:
 
 
 def plan_owners(layout: Layout, ranks: int) -> Owners:
-    if not 1 <= ranks <= MAX_OWNERS:
-        raise LayoutError(f"owner count must be within 1..{MAX_OWNERS}, got {ranks}")
     if ranks == 1:
         return single_owner(layout)
-    held = [0] * ranks
+    picker = OwnerPicker(ranks)
     of = []
     for bucket in layout.buckets:
-        owner = min(range(ranks), key=lambda rank: (held[rank], rank))
-        held[owner] += max(bucket.nbytes, 1)  # empty buckets still take turns
+        owner = picker.pick()
+        picker.charge(owner, bucket.nbytes)
         of.append(owner)
     return Owners(ranks, tuple(of))
+
+
+class OwnerPicker:
+    """plan_owners one bucket at a time: a bucket's owner depends only on the buckets before it, so a stream
+    (layout.Packer) knows it when the bucket opens. The one owner rule, so a streamed plan and plan_owners agree."""
+
+    def __init__(self, ranks: int) -> None:
+        if not 1 <= ranks <= MAX_OWNERS:
+            raise LayoutError(f"owner count must be within 1..{MAX_OWNERS}, got {ranks}")
+        self.held = [0] * ranks
+
+    def pick(self) -> int:
+        """The owner of the next bucket: the rank holding the fewest bytes so far (the lowest on a tie)."""
+        return min(range(len(self.held)), key=lambda rank: (self.held[rank], rank))
+
+    def charge(self, owner: int, nbytes: int) -> None:
+        self.held[owner] += max(nbytes, 1)  # empty buckets still take turns
 
 
 def owners_by_group(layout: Layout, ranks: int) -> Owners:

@@ -1,0 +1,141 @@
+"""The ckpt_engine backend inside the real verl 0.9.1 (installed from the registry by scripts/test-verl.sh):
+verl's registry builds it, and it is driven as verl's CheckpointEngineManager drives a backend, with 2 actor
+ranks and 2 rollout workers as processes of their own on gloo."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("verl", reason="the verl tests run in scripts/test-verl.sh's environment")
+
+from ckpt_engine.plan.layout import plan_layout
+from ckpt_engine.plan.owners import plan_owners
+from ckpt_engine.plan.tensors import spec_of
+from tests.engines_verl.verl_harness import BUCKET_SIZE, Cluster, fingerprint, model_weights
+
+pytestmark = pytest.mark.multiproc
+
+
+def test_importing_ckpt_engine_does_not_import_verl() -> None:
+    code = ("import sys, ckpt_engine, ckpt_engine.workers, ckpt_engine.workers.adapters, ckpt_engine.send.publisher; "
+            "print('verl' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_the_entry_point_registers_the_backend_at_import_verl() -> None:
+    code = ("import verl; from verl.checkpoint_engine.base import CheckpointEngineRegistry as R, CheckpointEngine; "
+            "cls = R.get('ckpt_engine'); print(cls.__module__, issubclass(cls, CheckpointEngine), "
+            "sorted(cls.__abstractmethods__))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split("\n")[-2] == "ckpt_engine.workers.adapters.verl.backend True []"
+
+
+def test_unknown_engine_kwargs_are_refused_by_name() -> None:
+    from ckpt_engine.workers.adapters.verl.sync import VerlSync
+
+    from ckpt_engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="bypass_cpus"):
+        VerlSync(BUCKET_SIZE, bypass_cpus=True)
+    with pytest.raises(ConfigError, match="bypass_cpu must be true or false"):
+        VerlSync(BUCKET_SIZE, bypass_cpu="yes")
+
+
+def _first_bucket_of(rank: int, actors: int, global_steps: int) -> tuple[int, str]:
+    """The first bucket ``rank`` owns in that sync's version, and the name of its first tensor."""
+    layout = plan_layout([spec_of(n, t) for n, t in model_weights(global_steps)], BUCKET_SIZE)
+    owners = plan_owners(layout, actors)
+    index = owners.buckets_of(rank)[0]
+    return index, layout.buckets[index].slots[0].name
+
+
+def _check_delivered(sync: dict, global_steps: int, version: int) -> None:
+    expected = fingerprint(model_weights(global_steps))
+    for actor in sync["actors"]:
+        assert "raised" not in actor, actor
+        assert actor["sent"] == expected
+        assert actor["metrics"]["ckpt_engine/version"] == version
+    for rollout in sync["rollouts"]:
+        assert "raised" not in rollout, rollout
+        assert rollout["received"] == expected  # byte-identical, same names, dtypes, shapes and order
+        assert rollout["version"] == version
+
+
+@pytest.mark.parametrize(("mode", "how"), [("cached", "custom_backend_module"), ("bypass_cpu", "entry_point")])
+def test_verl_syncs_are_versions_byte_exact_and_a_corrupted_byte_is_refused(mode: str, how: str) -> None:
+    cluster = Cluster(2, 2, {"bypass_cpu": mode == "bypass_cpu", "timeout_s": 60.0, "load_timeout_s": 60.0}, how)
+    try:
+        assert [c["class"] for c in cluster.constructed] == ["CkptEngineCheckpointEngine"] * 4
+        assert {c["mode"] for c in cluster.constructed} == {mode}
+
+        first = cluster.update_weights(global_steps=3)
+        assert first["metadata"][0]["role"] == "master" and [m["role"] for m in first["metadata"][1:]] == ["peer"] * 3
+        _check_delivered(first, 3, version=1)
+        # both actor ranks sent: each kept and sent only its own share
+        kept = [a["metrics"][f"ckpt_engine/bytes_kept_rank{r}"] for r, a in enumerate(first["actors"])]
+        assert all(k > 0 for k in kept)
+        assert sum(kept) == sum(t.numel() * t.element_size() for _, t in model_weights(3))
+
+        _check_delivered(cluster.update_weights(global_steps=4), 4, version=2)
+
+        bucket, tensor = _first_bucket_of(1, 2, 5)
+        bad = cluster.update_weights(global_steps=5, corrupt=(1, bucket))
+        for rollout in bad["rollouts"]:
+            assert rollout["yielded"] == 0, rollout  # nothing reached verl's loader
+            assert "VerificationFailed" in rollout["raised"] and "digest mismatch" in rollout["raised"]
+            assert tensor in rollout["raised"], rollout["raised"]
+        # the lead owner (actor rank 0) collects the acknowledgements: its send_weights fails the sync in verl
+        assert "raised" in bad["actors"][0] and tensor in bad["actors"][0]["raised"], bad["actors"][0]
+
+        _check_delivered(cluster.update_weights(global_steps=6), 6, version=4)  # the next sync works again
+
+        # a loader that stops part way: that rollout's weights are torn, and the sync fails in verl
+        partial = cluster.update_weights(global_steps=7, stop_after={0: 2})
+        assert "part way" in partial["actors"][0]["raised"], partial["actors"][0]
+        assert partial["rollouts"][1]["received"] == fingerprint(model_weights(7))
+        _check_delivered(cluster.update_weights(global_steps=8), 8, version=6)
+    finally:
+        cluster.close()
+
+
+def test_a_streamed_share_is_the_planned_one_for_any_sizes() -> None:
+    """Each rank keeps exactly the tensors of the buckets plan_owners gives it, learnt as the tensors come."""
+    import torch
+    from ckpt_engine.workers.adapters.verl.stream import collect_owned
+
+    gen = torch.Generator().manual_seed(5)
+    sizes = torch.randint(1, 3000, (60,), generator=gen).tolist() + [40_000, 3, 0]  # one oversize, one empty
+    weights = [(f"t{i}", torch.full((n,), float(i))) for i, n in enumerate(sizes)]
+    layout = plan_layout([spec_of(n, t) for n, t in weights], 8192)
+    for ranks in (1, 2, 3, 5):
+        owners = plan_owners(layout, ranks)
+        seen = set()
+        for rank in range(ranks):
+            named, _kept = collect_owned(iter(weights), rank=rank, ranks=ranks, bucket_size=8192)
+            mine = {slot.name for b in owners.buckets_of(rank) for slot in layout.buckets[b].slots}
+            real = {n for n, t in named.tensors.items() if t.stride() != (0,)}  # placeholders: zero strides
+            assert real - {"t62"} == mine - {"t62"} and not (seen & mine)  # (an empty tensor cannot tell)
+            seen |= mine
+            for name in mine:  # the kept ones are copies of what was yielded
+                assert torch.equal(named.tensors[name], dict(weights)[name])
+        assert seen == {n for n, _ in weights}
+
+
+def test_build_topology_checks_what_verl_hands_it() -> None:
+    from ckpt_engine.workers.adapters.verl.sync import VerlSync
+
+    from ckpt_engine.errors import ConfigError
+
+    master = {"role": "master", "host": "127.0.0.1", "port": 1, "version": 3}
+    actor, rollout = VerlSync.build_topology(2, 3, [master, {"role": "peer"}] + [{"role": "peer"}] * 3)
+    assert actor["rank"] == [0, 1] and rollout["rank"] == [0, 1, 2] and set(rollout["version"]) == {3}
+    with pytest.raises(ConfigError, match="actor rank 0 must be the master"):
+        VerlSync.build_topology(2, 1, [{"role": "peer"}, master, {"role": "peer"}])
+    with pytest.raises(ConfigError, match="3 prepare"):
+        VerlSync.build_topology(2, 2, [master, {"role": "peer"}, {"role": "peer"}])
+    with pytest.raises(ConfigError, match="at least one"):
+        VerlSync.build_topology(1, 0, [master])

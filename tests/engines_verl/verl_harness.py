@@ -1,0 +1,188 @@
+"""Drives the ckpt_engine verl backend exactly as verl 0.9.1's CheckpointEngineManager.update_weights does
+(prepare on every actor rank and rollout worker -> build_topology in the driver -> init_process_group on all ->
+send_weights on every actor rank and receive_weights on every rollout worker at once -> finalize), with each
+actor rank and rollout worker a process of its own (gloo). The backend is constructed by verl's own registry,
+as verl constructs it (actor ranks with is_master, rollout workers without), and the rollout side reads
+receive_weights() through verl's own ensure_async_iterator, as verl's server adapters do.
+
+The driver talks to its processes over multiprocessing queues of the test (not the product's wire).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import multiprocessing as mp
+import queue
+import traceback
+from typing import Any
+
+import torch
+
+BUCKET_SIZE = 64 << 10
+MODULE = "ckpt_engine.workers.adapters.verl"
+
+
+def model_weights(global_steps: int) -> list[tuple[str, torch.Tensor]]:
+    """What an actor's generator yields for a sync: full tensors, mixed dtypes, one larger than a bucket;
+    the values depend on the step, so every sync is a new version."""
+    gen = torch.Generator().manual_seed(1000 + global_steps)
+    out: list[tuple[str, torch.Tensor]] = [
+        ("model.embed_tokens.weight", torch.randn(64, 96, generator=gen).to(torch.bfloat16))]
+    for layer in range(3):
+        prefix = f"model.layers.{layer}"
+        out += [(f"{prefix}.self_attn.qkv_proj.weight", torch.randn(96, 64, generator=gen)),
+                (f"{prefix}.mlp.up_proj.weight", torch.randn(48, 96, generator=gen).to(torch.float16)),
+                (f"{prefix}.input_layernorm.weight", torch.randn(96, generator=gen))]
+    out += [("model.norm.weight", torch.randn(96, generator=gen)),
+            ("lm_head.weight", torch.randn(160, 160, generator=gen)),  # 100 KiB: larger than a bucket
+            ("model.rotary.inv_freq_steps", torch.arange(7, dtype=torch.int64) * (global_steps + 1))]
+    return out
+
+
+def fingerprint(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """(name, dtype, shape, sha256 of the bytes) per tensor, in order: byte-exact comparison."""
+    rows = []
+    for name, tensor in named:
+        data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        rows.append((name, str(tensor.dtype), tuple(tensor.shape), hashlib.sha256(data).hexdigest()))
+    return rows
+
+
+def _construct(role: str, rank: int, engine_kwargs: dict[str, Any], how: str):
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+    if how == "custom_backend_module":
+        from verl.utils.import_utils import import_external_libs
+
+        import_external_libs(MODULE)  # what verl does with checkpoint_engine.custom_backend_module
+    else:
+        import verl  # noqa: F401 - the verl.plugins entry point registers the backend at import
+    if role == "actor":  # as ActorRolloutRefWorker.init_model; rollout workers as CheckpointEngineWorker
+        return CheckpointEngineRegistry.new("ckpt_engine", is_master=rank == 0, bucket_size=BUCKET_SIZE,
+                                            **engine_kwargs)
+    return CheckpointEngineRegistry.new("ckpt_engine", bucket_size=BUCKET_SIZE, **engine_kwargs)
+
+
+def _flip(bucket: int, buf: torch.Tensor) -> torch.Tensor:
+    corrupted = buf.clone()
+    corrupted[0] ^= 0xFF  # the first byte of the bucket's first tensor
+    return corrupted
+
+
+def worker(role: str, rank: int, engine_kwargs: dict[str, Any], how: str, commands: mp.Queue,
+           results: mp.Queue) -> None:
+    """One actor rank or rollout worker: runs the driver's commands on its engine until told to stop."""
+    try:
+        engine = _construct(role, rank, engine_kwargs, how)
+        corrupt = {"bucket": None}
+        engine._wire_hook = lambda k, buf: _flip(k, buf) if k == corrupt["bucket"] else buf
+        results.put(("ok", {"class": type(engine).__name__, "mode": engine.mode}))
+    except BaseException:  # noqa: BLE001 - everything goes back to the driver, which fails the test
+        results.put(("error", traceback.format_exc()))
+        return
+    while True:
+        command, args = commands.get(timeout=300)
+        if command == "stop":
+            return
+        try:
+            if command == "prepare":
+                value: Any = engine.prepare()
+            elif command == "init":
+                value = engine.init_process_group(**args)
+            elif command == "finalize":
+                value = engine.finalize()
+            elif command == "send":
+                corrupt["bucket"] = args.get("corrupt_bucket")
+                weights = model_weights(args["global_steps"])
+                metrics = asyncio.run(engine.send_weights(iter(weights), global_steps=args["global_steps"]))
+                value = {"metrics": metrics, "sent": fingerprint(weights)}
+            elif command == "receive":
+                value = asyncio.run(_receive(engine, args["global_steps"], args.get("stop_after")))
+            else:
+                raise ValueError(command)
+            results.put(("ok", value))
+        except BaseException as exc:  # noqa: BLE001 - the driver checks what each rank raised
+            results.put(("raised", f"{type(exc).__name__}: {exc}"))
+
+
+async def _receive(engine, global_steps: int, stop_after: int | None = None) -> dict[str, Any]:
+    """``stop_after``: a loader that stops reading after that many tensors."""
+    from verl.workers.rollout.utils import ensure_async_iterator
+
+    weights = engine.receive_weights(global_steps=global_steps)  # not awaited: verl does not await it
+    got: list[tuple[str, torch.Tensor]] = []
+    try:
+        async for name, tensor in ensure_async_iterator(weights):
+            got.append((name, tensor.clone()))  # as SGLang's bucketer does with views
+            if stop_after is not None and len(got) >= stop_after:
+                break
+    except Exception as exc:  # noqa: BLE001 - what verl's adapter would see, for the test to check
+        return {"raised": f"{type(exc).__name__}: {exc}", "yielded": len(got)}
+    return {"received": fingerprint(got), "version": engine.last_version}
+
+
+class Cluster:
+    """``actors`` actor ranks and ``rollouts`` rollout workers, and the driver's side of the manager."""
+
+    def __init__(self, actors: int, rollouts: int, engine_kwargs: dict[str, Any], how: str = "entry_point") -> None:
+        ctx = mp.get_context("spawn")
+        self.roles = [("actor", r) for r in range(actors)] + [("rollout", r) for r in range(rollouts)]
+        self.actors, self.rollouts = actors, rollouts
+        self.commands = [ctx.Queue() for _ in self.roles]
+        self.results = [ctx.Queue() for _ in self.roles]
+        self.procs = [ctx.Process(target=worker, args=(role, rank, engine_kwargs, how, c, r), daemon=True)
+                      for (role, rank), c, r in zip(self.roles, self.commands, self.results)]
+        for proc in self.procs:
+            proc.start()
+        self.constructed = self._collect(range(len(self.roles)), 240)
+
+    def _collect(self, indices, timeout_s: float) -> list[Any]:
+        out = []
+        for i in indices:
+            try:
+                status, value = self.results[i].get(timeout=timeout_s)
+            except queue.Empty:
+                raise AssertionError(f"{self.roles[i]} did not answer within {timeout_s}s") from None
+            if status == "error":
+                raise AssertionError(f"{self.roles[i]} failed:\n{value}")
+            out.append(value if status == "ok" else {"raised": value})
+        return out
+
+    def _all(self, command: str, args: list[Any], timeout_s: float = 120) -> list[Any]:
+        for q, a in zip(self.commands, args):
+            q.put((command, a))
+        return self._collect(range(len(self.roles)), timeout_s)
+
+    def update_weights(self, global_steps: int, corrupt: tuple[int, int] | None = None,
+                       stop_after: dict[int, int] | None = None) -> dict[str, Any]:
+        """One sync as CheckpointEngineManager.update_weights runs it. ``corrupt``: (actor rank, bucket) whose
+        bytes that actor flips on the wire; ``stop_after``: rollout rank -> tensors its loader reads."""
+        from ckpt_engine.workers.adapters.verl.backend import CkptEngineCheckpointEngine
+
+        metadata = self._all("prepare", [None] * len(self.roles))
+        actor_kwargs, rollout_kwargs = CkptEngineCheckpointEngine.build_topology(self.actors, self.rollouts, metadata)
+        for kwargs, size in ((actor_kwargs, self.actors), (rollout_kwargs, self.rollouts)):
+            assert all(len(v) == size for v in kwargs.values())  # what the manager checks
+        per_rank = [{k: v[i] for k, v in actor_kwargs.items()} for i in range(self.actors)]
+        per_rank += [{k: v[i] for k, v in rollout_kwargs.items()} for i in range(self.rollouts)]
+        inits = self._all("init", per_rank)
+        assert all(v is None for v in inits), inits
+        sends = [{"global_steps": global_steps,
+                  "corrupt_bucket": corrupt[1] if corrupt and corrupt[0] == r else None} for r in range(self.actors)]
+        for i, (role, rank) in enumerate(self.roles):  # send and receive together, as the manager does
+            receive = {"global_steps": global_steps, "stop_after": (stop_after or {}).get(rank)}
+            self.commands[i].put(("send", sends[rank]) if role == "actor" else ("receive", receive))
+        moved = self._collect(range(len(self.roles)), 180)
+        finals = self._all("finalize", [None] * len(self.roles))
+        assert all(v is None for v in finals), finals
+        return {"metadata": metadata, "actors": moved[: self.actors], "rollouts": moved[self.actors:]}
+
+    def close(self) -> None:
+        for q in self.commands:
+            q.put(("stop", None))
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
