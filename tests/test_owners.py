@@ -438,6 +438,7 @@ def test_shares_and_their_fill_views_are_built_once_per_layout() -> None:
     assert {key[1] for key in _FILL_VIEWS} <= alive | {b.data_ptr() for b in cache._pool}
 
 
+@pytest.mark.filterwarnings("ignore:.*(nested tensors|ComplexHalf).*:UserWarning")
 def test_a_tensor_that_turns_unsendable_under_the_same_key_is_refused_by_name() -> None:
     from ckpt_engine.device import detect_device
     from ckpt_engine.errors import ConfigError
