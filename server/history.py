@@ -148,7 +148,7 @@ class HistoryStore:
         self._cached_dirty = False
         self._problem: str | None = None
         self._problem_since: float | None = None
-        self._retry = Backoff(initial_s=0.5, max_s=30.0)
+        self._retry = Backoff(initial_s=0.5, max_s=5.0)  # a failed write is cheap: notice storage back soon
         self._next_retry = 0.0
 
     # ---- state ---------------------------------------------------------------------------------------

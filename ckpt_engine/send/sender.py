@@ -515,11 +515,13 @@ class Sender:
             log.exception("version %d: unexpected error while sending", source.version)
             result.reason = f"internal error: {type(exc).__name__}: {exc}"
         finally:
+            # First release what the source reads (bypass_cpu: the live tensors, and the training loop waiting on
+            # them, which must join the trainer's gathers before its own process-group timeout), then the votes.
+            source.all_filled()
             if not result.ok:  # a receiver may have dropped the version's header: the next one sends the layout
                 self._layout_sent.digest = None
             if not voted[0] and self.owners_group is not None:  # the other owners wait for this rank's vote
                 self._vote_failed(source.version, result.reason or "failed")
-            source.all_filled()
             for outlet in outlets:
                 outlet.release()
         result.seconds = timer.finish()
@@ -592,6 +594,7 @@ class Sender:
 
     def _abort_receivers(self, source: _Source, reason: str) -> None:
         """The lead tells the receivers that the version will not complete, and why (best effort)."""
+        source.all_filled()  # nothing more is read from the source: release it before any wait
         if not self.lead:
             return
         raw = encode(AbortMessage(version=source.version, reason=reason))
@@ -682,6 +685,7 @@ class Sender:
                 if self.wire_hook is not None:
                     buf = self.wire_hook(k, buf)
             except Exception as exc:  # anything that stops us preparing a bucket aborts the version for all
+                source.all_filled()  # nothing more is read: the training loop goes on while receivers are told
                 self._abort(source.version, outlets, len(bucket.slots), f"bucket {k} could not be prepared: {exc}")
             if position == len(mine) - 1:
                 source.all_filled()

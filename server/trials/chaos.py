@@ -421,12 +421,29 @@ def _time_to_exit(cluster: Cluster, name: str) -> float:
     return round(time.monotonic() - started, 2)
 
 
+def _wait_storage_back(cluster: Cluster, trial: Trial, limit_s: float = 10.0) -> None:
+    """A degraded daemon refuses new versions (503, truthfully) until a write succeeds again: wait for that,
+    within the history's retry backoff plus a margin."""
+    started = time.monotonic()
+    while time.monotonic() - started < limit_s:
+        try:
+            if not httpx.get(f"{cluster.url}/health", timeout=2).json().get("degraded"):
+                trial.waits.append(("storage noticed back", round(time.monotonic() - started, 2)))
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.2)
+    trial.violations.append(f"the daemon still reported degraded storage {limit_s:.0f}s after the disk came back")
+
+
 def recover(cluster: Cluster, trial: Trial, fault_at: float) -> None:
     """Restart whatever is not running any more, as a supervisor would."""
     if trial.fault == "starve_receiver":  # memory comes back
         (cluster.workdir / f"{trial.target}.arm").write_text("unalloc")
     if not cluster.alive("daemon"):
         cluster.start_daemon()
+    if trial.fault == "fill_disk":  # the daemon retries its storage with a backoff of at most 5 s
+        _wait_storage_back(cluster, trial)
     trainers = ("trainer0", "trainer1")
     if _may_end_the_job(trial):  # a stall near or past the job's timeout ends it; give it that long to show
         while all(cluster.alive(t) for t in trainers) and time.monotonic() - fault_at < PG_TIMEOUT_S + 2:
