@@ -46,6 +46,7 @@ class Agent:
     members: int | None = None  # drivers: receivers of their engine
     whole_versions: bool = False  # receivers whose engine takes no sparse version (vLLM)
     trainer_ranks: int = 1  # trainer rank 0: ranks of its job
+    framework: str | None = None  # verl: the framework moves this agent's versions (messages.Register)
     # what the model holds (receivers)
     serving: int | None = None  # the version it holds whole, as far as the daemon knows
     last_served: int | None = None  # the last version it held whole (a repair re-applies it)
@@ -87,7 +88,7 @@ class Agent:
                 "device": self.device, "host_id": self.host_id, "versions": self.versions, "sync_every": self.sync_every,
                 "registered_at": self.registered_at, "seconds_since_seen": round(now - self.last_seen, 3),
                 "engine": self.engine, "driven": self.driven, "members": self.members, "state": self.state(),
-                "whole_versions": self.whole_versions, "proven": self.proven,
+                "whole_versions": self.whole_versions, "proven": self.proven, "framework": self.framework,
                 "serving": self.serving, "staged": self.staged, "torn": self.torn, "unable": self.unable,
                 "unable_for_s": round(max(0.0, self.unable_until - now), 3) if self.unable else None}
 
@@ -105,7 +106,8 @@ class AgentRegistry:
         agent = Agent(secrets.token_hex(8), secrets.token_hex(24), next(self._seq), message.role, message.rank,
                       message.host, message.pid, message.device, message.host_id, time.time(), now, versions,
                       message.sync_every, engine=message.engine, driven=message.driven, members=message.members,
-                      whole_versions=message.whole_versions, trainer_ranks=message.trainer_ranks or 1)
+                      whole_versions=message.whole_versions, trainer_ranks=message.trainer_ranks or 1,
+                      framework=message.framework)
         if message.role == "trainer":
             agent.ipc_name = message.ipc_name
         if message.role == "receiver" and versions:

@@ -75,6 +75,7 @@ class Controller:
         self._sync_wanted_until = 0.0
         self._tick_failing_since: float | None = None
         self._tick_error: str | None = None
+        self._queued_push: VersionRecord | None = None  # a rollback waiting for a framework's next sync
         self._max_issued = (history.latest().id if history.latest() else 0)
         self.started_at = time.time()
 
@@ -183,10 +184,11 @@ class Controller:
 
     # ---- versions -----------------------------------------------------------------------------------
     def request_sync(self, *, step: int | None, bypass_cpu: bool | None, sparse: bool | None = None,
-                     source_version: int | None = None) -> VersionRecord:
+                     source_version: int | None = None, receivers: list[str] | None = None) -> VersionRecord:
         # a re-push is always from the cache
         mode = "cached" if source_version is not None else mode_of(self.config.bypass_cpu if bypass_cpu is None
                                                                     else bypass_cpu)
+        explicit_sparse = sparse
         sparse = self.config.sparse if sparse is None else sparse
         try:
             check_sparse(mode, sparse)
@@ -201,6 +203,10 @@ class Controller:
                                {"in_flight": flight.version, "purpose": flight.purpose})
             self._require_storage()
             trainer = self.agents.trainer()
+            if (trainer is not None and trainer.framework) or receivers is not None:
+                if explicit_sparse:
+                    raise BadRequest("sparse versions are not available to a framework-driven trainer (verl)")
+                return self._framework_sync(trainer, receivers, mode=mode, step=step)
             receivers = self._candidates()
             if source_version is None:  # per-receiver cadence applies to new versions, not to re-pushes
                 due = [r for r in receivers if r.offered % r.sync_every == 0]
@@ -238,7 +244,71 @@ class Controller:
                     "restarted or went away takes its share with it)" if missing and record.owners > 1 else
                     " (it was evicted, never cached, or sent with bypass_cpu)")
             raise Conflict(f"version {version} is not in the trainer's cache{held}")
+        with self._lock:
+            trainer = self.agents.trainer()
+            if trainer is not None and trainer.framework:
+                return self._queue_push(record)
         return self.request_sync(step=record.step, bypass_cpu=False, source_version=version)
+
+    # ---- framework-driven trainers (verl) -------------------------------------------------------------
+    def _framework_sync(self, trainer: Agent | None, receivers: list[str] | None, *, mode: Mode,
+                        step: int | None) -> VersionRecord:
+        """A framework's own sync (verl's update_weights) as a version: the framework's groups carry it, so
+        nothing is assigned; the receivers it names report their own outcomes as usual. A re-push queued by
+        ``POST /push`` takes this sync's place (the framework's trainer sends it from its cache)."""
+        if trainer is None or not trainer.framework:
+            raise BadRequest("'receivers' is for a framework-driven trainer (registered with framework: verl); "
+                             "the trainer registered here is not one")
+        if receivers is None:
+            raise Conflict(f"the trainer is driven by {trainer.framework}: its versions start at {trainer.framework}'s "
+                           "own syncs (POST /push queues a rollback for its next one)")
+        quorum = self._framework_quorum(trainer, receivers)
+        problem = self._quorum_problem(trainer, quorum)
+        queued, self._queued_push = self._queued_push, None
+        if problem:
+            record = queued or self._create(mode=mode, step=step)
+            failed = self.history.update(record.id, status="failed", reason=problem)
+            self.metrics.version_done("failed", 0, {})
+            raise Unavailable(problem, failed.to_dict())
+        if queued is not None:
+            source = self.history.get(queued.source_version)  # type: ignore[arg-type]
+            if source is None or not source.cached:
+                self.history.update(queued.id, status="failed", reason=f"version {queued.source_version} is no "
+                                    "longer in the trainer's cache (evicted before the framework's next sync)")
+                self.metrics.version_done("failed", 0, {})
+                queued = None
+        record = queued or self._create(mode=mode, step=step)
+        owners = self.history.get(record.source_version).owners if record.source_version else trainer.trainer_ranks  # type: ignore[union-attr]
+        self._in_flight = InFlight(record.id, record.mode, trainer.agent_id,
+                                   {r.agent_id: rank for rank, r in enumerate(quorum, start=1)}, {},
+                                   "push" if record.source_version else "sync")
+        self.metrics.in_flight.set(1)
+        return self.history.update(record.id, purpose=self._in_flight.purpose, owners=owners, receivers=[
+            {"rank": rank, "agent_id": r.agent_id, "transport": "collective"} for rank, r in enumerate(quorum, 1)])
+
+    def _framework_quorum(self, trainer: Agent, receivers: list[str]) -> list[Agent]:
+        if len(set(receivers)) != len(receivers):
+            raise BadRequest("'receivers' names an agent twice")
+        quorum = []
+        for agent_id in receivers:
+            agent = self.agents.get(agent_id)
+            if agent is None or agent.role != "receiver" or agent.framework != trainer.framework:
+                raise BadRequest(f"{agent_id!r} is not a registered {trainer.framework} receiver")
+            quorum.append(agent)
+        return quorum
+
+    def _queue_push(self, record: VersionRecord) -> VersionRecord:
+        """A rollback for a framework-driven trainer: recorded now, sent at the framework's next sync in place
+        of that sync's new weights (the daemon cannot start the framework's transfer). A newer push replaces
+        one still waiting."""
+        self._require_storage()
+        previous, self._queued_push = self._queued_push, None
+        if previous is not None:
+            self.history.update(previous.id, status="cancelled", reason=f"replaced by a push of version {record.id}")
+        queued = self._create(mode="cached", step=record.step, source_version=record.id)
+        self._queued_push = self.history.update(queued.id, purpose="push", reason=(
+            f"queued: the trainer is driven by {self.agents.trainer().framework}; sent at its next sync"))  # type: ignore[union-attr]
+        return self._queued_push
 
     def request_evict(self, version: int) -> VersionRecord:
         """Ask the trainer to drop ``version`` from its cache; the history's ``cached`` flag turns false once
@@ -278,6 +348,7 @@ class Controller:
             storage = self.history.storage()
             return {
                 "in_flight": flight.version if flight else None,
+                "queued_push": self._queued_push.id if self._queued_push else None,
                 "generation": self._generation,
                 "trainer": trainer.agent_id if trainer else None,
                 "receivers": len(self.agents.receivers()),
@@ -346,6 +417,10 @@ class Controller:
             if self._in_flight is not None:  # its receivers may have applied it: its outcome is unknown
                 self._fail(self._in_flight, "the daemon stopped before this version's outcome was known; receivers "
                                             "may hold it (they are sent a whole version again)", "interrupted")
+            queued, self._queued_push = self._queued_push, None
+            if queued is not None:
+                self.history.update(queued.id, status="cancelled",
+                                    reason="the daemon stopped before the framework's next sync")
 
     # ---- reports ------------------------------------------------------------------------------------
     def _trainer_bookkeeping(self, agent: Agent, message: Report) -> None:
@@ -638,7 +713,7 @@ class Controller:
         served last (known to work on it), the others the newest committed one."""
         trainer = self.agents.trainer()
         now = time.monotonic()
-        if trainer is None or now < self._sync_wanted_until:
+        if trainer is None or trainer.framework or now < self._sync_wanted_until:
             return
         pool = self._candidates(regular=False)
 
@@ -729,7 +804,8 @@ class Controller:
         brought one alone (catch-up, repair), so one that cannot receive fails no one else's version. The
         members of an engine are one model: they are in or out together."""
         now, heartbeat_s = time.monotonic(), self.config.timeouts.heartbeat_s
-        ready = [r for r in self.agents.receivers() if r.heartbeating(now, heartbeat_s) and r.able(now)]
+        ready = [r for r in self.agents.receivers()  # (a framework's receivers take only its syncs)
+                 if r.heartbeating(now, heartbeat_s) and r.able(now) and r.framework is None]
         whole = [r for r in ready if not r.driven or self._engine_ready(r, ready, now)]
         if not regular:
             return whole

@@ -50,7 +50,8 @@ def _unregister(controller: Controller, body: dict, roles: set[Role]) -> dict:
 
 def _sync(controller: Controller, body: dict, roles: set[Role]) -> dict:
     request = parse_body(SyncRequest, body)
-    return controller.request_sync(step=request.step, bypass_cpu=request.bypass_cpu, sparse=request.sparse).to_dict()
+    return controller.request_sync(step=request.step, bypass_cpu=request.bypass_cpu, sparse=request.sparse,
+                                   receivers=request.receivers).to_dict()
 
 
 def _versions(controller: Controller, body: dict, roles: set[Role]) -> dict:

@@ -20,7 +20,7 @@ from typing import Any
 
 from ckpt_engine.control.auth import Role, client_token
 from ckpt_engine.control.client import ControlClient, ControlReplyError, RequestAbandoned
-from ckpt_engine.control.messages import Assignment, RegisterReply
+from ckpt_engine.control.messages import TERMINAL, Assignment, RegisterReply
 from ckpt_engine.device import DeviceInfo, detect_device
 from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.retry import Backoff, FailureLog
@@ -134,6 +134,19 @@ class Agent:
         """Wait until every queued report has been delivered (or given up on); False on timeout."""
         with self._reports.all_tasks_done:
             return self._reports.all_tasks_done.wait_for(lambda: self._reports.unfinished_tasks == 0, timeout_s)
+
+    def wait_ended(self, version: int, deadline: float) -> dict[str, Any] | None:
+        """``version``'s record once the daemon has ended it (committed, failed, ...); None at ``deadline``."""
+        backoff = Backoff(initial_s=0.02, max_s=0.5)
+        while time.monotonic() < deadline:
+            try:
+                record = self._client.request("version", {"version": version}, timeout_s=2.0)
+                if record.get("status") in TERMINAL:
+                    return record
+            except CkptEngineError as exc:  # the daemon may be restarting: the deadline bounds this
+                log.debug("waiting for version %d to end: %s", version, exc)
+            backoff.wait()
+        return None
 
     def _identity(self) -> dict[str, str]:
         settings = self.settings

@@ -210,7 +210,11 @@ class RolloutAgent(Agent):
             # What the model now holds for sure: after a load that failed part way it is torn, so nothing.
             self.current_version = held.version if held is not None else None
             self.applied.notify_all()
-        self.report(assignment.version, "received", ok=result.ok, reason=result.reason,
-                    version_digest=result.version_digest, bytes=result.bytes_received, stages=result.seconds,
-                    group_broken=self.group_broken, torn=result.torn,
-                    serving=self.current_version, unable=result.unable)
+        self.report(assignment.version, "received", **received_fields(result), group_broken=self.group_broken,
+                    serving=self.current_version)
+
+
+def received_fields(result: ReceiveResult) -> dict:
+    """A receiver's ``received`` report: its own outcome, with the digest it computed."""
+    return dict(ok=result.ok, reason=result.reason, version_digest=result.version_digest,
+                bytes=result.bytes_received, stages=result.seconds, torn=result.torn, unable=result.unable)

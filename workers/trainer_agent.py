@@ -39,7 +39,7 @@ from ckpt_engine.workers.fsdp import sharded_tensors_of
 from torch import nn
 
 from ckpt_engine.control.client import ControlReplyError
-from ckpt_engine.control.messages import TERMINAL, Assignment
+from ckpt_engine.control.messages import Assignment
 from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError, SyncTimeoutError
 from ckpt_engine.plan.modes import MODES
@@ -172,17 +172,7 @@ class TrainerAgent(Agent):
             self._background.join(timeout_s)
         self.flush_reports(max(0.0, deadline - time.monotonic()))
         if self.rank == 0 and self.served and self.settings is not None:
-            self._wait_ended(self.served[-1], deadline)
-
-    def _wait_ended(self, version: int, deadline: float) -> None:
-        backoff = Backoff(initial_s=0.02, max_s=0.5)
-        while time.monotonic() < deadline:
-            try:
-                if self._client.request("version", {"version": version}, timeout_s=2.0).get("status") in TERMINAL:
-                    return
-            except CkptEngineError as exc:  # the daemon may be restarting: the deadline bounds this
-                log.debug("waiting for version %d to end: %s", version, exc)
-            backoff.wait()
+            self.wait_ended(self.served[-1], deadline)
 
     # ---- agreement between trainer ranks -------------------------------------------------------------
     def _agree(self) -> Assignment | None:
@@ -290,18 +280,8 @@ class TrainerAgent(Agent):
         self._report_result(transfer.result(timeout_s=settings.version_timeout_s if settings else None), held)
 
     def _report_result(self, result: TransferResult, held: float) -> None:
-        """Rank 0's outcome is the version's (with the receivers' acknowledgements); another owner's says how
-        its share went, and what its cache holds now."""
-        publisher = self._publisher()
-        stages = {k: v for k, v in result.seconds.items() if k != "total"}
-        stages["snapshot" if result.mode == "cached" else "held"] = held
-        self.report(result.version, "done", ok=result.ok, reason=result.reason, version_digest=result.version_digest,
-                    bytes=result.bytes_sent, buckets=result.buckets, tensors=result.tensors,
-                    tensors_skipped=result.tensors_skipped, bytes_skipped=result.bytes_skipped, stages=stages,
-                    receivers=[ack.model_dump() for ack in result.receivers],
-                    cache_versions=publisher.cache.versions(), cache_bytes=publisher.cache.bytes_held,
-                    group_broken=self.group_broken,
-                    absent_ranks=result.absent_ranks)
+        self.report(result.version, "done", **done_fields(result, self._publisher(), held),
+                    group_broken=self.group_broken)
 
     def _in_background(self, assignment: Assignment, work: Callable[[Assignment], None]) -> None:
         def run() -> None:
@@ -323,13 +303,7 @@ class TrainerAgent(Agent):
                     absent_ranks=absent_ranks or [])
 
     def _evict(self, version: int) -> None:
-        publisher = self._publisher()
-        try:
-            publisher.cache.evict(version)
-        except CkptEngineError as exc:
-            log.warning("evict %d: %s", version, exc)
-        self.report(version, "evicted", cache_versions=publisher.cache.versions(),
-                    cache_bytes=publisher.cache.bytes_held)
+        evict(self, self._publisher(), version)
 
     def _on_stage(self, version: int, stage: str) -> None:
         self.report(version, stage)
@@ -338,6 +312,27 @@ class TrainerAgent(Agent):
         if self.publisher is None:
             raise CkptEngineError("trainer agent not started")
         return self.publisher
+
+
+def done_fields(result: TransferResult, publisher: Publisher, held: float) -> dict:
+    """A trainer rank's ``done`` report: rank 0's outcome is the version's (with the receivers'
+    acknowledgements); another owner's says how its share went; both say what the cache holds now."""
+    stages = {k: v for k, v in result.seconds.items() if k != "total"}
+    stages["snapshot" if result.mode == "cached" else "held"] = held
+    return dict(ok=result.ok, reason=result.reason, version_digest=result.version_digest, bytes=result.bytes_sent,
+                buckets=result.buckets, tensors=result.tensors, tensors_skipped=result.tensors_skipped,
+                bytes_skipped=result.bytes_skipped, stages=stages,
+                receivers=[ack.model_dump() for ack in result.receivers], cache_versions=publisher.cache.versions(),
+                cache_bytes=publisher.cache.bytes_held, absent_ranks=result.absent_ranks)
+
+
+def evict(agent: Agent, publisher: Publisher, version: int) -> None:
+    """The daemon asked this trainer rank to drop its share of ``version``; it says what it holds now."""
+    try:
+        publisher.cache.evict(version)
+    except CkptEngineError as exc:
+        log.warning("evict %d: %s", version, exc)
+    agent.report(version, "evicted", cache_versions=publisher.cache.versions(), cache_bytes=publisher.cache.bytes_held)
 
 
 def _group_device(group: dist.ProcessGroup | None) -> torch.device:

@@ -72,6 +72,11 @@ class Register(_Body):
     whole_versions: bool = False
     # trainer rank 0: ranks of the trainer job (each can own a share of every version)
     trainer_ranks: int | None = Field(None, ge=1, le=1 << 16)
+    # A framework (verl) moves this agent's versions on its own schedule and groups: the daemon numbers them,
+    # judges the receivers' own reports and keeps the history, but assigns such receivers nothing (no
+    # catch-up, no version of its own) and starts versions of such a trainer only when it asks (see SyncRequest
+    # ``receivers``); a re-push (rollback) waits for the framework's next sync.
+    framework: Literal["verl"] | None = None
 
 
 class RegisterReply(_Body):
@@ -219,6 +224,9 @@ class SyncRequest(BaseModel):
                                 "holds (default: the deployment's sparse)")
     wait: bool = Field(False, description="answer with the final record instead of at once")
     timeout_s: float | None = Field(None, gt=0, le=86400, description="how long to wait when wait is true")
+    receivers: list[AgentId] | None = Field(
+        None, max_length=4096, description="a framework-driven trainer (verl) starting its own sync: the receivers "
+        "(agent ids, in the order of their ranks 1..n on the framework's groups) that take this version")
 
 
 def encode_frame(message: dict[str, Any], encoding: Encoding = "msgpack") -> bytes:

@@ -130,9 +130,15 @@ def test_build_topology_checks_what_verl_hands_it() -> None:
 
     from ckpt_engine.errors import ConfigError
 
-    master = {"role": "master", "host": "127.0.0.1", "port": 1, "version": 3}
+    master = {"role": "master", "host": "127.0.0.1", "port": 1}
     actor, rollout = VerlSync.build_topology(2, 3, [master, {"role": "peer"}] + [{"role": "peer"}] * 3)
-    assert actor["rank"] == [0, 1] and rollout["rank"] == [0, 1, 2] and set(rollout["version"]) == {3}
+    assert actor["rank"] == [0, 1] and rollout["rank"] == [0, 1, 2] and set(rollout["port"]) == {1}
+    assert rollout["receivers"] == [None] * 3  # no daemon
+    workers = [{"role": "peer", "agent_id": f"a{i}"} for i in range(3)]
+    actor, rollout = VerlSync.build_topology(1, 3, [master, *workers])
+    assert actor["receivers"] == [["a0", "a1", "a2"]]  # actor rank 0 names them to the daemon, in rank order
+    with pytest.raises(ConfigError, match="endpoint must be the same"):
+        VerlSync.build_topology(1, 2, [master, workers[0], {"role": "peer", "agent_id": None}])
     with pytest.raises(ConfigError, match="actor rank 0 must be the master"):
         VerlSync.build_topology(2, 1, [{"role": "peer"}, master, {"role": "peer"}])
     with pytest.raises(ConfigError, match="3 prepare"):

@@ -69,3 +69,10 @@ def collect_owned(weights: Iterable[tuple[str, torch.Tensor]], *, rank: int, ran
     if tuple(owner_of) != planned:
         raise LayoutError(f"streamed bucket owners {owner_of} differ from the planned {list(planned)}")
     return named, kept
+
+
+def drain(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Walk all of ``weights`` keeping nothing: a rank that sends none of them still takes part in the
+    generator's collective gathers (a rollback sends a cached version instead)."""
+    for _ in weights:
+        pass

@@ -16,13 +16,19 @@ our versions:
   verified version is yielded to verl's loader (views into staging, valid until the generator moves past the
   last tensor). A failed verification yields nothing and raises, naming the tensors;
 - finalize: the groups and the store close (a new topology comes with every sync).
+
+Actor rank 0 announces each sync's version on its store (so every rank and worker learns it, and whether it
+is a rollback). With ``endpoint`` (a ckpt-engine daemon), that version is the daemon's (daemon.py): history,
+metrics, ``/versions``, the rollout workers' own verdicts, and rollbacks queued with ``POST /push``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -31,16 +37,20 @@ import torch
 from ckpt_engine.device import DeviceInfo, detect_device, synchronize
 from ckpt_engine.errors import ApplyRefused, CkptEngineError, ConfigError
 from ckpt_engine.receive.assembly import VersionAssembler, VersionPayload
-from ckpt_engine.receive.collective import Receiver
+from ckpt_engine.receive.collective import Receiver, ReceiveResult
 from ckpt_engine.send.publisher import Ownership, Publisher
 from ckpt_engine.send.sender import WireHook
 from ckpt_engine.transport.group import SyncGroup, open_store, owner_part, serve_store
 
-from .stream import collect_owned
+from .daemon import VerlAgent
+from .stream import collect_owned, drain
 
 log = logging.getLogger(__name__)
 BACKEND = "ckpt_engine"
 _MASTER, _PEER = "master", "peer"
+_ANNOUNCEMENT = "ckpt-engine/verl/version"  # on actor rank 0's store: this sync's version (or why none)
+_KNOWN = ("bypass_cpu", "host", "device", "timeout_s", "load_timeout_s", "keep_versions", "group_name", "endpoint",
+          "credentials")
 
 
 class VerificationFailed(CkptEngineError):
@@ -70,18 +80,25 @@ class VerlSync:
 
     wire_format = "named_tensors"  # verl's adapters get (name, tensor) pairs
 
-    def __init__(self, bucket_size: int, is_master: bool = False, *, bypass_cpu: bool = False,
+    def __init__(self, bucket_size: int, is_master: bool | None = None, *, bypass_cpu: bool = False,
                  host: str | None = None, device: str = "auto", timeout_s: float = 120.0,
                  load_timeout_s: float = 600.0, keep_versions: int = 1, group_name: str = "verl",
-                 **unknown: Any) -> None:
-        """``bucket_size`` is verl's (``update_weights_bucket_megabytes``); the rest are
-        ``engine_kwargs.ckpt_engine``: ``bypass_cpu`` (mode), ``host`` (where actor rank 0 serves the
-        rendezvous; default this node's Ray address), ``device`` (auto: cuda/npu/cpu), ``timeout_s`` (every
-        wait of the transfer), ``load_timeout_s`` (how long verl's loader may take to consume a version),
-        ``keep_versions`` (cached versions kept in host memory on each actor rank)."""
+                 endpoint: str | None = None, credentials: str | None = None, **unknown: Any) -> None:
+        """``bucket_size`` is verl's (``update_weights_bucket_megabytes``); ``is_master`` verl gives actor ranks
+        only (True on rank 0): without it this is a rollout worker. The rest are ``engine_kwargs.ckpt_engine``:
+        ``bypass_cpu`` (mode), ``host`` (where actor rank 0 serves the rendezvous; default this node's Ray
+        address), ``device`` (auto: cuda/npu/cpu), ``timeout_s`` (every wait of the transfer),
+        ``load_timeout_s`` (how long verl's loader may take to consume a version), ``keep_versions`` (cached
+        versions kept in host memory on each actor rank), ``endpoint`` (a ckpt-engine daemon's control endpoint,
+        ``tcp://host:port``) and ``credentials`` (the daemon's credentials file as these processes see it: each
+        takes its role's token, trainer on actor ranks and rollout on rollout workers; default
+        ``$CKPT_ENGINE_TOKEN``, else ``$CKPT_ENGINE_CREDENTIALS``, else ~/.ckpt-engine/credentials.json)."""
         if unknown:
-            raise ConfigError(f"unknown engine_kwargs.{BACKEND} option(s) {sorted(unknown)}; known: bypass_cpu, host, "
-                              "device, timeout_s, load_timeout_s, keep_versions, group_name")
+            raise ConfigError(f"unknown engine_kwargs.{BACKEND} option(s) {sorted(unknown)}; known: "
+                              f"{', '.join(_KNOWN)}")
+        if endpoint is not None and (not isinstance(endpoint, str) or not endpoint.startswith("tcp://")):
+            raise ConfigError(f"engine_kwargs.{BACKEND}.endpoint must be the daemon's tcp://host:port, got "
+                              f"{endpoint!r}")
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
             raise ConfigError(f"bucket_size must be a positive int, got {bucket_size!r}")
         if not isinstance(bypass_cpu, bool):
@@ -90,6 +107,10 @@ class VerlSync:
             raise ConfigError(f"engine_kwargs.{BACKEND}.keep_versions must be an int >= 1, got {keep_versions!r}")
         self.bucket_size = bucket_size
         self.is_master = bool(is_master)
+        self.is_actor = is_master is not None
+        self.endpoint, self.credentials = endpoint, credentials
+        self._agent: VerlAgent | None = None
+        self._open: int | None = None  # actor rank 0: the daemon's version of this sync, until it is sent
         self.mode = "bypass_cpu" if bypass_cpu else "cached"
         self.host = host
         self.device_name = device
@@ -118,13 +139,16 @@ class VerlSync:
 
     # ---- verl's lifecycle, every sync ------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
+        if not self.is_actor:  # a rollout worker: the daemon knows it by its agent id (build_topology passes it on)
+            return {"role": _PEER, "agent_id": self._daemon("receiver", 0).agent_id if self.endpoint else None}
         if not self.is_master:
             return {"role": _PEER}
+        self._abandon_open("verl started a new sync before this one's weights were sent")
         self._close_store()
         host = self.host or _node_address()
         self._server = serve_store(host, 0, timeout_s=self.timeout_s)
         self._versions += 1
-        return {"role": _MASTER, "host": host, "port": int(self._server.port), "version": self._versions}
+        return {"role": _MASTER, "host": host, "port": int(self._server.port)}
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
@@ -140,24 +164,36 @@ class VerlSync:
         if masters != [0]:
             raise ConfigError(f"exactly actor rank 0 must be the master (is_master), found it at {masters}")
         master = metadata[0]
-        common: dict[str, Any] = {"host": master["host"], "port": master["port"], "version": master["version"],
-                  "actors": actors, "rollouts": rollouts}
+        agent_ids = [meta.get("agent_id") if isinstance(meta, dict) else None for meta in metadata[actors:]]
+        if any(agent_ids) and not all(agent_ids):
+            raise ConfigError("some rollout workers have a daemon endpoint and some do not: engine_kwargs."
+                              f"{BACKEND}.endpoint must be the same in every verl process")
+        common: dict[str, Any] = {"host": master["host"], "port": master["port"], "actors": actors,
+                                  "rollouts": rollouts, "receivers": agent_ids if all(agent_ids) else None}
         actor_kwargs: dict[str, list] = {"role": ["actor"] * actors, "rank": list(range(actors)),
                         **{key: [value] * actors for key, value in common.items()}}
         rollout_kwargs: dict[str, list] = {"role": ["rollout"] * rollouts, "rank": list(range(rollouts)),
                           **{key: [value] * rollouts for key, value in common.items()}}
         return actor_kwargs, rollout_kwargs
 
-    def init_process_group(self, *, role: str, rank: int, host: str, port: int, version: int, actors: int,
-                           rollouts: int) -> None:
+    def init_process_group(self, *, role: str, rank: int, host: str, port: int, actors: int, rollouts: int,
+                           receivers: list[str] | None = None) -> None:
         if role not in ("actor", "rollout"):
             raise ConfigError(f"unknown role {role!r}")
-        if self.is_master != (role == "actor" and rank == 0):
-            raise ConfigError(f"is_master={self.is_master} but this is {role} rank {rank}")
+        if self.is_master != (role == "actor" and rank == 0) or self.is_actor != (role == "actor"):
+            raise ConfigError(f"is_master={self.is_master} (actor: {self.is_actor}) but this is {role} rank {rank}")
+        if (receivers is not None) != (self.endpoint is not None):
+            raise ConfigError(f"engine_kwargs.{BACKEND}.endpoint must be set in every verl process or in none")
         self._close_groups()
-        self._topology = {"role": role, "rank": rank, "version": version, "actors": actors, "rollouts": rollouts}
+        self._topology = None
         store = self._server if self.is_master else open_store(host, port, timeout_s=self.timeout_s)
         self._store = store
+        if role == "actor" and self.endpoint:
+            self._daemon("trainer", rank, actors)
+        sync = self._announce(store, receivers, actors) if self.is_master else self._announced(store)
+        version = sync["version"]
+        self._topology = {"role": role, "rank": rank, "version": version, "actors": actors, "rollouts": rollouts,
+                          "source_version": sync.get("source_version")}
 
         def group(part: str, group_rank: int, size: int) -> SyncGroup:
             return SyncGroup(store, name=self.group_name, generation=version, rank=group_rank, world_size=size,
@@ -176,22 +212,38 @@ class VerlSync:
                            global_steps: int | None = None) -> dict[str, Any]:
         topology = self._require("actor")
         rank, actors = topology["rank"], topology["actors"]
-        version = topology["version"]
-        # Walked here, on verl's thread, to the end on every rank: the generator's gathers are collective.
-        named, kept = collect_owned(weights, rank=rank, ranks=actors, bucket_size=self.bucket_size)
+        version, source = topology["version"], topology["source_version"]
+        step = _step(global_steps)
+        if self._agent is not None and self.is_master:
+            self._agent.report(version, "snapshotting", step=step)  # verl's global_steps become the version's step
+        started = time.perf_counter()
         publisher = self._publisher_for()
         publisher.attach(self._groups[0], owners_group=self._owners_group)
-        transfer = publisher.publish(version, named, mode=self.mode, step=_step(global_steps),  # type: ignore[arg-type]
-                                     ownership=Ownership(rank, actors))
-        del named  # the kept tensors: snapshotted (cached) or read (bypass_cpu) by now
+        # Walked here, on verl's thread, to the end on every rank: the generator's gathers are collective.
+        if source is not None:  # a rollback queued on the daemon: this sync sends that cached version instead
+            drain(weights)
+            kept = 0
+            transfer = publisher.publish(version, source_version=source, ownership=Ownership(rank, actors))
+        else:
+            named, kept = collect_owned(weights, rank=rank, ranks=actors, bucket_size=self.bucket_size)
+            transfer = publisher.publish(version, named, mode=self.mode, step=step,  # type: ignore[arg-type]
+                                         ownership=Ownership(rank, actors))
+            del named  # the kept tensors: snapshotted (cached) or read (bypass_cpu) by now
+        held = time.perf_counter() - started
         result = await asyncio.to_thread(transfer.result, self.timeout_s + self.load_timeout_s + self.timeout_s)
+        if self._agent is not None:
+            self._agent.sent(result, publisher, held)
+            self._open = None
         if not result.ok:
             raise CkptEngineError(f"{BACKEND}: version {version} (global_steps {global_steps}) was not delivered by "
                                   f"actor rank {rank}: {result.reason}")
+        if self._agent is not None and self.is_master:
+            await asyncio.to_thread(self._committed, version, global_steps)
         self.last_version = version
         return {f"{BACKEND}/version": version, f"{BACKEND}/bytes_kept_rank{rank}": kept,
                 f"{BACKEND}/bytes_sent_rank{rank}": result.bytes_sent,
-                f"{BACKEND}/seconds_rank{rank}": sum(result.seconds.values()) if result.seconds else 0.0}
+                f"{BACKEND}/seconds_rank{rank}": sum(result.seconds.values()) if result.seconds else 0.0,
+                **({f"{BACKEND}/rollback_of": source} if source is not None else {})}
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Yields the whole version's (name, tensor) only after it arrived and verified. The tensors are views
@@ -218,7 +270,11 @@ class VerlSync:
             if not received.done():
                 await asyncio.wait([received], timeout=self.timeout_s)
         if result is None:
-            raise VerificationFailed(f"{BACKEND}: the trainer closed the sync before version {version}")
+            result = ReceiveResult(version, False, "the trainer closed the sync before the version")
+        elif result.ok and result.version != version:
+            result.ok, result.reason = False, f"received version {result.version}, announced {version}"
+        if self._agent is not None:
+            self._agent.received(version, result)
         if not result.ok:
             what = "was handed to verl but did not complete" if handed.done() else "refused, nothing handed to verl"
             raise VerificationFailed(f"{BACKEND}: version {result.version} (global_steps {global_steps}) {what}: "
@@ -226,11 +282,71 @@ class VerlSync:
         self.last_version = result.version
 
     def finalize(self) -> None:
+        self._abandon_open("verl ended the sync before its weights were sent")
         self._close_groups()
         self._store = None
         if self.is_master:
             self._close_store()
         self._topology = None
+
+    def close(self) -> None:
+        """Leave the daemon (verl has no such step; a process that exits just stops heartbeating)."""
+        self.finalize()
+        if self._agent is not None:
+            self._agent.close()
+            self._agent = None
+
+    # ---- the daemon, and this sync's version --------------------------------------------------------------
+    def _daemon(self, role: str, rank: int, ranks: int | None = None) -> VerlAgent:
+        """This process's agent, registered with the daemon the first time it is needed."""
+        if self._agent is None:
+            self._agent = VerlAgent(role, self.endpoint or "", rank=rank, credentials=self.credentials,
+                                    device=self.device,
+                                    trainer_ranks=ranks, publisher=lambda: self._publisher,
+                                    timeout_s=min(self.timeout_s, 30.0)).start()
+        return self._agent
+
+    def _announce(self, store: Any, receivers: list[str] | None, actors: int) -> dict[str, Any]:
+        """Actor rank 0: this sync's version, from the daemon when there is one, told to every rank and worker
+        on the store (with the reason when there is none, so everyone fails this sync alike)."""
+        try:
+            if receivers is None:
+                sync: dict[str, Any] = {"version": self._versions}
+            else:
+                record = self._daemon("trainer", 0, actors).open_version(receivers, bypass_cpu=self.mode == "bypass_cpu")
+                sync = {"version": int(record["id"]), "source_version": record.get("source_version")}
+                self._open = sync["version"]
+                if sync["source_version"] is not None and record.get("owners") != actors:
+                    raise ConfigError(f"version {sync['source_version']} was cached by {record.get('owners')} actor "
+                                      f"ranks, this job has {actors}: it cannot be sent again")
+        except CkptEngineError as exc:
+            self._abandon_open(str(exc))
+            store.set(_ANNOUNCEMENT, json.dumps({"error": str(exc)}))
+            raise
+        store.set(_ANNOUNCEMENT, json.dumps(sync))
+        return sync
+
+    def _announced(self, store: Any) -> dict[str, Any]:
+        try:
+            sync = json.loads(store.get(_ANNOUNCEMENT))
+        except (RuntimeError, ValueError) as exc:
+            raise CkptEngineError(f"{BACKEND}: actor rank 0 did not announce this sync's version within "
+                                  f"{self.timeout_s:.0f}s: {exc}") from exc
+        if "error" in sync:
+            raise CkptEngineError(f"{BACKEND}: no version for this sync: {sync['error']}")
+        return sync
+
+    def _abandon_open(self, reason: str) -> None:
+        if self._open is not None and self._agent is not None:
+            self._agent.abandoned(self._open, reason)
+        self._open = None
+
+    def _committed(self, version: int, global_steps: int | None) -> None:
+        """Actor rank 0 with a daemon: the version counts once the daemon judged the receivers' own reports."""
+        record = self._agent.verdict(version, self.timeout_s + self.load_timeout_s)  # type: ignore[union-attr]
+        if record.get("status") != "committed":
+            raise VerificationFailed(f"{BACKEND}: version {version} (global_steps {global_steps}) {record.get('status')}"
+                                     f" on the daemon: {record.get('reason')}")
 
     # ---- internals -------------------------------------------------------------------------------------
     def _require(self, role: str) -> dict[str, Any]:

@@ -1,0 +1,96 @@
+"""The ckpt_engine verl backend with a real ckpt-engine daemon (``engine_kwargs.ckpt_engine.endpoint``): 2 actor
+ranks and 2 rollout workers (processes of their own, built by verl's registry, driven in the order of verl's
+CheckpointEngineManager) and a daemon process on 127.0.0.1. Every verl sync is a version of the daemon's
+history with verl's global_steps as its step, judged by the rollout workers' own digests; a rollback queued
+with POST /push is what verl's next sync delivers; a corrupted byte fails the version in the history too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("verl", reason="the verl tests run in scripts/test-verl.sh's environment")
+
+from ckpt_engine.server.launch import start_daemon, write_config
+from tests.engines_verl.test_verl_backend import _check_delivered, _first_bucket_of
+from tests.engines_verl.verl_harness import Cluster, fingerprint, model_weights
+
+pytestmark = pytest.mark.multiproc
+
+
+def _record(http, version: int) -> dict:
+    response = http.get(f"/versions/{version}")
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.mark.parametrize("mode", ["cached", "bypass_cpu"])
+def test_verl_syncs_are_daemon_versions_with_history_and_a_rollback_reaches_the_rollouts(tmp_path: Path,
+                                                                                        mode: str) -> None:
+    daemon = start_daemon(write_config(tmp_path, transport="collective"))  # exports the credentials file
+    cluster = None
+    try:
+        http = daemon.client()
+        cluster = Cluster(2, 2, {"endpoint": daemon.zmq, "bypass_cpu": mode == "bypass_cpu", "keep_versions": 2,
+                                 "timeout_s": 60.0, "load_timeout_s": 60.0})
+        versions = []
+        for steps in (5, 6):
+            sync = cluster.update_weights(steps)
+            version = sync["actors"][0]["metrics"]["ckpt_engine/version"]
+            _check_delivered(sync, steps, version)
+            record = _record(http, version)
+            assert record["status"] == "committed" and record["step"] == steps, record
+            assert record["owners"] == 2 and record["mode"] == mode and record["purpose"] == "sync"
+            assert [r["ok"] for r in record["receivers"]] == [True, True]
+            assert all(r["version_digest"] == record["version_digest"] for r in record["receivers"])
+            versions.append(version)
+        assert versions[1] > versions[0]
+        agents = http.get("/receivers").json()["agents"]
+        assert sorted(a["role"] for a in agents) == ["receiver", "receiver", "trainer", "trainer"]
+        assert {a["framework"] for a in agents} == {"verl"}
+        assert {a["serving"] for a in agents if a["role"] == "receiver"} == {versions[1]}
+
+        # The daemon does not start a verl job's versions on its own: verl's syncs do.
+        refused = http.post("/sync", json={})
+        assert refused.status_code == 409 and "verl" in refused.text
+
+        if mode == "cached":
+            # Rollback: queued on the daemon, delivered by verl's next sync in place of its new weights.
+            push = http.post(f"/versions/{versions[0]}/push")
+            assert push.status_code == 202, push.text
+            queued = _record(http, push.json()["version"])
+            assert queued["status"] == "requested" and queued["source_version"] == versions[0]
+            assert "next sync" in queued["reason"]
+            assert http.get("/status").json()["queued_push"] == queued["id"]
+            sync = cluster.update_weights(7)
+            for rollout in sync["rollouts"]:
+                assert rollout.get("received") == fingerprint(model_weights(5)), rollout
+                assert rollout["version"] == queued["id"]
+            assert all(a["metrics"]["ckpt_engine/rollback_of"] == versions[0] for a in sync["actors"])
+            record = _record(http, queued["id"])
+            assert record["status"] == "committed" and record["purpose"] == "push", record
+            assert record["version_digest"] == _record(http, versions[0])["version_digest"]
+        else:  # nothing is cached in bypass_cpu: there is nothing to roll back to
+            assert http.post(f"/versions/{versions[0]}/push").status_code == 409
+
+        # A corrupted byte: refused by the rollout workers, the version failed in the history, naming the tensor.
+        bucket, tensor = _first_bucket_of(1, 2, 8)
+        sync = cluster.update_weights(8, corrupt=(1, bucket))
+        assert all("raised" in r and tensor in r["raised"] for r in sync["rollouts"]), sync["rollouts"]
+        assert "raised" in sync["actors"][0]
+        failed = http.get("/versions", params={"limit": 1}).json()["versions"][0]
+        assert failed["status"] == "failed" and failed["step"] == 8 and tensor in failed["reason"], failed
+
+        # and the next sync works again
+        sync = cluster.update_weights(9)
+        version = sync["actors"][0]["metrics"]["ckpt_engine/version"]
+        _check_delivered(sync, 9, version)
+        assert _record(http, version)["status"] == "committed"
+        metrics = http.get("/metrics").text
+        assert 'ckpt_engine_versions_total{outcome="committed"}' in metrics
+        assert 'ckpt_engine_versions_total{outcome="failed"}' in metrics
+    finally:
+        if cluster is not None:
+            cluster.close()
+        daemon.stop()

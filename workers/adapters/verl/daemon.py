@@ -1,0 +1,114 @@
+"""A verl job's processes as agents of a ckpt-engine daemon (``engine_kwargs.ckpt_engine.endpoint``).
+
+verl decides when a sync happens and its own groups carry it (sync.py); the daemon numbers each sync as a
+version, keeps its history and metrics, judges it by the rollout workers' own reports (each with the digest
+it computed), and holds rollbacks: ``POST /push`` on a verl job queues a cached version, which verl's next
+sync sends in place of its new weights. Every actor rank registers as a trainer rank (it caches its share),
+every rollout worker as a receiver, all with ``framework: verl``: the daemon assigns them nothing but
+evictions.
+
+No verl import here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ckpt_engine.workers.agent import Agent
+from ckpt_engine.workers.rollout_agent import received_fields
+from ckpt_engine.workers.trainer_agent import done_fields, evict
+
+from ckpt_engine.control.auth import client_token
+from ckpt_engine.control.client import ControlReplyError
+from ckpt_engine.control.messages import Assignment
+from ckpt_engine.device import DeviceInfo
+from ckpt_engine.errors import CkptEngineError
+from ckpt_engine.receive.collective import ReceiveResult
+from ckpt_engine.send.publisher import Publisher
+from ckpt_engine.send.sender import TransferResult
+
+log = logging.getLogger(__name__)
+FRAMEWORK = "verl"
+
+
+class DaemonRefused(CkptEngineError):
+    """The daemon would not start this sync's version (another in flight, storage degraded, a receiver it
+    does not know): verl's sync fails with the daemon's reason and nothing is sent."""
+
+
+class VerlAgent(Agent):
+    """One actor rank (role ``trainer``) or rollout worker (role ``receiver``) of a verl job."""
+
+    def __init__(self, role: str, endpoint: str, *, rank: int = 0, credentials: str | None = None,
+                 device: DeviceInfo | None = None, trainer_ranks: int | None = None,
+                 publisher: Callable[[], Publisher | None] = lambda: None, timeout_s: float = 10.0) -> None:
+        if role not in ("trainer", "receiver"):
+            raise CkptEngineError(f"a verl agent is a trainer or a receiver, not {role!r}")
+        self.role = role
+        self.trainer_ranks = trainer_ranks
+        self._publisher = publisher
+        self.serving: int | None = None  # receivers: the version verl's loader took last
+        self.credentials = credentials
+        super().__init__(endpoint, rank=rank, device=device, request_timeout_s=timeout_s)
+
+    def _resolve_token(self) -> str | None:
+        return client_token("trainer" if self.role == "trainer" else "rollout", None, self.credentials)
+
+    def register_extra(self) -> dict:
+        ranks = {"trainer_ranks": self.trainer_ranks} if self.role == "trainer" and self.rank == 0 else {}
+        return {"framework": FRAMEWORK, **ranks}
+
+    def versions_held(self) -> list[int]:
+        if self.role == "receiver":
+            return [] if self.serving is None else [self.serving]
+        publisher = self._publisher()
+        return publisher.cache.versions() if publisher is not None else []
+
+    def forget_versions(self) -> None:
+        publisher = self._publisher()
+        if publisher is not None:
+            publisher.forget()
+        self.serving = None
+
+    def handle(self, assignment: Assignment) -> None:
+        publisher = self._publisher()
+        if assignment.kind == "evict" and publisher is not None:
+            evict(self, publisher, assignment.version)
+        elif assignment.kind == "evict":
+            self.report(assignment.version, "evicted", cache_versions=[], cache_bytes=0)
+        else:  # the daemon sends a framework's agents nothing else; a newer daemon might: say so, do nothing
+            log.warning("verl agent: ignoring a %s assignment for version %d", assignment.kind, assignment.version)
+
+    # ---- the daemon's side of one verl sync --------------------------------------------------------------
+    def open_version(self, receivers: list[str], *, bypass_cpu: bool) -> dict[str, Any]:
+        """Actor rank 0: the daemon's version for this sync (its record: id, source_version for a queued
+        rollback, owners)."""
+        try:
+            return self._client.request("sync", {"receivers": receivers, "bypass_cpu": bypass_cpu})
+        except ControlReplyError as exc:
+            raise DaemonRefused(f"the daemon at {self.endpoint} refused this sync: {exc}") from exc
+
+    def sent(self, result: TransferResult, publisher: Publisher, held: float) -> None:
+        self.report(result.version, "done", **done_fields(result, publisher, held))
+
+    def abandoned(self, version: int, reason: str) -> None:
+        """Actor rank 0: verl's sync ended before this version was sent (it failed elsewhere)."""
+        publisher = self._publisher()
+        self.report(version, "done", ok=False, reason=reason,
+                    cache_versions=publisher.cache.versions() if publisher is not None else None)
+
+    def received(self, version: int, result: ReceiveResult) -> None:
+        if result.ok:
+            self.serving = version
+        self.report(version, "received", **received_fields(result), serving=self.serving)
+
+    def verdict(self, version: int, timeout_s: float) -> dict[str, Any]:
+        """Actor rank 0: the daemon's verdict on ``version`` (its record once ended)."""
+        self.flush_reports(timeout_s)
+        record = self.wait_ended(version, time.monotonic() + timeout_s)
+        if record is None:
+            raise CkptEngineError(f"the daemon did not end version {version} within {timeout_s:.0f}s")
+        return record
