@@ -93,6 +93,8 @@ class AgentList(_Out):
 
 class StatusOut(_Out):
     in_flight: int | None
+    queued_push: int | None = Field(None, description="a rollback (POST /push) waiting for a framework's next sync "
+                                    "(verl jobs)")
     generation: int
     trainer: str | None
     receivers: int

@@ -23,7 +23,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +110,15 @@ class VersionRecord:
     owners: int = 1  # trainer ranks that each hold and send a share of it (cached: complete while all hold theirs)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # Not dataclasses.asdict: its deep copy of every receiver entry was half of a GET /versions. One level
+        # of copies is enough: records are replaced on update, never changed in place.
+        data = {name: getattr(self, name) for name in _FIELD_NAMES}
+        data["stages"] = dict(self.stages)
+        data["receivers"] = [dict(entry) for entry in self.receivers]
+        return data
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(VersionRecord))
 
 
 @dataclass
@@ -304,10 +312,24 @@ class HistoryStore:
         return records
 
     def counts(self) -> dict[str, int]:
-        rows = self._raw("SELECT id, status FROM versions")
+        """Versions per status (the file's counts, corrected by the changes not written yet)."""
+        counts = collections.Counter({status: n for status, n in
+                                      self._raw("SELECT status, COUNT(*) FROM versions GROUP BY status")})
         with self._mem:
-            statuses = [self._records[i].status if i in self._records else s for i, s in rows]
-        return dict(collections.Counter(statuses))
+            unwritten = {v: self._records[v].status for v in self._dirty if v in self._records}
+        if len(unwritten) > 500:  # storage down for long: past what one IN (...) query should carry
+            rows = self._raw("SELECT id, status FROM versions")
+            with self._mem:
+                statuses = [self._records[i].status if i in self._records else s for i, s in rows]
+            return dict(collections.Counter(statuses))
+        if unwritten:
+            marks = ",".join("?" * len(unwritten))
+            for version, status in self._raw(f"SELECT id, status FROM versions WHERE id IN ({marks})",
+                                             tuple(unwritten)):
+                counts[status] -= 1
+                counts[unwritten.pop(version)] += 1
+            counts.update(unwritten.values())  # (not in the file at all yet)
+        return {status: n for status, n in counts.items() if n > 0}
 
     def close(self) -> list[VersionRecord]:
         """Write what is pending and close; returns the records that could not be written (lost)."""
@@ -347,10 +369,10 @@ class HistoryStore:
             raise StorageUnavailable(f"the history cannot be read: {exc}") from exc
         return [_record(row) for row in rows]
 
-    def _raw(self, query: str) -> list[tuple]:
+    def _raw(self, query: str, args: Any = ()) -> list[tuple]:
         try:
             with self._read_lock:
-                return [tuple(row) for row in self._reader.execute(query).fetchall()]
+                return [tuple(row) for row in self._reader.execute(query, args).fetchall()]
         except sqlite3.Error as exc:
             raise StorageUnavailable(f"the history cannot be read: {exc}") from exc
 

@@ -150,6 +150,8 @@ try:
 except StorageUnavailable:
     pass
 assert [r.status for r in store.list()] == ["committed"]
+assert store.counts() == {{"committed": 1}}, store.counts()  # the unwritten change counts, not the file's row
+assert store.get(first.id).to_dict() == {{**store.get(first.id).__dict__}}
 resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 assert store.flush(force=True) and store.storage().ok
 db = sqlite3.connect({str(tmp_path / "h.sqlite3")!r})

@@ -35,6 +35,15 @@ class ShardDigester:
     def digests(self, named: NamedTensors, layout: Layout) -> list[int]:
         """Digests in ``layout``'s tensor order (the full model's layout, identical on every rank)."""
         local = {s.name: _local(named.tensors[s.name]) for s in layout.slots}
+        # One value broadcast to a shape (a stand-in for a tensor another rank holds, see the verl adapter):
+        # digested from that value, not from a copy of its full size.
+        broadcast = {name: _broadcast_digest(t) for name, t in local.items() if _is_broadcast(t)}
+        if broadcast:
+            rest = iter(self._digest_list({n: t for n, t in local.items() if n not in broadcast}))
+            return [broadcast[n] if n in broadcast else next(rest) for n in local]
+        return self._digest_list(local)
+
+    def _digest_list(self, local: dict[str, torch.Tensor]) -> list[int]:
         if not local:
             return []
         if self.algo == "xxh3-64" and all(t.device.type == "cpu" and t.is_contiguous() for t in local.values()):
@@ -85,6 +94,15 @@ class ChangeTracker:
             return None
         return agreed[0], changed_layout(layout, agreed[1], bucket_size=self.bucket_size, alignment=self.alignment,
                                          owners=owners)
+
+
+def _is_broadcast(tensor: torch.Tensor) -> bool:
+    return tensor.numel() > 1 and all(stride == 0 for stride in tensor.stride())
+
+
+def _broadcast_digest(tensor: torch.Tensor) -> int:
+    value = torch.empty(1, dtype=tensor.dtype).copy_(tensor.reshape(-1)[:1])  # (a fresh one: stride 1)
+    return xxh3_digest(f"broadcast:{dtype_name(tensor.dtype)}", tuple(tensor.shape), byte_view(value))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("verl", reason="the verl tests run in scripts/test-verl.sh's environment")
 
+from ckpt_engine.errors import ConfigError
 from ckpt_engine.plan.layout import plan_layout
 from ckpt_engine.plan.owners import plan_owners
 from ckpt_engine.plan.tensors import spec_of
@@ -53,8 +54,8 @@ def _first_bucket_of(rank: int, actors: int, global_steps: int) -> tuple[int, st
     return index, layout.buckets[index].slots[0].name
 
 
-def _check_delivered(sync: dict, global_steps: int, version: int) -> None:
-    expected = fingerprint(model_weights(global_steps))
+def _check_delivered(sync: dict, global_steps: int, version: int, changing: str | None = None) -> None:
+    expected = fingerprint(model_weights(global_steps, changing))
     for actor in sync["actors"]:
         assert "raised" not in actor, actor
         assert actor["sent"] == expected
@@ -145,3 +146,27 @@ def test_build_topology_checks_what_verl_hands_it() -> None:
         VerlSync.build_topology(2, 2, [master, {"role": "peer"}, {"role": "peer"}])
     with pytest.raises(ConfigError, match="at least one"):
         VerlSync.build_topology(1, 0, [master])
+
+
+def test_sparse_syncs_send_only_what_changed_and_the_rollouts_get_it_byte_exact() -> None:
+    """engine_kwargs sparse: after a whole version, a sync in which only layer 1 changed sends (and yields to
+    verl's loader) only layer 1's tensors; each actor rank digests only the tensors it keeps."""
+    cluster = Cluster(2, 2, {"sparse": True, "keep_versions": 2, "timeout_s": 60.0, "load_timeout_s": 60.0})
+    try:
+        first = cluster.update_weights(1, changing="layers.1")
+        _check_delivered(first, 1, 1, "layers.1")  # nothing held yet: a whole version
+        second = cluster.update_weights(2, changing="layers.1")
+        changed = [(n, t) for n, t in model_weights(2, "layers.1") if "layers.1" in n]
+        for rollout in second["rollouts"]:
+            assert rollout.get("received") == fingerprint(changed), rollout
+        assert {a["metrics"]["ckpt_engine/tensors_skipped"] for a in second["actors"]} == {
+            len(model_weights(2)) - len(changed)}
+        third = cluster.update_weights(3)  # everything changed: all of it again
+        for rollout in third["rollouts"]:
+            assert rollout.get("received") == fingerprint(model_weights(3)), rollout
+    finally:
+        cluster.close()
+    with pytest.raises(ConfigError, match="sparse needs the cached mode"):
+        from ckpt_engine.workers.adapters.verl.sync import VerlSync
+
+        VerlSync(BUCKET_SIZE, sparse=True, bypass_cpu=True)

@@ -23,9 +23,14 @@ BUCKET_SIZE = 64 << 10
 MODULE = "ckpt_engine.workers.adapters.verl"
 
 
-def model_weights(global_steps: int) -> list[tuple[str, torch.Tensor]]:
+def model_weights(global_steps: int, changing: str | None = None) -> list[tuple[str, torch.Tensor]]:
     """What an actor's generator yields for a sync: full tensors, mixed dtypes, one larger than a bucket;
-    the values depend on the step, so every sync is a new version."""
+    the values depend on the step, so every sync is a new version. ``changing``: only tensors whose name
+    contains it take this step's values (the others keep step 0's, as frozen parts of a model do)."""
+    if changing is not None:
+        frozen = model_weights(0)
+        return [(name, tensor if changing in name else frozen[i][1])
+                for i, (name, tensor) in enumerate(model_weights(global_steps))]
     gen = torch.Generator().manual_seed(1000 + global_steps)
     out: list[tuple[str, torch.Tensor]] = [
         ("model.embed_tokens.weight", torch.randn(64, 96, generator=gen).to(torch.bfloat16))]
@@ -94,7 +99,7 @@ def worker(role: str, rank: int, engine_kwargs: dict[str, Any], how: str, comman
                 value = engine.finalize()
             elif command == "send":
                 corrupt["bucket"] = args.get("corrupt_bucket")
-                weights = model_weights(args["global_steps"])
+                weights = model_weights(args["global_steps"], args.get("changing"))
                 metrics = asyncio.run(engine.send_weights(iter(weights), global_steps=args["global_steps"]))
                 value = {"metrics": metrics, "sent": fingerprint(weights)}
             elif command == "receive":
@@ -155,7 +160,7 @@ class Cluster:
         return self._collect(range(len(self.roles)), timeout_s)
 
     def update_weights(self, global_steps: int, corrupt: tuple[int, int] | None = None,
-                       stop_after: dict[int, int] | None = None) -> dict[str, Any]:
+                       stop_after: dict[int, int] | None = None, changing: str | None = None) -> dict[str, Any]:
         """One sync as CheckpointEngineManager.update_weights runs it. ``corrupt``: (actor rank, bucket) whose
         bytes that actor flips on the wire; ``stop_after``: rollout rank -> tensors its loader reads."""
         from ckpt_engine.workers.adapters.verl.backend import CkptEngineCheckpointEngine
@@ -168,7 +173,7 @@ class Cluster:
         per_rank += [{k: v[i] for k, v in rollout_kwargs.items()} for i in range(self.rollouts)]
         inits = self._all("init", per_rank)
         assert all(v is None for v in inits), inits
-        sends = [{"global_steps": global_steps,
+        sends = [{"global_steps": global_steps, "changing": changing,
                   "corrupt_bucket": corrupt[1] if corrupt and corrupt[0] == r else None} for r in range(self.actors)]
         for i, (role, rank) in enumerate(self.roles):  # send and receive together, as the manager does
             receive = {"global_steps": global_steps, "stop_after": (stop_after or {}).get(rank)}

@@ -27,7 +27,7 @@ from ckpt_engine.plan.tensors import NamedTensors, spec_of
 def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
     """Same dtype and shape, one element of host memory (a zero-stride view): stands for a tensor of a bucket
     another rank owns. It is never read: a rank reads only the buckets it owns (checked in collect_owned)."""
-    return torch.empty((), dtype=tensor.dtype).expand(tensor.shape)
+    return torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)  # zeros: the same digest every version
 
 
 def collect_owned(weights: Iterable[tuple[str, torch.Tensor]], *, rank: int, ranks: int, bucket_size: int,

@@ -29,7 +29,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ from ckpt_engine.errors import ApplyRefused, CkptEngineError, ConfigError
 from ckpt_engine.receive.assembly import VersionAssembler, VersionPayload
 from ckpt_engine.receive.collective import Receiver, ReceiveResult
 from ckpt_engine.send.publisher import Ownership, Publisher
-from ckpt_engine.send.sender import WireHook
+from ckpt_engine.send.sender import Transfer, WireHook
 from ckpt_engine.transport.group import SyncGroup, open_store, owner_part, serve_store
 
 from .daemon import VerlAgent
@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 BACKEND = "ckpt_engine"
 _MASTER, _PEER = "master", "peer"
 _ANNOUNCEMENT = "ckpt-engine/verl/version"  # on actor rank 0's store: this sync's version (or why none)
-_KNOWN = ("bypass_cpu", "host", "device", "timeout_s", "load_timeout_s", "keep_versions", "group_name", "endpoint",
+_CHANGES = "ckpt-engine/verl/changes"  # sparse versions: each actor rank's change flags
+_KNOWN = ("bypass_cpu", "sparse", "host", "device", "timeout_s", "load_timeout_s", "keep_versions", "group_name", "endpoint",
           "credentials")
 
 
@@ -81,12 +82,13 @@ class VerlSync:
     wire_format = "named_tensors"  # verl's adapters get (name, tensor) pairs
 
     def __init__(self, bucket_size: int, is_master: bool | None = None, *, bypass_cpu: bool = False,
-                 host: str | None = None, device: str = "auto", timeout_s: float = 120.0,
+                 sparse: bool = False, host: str | None = None, device: str = "auto", timeout_s: float = 120.0,
                  load_timeout_s: float = 600.0, keep_versions: int = 1, group_name: str = "verl",
                  endpoint: str | None = None, credentials: str | None = None, **unknown: Any) -> None:
         """``bucket_size`` is verl's (``update_weights_bucket_megabytes``); ``is_master`` verl gives actor ranks
         only (True on rank 0): without it this is a rollout worker. The rest are ``engine_kwargs.ckpt_engine``:
-        ``bypass_cpu`` (mode), ``host`` (where actor rank 0 serves the rendezvous; default this node's Ray
+        ``bypass_cpu`` (mode), ``sparse`` (send only the tensors that changed since the version every rollout
+        worker holds; cached mode), ``host`` (where actor rank 0 serves the rendezvous; default this node's Ray
         address), ``device`` (auto: cuda/npu/cpu), ``timeout_s`` (every wait of the transfer),
         ``load_timeout_s`` (how long verl's loader may take to consume a version), ``keep_versions`` (cached
         versions kept in host memory on each actor rank), ``endpoint`` (a ckpt-engine daemon's control endpoint,
@@ -112,6 +114,12 @@ class VerlSync:
         self._agent: VerlAgent | None = None
         self._open: int | None = None  # actor rank 0: the daemon's version of this sync, until it is sent
         self.mode = "bypass_cpu" if bypass_cpu else "cached"
+        if not isinstance(sparse, bool):
+            raise ConfigError(f"engine_kwargs.{BACKEND}.sparse must be true or false, got {sparse!r}")
+        if sparse and bypass_cpu:
+            raise ConfigError(f"engine_kwargs.{BACKEND}: sparse needs the cached mode (bypass_cpu keeps no copy to "
+                              "compare with)")
+        self.sparse = sparse
         self.host = host
         self.device_name = device
         self.timeout_s = _positive("timeout_s", timeout_s)
@@ -140,7 +148,9 @@ class VerlSync:
     # ---- verl's lifecycle, every sync ------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
         if not self.is_actor:  # a rollout worker: the daemon knows it by its agent id (build_topology passes it on)
-            return {"role": _PEER, "agent_id": self._daemon("receiver", 0).agent_id if self.endpoint else None}
+            held = self._assembler.manifest if self._assembler is not None else None
+            return {"role": _PEER, "agent_id": self._daemon("receiver", 0).agent_id if self.endpoint else None,
+                    "holds": held.version if held is not None else None}
         if not self.is_master:
             return {"role": _PEER}
         self._abandon_open("verl started a new sync before this one's weights were sent")
@@ -168,8 +178,11 @@ class VerlSync:
         if any(agent_ids) and not all(agent_ids):
             raise ConfigError("some rollout workers have a daemon endpoint and some do not: engine_kwargs."
                               f"{BACKEND}.endpoint must be the same in every verl process")
+        # the version every rollout worker holds whole: a sparse version sends only what changed since it
+        held = {meta.get("holds") if isinstance(meta, dict) else None for meta in metadata[actors:]}
         common: dict[str, Any] = {"host": master["host"], "port": master["port"], "actors": actors,
-                                  "rollouts": rollouts, "receivers": agent_ids if all(agent_ids) else None}
+                                  "rollouts": rollouts, "receivers": agent_ids if all(agent_ids) else None,
+                                  "sparse_base": held.pop() if len(held) == 1 else None}
         actor_kwargs: dict[str, list] = {"role": ["actor"] * actors, "rank": list(range(actors)),
                         **{key: [value] * actors for key, value in common.items()}}
         rollout_kwargs: dict[str, list] = {"role": ["rollout"] * rollouts, "rank": list(range(rollouts)),
@@ -177,7 +190,7 @@ class VerlSync:
         return actor_kwargs, rollout_kwargs
 
     def init_process_group(self, *, role: str, rank: int, host: str, port: int, actors: int, rollouts: int,
-                           receivers: list[str] | None = None) -> None:
+                           receivers: list[str] | None = None, sparse_base: int | None = None) -> None:
         if role not in ("actor", "rollout"):
             raise ConfigError(f"unknown role {role!r}")
         if self.is_master != (role == "actor" and rank == 0) or self.is_actor != (role == "actor"):
@@ -193,7 +206,7 @@ class VerlSync:
         sync = self._announce(store, receivers, actors) if self.is_master else self._announced(store)
         version = sync["version"]
         self._topology = {"role": role, "rank": rank, "version": version, "actors": actors, "rollouts": rollouts,
-                          "source_version": sync.get("source_version")}
+                          "source_version": sync.get("source_version"), "sparse_base": sparse_base}
 
         def group(part: str, group_rank: int, size: int) -> SyncGroup:
             return SyncGroup(store, name=self.group_name, generation=version, rank=group_rank, world_size=size,
@@ -219,16 +232,14 @@ class VerlSync:
         started = time.perf_counter()
         publisher = self._publisher_for()
         publisher.attach(self._groups[0], owners_group=self._owners_group)
-        # Walked here, on verl's thread, to the end on every rank: the generator's gathers are collective.
-        if source is not None:  # a rollback queued on the daemon: this sync sends that cached version instead
-            drain(weights)
-            kept = 0
-            transfer = publisher.publish(version, source_version=source, ownership=Ownership(rank, actors))
-        else:
-            named, kept = collect_owned(weights, rank=rank, ranks=actors, bucket_size=self.bucket_size)
-            transfer = publisher.publish(version, named, mode=self.mode, step=step,  # type: ignore[arg-type]
-                                         ownership=Ownership(rank, actors))
-            del named  # the kept tensors: snapshotted (cached) or read (bypass_cpu) by now
+        weights = iter(weights)
+        try:
+            transfer, kept = self._publish(publisher, weights, topology, step)
+        except Exception as exc:  # nothing went out: tell the rollout workers now, not after their timeout
+            drain(weights)  # (the generator's gathers are collective: the other ranks are still in them)
+            reason = f"actor rank {rank} could not send it: {type(exc).__name__}: {exc}"
+            self._abort(publisher, version, reason)
+            raise CkptEngineError(f"{BACKEND}: version {version} (global_steps {global_steps}): {reason}") from exc
         held = time.perf_counter() - started
         result = await asyncio.to_thread(transfer.result, self.timeout_s + self.load_timeout_s + self.timeout_s)
         if self._agent is not None:
@@ -243,7 +254,33 @@ class VerlSync:
         return {f"{BACKEND}/version": version, f"{BACKEND}/bytes_kept_rank{rank}": kept,
                 f"{BACKEND}/bytes_sent_rank{rank}": result.bytes_sent,
                 f"{BACKEND}/seconds_rank{rank}": sum(result.seconds.values()) if result.seconds else 0.0,
+                f"{BACKEND}/tensors_skipped": result.tensors_skipped,  # (of the version: the same on every rank)
                 **({f"{BACKEND}/rollback_of": source} if source is not None else {})}
+
+    def _publish(self, publisher: Publisher, weights: Iterator[tuple[str, torch.Tensor]], topology: dict[str, Any],
+                 step: int | None) -> tuple[Transfer, int]:
+        """This rank's part of the sync's version (and the bytes it kept). The generator is walked here, on
+        verl's thread, to the end on every rank: its gathers are collective."""
+        rank, actors, version = topology["rank"], topology["actors"], topology["version"]
+        if topology["source_version"] is not None:  # a rollback queued on the daemon: sent instead of new weights
+            drain(weights)
+            return publisher.publish(version, source_version=topology["source_version"],
+                                     ownership=Ownership(rank, actors)), 0
+        named, kept = collect_owned(weights, rank=rank, ranks=actors, bucket_size=self.bucket_size)
+        agree = self._agree(rank, actors) if self.sparse and actors > 1 else None
+        transfer = publisher.publish(version, named, mode=self.mode, step=step,  # type: ignore[arg-type]
+                                     ownership=Ownership(rank, actors), sparse=self.sparse, agree=agree,
+                                     sparse_base=topology["sparse_base"] if self.sparse else None)
+        return transfer, kept  # (the kept tensors: snapshotted, or read for bypass_cpu, by now)
+
+    def _abort(self, publisher: Publisher, version: int, reason: str) -> None:
+        try:
+            publisher.abort_before_start(version, reason)
+        except CkptEngineError as exc:  # the rollout workers then fall back on their own timeout
+            log.warning("could not tell the rollout workers that version %d is abandoned: %s", version, exc)
+        if self._agent is not None:
+            self._agent.abandoned(version, reason)
+            self._open = None
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Yields the whole version's (name, tensor) only after it arrived and verified. The tensors are views
@@ -335,6 +372,25 @@ class VerlSync:
         if "error" in sync:
             raise CkptEngineError(f"{BACKEND}: no version for this sync: {sync['error']}")
         return sync
+
+    def _agree(self, rank: int, actors: int) -> Callable[[list[int]], list[int]]:
+        """Sparse versions: every actor rank's change flags merged (over this sync's store: each rank digests
+        only the tensors it keeps, so one flag of each tensor comes from its owner)."""
+        store = self._store
+
+        def agree(vector: list[int]) -> list[int]:
+            store.set(f"{_CHANGES}/{rank}", json.dumps(vector))
+            merged = list(vector)
+            for other in range(actors):
+                if other != rank:
+                    theirs = json.loads(store.get(f"{_CHANGES}/{other}"))
+                    if len(theirs) != len(merged):
+                        raise CkptEngineError(f"actor rank {other} planned {len(theirs)} change flags, this rank "
+                                              f"{len(merged)}: the ranks' generators yielded different tensors")
+                    merged = [max(a, b) for a, b in zip(merged, theirs)]
+            return merged
+
+        return agree
 
     def _abandon_open(self, reason: str) -> None:
         if self._open is not None and self._agent is not None:
