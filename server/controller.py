@@ -205,7 +205,8 @@ class Controller:
             trainer = self.agents.trainer()
             if (trainer is not None and trainer.framework) or receivers is not None:
                 if explicit_sparse:
-                    raise BadRequest("sparse versions are not available to a framework-driven trainer (verl)")
+                    raise Conflict("sparse versions are not available to a framework-driven trainer (verl): its "
+                                   "backend decides (engine_kwargs sparse)")
                 return self._framework_sync(trainer, receivers, mode=mode, step=step)
             receivers = self._candidates()
             if source_version is None:  # per-receiver cadence applies to new versions, not to re-pushes
@@ -256,9 +257,11 @@ class Controller:
         """A framework's own sync (verl's update_weights) as a version: the framework's groups carry it, so
         nothing is assigned; the receivers it names report their own outcomes as usual. A re-push queued by
         ``POST /push`` takes this sync's place (the framework's trainer sends it from its cache)."""
-        if trainer is None or not trainer.framework:
-            raise BadRequest("'receivers' is for a framework-driven trainer (registered with framework: verl); "
-                             "the trainer registered here is not one")
+        if trainer is None:
+            raise Unavailable("no trainer agent (role trainer, rank 0) is registered")
+        if not trainer.framework:
+            raise Conflict("'receivers' is for a framework-driven trainer (registered with framework: verl); "
+                           "the trainer registered here is not one")
         if receivers is None:
             raise Conflict(f"the trainer is driven by {trainer.framework}: its versions start at {trainer.framework}'s "
                            "own syncs (POST /push queues a rollback for its next one)")
@@ -292,8 +295,10 @@ class Controller:
         quorum = []
         for agent_id in receivers:
             agent = self.agents.get(agent_id)
-            if agent is None or agent.role != "receiver" or agent.framework != trainer.framework:
-                raise BadRequest(f"{agent_id!r} is not a registered {trainer.framework} receiver")
+            if agent is None:
+                raise NotFound(f"receiver {agent_id!r} is not registered (it left, or the daemon restarted)")
+            if agent.role != "receiver" or agent.framework != trainer.framework:
+                raise Conflict(f"{agent_id!r} is not a {trainer.framework} receiver")
             quorum.append(agent)
         return quorum
 

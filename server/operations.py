@@ -13,7 +13,8 @@ from ckpt_engine.server.controller import Controller
 from ckpt_engine.server.errors import BadRequest, NotFound
 
 from ckpt_engine.control.auth import ANY_ROLE, Role
-from ckpt_engine.control.messages import MAX_ID, Poll, PollReply, Register, Report, SyncRequest, Unregister, parse_body
+from ckpt_engine.control.messages import (MAX_ID, FrameworkSyncRequest, Poll, PollReply, Register, Report, Unregister,
+                                          parse_body)
 
 AGENTS: frozenset[Role] = frozenset({"trainer", "rollout"})
 Handler = Callable[[Controller, dict[str, Any], set[Role]], Any]
@@ -49,7 +50,7 @@ def _unregister(controller: Controller, body: dict, roles: set[Role]) -> dict:
 
 
 def _sync(controller: Controller, body: dict, roles: set[Role]) -> dict:
-    request = parse_body(SyncRequest, body)
+    request = parse_body(FrameworkSyncRequest, body)  # (over HTTP the route's SyncRequest refused receivers)
     return controller.request_sync(step=request.step, bypass_cpu=request.bypass_cpu, sparse=request.sparse,
                                    receivers=request.receivers).to_dict()
 

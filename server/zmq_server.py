@@ -26,7 +26,7 @@ from ckpt_engine.server.history import TERMINAL
 from ckpt_engine.server.operations import OPERATIONS
 
 from ckpt_engine.control.auth import ANY_ROLE, Role
-from ckpt_engine.control.messages import Poll, PollReply, SyncRequest, decode_frame, encode_frame, parse_body
+from ckpt_engine.control.messages import FrameworkSyncRequest, Poll, PollReply, decode_frame, encode_frame, parse_body
 from ckpt_engine.errors import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class ZmqServer:
         if kind == "poll":  # answered when there is work, or parked until there is (or its wait ends)
             return self._poll_reply(message, envelope, encoding, result, roles)
         if kind == "sync":  # waits as the parsed request says, the same as over HTTP
-            request = parse_body(SyncRequest, body)
+            request = parse_body(FrameworkSyncRequest, body)
             if request.wait and len(self._parked) < _MAX_PARKED:
                 return self._park_until_terminal(message, envelope, encoding, result["id"], request.timeout_s)
         return result

@@ -224,9 +224,15 @@ class SyncRequest(BaseModel):
                                 "holds (default: the deployment's sparse)")
     wait: bool = Field(False, description="answer with the final record instead of at once")
     timeout_s: float | None = Field(None, gt=0, le=86400, description="how long to wait when wait is true")
+
+
+class FrameworkSyncRequest(SyncRequest):
+    """The ZMQ ``sync`` of a framework-driven trainer (verl's actor rank 0) opening its own sync's version; not
+    on HTTP, where ``receivers`` is refused as an unknown key."""
+
     receivers: list[AgentId] | None = Field(
-        None, max_length=4096, description="a framework-driven trainer (verl) starting its own sync: the receivers "
-        "(agent ids, in the order of their ranks 1..n on the framework's groups) that take this version")
+        None, max_length=4096, json_schema_extra={"uniqueItems": True}, description="the receivers (agent ids, in "
+        "the order of their ranks 1..n on the framework's groups) that take this version")
 
 
 def encode_frame(message: dict[str, Any], encoding: Encoding = "msgpack") -> bytes:
