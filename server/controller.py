@@ -53,6 +53,7 @@ class InFlight:
     done: Report | None = None  # the trainer's
     done_at: float = 0.0
     owner_failures: dict[int, str] = field(default_factory=dict)  # other owner ranks' own failures, by rank
+    framework: bool = False  # a framework's own sync (verl): every receiver it named must take it
 
 
 class Controller:
@@ -284,7 +285,7 @@ class Controller:
         owners = self.history.get(record.source_version).owners if record.source_version else trainer.trainer_ranks  # type: ignore[union-attr]
         self._in_flight = InFlight(record.id, record.mode, trainer.agent_id,
                                    {r.agent_id: rank for rank, r in enumerate(quorum, start=1)}, {},
-                                   "push" if record.source_version else "sync")
+                                   "push" if record.source_version else "sync", framework=True)
         self.metrics.in_flight.set(1)
         return self.history.update(record.id, purpose=self._in_flight.purpose, owners=owners, receivers=[
             {"rank": rank, "agent_id": r.agent_id, "transport": "collective"} for rank, r in enumerate(quorum, 1)])
@@ -580,6 +581,8 @@ class Controller:
         receivers, stages = self._verdicts(flight, done)
         committed = [r for r in receivers if r["ok"]]
         need = min(max(self.config.min_receivers, 1), len(flight.quorum))
+        if flight.framework:  # the framework needs every worker it named (verl fails its sync otherwise)
+            need = len(flight.quorum)
         ok = done.version_digest is not None and len(committed) >= need
         failures = [f"rank {r['rank']}: {r['reason']}" for r in receivers if not r["ok"]]
         if ok:

@@ -82,10 +82,19 @@ def test_verl_syncs_are_daemon_versions_with_history_and_a_rollback_reaches_the_
         failed = http.get("/versions", params={"limit": 1}).json()["versions"][0]
         assert failed["status"] == "failed" and failed["step"] == 8 and tensor in failed["reason"], failed
 
+        # verl's loader on rollout worker 1 stops part way: that worker is torn, and a verl sync needs every
+        # worker, so the version failed (not "committed by 1 of 2")
+        sync = cluster.update_weights(9, stop_after={1: 3})
+        assert len(sync["rollouts"][1]["received"]) == 3 and "raised" in sync["actors"][0], sync
+        torn = http.get("/versions", params={"limit": 1}).json()["versions"][0]
+        assert torn["status"] == "failed" and "part way" in torn["reason"], torn
+        entry = next(r for r in torn["receivers"] if r["rank"] == 2)
+        assert not entry["missing_report"] and not entry["ok"], str(torn["receivers"])  # its own (torn) outcome
+
         # and the next sync works again
-        sync = cluster.update_weights(9)
+        sync = cluster.update_weights(10)
         version = sync["actors"][0]["metrics"]["ckpt_engine/version"]
-        _check_delivered(sync, 9, version)
+        _check_delivered(sync, 10, version)
         assert _record(http, version)["status"] == "committed"
         metrics = http.get("/metrics").text
         assert 'ckpt_engine_versions_total{outcome="committed"}' in metrics

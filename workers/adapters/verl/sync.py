@@ -245,11 +245,13 @@ class VerlSync:
         if self._agent is not None:
             self._agent.sent(result, publisher, held)
             self._open = None
+            if self.is_master:  # the version counts once the daemon judged the rollout workers' own reports
+                await asyncio.to_thread(self._committed, version, global_steps)
+            else:
+                await asyncio.to_thread(self._agent.flush_reports, self.timeout_s)
         if not result.ok:
             raise CkptEngineError(f"{BACKEND}: version {version} (global_steps {global_steps}) was not delivered by "
                                   f"actor rank {rank}: {result.reason}")
-        if self._agent is not None and self.is_master:
-            await asyncio.to_thread(self._committed, version, global_steps)
         self.last_version = version
         return {f"{BACKEND}/version": version, f"{BACKEND}/bytes_kept_rank{rank}": kept,
                 f"{BACKEND}/bytes_sent_rank{rank}": result.bytes_sent,
@@ -291,7 +293,7 @@ class VerlSync:
         receiver = Receiver(self._groups, self._handoff.load, assembler=self._assembler_for())
         loop = asyncio.get_running_loop()
         handed = self._handoff.expect(loop)
-        received = asyncio.ensure_future(asyncio.to_thread(receiver.receive, self.timeout_s))
+        received = asyncio.ensure_future(asyncio.to_thread(self._receive_and_report, receiver, version))
         try:
             await asyncio.wait([handed, received], return_when=asyncio.FIRST_COMPLETED)
             if handed.done():
@@ -301,22 +303,31 @@ class VerlSync:
                 if self.device.kind != "cpu":
                     synchronize(self.device)  # verl's copies out of staging may be non-blocking
                 self._handoff.consumed(whole=True)
-            result = await received
+            await received
         finally:
-            self._handoff.consumed(whole=False)  # verl stopped early: the receiving thread must not wait on
+            self._handoff.consumed(whole=False)  # verl stopped reading part way: the receiving thread goes on
             if not received.done():
                 await asyncio.wait([received], timeout=self.timeout_s)
-        if result is None:
-            result = ReceiveResult(version, False, "the trainer closed the sync before the version")
-        elif result.ok and result.version != version:
-            result.ok, result.reason = False, f"received version {result.version}, announced {version}"
-        if self._agent is not None:
-            self._agent.received(version, result)
+        result = received.result() if received.done() else ReceiveResult(
+            version, False, "still receiving when the sync's wait ran out")
         if not result.ok:
             what = "was handed to verl but did not complete" if handed.done() else "refused, nothing handed to verl"
-            raise VerificationFailed(f"{BACKEND}: version {result.version} (global_steps {global_steps}) {what}: "
+            raise VerificationFailed(f"{BACKEND}: version {version} (global_steps {global_steps}) {what}: "
                                      f"{result.reason}")
-        self.last_version = result.version
+        self.last_version = version
+
+    def _receive_and_report(self, receiver: Receiver, version: int) -> ReceiveResult:
+        """On the receiving thread: the outcome, told to the daemon from here, so it is told whatever verl does
+        with the generator (it may close it part way, or drop it)."""
+        try:
+            result = _outcome(version, receiver.receive(self.timeout_s))
+        except Exception as exc:  # told like any other failure: the daemon must not wait for this worker
+            log.exception("version %d: receiving failed", version)
+            result = ReceiveResult(version, False, f"{type(exc).__name__}: {exc}")
+        if self._agent is not None:  # said before verl goes on: the history holds it when verl's sync ends
+            self._agent.received(version, result)
+            self._agent.flush_reports(self.timeout_s)
+        return result
 
     def finalize(self) -> None:
         self._abandon_open("verl ended the sync before its weights were sent")
@@ -434,6 +445,15 @@ class VerlSync:
 
     def _close_store(self) -> None:
         self._server = None  # the TCPStore server stops when its last reference goes
+
+
+def _outcome(version: int, result: ReceiveResult | None) -> ReceiveResult:
+    """This worker's outcome of the announced ``version``."""
+    if result is None:
+        return ReceiveResult(version, False, "the trainer closed the sync before the version")
+    if result.ok and result.version != version:
+        result.ok, result.reason = False, f"received version {result.version}, announced {version}"
+    return result
 
 
 def _step(global_steps: int | None) -> int | None:
