@@ -196,6 +196,13 @@ class Controller:
         except ConfigError as exc:
             raise BadRequest(str(exc)) from None
         with self._lock:
+            flight = self._in_flight
+            if flight is not None and flight.framework and receivers is not None:
+                # The framework runs one sync at a time: one still open when it opens the next was abandoned
+                # (verl failed elsewhere, or the reply that opened it was lost). Waiting for its time limit
+                # would refuse every sync until then.
+                self._fail(flight, "superseded: the framework opened its next sync before this one ended (its "
+                                   "sync was abandoned, or the reply that opened this version was lost)")
             if self._in_flight is not None:
                 flight = self._in_flight
                 if flight.purpose in ("catch_up", "repair"):
@@ -308,12 +315,12 @@ class Controller:
         of that sync's new weights (the daemon cannot start the framework's transfer). A newer push replaces
         one still waiting."""
         self._require_storage()
-        previous, self._queued_push = self._queued_push, None
-        if previous is not None:
-            self.history.update(previous.id, status="cancelled", reason=f"replaced by a push of version {record.id}")
         queued = self._create(mode="cached", step=record.step, source_version=record.id)
-        self._queued_push = self.history.update(queued.id, purpose="push", reason=(
+        previous, self._queued_push = self._queued_push, self.history.update(queued.id, purpose="push", reason=(
             f"queued: the trainer is driven by {self.agents.trainer().framework}; sent at its next sync"))  # type: ignore[union-attr]
+        if previous is not None:
+            self.history.update(previous.id, status="cancelled",
+                                reason=f"replaced by version {queued.id} (a push of version {record.id})")
         return self._queued_push
 
     def request_evict(self, version: int) -> VersionRecord:
