@@ -24,7 +24,7 @@ from ckpt_engine.server.history import TERMINAL, HistoryStore, StorageUnavailabl
 from ckpt_engine.server.metrics import Metrics
 
 from ckpt_engine.config import EngineConfig
-from ckpt_engine.control.messages import Assignment, Poll, Register, RegisterReply, Report
+from ckpt_engine.control.messages import Assignment, FrameworkSyncRequest, Poll, Register, RegisterReply, Report
 from ckpt_engine.errors import ConfigError, ProtocolError
 from ckpt_engine.plan.modes import Mode, check_sparse, mode_of
 
@@ -54,6 +54,7 @@ class InFlight:
     done_at: float = 0.0
     owner_failures: dict[int, str] = field(default_factory=dict)  # other owner ranks' own failures, by rank
     framework: bool = False  # a framework's own sync (verl): every receiver it named must take it
+    limit_s: float | None = None  # its own time limit (the framework's timeouts), else timeouts.version_s
 
 
 class Controller:
@@ -95,6 +96,8 @@ class Controller:
             # Versions are numbered by one history: those of another mean nothing here (the file was lost or
             # replaced), and ids this history never issued are a peer's invention. Neither touches our numbering.
             held = self._known(message.versions) if message.history_id == self.history.history_id else []
+            if message.role == "trainer" and message.framework and message.rank == 0:
+                self._replace_framework_lead()
             agent = self.agents.add(message, held)
             agent.catch_up_due = time.monotonic() + _NEWCOMER_SETTLE_S  # one that vanishes at once costs nothing
             if agent.role == "trainer":
@@ -112,6 +115,17 @@ class Controller:
             connect_timeout_s=timeouts.connect_s, collective_timeout_s=timeouts.collective_s,
             ack_timeout_s=timeouts.ack_s, version_timeout_s=timeouts.version_s,
         )
+
+    def _replace_framework_lead(self) -> None:
+        """A framework's trainer rank 0 registering anew is a restarted job (verl's rank 0 registers once per
+        process): the earlier one is gone, and would otherwise stay the trainer until its heartbeat expires."""
+        for old in [a for a in self.agents.all() if a.role == "trainer" and a.rank == 0 and a.framework]:
+            log.warning("framework trainer rank 0 %s replaced by a new registration (a restarted job)", old.agent_id)
+            self.agents.remove(old.agent_id)
+            flight = self._in_flight
+            if flight is not None and flight.trainer == old.agent_id:
+                self._fail(flight, f"trainer agent {old.agent_id} was replaced by a restarted job")
+        self._update_cached()
 
     def acknowledge(self, message: Poll, roles: set[str]) -> None:
         """A poll arrived: the agent is alive, holds ``versions``, and got the assignment it names."""
@@ -185,24 +199,16 @@ class Controller:
 
     # ---- versions -----------------------------------------------------------------------------------
     def request_sync(self, *, step: int | None, bypass_cpu: bool | None, sparse: bool | None = None,
-                     source_version: int | None = None, receivers: list[str] | None = None) -> VersionRecord:
+                     source_version: int | None = None) -> VersionRecord:
         # a re-push is always from the cache
         mode = "cached" if source_version is not None else mode_of(self.config.bypass_cpu if bypass_cpu is None
                                                                     else bypass_cpu)
-        explicit_sparse = sparse
         sparse = self.config.sparse if sparse is None else sparse
         try:
             check_sparse(mode, sparse)
         except ConfigError as exc:
             raise BadRequest(str(exc)) from None
         with self._lock:
-            flight = self._in_flight
-            if flight is not None and flight.framework and receivers is not None:
-                # The framework runs one sync at a time: one still open when it opens the next was abandoned
-                # (verl failed elsewhere, or the reply that opened it was lost). Waiting for its time limit
-                # would refuse every sync until then.
-                self._fail(flight, "superseded: the framework opened its next sync before this one ended (its "
-                                   "sync was abandoned, or the reply that opened this version was lost)")
             if self._in_flight is not None:
                 flight = self._in_flight
                 if flight.purpose in ("catch_up", "repair"):
@@ -211,11 +217,9 @@ class Controller:
                                {"in_flight": flight.version, "purpose": flight.purpose})
             self._require_storage()
             trainer = self.agents.trainer()
-            if (trainer is not None and trainer.framework) or receivers is not None:
-                if explicit_sparse:
-                    raise Conflict("sparse versions are not available to a framework-driven trainer (verl): its "
-                                   "backend decides (engine_kwargs sparse)")
-                return self._framework_sync(trainer, receivers, mode=mode, step=step)
+            if trainer is not None and trainer.framework:
+                raise Conflict(f"the trainer is driven by {trainer.framework}: its versions start at "
+                               f"{trainer.framework}'s own syncs (POST /push queues a rollback for its next one)")
             receivers = self._candidates()
             if source_version is None:  # per-receiver cadence applies to new versions, not to re-pushes
                 due = [r for r in receivers if r.offered % r.sync_every == 0]
@@ -246,6 +250,8 @@ class Controller:
         record = self.history.get(version)
         if record is None:
             raise NotFound(f"version {version} is unknown")
+        if record.status != "committed":
+            raise Conflict(f"version {version} is {record.status}: only a committed version can be pushed")
         if not record.cached:
             with self._lock:
                 missing = self._missing_shares(version) if record.mode == "cached" else []
@@ -260,42 +266,61 @@ class Controller:
         return self.request_sync(step=record.step, bypass_cpu=False, source_version=version)
 
     # ---- framework-driven trainers (verl) -------------------------------------------------------------
-    def _framework_sync(self, trainer: Agent | None, receivers: list[str] | None, *, mode: Mode,
-                        step: int | None) -> VersionRecord:
-        """A framework's own sync (verl's update_weights) as a version: the framework's groups carry it, so
-        nothing is assigned; the receivers it names report their own outcomes as usual. A re-push queued by
-        ``POST /push`` takes this sync's place (the framework's trainer sends it from its cache)."""
-        if trainer is None:
-            raise Unavailable("no trainer agent (role trainer, rank 0) is registered")
-        if not trainer.framework:
-            raise Conflict("'receivers' is for a framework-driven trainer (registered with framework: verl); "
-                           "the trainer registered here is not one")
-        if receivers is None:
-            raise Conflict(f"the trainer is driven by {trainer.framework}: its versions start at {trainer.framework}'s "
-                           "own syncs (POST /push queues a rollback for its next one)")
-        quorum = self._framework_quorum(trainer, receivers)
-        problem = self._quorum_problem(trainer, quorum)
-        queued, self._queued_push = self._queued_push, None
-        if problem:
-            record = queued or self._create(mode=mode, step=step)
-            failed = self.history.update(record.id, status="failed", reason=problem)
-            self.metrics.version_done("failed", 0, {})
-            raise Unavailable(problem, failed.to_dict())
-        if queued is not None:
-            source = self.history.get(queued.source_version)  # type: ignore[arg-type]
-            if source is None or not source.cached:
-                self.history.update(queued.id, status="failed", reason=f"version {queued.source_version} is no "
-                                    "longer in the trainer's cache (evicted before the framework's next sync)")
+    def framework_sync(self, request: FrameworkSyncRequest, roles: set[str]) -> VersionRecord:
+        """A framework's own sync (verl's update_weights) as a version, opened by its trainer rank 0 (its
+        registration, not only its token): the framework's groups carry it, so nothing is assigned; the
+        receivers it names report their own outcomes as usual. A re-push queued by ``POST /push`` takes this
+        sync's place (the framework's trainer sends it from its cache)."""
+        if request.agent_id is None or request.session is None:
+            raise BadRequest("a framework's sync names the trainer agent opening it (agent_id, session)")
+        if request.sparse or (request.step is not None and request.step < 0):
+            raise BadRequest("a framework's sync is never sparse here (its backend decides) and its step is >= 0")
+        with self._lock:
+            opener = self._agent(request.agent_id, request.session, roles)
+            trainer = self.agents.trainer()
+            if opener is not trainer or not opener.framework:
+                raise Conflict(f"agent {opener.agent_id} is not the framework trainer rank 0 this daemon serves "
+                               f"(that is {trainer.agent_id if trainer else 'nobody'})")
+            flight = self._in_flight
+            if flight is not None and flight.framework:
+                # The framework runs one sync at a time: one still open when it opens the next was abandoned
+                # (verl failed elsewhere, or the reply that opened it was lost). Waiting for its time limit
+                # would refuse every sync until then.
+                self._fail(flight, "superseded: the framework opened its next sync before this one ended (its "
+                                   "sync was abandoned, or the reply that opened this version was lost)")
+            elif flight is not None:
+                raise Conflict(f"version {flight.version} is in flight ({flight.purpose}); retry when it has ended",
+                               {"in_flight": flight.version, "purpose": flight.purpose})
+            self._require_storage()
+            quorum = self._framework_quorum(trainer, request.receivers or [])
+            problem = self._quorum_problem(trainer, quorum)
+            if problem:  # (a queued rollback stays queued)
+                failed = self.history.update(self._create(mode=mode_of(bool(request.bypass_cpu)), step=request.step).id,
+                                             status="failed", reason=problem)
                 self.metrics.version_done("failed", 0, {})
-                queued = None
-        record = queued or self._create(mode=mode, step=step)
-        owners = self.history.get(record.source_version).owners if record.source_version else trainer.trainer_ranks  # type: ignore[union-attr]
-        self._in_flight = InFlight(record.id, record.mode, trainer.agent_id,
-                                   {r.agent_id: rank for rank, r in enumerate(quorum, start=1)}, {},
-                                   "push" if record.source_version else "sync", framework=True)
-        self.metrics.in_flight.set(1)
-        return self.history.update(record.id, purpose=self._in_flight.purpose, owners=owners, receivers=[
-            {"rank": rank, "agent_id": r.agent_id, "transport": "collective"} for rank, r in enumerate(quorum, 1)])
+                raise Unavailable(problem, failed.to_dict())
+            record = self._take_queued_push() or self._create(mode=mode_of(bool(request.bypass_cpu)), step=request.step)
+            owners = self.history.get(record.source_version).owners if record.source_version else trainer.trainer_ranks  # type: ignore[union-attr]
+            self._in_flight = InFlight(record.id, record.mode, trainer.agent_id,
+                                       {r.agent_id: rank for rank, r in enumerate(quorum, start=1)}, {},
+                                       "push" if record.source_version else "sync", framework=True,
+                                       limit_s=request.limit_s)
+            self.metrics.in_flight.set(1)
+            return self.history.update(record.id, purpose=self._in_flight.purpose, owners=owners, receivers=[
+                {"rank": rank, "agent_id": r.agent_id, "transport": "collective"} for rank, r in enumerate(quorum, 1)])
+
+    def _take_queued_push(self) -> VersionRecord | None:
+        """The queued rollback, if its source can still be sent (else it ends failed, saying why)."""
+        queued, self._queued_push = self._queued_push, None
+        if queued is None:
+            return None
+        source = self.history.get(queued.source_version)  # type: ignore[arg-type]
+        if source is not None and source.cached:
+            return queued
+        self.history.update(queued.id, status="failed", reason=f"version {queued.source_version} is no longer in the "
+                            "trainer's cache (evicted before the framework's next sync)")
+        self.metrics.version_done("failed", 0, {})
+        return None
 
     def _framework_quorum(self, trainer: Agent, receivers: list[str]) -> list[Agent]:
         if len(set(receivers)) != len(receivers):
@@ -413,10 +438,10 @@ class Controller:
             if flight is not None:
                 self._maybe_finish(flight)
             flight = self._in_flight
-            if flight and time.monotonic() - flight.started > self.config.timeouts.version_s:
+            limit = (flight.limit_s or self.config.timeouts.version_s) if flight else 0.0
+            if flight and time.monotonic() - flight.started > limit:
                 state = self.history.get(flight.version)
-                self._fail(flight, f"timed out in state {state.status if state else '?'} after "
-                                   f"{self.config.timeouts.version_s:.0f}s")
+                self._fail(flight, f"timed out in state {state.status if state else '?'} after {limit:.0f}s")
             if self._in_flight is None and not self.history.degraded:
                 self._catch_up()
             self._update_gauges()

@@ -51,8 +51,9 @@ def _unregister(controller: Controller, body: dict, roles: set[Role]) -> dict:
 
 def _sync(controller: Controller, body: dict, roles: set[Role]) -> dict:
     request = parse_body(FrameworkSyncRequest, body)  # (over HTTP the route's SyncRequest refused receivers)
-    return controller.request_sync(step=request.step, bypass_cpu=request.bypass_cpu, sparse=request.sparse,
-                                   receivers=request.receivers).to_dict()
+    if request.receivers is not None:  # a framework's own sync, opened by its trainer rank 0
+        return controller.framework_sync(request, roles).to_dict()
+    return controller.request_sync(step=request.step, bypass_cpu=request.bypass_cpu, sparse=request.sparse).to_dict()
 
 
 def _versions(controller: Controller, body: dict, roles: set[Role]) -> dict:

@@ -4,6 +4,7 @@ asks of it, and what a token holder might try. The backend itself runs in script
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,8 @@ def job(tmp_path: Path):
     daemon.stop()
 
 
-def _open(trainer: RawAgent, workers: list[RawAgent]) -> dict:
-    return trainer.request("sync", {"receivers": [w.agent_id for w in workers]})
+def _open(trainer: RawAgent, workers: list[RawAgent], **body) -> dict:
+    return trainer.request("sync", {**trainer.identity, "receivers": [w.agent_id for w in workers], **body})
 
 
 def _commit(trainer: RawAgent, workers: list[RawAgent], version: int, digest: str = "d1",
@@ -69,20 +70,30 @@ def test_the_daemon_does_not_start_a_framework_job_s_versions_and_refuses_hostil
     assert plain.status_code == 409 and "verl" in plain.json()["detail"]
     assert http.post("/sync", json={"receivers": [workers[0].agent_id]}).status_code == 422  # not on HTTP
     with pytest.raises(ControlReplyError, match="not registered"):
-        trainer.request("sync", {"receivers": ["0123456789abcdef"]})
+        trainer.request("sync", {**trainer.identity, "receivers": ["0123456789abcdef"]})
     other = RawAgent(daemon, "receiver")  # a receiver that is not the framework's
+    impostor = RawAgent(daemon, "trainer", rank=1)  # a trainer-token holder that is not the framework's rank 0
     try:
         with pytest.raises(ControlReplyError, match="is not a verl receiver"):
-            trainer.request("sync", {"receivers": [other.agent_id]})
+            _open(trainer, [other])
         with pytest.raises(ControlReplyError, match="twice"):
-            trainer.request("sync", {"receivers": [workers[0].agent_id] * 2})
-        with pytest.raises(ControlReplyError, match="sparse"):
-            trainer.request("sync", {"receivers": [workers[0].agent_id], "sparse": True})
-        with pytest.raises(ControlReplyError, match="forbidden|not allowed|role"):  # a rollout token cannot
-            workers[0].request("sync", {"receivers": [workers[0].agent_id]})
+            _open(trainer, [workers[0], workers[0]])
+        with pytest.raises(ControlReplyError, match="never sparse"):
+            _open(trainer, workers, sparse=True)
+        with pytest.raises(ControlReplyError, match="step is >= 0"):
+            _open(trainer, workers, step=-5)
+        with pytest.raises(ControlReplyError, match="names the trainer agent"):  # the token alone is not enough
+            trainer.request("sync", {"receivers": [w.agent_id for w in workers]})
+        with pytest.raises(ControlReplyError, match="not the framework trainer rank 0"):
+            _open(impostor, workers)
+        with pytest.raises(ControlReplyError, match="invalid|at least 1"):
+            _open(trainer, [])
+        with pytest.raises(ControlReplyError, match="forbidden|not allowed|role|token"):  # a rollout token cannot
+            _open(workers[0], workers)
         assert other.poll() is None and workers[0].poll() is None  # no catch-ups, no versions of their own
     finally:
         other.close()
+        impostor.close()
     assert daemon.client().get("/status").json()["in_flight"] is None  # nothing refused was left open
 
 
@@ -107,6 +118,9 @@ def test_a_rollback_is_queued_for_the_framework_s_next_sync(job) -> None:
     queued = http.post(f"/versions/{first}/push").json()["version"]
     assert _record(daemon, queued)["status"] == "requested"
     assert http.get("/status").json()["queued_push"] == queued
+    with pytest.raises(ControlReplyError):  # a sync refused before it opened leaves the rollback queued
+        trainer.request("sync", {**trainer.identity, "receivers": ["0123456789abcdef"]})
+    assert http.get("/status").json()["queued_push"] == queued
     again = http.post(f"/versions/{first}/push").json()["version"]  # a newer push replaces the queued one
     replaced = _record(daemon, queued)
     assert replaced["status"] == "cancelled" and str(again) in replaced["reason"], replaced
@@ -124,3 +138,67 @@ def test_a_rollback_is_queued_for_the_framework_s_next_sync(job) -> None:
         assert stopped["status"] == "cancelled" and "stopped" in stopped["reason"], stopped
     finally:
         restarted.stop()
+
+
+def test_only_committed_versions_can_be_pushed(job) -> None:
+    daemon, trainer, workers = job
+    failed = _open(trainer, workers)["id"]
+    trainer.report(failed, "done", ok=True, version_digest="d1", cache_versions=[failed])
+    for worker in workers:
+        worker.report(failed, "received", ok=False, reason="digest mismatch in 1 tensor(s): w")
+    assert _record(daemon, failed)["status"] == "failed"
+    refused = daemon.client().post(f"/versions/{failed}/push")
+    assert refused.status_code == 409 and "only a committed version" in refused.text
+
+
+def test_a_framework_version_gets_the_time_limit_its_framework_asked_for(job) -> None:
+    daemon, trainer, workers = job
+    version = _open(trainer, workers, limit_s=1.0)["id"]
+    deadline = time.monotonic() + 15
+    while _record(daemon, version)["status"] != "failed" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "timed out" in _record(daemon, version)["reason"] and "after 1s" in _record(daemon, version)["reason"]
+
+
+def test_a_restarted_job_s_rank_0_replaces_the_old_one(job) -> None:
+    """verl's rank 0 registers once per process: a new one is a restarted job, and the old registration (its
+    process gone, its heartbeat not yet expired) must not stay the trainer the daemon listens to."""
+    daemon, trainer, workers = job
+    orphan = _open(trainer, workers)["id"]
+    restarted = RawAgent(daemon, "trainer", framework="verl", trainer_ranks=1)
+    try:
+        assert _record(daemon, orphan)["status"] == "failed"
+        with pytest.raises(ControlReplyError, match="unregistered agent"):
+            _open(trainer, workers)
+        version = _open(restarted, workers)["id"]
+        _commit(restarted, workers, version)
+        assert _record(daemon, version)["status"] == "committed"
+    finally:
+        restarted.close()
+
+
+def test_an_agent_registered_again_after_a_daemon_restart_stays_registered(tmp_path: Path) -> None:
+    """After a restart the agents register again; their first poll comes at once, not after the backoff their
+    failed polls grew while the daemon was down (up to 12.5 s: past a short heartbeat, they expired again and
+    again)."""
+    from ckpt_engine.workers.rollout_agent import RolloutAgent
+
+    timeouts = {**_QUICK, "heartbeat_s": 3}
+    daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts=timeouts))
+    agent = RolloutAgent(lambda payload: None, daemon.zmq).start()
+    try:
+        daemon.stop()
+        time.sleep(14)  # polls fail meanwhile: their backoff grows to its maximum
+        daemon = start_daemon(daemon.config_path)
+        deadline = time.monotonic() + 10
+        while not daemon.client().get("/receivers").json()["agents"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        seen = []
+        for _ in range(16):  # about 2.5 heartbeats
+            agents = daemon.client().get("/receivers").json()["agents"]
+            seen.append(len(agents) == 1 and agents[0]["seconds_since_seen"] < 3)
+            time.sleep(0.5)
+        assert all(seen), seen
+    finally:
+        agent.close()
+        daemon.stop()

@@ -338,7 +338,9 @@ class Agent:
         except ControlReplyError as exc:
             self._poll_failures.failed(exc)
             if "unregistered agent" in str(exc.detail) or exc.error == "unauthorized":
-                self._try_register(poller)  # a restarted daemon, or a new token in the credentials file
+                # A restarted daemon, or a new token in the credentials file. Registered again: poll at once,
+                # not after the backoff the failures grew (longer than a heartbeat, it would expire again).
+                return self._try_register(poller)
             return False
         except CkptEngineError as exc:
             self._poll_failures.failed(exc)
@@ -352,9 +354,10 @@ class Agent:
                 self._dispatch(assignment)
         return True
 
-    def _try_register(self, client: ControlClient) -> None:
+    def _try_register(self, client: ControlClient) -> bool:
         """From the poll thread, on its own client: the shared one may be held by a report still waiting for
-        the dead daemon's reply (up to the request timeout), and until registered the agent is invisible."""
+        the dead daemon's reply (up to the request timeout), and until registered the agent is invisible.
+        True once registered."""
         token = self._resolve_token()
         if token != self.token:
             log.warning("using the %s token found now (the credentials changed)", _CREDENTIAL_OF[self.role])
@@ -362,8 +365,10 @@ class Agent:
         try:
             self._register(client)
             log.warning("registered again as %s", self.agent_id)
+            return True
         except CkptEngineError as exc:
             self._poll_failures.failed(f"registering again: {exc}")
+            return False
 
     def unable_now(self) -> str | None:
         """Why this agent cannot take versions now, said with every poll (None: it can)."""

@@ -231,8 +231,13 @@ class FrameworkSyncRequest(SyncRequest):
     on HTTP, where ``receivers`` is refused as an unknown key."""
 
     receivers: list[AgentId] | None = Field(
-        None, max_length=4096, json_schema_extra={"uniqueItems": True}, description="the receivers (agent ids, in "
-        "the order of their ranks 1..n on the framework's groups) that take this version")
+        None, min_length=1, max_length=4096, json_schema_extra={"uniqueItems": True}, description="the receivers "
+        "(agent ids, in the order of their ranks 1..n on the framework's groups) that take this version")
+    # who opens it: the framework's trainer rank 0 itself (its registration), not any trainer-token holder
+    agent_id: AgentId | None = None
+    session: Secret | None = None
+    limit_s: float | None = Field(None, gt=0, le=7 * 86400, description="how long the daemon gives this version "
+                                  "before failing it (the framework's own timeouts; default timeouts.version_s)")
 
 
 def encode_frame(message: dict[str, Any], encoding: Encoding = "msgpack") -> bytes:

@@ -44,6 +44,12 @@ def test_unknown_engine_kwargs_are_refused_by_name() -> None:
         VerlSync(BUCKET_SIZE, bypass_cpus=True)
     with pytest.raises(ConfigError, match="bypass_cpu must be true or false"):
         VerlSync(BUCKET_SIZE, bypass_cpu="yes")
+    # values that would otherwise fail later, part way through a sync, with raw errors
+    for bad, match in ((dict(timeout_s=float("nan")), "timeout_s"), (dict(load_timeout_s=1e12), "load_timeout_s"),
+                       (dict(device="tpu"), "device"), (dict(endpoint="tcp://"), "endpoint"),
+                       (dict(endpoint="tcp://127.0.0.1:1", credentials="/nonexistent.json"), "nonexistent")):
+        with pytest.raises(ConfigError, match=match):
+            VerlSync(BUCKET_SIZE, **bad)
 
 
 def _first_bucket_of(rank: int, actors: int, global_steps: int) -> tuple[int, str]:

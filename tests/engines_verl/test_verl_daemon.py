@@ -6,6 +6,8 @@ with POST /push is what verl's next sync delivers; a corrupted byte fails the ve
 
 from __future__ import annotations
 
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import pytest
 pytest.importorskip("verl", reason="the verl tests run in scripts/test-verl.sh's environment")
 
 from ckpt_engine.server.launch import start_daemon, write_config
+
 from tests.engines_verl.test_verl_backend import _check_delivered, _first_bucket_of
 from tests.engines_verl.verl_harness import Cluster, fingerprint, model_weights
 
@@ -89,16 +92,50 @@ def test_verl_syncs_are_daemon_versions_with_history_and_a_rollback_reaches_the_
         torn = http.get("/versions", params={"limit": 1}).json()["versions"][0]
         assert torn["status"] == "failed" and "part way" in torn["reason"], torn
         entry = next(r for r in torn["receivers"] if r["rank"] == 2)
-        assert not entry["missing_report"] and not entry["ok"], str(torn["receivers"])  # its own (torn) outcome
+        assert not entry["missing_report"] and not entry["ok"] and entry["torn"], entry  # its own (torn) outcome
+        assert http.get("/status").json()["torn"] == [entry["agent_id"]]
 
         # and the next sync works again
         sync = cluster.update_weights(10)
         version = sync["actors"][0]["metrics"]["ckpt_engine/version"]
         _check_delivered(sync, 10, version)
         assert _record(http, version)["status"] == "committed"
+        # The failed versions were dropped from every actor rank's cache at the next sync: with keep_versions 2
+        # the last good version before them is still there to roll back to; a failed one cannot be pushed.
+        assert http.get("/status").json()["torn"] == []
+        if mode == "cached":
+            assert http.get("/status").json()["cache_versions"] == [versions[1], version]
+            assert http.post(f"/versions/{torn['id']}/push").status_code == 409
         metrics = http.get("/metrics").text
         assert 'ckpt_engine_versions_total{outcome="committed"}' in metrics
         assert 'ckpt_engine_versions_total{outcome="failed"}' in metrics
+    finally:
+        if cluster is not None:
+            cluster.close()
+        daemon.stop()
+
+
+def test_a_daemon_killed_mid_sync_does_not_fail_a_sync_every_worker_verified(tmp_path: Path) -> None:
+    """The weights arrived and every rollout worker acknowledged their digests: verl goes on (bounded wait,
+    metric daemon_verdict_unknown), and the restarted daemon's history says the version was interrupted."""
+    daemon = start_daemon(write_config(tmp_path, transport="collective"))
+    cluster = None
+    try:
+        cluster = Cluster(1, 2, {"endpoint": daemon.zmq, "timeout_s": 10.0, "load_timeout_s": 20.0})
+        first = cluster.update_weights(1)["actors"][0]["metrics"]["ckpt_engine/version"]
+        sync = cluster.update_weights(2, after_init=lambda: daemon.stop(signal.SIGKILL))
+        _check_delivered(sync, 2, first + 1)
+        assert sync["actors"][0]["metrics"]["ckpt_engine/daemon_verdict_unknown"] == 1
+        daemon = start_daemon(daemon.config_path)
+        record = _record(daemon.client(), first + 1)
+        assert record["status"] == "interrupted", record
+        deadline = time.monotonic() + 20  # the agents register again by themselves; the next sync is a version
+        while len(daemon.client().get("/receivers").json()["agents"]) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        sync = cluster.update_weights(3)
+        version = sync["actors"][0]["metrics"]["ckpt_engine/version"]
+        _check_delivered(sync, 3, version)
+        assert _record(daemon.client(), version)["status"] == "committed"
     finally:
         if cluster is not None:
             cluster.close()

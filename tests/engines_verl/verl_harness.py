@@ -15,6 +15,7 @@ import hashlib
 import multiprocessing as mp
 import queue
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -160,7 +161,8 @@ class Cluster:
         return self._collect(range(len(self.roles)), timeout_s)
 
     def update_weights(self, global_steps: int, corrupt: tuple[int, int] | None = None,
-                       stop_after: dict[int, int] | None = None, changing: str | None = None) -> dict[str, Any]:
+                       stop_after: dict[int, int] | None = None, changing: str | None = None,
+                       after_init: Callable[[], None] | None = None) -> dict[str, Any]:
         """One sync as CheckpointEngineManager.update_weights runs it. ``corrupt``: (actor rank, bucket) whose
         bytes that actor flips on the wire; ``stop_after``: rollout rank -> tensors its loader reads."""
         from ckpt_engine.workers.adapters.verl.backend import CkptEngineCheckpointEngine
@@ -173,6 +175,8 @@ class Cluster:
         per_rank += [{k: v[i] for k, v in rollout_kwargs.items()} for i in range(self.rollouts)]
         inits = self._all("init", per_rank)
         assert all(v is None for v in inits), inits
+        if after_init is not None:  # (what happens between the manager's steps: a test's fault)
+            after_init()
         sends = [{"global_steps": global_steps, "changing": changing,
                   "corrupt_bucket": corrupt[1] if corrupt and corrupt[0] == r else None} for r in range(self.actors)]
         for i, (role, rank) in enumerate(self.roles):  # send and receive together, as the manager does

@@ -83,11 +83,12 @@ class VerlAgent(Agent):
             log.warning("verl agent: ignoring a %s assignment for version %d", assignment.kind, assignment.version)
 
     # ---- the daemon's side of one verl sync --------------------------------------------------------------
-    def open_version(self, receivers: list[str], *, bypass_cpu: bool) -> dict[str, Any]:
+    def open_version(self, receivers: list[str], *, bypass_cpu: bool, limit_s: float) -> dict[str, Any]:
         """Actor rank 0: the daemon's version for this sync (its record: id, source_version for a queued
-        rollback, owners)."""
+        rollback, owners); ``limit_s``: how long the daemon gives it (this sync's own timeouts)."""
         try:
-            return self._client.request("sync", {"receivers": receivers, "bypass_cpu": bypass_cpu})
+            return self._client.request("sync", {**self._identity(), "receivers": receivers, "bypass_cpu": bypass_cpu,
+                                                 "limit_s": limit_s})
         except ControlReplyError as exc:
             raise DaemonRefused(f"the daemon at {self.endpoint} refused this sync: {exc}") from exc
 
@@ -105,10 +106,9 @@ class VerlAgent(Agent):
             self.serving = version
         self.report(version, "received", **received_fields(result), serving=self.serving)
 
-    def verdict(self, version: int, timeout_s: float) -> dict[str, Any]:
-        """Actor rank 0: the daemon's verdict on ``version`` (its record once ended)."""
-        self.flush_reports(timeout_s)
-        record = self.wait_ended(version, time.monotonic() + timeout_s)
-        if record is None:
-            raise CkptEngineError(f"the daemon did not end version {version} within {timeout_s:.0f}s")
-        return record
+    def verdict(self, version: int, report_s: float, wait_s: float) -> dict[str, Any] | None:
+        """Actor rank 0: the daemon's verdict on ``version`` (its record once ended), after this rank's report
+        reached it (``report_s``) and within ``wait_s`` more; None if the daemon did not give one."""
+        if not self.flush_reports(report_s):
+            return None
+        return self.wait_ended(version, time.monotonic() + wait_s)

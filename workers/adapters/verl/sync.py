@@ -27,19 +27,23 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import os
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from ckpt_engine.workers.trainer_agent import evict
 
 from ckpt_engine.device import DeviceInfo, detect_device, synchronize
 from ckpt_engine.errors import ApplyRefused, CkptEngineError, ConfigError
 from ckpt_engine.receive.assembly import VersionAssembler, VersionPayload
 from ckpt_engine.receive.collective import Receiver, ReceiveResult
 from ckpt_engine.send.publisher import Ownership, Publisher
-from ckpt_engine.send.sender import Transfer, WireHook
+from ckpt_engine.send.sender import Transfer, TransferResult, WireHook
 from ckpt_engine.transport.group import SyncGroup, open_store, owner_part, serve_store
 
 from .daemon import VerlAgent
@@ -50,6 +54,7 @@ BACKEND = "ckpt_engine"
 _MASTER, _PEER = "master", "peer"
 _ANNOUNCEMENT = "ckpt-engine/verl/version"  # on actor rank 0's store: this sync's version (or why none)
 _CHANGES = "ckpt-engine/verl/changes"  # sparse versions: each actor rank's change flags
+_REPORT_WAIT_S = 30.0  # how long an outcome may take to reach the daemon (it retries with backoff meanwhile)
 _KNOWN = ("bypass_cpu", "sparse", "host", "device", "timeout_s", "load_timeout_s", "keep_versions", "group_name", "endpoint",
           "credentials")
 
@@ -70,10 +75,27 @@ def _node_address() -> str:
     return "127.0.0.1"
 
 
+_MAX_WAIT_S = 7 * 86400.0
+
+
 def _positive(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(f"engine_kwargs.{BACKEND}.{name} must be a positive number, got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not 0 < value <= _MAX_WAIT_S):
+        raise ConfigError(f"engine_kwargs.{BACKEND}.{name} must be a number of seconds above 0 and at most "
+                          f"{_MAX_WAIT_S:.0f}, got {value!r}")
     return float(value)
+
+
+def _check_daemon(endpoint: object, credentials: object) -> None:
+    if endpoint is None:
+        return
+    match = re.fullmatch(r"tcp://([^:/\s]+|\[[0-9a-fA-F:]+\]):(\d{1,5})", endpoint) if isinstance(endpoint, str) else None
+    if match is None or not 0 < int(match.group(2)) < 65536:
+        raise ConfigError(f"engine_kwargs.{BACKEND}.endpoint must be the daemon's zmq endpoint, tcp://host:port, got "
+                          f"{endpoint!r}")
+    if credentials is not None and (not isinstance(credentials, str) or not os.path.isfile(credentials)):
+        raise ConfigError(f"engine_kwargs.{BACKEND}.credentials: {credentials!r} is not a file this process can see "
+                          "(the daemon's credentials file; each process takes its role's token from it)")
 
 
 class VerlSync:
@@ -98,9 +120,9 @@ class VerlSync:
         if unknown:
             raise ConfigError(f"unknown engine_kwargs.{BACKEND} option(s) {sorted(unknown)}; known: "
                               f"{', '.join(_KNOWN)}")
-        if endpoint is not None and (not isinstance(endpoint, str) or not endpoint.startswith("tcp://")):
-            raise ConfigError(f"engine_kwargs.{BACKEND}.endpoint must be the daemon's tcp://host:port, got "
-                              f"{endpoint!r}")
+        _check_daemon(endpoint, credentials)
+        if device not in ("auto", "cpu", "cuda", "npu"):
+            raise ConfigError(f"engine_kwargs.{BACKEND}.device must be one of auto, cpu, cuda, npu; got {device!r}")
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
             raise ConfigError(f"bucket_size must be a positive int, got {bucket_size!r}")
         if not isinstance(bypass_cpu, bool):
@@ -113,6 +135,9 @@ class VerlSync:
         self.endpoint, self.credentials = endpoint, credentials
         self._agent: VerlAgent | None = None
         self._open: int | None = None  # actor rank 0: the daemon's version of this sync, until it is sent
+        # actor rank 0: versions that failed, for every rank to drop from its cache (a failed version must not
+        # take the place of the last good one, the rollback target)
+        self._failed: list[int] = []
         self.mode = "bypass_cpu" if bypass_cpu else "cached"
         if not isinstance(sparse, bool):
             raise ConfigError(f"engine_kwargs.{BACKEND}.sparse must be true or false, got {sparse!r}")
@@ -138,6 +163,10 @@ class VerlSync:
         self._handoff = _Handoff(self.load_timeout_s)
         self._wire_hook: WireHook | None = None  # fault injection for tests (the library's own hook)
         self.last_version: int | None = None
+
+    @property
+    def _report_wait_s(self) -> float:
+        return min(_REPORT_WAIT_S, self.timeout_s)
 
     @property
     def device(self) -> DeviceInfo:
@@ -204,6 +233,8 @@ class VerlSync:
         if role == "actor" and self.endpoint:
             self._daemon("trainer", rank, actors)
         sync = self._announce(store, receivers, actors) if self.is_master else self._announced(store)
+        if role == "actor":
+            self._drop(sync.get("drop", []))
         version = sync["version"]
         self._topology = {"role": role, "rank": rank, "version": version, "actors": actors, "rollouts": rollouts,
                           "source_version": sync.get("source_version"), "sparse_base": sparse_base}
@@ -224,7 +255,7 @@ class VerlSync:
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                            global_steps: int | None = None) -> dict[str, Any]:
         topology = self._require("actor")
-        rank, actors = topology["rank"], topology["actors"]
+        rank = topology["rank"]
         version, source = topology["version"], topology["source_version"]
         step = _step(global_steps)
         if self._agent is not None and self.is_master:
@@ -242,18 +273,19 @@ class VerlSync:
             raise CkptEngineError(f"{BACKEND}: version {version} (global_steps {global_steps}): {reason}") from exc
         held = time.perf_counter() - started
         result = await asyncio.to_thread(transfer.result, self.timeout_s + self.load_timeout_s + self.timeout_s)
-        if self._agent is not None:
-            self._agent.sent(result, publisher, held)
-            self._open = None
-            if self.is_master:  # the version counts once the daemon judged the rollout workers' own reports
-                await asyncio.to_thread(self._committed, version, global_steps)
-            else:
-                await asyncio.to_thread(self._agent.flush_reports, self.timeout_s)
+        # with a daemon, the version counts once it judged the rollout workers' own reports
+        verdict = await asyncio.to_thread(self._told, result, publisher, held) if self._agent is not None else None
+        if not result.ok or (verdict is not None and verdict.get("status") != "committed"):
+            self._failed.append(version)  # dropped from every rank's cache at the next sync (announced)
         if not result.ok:
             raise CkptEngineError(f"{BACKEND}: version {version} (global_steps {global_steps}) was not delivered by "
                                   f"actor rank {rank}: {result.reason}")
+        if verdict is not None and verdict.get("status") != "committed":
+            raise VerificationFailed(f"{BACKEND}: version {version} (global_steps {global_steps}) "
+                                     f"{verdict.get('status')} on the daemon: {verdict.get('reason')}")
         self.last_version = version
-        return {f"{BACKEND}/version": version, f"{BACKEND}/bytes_kept_rank{rank}": kept,
+        unjudged = {f"{BACKEND}/daemon_verdict_unknown": 1} if self.is_master and self._agent and not verdict else {}
+        return {**unjudged, f"{BACKEND}/version": version, f"{BACKEND}/bytes_kept_rank{rank}": kept,
                 f"{BACKEND}/bytes_sent_rank{rank}": result.bytes_sent,
                 f"{BACKEND}/seconds_rank{rank}": sum(result.seconds.values()) if result.seconds else 0.0,
                 f"{BACKEND}/tensors_skipped": result.tensors_skipped,  # (of the version: the same on every rank)
@@ -326,7 +358,7 @@ class VerlSync:
             result = ReceiveResult(version, False, f"{type(exc).__name__}: {exc}")
         if self._agent is not None:  # said before verl goes on: the history holds it when verl's sync ends
             self._agent.received(version, result)
-            self._agent.flush_reports(self.timeout_s)
+            self._agent.flush_reports(self._report_wait_s)
         return result
 
     def finalize(self) -> None:
@@ -361,7 +393,9 @@ class VerlSync:
             if receivers is None:
                 sync: dict[str, Any] = {"version": self._versions}
             else:
-                record = self._daemon("trainer", 0, actors).open_version(receivers, bypass_cpu=self.mode == "bypass_cpu")
+                record = self._daemon("trainer", 0, actors).open_version(
+                    receivers, bypass_cpu=self.mode == "bypass_cpu",
+                    limit_s=min(3 * self.timeout_s + self.load_timeout_s, _MAX_WAIT_S))
                 sync = {"version": int(record["id"]), "source_version": record.get("source_version")}
                 self._open = sync["version"]
                 if sync["source_version"] is not None and record.get("owners") != actors:
@@ -371,6 +405,7 @@ class VerlSync:
             self._abandon_open(str(exc))
             store.set(_ANNOUNCEMENT, json.dumps({"error": str(exc)}))
             raise
+        sync["drop"], self._failed = self._failed, []
         store.set(_ANNOUNCEMENT, json.dumps(sync))
         return sync
 
@@ -403,17 +438,48 @@ class VerlSync:
 
         return agree
 
+    def _drop(self, versions: list[int]) -> None:
+        publisher = self._publisher
+        if publisher is None:
+            return
+        for version in versions:
+            if version not in publisher.cache:
+                continue
+            if self._agent is not None:  # the daemon hears what this rank's cache holds now
+                evict(self._agent, publisher, version)
+            else:
+                publisher.cache.evict(version)
+            log.info("%s: version %d failed; dropped from this rank's cache", BACKEND, version)
+
+    def _on_stage(self, version: int, stage: str) -> None:
+        """The send's progress (transferring, verifying) in the daemon's record of the version."""
+        if self._agent is not None and self.is_master:
+            self._agent.report(version, stage)
+
     def _abandon_open(self, reason: str) -> None:
         if self._open is not None and self._agent is not None:
             self._agent.abandoned(self._open, reason)
         self._open = None
 
-    def _committed(self, version: int, global_steps: int | None) -> None:
-        """Actor rank 0 with a daemon: the version counts once the daemon judged the receivers' own reports."""
-        record = self._agent.verdict(version, self.timeout_s + self.load_timeout_s)  # type: ignore[union-attr]
-        if record.get("status") != "committed":
-            raise VerificationFailed(f"{BACKEND}: version {version} (global_steps {global_steps}) {record.get('status')}"
-                                     f" on the daemon: {record.get('reason')}")
+    def _told(self, result: TransferResult, publisher: Publisher, held: float) -> dict[str, Any] | None:
+        """With a daemon: this rank's outcome told to it; on actor rank 0, the daemon's verdict (its record once
+        it judged the rollout workers' own reports). None when the daemon did not answer in time: then what
+        our own protocol verified stands (every worker acknowledged the digests), and the daemon, once back,
+        records the version as interrupted."""
+        agent = self._agent
+        if agent is None:
+            return None
+        agent.sent(result, publisher, held)
+        self._open = None
+        if not self.is_master:
+            agent.flush_reports(self._report_wait_s)
+            return None
+        verdict = agent.verdict(result.version, self._report_wait_s, self.timeout_s)
+        if verdict is None and result.ok:
+            log.error("%s: the daemon at %s gave no verdict on version %d within %.0fs; every rollout worker "
+                      "acknowledged it, so verl goes on (the history will say interrupted)", BACKEND, self.endpoint,
+                      result.version, self._report_wait_s + self.timeout_s)
+        return verdict
 
     # ---- internals -------------------------------------------------------------------------------------
     def _require(self, role: str) -> dict[str, Any]:
@@ -429,7 +495,7 @@ class VerlSync:
             self._publisher = Publisher(device=self.device, bucket_size=self.bucket_size,
                                         keep_versions=self.keep_versions, timeout_s=self.timeout_s,
                                         ack_timeout_s=self.timeout_s + self.load_timeout_s,
-                                        wire_hook=self._wire_hook)
+                                        wire_hook=self._wire_hook, on_stage=self._on_stage)
         return self._publisher
 
     def _assembler_for(self) -> VersionAssembler:
