@@ -112,7 +112,7 @@ def owner_trainer(rank: int, world: int, port: int, zmq: str, workdir: str, acti
     agent = TrainerAgent(model, zmq, poll_wait_s=0.2).start()
     served, shares = {}, {}
     step = 0
-    while not os.path.exists(os.path.join(workdir, "stop")):
+    while not _stopping(workdir, world):
         step += 1
         action = actions.get(step)
         if action == "train":
@@ -138,6 +138,15 @@ def owner_trainer(rank: int, world: int, port: int, zmq: str, workdir: str, acti
     if world > 1:
         dist.destroy_process_group()
     return result
+
+
+def _stopping(workdir: str, world: int) -> bool:
+    """Every rank of the job stops at the same step: one that saw the stop file a step before another would
+    leave that one alone in the next step's collective."""
+    flag = torch.tensor([int(os.path.exists(os.path.join(workdir, "stop")))])
+    if world > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _job(daemon, workdir: Path, world: int, actions: dict[int, str]):
