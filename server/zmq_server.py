@@ -191,7 +191,7 @@ class ZmqServer:
         def answer() -> dict:
             try:
                 return PollReply(assignment=self.controller.poll(request, roles)).model_dump()
-            except ControlError:
+            except (ControlError, ProtocolError):  # (the agent left or was replaced while its poll waited)
                 return PollReply().model_dump()
 
         return _Parked(envelope, message.get("id"), encoding, time.monotonic() + request.wait_s,
@@ -203,11 +203,16 @@ class ZmqServer:
         now = time.monotonic()
         keep = []
         for parked in self._parked:
-            if parked.ready() or now >= parked.deadline:
-                self._reply(sock, parked.envelope, parked.encoding,
-                            {"id": parked.request_id, "ok": True, "body": parked.answer()})
-            else:
-                keep.append(parked)
+            try:
+                if parked.ready() or now >= parked.deadline:
+                    self._reply(sock, parked.envelope, parked.encoding,
+                                {"id": parked.request_id, "ok": True, "body": parked.answer()})
+                else:
+                    keep.append(parked)
+            except Exception as exc:  # one parked request must never end the loop that serves every other
+                log.exception("answering a parked request failed")
+                self._reply(sock, parked.envelope, parked.encoding, {"id": parked.request_id, "ok": False,
+                            "error": "internal error", "detail": f"{type(exc).__name__}: {exc}"})
         self._parked = keep
 
     def _reply(self, sock: zmq.Socket, envelope: list[bytes], encoding: str, reply: dict) -> None:

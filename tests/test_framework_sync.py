@@ -202,3 +202,26 @@ def test_an_agent_registered_again_after_a_daemon_restart_stays_registered(tmp_p
     finally:
         agent.close()
         daemon.stop()
+
+
+def test_an_agent_replaced_while_its_poll_waits_does_not_stop_the_control_plane(job) -> None:
+    """Found by the second outside round: a poll parked for an agent that is then replaced (or leaves) was
+    answered with an error that ended the ZMQ loop, and the daemon answered no one after that."""
+    import threading
+
+    daemon, trainer, workers = job
+    answered: list[object] = []
+    waiting = threading.Thread(target=lambda: answered.append(trainer.poll(wait_s=3.0)), daemon=True)
+    waiting.start()
+    time.sleep(0.5)  # parked on the daemon
+    restarted = RawAgent(daemon, "trainer", framework="verl", trainer_ranks=1)  # replaces the waiting one
+    try:
+        waiting.join(10)
+        assert answered == [None]  # an empty answer, not a dead loop
+        late = RawAgent(daemon, "receiver", framework="verl")  # the control plane still answers
+        late.close()
+        version = _open(restarted, workers)["id"]
+        _commit(restarted, workers, version)
+        assert _record(daemon, version)["status"] == "committed"
+    finally:
+        restarted.close()
