@@ -97,7 +97,7 @@ class Controller:
             # replaced), and ids this history never issued are a peer's invention. Neither touches our numbering.
             held = self._known(message.versions) if message.history_id == self.history.history_id else []
             if message.role == "trainer" and message.framework and message.rank == 0:
-                self._replace_framework_lead()
+                self._replace_framework_lead(message)
             agent = self.agents.add(message, held)
             agent.catch_up_due = time.monotonic() + _NEWCOMER_SETTLE_S  # one that vanishes at once costs nothing
             if agent.role == "trainer":
@@ -116,11 +116,24 @@ class Controller:
             ack_timeout_s=timeouts.ack_s, version_timeout_s=timeouts.version_s,
         )
 
-    def _replace_framework_lead(self) -> None:
+    def _replace_framework_lead(self, message: Register) -> None:
         """A framework's trainer rank 0 registering anew is a restarted job (verl's rank 0 registers once per
-        process): the earlier one is gone, and would otherwise stay the trainer until its heartbeat expires."""
-        for old in [a for a in self.agents.all() if a.role == "trainer" and a.rank == 0 and a.framework]:
-            log.warning("framework trainer rank 0 %s replaced by a new registration (a restarted job)", old.agent_id)
+        process) once the earlier one fell silent: it would otherwise stay the trainer until its heartbeat
+        expires. One still polling is a live job: a second job (or a token holder) must not take its place."""
+        now, heartbeat_s = time.monotonic(), self.config.timeouts.heartbeat_s
+        olds = [a for a in self.agents.all() if a.role == "trainer" and a.rank == 0 and a.framework]
+        for old in olds:
+            same_process = (old.host, old.pid) == (message.host, message.pid)  # registering again (new token)
+            if old.heartbeating(now, heartbeat_s) and not same_process:
+                silent_in = old.poll_wait_s + heartbeat_s / 2 - (now - old.last_seen)
+                raise Conflict(
+                    f"a {old.framework} job's trainer rank 0 is registered and alive (agent {old.agent_id}, pid "
+                    f"{old.pid} on {old.host}): one daemon serves one {old.framework} job. A restarted job's rank 0 "
+                    f"takes its place once the old one has been silent for {old.poll_wait_s + heartbeat_s / 2:.1f}s "
+                    f"(in {max(silent_in, 0.0):.1f}s at the earliest)", {"live_agent": old.agent_id})
+        for old in olds:
+            log.warning("framework trainer rank 0 %s (silent) replaced by a new registration from pid %d on %s "
+                        "(a restarted job)", old.agent_id, message.pid, message.host)
             self.agents.remove(old.agent_id)
             flight = self._in_flight
             if flight is not None and flight.trainer == old.agent_id:
@@ -315,12 +328,19 @@ class Controller:
         if queued is None:
             return None
         source = self.history.get(queued.source_version)  # type: ignore[arg-type]
-        if source is not None and source.cached:
+        if source is not None and source.cached and not self._leaving_cache(source.id):
             return queued
         self.history.update(queued.id, status="failed", reason=f"version {queued.source_version} is no longer in the "
                             "trainer's cache (evicted before the framework's next sync)")
         self.metrics.version_done("failed", 0, {})
         return None
+
+    def _leaving_cache(self, version: int) -> bool:
+        """An owner rank was told to evict ``version`` or no longer holds its share (the history's ``cached``
+        turns false only once every eviction is confirmed): sending it now would fail part way."""
+        evicting = any(a.kind == "evict" and a.version == version for t in self.agents.trainers().values()
+                       for a in t.pending)
+        return evicting or bool(self._missing_shares(version))
 
     def _framework_quorum(self, trainer: Agent, receivers: list[str]) -> list[Agent]:
         if len(set(receivers)) != len(receivers):
@@ -357,6 +377,12 @@ class Controller:
         if not record.cached:
             raise Conflict(f"version {version} is not in the trainer's cache")
         with self._lock:
+            flight = self._in_flight
+            sending = self.history.get(flight.version) if flight is not None and flight.purpose == "push" else None
+            if sending is not None and sending.source_version == version:
+                # the trainer ranks read it from their caches as it is sent: evicted now, the sync would fail
+                raise Conflict(f"version {version} is being sent again as version {sending.id} (a push in "
+                               "flight); evict it once that has ended", {"in_flight": sending.id})
             trainers = self.agents.trainers()
             if 0 not in trainers:
                 raise Unavailable("no trainer agent is registered to evict from")

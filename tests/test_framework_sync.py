@@ -4,12 +4,13 @@ asks of it, and what a token holder might try. The backend itself runs in script
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import pytest
 
-from ckpt_engine.control.client import ControlReplyError
+from ckpt_engine.control.client import ControlClient, ControlReplyError
 from tests.daemon_harness import start_daemon, write_config
 from tests.raw_agent import RawAgent
 
@@ -160,13 +161,21 @@ def test_a_framework_version_gets_the_time_limit_its_framework_asked_for(job) ->
     assert "timed out" in _record(daemon, version)["reason"] and "after 1s" in _record(daemon, version)["reason"]
 
 
-def test_a_restarted_job_s_rank_0_replaces_the_old_one(job) -> None:
+def test_a_restarted_job_s_rank_0_replaces_the_old_one_once_it_is_silent(tmp_path: Path) -> None:
     """verl's rank 0 registers once per process: a new one is a restarted job, and the old registration (its
     process gone, its heartbeat not yet expired) must not stay the trainer the daemon listens to."""
-    daemon, trainer, workers = job
-    orphan = _open(trainer, workers)["id"]
-    restarted = RawAgent(daemon, "trainer", framework="verl", trainer_ranks=1)
+    daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts={**_QUICK, "heartbeat_s": 4}))
+    trainer = RawAgent(daemon, "trainer", framework="verl", trainer_ranks=1)
+    workers = [RawAgent(daemon, "receiver", framework="verl") for _ in range(2)]
+    restarted = None
     try:
+        orphan = _open(trainer, workers)["id"]
+        deadline = time.monotonic() + 2.5  # past the old rank 0's 2 s window (heartbeat_s / 2), workers alive
+        while time.monotonic() < deadline:
+            for worker in workers:
+                worker.poll()
+            time.sleep(0.3)
+        restarted = RawAgent(daemon, "trainer", framework="verl", trainer_ranks=1)
         assert _record(daemon, orphan)["status"] == "failed"
         with pytest.raises(ControlReplyError, match="unregistered agent"):
             _open(trainer, workers)
@@ -174,7 +183,54 @@ def test_a_restarted_job_s_rank_0_replaces_the_old_one(job) -> None:
         _commit(restarted, workers, version)
         assert _record(daemon, version)["status"] == "committed"
     finally:
-        restarted.close()
+        for agent in (trainer, *workers, *([restarted] if restarted else [])):
+            agent.close()
+        daemon.stop()
+
+
+def test_a_second_live_job_s_rank_0_is_refused_and_the_live_job_goes_on(job) -> None:
+    """Found by the second outside round: two live verl jobs on one daemon replaced each other's rank 0 in a
+    loop (every sync of both failed), and one ``register`` with the trainer token failed a live job's sync."""
+    daemon, trainer, workers = job
+    version = _open(trainer, workers)["id"]
+    with pytest.raises(ControlReplyError, match="registered and alive.*one daemon serves one verl job") as refused:
+        RawAgent(daemon, "trainer", framework="verl", trainer_ranks=1, pid=os.getpid() + 1)
+    assert refused.value.error == "conflict" and trainer.agent_id in str(refused.value)
+    _commit(trainer, workers, version)  # the live job's sync was not touched
+    assert _record(daemon, version)["status"] == "committed"
+    # the same process registering again (a new token in its credentials file) is not another job
+    again = RawAgent(daemon, "trainer", framework="verl", trainer_ranks=1)
+    try:
+        assert _open(again, workers)["purpose"] == "sync"
+    finally:
+        again.close()
+
+
+def test_a_version_being_sent_again_cannot_be_evicted_and_a_leaving_one_is_not_queued(job) -> None:
+    """Found by the second outside round: an evict landing after verl's sync took a queued rollback, before
+    the ranks read it from their caches, failed verl's update_weights."""
+    daemon, trainer, workers = job
+    http = daemon.client()
+    first = _open(trainer, workers)["id"]
+    _commit(trainer, workers, first)
+    queued = http.post(f"/versions/{first}/push").json()["version"]
+    push = _open(trainer, workers)
+    assert push["id"] == queued and push["source_version"] == first
+    refused = http.delete(f"/versions/{first}")
+    assert refused.status_code == 409 and f"version {queued}" in refused.json()["detail"], refused.text
+    _commit(trainer, workers, queued, cache=[first])
+    assert _record(daemon, queued)["status"] == "committed"
+    # an eviction asked for but not yet confirmed by the ranks: the next sync sends new weights, not it
+    again = http.post(f"/versions/{first}/push").json()["version"]
+    operator = ControlClient(daemon.zmq, timeout_s=5, token=daemon.tokens()["operator"])
+    try:
+        operator.request("evict", {"version": first})  # (over ZMQ: asked, not waited for)
+    finally:
+        operator.close()
+    sync = _open(trainer, workers)
+    assert sync["source_version"] is None and sync["id"] != again, sync
+    dropped = _record(daemon, again)
+    assert dropped["status"] == "failed" and "no longer in the trainer's cache" in dropped["reason"], dropped
 
 
 def test_an_agent_registered_again_after_a_daemon_restart_stays_registered(tmp_path: Path) -> None:
@@ -214,12 +270,15 @@ def test_an_agent_replaced_while_its_poll_waits_does_not_stop_the_control_plane(
     waiting = threading.Thread(target=lambda: answered.append(trainer.poll(wait_s=3.0)), daemon=True)
     waiting.start()
     time.sleep(0.5)  # parked on the daemon
-    restarted = RawAgent(daemon, "trainer", framework="verl", trainer_ranks=1)  # replaces the waiting one
+    other = ControlClient(daemon.zmq, timeout_s=5, token=daemon.tokens()["trainer"])  # (the first is waiting)
     try:
-        waiting.join(10)
-        assert answered == [None]  # an empty answer, not a dead loop
-        late = RawAgent(daemon, "receiver", framework="verl")  # the control plane still answers
-        late.close()
+        other.request("unregister", trainer.identity)  # it leaves while its poll waits
+    finally:
+        other.close()
+    waiting.join(10)
+    assert answered == [None]  # an empty answer, not a dead loop
+    restarted = RawAgent(daemon, "trainer", framework="verl", trainer_ranks=1)  # the control plane still answers
+    try:
         version = _open(restarted, workers)["id"]
         _commit(restarted, workers, version)
         assert _record(daemon, version)["status"] == "committed"
