@@ -85,6 +85,7 @@ class Agent:
         self.groups: list[SyncGroup] = []
         self.owners_group: SyncGroup | None = None
         self._group_lock = threading.Lock()
+        self._register_lock = threading.Lock()  # registering again: once, whichever thread notices first
         self._poll_failures = FailureLog(log, f"{self.role} agent: polling the daemon at {endpoint}")
         self._report_failures = FailureLog(log, f"{self.role} agent: reporting to the daemon at {endpoint}")
 
@@ -340,7 +341,7 @@ class Agent:
             if "unregistered agent" in str(exc.detail) or exc.error == "unauthorized":
                 # A restarted daemon, or a new token in the credentials file. Registered again: poll at once,
                 # not after the backoff the failures grew (longer than a heartbeat, it would expire again).
-                return self._try_register(poller)
+                return self._try_register(poller, failed_as=polled_as)
             return False
         except CkptEngineError as exc:
             self._poll_failures.failed(exc)
@@ -354,21 +355,25 @@ class Agent:
                 self._dispatch(assignment)
         return True
 
-    def _try_register(self, client: ControlClient) -> bool:
-        """From the poll thread, on its own client: the shared one may be held by a report still waiting for
-        the dead daemon's reply (up to the request timeout), and until registered the agent is invisible.
-        True once registered."""
-        token = self._resolve_token()
-        if token != self.token:
-            log.warning("using the %s token found now (the credentials changed)", _CREDENTIAL_OF[self.role])
-            self.token = client.token = self._client.token = token
-        try:
-            self._register(client)
-            log.warning("registered again as %s", self.agent_id)
-            return True
-        except CkptEngineError as exc:
-            self._poll_failures.failed(f"registering again: {exc}")
-            return False
+    def _try_register(self, client: ControlClient, *, failed_as: str) -> bool:
+        """Register again after a request as ``failed_as`` was refused as unregistered (or unauthorized), on
+        ``client``: the shared one may be held by a report still waiting for the dead daemon's reply (up to the
+        request timeout), and until registered the agent is invisible. Registered once, whichever thread
+        noticed first (two registrations would be two agents). True once registered."""
+        with self._register_lock:
+            if self.settings is not None and self.settings.agent_id != failed_as:
+                return True  # another thread registered again meanwhile
+            token = self._resolve_token()
+            if token != self.token:
+                log.warning("using the %s token found now (the credentials changed)", _CREDENTIAL_OF[self.role])
+                self.token = client.token = self._client.token = token
+            try:
+                self._register(client)
+                log.warning("registered again as %s", self.agent_id)
+                return True
+            except CkptEngineError as exc:
+                self._poll_failures.failed(f"registering again: {exc}")
+                return False
 
     def unable_now(self) -> str | None:
         """Why this agent cannot take versions now, said with every poll (None: it can)."""

@@ -47,7 +47,11 @@ def test_unknown_engine_kwargs_are_refused_by_name() -> None:
     # values that would otherwise fail later, part way through a sync, with raw errors
     for bad, match in ((dict(timeout_s=float("nan")), "timeout_s"), (dict(load_timeout_s=1e12), "load_timeout_s"),
                        (dict(device="tpu"), "device"), (dict(endpoint="tcp://"), "endpoint"),
-                       (dict(endpoint="tcp://127.0.0.1:1", credentials="/nonexistent.json"), "nonexistent")):
+                       (dict(endpoint="tcp://127.0.0.1:1", credentials="/nonexistent.json"), "nonexistent"),
+                       # (found by the second outside round)
+                       (dict(timeout_s=1e-9), "timeout_s"), (dict(group_name=""), "group_name"),
+                       (dict(group_name=5), "group_name"), (dict(host=5), "host"), (dict(host=""), "host"),
+                       (dict(keep_versions=10**9), "keep_versions"), (dict(endpoint="tcp://*:5555"), "endpoint")):
         with pytest.raises(ConfigError, match=match):
             VerlSync(BUCKET_SIZE, **bad)
 

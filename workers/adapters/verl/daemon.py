@@ -22,11 +22,12 @@ from ckpt_engine.workers.rollout_agent import received_fields
 from ckpt_engine.workers.trainer_agent import done_fields, evict
 
 from ckpt_engine.control.auth import client_token
-from ckpt_engine.control.client import ControlReplyError
+from ckpt_engine.control.client import ControlClient, ControlReplyError
 from ckpt_engine.control.messages import Assignment
 from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.receive.collective import ReceiveResult
+from ckpt_engine.retry import Backoff
 from ckpt_engine.send.publisher import Publisher
 from ckpt_engine.send.sender import TransferResult
 
@@ -36,7 +37,16 @@ FRAMEWORK = "verl"
 
 class DaemonRefused(CkptEngineError):
     """The daemon would not start this sync's version (another in flight, storage degraded, a receiver it
-    does not know): verl's sync fails with the daemon's reason and nothing is sent."""
+    does not know), or would not register this process (another live verl job's rank 0): verl's sync fails
+    with the daemon's reason and nothing is sent."""
+
+
+class DaemonUnavailable(CkptEngineError):
+    """The daemon did not answer in time (down, restarting, unreachable): verl's sync fails naming it."""
+
+
+def _unregistered(exc: ControlReplyError) -> bool:
+    return "unregistered agent" in str(exc.detail) or exc.error == "unauthorized"
 
 
 class VerlAgent(Agent):
@@ -53,6 +63,43 @@ class VerlAgent(Agent):
         self.serving: int | None = None  # receivers: the version verl's loader took last
         self.credentials = credentials
         super().__init__(endpoint, rank=rank, device=device, request_timeout_s=timeout_s)
+        # A sync's own requests go on a client of their own: the shared one may be held by a report retrying
+        # on a daemon that is gone (up to the request timeout each), and a sync must fail within its bound.
+        self._sync_client = ControlClient(endpoint, timeout_s=timeout_s, token=self.token)
+
+    def start(self) -> VerlAgent:
+        """Registers (retrying for up to the request timeout while the daemon says a previous run's rank 0 is
+        still alive: a job restarted at once), then starts polling."""
+        deadline = time.monotonic() + self.request_timeout_s
+        backoff = Backoff(initial_s=0.5, max_s=2.0)
+        while True:
+            try:
+                super().start()
+                return self
+            except ControlReplyError as exc:
+                delay = backoff.next_delay()
+                if exc.error == "conflict" and time.monotonic() + delay < deadline:
+                    time.sleep(delay)
+                    continue
+                self._close_clients()
+                raise DaemonRefused(f"the daemon at {self.endpoint} refused to register this verl {self.role}: "
+                                    f"{exc}") from exc
+            except CkptEngineError as exc:
+                self._close_clients()
+                raise DaemonUnavailable(f"the daemon at {self.endpoint} did not register this verl {self.role}: "
+                                        f"{exc}") from exc
+
+    def close(self) -> None:
+        super().close()
+        self._sync_client.close()
+
+    def _close_clients(self) -> None:
+        self._client.close()
+        self._sync_client.close()
+
+    def _sync_request(self, kind: str, body: dict[str, Any], deadline: float) -> dict[str, Any]:
+        self._sync_client.token = self.token  # (the poll thread may have taken a new token)
+        return self._sync_client.request(kind, body, timeout_s=max(deadline - time.monotonic(), 0.05))
 
     def _resolve_token(self) -> str | None:
         return client_token("trainer" if self.role == "trainer" else "rollout", None, self.credentials)
@@ -83,14 +130,48 @@ class VerlAgent(Agent):
             log.warning("verl agent: ignoring a %s assignment for version %d", assignment.kind, assignment.version)
 
     # ---- the daemon's side of one verl sync --------------------------------------------------------------
-    def open_version(self, receivers: list[str], *, bypass_cpu: bool, limit_s: float) -> dict[str, Any]:
+    def open_version(self, receivers: list[str], *, bypass_cpu: bool, limit_s: float,
+                     deadline: float) -> dict[str, Any]:
         """Actor rank 0: the daemon's version for this sync (its record: id, source_version for a queued
-        rollback, owners); ``limit_s``: how long the daemon gives it (this sync's own timeouts)."""
-        try:
-            return self._client.request("sync", {**self._identity(), "receivers": receivers, "bypass_cpu": bypass_cpu,
-                                                 "limit_s": limit_s})
+        rollback, owners), by ``deadline``; ``limit_s``: how long the daemon gives it (this sync's own
+        timeouts). A daemon that restarted since this rank registered: registers again and asks once more."""
+        body = {"receivers": receivers, "bypass_cpu": bypass_cpu, "limit_s": limit_s}
+        for attempt in (1, 2):
+            opener = self.agent_id
+            try:
+                return self._sync_request("sync", {**self._identity(), **body}, deadline)
+            except ControlReplyError as exc:
+                if attempt == 1 and _unregistered(exc) and self._try_register(self._sync_client, failed_as=opener):
+                    continue
+                raise DaemonRefused(f"the daemon at {self.endpoint} refused this sync: {exc}") from exc
+            except CkptEngineError as exc:
+                raise DaemonUnavailable(f"the daemon at {self.endpoint} did not open this sync's version: {exc}"
+                                        ) from exc
+        raise AssertionError("unreachable")  # (the loop returns or raises)
+
+    def current_id(self, deadline: float) -> str:
+        """A rollout worker's agent id as the daemon knows it now (verl names it in the sync's quorum): after a
+        daemon restart, registered again first. A daemon that does not answer by ``deadline``: the id held
+        (the sync's opening then fails, naming the daemon)."""
+        polled_as = self.agent_id
+        try:  # a poll that waits for nothing: it changes nothing but the heartbeat
+            self._sync_request("poll", {**self._identity(), "versions": self.versions_held(), "wait_s": 0.0},
+                               deadline)
         except ControlReplyError as exc:
-            raise DaemonRefused(f"the daemon at {self.endpoint} refused this sync: {exc}") from exc
+            if _unregistered(exc):
+                self._try_register(self._sync_client, failed_as=polled_as)
+        except CkptEngineError as exc:
+            log.info("verl %s: the daemon at %s did not answer a registration check: %s", self.role,
+                     self.endpoint, exc)
+        return self.agent_id
+
+    def status_of(self, version: int, deadline: float) -> str | None:
+        """``version``'s status in the daemon's history; None if the daemon did not say."""
+        try:
+            return self._sync_request("version", {"version": version}, deadline).get("status")
+        except CkptEngineError as exc:
+            log.info("verl: the status of version %d is unknown: %s", version, exc)
+            return None
 
     def sent(self, result: TransferResult, publisher: Publisher, held: float) -> None:
         self.report(result.version, "done", **done_fields(result, publisher, held))

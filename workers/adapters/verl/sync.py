@@ -32,6 +32,7 @@ import os
 import re
 import threading
 import time
+from datetime import timedelta
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
@@ -54,6 +55,7 @@ BACKEND = "ckpt_engine"
 _MASTER, _PEER = "master", "peer"
 _ANNOUNCEMENT = "ckpt-engine/verl/version"  # on actor rank 0's store: this sync's version (or why none)
 _CHANGES = "ckpt-engine/verl/changes"  # sparse versions: each actor rank's change flags
+_DAEMON_WAIT_S = 30.0  # at most, per step of a sync that asks the daemon (registering, opening its version)
 _REPORT_WAIT_S = 30.0  # how long an outcome may take to reach the daemon (it retries with backoff meanwhile)
 _KNOWN = ("bypass_cpu", "sparse", "host", "device", "timeout_s", "load_timeout_s", "keep_versions", "group_name", "endpoint",
           "credentials")
@@ -78,18 +80,36 @@ def _node_address() -> str:
 _MAX_WAIT_S = 7 * 86400.0
 
 
-def _positive(name: str, value: object) -> float:
+_MIN_WAIT_S = 1.0  # below this a sync cannot even rendezvous
+_MAX_KEEP = 1024  # (the daemon's own keep_versions bound)
+
+
+def _seconds(name: str, value: object) -> float:
     if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or not 0 < value <= _MAX_WAIT_S):
-        raise ConfigError(f"engine_kwargs.{BACKEND}.{name} must be a number of seconds above 0 and at most "
+            or not _MIN_WAIT_S <= value <= _MAX_WAIT_S):
+        raise ConfigError(f"engine_kwargs.{BACKEND}.{name} must be a number of seconds from {_MIN_WAIT_S:.0f} to "
                           f"{_MAX_WAIT_S:.0f}, got {value!r}")
     return float(value)
+
+
+def _check_names(host: object, group_name: object, keep_versions: object) -> None:
+    if host is not None and not (isinstance(host, str) and re.fullmatch(r"[^\s*]{1,253}", host)):
+        raise ConfigError(f"engine_kwargs.{BACKEND}.host must be a host name or address the other verl processes "
+                          f"reach actor rank 0 at, got {host!r}")
+    if not (isinstance(group_name, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", group_name)):
+        raise ConfigError(f"engine_kwargs.{BACKEND}.group_name must be 1 to 64 letters, digits, '_', '.' or '-', "
+                          f"got {group_name!r}")
+    if (isinstance(keep_versions, bool) or not isinstance(keep_versions, int)
+            or not 1 <= keep_versions <= _MAX_KEEP):
+        raise ConfigError(f"engine_kwargs.{BACKEND}.keep_versions must be an int from 1 to {_MAX_KEEP}, got "
+                          f"{keep_versions!r}")
 
 
 def _check_daemon(endpoint: object, credentials: object) -> None:
     if endpoint is None:
         return
-    match = re.fullmatch(r"tcp://([^:/\s]+|\[[0-9a-fA-F:]+\]):(\d{1,5})", endpoint) if isinstance(endpoint, str) else None
+    # (a host to connect to: a bind wildcard such as * names none)
+    match = re.fullmatch(r"tcp://([^:/\s*]+|\[[0-9a-fA-F:]+\]):(\d{1,5})", endpoint) if isinstance(endpoint, str) else None
     if match is None or not 0 < int(match.group(2)) < 65536:
         raise ConfigError(f"engine_kwargs.{BACKEND}.endpoint must be the daemon's zmq endpoint, tcp://host:port, got "
                           f"{endpoint!r}")
@@ -127,8 +147,7 @@ class VerlSync:
             raise ConfigError(f"bucket_size must be a positive int, got {bucket_size!r}")
         if not isinstance(bypass_cpu, bool):
             raise ConfigError(f"engine_kwargs.{BACKEND}.bypass_cpu must be true or false, got {bypass_cpu!r}")
-        if isinstance(keep_versions, bool) or not isinstance(keep_versions, int) or keep_versions < 1:
-            raise ConfigError(f"engine_kwargs.{BACKEND}.keep_versions must be an int >= 1, got {keep_versions!r}")
+        _check_names(host, group_name, keep_versions)
         self.bucket_size = bucket_size
         self.is_master = bool(is_master)
         self.is_actor = is_master is not None
@@ -138,6 +157,9 @@ class VerlSync:
         # actor rank 0: versions that failed, for every rank to drop from its cache (a failed version must not
         # take the place of the last good one, the rollback target)
         self._failed: list[int] = []
+        # actor rank 0: versions the daemon gave no verdict on (it was down or stalled); asked again at the next
+        # sync, and dropped too unless it recorded them committed
+        self._unjudged: list[int] = []
         self.mode = "bypass_cpu" if bypass_cpu else "cached"
         if not isinstance(sparse, bool):
             raise ConfigError(f"engine_kwargs.{BACKEND}.sparse must be true or false, got {sparse!r}")
@@ -147,8 +169,8 @@ class VerlSync:
         self.sparse = sparse
         self.host = host
         self.device_name = device
-        self.timeout_s = _positive("timeout_s", timeout_s)
-        self.load_timeout_s = _positive("load_timeout_s", load_timeout_s)
+        self.timeout_s = _seconds("timeout_s", timeout_s)
+        self.load_timeout_s = _seconds("load_timeout_s", load_timeout_s)
         self.keep_versions = keep_versions
         self.group_name = group_name
         self._device: DeviceInfo | None = None
@@ -169,6 +191,11 @@ class VerlSync:
         return min(_REPORT_WAIT_S, self.timeout_s)
 
     @property
+    def _daemon_s(self) -> float:
+        """How long one step of a sync may wait for the daemon (registering, opening the version)."""
+        return min(self.timeout_s, _DAEMON_WAIT_S)
+
+    @property
     def device(self) -> DeviceInfo:
         if self._device is None:
             self._device = detect_device(self.device_name)
@@ -178,8 +205,10 @@ class VerlSync:
     def prepare(self) -> dict[str, Any]:
         if not self.is_actor:  # a rollout worker: the daemon knows it by its agent id (build_topology passes it on)
             held = self._assembler.manifest if self._assembler is not None else None
-            return {"role": _PEER, "agent_id": self._daemon("receiver", 0).agent_id if self.endpoint else None,
-                    "holds": held.version if held is not None else None}
+            # (checked with the daemon: after a restart the id held is unknown there, and verl names it)
+            agent_id = (self._daemon("receiver", 0).current_id(time.monotonic() + min(self._daemon_s, 5.0))
+                        if self.endpoint else None)
+            return {"role": _PEER, "agent_id": agent_id, "holds": held.version if held is not None else None}
         if not self.is_master:
             return {"role": _PEER}
         self._abandon_open("verl started a new sync before this one's weights were sent")
@@ -230,7 +259,7 @@ class VerlSync:
         self._topology = None
         store = self._server if self.is_master else open_store(host, port, timeout_s=self.timeout_s)
         self._store = store
-        if role == "actor" and self.endpoint:
+        if role == "actor" and self.endpoint and not self.is_master:  # (rank 0 registers as it announces)
             self._daemon("trainer", rank, actors)
         sync = self._announce(store, receivers, actors) if self.is_master else self._announced(store)
         if role == "actor":
@@ -277,6 +306,8 @@ class VerlSync:
         verdict = await asyncio.to_thread(self._told, result, publisher, held) if self._agent is not None else None
         if not result.ok or (verdict is not None and verdict.get("status") != "committed"):
             self._failed.append(version)  # dropped from every rank's cache at the next sync (announced)
+        elif verdict is None and self._agent is not None and self.is_master:
+            self._unjudged.append(version)
         if not result.ok:
             raise CkptEngineError(f"{BACKEND}: version {version} (global_steps {global_steps}) was not delivered by "
                                   f"actor rank {rank}: {result.reason}")
@@ -383,7 +414,7 @@ class VerlSync:
             self._agent = VerlAgent(role, self.endpoint or "", rank=rank, credentials=self.credentials,
                                     device=self.device,
                                     trainer_ranks=ranks, publisher=lambda: self._publisher,
-                                    timeout_s=min(self.timeout_s, 30.0)).start()
+                                    timeout_s=self._daemon_s).start()
         return self._agent
 
     def _announce(self, store: Any, receivers: list[str] | None, actors: int) -> dict[str, Any]:
@@ -393,14 +424,16 @@ class VerlSync:
             if receivers is None:
                 sync: dict[str, Any] = {"version": self._versions}
             else:
-                record = self._daemon("trainer", 0, actors).open_version(
-                    receivers, bypass_cpu=self.mode == "bypass_cpu",
-                    limit_s=min(3 * self.timeout_s + self.load_timeout_s, _MAX_WAIT_S))
+                agent = self._daemon("trainer", 0, actors)  # (registered within the daemon bound)
+                deadline = time.monotonic() + self._daemon_s
+                record = agent.open_version(receivers, bypass_cpu=self.mode == "bypass_cpu", deadline=deadline,
+                                            limit_s=min(3 * self.timeout_s + self.load_timeout_s, _MAX_WAIT_S))
                 sync = {"version": int(record["id"]), "source_version": record.get("source_version")}
                 self._open = sync["version"]
                 if sync["source_version"] is not None and record.get("owners") != actors:
                     raise ConfigError(f"version {sync['source_version']} was cached by {record.get('owners')} actor "
                                       f"ranks, this job has {actors}: it cannot be sent again")
+                self._judge_unjudged(agent, deadline)
         except CkptEngineError as exc:
             self._abandon_open(str(exc))
             store.set(_ANNOUNCEMENT, json.dumps({"error": str(exc)}))
@@ -410,14 +443,31 @@ class VerlSync:
         return sync
 
     def _announced(self, store: Any) -> dict[str, Any]:
+        # rank 0 may take its daemon bound (registering, then opening the version) on top of the rendezvous
+        wait_s = self.timeout_s + (2 * self._daemon_s + 5.0 if self.endpoint else 0.0)
         try:
+            store.wait([_ANNOUNCEMENT], timedelta(seconds=wait_s))
             sync = json.loads(store.get(_ANNOUNCEMENT))
         except (RuntimeError, ValueError) as exc:
             raise CkptEngineError(f"{BACKEND}: actor rank 0 did not announce this sync's version within "
-                                  f"{self.timeout_s:.0f}s: {exc}") from exc
+                                  f"{wait_s:.0f}s (is it alive?): {exc}") from exc
         if "error" in sync:
             raise CkptEngineError(f"{BACKEND}: no version for this sync: {sync['error']}")
         return sync
+
+    def _judge_unjudged(self, agent: VerlAgent, deadline: float) -> None:
+        """Versions the daemon gave no verdict on: dropped from the caches with the failed ones unless it has
+        since recorded them committed (a killed daemon records them interrupted; they must not push the last
+        committed version, the rollback target, out of the cache). Asked again next time if it does not say."""
+        still: list[int] = []
+        for version in self._unjudged:
+            status = agent.status_of(version, deadline)
+            if status is None:
+                still.append(version)
+            elif status != "committed":
+                log.warning("%s: version %d is %s on the daemon; dropped from the caches", BACKEND, version, status)
+                self._failed.append(version)
+        self._unjudged = still
 
     def _agree(self, rank: int, actors: int) -> Callable[[list[int]], list[int]]:
         """Sparse versions: every actor rank's change flags merged (over this sync's store: each rank digests
@@ -464,8 +514,8 @@ class VerlSync:
     def _told(self, result: TransferResult, publisher: Publisher, held: float) -> dict[str, Any] | None:
         """With a daemon: this rank's outcome told to it; on actor rank 0, the daemon's verdict (its record once
         it judged the rollout workers' own reports). None when the daemon did not answer in time: then what
-        our own protocol verified stands (every worker acknowledged the digests), and the daemon, once back,
-        records the version as interrupted."""
+        our own protocol verified stands (every worker acknowledged the digests); the daemon's record decides
+        once it answers (a stalled daemon judges it as usual, a restarted one records it interrupted)."""
         agent = self._agent
         if agent is None:
             return None
@@ -477,8 +527,9 @@ class VerlSync:
         verdict = agent.verdict(result.version, self._report_wait_s, self.timeout_s)
         if verdict is None and result.ok:
             log.error("%s: the daemon at %s gave no verdict on version %d within %.0fs; every rollout worker "
-                      "acknowledged it, so verl goes on (the history will say interrupted)", BACKEND, self.endpoint,
-                      result.version, self._report_wait_s + self.timeout_s)
+                      "acknowledged it, so verl goes on (the daemon's record decides once it answers: unless it "
+                      "records the version committed, the next sync drops it from the caches)", BACKEND,
+                      self.endpoint, result.version, self._report_wait_s + self.timeout_s)
         return verdict
 
     # ---- internals -------------------------------------------------------------------------------------
