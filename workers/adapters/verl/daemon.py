@@ -166,9 +166,15 @@ class VerlAgent(Agent):
         return self.agent_id
 
     def status_of(self, version: int, deadline: float) -> str | None:
-        """``version``'s status in the daemon's history; None if the daemon did not say."""
+        """``version``'s status in the daemon's history (``unknown`` if the history has no such version: it was
+        lost or replaced); None if the daemon did not say."""
         try:
             return self._sync_request("version", {"version": version}, deadline).get("status")
+        except ControlReplyError as exc:
+            if exc.error == "not found":
+                return "unknown"
+            log.info("verl: the status of version %d is unknown: %s", version, exc)
+            return None
         except CkptEngineError as exc:
             log.info("verl: the status of version %d is unknown: %s", version, exc)
             return None

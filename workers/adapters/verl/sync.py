@@ -32,8 +32,8 @@ import os
 import re
 import threading
 import time
-from datetime import timedelta
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
