@@ -502,3 +502,51 @@ def test_ownership_of_several_ranks_without_an_owners_group_is_refused_and_the_r
     sent, got = run_processes([(lone_owner, (store.port,)), (lone_receiver, (store.port,))], timeout_s=120)
     assert not sent[0][0] and "no owners' group" in sent[0][1] and sent[1][0]
     assert not got[0][0] and "no owners' group" in got[0][1] and got[1][0]
+
+
+# ---- the release order of a failing owner's send (found by the fault trials of issue 19) ------------------------
+_HELD_S = 3.0  # how long the other owner holds back its part of the vote
+
+
+def releasing_owner(port: int, rank: int) -> dict:
+    """bypass_cpu; the receiver is gone, so rank 0's send fails on the wire, and rank 1 is slow to send (and so
+    to take part in the owners' vote)."""
+    from ckpt_engine.send.publisher import Ownership, Publisher
+
+    def hook(index: int, buf: torch.Tensor) -> torch.Tensor:
+        if rank == 1:
+            time.sleep(_HELD_S)
+        return buf
+
+    (group,), owners = _library_groups(port, rank)
+    publisher = Publisher(group, bucket_size=16 << 10, wire_hook=hook)
+    publisher.attach(group, {}, owners)
+    time.sleep(1.0)  # the receiver has left
+    started = time.monotonic()
+    transfer = publisher.publish(1, _model(1), mode="bypass_cpu", ownership=Ownership(rank, 2))
+    released = time.monotonic() - started  # bypass_cpu: publish returns once the live tensors are released
+    result = transfer.result(60)
+    ended = time.monotonic() - started
+    publisher.close()
+    return {"released_s": released, "ended_s": ended, "ok": result.ok, "reason": result.reason}
+
+
+def leaving_receiver(port: int) -> str:
+    _library_groups(port, 2)
+    return "joined, then left"
+
+
+def test_a_failing_owner_releases_its_live_tensors_before_it_waits_for_the_other_owners_vote() -> None:
+    """The training loop waits on the released tensors, and the other trainer ranks wait for it in their
+    gathers: a send that failed part way must release them first, not after its abort and the owners' vote
+    (which waits for the slowest owner). The fault trials of issue 19 found the old order (a trainer job ended
+    past its timeout)."""
+    from ckpt_engine.transport.group import open_store
+    from tests.procs import run_processes
+
+    store = open_store("127.0.0.1", 0, is_master=True, timeout_s=60)
+    failing, slow, _ = run_processes([(releasing_owner, (store.port, 0)), (releasing_owner, (store.port, 1)),
+                                      (leaving_receiver, (store.port,))], timeout_s=120)
+    assert not failing["ok"] and not slow["ok"], (failing, slow)
+    assert failing["ended_s"] >= _HELD_S - 0.5, failing  # it did wait for the slow owner's vote ...
+    assert failing["released_s"] < _HELD_S / 2, failing  # ... but only after letting go of the live tensors
