@@ -123,8 +123,8 @@ class Controller:
         now, heartbeat_s = time.monotonic(), self.config.timeouts.heartbeat_s
         olds = [a for a in self.agents.all() if a.role == "trainer" and a.rank == 0 and a.framework]
         for old in olds:
-            same_process = (old.host, old.pid) == (message.host, message.pid)  # registering again (new token)
-            if old.heartbeating(now, heartbeat_s) and not same_process:
+            # (host and pid are the registrant's say: they cannot tell a restart from an impostor)
+            if old.heartbeating(now, heartbeat_s):
                 silent_in = old.poll_wait_s + heartbeat_s / 2 - (now - old.last_seen)
                 raise Conflict(
                     f"a {old.framework} job's trainer rank 0 is registered and alive (agent {old.agent_id}, pid "

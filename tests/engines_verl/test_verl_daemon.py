@@ -6,6 +6,7 @@ with POST /push is what verl's next sync delivers; a corrupted byte fails the ve
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -15,6 +16,8 @@ import pytest
 pytest.importorskip("verl", reason="the verl tests run in scripts/test-verl.sh's environment")
 
 from ckpt_engine.server.launch import start_daemon, write_config
+
+from tests.raw_agent import RawAgent
 
 from tests.engines_verl.test_verl_backend import _check_delivered, _first_bucket_of
 from tests.engines_verl.verl_harness import Cluster, fingerprint, model_weights
@@ -173,4 +176,30 @@ def test_a_daemon_that_is_down_fails_the_sync_everywhere_within_its_bound_naming
     finally:
         if cluster is not None:
             cluster.close()
+        daemon.stop()
+
+
+def test_a_restarted_job_s_rank_0_waits_for_the_old_one_to_fall_silent(tmp_path: Path) -> None:
+    """verl's actor rank 0 (VerlAgent, no verl import) registering while the old job's rank 0 is still within
+    its heartbeat window: it keeps trying (bounded) and gets in once the old one is silent; against a live one
+    it gives up with the daemon's reason."""
+    from ckpt_engine.workers.adapters.verl.daemon import DaemonRefused, VerlAgent
+
+    quick = {"connect_s": 4, "collective_s": 4, "ack_s": 3, "heartbeat_s": 4, "version_s": 60}
+    daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts=quick))
+    old = RawAgent(daemon, "trainer", framework="verl", trainer_ranks=1, pid=os.getpid() + 1)  # its process died
+    agents = []
+    try:
+        started = time.monotonic()
+        agents.append(VerlAgent("trainer", daemon.zmq, trainer_ranks=1, timeout_s=10.0).start())
+        assert 1.0 < time.monotonic() - started < 8.0  # (the old one: silent after heartbeat_s / 2 = 2 s)
+        trainer = daemon.client().get("/receivers").json()["agents"]
+        assert [a["agent_id"] for a in trainer] == [agents[0].agent_id], trainer
+        with pytest.raises(DaemonRefused, match="registered and alive") as refused:
+            VerlAgent("trainer", daemon.zmq, trainer_ranks=1, timeout_s=3.0).start()  # the first one polls
+        assert agents[0].agent_id in str(refused.value)
+    finally:
+        for agent in agents:
+            agent.close()
+        old.close()
         daemon.stop()
