@@ -96,8 +96,8 @@ class Controller:
             # Versions are numbered by one history: those of another mean nothing here (the file was lost or
             # replaced), and ids this history never issued are a peer's invention. Neither touches our numbering.
             held = self._known(message.versions) if message.history_id == self.history.history_id else []
-            if message.role == "trainer" and message.framework and message.rank == 0:
-                self._replace_framework_lead(message)
+            if message.role == "trainer" and message.rank == 0:
+                self._check_lead(message)
             agent = self.agents.add(message, held)
             agent.catch_up_due = time.monotonic() + _NEWCOMER_SETTLE_S  # one that vanishes at once costs nothing
             if agent.role == "trainer":
@@ -116,24 +116,30 @@ class Controller:
             ack_timeout_s=timeouts.ack_s, version_timeout_s=timeouts.version_s,
         )
 
-    def _replace_framework_lead(self, message: Register) -> None:
-        """A framework's trainer rank 0 registering anew is a restarted job (verl's rank 0 registers once per
-        process) once the earlier one fell silent: it would otherwise stay the trainer until its heartbeat
-        expires. One still polling is a live job: a second job (or a token holder) must not take its place."""
+    def _check_lead(self, message: Register) -> None:
+        """A trainer rank 0 registering while a framework's (verl's) is registered, or a framework's while any
+        is. A framework's rank 0 registers once per process: a new one is a restarted job once the earlier
+        one fell silent (it would otherwise stay the trainer until its heartbeat expires). One still polling is
+        a live job: a second job, a plain trainer, or a token holder must not take its place (nor a framework's
+        rank 0 a plain trainer's, which stays the earliest registered)."""
         now, heartbeat_s = time.monotonic(), self.config.timeouts.heartbeat_s
-        olds = [a for a in self.agents.all() if a.role == "trainer" and a.rank == 0 and a.framework]
+        window = self.config.timeouts.heartbeat_s / 2
+        olds = [a for a in self.agents.all() if a.role == "trainer" and a.rank == 0
+                and (a.framework or message.framework)]
         for old in olds:
             # (host and pid are the registrant's say: they cannot tell a restart from an impostor)
             if old.heartbeating(now, heartbeat_s):
-                silent_in = old.poll_wait_s + heartbeat_s / 2 - (now - old.last_seen)
+                silent_in = old.poll_wait_s + window - (now - old.last_seen)
+                served = f"a {old.framework} job" if old.framework else "a trainer that is not a framework's"
                 raise Conflict(
-                    f"a {old.framework} job's trainer rank 0 is registered and alive (agent {old.agent_id}, pid "
-                    f"{old.pid} on {old.host}): one daemon serves one {old.framework} job. A restarted job's rank 0 "
-                    f"takes its place once the old one has been silent for {old.poll_wait_s + heartbeat_s / 2:.1f}s "
-                    f"(in {max(silent_in, 0.0):.1f}s at the earliest)", {"live_agent": old.agent_id})
+                    f"{served}'s trainer rank 0 is registered and alive (agent {old.agent_id}, pid {old.pid} on "
+                    f"{old.host}): one daemon serves one {old.framework or message.framework} job, and nothing "
+                    f"else. A restarted job's rank 0 takes its place once the old one has been silent for "
+                    f"{old.poll_wait_s + window:.1f}s (in {max(silent_in, 0.0):.1f}s at the earliest)",
+                    {"live_agent": old.agent_id})
         for old in olds:
-            log.warning("framework trainer rank 0 %s (silent) replaced by a new registration from pid %d on %s "
-                        "(a restarted job)", old.agent_id, message.pid, message.host)
+            log.warning("trainer rank 0 %s (silent) replaced by a new registration from pid %d on %s (a restarted "
+                        "job)", old.agent_id, message.pid, message.host)
             self.agents.remove(old.agent_id)
             flight = self._in_flight
             if flight is not None and flight.trainer == old.agent_id:
@@ -296,11 +302,7 @@ class Controller:
                                f"(that is {trainer.agent_id if trainer else 'nobody'})")
             flight = self._in_flight
             if flight is not None and flight.framework:
-                # The framework runs one sync at a time: one still open when it opens the next was abandoned
-                # (verl failed elsewhere, or the reply that opened it was lost). Waiting for its time limit
-                # would refuse every sync until then.
-                self._fail(flight, "superseded: the framework opened its next sync before this one ended (its "
-                                   "sync was abandoned, or the reply that opened this version was lost)")
+                self._supersede(flight)
             elif flight is not None:
                 raise Conflict(f"version {flight.version} is in flight ({flight.purpose}); retry when it has ended",
                                {"in_flight": flight.version, "purpose": flight.purpose})
@@ -321,6 +323,24 @@ class Controller:
             self.metrics.in_flight.set(1)
             return self.history.update(record.id, purpose=self._in_flight.purpose, owners=owners, receivers=[
                 {"rank": rank, "agent_id": r.agent_id, "transport": "collective"} for rank, r in enumerate(quorum, 1)])
+
+    def _supersede(self, flight: InFlight) -> None:
+        """The framework runs one sync at a time: one still open when it opens the next was abandoned (verl
+        failed elsewhere, or gave up waiting for the reply that opened it: a stalled daemon). Waiting for its
+        time limit would refuse every sync until then. A rollback nothing was done with yet stays queued: the
+        operator asked for it, and this sync takes it."""
+        record = self.history.get(flight.version)
+        untouched = record is not None and record.status == "requested" and flight.done is None and not flight.reports
+        if record is not None and record.source_version is not None and untouched and self._queued_push is None:
+            log.warning("version %d (a push of version %d) was opened by a sync that was abandoned before it "
+                        "started; queued again", record.id, record.source_version)
+            self._in_flight = None
+            self.metrics.in_flight.set(0)
+            self._queued_push = self.history.update(record.id, receivers=[], reason=(
+                "queued again: the sync that took it was abandoned before anything was sent"))
+            return
+        self._fail(flight, "superseded: the framework opened its next sync before this one ended (its sync was "
+                           "abandoned, or the reply that opened this version was lost)")
 
     def _take_queued_push(self) -> VersionRecord | None:
         """The queued rollback, if its source can still be sent (else it ends failed, saying why)."""

@@ -201,6 +201,20 @@ def test_a_second_live_job_s_rank_0_is_refused_and_the_live_job_goes_on(job) -> 
     # host and pid are the registrant's say: claiming the live one's does not get an impostor in either
     with pytest.raises(ControlReplyError, match="registered and alive"):
         RawAgent(daemon, "trainer", framework="verl", trainer_ranks=1)
+    # nor does a plain trainer rank 0 (it would become the trainer the daemon listens to once the job restarts)
+    with pytest.raises(ControlReplyError, match="a verl job's trainer rank 0 is registered and alive"):
+        RawAgent(daemon, "trainer", trainer_ranks=1)
+
+
+def test_a_verl_job_s_rank_0_is_refused_while_a_plain_trainer_is_served(tmp_path: Path) -> None:
+    daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts=_QUICK))
+    plain = RawAgent(daemon, "trainer", trainer_ranks=1)
+    try:
+        with pytest.raises(ControlReplyError, match="not a framework's.*registered and alive"):
+            RawAgent(daemon, "trainer", framework="verl", trainer_ranks=1)
+    finally:
+        plain.close()
+        daemon.stop()
 
 
 def test_a_version_being_sent_again_cannot_be_evicted_and_a_leaving_one_is_not_queued(job) -> None:
@@ -282,3 +296,26 @@ def test_an_agent_replaced_while_its_poll_waits_does_not_stop_the_control_plane(
     finally:
         restarted.close()
 
+
+
+def test_a_rollback_whose_sync_was_abandoned_before_it_started_stays_queued(job) -> None:
+    """Found by the third outside round: a stalled daemon answered, once it ran again, a sync opening verl had
+    given up on; that version took the queued rollback, the next sync superseded it, and the rollback was lost
+    (verl's next sync sent new weights)."""
+    daemon, trainer, workers = job
+    http = daemon.client()
+    first = _open(trainer, workers)["id"]
+    _commit(trainer, workers, first)
+    queued = http.post(f"/versions/{first}/push").json()["version"]
+    assert _open(trainer, workers)["id"] == queued  # taken by a sync whose rank 0 never heard the reply
+    again = _open(trainer, workers)  # verl's next sync: the rollback is what it sends
+    assert again["id"] == queued and again["source_version"] == first, again
+    _commit(trainer, workers, queued, cache=[first])
+    assert _record(daemon, queued)["status"] == "committed"
+    # one that had started (rank 0 reported its first stage) is superseded as failed: it may be torn
+    second = http.post(f"/versions/{first}/push").json()["version"]
+    assert _open(trainer, workers)["id"] == second
+    trainer.report(second, "snapshotting", step=7)
+    fresh = _open(trainer, workers)
+    assert fresh["source_version"] is None and fresh["id"] > second, fresh
+    assert _record(daemon, second)["status"] == "failed" and "superseded" in _record(daemon, second)["reason"]

@@ -55,3 +55,43 @@ def test_nccl_error_handling_override_is_scoped(monkeypatch, before: str | None)
     with _nccl_failures_cleanup_only():
         assert os.environ[name] == "2"
     assert os.environ.get(name) == before
+
+
+def _serve_store(port_out) -> None:
+    from ckpt_engine.transport.group import serve_store
+
+    server = serve_store("127.0.0.1", 0, timeout_s=60)
+    port_out.put(server.port)
+    time.sleep(600)
+
+
+def test_a_stalled_store_server_fails_every_store_call_within_its_bound() -> None:
+    """Found by the third outside round on issue 18: a store server whose process stopped (SIGSTOP: stalled,
+    not gone) blocked its clients for good, whatever timeout they gave (verl's rollout workers waited on a
+    hung actor rank 0 with no end)."""
+    import multiprocessing as mp
+    import signal
+
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.errors import SyncTimeoutError
+    from ckpt_engine.transport.group import SyncGroup, wait_for_key
+
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    server = ctx.Process(target=_serve_store, args=(ports,), daemon=True)
+    server.start()
+    try:
+        port = ports.get(timeout=60)
+        store = open_store("127.0.0.1", port, timeout_s=2)  # connected while the server runs
+        os.kill(server.pid, signal.SIGSTOP)
+        for call in (lambda: open_store("127.0.0.1", port, timeout_s=2),
+                     lambda: wait_for_key(store, "never", 2),
+                     lambda: SyncGroup(store, name="stalled", generation=0, rank=1, world_size=2,
+                                       device=detect_device("cpu"), timeout_s=2, connect_timeout_s=2)):
+            started = time.monotonic()
+            with pytest.raises(SyncTimeoutError, match="no answer within|could not rendezvous"):
+                call()
+            assert time.monotonic() - started < 2 + 2 + 2 + 3  # its timeout, the grace, and absent_members'
+    finally:
+        os.kill(server.pid, signal.SIGKILL)
+        server.join(10)

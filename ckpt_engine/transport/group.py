@@ -13,9 +13,10 @@ import datetime
 import logging
 import os
 import socket
+import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,18 +25,58 @@ from ckpt_engine.device import DeviceInfo, set_current
 from ckpt_engine.errors import CkptEngineError, ConfigError, GroupBrokenError, SyncTimeoutError
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+_STORE_GRACE_S = 2.0  # past the store's own timeout, before a store call is given up on from outside
 
 
 def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+def bounded(call: Callable[[], _T], timeout_s: float, what: str) -> _T:
+    """``call()`` (store operations), given up on after ``timeout_s``. torch's store client enforces its
+    timeouts against a server that is gone, not against one whose process accepted the connection and then
+    stopped (stalled, SIGSTOPped, swapping): a call on it blocks for good. The call runs on a helper thread
+    (store calls release the GIL); past the bound the caller gets a SyncTimeoutError and the helper stays
+    blocked until that server answers or goes away."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            outcome["error"] = exc
+
+    helper = threading.Thread(target=run, name="ckpt-store-call", daemon=True)
+    helper.start()
+    helper.join(timeout_s)
+    if helper.is_alive():
+        raise SyncTimeoutError(f"{what}: no answer within {timeout_s:.1f}s (the store's process is stalled?)")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 def open_store(host: str, port: int, *, is_master: bool = False, timeout_s: float = 30.0) -> dist.TCPStore:
     """A TCP store client (or the server, with ``is_master``); ``port=0`` with ``is_master`` picks a free port."""
-    try:
+    def connect() -> dist.TCPStore:
         return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False, timeout=_td(timeout_s))
+
+    try:
+        if is_master:
+            return connect()
+        return bounded(connect, timeout_s + _STORE_GRACE_S, f"the rendezvous store at {host}:{port}")
     except (RuntimeError, dist.DistError) as exc:
         raise SyncTimeoutError(f"cannot reach the rendezvous store at {host}:{port}: {exc}") from exc
+
+
+def wait_for_key(store: dist.Store, key: str, timeout_s: float) -> bytes:
+    """``key``'s value once it is set, within ``timeout_s`` (also against a stalled store server)."""
+    def get() -> bytes:
+        store.wait([key], _td(timeout_s))
+        return store.get(key)
+
+    return bounded(get, timeout_s + _STORE_GRACE_S, f"waiting for {key!r} in the rendezvous store")
 
 
 def serve_store(host: str, port: int, *, timeout_s: float = 30.0) -> dist.TCPStore:
@@ -109,7 +150,8 @@ class SyncGroup:
         started = time.monotonic()
         try:
             # Members of a group under another project's prefix do not follow our rendezvous: NCCL stays lazy.
-            self._pg = _construct(prefixed, rank, world_size, device, timeout_s, bind_host, own=prefix is None)
+            self._pg = _construct(prefixed, rank, world_size, device, timeout_s, bind_host, own=prefix is None,
+                                  connect_s=connect_s)
         except Exception as exc:
             absent = absent_members(prefixed, world_size) if prefix is None else []
             who = f"; rank(s) {absent} never joined" if absent else ""
@@ -220,11 +262,14 @@ class SyncGroup:
 
 def _construct(
     store: dist.Store, rank: int, size: int, device: DeviceInfo, timeout_s: float, bind_host: str | None, *,
-    own: bool = True,
+    own: bool = True, connect_s: float | None = None,
 ) -> Any:
-    """The backend's process group. ``own``: every member is a SyncGroup (NCCL: rendezvous and connect now)."""
+    """The backend's process group. ``own``: every member is a SyncGroup (NCCL: rendezvous and connect now).
+    ``connect_s``: how long the rendezvous may take (default ``timeout_s``)."""
+    connect_s = timeout_s if connect_s is None else connect_s
     if own:
-        await_members(store, rank, size)
+        bounded(lambda: await_members(store, rank, size), connect_s + _STORE_GRACE_S,
+                f"rank {rank} announcing itself in the rendezvous store")
     if device.backend == "gloo":
         gloo = dist.ProcessGroupGloo
         options = gloo._Options()
@@ -270,7 +315,8 @@ def absent_members(store: dist.Store, size: int) -> list[int]:
     """Ranks that never announced themselves (after a failed rendezvous): the daemon benches those, not the
     ranks that came and waited."""
     try:
-        return [r for r in range(size) if not store.check([f"{_MEMBER_KEY}{r}"])]
+        return bounded(lambda: [r for r in range(size) if not store.check([f"{_MEMBER_KEY}{r}"])], _STORE_GRACE_S,
+                       "asking the rendezvous store who joined")
     except Exception:  # noqa: BLE001 - the store itself is gone: nobody can be named
         return []
 

@@ -180,3 +180,30 @@ def test_sparse_syncs_send_only_what_changed_and_the_rollouts_get_it_byte_exact(
         from ckpt_engine.workers.adapters.verl.sync import VerlSync
 
         VerlSync(BUCKET_SIZE, sparse=True, bypass_cpu=True)
+
+
+def test_a_hung_actor_rank_0_fails_the_other_processes_within_their_bound() -> None:
+    """Found by the third outside round: actor rank 0 stopped (SIGSTOP) after prepare, and the rollout
+    workers waited in init_process_group on its rendezvous store for good (its process accepted the
+    connection but never answered; torch's store client does not bound that)."""
+    import os
+    import signal
+    import time
+
+    from ckpt_engine.workers.adapters.verl.backend import CkptEngineCheckpointEngine
+
+    cluster = Cluster(1, 2, {"timeout_s": 4.0, "load_timeout_s": 10.0})
+    rank_0 = cluster.procs[0].pid
+    try:
+        metadata = cluster._all("prepare", [None] * 3)
+        _, rollout_kwargs = CkptEngineCheckpointEngine.build_topology(1, 2, metadata)
+        os.kill(rank_0, signal.SIGSTOP)
+        started = time.monotonic()
+        for worker in (1, 2):
+            cluster.commands[worker].put(("init", {k: v[worker - 1] for k, v in rollout_kwargs.items()}))
+        outcomes = cluster._collect([1, 2], 60)
+        assert time.monotonic() - started < 4.0 + 2.0 + 3.0, outcomes  # timeout_s, the store's grace, slack
+        assert all("no answer within" in o["raised"] and "stalled" in o["raised"] for o in outcomes), outcomes
+    finally:
+        os.kill(rank_0, signal.SIGCONT)
+        cluster.close()

@@ -33,19 +33,18 @@ import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
 from ckpt_engine.workers.trainer_agent import evict
 
 from ckpt_engine.device import DeviceInfo, detect_device, synchronize
-from ckpt_engine.errors import ApplyRefused, CkptEngineError, ConfigError
+from ckpt_engine.errors import ApplyRefused, CkptEngineError, ConfigError, SyncTimeoutError
 from ckpt_engine.receive.assembly import VersionAssembler, VersionPayload
 from ckpt_engine.receive.collective import Receiver, ReceiveResult
 from ckpt_engine.send.publisher import Ownership, Publisher
 from ckpt_engine.send.sender import Transfer, TransferResult, WireHook
-from ckpt_engine.transport.group import SyncGroup, open_store, owner_part, serve_store
+from ckpt_engine.transport.group import SyncGroup, open_store, owner_part, serve_store, wait_for_key
 
 from .daemon import VerlAgent
 from .stream import collect_owned, drain
@@ -446,9 +445,8 @@ class VerlSync:
         # rank 0 may take its daemon bound (registering, then opening the version) on top of the rendezvous
         wait_s = self.timeout_s + (2 * self._daemon_s + 5.0 if self.endpoint else 0.0)
         try:
-            store.wait([_ANNOUNCEMENT], timedelta(seconds=wait_s))
-            sync = json.loads(store.get(_ANNOUNCEMENT))
-        except (RuntimeError, ValueError) as exc:
+            sync = json.loads(wait_for_key(store, _ANNOUNCEMENT, wait_s))
+        except (RuntimeError, ValueError, SyncTimeoutError) as exc:
             raise CkptEngineError(f"{BACKEND}: actor rank 0 did not announce this sync's version within "
                                   f"{wait_s:.0f}s (is it alive?): {exc}") from exc
         if "error" in sync:
