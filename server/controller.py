@@ -326,21 +326,21 @@ class Controller:
 
     def _supersede(self, flight: InFlight) -> None:
         """The framework runs one sync at a time: one still open when it opens the next was abandoned (verl
-        failed elsewhere, or gave up waiting for the reply that opened it: a stalled daemon). Waiting for its
-        time limit would refuse every sync until then. A rollback nothing was done with yet stays queued: the
-        operator asked for it, and this sync takes it."""
+        failed elsewhere, or gave up waiting for the reply that opened it: a stalled daemon), or its last
+        reports have not arrived yet (they come on other connections than the next sync's opening, so a
+        stalled daemon may see them after it). Waiting for its time limit would refuse every sync until then;
+        its outcome is unknown: interrupted. A rollback nothing was heard of yet is queued again: the operator
+        asked for it, and this sync takes it (at worst the same weights arrive twice)."""
+        reason = ("superseded: the framework opened its next sync before this version's outcome reached the "
+                  "daemon (abandoned, or delivered with its reports still on the way)")
         record = self.history.get(flight.version)
         untouched = record is not None and record.status == "requested" and flight.done is None and not flight.reports
-        if record is not None and record.source_version is not None and untouched and self._queued_push is None:
-            log.warning("version %d (a push of version %d) was opened by a sync that was abandoned before it "
-                        "started; queued again", record.id, record.source_version)
-            self._in_flight = None
-            self.metrics.in_flight.set(0)
-            self._queued_push = self.history.update(record.id, receivers=[], reason=(
-                "queued again: the sync that took it was abandoned before anything was sent"))
-            return
-        self._fail(flight, "superseded: the framework opened its next sync before this one ended (its sync was "
-                           "abandoned, or the reply that opened this version was lost)")
+        source = self.history.get(record.source_version) if record is not None and record.source_version else None
+        if source is not None and untouched and self._queued_push is None:
+            # as a new version: reports of the abandoned one may still arrive, and must not count for this one
+            again = self._queue_push(source)
+            reason += f"; the rollback is queued again as version {again.id}"
+        self._fail(flight, reason, "interrupted")
 
     def _take_queued_push(self) -> VersionRecord | None:
         """The queued rollback, if its source can still be sent (else it ends failed, saying why)."""

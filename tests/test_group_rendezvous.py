@@ -83,7 +83,22 @@ def test_a_stalled_store_server_fails_every_store_call_within_its_bound() -> Non
     try:
         port = ports.get(timeout=60)
         store = open_store("127.0.0.1", port, timeout_s=2)  # connected while the server runs
+        groups: dict[int, SyncGroup] = {}
+
+        def member(rank: int) -> None:
+            groups[rank] = SyncGroup(open_store("127.0.0.1", port, timeout_s=10), name="up", generation=0,
+                                     rank=rank, world_size=2, device=detect_device("cpu"), timeout_s=10)
+
+        joining = [threading.Thread(target=member, args=(rank,)) for rank in (0, 1)]
+        for thread in joining:
+            thread.start()
+        for thread in joining:
+            thread.join(30)
         os.kill(server.pid, signal.SIGSTOP)
+        started = time.monotonic()  # (the fourth outside round: these blocked a sender thread)
+        groups[0]._note_present(("sent", 1))  # best effort: logged, not raised
+        assert groups[0]._absent_from(("sent", 1)) == []  # nobody can be named
+        assert time.monotonic() - started < 2 * 2 + 3
         for call in (lambda: open_store("127.0.0.1", port, timeout_s=2),
                      lambda: wait_for_key(store, "never", 2),
                      lambda: SyncGroup(store, name="stalled", generation=0, rank=1, world_size=2,

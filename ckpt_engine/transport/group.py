@@ -223,21 +223,21 @@ class SyncGroup:
 
     def _note_present(self, round_id: tuple[str, int]) -> None:
         try:  # one key per rank and kind, overwritten every round: the store does not grow
-            self._store.set(f"present/{round_id[0]}/{self.rank}", str(round_id[1]))
+            bounded(lambda: self._store.set(f"present/{round_id[0]}/{self.rank}", str(round_id[1])),
+                    _STORE_GRACE_S, "noting presence")
         except Exception as exc:  # noqa: BLE001 - only the error text of a failed exchange depends on it
             log.debug("sync group %s: could not note presence: %s", self.name, exc)
 
     def _absent_from(self, round_id: tuple[str, int]) -> list[int]:
-        absent = []
-        for rank in range(self.world_size):
+        def came(rank: int) -> bool:
             key = f"present/{round_id[0]}/{rank}"
-            try:
-                came = self._store.check([key]) and self._store.get(key).decode() == str(round_id[1])
-            except Exception:  # noqa: BLE001 - the store itself is gone: nobody can be named
-                return []
-            if not came:
-                absent.append(rank)
-        return absent
+            return self._store.check([key]) and self._store.get(key).decode() == str(round_id[1])
+
+        try:
+            return bounded(lambda: [r for r in range(self.world_size) if not came(r)], _STORE_GRACE_S,
+                           "asking the rendezvous store who came")
+        except Exception:  # noqa: BLE001 - the store itself is gone or stalled: nobody can be named
+            return []
 
     def close(self) -> None:
         """Release the backend's resources; the group cannot be used afterwards."""

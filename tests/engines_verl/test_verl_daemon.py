@@ -203,3 +203,34 @@ def test_a_restarted_job_s_rank_0_waits_for_the_old_one_to_fall_silent(tmp_path:
             agent.close()
         old.close()
         daemon.stop()
+
+
+def test_a_rollback_delivered_while_the_daemon_stalled_is_recorded_committed(tmp_path: Path) -> None:
+    """Found by the fourth outside round: the daemon stopped (SIGSTOP) just after opening a queued rollback;
+    the rollouts got it and acknowledged, and verl's next sync reached the resumed daemon before the
+    rollback's reports (other connections), which failed a delivered rollback. Each process now delivers its
+    last outcome before the next sync opens, and a version superseded without its outcome is interrupted."""
+    daemon = start_daemon(write_config(tmp_path, transport="collective"))
+    cluster = None
+    try:
+        http = daemon.client()
+        cluster = Cluster(1, 2, {"endpoint": daemon.zmq, "timeout_s": 10.0, "load_timeout_s": 10.0,
+                                 "keep_versions": 2})
+        first = cluster.update_weights(1)["actors"][0]["metrics"]["ckpt_engine/version"]
+        cluster.update_weights(2)
+        queued = http.post(f"/versions/{first}/push").json()["version"]
+        sync = cluster.update_weights(3, after_init=lambda: os.kill(daemon.proc.pid, signal.SIGSTOP))
+        assert sync["actors"][0]["metrics"]["ckpt_engine/daemon_verdict_unknown"] == 1
+        assert all(r["received"] == fingerprint(model_weights(1)) for r in sync["rollouts"]), sync["rollouts"]
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+        sync = cluster.update_weights(4)  # at once: the rollback's reports are still on the way
+        _check_delivered(sync, 4, sync["actors"][0]["metrics"]["ckpt_engine/version"])
+        record = _record(http, queued)
+        assert record["status"] == "committed" and [r["ok"] for r in record["receivers"]] == [True, True], record
+        assert http.get("/status").json()["queued_push"] is None  # sent once
+    finally:
+        if cluster is not None:
+            cluster.close()
+        if daemon.proc.poll() is None:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        daemon.stop()

@@ -153,6 +153,8 @@ class VerlAgent(Agent):
         """A rollout worker's agent id as the daemon knows it now (verl names it in the sync's quorum): after a
         daemon restart, registered again first. A daemon that does not answer by ``deadline``: the id held
         (the sync's opening then fails, naming the daemon)."""
+        # this worker's outcome of the last sync first (see VerlSync._announce): delivered, or given up on
+        self.flush_reports(max(deadline - time.monotonic(), 0.0))
         polled_as = self.agent_id
         try:  # a poll that waits for nothing: it changes nothing but the heartbeat
             self._sync_request("poll", {**self._identity(), "versions": self.versions_held(), "wait_s": 0.0},

@@ -44,7 +44,7 @@ from ckpt_engine.receive.assembly import VersionAssembler, VersionPayload
 from ckpt_engine.receive.collective import Receiver, ReceiveResult
 from ckpt_engine.send.publisher import Ownership, Publisher
 from ckpt_engine.send.sender import Transfer, TransferResult, WireHook
-from ckpt_engine.transport.group import SyncGroup, open_store, owner_part, serve_store, wait_for_key
+from ckpt_engine.transport.group import SyncGroup, bounded, open_store, owner_part, serve_store, wait_for_key
 
 from .daemon import VerlAgent
 from .stream import collect_owned, drain
@@ -256,7 +256,7 @@ class VerlSync:
             raise ConfigError(f"engine_kwargs.{BACKEND}.endpoint must be set in every verl process or in none")
         self._close_groups()
         self._topology = None
-        store = self._server if self.is_master else open_store(host, port, timeout_s=self.timeout_s)
+        store = self._server if self.is_master else self._open_rank_0_store(host, port)
         self._store = store
         if role == "actor" and self.endpoint and not self.is_master:  # (rank 0 registers as it announces)
             self._daemon("trainer", rank, actors)
@@ -425,6 +425,9 @@ class VerlSync:
             else:
                 agent = self._daemon("trainer", 0, actors)  # (registered within the daemon bound)
                 deadline = time.monotonic() + self._daemon_s
+                # the last sync's outcome first: it goes on another connection, which a daemon that was stalled
+                # may read after this one (the last version would be superseded with its outcome on the way)
+                agent.flush_reports(self._daemon_s)
                 record = agent.open_version(receivers, bypass_cpu=self.mode == "bypass_cpu", deadline=deadline,
                                             limit_s=min(3 * self.timeout_s + self.load_timeout_s, _MAX_WAIT_S))
                 sync = {"version": int(record["id"]), "source_version": record.get("source_version")}
@@ -440,6 +443,13 @@ class VerlSync:
         sync["drop"], self._failed = self._failed, []
         store.set(_ANNOUNCEMENT, json.dumps(sync))
         return sync
+
+    def _open_rank_0_store(self, host: str, port: int) -> Any:
+        try:
+            return open_store(host, port, timeout_s=self.timeout_s)
+        except SyncTimeoutError as exc:
+            raise CkptEngineError(f"{BACKEND}: actor rank 0's rendezvous store for this sync did not answer (is "
+                                  f"actor rank 0 alive?): {exc}") from exc
 
     def _announced(self, store: Any) -> dict[str, Any]:
         # rank 0 may take its daemon bound (registering, then opening the version) on top of the rendezvous
@@ -473,11 +483,12 @@ class VerlSync:
         store = self._store
 
         def agree(vector: list[int]) -> list[int]:
-            store.set(f"{_CHANGES}/{rank}", json.dumps(vector))
+            bounded(lambda: store.set(f"{_CHANGES}/{rank}", json.dumps(vector)), self.timeout_s,
+                    "publishing this rank's change flags")
             merged = list(vector)
             for other in range(actors):
                 if other != rank:
-                    theirs = json.loads(store.get(f"{_CHANGES}/{other}"))
+                    theirs = json.loads(wait_for_key(store, f"{_CHANGES}/{other}", self.timeout_s))
                     if len(theirs) != len(merged):
                         raise CkptEngineError(f"actor rank {other} planned {len(theirs)} change flags, this rank "
                                               f"{len(merged)}: the ranks' generators yielded different tensors")
