@@ -63,10 +63,14 @@ class Agent:
     catch_up_backoff: Backoff = field(default_factory=lambda: Backoff(**_REPAIR_BACKOFF))
     catch_up_attempts: int = 0
 
+    def silence_window(self, heartbeat_s: float) -> float:
+        """How long a healthy agent may go unseen: its poll's wait and half a heartbeat."""
+        return self.poll_wait_s + heartbeat_s / 2
+
     def heartbeating(self, now: float, heartbeat_s: float) -> bool:
         """Seen as recently as a healthy agent is. One silent for longer (stalled, cut off) is still registered
         until ``heartbeat_s`` passes, but must not be put into a version's quorum: it would fail the version."""
-        return now - self.last_seen <= self.poll_wait_s + heartbeat_s / 2
+        return now - self.last_seen <= self.silence_window(heartbeat_s)
 
     def able(self, now: float) -> bool:
         return self.unable is None or now >= self.unable_until

@@ -123,19 +123,19 @@ class Controller:
         a live job: a second job, a plain trainer, or a token holder must not take its place (nor a framework's
         rank 0 a plain trainer's, which stays the earliest registered)."""
         now, heartbeat_s = time.monotonic(), self.config.timeouts.heartbeat_s
-        window = self.config.timeouts.heartbeat_s / 2
         olds = [a for a in self.agents.all() if a.role == "trainer" and a.rank == 0
                 and (a.framework or message.framework)]
         for old in olds:
             # (host and pid are the registrant's say: they cannot tell a restart from an impostor)
             if old.heartbeating(now, heartbeat_s):
-                silent_in = old.poll_wait_s + window - (now - old.last_seen)
+                window = old.silence_window(heartbeat_s)
+                silent_in = window - (now - old.last_seen)
                 served = f"a {old.framework} job" if old.framework else "a trainer that is not a framework's"
                 raise Conflict(
                     f"{served}'s trainer rank 0 is registered and alive (agent {old.agent_id}, pid {old.pid} on "
                     f"{old.host}): one daemon serves one {old.framework or message.framework} job, and nothing "
                     f"else. A restarted job's rank 0 takes its place once the old one has been silent for "
-                    f"{old.poll_wait_s + window:.1f}s (in {max(silent_in, 0.0):.1f}s at the earliest)",
+                    f"{window:.1f}s (in {max(silent_in, 0.0):.1f}s at the earliest)",
                     {"live_agent": old.agent_id})
         for old in olds:
             log.warning("trainer rank 0 %s (silent) replaced by a new registration from pid %d on %s (a restarted "

@@ -33,6 +33,11 @@ _CREDENTIAL_OF: dict[str, Role] = {"trainer": "trainer", "receiver": "rollout", 
 _FINAL_ERRORS = {"bad request", "not found", "conflict", "forbidden", "unauthorized"}
 
 
+def registration_lost(exc: ControlReplyError) -> bool:
+    """The daemon no longer knows this registration (it restarted, or its token changed): register again."""
+    return "unregistered agent" in str(exc.detail) or exc.error == "unauthorized"
+
+
 def supervised(target: Callable[[], None], name: str, on_death: Callable[[BaseException], None] | None = None
                ) -> threading.Thread:
     """A daemon thread whose unexpected death is logged with its traceback and handed to ``on_death``."""
@@ -338,7 +343,7 @@ class Agent:
                                             **({"unable": unable} if unable else {})})
         except ControlReplyError as exc:
             self._poll_failures.failed(exc)
-            if "unregistered agent" in str(exc.detail) or exc.error == "unauthorized":
+            if registration_lost(exc):
                 # A restarted daemon, or a new token in the credentials file. Registered again: poll at once,
                 # not after the backoff the failures grew (longer than a heartbeat, it would expire again).
                 return self._try_register(poller, failed_as=polled_as)

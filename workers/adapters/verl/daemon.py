@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ckpt_engine.workers.agent import Agent
+from ckpt_engine.workers.agent import Agent, registration_lost
 from ckpt_engine.workers.rollout_agent import received_fields
 from ckpt_engine.workers.trainer_agent import done_fields, evict
 
@@ -43,10 +43,6 @@ class DaemonRefused(CkptEngineError):
 
 class DaemonUnavailable(CkptEngineError):
     """The daemon did not answer in time (down, restarting, unreachable): verl's sync fails naming it."""
-
-
-def _unregistered(exc: ControlReplyError) -> bool:
-    return "unregistered agent" in str(exc.detail) or exc.error == "unauthorized"
 
 
 class VerlAgent(Agent):
@@ -141,7 +137,7 @@ class VerlAgent(Agent):
             try:
                 return self._sync_request("sync", {**self._identity(), **body}, deadline)
             except ControlReplyError as exc:
-                if attempt == 1 and _unregistered(exc) and self._try_register(self._sync_client, failed_as=opener):
+                if attempt == 1 and registration_lost(exc) and self._try_register(self._sync_client, failed_as=opener):
                     continue
                 raise DaemonRefused(f"the daemon at {self.endpoint} refused this sync: {exc}") from exc
             except CkptEngineError as exc:
@@ -160,7 +156,7 @@ class VerlAgent(Agent):
             self._sync_request("poll", {**self._identity(), "versions": self.versions_held(), "wait_s": 0.0},
                                deadline)
         except ControlReplyError as exc:
-            if _unregistered(exc):
+            if registration_lost(exc):
                 self._try_register(self._sync_client, failed_as=polled_as)
         except CkptEngineError as exc:
             log.info("verl %s: the daemon at %s did not answer a registration check: %s", self.role,
@@ -172,12 +168,9 @@ class VerlAgent(Agent):
         lost or replaced); None if the daemon did not say."""
         try:
             return self._sync_request("version", {"version": version}, deadline).get("status")
-        except ControlReplyError as exc:
-            if exc.error == "not found":
-                return "unknown"
-            log.info("verl: the status of version %d is unknown: %s", version, exc)
-            return None
         except CkptEngineError as exc:
+            if isinstance(exc, ControlReplyError) and exc.error == "not found":
+                return "unknown"
             log.info("verl: the status of version %d is unknown: %s", version, exc)
             return None
 

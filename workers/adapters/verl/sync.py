@@ -427,7 +427,7 @@ class VerlSync:
                 deadline = time.monotonic() + self._daemon_s
                 # the last sync's outcome first: it goes on another connection, which a daemon that was stalled
                 # may read after this one (the last version would be superseded with its outcome on the way)
-                agent.flush_reports(self._daemon_s)
+                agent.flush_reports(max(deadline - time.monotonic(), 0.0))
                 record = agent.open_version(receivers, bypass_cpu=self.mode == "bypass_cpu", deadline=deadline,
                                             limit_s=min(3 * self.timeout_s + self.load_timeout_s, _MAX_WAIT_S))
                 sync = {"version": int(record["id"]), "source_version": record.get("source_version")}
