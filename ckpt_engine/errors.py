@@ -31,6 +31,12 @@ class SyncTimeoutError(CkptEngineError, TimeoutError):
     """A wait on a peer (rendezvous, collective, acknowledgement) ran past its timeout."""
 
 
+class TrainerGroupError(CkptEngineError):
+    """A collective of the trainer job's own process group failed during a sync (a rank died, or stalled past
+    the group's timeout): the job's ranks are out of step in their collectives. Raised to the training loop,
+    which must end (as after any failed collective) so the job is restarted as a whole."""
+
+
 class GroupBrokenError(CkptEngineError):
     """The sync group failed mid-operation and must be rebuilt before it can be used again."""
 

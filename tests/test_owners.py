@@ -272,6 +272,78 @@ def test_an_owner_killed_after_caching_makes_its_versions_unpushable_and_a_new_j
         assert receiver["states"][latest["id"]] == ranks[0]["served"][latest["id"]]
 
 
+# ---- a failure of the job's own process group ---------------------------------------------------------------
+def stalling_trainer(rank: int, port: int, zmq: str, pg_timeout_s: float) -> dict:
+    """A 2-rank FSDP2 job whose rank 0 stalls (SIGSTOP of its own process) in the middle of the first version's
+    gathers; says where each rank left its loop, and with what."""
+    from ckpt_engine.workers.fsdp import ShardedTensors, sharded_tensors_of
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=pg_timeout_s))
+    model = tiny_llama(seed=0)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+    class StallsAtSecondBucket(ShardedTensors):
+        stalled = False
+
+        def bucket_tensors(self, bucket, to=None):
+            if bucket.index == 1 and not StallsAtSecondBucket.stalled:
+                StallsAtSecondBucket.stalled = True
+                os.kill(os.getpid(), signal.SIGSTOP)  # the test sends SIGCONT
+            return super().bucket_tensors(bucket, to)
+
+    def source():
+        named = sharded_tensors_of(model)
+        return StallsAtSecondBucket(named.tensors, named.aliases) if rank == 0 else named
+
+    agent = TrainerAgent(source, zmq, poll_wait_s=0.2).start()
+    where, started = "loop", time.monotonic()
+    try:
+        for step in range(1, 10_000):
+            where = "step"
+            agent.push(step) if step == 3 else agent.step(step)
+            where = "loop"
+            _stopping("/nonexistent", 2)  # a collective of the job between steps, as training has
+            time.sleep(0.01)
+    except Exception as exc:  # noqa: BLE001 - where and what is the result
+        return {"where": where, "error": f"{type(exc).__name__}: {exc}", "after_s": time.monotonic() - started}
+    return {"where": "nowhere"}
+
+
+def test_a_gather_that_fails_on_the_job_group_ends_the_loop_at_once_and_fails_the_version(tmp_path: Path) -> None:
+    """The job's own group failing in a sync (a peer stalled past its timeout) is the job's failure: step()
+    raises on the rank that saw it, instead of training on with ranks out of step in their collectives until
+    a later collective times out (which killed a job mid-way through the next sync in the fault trials)."""
+    pg_timeout_s = 3.0
+    daemon, receivers = _cluster(tmp_path, timeouts={"connect_s": 8, "collective_s": 8, "ack_s": 10,
+                                                     "heartbeat_s": 20, "version_s": 60})
+    try:
+        with daemon.client() as http:
+            wait_until(lambda: len(agents_of(http)) == 2, what="the receivers")
+            port = free_port()
+            job = start_processes([(stalling_trainer, (r, port, daemon.zmq, pg_timeout_s)) for r in range(2)])
+            wait_until(lambda: job.procs[1].exitcode is not None, timeout_s=90, what="rank 1 to leave its loop")
+            os.kill(job.procs[0].pid, signal.SIGCONT)
+            lead, peer = job.collect(60)
+            wait_until(lambda: _versions(http) and _versions(http)[-1]["status"] == "failed", timeout_s=30,
+                       what="the version to fail")
+            version = _versions(http)[-1]
+    finally:
+        (tmp_path / "rx-stop").touch()
+        receivers.collect(120)
+        daemon.stop()
+    # rank 1 waited in the gather rank 0 never joined: it left from step(), within the group's timeout
+    assert peer["where"] == "step" and peer["error"].startswith("TrainerGroupError"), peer
+    assert "process group" in peer["error"], peer
+    # rank 0, woken, found its peer gone in the same gather: it left from step() too
+    assert lead["where"] == "step" and lead["error"].startswith("TrainerGroupError"), lead
+    assert "process group" in (version["reason"] or ""), version
+
+
 # ---- any tensor, byte-exact ---------------------------------------------------------------------------------
 def views_trainer(zmq: str, workdir: str) -> dict:
     from ckpt_engine.workers.trainer_agent import TrainerAgent

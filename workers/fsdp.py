@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ckpt_engine.errors import LayoutMismatchError
+from ckpt_engine.errors import LayoutMismatchError, TrainerGroupError
 from ckpt_engine.plan.layout import Bucket
 from ckpt_engine.plan.tensors import NamedTensors, NameMap, byte_view, named_tensors_of
 
@@ -41,6 +41,13 @@ class ShardedTensors(NamedTensors):
     """NamedTensors whose DTensors are gathered per bucket (shapes and dtypes are the full tensors')."""
 
     def bucket_tensors(self, bucket: Bucket, to: int | None = None) -> Mapping[str, torch.Tensor]:
+        try:
+            return self._gather(bucket, to)
+        except Exception as exc:  # whatever failed, this rank left the others in a collective of the job's group
+            raise TrainerGroupError(f"gathering bucket {bucket.index} on the trainer's process group failed: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+
+    def _gather(self, bucket: Bucket, to: int | None) -> Mapping[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         sharded: list[tuple[str, DTensor]] = []
         for slot in bucket.slots:

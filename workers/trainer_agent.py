@@ -22,15 +22,21 @@ holds the whole version, at the next step boundary when every owner must send it
 Sparse versions (cached mode): every rank digests its own shards, and one all-reduce gives all ranks the
 same set of tensors that changed since the previous cached version. Only those are gathered and snapshotted;
 the cache shares the unchanged ones with the previous version (see sparse.py and cache.py).
+
+A collective of the job's own process group that fails during a sync (a rank died, or stalled past the
+group's timeout) raises TrainerGroupError out of step(), after the version is reported failed: the ranks are
+out of step in their collectives, so the loop must end and the job be restarted as a whole (as torchrun
+does), rather than run on until a later collective times out.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -41,7 +47,7 @@ from torch import nn
 from ckpt_engine.control.client import ControlReplyError
 from ckpt_engine.control.messages import Assignment
 from ckpt_engine.device import DeviceInfo
-from ckpt_engine.errors import CkptEngineError, SyncTimeoutError
+from ckpt_engine.errors import CkptEngineError, SyncTimeoutError, TrainerGroupError
 from ckpt_engine.plan.modes import MODES
 from ckpt_engine.plan.tensors import NamedTensors, NameMap
 from ckpt_engine.retry import Backoff, FailureLog
@@ -182,7 +188,8 @@ class TrainerAgent(Agent):
             return self._next_due()
         mine = self._next_due() if self.rank == 0 else None
         flag = torch.tensor(_encode(mine), dtype=torch.int64, device=_group_device(self.process_group))
-        dist.broadcast(flag, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+        with _job_collective("agreeing on the next version"):
+            dist.broadcast(flag, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
         return mine or _decode(flag.tolist())
 
     def _next_due(self) -> Assignment | None:
@@ -226,7 +233,8 @@ class TrainerAgent(Agent):
     def _all_reduce_max(self, vector: list[int]) -> list[int]:
         """Sparse versions: every rank's change flags merged (one all-reduce on the trainer's group)."""
         reduced = torch.tensor(vector, dtype=torch.int64, device=_group_device(self.process_group))
-        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=self.process_group)
+        with _job_collective("agreeing on the changed tensors"):
+            dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=self.process_group)
         return reduced.tolist()
 
     def _route(self, assignment: Assignment) -> Route:
@@ -250,6 +258,9 @@ class TrainerAgent(Agent):
             reason = f"{type(exc).__name__}: {exc}"
             self._abort_before_start(assignment, reason)  # nothing went on the wire: release the receivers
             self._report_failure(version, reason, list(getattr(exc, "absent_ranks", [])))
+            if isinstance(exc, TrainerGroupError):  # the job's own group failed: the loop must end, now
+                self.flush_reports(self.request_timeout_s)  # the reason reaches history before the job exits
+                raise
         else:
             self.gathered[version] = transfer.gathered_bytes
             held = time.perf_counter() - started
@@ -333,6 +344,16 @@ def evict(agent: Agent, publisher: Publisher, version: int) -> None:
     except CkptEngineError as exc:
         log.warning("evict %d: %s", version, exc)
     agent.report(version, "evicted", cache_versions=publisher.cache.versions(), cache_bytes=publisher.cache.bytes_held)
+
+
+@contextlib.contextmanager
+def _job_collective(what: str) -> Iterator[None]:
+    """A collective on the trainer job's own process group: its failure is the job's (TrainerGroupError)."""
+    try:
+        yield
+    except Exception as exc:
+        raise TrainerGroupError(f"{what} on the trainer's process group failed: {type(exc).__name__}: {exc}") \
+            from exc
 
 
 def _group_device(group: dist.ProcessGroup | None) -> torch.device:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ckpt_engine.device import DeviceInfo, DigestAlgo
-from ckpt_engine.errors import CkptEngineError, ConfigError
+from ckpt_engine.errors import CkptEngineError, ConfigError, TrainerGroupError
 from ckpt_engine.plan.changes import ChangeTracker
 from ckpt_engine.plan.layout import DEFAULT_ALIGNMENT, Bucket, Layout, plan_layout
 from ckpt_engine.plan.modes import Mode, check_mode, check_sparse
@@ -268,7 +268,9 @@ class Publisher:
 class GatherCursor:
     """Hands out full tensors bucket by bucket, each gathered to the bucket's owner, and remembers how far it
     got: every trainer rank takes part in every bucket's gather in layout order, however many of them it
-    owns, and after a failure it can still take part in the gathers the other ranks are waiting in."""
+    owns, and after a failure it can still take part in the gathers the other ranks are waiting in; not
+    after a gather itself failed (the ranks are out of step in their group: any further one would pair
+    this rank's collectives with the wrong ones of the others)."""
 
     def __init__(self, named: NamedTensors, layout: Layout, owners: Owners,
                  global_rank: Callable[[int], int] | None = None) -> None:
@@ -277,6 +279,7 @@ class GatherCursor:
         self._next = 0
         self._lock = threading.Lock()
         self.gathered_bytes = 0  # bytes of full tensors this rank assembled (its buckets)
+        self._broken: TrainerGroupError | None = None
 
     def provider(self, rank: int, share: Share | None = None) -> Callable[[Bucket], Mapping[str, torch.Tensor]]:
         """The tensors of each bucket ``rank`` owns, asked for in order: by the layout's buckets, or by the
@@ -301,15 +304,21 @@ class GatherCursor:
 
     def drain(self) -> None:
         with self._lock:
-            while self._next < len(self.layout.buckets):
+            while self._next < len(self.layout.buckets) and self._broken is None:
                 self._gather(self._next)
 
     def _gather(self, index: int) -> Mapping[str, torch.Tensor]:
+        if self._broken is not None:
+            raise self._broken
         bucket = self.layout.buckets[index]
         owner = self.owners.of[index]
         self._next = index + 1
         to = self._global_rank(owner) if self._global_rank is not None else None
-        return self.named.bucket_tensors(bucket, to)
+        try:
+            return self.named.bucket_tensors(bucket, to)
+        except TrainerGroupError as exc:
+            self._broken = exc
+            raise
 def check_version(version: object) -> int:
     """A version id is an int within the wire's range (the daemon issues 1, 2, ...)."""
     if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= MAX_VERSION:

@@ -445,8 +445,11 @@ def recover(cluster: Cluster, trial: Trial, fault_at: float) -> None:
     if trial.fault == "fill_disk":  # the daemon retries its storage with a backoff of at most 5 s
         _wait_storage_back(cluster, trial)
     trainers = ("trainer0", "trainer1")
-    if _may_end_the_job(trial):  # a stall near or past the job's timeout ends it; give it that long to show
-        while all(cluster.alive(t) for t in trainers) and time.monotonic() - fault_at < PG_TIMEOUT_S + 2:
+    if _may_end_the_job(trial):
+        # A stall near or past the job's timeout ends it: the peer's collective times out before the stalled
+        # rank runs again (or not at all), and the peer then leaves its loop at once. Give it that long.
+        settled = max(fault_at + PG_TIMEOUT_S, trial.resumed_at or fault_at) + 2
+        while all(cluster.alive(t) for t in trainers) and time.monotonic() < settled:
             time.sleep(0.2)
         for survivor in trainers:
             if cluster.alive(survivor) and not all(cluster.alive(t) for t in trainers):
