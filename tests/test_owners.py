@@ -273,9 +273,11 @@ def test_an_owner_killed_after_caching_makes_its_versions_unpushable_and_a_new_j
 
 
 # ---- a failure of the job's own process group ---------------------------------------------------------------
-def stalling_trainer(rank: int, port: int, zmq: str, pg_timeout_s: float) -> dict:
-    """A 2-rank FSDP2 job whose rank 0 stalls (SIGSTOP of its own process) in the middle of the first version's
-    gathers; says where each rank left its loop, and with what."""
+def stalling_trainer(rank: int, port: int, zmq: str, pg_timeout_s: float, point: str, bypass: bool) -> dict:
+    """A 2-rank FSDP2 job whose rank 0 stalls (SIGSTOP of its own process; the test sends SIGCONT) in the first
+    version: in the middle of its gathers (``point`` "gather") or in the step agreement after it took the
+    version off its queue ("agree"). Says where each rank left its loop, with what, and how long the step
+    that raised had run."""
     from ckpt_engine.workers.fsdp import ShardedTensors, sharded_tensors_of
     from ckpt_engine.workers.trainer_agent import TrainerAgent
     from torch.distributed.fsdp import fully_shard
@@ -286,62 +288,85 @@ def stalling_trainer(rank: int, port: int, zmq: str, pg_timeout_s: float) -> dic
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
+    stall = {"done": rank != 0}
+
+    def stall_once() -> None:
+        if not stall["done"]:
+            stall["done"] = True
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     class StallsAtSecondBucket(ShardedTensors):
-        stalled = False
-
         def bucket_tensors(self, bucket, to=None):
-            if bucket.index == 1 and not StallsAtSecondBucket.stalled:
-                StallsAtSecondBucket.stalled = True
-                os.kill(os.getpid(), signal.SIGSTOP)  # the test sends SIGCONT
+            if bucket.index == 1 and point == "gather":
+                stall_once()
             return super().bucket_tensors(bucket, to)
+
+    class StallsAfterTakingAVersion(TrainerAgent):
+        def _next_due(self):
+            due = super()._next_due()
+            if due is not None and point == "agree":
+                stall_once()
+            return due
 
     def source():
         named = sharded_tensors_of(model)
-        return StallsAtSecondBucket(named.tensors, named.aliases) if rank == 0 else named
+        return StallsAtSecondBucket(named.tensors, named.aliases)
 
-    agent = TrainerAgent(source, zmq, poll_wait_s=0.2).start()
-    where, started = "loop", time.monotonic()
+    agent = StallsAfterTakingAVersion(source, zmq, poll_wait_s=0.2).start()
+    where, requested, began = "loop", rank != 0, time.monotonic()
     try:
         for step in range(1, 10_000):
-            where = "step"
-            agent.push(step) if step == 3 else agent.step(step)
+            where, began = "step", time.monotonic()
+            if requested:
+                agent.step(step)
+            else:  # until the daemon takes a request (it refuses while receivers are not ready yet)
+                requested = agent.push(step, bypass_cpu=bypass) is not None
             where = "loop"
             _stopping("/nonexistent", 2)  # a collective of the job between steps, as training has
             time.sleep(0.01)
     except Exception as exc:  # noqa: BLE001 - where and what is the result
-        return {"where": where, "error": f"{type(exc).__name__}: {exc}", "after_s": time.monotonic() - started}
+        return {"where": where, "error": f"{type(exc).__name__}: {exc}", "in_step_s": time.monotonic() - began}
     return {"where": "nowhere"}
 
 
-def test_a_gather_that_fails_on_the_job_group_ends_the_loop_at_once_and_fails_the_version(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("point", "bypass"), [("gather", False), ("gather", True), ("agree", False)])
+def test_a_failure_of_the_job_group_in_a_sync_ends_the_loop_at_once_and_fails_the_version(
+        tmp_path: Path, point: str, bypass: bool) -> None:
     """The job's own group failing in a sync (a peer stalled past its timeout) is the job's failure: step()
-    raises on the rank that saw it, instead of training on with ranks out of step in their collectives until
-    a later collective times out (which killed a job mid-way through the next sync in the fault trials)."""
+    raises on the rank that saw it, within the group's timeout, and the version fails saying so; instead of
+    training on with ranks out of step until a later collective times out (which killed a job mid-way
+    through the next sync in the fault trials), or a bypass_cpu send swallowing it, or the failed ranks'
+    vote holding the exit, or a version taken before the agreement left for the heartbeat to end."""
     pg_timeout_s = 3.0
-    daemon, receivers = _cluster(tmp_path, timeouts={"connect_s": 8, "collective_s": 8, "ack_s": 10,
-                                                     "heartbeat_s": 20, "version_s": 60})
+    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", bucket_size_mb=0.02,
+                                       transport="collective",
+                                       timeouts={"connect_s": 8, "collective_s": 8, "ack_s": 10, "heartbeat_s": 30,
+                                                 "version_s": 60}))
+    receivers = start_processes([(transformers_receiver, (daemon.zmq, 5, str(tmp_path / "rx-stop")))])
     try:
         with daemon.client() as http:
-            wait_until(lambda: len(agents_of(http)) == 2, what="the receivers")
+            wait_until(lambda: len(agents_of(http)) == 1, what="the receiver")
             port = free_port()
-            job = start_processes([(stalling_trainer, (r, port, daemon.zmq, pg_timeout_s)) for r in range(2)])
+            job = start_processes([(stalling_trainer, (r, port, daemon.zmq, pg_timeout_s, point, bypass))
+                                   for r in range(2)])
             wait_until(lambda: job.procs[1].exitcode is not None, timeout_s=90, what="rank 1 to leave its loop")
             os.kill(job.procs[0].pid, signal.SIGCONT)
             lead, peer = job.collect(60)
-            wait_until(lambda: _versions(http) and _versions(http)[-1]["status"] == "failed", timeout_s=30,
-                       what="the version to fail")
+            wait_until(lambda: _versions(http) and _versions(http)[-1]["status"] == "failed", timeout_s=20,
+                       what="the version to fail (told by the job, not by the heartbeat timeout)")
             version = _versions(http)[-1]
     finally:
         (tmp_path / "rx-stop").touch()
         receivers.collect(120)
         daemon.stop()
-    # rank 1 waited in the gather rank 0 never joined: it left from step(), within the group's timeout
+    # rank 1 waited in a collective rank 0 never joined: it left from step(), within the group's timeout
+    # (and the 2 s it may take to tell the daemon), not after a vote of the ranks that failed (collective_s)
     assert peer["where"] == "step" and peer["error"].startswith("TrainerGroupError"), peer
-    assert "process group" in peer["error"], peer
-    # rank 0, woken, found its peer gone in the same gather: it left from step() too
+    assert "process group" in peer["error"] and peer["in_step_s"] < pg_timeout_s + 4, peer
+    # rank 0, woken, found its peer gone in the same collective: it left from step() too
     assert lead["where"] == "step" and lead["error"].startswith("TrainerGroupError"), lead
     assert "process group" in (version["reason"] or ""), version
+    assert version["mode"] == ("bypass_cpu" if bypass else "cached"), version
 
 
 # ---- any tensor, byte-exact ---------------------------------------------------------------------------------

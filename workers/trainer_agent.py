@@ -56,6 +56,7 @@ from ckpt_engine.send.sender import Transfer, TransferResult
 
 log = logging.getLogger(__name__)
 TensorSource = Callable[[], NamedTensors]
+_REPORT_BEFORE_EXIT_S = 2.0  # a daemon that answers takes milliseconds; one that does not must not hold the exit
 
 
 class TrainerAgent(Agent):
@@ -188,8 +189,13 @@ class TrainerAgent(Agent):
             return self._next_due()
         mine = self._next_due() if self.rank == 0 else None
         flag = torch.tensor(_encode(mine), dtype=torch.int64, device=_group_device(self.process_group))
-        with _job_collective("agreeing on the next version"):
-            dist.broadcast(flag, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+        try:
+            with _job_collective("agreeing on the next version"):
+                dist.broadcast(flag, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+        except TrainerGroupError as exc:
+            if mine is not None:  # taken off the queue: nobody else will say why it never came
+                self._give_up(mine.version, exc)
+            raise
         return mine or _decode(flag.tolist())
 
     def _next_due(self) -> Assignment | None:
@@ -253,19 +259,27 @@ class TrainerAgent(Agent):
             self._background.join(self.settings.version_timeout_s if self.settings else 600)
         try:
             transfer = self._publish(assignment, step)
+        except TrainerGroupError as exc:
+            # No abort to the receivers: it waits in the owners' vote for the ranks that failed (they time out)
+            self._give_up(version, exc)
+            raise
         except Exception as exc:  # every failure ends the version with a reason in history
             log.exception("version %d failed on the trainer", version)
             reason = f"{type(exc).__name__}: {exc}"
             self._abort_before_start(assignment, reason)  # nothing went on the wire: release the receivers
             self._report_failure(version, reason, list(getattr(exc, "absent_ranks", [])))
-            if isinstance(exc, TrainerGroupError):  # the job's own group failed: the loop must end, now
-                self.flush_reports(self.request_timeout_s)  # the reason reaches history before the job exits
-                raise
         else:
             self.gathered[version] = transfer.gathered_bytes
             held = time.perf_counter() - started
             self._in_background(assignment, lambda a: self._finish(transfer, held))
         self.held_seconds.append(time.perf_counter() - started)
+
+    def _give_up(self, version: int, exc: TrainerGroupError) -> None:
+        """The job's own group failed serving ``version``: it fails with that reason, told (bounded) before the
+        training loop ends the process."""
+        log.error("version %d: %s; the training loop must end", version, exc)
+        self._report_failure(version, f"{type(exc).__name__}: {exc}")
+        self.flush_reports(_REPORT_BEFORE_EXIT_S)
 
     def _abort_before_start(self, assignment: Assignment, reason: str) -> None:
         try:

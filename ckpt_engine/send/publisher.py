@@ -303,9 +303,13 @@ class GatherCursor:
             return tensors
 
     def drain(self) -> None:
+        """This rank's part in the remaining gathers; after a failed one (also on another thread: a bypass_cpu
+        send reads through this cursor), that failure, for the caller to end the training loop with."""
         with self._lock:
             while self._next < len(self.layout.buckets) and self._broken is None:
                 self._gather(self._next)
+            if self._broken is not None:
+                raise self._broken
 
     def _gather(self, index: int) -> Mapping[str, torch.Tensor]:
         if self._broken is not None:
