@@ -760,6 +760,9 @@ class Controller:
                     entry.update(ok=False, reason=why)
 
     def _fail(self, flight: InFlight, reason: str, status: str = "failed") -> None:
+        owners = [f"owner rank {rank}: {why}" for rank, why in sorted(flight.owner_failures.items())]
+        if owners:  # what other owner ranks already said went wrong (e.g. before the lead went away)
+            reason = "; ".join([reason, *owners])
         log.warning("version %d %s: %s", flight.version, status, reason)
         receivers = [dict(e) for e in (self.history.get(flight.version).receivers or [])]  # type: ignore[union-attr]
         for entry in receivers:

@@ -313,6 +313,7 @@ def stalling_trainer(rank: int, port: int, zmq: str, pg_timeout_s: float, point:
         return StallsAtSecondBucket(named.tensors, named.aliases)
 
     agent = StallsAfterTakingAVersion(source, zmq, poll_wait_s=0.2).start()
+    dist.barrier()  # both registered: the version is planned for both ranks as owners
     where, requested, began = "loop", rank != 0, time.monotonic()
     try:
         for step in range(1, 10_000):
@@ -329,19 +330,23 @@ def stalling_trainer(rank: int, port: int, zmq: str, pg_timeout_s: float, point:
     return {"where": "nowhere"}
 
 
-@pytest.mark.parametrize(("point", "bypass"), [("gather", False), ("gather", True), ("agree", False)])
+@pytest.mark.parametrize(("point", "bypass", "lead_dropped"),
+                         [("gather", False, False), ("gather", True, False), ("agree", False, False),
+                          ("gather", False, True)])
 def test_a_failure_of_the_job_group_in_a_sync_ends_the_loop_at_once_and_fails_the_version(
-        tmp_path: Path, point: str, bypass: bool) -> None:
+        tmp_path: Path, point: str, bypass: bool, lead_dropped: bool) -> None:
     """The job's own group failing in a sync (a peer stalled past its timeout) is the job's failure: step()
     raises on the rank that saw it, within the group's timeout, and the version fails saying so; instead of
     training on with ranks out of step until a later collective times out (which killed a job mid-way
     through the next sync in the fault trials), or a bypass_cpu send swallowing it, or the failed ranks'
-    vote holding the exit, or a version taken before the agreement left for the heartbeat to end."""
-    pg_timeout_s = 3.0
+    vote holding the exit, or a version taken before the agreement left for the heartbeat to end.
+    ``lead_dropped``: the daemon gives up on the stalled rank 0 before it wakes; the reason rank 1 gave
+    is kept beside "went away"."""
+    pg_timeout_s = 2.0 if lead_dropped else 3.0
     daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", bucket_size_mb=0.02,
                                        transport="collective",
-                                       timeouts={"connect_s": 8, "collective_s": 8, "ack_s": 10, "heartbeat_s": 30,
-                                                 "version_s": 60}))
+                                       timeouts={"connect_s": 8, "collective_s": 8, "ack_s": 10,
+                                                 "heartbeat_s": 5 if lead_dropped else 30, "version_s": 60}))
     receivers = start_processes([(transformers_receiver, (daemon.zmq, 5, str(tmp_path / "rx-stop")))])
     try:
         with daemon.client() as http:
@@ -350,10 +355,12 @@ def test_a_failure_of_the_job_group_in_a_sync_ends_the_loop_at_once_and_fails_th
             job = start_processes([(stalling_trainer, (r, port, daemon.zmq, pg_timeout_s, point, bypass))
                                    for r in range(2)])
             wait_until(lambda: job.procs[1].exitcode is not None, timeout_s=90, what="rank 1 to leave its loop")
+            failed = lambda: _versions(http) and _versions(http)[-1]["status"] == "failed"  # noqa: E731
+            if lead_dropped:
+                wait_until(failed, timeout_s=20, what="the daemon to give up on the stalled rank 0")
             os.kill(job.procs[0].pid, signal.SIGCONT)
             lead, peer = job.collect(60)
-            wait_until(lambda: _versions(http) and _versions(http)[-1]["status"] == "failed", timeout_s=20,
-                       what="the version to fail (told by the job, not by the heartbeat timeout)")
+            wait_until(failed, timeout_s=20, what="the version to fail (told by the job, not by the heartbeat timeout)")
             version = _versions(http)[-1]
     finally:
         (tmp_path / "rx-stop").touch()
@@ -366,7 +373,75 @@ def test_a_failure_of_the_job_group_in_a_sync_ends_the_loop_at_once_and_fails_th
     # rank 0, woken, found its peer gone in the same collective: it left from step() too
     assert lead["where"] == "step" and lead["error"].startswith("TrainerGroupError"), lead
     assert "process group" in (version["reason"] or ""), version
-    assert version["mode"] == ("bypass_cpu" if bypass else "cached"), version
+    assert version["mode"] == ("bypass_cpu" if bypass else "cached") and version["owners"] == 2, version
+    if lead_dropped:
+        assert "went away" in version["reason"] and "owner rank 1: TrainerGroupError" in version["reason"], version
+
+
+def unpack_failing_trainer(rank: int, port: int, zmq: str, workdir: str) -> dict:
+    """A 2-rank FSDP2 job whose owner rank 0 runs out of memory unpacking its first gathered bucket (after
+    the collective: the ranks are still in step); it trains on and pushes until ``workdir/stop``."""
+    import ckpt_engine.workers.fsdp as fsdp
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=10))
+    model = tiny_llama(seed=0)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    unpack, failed = fsdp._unpack, {"done": rank != 0}
+
+    def unpack_once_out_of_memory(*args):
+        if not failed["done"] and args[-1] is not None:
+            failed["done"] = True
+            raise torch.OutOfMemoryError("injected: no memory to unpack the gathered bucket")
+        return unpack(*args)
+
+    fsdp._unpack = unpack_once_out_of_memory
+    agent = TrainerAgent(model, zmq, poll_wait_s=0.2).start()
+    dist.barrier()  # both registered: versions are planned for both ranks as owners
+    served: list[int] = []
+    for step in range(1, 100_000):
+        if _stopping(workdir, 2):
+            break
+        if rank == 0 and len(agent.served) < 2 and step % 20 == 0:
+            agent.wait_idle(30)
+            agent.push(step)
+        else:
+            agent.step(step)
+        time.sleep(0.01)
+    agent.wait_idle(30)
+    served = list(agent.served)
+    agent.close()
+    dist.destroy_process_group()
+    return {"served": served, "steps": step}
+
+
+def test_a_local_failure_after_a_gather_fails_only_the_version_and_training_goes_on(tmp_path: Path) -> None:
+    """Out of memory unpacking a gathered bucket is the sync's failure, not the job's: the collective is done
+    and the ranks are in step, so the version fails, both ranks train on, and the next version commits."""
+    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", bucket_size_mb=0.02,
+                                       transport="collective"))
+    receivers = start_processes([(transformers_receiver, (daemon.zmq, 5, str(tmp_path / "rx-stop")))])
+    try:
+        with daemon.client() as http:
+            wait_until(lambda: len(agents_of(http)) == 1, what="the receiver")
+            port = free_port()
+            job = start_processes([(unpack_failing_trainer, (r, port, daemon.zmq, str(tmp_path)))
+                                   for r in range(2)])
+            wait_until(lambda: [v["status"] for v in _versions(http)][:2] == ["failed", "committed"], timeout_s=120,
+                       what="a failed version, then a committed one")
+            (tmp_path / "stop").touch()
+            lead, peer = job.collect(120)
+            first = _versions(http)[0]
+    finally:
+        (tmp_path / "rx-stop").touch()
+        receivers.collect(120)
+        daemon.stop()
+    assert "OutOfMemoryError" in first["reason"] and "TrainerGroupError" not in first["reason"], first
+    assert len(lead["served"]) >= 1 and len(peer["served"]) >= 1, (lead, peer)
 
 
 # ---- any tensor, byte-exact ---------------------------------------------------------------------------------

@@ -8,8 +8,9 @@ placements fall back to ``full_tensor()``. Memory stays at about one bucket of g
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -41,13 +42,6 @@ class ShardedTensors(NamedTensors):
     """NamedTensors whose DTensors are gathered per bucket (shapes and dtypes are the full tensors')."""
 
     def bucket_tensors(self, bucket: Bucket, to: int | None = None) -> Mapping[str, torch.Tensor]:
-        try:
-            return self._gather(bucket, to)
-        except Exception as exc:  # whatever failed, this rank left the others in a collective of the job's group
-            raise TrainerGroupError(f"gathering bucket {bucket.index} on the trainer's process group failed: "
-                                    f"{type(exc).__name__}: {exc}") from exc
-
-    def _gather(self, bucket: Bucket, to: int | None) -> Mapping[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         sharded: list[tuple[str, DTensor]] = []
         for slot in bucket.slots:
@@ -55,21 +49,40 @@ class ShardedTensors(NamedTensors):
             if _dim0_sharded(tensor):
                 sharded.append((slot.name, tensor))  # type: ignore[arg-type]
             elif isinstance(tensor, DTensor):
-                out[slot.name] = tensor.full_tensor()
+                with job_collective(f"gathering {slot.name} (bucket {bucket.index})"):
+                    out[slot.name] = tensor.full_tensor()
             else:
                 out[slot.name] = tensor
         by_group: dict[int, list[tuple[str, DTensor]]] = {}
         for name, tensor in sharded:
             by_group.setdefault(id(tensor.device_mesh.get_group()), []).append((name, tensor))
         for items in by_group.values():
-            out.update(_gather_dim0(items, to))
+            with job_collective(f"gathering bucket {bucket.index}"):  # this rank's part in it, and what precedes it
+                plans, stride, received = _exchange(items, to)
+            out.update(_unpack(plans, stride, received))  # local work after it: a failure here leaves ranks in step
         return out
 
 
-def _gather_dim0(items: list[tuple[str, DTensor]], to: int | None = None) -> dict[str, torch.Tensor]:
+@contextlib.contextmanager
+def job_collective(what: str) -> Iterator[None]:
+    """A collective of the trainer job's own process group, and this rank's way into it: a failure there leaves
+    the ranks out of step in their collectives, so it is the job's (TrainerGroupError), not only a sync's."""
+    try:
+        yield
+    except Exception as exc:
+        raise TrainerGroupError(f"{what} on the trainer's process group failed: {type(exc).__name__}: {exc}") \
+            from exc
+
+
+_Plan = tuple[str, DTensor, torch.Tensor, list[int], int, list[int]]
+
+
+def _exchange(items: list[tuple[str, DTensor]], to: int | None = None
+              ) -> tuple[list[_Plan], int, list[torch.Tensor] | torch.Tensor | None]:
     """One collective for every dim-0-sharded tensor of a bucket that shares a process group: a gather to
     the process of global rank ``to`` (the bucket's owner; 1/world of an all-gather's traffic), or an
-    all-gather when ``to`` is None or not in that group (e.g. hybrid sharding's replica groups)."""
+    all-gather when ``to`` is None or not in that group (e.g. hybrid sharding's replica groups). Returns the
+    plan, the stride and what arrived (per-rank chunks, one all-gathered tensor, or None off the owner)."""
     group = items[0][1].device_mesh.get_group()
     world, me = dist.get_world_size(group), dist.get_rank(group)
     if to is not None:
@@ -77,7 +90,8 @@ def _gather_dim0(items: list[tuple[str, DTensor]], to: int | None = None) -> dic
             to = dist.get_group_rank(group, to)
         except (ValueError, RuntimeError):
             to = None
-    plans, sizes = [], [0] * world
+    plans: list[_Plan] = []
+    sizes = [0] * world
     for name, tensor in items:
         rows = rows_per_rank(tensor.shape[0], world)
         row_bytes = (tensor.numel() // tensor.shape[0] if tensor.shape[0] else 0) * tensor.element_size()
@@ -97,14 +111,21 @@ def _gather_dim0(items: list[tuple[str, DTensor]], to: int | None = None) -> dic
     if to is not None:
         chunks = [torch.empty(stride, dtype=torch.uint8, device=device) for _ in range(world)] if me == to else None
         dist.gather(send, chunks, dst=dist.get_global_rank(group, to), group=group)
-        if chunks is None:
-            return {}
-        gathered = torch.cat(chunks)
-    else:
-        gathered = torch.empty(world * stride, dtype=torch.uint8, device=device)
-        _all_gather_single(gathered, send, group=group)
+        return plans, stride, chunks
+    gathered = torch.empty(world * stride, dtype=torch.uint8, device=device)
+    _all_gather_single(gathered, send, group=group)
+    return plans, stride, gathered
+
+
+def _unpack(plans: list[_Plan], stride: int, received: list[torch.Tensor] | torch.Tensor | None
+            ) -> dict[str, torch.Tensor]:
+    """The full tensors out of what a gather brought (nothing on a rank it was not gathered to)."""
+    if received is None:
+        return {}
+    gathered = torch.cat(received) if isinstance(received, list) else received
     out = {}
     for name, tensor, _, rows, row_bytes, offsets in plans:
+        world = len(rows)
         parts = [gathered[r * stride + offsets[r] : r * stride + offsets[r] + rows[r] * row_bytes] for r in range(world)]
         out[name] = torch.cat(parts).view(tensor.dtype).view(tensor.shape)
     return out

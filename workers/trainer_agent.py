@@ -32,16 +32,15 @@ does), rather than run on until a later collective times out.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from ckpt_engine.workers.agent import Agent
-from ckpt_engine.workers.fsdp import sharded_tensors_of
+from ckpt_engine.workers.fsdp import job_collective, sharded_tensors_of
 from torch import nn
 
 from ckpt_engine.control.client import ControlReplyError
@@ -190,7 +189,7 @@ class TrainerAgent(Agent):
         mine = self._next_due() if self.rank == 0 else None
         flag = torch.tensor(_encode(mine), dtype=torch.int64, device=_group_device(self.process_group))
         try:
-            with _job_collective("agreeing on the next version"):
+            with job_collective("agreeing on the next version"):
                 dist.broadcast(flag, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
         except TrainerGroupError as exc:
             if mine is not None:  # taken off the queue: nobody else will say why it never came
@@ -239,7 +238,7 @@ class TrainerAgent(Agent):
     def _all_reduce_max(self, vector: list[int]) -> list[int]:
         """Sparse versions: every rank's change flags merged (one all-reduce on the trainer's group)."""
         reduced = torch.tensor(vector, dtype=torch.int64, device=_group_device(self.process_group))
-        with _job_collective("agreeing on the changed tensors"):
+        with job_collective("agreeing on the changed tensors"):
             dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=self.process_group)
         return reduced.tolist()
 
@@ -358,16 +357,6 @@ def evict(agent: Agent, publisher: Publisher, version: int) -> None:
     except CkptEngineError as exc:
         log.warning("evict %d: %s", version, exc)
     agent.report(version, "evicted", cache_versions=publisher.cache.versions(), cache_bytes=publisher.cache.bytes_held)
-
-
-@contextlib.contextmanager
-def _job_collective(what: str) -> Iterator[None]:
-    """A collective on the trainer job's own process group: its failure is the job's (TrainerGroupError)."""
-    try:
-        yield
-    except Exception as exc:
-        raise TrainerGroupError(f"{what} on the trainer's process group failed: {type(exc).__name__}: {exc}") \
-            from exc
 
 
 def _group_device(group: dist.ProcessGroup | None) -> torch.device:
