@@ -381,7 +381,7 @@ def test_a_failure_of_the_job_group_in_a_sync_ends_the_loop_at_once_and_fails_th
 def unpack_failing_trainer(rank: int, port: int, zmq: str, workdir: str) -> dict:
     """A 2-rank FSDP2 job whose owner rank 0 runs out of memory unpacking its first gathered bucket (after
     the collective: the ranks are still in step); it trains on and pushes until ``workdir/stop``."""
-    import ckpt_engine.workers.fsdp as fsdp
+    from ckpt_engine.workers import fsdp
     from ckpt_engine.workers.trainer_agent import TrainerAgent
     from torch.distributed.fsdp import fully_shard
 
