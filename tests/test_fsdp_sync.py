@@ -3,7 +3,6 @@ receivers hold exactly the trainer's full (gathered) weights of that step, in ca
 
 from __future__ import annotations
 
-import datetime
 import os
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import torch.distributed as dist
 
 from tests.daemon_harness import ROOT, free_port, start_daemon, write_config
 from tests.procs import start_processes
-from tests.tiny_lm import tensor_bytes, tiny_llama
+from tests.tiny_lm import sharded_tiny_llama, tensor_bytes, tiny_llama
 
 pytestmark = pytest.mark.multiproc
 PUSHES = {4: False, 9: True}  # step -> bypass_cpu
@@ -22,17 +21,11 @@ PUSHES = {4: False, 9: True}  # step -> bypass_cpu
 def fsdp_trainer(rank: int, port: int, zmq: str, steps: int, pushes: dict[int, bool] = PUSHES,
                  train_only_first_layer: bool = False) -> dict:
     from ckpt_engine.workers.trainer_agent import TrainerAgent
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     from ckpt_engine.plan.tensors import named_tensors_of
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
-    model = tiny_llama(seed=0)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = sharded_tiny_llama(rank, port, 60)
     # frozen layers: the optimizer updates one layer only, so sparse versions change a few tensors
     trained = model.model.layers[0] if train_only_first_layer else model
     optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-2)

@@ -27,7 +27,7 @@ from tests.daemon_harness import ROOT, free_port, start_daemon, write_config
 from tests.procs import start_processes
 from tests.test_elastic import agents_of, wait_until
 from tests.test_fsdp_sync import transformers_receiver
-from tests.tiny_lm import tensor_bytes, tiny_llama
+from tests.tiny_lm import sharded_tiny_llama, tensor_bytes, tiny_llama
 
 pytestmark = pytest.mark.multiproc
 
@@ -280,14 +280,8 @@ def stalling_trainer(rank: int, port: int, zmq: str, pg_timeout_s: float, point:
     that raised had run."""
     from ckpt_engine.workers.fsdp import ShardedTensors, sharded_tensors_of
     from ckpt_engine.workers.trainer_agent import TrainerAgent
-    from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=pg_timeout_s))
-    model = tiny_llama(seed=0)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = sharded_tiny_llama(rank, port, pg_timeout_s)
     stall = {"done": rank != 0}
 
     def stall_once() -> None:
@@ -355,7 +349,7 @@ def test_a_failure_of_the_job_group_in_a_sync_ends_the_loop_at_once_and_fails_th
             job = start_processes([(stalling_trainer, (r, port, daemon.zmq, pg_timeout_s, point, bypass))
                                    for r in range(2)])
             wait_until(lambda: job.procs[1].exitcode is not None, timeout_s=90, what="rank 1 to leave its loop")
-            failed = lambda: _versions(http) and _versions(http)[-1]["status"] == "failed"  # noqa: E731
+            failed = lambda: _versions(http) and _versions(http)[-1]["status"] == "failed"
             if lead_dropped:
                 wait_until(failed, timeout_s=20, what="the daemon to give up on the stalled rank 0")
             os.kill(job.procs[0].pid, signal.SIGCONT)
@@ -383,14 +377,8 @@ def unpack_failing_trainer(rank: int, port: int, zmq: str, workdir: str) -> dict
     the collective: the ranks are still in step); it trains on and pushes until ``workdir/stop``."""
     from ckpt_engine.workers import fsdp
     from ckpt_engine.workers.trainer_agent import TrainerAgent
-    from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=10))
-    model = tiny_llama(seed=0)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = sharded_tiny_llama(rank, port, 10)
     unpack, failed = fsdp._unpack, {"done": rank != 0}
 
     def unpack_once_out_of_memory(*args):

@@ -21,3 +21,19 @@ def tensor_bytes(tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
 
     return {name: bytes(host_buffer(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()))
             for name, t in tensors.items()}
+
+
+def sharded_tiny_llama(rank: int, port: int, timeout_s: float, *, world: int = 2, seed: int = 0):
+    """tiny_llama on an FSDP2 job of ``world`` gloo ranks (this process is ``rank``), sharded per layer."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    model = tiny_llama(seed=seed)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
