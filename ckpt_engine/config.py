@@ -18,13 +18,11 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ckpt_engine.control.auth import DEFAULT_CREDENTIALS_FILE, TOKEN_PATTERN
+from ckpt_engine.control.auth import DEFAULT_CREDENTIALS_FILE, Token
 from ckpt_engine.errors import ConfigError
 from ckpt_engine.plan.modes import check_sparse, mode_of
 
 DAY_S = 86400.0
-# Visible ASCII only: tokens travel in an HTTP header, and surrounding spaces would be stripped there.
-Token = Annotated[str, Field(min_length=16, max_length=4096, pattern=TOKEN_PATTERN)]
 _LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 _WILDCARDS = ("0.0.0.0", "::", "*")
 

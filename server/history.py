@@ -190,6 +190,25 @@ class HistoryStore:
             self._remember(record)
         return replace(record)
 
+    def number_after(self, version: int) -> bool:
+        """Issue the next ids after ``version`` (an empty history taking over from a lost one whose ids agents
+        still hold); False when the store cannot be written now (the ids then start at 1)."""
+        try:
+            with self._db_lock:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    self._db.execute("DELETE FROM sqlite_sequence WHERE name='versions'")
+                    self._db.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('versions', ?)", (version,))
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    if self._db.in_transaction:
+                        self._db.execute("ROLLBACK")
+                    raise
+        except _WRITE_ERRORS as exc:
+            self._failed(exc)
+            return False
+        return True
+
     def update(self, version: int, **fields: Any) -> VersionRecord:
         """Set fields of a version. The change is the truth at once; it reaches the file now or, when the file
         cannot be written, with the next successful :meth:`flush`."""
@@ -239,6 +258,9 @@ class HistoryStore:
         with self._mem:
             dirty = [replace(self._records[v]) for v in sorted(self._dirty)]
             cached = set(self._cached_ids) if self._cached_dirty and self._cached_ids is not None else None
+        # Degraded with nothing pending: an empty transaction commits even on a full disk, so only a real write
+        # can say the storage works again (else /health would flip back to healthy while /sync is refused).
+        probe = self._problem is not None and not dirty and cached is None
         try:
             with self._db_lock:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -248,6 +270,9 @@ class HistoryStore:
                     if cached is not None:
                         self._db.execute("UPDATE versions SET cached=0 WHERE cached=1")
                         self._db.executemany("UPDATE versions SET cached=1 WHERE id=?", [(v,) for v in cached])
+                    if probe:
+                        self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('storage_probe', ?)",
+                                         (f"{time.time():.6f}",))
                     self._db.execute("COMMIT")
                 except BaseException:
                     if self._db.in_transaction:  # SQLite may have rolled back by itself (e.g. disk full)

@@ -15,7 +15,6 @@ from ckpt_engine.server.api_models import (
     AgentList,
     Health,
     PushAccepted,
-    Status,
     StatusOut,
     SyncAccepted,
     VersionList,
@@ -38,7 +37,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ckpt_engine import __version__
 from ckpt_engine.config import EngineConfig
-from ckpt_engine.control.messages import MAX_ID, SyncRequest
+from ckpt_engine.control.messages import MAX_ID, LatestQuery, SyncRequest, VersionsQuery
 
 # Bounded like every id on the wire: a larger path value is a 422, not an OverflowError (500) in the store.
 _MAX_WAITING = 64
@@ -181,15 +180,13 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
 
     @app.get("/versions", summary="Version history, newest first (page with before=next_before)",
              dependencies=auth, response_model=VersionList, responses=error_responses(*guarded, 422, 503))
-    def versions(request: Request, limit: int = Query(50, ge=1, le=1000), status: Status | None = None,
-                 before: int | None = Query(None, ge=1, le=MAX_ID, description="only versions with a smaller id")
-                 ) -> dict:
-        return call("versions", request, {"limit": limit, "status": status, "before": before})
+    def versions(request: Request, query: Annotated[VersionsQuery, Query()]) -> dict:
+        return call("versions", request, query.model_dump())
 
     @app.get("/versions/latest", summary="The newest version (any status)", dependencies=auth,
              response_model=VersionOut, responses=error_responses(*guarded, 404, 422, 503))
-    def latest(request: Request, status: Status | None = None) -> dict:
-        return call("latest", request, {"status": status})
+    def latest(request: Request, query: Annotated[LatestQuery, Query()]) -> dict:
+        return call("latest", request, query.model_dump())
 
     @app.delete("/versions/latest", include_in_schema=False)
     def evict_latest() -> None:

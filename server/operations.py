@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_engine.server.controller import Controller
-from ckpt_engine.server.errors import BadRequest, NotFound
+from ckpt_engine.server.errors import NotFound
 
 from ckpt_engine.control.auth import ANY_ROLE, Role
-from ckpt_engine.control.messages import (MAX_ID, FrameworkSyncRequest, Poll, PollReply, Register, Report, Unregister,
-                                          parse_body)
+from ckpt_engine.control.messages import (FrameworkSyncRequest, LatestQuery, Poll, PollReply, Register, Report,
+                                          Unregister, VersionRef, VersionsQuery, parse_body)
 
 AGENTS: frozenset[Role] = frozenset({"trainer", "rollout"})
 Handler = Callable[[Controller, dict[str, Any], set[Role]], Any]
@@ -57,19 +57,13 @@ def _sync(controller: Controller, body: dict, roles: set[Role]) -> dict:
 
 
 def _versions(controller: Controller, body: dict, roles: set[Role]) -> dict:
-    limit = int_arg(body, "limit", 50, (1, 1000))
-    before = body.get("before")
-    if before is not None:
-        before = int_arg(body, "before", None, (1, MAX_ID))
-    status = body.get("status")
-    if status is not None and not isinstance(status, str):
-        raise BadRequest("'status' must be a string")
-    rows = controller.history.list(limit=limit, status=status, before=before)
-    return {"versions": [r.to_dict() for r in rows], "next_before": rows[-1].id if len(rows) == limit else None}
+    query = parse_body(VersionsQuery, body)
+    rows = controller.history.list(limit=query.limit, status=query.status, before=query.before)
+    return {"versions": [r.to_dict() for r in rows], "next_before": rows[-1].id if len(rows) == query.limit else None}
 
 
 def _version(controller: Controller, body: dict, roles: set[Role]) -> dict:
-    version = int_arg(body, "version", None, (-MAX_ID, MAX_ID))
+    version = parse_body(VersionRef, body).version
     record = controller.history.get(version)
     if record is None:
         raise NotFound(f"version {version} is unknown")
@@ -77,19 +71,19 @@ def _version(controller: Controller, body: dict, roles: set[Role]) -> dict:
 
 
 def _latest(controller: Controller, body: dict, roles: set[Role]) -> dict:
-    record = controller.history.latest(status=body.get("status"))
+    record = controller.history.latest(status=parse_body(LatestQuery, body).status)
     if record is None:
         raise NotFound("no versions yet")
     return record.to_dict()
 
 
 def _push(controller: Controller, body: dict, roles: set[Role]) -> dict:
-    return controller.push(int_arg(body, "version", None, (-MAX_ID, MAX_ID))).to_dict()
+    return controller.push(parse_body(VersionRef, body).version).to_dict()
 
 
 def _evict(controller: Controller, body: dict, roles: set[Role]) -> dict:
     """Asks the trainer to evict; the HTTP route then waits for its confirmation."""
-    return controller.request_evict(int_arg(body, "version", None, (-MAX_ID, MAX_ID))).to_dict()
+    return controller.request_evict(parse_body(VersionRef, body).version).to_dict()
 
 
 def _status(controller: Controller, body: dict, roles: set[Role]) -> dict:
@@ -125,13 +119,4 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
 )}
 
 
-def int_arg(body: dict, key: str, default: int | None, bounds: tuple[int, int]) -> int:
-    """An integer field of a body within ``bounds`` (bools are not integers here)."""
-    value = body.get(key, default)
-    low, high = bounds
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise BadRequest(f"'{key}' must be an integer from {low} to {high}")
-    return value
-
-
-__all__ = ["AGENTS", "OPERATIONS", "Operation", "PollReply", "int_arg"]
+__all__ = ["AGENTS", "OPERATIONS", "Operation", "PollReply"]

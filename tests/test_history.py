@@ -162,6 +162,38 @@ print("OK")
     assert result.stdout.strip().endswith("OK"), result.stdout + result.stderr
 
 
+def test_a_full_disk_with_nothing_pending_stays_degraded_until_a_real_write_works(tmp_path: Path) -> None:
+    """Trust round 3, item 5: a refused create leaves nothing pending; an empty commit succeeds even on a full
+    disk, so health is decided by a real write (a probe), not by an empty transaction."""
+    import subprocess
+    import sys
+
+    script = f"""
+import resource, signal
+from ckpt_engine.server.history import HistoryStore, StorageUnavailable
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+store = HistoryStore({str(tmp_path / "h.sqlite3")!r})
+store.create(mode="cached", step=1)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+try:
+    store.create(mode="cached", step=2)
+    raise SystemExit("created on a full disk")
+except StorageUnavailable:
+    pass
+assert store.degraded and store.storage().pending_writes == 0
+for _ in range(3):
+    assert not store.flush(force=True), "an empty commit must not count as storage back"
+    assert store.degraded and not store.storage().ok
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+assert store.flush(force=True) and not store.degraded and store.storage().ok
+assert store.create(mode="cached", step=3).id == 2
+print("OK")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip().endswith("OK"), result.stdout + result.stderr
+
+
 def test_list_pages_with_a_cursor(tmp_path: Path) -> None:
     store = HistoryStore(tmp_path / "h.sqlite3")
     ids = [store.create(mode="cached", step=i).id for i in range(7)]

@@ -18,9 +18,10 @@ import json
 import os
 import secrets
 import stat
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -33,6 +34,9 @@ DEFAULT_CREDENTIALS_FILE = "~/.ckpt-engine/credentials.json"
 CREDENTIALS_ENV = "CKPT_ENGINE_CREDENTIALS"
 TOKEN_ENV = "CKPT_ENGINE_TOKEN"
 TOKEN_PATTERN = r"^[\x21-\x7e]+$"  # visible ASCII: tokens travel in an HTTP header
+# The one limit of a token's length: the config, the credentials file, the wire (Register) and the docs use it.
+TOKEN_MIN_LENGTH, TOKEN_MAX_LENGTH = 16, 4096
+Token = Annotated[str, Field(min_length=TOKEN_MIN_LENGTH, max_length=TOKEN_MAX_LENGTH, pattern=TOKEN_PATTERN)]
 _MAX_FILE_BYTES = 64 << 10
 
 
@@ -40,9 +44,9 @@ class Credentials(BaseModel):
     """The token of each role (None: that role cannot act)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
-    operator: str | None = Field(None, min_length=16, max_length=4096, pattern=TOKEN_PATTERN)
-    trainer: str | None = Field(None, min_length=16, max_length=4096, pattern=TOKEN_PATTERN)
-    rollout: str | None = Field(None, min_length=16, max_length=4096, pattern=TOKEN_PATTERN)
+    operator: Token | None = None
+    trainer: Token | None = None
+    rollout: Token | None = None
 
     def token(self, role: Role) -> str | None:
         return getattr(self, role)
@@ -96,19 +100,39 @@ def read_credentials(path: Path) -> Credentials | None:
 
 
 def write_credentials(path: Path, credentials: Credentials) -> None:
-    """Write atomically with mode 0600 (the directory is created 0700 when missing)."""
+    """Write atomically with mode 0600 into a private directory (created 0700 when missing). The temporary
+    file is made with O_EXCL under a random name (never one another user could create first, nor a link to
+    follow), and a directory others can write in is refused: they could replace the file once written."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    check_private_directory(path.parent, path)
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o600)
         with os.fdopen(fd, "w") as handle:
             json.dump(credentials.model_dump(), handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
     except BaseException:
-        temporary.unlink(missing_ok=True)
+        Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def check_private_directory(directory: Path, path: Path) -> None:
+    """Refuse (ConfigError naming ``path``) a directory that another user owns or that others can write in."""
+    try:
+        info = os.stat(directory)
+    except OSError as exc:
+        raise ConfigError(f"credentials file {path}: cannot use {directory}: {exc.strerror}") from exc
+    if not stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"credentials file {path}: {directory} is not a directory")
+    if info.st_uid not in (os.getuid(), 0):
+        raise ConfigError(f"credentials file {path}: its directory {directory} is owned by uid {info.st_uid}, "
+                          "not by this user; keep credentials in a directory of your own")
+    if info.st_mode & 0o022:
+        raise ConfigError(f"credentials file {path}: its directory {directory} has mode "
+                          f"{stat.S_IMODE(info.st_mode):o}: other users can write in it and replace the file; "
+                          "chmod go-w it or choose a private directory")
 
 
 def daemon_credentials(path: Path, fixed: Mapping[Role, str | None]) -> Credentials:
@@ -130,6 +154,8 @@ def daemon_credentials(path: Path, fixed: Mapping[Role, str | None]) -> Credenti
 
 def check_credentials_path(path: Path) -> None:
     """What ``serve`` would refuse about the credentials file, found without writing it (ConfigError)."""
+    if path.parent.exists():  # the daemon writes the file there (again, when tokens change)
+        check_private_directory(path.parent, path)
     if read_credentials(path) is not None:  # it exists: mode, owner, type and contents are checked
         return
     parent = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("/"))
