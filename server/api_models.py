@@ -100,6 +100,9 @@ class StatusOut(_Out):
     receivers: int
     versions: dict[str, int]
     cache_versions: list[int]
+    cache_kept_for_repairs: list[int] = Field(default_factory=list, description="cached versions the trainer was "
+                                              "told never to evict to make room: what receivers serve, which a "
+                                              "repair or catch-up re-sends (newest first)")
     started_at: float
     history_id: str
     degraded: bool

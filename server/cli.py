@@ -66,8 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=_serve)
     sync = sub.add_parser("sync", help="start a new version")
     sync.add_argument("--step", type=int)
-    sync.add_argument("--bypass-cpu", action="store_true", default=None)
-    sync.add_argument("--sparse", action="store_true", default=None, help="send only what changed")
+    sync.add_argument("--bypass-cpu", action=argparse.BooleanOptionalAction, default=None,
+                      help="override the deployment's bypass_cpu for this version")
+    sync.add_argument("--sparse", action=argparse.BooleanOptionalAction, default=None,
+                      help="send only what changed (--no-sparse: a whole version, whatever the deployment says)")
     sync.add_argument("--wait", action="store_true", help="show progress until the version ends")
     sync.add_argument("--timeout", type=float, default=600.0)
     sync.set_defaults(run=_sync)
@@ -207,14 +209,15 @@ def _versions(args: argparse.Namespace) -> int:
     status, body = _call(args, "GET", "/versions", params=params)
     if status >= 400:
         return 1
-    print(f"{'id':>5} {'step':>6} {'mode':<10} {'status':<12} {'MiB':>8} {'seconds':>8} {'rx':>4} {'cached':>6}  "
-          "digest / reason")
+    print(f"{'id':>5} {'step':>6} {'mode':<10} {'status':<12} {'from':>5} {'MiB':>8} {'seconds':>8} {'rx':>4} "
+          f"{'cached':>6}  digest / reason")
     for r in body["versions"]:
         total = r["stages"].get("total") or sum(v for k, v in r["stages"].items() if k in ("header", "fill", "digest",
                                                                                          "broadcast", "ack"))
         ok_rx = sum(1 for x in r["receivers"] if x.get("ok"))
+        source = r.get("source_version")
         print(f"{r['id']:>5} {r['step'] if r['step'] is not None else '-':>6} {r['mode']:<10} {r['status']:<12} "
-              f"{r['bytes'] / (1 << 20):>8.2f} {total:>8.3f} {ok_rx:>4} {'yes' if r['cached'] else 'no':>6}  "
+              f"{source if source is not None else '-':>5} {r['bytes'] / (1 << 20):>8.2f} {total:>8.3f} {ok_rx:>4} {'yes' if r['cached'] else 'no':>6}  "
               f"{r['version_digest'] or ''}{'  ' + r['reason'] if r['reason'] else ''}")
     return 0
 
@@ -253,7 +256,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _print_record(r: dict) -> None:
-    print(f"version {r['id']} ({r['mode']}, step {r['step']}): {r['status']}"
+    source = f", a re-push of version {r['source_version']}" if r.get("source_version") is not None else ""
+    print(f"version {r['id']} ({r['mode']}, step {r['step']}{source}, {r.get('purpose', 'sync')}): {r['status']}"
           + (f" - {r['reason']}" if r["reason"] else ""))
     print(f"  {r['bytes'] / (1 << 20):.2f} MiB in {r['buckets']} bucket(s), {r['tensors_sent']} tensors; "
           f"digest {r['version_digest']}; cached: {'yes' if r['cached'] else 'no'}")

@@ -19,17 +19,20 @@ import time
 from dataclasses import dataclass, field
 
 from ckpt_engine.server.agents import Agent, AgentRegistry
+from ckpt_engine.server.claims import judge_registration
 from ckpt_engine.server.errors import BadRequest, Conflict, Forbidden, NotFound, Unavailable
 from ckpt_engine.server.history import TERMINAL, HistoryStore, StorageUnavailable, VersionRecord
 from ckpt_engine.server.metrics import Metrics
 
 from ckpt_engine.config import EngineConfig
-from ckpt_engine.control.messages import Assignment, FrameworkSyncRequest, Poll, Register, RegisterReply, Report
+from ckpt_engine.control.messages import (MAX_KEPT, Assignment, FrameworkSyncRequest, Poll, Register, RegisterReply,
+                                          Report, longest_poll_wait)
 from ckpt_engine.errors import ConfigError, ProtocolError
 from ckpt_engine.plan.modes import Mode, check_sparse, mode_of
 
 log = logging.getLogger(__name__)
 _NEWCOMER_SETTLE_S = 1.0
+_MAX_INHERITED_ID = 1 << 32  # a lost history's ids a new one numbers after, at most (far below exhaustion)
 _TICK_FAILING_S = 5.0  # ticks failing this long make /health say not ok
 _ORDER = {"requested": 0, "snapshotting": 1, "transferring": 2, "verifying": 3}
 _TRAINER_EVENTS = {"snapshotting", "transferring", "verifying", "done", "evicted"}
@@ -63,6 +66,8 @@ class Controller:
         self.config = config
         self.history = history
         self.metrics = metrics
+        # read when scraped: the metric says what /health and /status say at that moment
+        metrics.storage_degraded.set_function(lambda: float(history.degraded))
         self.store_host, self.store_port, self.group_name = store_host, store_port, group_name
         self.agents = AgentRegistry(config.timeouts.heartbeat_s)
         self._lock = threading.RLock()
@@ -78,6 +83,7 @@ class Controller:
         self._tick_failing_since: float | None = None
         self._tick_error: str | None = None
         self._queued_push: VersionRecord | None = None  # a rollback waiting for a framework's next sync
+        self._kept: list[int] = []  # what the trainer was last told to keep in its cache for repairs
         self._max_issued = (history.latest().id if history.latest() else 0)
         self.started_at = time.time()
 
@@ -85,19 +91,22 @@ class Controller:
     def register(self, message: Register) -> RegisterReply:
         if message.role == "driver" and message.engine is None:
             raise BadRequest("a driver names its engine")
-        if message.role == "driver":
-            self._check_one_driver(message.engine)  # type: ignore[arg-type]
         if message.driven and (message.engine is None or message.members is None):
             raise BadRequest("a driven receiver names its engine and how many workers the engine has (members)")
         with self._lock:
             if len(self.agents.all()) >= self.config.max_agents:
                 raise Unavailable(f"{self.config.max_agents} agents are registered (max_agents); unregister some "
                                   "or raise the limit")
+            verdict = judge_registration(message, self.agents.all(), time.monotonic(), self.config.timeouts.heartbeat_s)
+            if verdict.conflict is not None:
+                raise Conflict(verdict.conflict, verdict.record())
+            for silent in verdict.replaces:
+                self._replace(silent, message)
             # Versions are numbered by one history: those of another mean nothing here (the file was lost or
             # replaced), and ids this history never issued are a peer's invention. Neither touches our numbering.
             held = self._known(message.versions) if message.history_id == self.history.history_id else []
-            if message.role == "trainer" and message.rank == 0:
-                self._check_lead(message)
+            if message.role == "trainer" and message.versions and message.history_id != self.history.history_id:
+                self._number_after_lost_history(message)
             agent = self.agents.add(message, held)
             agent.catch_up_due = time.monotonic() + _NEWCOMER_SETTLE_S  # one that vanishes at once costs nothing
             if agent.role == "trainer":
@@ -116,40 +125,47 @@ class Controller:
             ack_timeout_s=timeouts.ack_s, version_timeout_s=timeouts.version_s,
         )
 
-    def _check_lead(self, message: Register) -> None:
-        """A trainer rank 0 registering while a framework's (verl's) is registered, or a framework's while any
-        is. A framework's rank 0 registers once per process: a new one is a restarted job once the earlier
-        one fell silent (it would otherwise stay the trainer until its heartbeat expires). One still polling is
-        a live job: a second job, a plain trainer, or a token holder must not take its place (nor a framework's
-        rank 0 a plain trainer's, which stays the earliest registered)."""
-        now, heartbeat_s = time.monotonic(), self.config.timeouts.heartbeat_s
-        olds = [a for a in self.agents.all() if a.role == "trainer" and a.rank == 0
-                and (a.framework or message.framework)]
-        for old in olds:
-            # (host and pid are the registrant's say: they cannot tell a restart from an impostor)
-            if old.heartbeating(now, heartbeat_s):
-                window = old.silence_window(heartbeat_s)
-                silent_in = window - (now - old.last_seen)
-                served = f"a {old.framework} job" if old.framework else "a trainer that is not a framework's"
-                raise Conflict(
-                    f"{served}'s trainer rank 0 is registered and alive (agent {old.agent_id}, pid {old.pid} on "
-                    f"{old.host}): one daemon serves one {old.framework or message.framework} job, and nothing "
-                    f"else. A restarted job's rank 0 takes its place once the old one has been silent for "
-                    f"{window:.1f}s (in {max(silent_in, 0.0):.1f}s at the earliest)",
-                    {"live_agent": old.agent_id})
-        for old in olds:
-            log.warning("trainer rank 0 %s (silent) replaced by a new registration from pid %d on %s (a restarted "
-                        "job)", old.agent_id, message.pid, message.host)
-            self.agents.remove(old.agent_id)
-            flight = self._in_flight
-            if flight is not None and flight.trainer == old.agent_id:
-                self._fail(flight, f"trainer agent {old.agent_id} was replaced by a restarted job")
-        self._update_cached()
+    def _number_after_lost_history(self, message: Register) -> None:
+        """A trainer holds versions of another history (this one was lost or replaced). While this one has
+        issued nothing yet, its ids start after the trainer's, so logs and dashboards never show one id for two
+        versions; the agent drops those versions either way (their ids mean nothing here). Only a trainer's
+        word counts, and only for an empty history: nothing a peer says moves the numbering of a live one."""
+        if self._max_issued > 0 or self.history.latest() is not None or message.history_id is None:
+            return
+        highest = max(message.versions)
+        if 0 < highest <= _MAX_INHERITED_ID and self.history.number_after(highest):
+            self._max_issued = 0  # (still nothing of ours: what agents hold stays unknown here)
+            log.warning("the trainer holds versions up to %d of history %s, not this one (%s: lost or replaced); "
+                        "new versions are numbered from %d", highest, message.history_id, self.history.history_id,
+                        highest + 1)
+
+    def _replace(self, agent_id: str, message: Register) -> None:
+        """A silent agent whose place a new registration takes (a restarted process): gone now."""
+        old = self.agents.get(agent_id)
+        if old is None:
+            return
+        log.warning("%s %s (rank %d, silent for %.1fs) replaced by a new registration from pid %d on %s (a "
+                    "restart)", old.role, old.agent_id, old.rank, time.monotonic() - old.last_seen, message.pid,
+                    message.host)
+        self.agents.remove(old.agent_id)
+        self._group_dirty = True
+        flight = self._in_flight
+        if flight is not None and flight.trainer == old.agent_id:
+            self._fail(flight, f"trainer agent {old.agent_id} was replaced by a restarted process")
+        if old.role == "trainer":
+            self._update_cached()
 
     def acknowledge(self, message: Poll, roles: set[str]) -> None:
         """A poll arrived: the agent is alive, holds ``versions``, and got the assignment it names."""
         with self._lock:
             agent = self._agent(message.agent_id, message.session, roles)
+            longest = longest_poll_wait(self.config.timeouts.heartbeat_s)
+            if message.wait_s > longest:  # waiting longer, it would expire while it waits
+                if agent.poll_wait_s != longest:
+                    log.warning("agent %s polls with a wait of %.1fs, longer than the heartbeat (%.1fs) allows: "
+                                "its polls wait %.1fs", agent.agent_id, message.wait_s,
+                                self.config.timeouts.heartbeat_s, longest)
+                message.wait_s = longest
             agent.versions, agent.poll_wait_s = self._known(message.versions), message.wait_s
             if agent.pending and message.received == agent.pending[0].key():
                 agent.pending.popleft()
@@ -438,6 +454,7 @@ class Controller:
                 "receivers": len(self.agents.receivers()),
                 "versions": self.history.counts(),
                 "cache_versions": trainer.versions if trainer else [],
+                "cache_kept_for_repairs": list(self._kept),
                 "started_at": self.started_at,
                 "history_id": self.history.history_id,
                 "degraded": not storage.ok,
@@ -585,15 +602,6 @@ class Controller:
                                                  step=record.step if record else None))
                 flight.apply_sent.add(engine)
 
-    def _check_one_driver(self, engine: str) -> None:
-        """One driver speaks for an engine: a second one (another process with the rollout token, or a
-        driver started twice) is refused while the first is alive."""
-        with self._lock:
-            current = self.agents.driver(engine)
-            if current is not None and current.heartbeating(time.monotonic(), self.config.timeouts.heartbeat_s):
-                raise Conflict(f"engine {engine!r} has a driver already (agent {current.agent_id}, pid {current.pid} "
-                               f"on {current.host}); stop it first, or wait for its heartbeat to expire")
-
     def _applied(self, driver: Agent, message: Report, flight: InFlight | None) -> None:
         """A driver's outcome for its whole engine: members serve the version, or the engine is torn. Only the
         outcome of the apply the daemon asked this driver for counts."""
@@ -656,21 +664,25 @@ class Controller:
         self._finish(flight, flight.done)
 
     def _finish(self, flight: InFlight, done: Report) -> None:
-        receivers, stages = self._verdicts(flight, done)
+        expected, stale = self._identity(flight, done)
+        receivers, stages = self._verdicts(flight, done, expected)
         committed = [r for r in receivers if r["ok"]]
         need = min(max(self.config.min_receivers, 1), len(flight.quorum))
         if flight.framework:  # the framework needs every worker it named (verl fails its sync otherwise)
             need = len(flight.quorum)
-        ok = done.version_digest is not None and len(committed) >= need
+        ok = expected is not None and stale is None and len(committed) >= need
         failures = [f"rank {r['rank']}: {r['reason']}" for r in receivers if not r["ok"]]
         if ok:
             reason = (f"committed by {len(committed)} of {len(flight.quorum)} receivers; " + "; ".join(failures)
                       if failures else None)
         else:
-            # the trainer's reason may already name the same receivers' failures: each once
             owners = [f"owner rank {rank}: {why}" for rank, why in sorted(flight.owner_failures.items())]
-            reason = "; ".join(dict.fromkeys(filter(None, [done.reason if not done.ok else None, *owners,
-                                                           *failures]))) or \
+            # the trainer's reason may already name the same receivers' failures (as the wire saw them): their own
+            # reports say it better, once each
+            judged = {f"rank {r['rank']}:" for r in receivers if not r["ok"]}
+            trainer = [part for part in (done.reason or "").split("; ") if not done.ok and part
+                       and not any(part.startswith(prefix) for prefix in judged)]
+            reason = "; ".join(dict.fromkeys(filter(None, [stale, *trainer, *owners, *failures]))) or \
                 f"{len(committed)}/{len(flight.quorum)} receivers committed, {need} needed"
         status = "committed" if ok else "failed"
         # (other owners' shares: as far as their reports have come; each later report updates it)
@@ -718,16 +730,30 @@ class Controller:
                 log.warning("receiver %s %s; out of the quorum for %.0fs", agent_id, agent.unable,
                             agent.unable_until - time.monotonic())
 
-    def _verdicts(self, flight: InFlight, done: Report) -> tuple[list[dict], dict[str, float]]:
-        """Each quorum member's entry for the history, judged by its own report against the trainer's digest;
-        members of a driven engine succeed or fail together."""
+    def _identity(self, flight: InFlight, done: Report) -> tuple[str | None, str | None]:
+        """The digest receivers must have computed, and why the trainer's bytes are not the version's (None:
+        they are). A new version is what the trainer sent; a re-push (rollback, catch-up, repair) is the
+        version it names as recorded when it committed, never digests recomputed from the cache now."""
+        record = self.history.get(flight.version)
+        source = self.history.get(record.source_version) if record and record.source_version is not None else None
+        if source is None:
+            return done.version_digest, None
+        if done.version_digest is not None and done.version_digest != source.version_digest:
+            return source.version_digest, (f"the trainer re-sent version {source.id} with digest "
+                                           f"{done.version_digest}, but it committed as {source.version_digest}: "
+                                           "the cached copy changed since")
+        return source.version_digest, None
+
+    def _verdicts(self, flight: InFlight, done: Report, expected: str | None) -> tuple[list[dict], dict[str, float]]:
+        """Each quorum member's entry for the history, judged by its own report against the version's digest
+        (``expected``); members of a driven engine succeed or fail together."""
         wire = {ack.rank: ack for ack in done.receivers}
         planned = {r["agent_id"]: r for r in (self.history.get(flight.version).receivers or [])}  # type: ignore[union-attr]
         stages = dict(done.stages)
         entries = []
         for agent_id, rank in flight.quorum.items():
             own = flight.reports.get(agent_id)
-            ok, reason = _judge(own, done, wire.get(rank))
+            ok, reason = _judge(own, expected, wire.get(rank))
             agent = self.agents.get(agent_id)
             if own is None and agent is not None:
                 agent.serving = None  # what it holds is unknown until it reports: a full version comes next
@@ -925,9 +951,37 @@ class Controller:
                     "(stalled or cut off?)")
         if len(receivers) < max(self.config.min_receivers, 1):
             need = max(self.config.min_receivers, 1)
+            out = self._why_out([r for r in self.agents.receivers() if r not in receivers], now)
             return (f"{len(receivers)} receiver(s) registered, heartbeating and able to receive, at least {need} "
-                    "needed (min_receivers)")
+                    f"needed (min_receivers); " + ("; ".join(out) if out else "no receiver is registered"))
         return None
+
+    def _why_out(self, receivers: list[Agent], now: float) -> list[str]:
+        """Why each of these registered receivers is not in the quorum (what an operator needs to act on)."""
+        heartbeat_s = self.config.timeouts.heartbeat_s
+        latest = self.history.latest(status="committed")
+        reasons = []
+        for r in receivers:
+            if not r.heartbeating(now, heartbeat_s):
+                why = f"silent for {now - r.last_seen:.1f}s"
+            elif not r.able(now):
+                why = f"out for {r.unable_until - now:.0f}s more: {r.unable}"
+            elif r.framework is not None:
+                why = f"a {r.framework} worker (takes only {r.framework}'s own syncs)"
+            elif r.torn is not None:
+                why = f"torn ({r.torn}); it is repaired from the cache first"
+            elif r.driven and not self._engine_ready(r, [m for m in self.agents.receivers()
+                                                         if m.heartbeating(now, heartbeat_s) and m.able(now)], now):
+                driver = self.agents.driver(r.engine or "")
+                live = sum(1 for m in self.agents.engine_members(r.engine or "") if m.heartbeating(now, heartbeat_s))
+                why = (f"engine {r.engine} is incomplete: {live} of {r.members} worker(s) heartbeating, driver "
+                       f"{'missing' if driver is None else 'silent' if not driver.heartbeating(now, heartbeat_s) else 'alive'}")
+            elif self._needs_catch_up(r, [r]) and self._repair_source(r, latest):
+                why = "new here: it takes a version of its own from the cache first (catch-up)"
+            else:
+                why = f"not due (sync_every {r.sync_every})"
+            reasons.append(f"receiver {r.agent_id}: {why}")
+        return reasons
 
     def _sparse_base(self, receivers: list[Agent]) -> int | None:
         """The version every receiver of the quorum serves whole, if they all serve the same one; else None (a
@@ -987,8 +1041,11 @@ class Controller:
         for receiver in colocated:
             receiver.pending.append(Assignment(kind="receive", rank=quorum[receiver.agent_id], transport="ipc",
                                                ipc_name=self._ipc_name(trainer), **common))
+        source = self.history.get(source_version) if source_version is not None else None
+        self._kept = self._kept_for_repairs()
         trainer.pending.append(Assignment(kind="send", rank=0, source_version=source_version, sparse_base=sparse_base,
-                                          sparse=sparse,
+                                          sparse=sparse, expected_digest=source.version_digest if source else None,
+                                          keep=self._kept,
                                           ipc_peers={r.agent_id: quorum[r.agent_id] for r in colocated}, **common))
         engines: dict[str, list[str]] = {}
         for receiver in receivers:
@@ -999,6 +1056,20 @@ class Controller:
             {"rank": r, "agent_id": a, "transport": "ipc" if any(c.agent_id == a for c in colocated) else "collective"}
             for a, r in quorum.items()])
         self.metrics.in_flight.set(1)
+
+    def _kept_for_repairs(self) -> list[int]:
+        """Cached versions receivers may need again, newest first (at most MAX_KEPT): the newest committed one
+        (a catch-up sends it) and the one each receiver serves or served last (a repair re-applies it). The
+        trainer's cache never evicts them to make room, so a run of failed versions cannot push them out."""
+        wanted = {r.serving for r in self.agents.receivers()} | {r.last_served for r in self.agents.receivers()}
+        latest = self.history.latest(status="committed")
+        wanted.add(latest.id if latest is not None else None)
+        sources = set()
+        for version in wanted - {None}:
+            record = self.history.get(version)  # type: ignore[arg-type]
+            if record is not None:
+                sources.add(record.source_version if record.source_version is not None else record.id)
+        return sorted(sources, reverse=True)[:MAX_KEPT]
 
     def _ipc_name(self, trainer: Agent) -> str:
         if trainer.ipc_name is None:
@@ -1014,22 +1085,21 @@ class Controller:
     def _update_gauges(self) -> None:
         self.metrics.receivers.set(len(self.agents.receivers()))
         self.metrics.trainers.set(sum(1 for a in self.agents.all() if a.role == "trainer"))
-        self.metrics.storage_degraded.set(int(self.history.degraded))
         receivers = self.agents.receivers()
         self.metrics.torn_receivers.set(sum(1 for a in receivers if a.torn is not None))
 
 
-def _judge(own: Report | None, done: Report, wire_ack) -> tuple[bool, str | None]:
-    """A receiver's verdict: its own report, with the digest it computed equal to the trainer's."""
+def _judge(own: Report | None, expected: str | None, wire_ack) -> tuple[bool, str | None]:
+    """A receiver's verdict: its own report, with the digest it computed equal to the version's."""
     if own is None:
         seen = f" (the trainer saw: {wire_ack.reason or ('ok' if wire_ack.ok else 'failed')})" if wire_ack else ""
         return False, f"did not report its own outcome{seen}"
     if not own.ok:
         return False, own.reason or "failed"
-    if done.version_digest is None:
+    if expected is None:
         return False, "the trainer has no digest for this version"
-    if own.version_digest != done.version_digest:
-        return False, f"its digest {own.version_digest} differs from the trainer's {done.version_digest}"
+    if own.version_digest != expected:
+        return False, f"its digest {own.version_digest} differs from the version's {expected}"
     return True, None
 
 

@@ -249,10 +249,10 @@ def test_a_version_assigned_before_a_daemon_restart_does_not_hold_the_receivers(
 
 
 def test_a_daemon_that_lost_its_history_is_not_confused_by_versions_of_the_old_one(tmp_path: Path) -> None:
-    """A daemon restarted without its history (here in memory) numbers versions from 1 again. Versions carry
-    the id of the history that numbered them: the agents' version 1 is not the new history's version 1, so
-    they drop it (the trainer's cache would otherwise say "already cached") and nothing a peer holds moves
-    the new history's numbering."""
+    """A daemon restarted without its history (here in memory) numbers its versions after the ones the trainer
+    holds, with a warning (an operator's logs never show one id for two versions). Versions carry the id of the
+    history that numbered them: the agents' version 1 is not the new history's, so they drop it (the trainer's
+    cache would otherwise say "already cached")."""
     config = write_config(tmp_path, timeouts=_SHORT)
     data = yaml.safe_load(config.read_text())
     data["store"]["history_path"] = ":memory:"
@@ -270,8 +270,9 @@ def test_a_daemon_that_lost_its_history_is_not_confused_by_versions_of_the_old_o
                 ids.append(_request_sync(client))
                 record = _train_until_terminal(trainer, client, ids[-1])
             assert record["status"] == "committed", (record["reason"], record["receivers"])
-        assert ids == [1, 1] and [r.version for r in receiver.results if r.ok] == [1, 1]
-        assert trainer.versions_held() == [1] and trainer.history_id != first_history
+        assert ids == [1, 2] and [r.version for r in receiver.results if r.ok] == [1, 2]
+        assert trainer.versions_held() == [2] and trainer.history_id != first_history
+        assert "new versions are numbered from 2" in daemon.log_path.read_text()
         daemon.stop()
     finally:
         trainer.close()

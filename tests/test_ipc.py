@@ -3,6 +3,7 @@ remote-style receiver gets the same version over the gloo collective; faults on 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -30,9 +31,22 @@ pytestmark = pytest.mark.multiproc
 CPU = detect_device("cpu")
 
 
-def shm_entries() -> set[str]:
-    # sem.mp-* are the test harness's own multiprocessing semaphores (its resource tracker removes them).
-    return {entry for entry in os.listdir("/dev/shm") if not entry.startswith("sem.mp-")}
+def shm_files(pid: int | None = None) -> set[str]:
+    """Files in /dev/shm that process ``pid`` (default: this one) maps or holds open: only what the test's own
+    processes made is checked, never the whole of /dev/shm (other users of the machine have files there).
+    sem.mp-* are the test harness's own multiprocessing semaphores."""
+    proc = f"/proc/{pid or os.getpid()}"
+    found = set()
+    with contextlib.suppress(OSError):
+        with open(f"{proc}/maps") as maps:
+            found |= {line.split(None, 5)[-1].strip() for line in maps if "/dev/shm/" in line}
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"{proc}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"{proc}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    found.add(target)
+    return {f for f in found if not os.path.basename(f).startswith("sem.mp-")}
 
 
 def mixed_sender(port: int, hub: str, versions: int) -> dict:
@@ -45,8 +59,9 @@ def mixed_sender(port: int, hub: str, versions: int) -> dict:
         result = publisher.publish(version, named_tensors_of(model), mode=mode_of(version % 2 == 0)).result(60)
         results.append((result.ok, result.reason, sorted(result.committed_ranks), result.version_digest))
         states.append(state_bytes(model))
+    shm = shm_files()
     publisher.close()
-    return {"results": results, "states": states}
+    return {"results": results, "states": states, "shm": shm}
 
 
 def collective_receiver(port: int) -> dict:
@@ -72,14 +87,14 @@ def colocated_receiver(hub: str, slow_bucket: int | None = None, marker: str | N
             return original(incoming, bucket, expected)
 
         rx.assembler.check_bucket = stall  # type: ignore[method-assign]
-    results = []
+    results, shm = [], set()
     while (result := rx.receive(begin_timeout_s=60)) is not None:
         results.append(result)
-    return {"ok": [r.ok for r in results], "states": out, "digests": [r.version_digest for r in results]}
+        shm |= shm_files()
+    return {"ok": [r.ok for r in results], "states": out, "digests": [r.version_digest for r in results], "shm": shm}
 
 
 def test_colocated_and_collective_receivers_get_identical_versions() -> None:
-    before = shm_entries()
     store = open_store("127.0.0.1", 0, is_master=True, timeout_s=20)
     hub = f"ckpt-test-{uuid.uuid4().hex[:8]}"
     sender, remote, local = run_processes([(mixed_sender, (store.port, hub, 3)), (collective_receiver, (store.port,)),
@@ -89,7 +104,7 @@ def test_colocated_and_collective_receivers_get_identical_versions() -> None:
     assert remote["ok"] == local["ok"] == [True] * 3
     assert remote["states"] == local["states"] == sender["states"]  # byte-identical, cached and bypass_cpu
     assert remote["digests"] == local["digests"] == [r[3] for r in sender["results"]]
-    assert shm_entries() == before  # memfd slots never appear in /dev/shm
+    assert sender["shm"] == local["shm"] == set()  # memfd slots never appear in /dev/shm
 
 
 def old_minimal_sender(hub_name: str) -> dict:
@@ -143,7 +158,6 @@ def test_an_older_sender_without_optional_fields_still_works() -> None:
 
 
 def test_kill9_of_the_colocated_receiver_mid_version(tmp_path: Path) -> None:
-    before = shm_entries()
     store = open_store("127.0.0.1", 0, is_master=True, timeout_s=20)
     hub = f"ckpt-test-{uuid.uuid4().hex[:8]}"
     marker = tmp_path / "stalled"
@@ -155,6 +169,7 @@ def test_kill9_of_the_colocated_receiver_mid_version(tmp_path: Path) -> None:
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marker.exists(), "the colocated receiver never reached the stall point"
+    assert shm_files(victim.pid) == set()  # what it maps mid-version: nothing that could outlive it in /dev/shm
     started = time.monotonic()
     os.kill(victim.pid, signal.SIGKILL)
     sender, remote = others.collect(90)
@@ -163,7 +178,7 @@ def test_kill9_of_the_colocated_receiver_mid_version(tmp_path: Path) -> None:
     assert not ok and "rank 2" in reason and "dropped" in reason  # only the dead receiver failed
     assert committed == [1] and remote["ok"] == [True]  # the remote receiver still got the whole version
     assert time.monotonic() - started < 30
-    assert shm_entries() == before
+    assert sender["shm"] == set()
 
 
 def stalling_sender(hub: str, marker: str) -> None:
@@ -189,7 +204,6 @@ def lone_colocated_receiver(hub: str) -> dict:
 
 
 def test_kill9_of_the_sender_mid_version_releases_the_receiver(tmp_path: Path) -> None:
-    before = shm_entries()
     hub = f"ckpt-test-{uuid.uuid4().hex[:8]}"
     marker = tmp_path / "stalled"
     ctx = mp.get_context("spawn")
@@ -200,13 +214,13 @@ def test_kill9_of_the_sender_mid_version_releases_the_receiver(tmp_path: Path) -
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marker.exists()
+    assert shm_files(victim.pid) == set()  # the sender mid-version: its segments are memfds, no /dev/shm file
     os.kill(victim.pid, signal.SIGKILL)
     (rx,) = receiver.collect(60)
     victim.join(10)
     ok, reason = rx["result"]
     assert not ok and "PeerGone" in reason  # told by the dead socket, not after its 30 s timeout
     assert rx["elapsed"] < 25
-    assert shm_entries() == before
 
 
 def test_host_identity_is_stable_in_one_process() -> None:

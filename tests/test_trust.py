@@ -221,7 +221,7 @@ def test_the_receivers_own_digests_decide_what_committed(tmp_path: Path) -> None
                     state = {a["agent_id"]: a for a in agents_of(http)}[receiver.agent_id]
                     assert state["state"] == "unable" and "did not report" in state["unable"], state
                 elif expected == "failed":
-                    assert "differs from the trainer's" in record["receivers"][0]["reason"]
+                    assert "differs from the version's" in record["receivers"][0]["reason"]
     finally:
         trainer.close()
         receiver.close()

@@ -20,7 +20,7 @@ from typing import Any
 
 from ckpt_engine.control.auth import Role, client_token
 from ckpt_engine.control.client import ControlClient, ControlReplyError, RequestAbandoned
-from ckpt_engine.control.messages import TERMINAL, Assignment, RegisterReply
+from ckpt_engine.control.messages import TERMINAL, Assignment, RegisterReply, longest_poll_wait
 from ckpt_engine.device import DeviceInfo, detect_device
 from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.retry import Backoff, FailureLog
@@ -61,10 +61,12 @@ class Agent:
     sync_every = 1  # receivers may take only every N-th version
 
     def __init__(self, endpoint: str, *, rank: int = 0, token: str | None = None, device: DeviceInfo | None = None,
-                 poll_wait_s: float = 1.0, request_timeout_s: float = 10.0, host_id: str | None = None) -> None:
+                 poll_wait_s: float = 1.0, request_timeout_s: float = 10.0, host_id: str | None = None,
+                 register_wait_s: float = 30.0) -> None:
         """``token``: the credential of this agent's role (default: ``$CKPT_ENGINE_TOKEN``, else the role's entry
         of the local credentials file). ``host_id`` overrides the same-host identity (ipc.host_identity); a
-        distinct value forces the collective path for this agent."""
+        distinct value forces the collective path for this agent. ``register_wait_s``: how long ``start()``
+        waits for a place held by a process that is falling silent (its previous run)."""
         self.endpoint = endpoint
         self.rank = rank
         self._explicit_token = token
@@ -73,6 +75,7 @@ class Agent:
         self.poll_wait_s = poll_wait_s
         self.host_id = host_id or host_identity()
         self.request_timeout_s = request_timeout_s
+        self.register_wait_s = register_wait_s
         self.settings: RegisterReply | None = None
         self.history_id: str | None = None  # the history that numbers the versions this agent holds
         self._client = ControlClient(endpoint, timeout_s=request_timeout_s, token=self.token)
@@ -109,7 +112,7 @@ class Agent:
         return None
 
     def start(self) -> Agent:
-        self._register()
+        self._register_when_free()
         self._reporter.start()
         self.on_registered()
         self._poller = supervised(self._poll_loop, f"ckpt-{self.role}-poll", self._poll_loop_died)
@@ -288,7 +291,8 @@ class Agent:
                     world_size: int) -> SyncGroup:
         return SyncGroup(store, name=settings.group_name, generation=assignment.generation, rank=rank,
                          world_size=world_size, device=self.device, timeout_s=settings.collective_timeout_s,
-                         connect_timeout_s=settings.connect_timeout_s, part=part)
+                         connect_timeout_s=settings.connect_timeout_s, part=part,
+                         label=f"{self.role} agent {settings.agent_id}")
 
     def _close_groups(self) -> None:
         for group in [*self.groups, *([self.owners_group] if self.owners_group is not None else [])]:
@@ -297,6 +301,27 @@ class Agent:
 
     def _resolve_token(self) -> str | None:
         return client_token(_CREDENTIAL_OF[self.role], self._explicit_token)
+
+    def _register_when_free(self) -> None:
+        """Register; while the daemon says the place this agent claims (its trainer rank, its engine's worker
+        slot or driver) is held by an agent that has not fallen silent yet (a previous run of this process,
+        restarted at once), try again until it has, for up to ``register_wait_s``. A place a live agent keeps
+        holding (a second job, an engine started twice) is refused with the daemon's reason, naming it."""
+        deadline = time.monotonic() + self.register_wait_s
+        backoff = Backoff(initial_s=0.25, max_s=2.0)
+        while True:
+            try:
+                self._register()
+                return
+            except ControlReplyError as exc:
+                silent_in = (exc.record or {}).get("retry_after_s") if exc.error == "conflict" else None
+                if not isinstance(silent_in, (int, float)):
+                    raise
+                delay = max(float(silent_in), backoff.next_delay())
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.info("registration refused for now (%s); trying again in %.1fs", exc.detail, delay)
+                time.sleep(delay)
 
     def _register(self, client: ControlClient | None = None) -> None:
         held = self.versions_held()
@@ -311,6 +336,11 @@ class Agent:
                         "dropping them", held)
             self.forget_versions()
         self.history_id = settings.history_id
+        longest = longest_poll_wait(settings.heartbeat_s)
+        if self.poll_wait_s > longest:
+            log.warning("poll_wait_s %.1fs is longer than the daemon's heartbeat allows (heartbeat_s %.1fs): polls "
+                        "wait %.1fs at most", self.poll_wait_s, settings.heartbeat_s, longest)
+            self.poll_wait_s = longest
         self._received = None  # acknowledgements name assignments of one registration: a new daemon may reuse keys
         self.settings = settings
         log.info("registered with %s as %s %s", self.endpoint, self.role, settings.agent_id)

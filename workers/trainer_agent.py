@@ -44,7 +44,7 @@ from ckpt_engine.workers.fsdp import job_collective, sharded_tensors_of
 from torch import nn
 
 from ckpt_engine.control.client import ControlReplyError
-from ckpt_engine.control.messages import Assignment
+from ckpt_engine.control.messages import MAX_KEPT, Assignment
 from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError, SyncTimeoutError, TrainerGroupError
 from ckpt_engine.plan.modes import MODES
@@ -221,13 +221,14 @@ class TrainerAgent(Agent):
         ownership = Ownership(self.rank, assignment.owners, self._global_rank if self.world_size > 1 else None)
         if assignment.source_version is not None:  # a re-push: every owner sends its share from its cache
             return self._publisher().publish(assignment.version, source_version=assignment.source_version,
-                                             route=lambda: self._route(assignment), ownership=ownership)
+                                             route=lambda: self._route(assignment), ownership=ownership,
+                                             expected_digest=assignment.expected_digest, keep=assignment.keep)
         return self._publisher().publish(
             assignment.version, self._tensors(), mode=assignment.mode,
             step=assignment.step if assignment.step is not None else step,
             sparse=assignment.sparse, sparse_base=assignment.sparse_base,
             agree=self._all_reduce_max if self.world_size > 1 else None,
-            route=lambda: self._route(assignment), ownership=ownership)
+            route=lambda: self._route(assignment), ownership=ownership, keep=assignment.keep)
 
     def _global_rank(self, rank: int) -> int:
         return dist.get_global_rank(self.process_group, rank)
@@ -296,7 +297,8 @@ class TrainerAgent(Agent):
 
     def _republish(self, assignment: Assignment) -> None:
         transfer = self._publisher().publish(assignment.version, source_version=assignment.source_version,
-                                             route=lambda: self._route(assignment))
+                                             route=lambda: self._route(assignment),
+                                             expected_digest=assignment.expected_digest, keep=assignment.keep)
         self._finish(transfer, 0.0)
 
     def _finish(self, transfer: Transfer, held: float) -> None:
@@ -343,7 +345,8 @@ def done_fields(result: TransferResult, publisher: Publisher, held: float) -> di
     acknowledgements); another owner's says how its share went; both say what the cache holds now."""
     stages = {k: v for k, v in result.seconds.items() if k != "total"}
     stages["snapshot" if result.mode == "cached" else "held"] = held
-    return dict(ok=result.ok, reason=result.reason, version_digest=result.version_digest, bytes=result.bytes_sent,
+    return dict(ok=result.ok, reason=result.reason, version_digest=result.version_digest,
+                bytes=result.version_bytes or result.bytes_sent,
                 buckets=result.buckets, tensors=result.tensors, tensors_skipped=result.tensors_skipped,
                 bytes_skipped=result.bytes_skipped, stages=stages,
                 receivers=[ack.model_dump() for ack in result.receivers], cache_versions=publisher.cache.versions(),
@@ -370,25 +373,28 @@ def _group_device(group: dist.ProcessGroup | None) -> torch.device:
 
 
 # What rank 0 tells the other ranks at a boundary (int64): version, mode (index in MODES + 1; 0: nothing due),
-# sparse, sparse_base + 1, source_version + 1 (0: None), sync-group generation and size, owners.
-_AGREEMENT = 8
+# sparse, sparse_base + 1, source_version + 1 (0: None), sync-group generation and size, owners, then the
+# versions every rank's cache keeps for repairs (+ 1 each; 0: none).
+_AGREEMENT = 8 + MAX_KEPT
 
 
 def _encode(assignment: Assignment | None) -> list[int]:
     if assignment is None:
         return [0] * _AGREEMENT
+    keep = [v + 1 for v in assignment.keep[:MAX_KEPT]]
     return [assignment.version, MODES.index(assignment.mode) + 1, int(assignment.sparse),
             _plus_one(assignment.sparse_base), _plus_one(assignment.source_version), assignment.generation,
-            assignment.world_size, assignment.owners]
+            assignment.world_size, assignment.owners, *keep, *[0] * (MAX_KEPT - len(keep))]
 
 
 def _decode(values: list[int]) -> Assignment | None:
-    version, mode, sparse, base, source, generation, world_size, owners = values[:_AGREEMENT]
+    version, mode, sparse, base, source, generation, world_size, owners = values[:8]
     if mode == 0:
         return None
     return Assignment(kind="send", version=version, mode=MODES[mode - 1], sparse=bool(sparse),
                       sparse_base=base - 1 if base else None, source_version=source - 1 if source else None,
-                      generation=generation, world_size=world_size, rank=0, owners=owners)
+                      generation=generation, world_size=world_size, rank=0, owners=owners,
+                      keep=[v - 1 for v in values[8:_AGREEMENT] if v])
 
 
 def _plus_one(value: int | None) -> int:

@@ -11,8 +11,9 @@ import json
 from typing import Annotated, Any, Literal
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError
 
+from ckpt_engine.control.auth import TOKEN_MAX_LENGTH
 from ckpt_engine.errors import ProtocolError
 from ckpt_engine.plan.modes import Mode
 
@@ -28,6 +29,7 @@ Encoding = Literal["msgpack", "json"]
 # validation error, never an OverflowError deep in the history store.
 MAX_ID = (1 << 53) - 1
 WireInt = Annotated[int, Field(ge=-MAX_ID, le=MAX_ID)]
+MAX_KEPT = 4  # versions the daemon asks the trainer to keep for repairs (what receivers serve), at most
 MAX_LISTED_VERSIONS = 1024  # an agent holds a handful of versions; the cap bounds what one frame can make us store
 # Counts and sizes a peer reports: what the history stores must fit its integer columns (and JSON's exact range).
 Count = Annotated[int, Field(ge=0, le=MAX_ID)]
@@ -55,7 +57,8 @@ class Register(_Body):
     # (the daemon lost or replaced its file) mean nothing here and are ignored.
     versions: list[WireInt] = Field(default_factory=list, max_length=MAX_LISTED_VERSIONS)
     history_id: str | None = Field(None, max_length=64)
-    token: str | None = Field(None, max_length=512)
+    # (any string up to a token's length: one that is no valid token is refused as unauthorized, not as malformed)
+    token: str | None = Field(None, max_length=TOKEN_MAX_LENGTH)
     host_id: str | None = Field(None, max_length=256)  # ipc.host_identity(): equal ids can use the same-host path
     sync_every: int = Field(1, ge=1, le=1 << 20)  # receivers: take only every N-th version (slow engines)
     # trainers registering again (daemon restart, expired heartbeat): the same-host hub they already serve,
@@ -98,6 +101,13 @@ class RegisterReply(_Body):
     version_timeout_s: float
 
 
+def longest_poll_wait(heartbeat_s: float) -> float:
+    """How long a poll may wait at the daemon, given the heartbeat timeout: the wait and half a heartbeat (for
+    the reply and the next poll to arrive) stay within the heartbeat, so an agent waiting in its polls is never
+    taken for a silent one. Both sides clamp to it (the daemon logs what it clamped)."""
+    return heartbeat_s / 2
+
+
 class Poll(_Body):
     """Heartbeat and request for work in one: the daemon answers when it has an assignment or after wait_s."""
 
@@ -133,6 +143,12 @@ class Assignment(_Body):
     # trainer ranks that own shares of the version (each sends its buckets on its own group with the
     # receivers; receivers join one group per owner); 1: the trainer's rank 0 sends everything
     owners: int = Field(1, ge=1, le=1 << 16)
+    # send of a re-push: the digest the history recorded for ``source_version`` when it committed (the cached
+    # copy is checked against it before anything is sent)
+    expected_digest: str | None = Field(None, max_length=64)
+    # send: cached versions the trainer ranks must not evict to make room (what receivers serve: a repair or a
+    # catch-up re-sends them), newest first
+    keep: list[int] = Field(default_factory=list, max_length=MAX_KEPT)
     # Not on the wire: the agent id this assignment was polled under. After a daemon restart the agent has a
     # new id, and what the old daemon assigned will not be served (the new one marked it failed).
     _received_as: str | None = PrivateAttr(default=None)
@@ -240,6 +256,37 @@ class FrameworkSyncRequest(SyncRequest):
                                   "before failing it (the framework's own timeouts; default timeouts.version_s)")
 
 
+def _not_bool(value: object) -> object:
+    # JSON's true is not the number 1 here (pydantic's lax mode would take it as one)
+    if isinstance(value, bool):
+        raise ValueError("expected an integer, got a boolean")
+    return value
+
+
+VersionId = Annotated[int, BeforeValidator(_not_bool), Field(ge=-MAX_ID, le=MAX_ID)]
+
+
+class VersionsQuery(BaseModel):
+    """Reading the history: ``GET /versions`` (its query) and the ZMQ ``versions`` message, one model for both."""
+
+    limit: Annotated[int, BeforeValidator(_not_bool), Field(ge=1, le=1000)] = 50
+    status: VersionStatus | None = None
+    before: Annotated[int, BeforeValidator(_not_bool), Field(ge=1, le=MAX_ID,
+                                                              description="only versions with a smaller id")] | None = None
+
+
+class LatestQuery(BaseModel):
+    """``GET /versions/latest`` and the ZMQ ``latest`` message."""
+
+    status: VersionStatus | None = None
+
+
+class VersionRef(BaseModel):
+    """One version by id: ``/versions/{version}`` (get, push, evict) and the ZMQ ``version``, ``push``, ``evict``."""
+
+    version: VersionId
+
+
 def encode_frame(message: dict[str, Any], encoding: Encoding = "msgpack") -> bytes:
     if encoding == "json":
         return json.dumps(message).encode()
@@ -261,7 +308,7 @@ def decode_frame(raw: bytes, max_bytes: int) -> tuple[dict[str, Any], Encoding]:
     return data, encoding
 
 
-def parse_body(kind: type[_Body], body: Any) -> Any:
+def parse_body(kind: type[BaseModel], body: Any) -> Any:
     if not isinstance(body, dict):
         raise ProtocolError(f"{kind.__name__}: body must be a map")
     try:

@@ -16,7 +16,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +25,7 @@ from ckpt_engine.device import DeviceInfo, host_empty, synchronize
 from ckpt_engine.errors import CacheError, ConfigError, LayoutMismatchError
 from ckpt_engine.plan.layout import Layout
 from ckpt_engine.plan.owners import Owners, Share, single_owner
+from ckpt_engine.plan.sparse import Manifest
 from ckpt_engine.plan.tensors import (
     TensorsOrProvider,
     check_matches_layout,
@@ -61,6 +62,9 @@ class CachedVersion:
     version_layout: Layout | None = None
     owners: Owners | None = None
     wire: tuple[int, ...] | None = None
+    # What the version was when it was first sent (every tensor's digest, as the receivers verified it and the
+    # daemon recorded it): a re-send checks this rank's bytes against it before anything goes out.
+    identity: Manifest | None = None
 
     def __post_init__(self) -> None:
         if self.own_layout is None:
@@ -154,6 +158,7 @@ class VersionCache:
         self._refs: dict[int, int] = {}  # buffer data_ptr -> versions (cached or leased) reading it
         self._used: dict[int, int] = {}  # buffer data_ptr -> bytes its owner version stores in it
         self._lock = threading.Lock()
+        self._pinned: frozenset[int] = frozenset()
         self.allocations = 0
         self.bytes_allocated = 0
 
@@ -293,11 +298,27 @@ class VersionCache:
             for buffer in cached._buffers:
                 self._refs[buffer.data_ptr()] = self._refs.get(buffer.data_ptr(), 0) + 1
             self._versions[cached.version] = cached
-            self._make_room(self.keep_versions)
+            self._make_room(self.keep_versions, new=cached.version)
 
-    def _make_room(self, keep: int) -> None:
+    def pin(self, versions: Iterable[int]) -> None:
+        """Versions that must not be evicted to make room for new ones (the daemon's word: what receivers serve,
+        which a repair or catch-up re-sends). A failed version is evicted before them; while they are older
+        than the newest ``keep_versions``, the cache holds them besides (the newest stay evictable)."""
+        with self._lock:
+            self._pinned = frozenset(versions)
+
+    @property
+    def pinned(self) -> frozenset[int]:
+        return self._pinned
+
+    def _make_room(self, keep: int, new: int | None = None) -> None:
         while len(self._versions) > keep:
-            oldest = min(self._versions)
+            evictable = [v for v in self._versions if v not in self._pinned and v != new]
+            if not evictable:
+                log.warning("the cache holds %d version(s) that receivers may need for a repair (%s) besides "
+                            "keep_versions=%d", len(self._versions), sorted(self._versions), self.keep_versions)
+                return
+            oldest = min(evictable)
             log.debug("evicting version %d (%d bytes)", oldest, self._versions[oldest].nbytes)
             self._retire(self._versions.pop(oldest))
 

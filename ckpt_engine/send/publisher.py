@@ -12,13 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from ckpt_engine.device import DeviceInfo, DigestAlgo
-from ckpt_engine.errors import CkptEngineError, ConfigError, TrainerGroupError
+from ckpt_engine.errors import CacheError, CkptEngineError, ConfigError, TrainerGroupError
 from ckpt_engine.plan.changes import ChangeTracker
 from ckpt_engine.plan.layout import DEFAULT_ALIGNMENT, Bucket, Layout, plan_layout
 from ckpt_engine.plan.modes import Mode, check_mode, check_sparse
@@ -108,11 +108,16 @@ class Publisher:
                 mode: Mode = "cached",
                 step: int | None = None, sparse: bool = False, sparse_base: int | None = None,
                 source_version: int | None = None, agree: Agree | None = None,
-                route: Callable[[], Route] | None = None, ownership: Ownership | None = None) -> Transfer:
+                route: Callable[[], Route] | None = None, ownership: Ownership | None = None,
+                expected_digest: str | None = None, keep: Iterable[int] | None = None) -> Transfer:
         """Start sending ``version``; the returned transfer's ``params_released`` says when the tensors are no
         longer read (the training loop may go on) and ``result()`` how it ended.
 
-        - ``source_version``: send that cached version again as ``version`` (rollback, catch-up, repair);
+        - ``source_version``: send that cached version again as ``version`` (rollback, catch-up, repair), once
+          this rank's cached bytes are checked against what was sent the first time (and against
+          ``expected_digest``, the digest the daemon recorded for it, when given); a copy that changed is
+          refused before anything goes out and dropped from the cache;
+        - ``keep``: versions the cache must not evict to make room (receivers may need them for a repair);
         - ``mode="cached"``: snapshot ``named`` into the cache, then send from it in the background; with
           ``sparse``, only tensors changed since the previous cached version are gathered and stored (``agree``
           makes every trainer rank take the same decision); with ``sparse_base``, only tensors changed since
@@ -130,6 +135,8 @@ class Publisher:
         check_version(version)
         check_sparse(check_mode(mode), sparse or sparse_base is not None)
         mine = ownership or Ownership()
+        if keep is not None:
+            self.cache.pin(keep)
         if source_version is not None:
             if mode != "cached":
                 raise ConfigError(f"version {version}: a re-push (source_version) is sent from the cache, so its "
@@ -137,7 +144,7 @@ class Publisher:
             transfer = Transfer(version, "cached")
             transfer.params_released.set()
             return self._in_background(transfer, lambda: self._sender(route).send_cached(
-                self.cache, source_version, as_version=version))
+                self.cache, source_version, as_version=version, expected_digest=expected_digest))
         named = _named(version, named)
         layout = self.layout_for(named)
         owners = mine.of(layout)
@@ -218,9 +225,19 @@ class Publisher:
         """(parent version, layout of the tensors changed since it), as every trainer rank agrees, or None for
         a full snapshot; every rank that stores must still hold the parent to share the rest with it. With
         several owners, a bucket of the changes holds tensors of one owner only."""
-        can_share = self.cache.__contains__ if stores else (lambda parent: True)
+        can_share = (lambda parent: self._holds_share_of(parent, layout, owners)) if stores else (lambda parent: True)
         vector = self._changes.vector(version, named, layout, can_share)
         return self._changes.delta(agree(vector) if agree is not None else vector, layout, owners)
+
+    def _holds_share_of(self, parent: int, layout: Layout, owners: Owners) -> bool:
+        """Whether the cache holds ``parent`` as the share this rank stores of a version of ``layout`` and
+        ``owners``: a delta shares the unchanged tensors of its share with it. Cached under another owner count
+        (the daemon planned it while a rank was silent), it holds other tensors: a full snapshot instead."""
+        try:
+            cached = self.cache.get(parent)
+        except CacheError:
+            return False
+        return cached.owners == owners and cached.version_layout.digest == layout.digest  # type: ignore[union-attr]
 
     def _snapshot(self, version: int, named: NamedTensors, cursor: GatherCursor, share: Share,
                   delta: tuple[int, Layout] | None, step: int | None, layout: Layout, owners: Owners) -> None:

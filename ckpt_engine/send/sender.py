@@ -64,7 +64,7 @@ class TransferResult:
     reason: str | None
     version_digest: str | None
     receivers: list[Ack]
-    bytes_sent: int
+    bytes_sent: int  # by this rank (an owner's share of the version)
     buckets: int
     tensors: int
     seconds: dict[str, float] = field(default_factory=dict)
@@ -73,6 +73,7 @@ class TransferResult:
     bytes_skipped: int = 0  # sparse: their bytes
     base_version: int | None = None  # sparse: the version the receivers held
     absent_ranks: list[int] = field(default_factory=list)  # receivers that never joined the rendezvous
+    version_bytes: int = 0  # of the whole version on the wire (every owner's share), once all were sent
 
     @property
     def committed_ranks(self) -> list[int]:
@@ -185,8 +186,11 @@ class _CacheSource(_Full):
     mode: Mode = "cached"
 
     def __init__(self, cached: CachedVersion, on_host_wire: bool, as_version: int | None = None,
-                 segment=None) -> None:
-        self.cached = cached
+                 segment=None, expected_digest: str | None = None, drop: Callable[[], None] | None = None) -> None:
+        """``as_version``: a re-send (rollback, catch-up, repair), checked against the version's identity first
+        (``expected_digest``: the digest the daemon recorded for it); ``drop`` evicts a copy that fails it."""
+        self.cached, self.as_version = cached, as_version
+        self.expected_digest, self._drop = expected_digest, drop
         # gloo sends host memory: a whole cached version goes on the wire without any copy
         self.needs_slot = not (on_host_wire and cached.is_whole)
         # the cache buffer's shareable segment: colocated receivers read it in place
@@ -194,6 +198,16 @@ class _CacheSource(_Full):
         self.layout, self.owners = cached.version_layout, cached.owners  # type: ignore[assignment]
         self.aliases, self.step = cached.aliases, cached.step
         self.version = cached.version if as_version is None else as_version
+
+    def prepare(self, algo: DigestAlgo, device: torch.device, rank: int) -> list[int]:
+        if self.as_version is not None:
+            try:
+                check_identity(self.cached, algo, device, rank, self.expected_digest)
+            except StaleCopy:
+                if self._drop is not None:
+                    self._drop()  # it can never be sent as that version again
+                raise
+        return []
 
     def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:
         local = self.cached.local_index(index)
@@ -203,6 +217,34 @@ class _CacheSource(_Full):
 
     def all_filled(self) -> None:
         pass
+
+
+class StaleCopy(CkptEngineError):
+    """A cached version no longer is what it was when it was sent (its bytes or its record changed)."""
+
+
+def check_identity(cached: CachedVersion, algo: DigestAlgo, device: torch.device, rank: int,
+                   expected_digest: str | None) -> None:
+    """Raise StaleCopy, naming the tensors, unless this rank's cached bytes of the version are exactly what was
+    sent when it was first sent (and, given ``expected_digest``, what the daemon recorded): a re-send is
+    verified against the version's identity, never against digests recomputed from what is stored now."""
+    identity, version = cached.identity, cached.version
+    if identity is None:
+        raise StaleCopy(f"owner rank {rank} holds no record of what version {version} was when it was sent, so it "
+                        "cannot vouch for its cached copy")
+    if expected_digest is not None and identity.version_digest != expected_digest:
+        raise StaleCopy(f"version {version} is recorded with digest {expected_digest}, but owner rank {rank}'s "
+                        f"cached copy was sent as {identity.version_digest}")
+    if identity.algo != algo:
+        raise StaleCopy(f"version {version} was digested with {identity.algo}, this sender uses {algo}")
+    scratch = None if cached.is_whole else torch.empty(cached.layout.max_bucket_bytes, dtype=torch.uint8)
+    read = cached.bucket if cached.is_whole else (lambda b: cached.fill(b, scratch))  # type: ignore[arg-type]
+    digests = layout_digests(cached.layout, lambda b: read(b.index), algo, device)
+    recorded = dict(zip(identity.names, identity.digests))
+    changed = [slot.name for slot, digest in zip(cached.layout.slots, digests) if recorded.get(slot.name) != digest]
+    if changed:
+        raise StaleCopy(f"owner rank {rank}'s cached copy of version {version} no longer matches what was sent: "
+                        f"{len(changed)} tensor(s) changed ({', '.join(changed[:5])}); dropped from the cache")
 
 
 class _SparseCacheSource:
@@ -269,13 +311,22 @@ class _SparseCacheSource:
             self.full = manifest_of(self.version, algo, cached.layout, digests)
             return []
         position = {slot.name: slot.index for slot in self.layout.slots}
-        return [value for slot, digest in zip(cached.layout.slots, digests) for value in (position[slot.name], digest)]
+        return [_base_word(self.base), *(value for slot, digest in zip(cached.layout.slots, digests)
+                                         for value in (position[slot.name], digest))]
 
     def plan(self, told: list[list[int]] | None) -> None:
-        """What changed against the base; with several owners, from every owner's share of the digests."""
+        """What changed against the base; with several owners, from every owner's share of the digests, and
+        against the base only when every owner holds the same one (an owner that did not send it, e.g. silent
+        when the owner count changed, has no manifest of it): else every owner plans the full version."""
         full_layout = self.layout
         if told is not None:
-            found = {index: digest for pairs in told for index, digest in zip(pairs[::2], pairs[1::2])}
+            bases = {values[0] for values in told}
+            if len(bases) != 1 or 0 in bases:
+                if self.base is not None:
+                    log.info("version %d: not every owner holds base version %d's digests; sending it whole",
+                             self.version, self.base.version)
+                self.base = None
+            found = {index: digest for values in told for index, digest in zip(values[1::2], values[2::2])}
             if len(found) != full_layout.num_tensors:
                 raise ProtocolError(f"the owners' digests cover {len(found)} of {full_layout.num_tensors} tensors")
             self.full = manifest_of(self.version, self._algo, full_layout, [found[i] for i in range(len(found))])
@@ -305,6 +356,29 @@ class _SparseCacheSource:
 
     def all_filled(self) -> None:
         pass
+
+
+def _record_identity(source: _Source, manifest: Manifest) -> None:
+    """The first send of a cached version fixes what it is: every later re-send is checked against this."""
+    cached = getattr(source, "cached", None)
+    if isinstance(cached, CachedVersion) and cached.identity is None and source.version == cached.version:
+        cached.identity = manifest
+
+
+def _evict_quietly(cache: VersionCache, version: int) -> None:
+    try:
+        cache.evict(version)
+    except CkptEngineError:  # evicted meanwhile
+        pass
+    log.error("version %d dropped from the cache: its cached copy no longer matches what was sent", version)
+
+
+def _base_word(base: Manifest | None) -> int:
+    """A sparse base as one int64 word for the owners' vote (0: none)."""
+    if base is None:
+        return 0
+    text = f"{base.version}|{base.algo}|{base.layout_digest}|{base.version_digest}"
+    return (xxhash.xxh3_64_intdigest(text.encode()) >> 2) or 1
 
 
 def _need(slot: torch.Tensor | None) -> torch.Tensor:
@@ -361,12 +435,16 @@ class Sender:
         # Per-tensor digests of recently sent versions: the bases of sparse versions (shared across senders).
         self.manifests: dict[int, Manifest] = manifests if manifests is not None else {}
 
-    def send_cached(self, cache: VersionCache, version: int, *, as_version: int | None = None) -> Transfer:
-        """Send a version held in ``cache`` (labelled ``as_version`` on the wire when given, e.g. a rollback);
-        the cache keeps its buffer alive until the transfer ends."""
+    def send_cached(self, cache: VersionCache, version: int, *, as_version: int | None = None,
+                    expected_digest: str | None = None) -> Transfer:
+        """Send a version held in ``cache`` (labelled ``as_version`` on the wire when given, e.g. a rollback,
+        after checking the cached bytes against what was sent the first time and, given ``expected_digest``,
+        against the digest the daemon recorded); the cache keeps its buffer alive until the transfer ends."""
         hold = contextlib.ExitStack()
         cached = self._lease(hold, cache, version, as_version if as_version is not None else version)
-        source = _CacheSource(cached, self.device.comm_device.type == "cpu", as_version, cache.shared_segment(cached))
+        drop = lambda: _evict_quietly(cache, version)  # noqa: E731
+        source = _CacheSource(cached, self.device.comm_device.type == "cpu", as_version, cache.shared_segment(cached),
+                              expected_digest, drop)
         transfer = Transfer(source.version, "cached")
         transfer.params_released.set()
         return self._start(source, transfer, hold)
@@ -493,8 +571,7 @@ class Sender:
             self._stage(source.version, "transferring")
             digests = self._send_buckets(source, outlets, slots, timer, result, mine)
             digests = self._gather_digests(source, digests, timer, voted)
-            if self.owners_group is not None:  # every owner sent its buckets: the version's bytes went out
-                result.bytes_sent = layout.total_bytes
+            result.version_bytes = layout.total_bytes  # every owner sent its buckets: the version's bytes went out
             self._stage(source.version, "verifying")
             manifest = source.manifest(source.version, self.digest_algo, digests)
             result.version_digest = manifest.version_digest  # of the whole model, also for sparse versions
@@ -509,6 +586,7 @@ class Sender:
             else:
                 result.ok = True  # this owner's part; what the receivers made of it is the lead's to report
             self._remember(manifest)
+            _record_identity(source, manifest)
         except CkptEngineError as exc:  # includes _Aborted: receivers were told
             result.reason = str(exc)
         except Exception as exc:  # a bug must still end the transfer with a reason, never leave it pending
@@ -541,7 +619,12 @@ class Sender:
                           "sender has no owners' group (attach one, or publish without ownership)")
                 self._abort_receivers(source, reason)
                 raise ConfigError(reason)
-            source.prepare(self.digest_algo, self.device.comm_device, self.rank)
+            try:
+                source.prepare(self.digest_algo, self.device.comm_device, self.rank)
+            except Exception as exc:  # nothing went out: tell the receivers now, not at their timeout
+                self._abort_receivers(source, f"version {source.version} could not be prepared: "
+                                              f"{type(exc).__name__}: {exc}")
+                raise
             return None
         try:
             if source.owners.ranks != self.owners_group.world_size:

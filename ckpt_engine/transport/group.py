@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import logging
 import os
 import socket
@@ -125,10 +126,12 @@ class SyncGroup:
         connect_timeout_s: float | None = None,
         prefix: str | None = None,
         part: str = "",
+        label: str | None = None,
     ) -> None:
         """``part``: one of several groups of a generation (``owner-2/``, ``owners/``), under the generation's
         prefix. ``prefix`` replaces the default store prefix ``ckpt-engine/<name>/gen-<generation>/``; for
-        groups whose other members follow another project's convention (an inference engine's update group)."""
+        groups whose other members follow another project's convention (an inference engine's update group).
+        ``label``: who this member is (e.g. ``rollout worker 1``), for errors that name a peer that went away."""
         if world_size < 2:
             raise ConfigError(f"a sync group needs a sender and at least one receiver, got world_size={world_size}")
         if not 0 <= rank < world_size:
@@ -151,7 +154,7 @@ class SyncGroup:
         try:
             # Members of a group under another project's prefix do not follow our rendezvous: NCCL stays lazy.
             self._pg = _construct(prefixed, rank, world_size, device, timeout_s, bind_host, own=prefix is None,
-                                  connect_s=connect_s)
+                                  connect_s=connect_s, label=label)
         except Exception as exc:
             absent = absent_members(prefixed, world_size) if prefix is None else []
             who = f"; rank(s) {absent} never joined" if absent else ""
@@ -180,9 +183,10 @@ class SyncGroup:
             work.wait(_td(limit))
         except Exception as exc:
             text = str(exc)
+            gone = "".join(f"; {who}" for who in gone_members(self._store, self.world_size, self.rank))
             if "imed out" in text or "timeout" in text.lower():
-                raise self._fail(f"{what} timed out after {limit:.1f}s", SyncTimeoutError) from exc
-            raise self._fail(f"{what} failed: {text}") from exc
+                raise self._fail(f"{what} timed out after {limit:.1f}s{gone}", SyncTimeoutError) from exc
+            raise self._fail(f"{what} failed{gone}: {text}") from exc
 
     def broadcast_and_wait(self, tensor: torch.Tensor, what: str, src: int = 0) -> None:
         self.wait(self.broadcast(tensor, src), what)
@@ -262,13 +266,13 @@ class SyncGroup:
 
 def _construct(
     store: dist.Store, rank: int, size: int, device: DeviceInfo, timeout_s: float, bind_host: str | None, *,
-    own: bool = True, connect_s: float | None = None,
+    own: bool = True, connect_s: float | None = None, label: str | None = None,
 ) -> Any:
     """The backend's process group. ``own``: every member is a SyncGroup (NCCL: rendezvous and connect now).
     ``connect_s``: how long the rendezvous may take (default ``timeout_s``)."""
     connect_s = timeout_s if connect_s is None else connect_s
     if own:
-        bounded(lambda: await_members(store, rank, size), connect_s + _STORE_GRACE_S,
+        bounded(lambda: await_members(store, rank, size, label), connect_s + _STORE_GRACE_S,
                 f"rank {rank} announcing itself in the rendezvous store")
     if device.backend == "gloo":
         gloo = dist.ProcessGroupGloo
@@ -303,12 +307,55 @@ _MEMBER_KEY = "ckpt-member/"
 _NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 
-def await_members(store: dist.Store, rank: int, size: int) -> None:
-    """Every rank announces itself in ``store`` and waits, up to the store's timeout, until all have. gloo's
-    constructor would wait too, but could not say who is missing; NCCL builds its communicator lazily, inside
-    the first collective, where a missing peer blocks the caller with no timeout at all."""
-    store.set(f"{_MEMBER_KEY}{rank}", b"1")
+def await_members(store: dist.Store, rank: int, size: int, label: str | None = None) -> None:
+    """Every rank announces itself in ``store`` (who it is: host, pid, label) and waits, up to the store's
+    timeout, until all have. gloo's constructor would wait too, but could not say who is missing; NCCL builds
+    its communicator lazily, inside the first collective, where a missing peer blocks the caller with no
+    timeout at all."""
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "label": label}
+    store.set(f"{_MEMBER_KEY}{rank}", json.dumps(me).encode())
     store.wait([f"{_MEMBER_KEY}{r}" for r in range(size)])
+
+
+def gone_members(store: dist.Store, size: int, own_rank: int) -> list[str]:
+    """Members of this host whose process is gone, named as they announced themselves (after a collective
+    failed: the backend's own text, e.g. gloo's "Connection closed by peer", names an address, not a peer)."""
+    host = socket.gethostname()
+
+    def named() -> list[str]:
+        out = []
+        for rank in range(size):
+            if rank == own_rank or not store.check([f"{_MEMBER_KEY}{rank}"]):
+                continue
+            try:
+                member = json.loads(store.get(f"{_MEMBER_KEY}{rank}"))
+            except ValueError:
+                continue
+            pid = member.get("pid")
+            if member.get("host") == host and isinstance(pid, int) and not _process_alive(pid):
+                who = member.get("label") or "a member"
+                out.append(f"rank {rank} ({who}, pid {pid} on {host}) is gone")
+        return out
+
+    try:
+        return bounded(named, _STORE_GRACE_S, "asking the rendezvous store who the members are")
+    except Exception:  # noqa: BLE001 - the store itself is gone or stalled: nobody can be named
+        return []
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 def absent_members(store: dist.Store, size: int) -> list[int]:

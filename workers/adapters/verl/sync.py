@@ -267,9 +267,11 @@ class VerlSync:
         self._topology = {"role": role, "rank": rank, "version": version, "actors": actors, "rollouts": rollouts,
                           "source_version": sync.get("source_version"), "sparse_base": sparse_base}
 
+        me = f"actor rank {rank}" if role == "actor" else f"rollout worker {rank}"
+
         def group(part: str, group_rank: int, size: int) -> SyncGroup:
             return SyncGroup(store, name=self.group_name, generation=version, rank=group_rank, world_size=size,
-                             device=self.device, timeout_s=self.timeout_s, part=part)
+                             device=self.device, timeout_s=self.timeout_s, part=part, label=me)
 
         # Actor a is rank 0 of its own group; rollout r is rank 1 + r in every actor's group (in owner order,
         # which is the order every actor builds its own group before the owners group: no one waits in a circle).
