@@ -126,9 +126,16 @@ def _vllm_driver(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    from ckpt_engine.errors import CkptEngineError
+
     control = HttpControl(args.vllm_url, api_key=args.vllm_api_key, pause_mode=args.pause_mode)
-    driver = start_vllm_driver(control, args.endpoint, engine=args.engine, token=args.token,
-                               credentials=args.credentials)
+    try:
+        driver = start_vllm_driver(control, args.endpoint, engine=args.engine, token=args.token,
+                                   credentials=args.credentials)
+    except CkptEngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        control.close()
+        return 2
     print(f"driving {args.vllm_url} as engine {driver.engine} (agent {driver.agent_id})", flush=True)
     stop.wait()
     driver.close()

@@ -301,11 +301,13 @@ class Controller:
         return self.request_sync(step=record.step, bypass_cpu=False, source_version=version)
 
     # ---- framework-driven trainers (verl) -------------------------------------------------------------
-    def framework_sync(self, request: FrameworkSyncRequest, roles: set[str]) -> VersionRecord:
+    def framework_sync(self, request: FrameworkSyncRequest, roles: set[str]) -> dict:
         """A framework's own sync (verl's update_weights) as a version, opened by its trainer rank 0 (its
         registration, not only its token): the framework's groups carry it, so nothing is assigned; the
         receivers it names report their own outcomes as usual. A re-push queued by ``POST /push`` takes this
-        sync's place (the framework's trainer sends it from its cache)."""
+        sync's place (the framework's trainer sends it from its cache, checked against ``expected_digest``,
+        the source's recorded digest). Its record, with what a send assignment would say: ``expected_digest``
+        and ``keep`` (the cached versions no snapshot may evict: what the workers serve)."""
         if request.agent_id is None or request.session is None:
             raise BadRequest("a framework's sync names the trainer agent opening it (agent_id, session)")
         if request.sparse or (request.step is not None and request.step < 0):
@@ -330,15 +332,22 @@ class Controller:
                                              status="failed", reason=problem)
                 self.metrics.version_done("failed", 0, {})
                 raise Unavailable(problem, failed.to_dict())
-            record = self._take_queued_push() or self._create(mode=mode_of(bool(request.bypass_cpu)), step=request.step)
-            owners = self.history.get(record.source_version).owners if record.source_version else trainer.trainer_ranks  # type: ignore[union-attr]
+            record = self._take_queued_push()
+            if record is not None and request.step is not None:  # verl's global_steps at delivery, as for any sync
+                record = self.history.update(record.id, step=request.step)
+            record = record or self._create(mode=mode_of(bool(request.bypass_cpu)), step=request.step)
+            source = self.history.get(record.source_version) if record.source_version else None
+            owners = source.owners if source is not None else trainer.trainer_ranks
             self._in_flight = InFlight(record.id, record.mode, trainer.agent_id,
                                        {r.agent_id: rank for rank, r in enumerate(quorum, start=1)}, {},
                                        "push" if record.source_version else "sync", framework=True,
                                        limit_s=request.limit_s)
             self.metrics.in_flight.set(1)
-            return self.history.update(record.id, purpose=self._in_flight.purpose, owners=owners, receivers=[
+            self._kept = self._kept_for_repairs()
+            opened = self.history.update(record.id, purpose=self._in_flight.purpose, owners=owners, receivers=[
                 {"rank": rank, "agent_id": r.agent_id, "transport": "collective"} for rank, r in enumerate(quorum, 1)])
+            return {**opened.to_dict(), "expected_digest": source.version_digest if source is not None else None,
+                    "keep": list(self._kept)}
 
     def _supersede(self, flight: InFlight) -> None:
         """The framework runs one sync at a time: one still open when it opens the next was abandoned (verl

@@ -52,7 +52,7 @@ def _unregister(controller: Controller, body: dict, roles: set[Role]) -> dict:
 def _sync(controller: Controller, body: dict, roles: set[Role]) -> dict:
     request = parse_body(FrameworkSyncRequest, body)  # (over HTTP the route's SyncRequest refused receivers)
     if request.receivers is not None:  # a framework's own sync, opened by its trainer rank 0
-        return controller.framework_sync(request, roles).to_dict()
+        return controller.framework_sync(request, roles)
     return controller.request_sync(step=request.step, bypass_cpu=request.bypass_cpu, sparse=request.sparse).to_dict()
 
 

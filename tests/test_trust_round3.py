@@ -599,3 +599,23 @@ def test_a_collective_that_fails_because_a_peer_died_names_that_peer() -> None:
             proc.kill()
             proc.join(5)
     assert f"rank 2 (rollout worker 1, pid {procs[2].pid} on" in errors[0] and "is gone" in errors[0], errors
+
+
+def test_a_failed_version_names_each_receiver_s_failure_once(tmp_path: Path) -> None:
+    daemon = start_daemon(write_config(tmp_path, timeouts=_TIMEOUTS))
+    trainer, receiver = RawAgent(daemon, "trainer"), RawAgent(daemon, "receiver")
+    try:
+        with daemon.client() as http:
+            version = http.post("/sync", json={}).json()["version"]
+            rank = trainer.poll()["world_size"] - 1
+            why = "digest mismatch in 1 tensor(s): w"
+            receiver.report(version, "received", ok=False, reason=why)
+            trainer.report(version, "done", ok=False, version_digest="a" * 16, reason=f"rank {rank}: {why}",
+                           receivers=[{"rank": rank, "ok": False, "reason": why}], cache_versions=[version])
+            wait_until(lambda: http.get(f"/versions/{version}").json()["status"] == "failed", 10, "the verdict")
+            reason = http.get(f"/versions/{version}").json()["reason"]
+            assert reason.count(why) == 1, reason
+    finally:
+        trainer.close()
+        receiver.close()
+        daemon.stop()

@@ -54,7 +54,11 @@ FAULTS = ("kill_receiver", "kill_trainer", "kill_daemon", "stop_receiver", "stop
           # what the outside probe found (issue 15): a receiver failing at each stage of its receive path, a
           # hostile peer with valid credentials, storage faults, a second daemon, a slow control plane
           "refuse_receiver", "tear_receiver", "starve_receiver", "hostile_peer", "fill_disk", "second_daemon",
-          "slow_control")
+          "slow_control",
+          # the third outside round (issue 25): the owner set of versions changes between two versions (trainer
+          # rank 1 silent past its window when one is planned, in every mode), and a holder of the trainer or
+          # rollout token registering with claims on live agents' places
+          "owners_change", "hostile_registrant")
 HEALTH_LIMIT_S = 1.0  # the Kubernetes probe in deploy/ times out at 1 s
 SYNC_BODIES = ({"sparse": True}, {"sparse": False}, {"sparse": False, "bypass_cpu": True})
 TIMEOUTS = {"connect_s": 8, "collective_s": 6, "ack_s": 8, "heartbeat_s": 3, "version_s": 20}
@@ -82,6 +86,7 @@ class Trial:
     resumed_at: float | None = None  # stop faults: when SIGCONT was sent
     waits: list[tuple[str, float]] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 class Cluster:
@@ -408,8 +413,93 @@ def _slow_control(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
             trial.violations.append(f"a waiting request got no answer: {exc}")
 
 
+def _owners_change(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
+    """Trainer rank 1 falls silent (SIGSTOP) past its silence window, within the heartbeat: a version planned
+    then has rank 0 as its only owner; rank 1 runs again and the next versions have both (2 -> 1 -> 2 owners,
+    in the trial's mode, sparse included). Every one of them must commit."""
+    if not cluster.wait_idle(LIMITS.version_s + LIMITS.margin_s):
+        trial.violations.append("the cluster was not idle before the owner set changed")
+        return
+    rank1 = next((a for a in cluster.http.get("/receivers").json()["agents"]
+                  if a["role"] == "trainer" and a["rank"] == 1), None)
+    if rank1 is None:
+        trial.violations.append("trainer rank 1 is not registered")
+        return
+    window = FRESH_S + TIMEOUTS["heartbeat_s"] / 2  # poll wait (0.3 s) + half a heartbeat, with a margin
+    cluster.signal("trainer1", signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        while time.monotonic() - started < TIMEOUTS["heartbeat_s"] - 0.5:
+            seen = {a["agent_id"]: a for a in cluster.http.get("/receivers").json()["agents"]}.get(rank1["agent_id"])
+            if seen is None or seen["seconds_since_seen"] > window:
+                break
+            time.sleep(0.1)
+        version, answer = cluster.request(trial.sync_body, conflict_wait_s=5.0)
+    finally:
+        cluster.signal("trainer1", signal.SIGCONT)
+        trial.resumed_at = time.monotonic()
+    if version is None:
+        trial.violations.append(f"the version planned while rank 1 was silent was refused: {answer}")
+        return
+    record = cluster.wait_terminal(version, LIMITS.version_s + LIMITS.margin_s)
+    trial.notes.append(f"version {version}: {record['owners'] if record else '?'} owner(s) while rank 1 was silent")
+    if record is None or record["status"] != "committed":
+        trial.violations.append(f"version {version} of owner rank 0 alone did not commit: "
+                                f"{record and (record['status'], record.get('reason'))}")
+
+
+def _hostile_registrant(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
+    """Registrations with the trainer and the rollout tokens that claim live agents' places: trainer ranks of
+    the live job (its pids too), and workers, member counts and a driver of a live engine. Each must be refused
+    (409) naming the live agent, and the cluster's own agents keep receiving (the next sync commits)."""
+    from ckpt_engine.control.client import ControlClient, ControlReplyError
+
+    tokens = cluster.tokens()
+    endpoint = f"tcp://127.0.0.1:{cluster.zmq_port}"
+    trainer = ControlClient(endpoint, timeout_s=5, token=tokens.get("trainer"))
+    rollout = ControlClient(endpoint, timeout_s=5, token=tokens.get("rollout"))
+    engine = f"chaos-engine-{trial.index}"
+    ours: list[tuple[ControlClient, dict]] = []
+
+    def register(client: ControlClient, body: dict) -> dict:
+        reply = client.request("register", {"host": "hostile", "pid": 1, "device": "cpu", **body})
+        ours.append((client, {"agent_id": reply["agent_id"], "session": reply["session"]}))
+        return reply
+
+    try:
+        live = {a["rank"]: a for a in cluster.http.get("/receivers").json()["agents"] if a["role"] == "trainer"}
+        # an engine of one worker and its driver, as a real engine would register (ours: unregistered after)
+        register(rollout, {"role": "driver", "engine": engine, "members": 1})
+        register(rollout, {"role": "receiver", "engine": engine, "driven": True, "members": 1})
+        claims = [(trainer, {"role": "trainer", "rank": rank, "trainer_ranks": 2, "pid": live[rank]["pid"],
+                             "host": live[rank]["host"]}) for rank in sorted(live)]
+        claims += [(trainer, {"role": "trainer", "rank": 0, "trainer_ranks": 1, "framework": "verl"}),
+                   (rollout, {"role": "receiver", "engine": engine, "driven": True, "members": 1}),
+                   (rollout, {"role": "receiver", "engine": engine, "driven": True, "members": 2}),
+                   (rollout, {"role": "receiver", "engine": engine}),
+                   (rollout, {"role": "driver", "engine": engine, "members": 1})]
+        for client, claim in rng.sample(claims, len(claims)):
+            try:
+                register(client, claim)
+            except ControlReplyError as exc:
+                if exc.error != "conflict" or not (exc.record or {}).get("live_agent"):
+                    trial.violations.append(f"a registration claiming {claim} got {exc.error}: {exc.detail}")
+                continue
+            trial.violations.append(f"a registration claiming {claim} was accepted while the place is held")
+        time.sleep(trial.stall_s)
+    finally:
+        for client, identity in ours:
+            try:
+                client.request("unregister", identity)
+            except Exception:  # noqa: BLE001 - it expires with its heartbeat anyway
+                pass
+        trainer.close()
+        rollout.close()
+
+
 _SPECIAL = {"refuse_receiver": _arm, "tear_receiver": _arm, "starve_receiver": _arm, "hostile_peer": _hostile,
-            "fill_disk": _fill_disk, "second_daemon": _second_daemon, "slow_control": _slow_control}
+            "fill_disk": _fill_disk, "second_daemon": _second_daemon, "slow_control": _slow_control,
+            "owners_change": _owners_change, "hostile_registrant": _hostile_registrant}
 
 
 def _time_to_exit(cluster: Cluster, name: str) -> float:
@@ -517,10 +607,12 @@ def plan_trial(index: int, rng: random.Random, fault: str, cluster: Cluster, typ
     kind = fault.partition("_")[2]
     target = ("daemon" if kind in ("daemon", "disk", "control") else rng.choice(["trainer0", "trainer1"])
               if kind == "trainer" else "daemon" if kind == "peer" else f"receiver{rng.randrange(cluster.receivers)}")
-    if fault in ("drop_trainer", "slow_control"):
-        target = "trainer0" if fault == "drop_trainer" else "daemon"  # the rank that talks to the daemon
+    if fault in ("drop_trainer", "slow_control", "owners_change", "hostile_registrant"):
+        target = {"drop_trainer": "trainer0", "slow_control": "daemon",  # (trainer0 is the rank that talks to it)
+                  "owners_change": "trainer1", "hostile_registrant": "daemon"}[fault]
     longest = PG_TIMEOUT_S + 3 if fault == "stop_trainer" else 2.5 * TIMEOUTS["heartbeat_s"]  # past the timeouts
-    stalls = {"hostile_peer": (1.0, 4.0), "fill_disk": (0.5, 3.0 * TIMEOUTS["heartbeat_s"]),
+    stalls = {"hostile_peer": (1.0, 4.0), "hostile_registrant": (0.2, 1.0),
+              "fill_disk": (0.5, 3.0 * TIMEOUTS["heartbeat_s"]),
               "slow_control": (1.0, 4.0), "starve_receiver": (0.5, 4.0), "refuse_receiver": (0.0, 0.5),
               "tear_receiver": (0.0, 0.5)}
     low, high = stalls.get(fault, (0.3, longest))

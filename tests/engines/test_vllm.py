@@ -243,6 +243,8 @@ def test_vllm_serve_with_the_ckpt_engine_backend(tmp_path: Path) -> None:
                 assert driver.wait_for_version(record["id"], 60)
                 assert control.weight_version() == str(record["id"])
                 assert _complete(url, str(model_dir)) == reference_tokens(pushed)
+                # closing an update vLLM closed itself (after a failed update_weights) is an expected answer
+                control.abandon()
 
                 # A driver that died between start_weight_update and finish leaves vLLM's update open; vLLM
                 # refuses the next start with a 500 that closes the connection. The new driver must still get
@@ -271,6 +273,38 @@ def test_vllm_serve_with_the_ckpt_engine_backend(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             server.kill()
         trainer.close()
+        daemon.stop()
+
+
+def test_vllm_driver_against_a_server_without_dev_mode_says_what_to_set(tmp_path: Path) -> None:
+    """Found by the third outside round: ``ckpt-engine vllm-driver`` against a vLLM server started without
+    VLLM_SERVER_DEV_MODE=1 ended in a traceback (HTTP 404) and left its registration in /receivers."""
+    daemon = start_daemon(write_config(tmp_path, transport="auto", timeouts=_TIMEOUTS))
+    model_dir = save_model(tmp_path / "model", seed=1)
+    port = free_port()
+    log = (tmp_path / "vllm.log").open("w")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_SERVER_DEV_MODE"}
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                               "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
+                               "--max-model-len", "128", "--max-num-seqs", "2", "--gpu-memory-utilization", "0.1",
+                               "--weight-transfer-config", '{"backend": "ckpt_engine"}'],
+                              stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _up(url, server), 240, "vllm serve to start")
+        result = subprocess.run([sys.executable, "-m", "ckpt_engine.server", "vllm-driver", "--vllm-url", url,
+                                 "--endpoint", daemon.zmq, "--credentials", str(daemon.credentials_path)],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+        assert "VLLM_SERVER_DEV_MODE=1" in result.stderr and "Traceback" not in result.stderr, result.stderr
+        with daemon.client() as http:
+            assert http.get("/receivers").json()["agents"] == []  # its registration did not stay behind
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
         daemon.stop()
 
 

@@ -48,6 +48,8 @@ def test_verl_syncs_are_daemon_versions_with_history_and_a_rollback_reaches_the_
             record = _record(http, version)
             assert record["status"] == "committed" and record["step"] == steps, record
             assert record["owners"] == 2 and record["mode"] == mode and record["purpose"] == "sync"
+            sent = [a["metrics"][f"ckpt_engine/bytes_sent_rank{rank}"] for rank, a in enumerate(sync["actors"])]
+            assert all(0 < s < record["bytes"] for s in sent) and sum(sent) == record["bytes"], (sent, record)
             assert [r["ok"] for r in record["receivers"]] == [True, True]
             assert all(r["version_digest"] == record["version_digest"] for r in record["receivers"])
             versions.append(version)
@@ -77,6 +79,7 @@ def test_verl_syncs_are_daemon_versions_with_history_and_a_rollback_reaches_the_
             record = _record(http, queued["id"])
             assert record["status"] == "committed" and record["purpose"] == "push", record
             assert record["version_digest"] == _record(http, versions[0])["version_digest"]
+            assert record["step"] == 7  # verl's global_steps at delivery, as for every verl sync
         else:  # nothing is cached in bypass_cpu: there is nothing to roll back to
             assert http.post(f"/versions/{versions[0]}/push").status_code == 409
 
@@ -84,7 +87,8 @@ def test_verl_syncs_are_daemon_versions_with_history_and_a_rollback_reaches_the_
         bucket, tensor = _first_bucket_of(1, 2, 8)
         sync = cluster.update_weights(8, corrupt=(1, bucket))
         assert all("raised" in r and tensor in r["raised"] for r in sync["rollouts"]), sync["rollouts"]
-        assert "raised" in sync["actors"][0]
+        # (the text docs/workers.md quotes)
+        assert "was not delivered by actor rank 0: rank 1: digest mismatch in 1 tensor(s)" in sync["actors"][0]["raised"]
         failed = http.get("/versions", params={"limit": 1}).json()["versions"][0]
         assert failed["status"] == "failed" and failed["step"] == 8 and tensor in failed["reason"], failed
 
@@ -103,11 +107,14 @@ def test_verl_syncs_are_daemon_versions_with_history_and_a_rollback_reaches_the_
         version = sync["actors"][0]["metrics"]["ckpt_engine/version"]
         _check_delivered(sync, 10, version)
         assert _record(http, version)["status"] == "committed"
-        # The failed versions were dropped from every actor rank's cache at the next sync: with keep_versions 2
-        # the last good version before them is still there to roll back to; a failed one cannot be pushed.
+        # The failed versions were dropped from every actor rank's cache at the next sync, and the version the
+        # workers served before them (the rollback's source) was never evicted to make room: with keep_versions
+        # 2 it is still there to repair or roll back to; a failed one cannot be pushed.
         assert http.get("/status").json()["torn"] == []
         if mode == "cached":
-            assert http.get("/status").json()["cache_versions"] == [versions[1], version]
+            status = http.get("/status").json()
+            assert status["cache_versions"] == [versions[0], version], status
+            assert versions[0] in status["cache_kept_for_repairs"], status
             assert http.post(f"/versions/{torn['id']}/push").status_code == 409
         metrics = http.get("/metrics").text
         assert 'ckpt_engine_versions_total{outcome="committed"}' in metrics
@@ -233,4 +240,37 @@ def test_a_rollback_delivered_while_the_daemon_stalled_is_recorded_committed(tmp
             cluster.close()
         if daemon.proc.poll() is None:
             os.kill(daemon.proc.pid, signal.SIGCONT)
+        daemon.stop()
+
+
+def test_a_rollback_of_a_share_that_changed_in_memory_is_refused_and_dropped(tmp_path: Path) -> None:
+    """Found by the third outside round: one byte of actor rank 1's cached share of v1 changed in memory, and
+    `push 1` handed verl's loader a q_proj that was not v1's, recorded committed with another digest. The
+    re-push is verified against v1's recorded identity before anything is sent: refused, named, dropped."""
+    daemon = start_daemon(write_config(tmp_path, transport="collective"))
+    cluster = None
+    try:
+        http = daemon.client()
+        cluster = Cluster(2, 2, {"endpoint": daemon.zmq, "keep_versions": 3, "timeout_s": 60.0,
+                                 "load_timeout_s": 60.0})
+        first = cluster.update_weights(5)["actors"][0]["metrics"]["ckpt_engine/version"]
+        cluster.update_weights(6)
+        cluster.corrupt_cache(1, first)
+        push = http.post(f"/versions/{first}/push")
+        assert push.status_code == 202, push.text
+        sync = cluster.update_weights(7)
+        assert all("raised" in r for r in sync["rollouts"]), sync["rollouts"]  # nothing handed to the loader
+        assert all("received" not in r for r in sync["rollouts"])
+        record = _record(http, push.json()["version"])
+        assert record["status"] == "failed" and "owner rank 1" in record["reason"], record
+        assert "no longer matches" in record["reason"], record["reason"]
+        assert first not in http.get("/status").json()["cache_versions"]
+        assert http.post(f"/versions/{first}/push").status_code == 409
+        sync = cluster.update_weights(8)  # and verl goes on
+        version = sync["actors"][0]["metrics"]["ckpt_engine/version"]
+        _check_delivered(sync, 8, version)
+        assert _record(http, version)["status"] == "committed"
+    finally:
+        if cluster is not None:
+            cluster.close()
         daemon.stop()

@@ -106,6 +106,10 @@ def worker(role: str, rank: int, engine_kwargs: dict[str, Any], how: str, comman
                 value = {"metrics": metrics, "sent": fingerprint(weights)}
             elif command == "receive":
                 value = asyncio.run(_receive(engine, args["global_steps"], args.get("stop_after")))
+            elif command == "corrupt_cache":  # one byte of this rank's cached share of a version, in memory
+                cached = engine._publisher.cache.get(args["version"])
+                cached.buffer[cached.buffer.numel() // 2] ^= 0x5A
+                value = None
             else:
                 raise ValueError(command)
             results.put(("ok", value))
@@ -190,6 +194,11 @@ class Cluster:
         finals = self._all("finalize", [None] * len(self.roles))
         assert all(v is None for v in finals), finals
         return {"metadata": metadata, "actors": moved[: self.actors], "rollouts": moved[self.actors:]}
+
+    def corrupt_cache(self, actor: int, version: int) -> None:
+        """One byte of actor rank ``actor``'s host-cached share of ``version`` changes in memory."""
+        self.commands[actor].put(("corrupt_cache", {"version": version}))
+        assert self._collect([actor], 60) == [None]
 
     def close(self) -> None:
         for q in self.commands:

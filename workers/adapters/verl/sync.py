@@ -265,7 +265,8 @@ class VerlSync:
             self._drop(sync.get("drop", []))
         version = sync["version"]
         self._topology = {"role": role, "rank": rank, "version": version, "actors": actors, "rollouts": rollouts,
-                          "source_version": sync.get("source_version"), "sparse_base": sparse_base}
+                          "source_version": sync.get("source_version"), "sparse_base": sparse_base,
+                          "expected_digest": sync.get("expected_digest"), "keep": sync.get("keep") or []}
 
         me = f"actor rank {rank}" if role == "actor" else f"rollout worker {rank}"
 
@@ -331,12 +332,14 @@ class VerlSync:
         if topology["source_version"] is not None:  # a rollback queued on the daemon: sent instead of new weights
             drain(weights)
             return publisher.publish(version, source_version=topology["source_version"],
-                                     ownership=Ownership(rank, actors)), 0
+                                     ownership=Ownership(rank, actors), expected_digest=topology["expected_digest"],
+                                     keep=topology["keep"]), 0
         named, kept = collect_owned(weights, rank=rank, ranks=actors, bucket_size=self.bucket_size)
         agree = self._agree(rank, actors) if self.sparse and actors > 1 else None
         transfer = publisher.publish(version, named, mode=self.mode, step=step,  # type: ignore[arg-type]
                                      ownership=Ownership(rank, actors), sparse=self.sparse, agree=agree,
-                                     sparse_base=topology["sparse_base"] if self.sparse else None)
+                                     sparse_base=topology["sparse_base"] if self.sparse else None,
+                                     keep=topology["keep"])
         return transfer, kept  # (the kept tensors: snapshotted, or read for bypass_cpu, by now)
 
     def _abort(self, publisher: Publisher, version: int, reason: str) -> None:
@@ -422,8 +425,9 @@ class VerlSync:
         """Actor rank 0: this sync's version, from the daemon when there is one, told to every rank and worker
         on the store (with the reason when there is none, so everyone fails this sync alike)."""
         try:
-            if receivers is None:
-                sync: dict[str, Any] = {"version": self._versions}
+            if receivers is None:  # (no daemon: the cache keeps the last version every worker took)
+                sync: dict[str, Any] = {"version": self._versions,
+                                        "keep": [self.last_version] if self.last_version is not None else []}
             else:
                 agent = self._daemon("trainer", 0, actors)  # (registered within the daemon bound)
                 deadline = time.monotonic() + self._daemon_s
@@ -432,7 +436,8 @@ class VerlSync:
                 agent.flush_reports(max(deadline - time.monotonic(), 0.0))
                 record = agent.open_version(receivers, bypass_cpu=self.mode == "bypass_cpu", deadline=deadline,
                                             limit_s=min(3 * self.timeout_s + self.load_timeout_s, _MAX_WAIT_S))
-                sync = {"version": int(record["id"]), "source_version": record.get("source_version")}
+                sync = {"version": int(record["id"]), "source_version": record.get("source_version"),
+                        "expected_digest": record.get("expected_digest"), "keep": record.get("keep") or []}
                 self._open = sync["version"]
                 if sync["source_version"] is not None and record.get("owners") != actors:
                     raise ConfigError(f"version {sync['source_version']} was cached by {record.get('owners')} actor "

@@ -43,7 +43,15 @@ class HttpControl:
 
     def start_workers(self, init_info: dict[str, Any]) -> None:
         """Each worker's weight-transfer engine starts its receiver (``init_weight_transfer_engine``)."""
-        self._post("/init_weight_transfer_engine", {"init_info": init_info})
+        try:
+            self._post("/init_weight_transfer_engine", {"init_info": init_info})
+        except EngineUpdateError as exc:
+            if "HTTP 404" in str(exc):
+                raise EngineUpdateError(
+                    f"the vLLM server at {self.http.base_url} has no weight-update routes (HTTP 404 on "
+                    "/init_weight_transfer_engine): start it with VLLM_SERVER_DEV_MODE=1 in its environment and "
+                    """--weight-transfer-config '{"backend": "ckpt_engine"}'""") from exc
+            raise
 
     def pause(self) -> None:
         self._post(f"/pause?mode={self.pause_mode}", retries=3)
@@ -56,7 +64,13 @@ class HttpControl:
     def abandon(self) -> None:
         # retried: vLLM answers a failed step with a 500 that closes the connection, and an update left open
         # would refuse every later one (the engine would stay paused for good)
-        self._post("/finish_weight_update", retries=3)
+        try:
+            self._post("/finish_weight_update", retries=3)
+        except EngineUpdateError as exc:
+            if "without a matching start_weight_update" not in str(exc):
+                raise
+            # (vLLM closes a session whose update_weights failed: nothing was left open, an expected answer)
+            log.info("the failed update was closed by vLLM already")
 
     def start(self) -> None:
         self._post("/start_weight_update")
@@ -169,6 +183,10 @@ def start_vllm_driver(control: HttpControl | LLMControl, endpoint: str, *, engin
     name = engine or default_engine_name()
     token = client_token("rollout", token, credentials)
     driver = EngineDriver(control, endpoint, engine=name, token=token, poll_wait_s=poll_wait_s).start()
-    control.start_workers({"endpoint": endpoint, "engine": name, "token": worker_token or token,
-                           "poll_wait_s": poll_wait_s, "take_timeout_s": take_timeout_s})
+    try:
+        control.start_workers({"endpoint": endpoint, "engine": name, "token": worker_token or token,
+                               "poll_wait_s": poll_wait_s, "take_timeout_s": take_timeout_s})
+    except BaseException:
+        driver.close()  # unregistered: an engine whose workers never started is not left in /receivers
+        raise
     return driver
