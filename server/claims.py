@@ -92,7 +92,8 @@ def _driver(message: Register, agents: Sequence[Agent], now: float, heartbeat_s:
     if loose:
         return Verdict(f"engine {engine!r} has receivers that are not driven ({_who(loose[0])}): a driver cannot "
                        "apply versions for them", loose[0].agent_id, None)
-    differ = [m for m in members if m.driven and m.members != message.members and _live(m, now, heartbeat_s)]
+    differ = [m for m in members if m.driven and message.members is not None and m.members != message.members
+              and _live(m, now, heartbeat_s)]
     if differ:
         return Verdict(f"engine {engine!r} has {differ[0].members} worker(s) as its registered worker "
                        f"{_who(differ[0])} says; this driver says {message.members}", differ[0].agent_id, None)
@@ -115,7 +116,7 @@ def _engine_member(message: Register, agents: Sequence[Agent], now: float, heart
     if loose:
         return Verdict(f"engine {engine!r} has receivers that are not driven ({_who(loose[0])})", loose[0].agent_id,
                        None)
-    said = [(driver, driver.members)] if driver is not None else []
+    said = [(driver, driver.members)] if driver is not None and driver.members is not None else []
     said += [(m, m.members) for m in members if m.driven and _live(m, now, heartbeat_s)]
     for holder, count in said:
         if count != message.members:

@@ -680,7 +680,10 @@ class Controller:
         if flight.framework:  # the framework needs every worker it named (verl fails its sync otherwise)
             need = len(flight.quorum)
         ok = expected is not None and stale is None and len(committed) >= need
-        failures = [f"rank {r['rank']}: {r['reason']}" for r in receivers if not r["ok"]]
+        # (a receiver told of the sender's abort repeats the sender's reason: said once, by the sender)
+        failures = [f"rank {r['rank']}: " + ("aborted by the sender" if done.reason and r["reason"]
+                                              and done.reason in r["reason"] else r["reason"])
+                    for r in receivers if not r["ok"]]
         if ok:
             reason = (f"committed by {len(committed)} of {len(flight.quorum)} receivers; " + "; ".join(failures)
                       if failures else None)

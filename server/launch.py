@@ -3,6 +3,7 @@ benchmarks and the fault trials (``ckpt-engine serve`` is what runs)."""
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import socket
@@ -23,10 +24,20 @@ HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parents[1]
 
 
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=512)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
+    """A port free now that this process has not handed out lately: the kernel may give the same free port to
+    two binds in a row, and a config with one port for two listeners is refused."""
+    for _ in range(64):
+        with socket.socket() as sock:
+            sock.bind((HOST, 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.append(port)
+            return port
+    raise RuntimeError("no free port that was not handed out lately")
 
 
 TEST_TIMEOUTS = {"connect_s": 15, "collective_s": 15, "ack_s": 30, "heartbeat_s": 5, "version_s": 60}

@@ -57,13 +57,13 @@ def _sync(controller: Controller, body: dict, roles: set[Role]) -> dict:
 
 
 def _versions(controller: Controller, body: dict, roles: set[Role]) -> dict:
-    query = parse_body(VersionsQuery, body)
+    query = parse_body(VersionsQuery, body, strict=True)
     rows = controller.history.list(limit=query.limit, status=query.status, before=query.before)
     return {"versions": [r.to_dict() for r in rows], "next_before": rows[-1].id if len(rows) == query.limit else None}
 
 
 def _version(controller: Controller, body: dict, roles: set[Role]) -> dict:
-    version = parse_body(VersionRef, body).version
+    version = parse_body(VersionRef, body, strict=True).version
     record = controller.history.get(version)
     if record is None:
         raise NotFound(f"version {version} is unknown")
@@ -71,19 +71,19 @@ def _version(controller: Controller, body: dict, roles: set[Role]) -> dict:
 
 
 def _latest(controller: Controller, body: dict, roles: set[Role]) -> dict:
-    record = controller.history.latest(status=parse_body(LatestQuery, body).status)
+    record = controller.history.latest(status=parse_body(LatestQuery, body, strict=True).status)
     if record is None:
         raise NotFound("no versions yet")
     return record.to_dict()
 
 
 def _push(controller: Controller, body: dict, roles: set[Role]) -> dict:
-    return controller.push(parse_body(VersionRef, body).version).to_dict()
+    return controller.push(parse_body(VersionRef, body, strict=True).version).to_dict()
 
 
 def _evict(controller: Controller, body: dict, roles: set[Role]) -> dict:
     """Asks the trainer to evict; the HTTP route then waits for its confirmation."""
-    return controller.request_evict(parse_body(VersionRef, body).version).to_dict()
+    return controller.request_evict(parse_body(VersionRef, body, strict=True).version).to_dict()
 
 
 def _status(controller: Controller, body: dict, roles: set[Role]) -> dict:

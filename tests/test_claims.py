@@ -66,6 +66,10 @@ CASES = [
     ("a driver claiming another member count", [agent("receiver", engine="eng", driven=True, members=2)],
      register("driver", engine="eng", members=1), True, []),
     ("plain receivers are many", [agent("receiver"), agent("receiver")], register("receiver"), False, []),
+    ("a driver that does not say how many workers", [agent("receiver", engine="eng", driven=True, members=2)],
+     register("driver", engine="eng"), False, []),
+    ("a worker of an engine whose driver does not say", [agent("driver", engine="eng")],
+     register("receiver", engine="eng", driven=True, members=2), False, []),
 ]
 
 

@@ -73,7 +73,12 @@ def test_the_daemon_does_not_start_a_framework_job_s_versions_and_refuses_hostil
     with pytest.raises(ControlReplyError, match="not registered"):
         trainer.request("sync", {**trainer.identity, "receivers": ["0123456789abcdef"]})
     other = RawAgent(daemon, "receiver")  # a receiver that is not the framework's
-    impostor = RawAgent(daemon, "trainer", rank=1)  # a trainer-token holder that is not the framework's rank 0
+    # a trainer-token holder claiming a rank of the live job that it does not have, or one that is not verl's
+    with pytest.raises(ControlReplyError, match="not a rank of the registered trainer job"):
+        RawAgent(daemon, "trainer", rank=1, framework="verl")
+    with pytest.raises(ControlReplyError, match="registered and alive"):
+        RawAgent(daemon, "trainer", rank=0)
+    impostor = RawAgent(daemon, "receiver", framework="verl")  # a framework agent that is not its rank 0
     try:
         with pytest.raises(ControlReplyError, match="is not a verl receiver"):
             _open(trainer, [other])
@@ -85,7 +90,7 @@ def test_the_daemon_does_not_start_a_framework_job_s_versions_and_refuses_hostil
             _open(trainer, workers, step=-5)
         with pytest.raises(ControlReplyError, match="names the trainer agent"):  # the token alone is not enough
             trainer.request("sync", {"receivers": [w.agent_id for w in workers]})
-        with pytest.raises(ControlReplyError, match="not the framework trainer rank 0"):
+        with pytest.raises(ControlReplyError, match="not the framework trainer rank 0|forbidden|role"):
             _open(impostor, workers)
         with pytest.raises(ControlReplyError, match="invalid|at least 1"):
             _open(trainer, [])
@@ -96,6 +101,21 @@ def test_the_daemon_does_not_start_a_framework_job_s_versions_and_refuses_hostil
         other.close()
         impostor.close()
     assert daemon.client().get("/status").json()["in_flight"] is None  # nothing refused was left open
+
+
+def test_only_the_framework_s_rank_0_opens_its_syncs(tmp_path: Path) -> None:
+    daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts=_QUICK))
+    lead = RawAgent(daemon, "trainer", framework="verl", trainer_ranks=2)
+    other_rank = RawAgent(daemon, "trainer", rank=1, framework="verl")
+    worker = RawAgent(daemon, "receiver", framework="verl")
+    try:
+        with pytest.raises(ControlReplyError, match="not the framework trainer rank 0"):
+            _open(other_rank, [worker])
+        assert _open(lead, [worker])["owners"] == 2
+    finally:
+        for agent in (lead, other_rank, worker):
+            agent.close()
+        daemon.stop()
 
 
 def test_a_sync_abandoned_before_its_end_does_not_block_the_next(job) -> None:

@@ -263,16 +263,17 @@ def _not_bool(value: object) -> object:
     return value
 
 
-VersionId = Annotated[int, BeforeValidator(_not_bool), Field(ge=-MAX_ID, le=MAX_ID)]
+# (the validator after the bounds: it still runs first, and the bounds stay minimum/maximum in the JSON schema)
+VersionId = Annotated[int, Field(ge=-MAX_ID, le=MAX_ID), BeforeValidator(_not_bool)]
 
 
 class VersionsQuery(BaseModel):
     """Reading the history: ``GET /versions`` (its query) and the ZMQ ``versions`` message, one model for both."""
 
-    limit: Annotated[int, BeforeValidator(_not_bool), Field(ge=1, le=1000)] = 50
+    limit: Annotated[int, Field(ge=1, le=1000), BeforeValidator(_not_bool)] = 50
     status: VersionStatus | None = None
-    before: Annotated[int, BeforeValidator(_not_bool), Field(ge=1, le=MAX_ID,
-                                                              description="only versions with a smaller id")] | None = None
+    before: Annotated[int, Field(ge=1, le=MAX_ID, description="only versions with a smaller id"),
+                      BeforeValidator(_not_bool)] | None = None
 
 
 class LatestQuery(BaseModel):
@@ -308,11 +309,12 @@ def decode_frame(raw: bytes, max_bytes: int) -> tuple[dict[str, Any], Encoding]:
     return data, encoding
 
 
-def parse_body(kind: type[BaseModel], body: Any) -> Any:
+def parse_body(kind: type[BaseModel], body: Any, *, strict: bool | None = None) -> Any:
+    """``strict``: no coercion (a typed frame's "1" is not the number 1; an HTTP query string's is)."""
     if not isinstance(body, dict):
         raise ProtocolError(f"{kind.__name__}: body must be a map")
     try:
-        return kind.model_validate(body)
+        return kind.model_validate(body, strict=strict)
     except ValidationError as exc:
         first = exc.errors()[0]
         raise ProtocolError(f"{kind.__name__}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from exc

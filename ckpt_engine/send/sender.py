@@ -632,6 +632,7 @@ class Sender:
                                   f"{self.owners_group.world_size}")
             told = source.prepare(self.digest_algo, self.device.comm_device, self.rank)
         except Exception as exc:
+            self.owners_group.say(f"why/{source.version}", f"{type(exc).__name__}: {exc}")
             self._vote_or_abort(source, False, [], "ready")
             raise _NotReady(f"owner rank {self.rank} could not prepare version {source.version}: "
                             f"{type(exc).__name__}: {exc}") from exc
@@ -671,7 +672,9 @@ class Sender:
         failed = [rank for rank, (ok, _) in enumerate(votes) if not ok]
         if not failed:
             return
-        reason = f"owner rank(s) {failed} {what} version {source.version}"
+        why = self.owners_group.heard(f"why/{source.version}", failed) if self.owners_group is not None else {}
+        said = "".join(f"; owner rank {rank}: {text}" for rank, text in sorted(why.items()))
+        reason = f"owner rank(s) {failed} {what} version {source.version}{said}"
         self._abort_receivers(source, reason)
         raise error(reason)
 
@@ -717,6 +720,8 @@ class Sender:
 
     def _vote_failed(self, version: int, reason: str) -> None:
         """This rank failed between the votes: say so in the vote the others wait in (best effort)."""
+        if self.owners_group is not None:
+            self.owners_group.say(f"why/{version}", reason)
         try:
             self._vote(version, False, [], "sent")
         except CkptEngineError as exc:

@@ -225,6 +225,27 @@ class SyncGroup:
             raise
         return [g[:size].cpu().tolist() for g, size in zip(gathered, sizes)]
 
+    def say(self, topic: str, text: str) -> None:
+        """Leave ``text`` for the other members under ``topic`` (best effort, bounded), e.g. why this rank voted
+        no: the vote itself carries only a flag."""
+        try:
+            bounded(lambda: self._store.set(f"said/{topic}/{self.rank}", text[:2000].encode(errors="replace")),
+                    _STORE_GRACE_S, "leaving a note")
+        except Exception as exc:  # noqa: BLE001 - only the text of an error depends on it
+            log.debug("sync group %s: could not leave a note: %s", self.name, exc)
+
+    def heard(self, topic: str, ranks: list[int]) -> dict[int, str]:
+        """What ``ranks`` said under ``topic`` (those that said something)."""
+        def read() -> dict[int, str]:
+            keys = {rank: f"said/{topic}/{rank}" for rank in ranks}
+            return {rank: self._store.get(key).decode(errors="replace") for rank, key in keys.items()
+                    if self._store.check([key])}
+
+        try:
+            return bounded(read, _STORE_GRACE_S, "reading notes")
+        except Exception:  # noqa: BLE001 - the store is gone or stalled: nothing to add
+            return {}
+
     def _note_present(self, round_id: tuple[str, int]) -> None:
         try:  # one key per rank and kind, overwritten every round: the store does not grow
             bounded(lambda: self._store.set(f"present/{round_id[0]}/{self.rank}", str(round_id[1])),
