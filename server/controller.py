@@ -333,8 +333,8 @@ class Controller:
                 self.metrics.version_done("failed", 0, {})
                 raise Unavailable(problem, failed.to_dict())
             record = self._take_queued_push()
-            if record is not None and request.step is not None:  # verl's global_steps at delivery, as for any sync
-                record = self.history.update(record.id, step=request.step)
+            if record is not None:  # its step is the framework's at delivery (verl's global_steps), as for any sync:
+                record = self.history.update(record.id, step=request.step)  # given now, or with its first report
             record = record or self._create(mode=mode_of(bool(request.bypass_cpu)), step=request.step)
             source = self.history.get(record.source_version) if record.source_version else None
             owners = source.owners if source is not None else trainer.trainer_ranks
