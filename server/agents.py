@@ -1,8 +1,8 @@
 """Registry of agents (trainer ranks, receivers, engine drivers) known to the daemon, with heartbeat expiry.
 
 Each registration gets an agent id and a session secret; later messages must name both, so one agent cannot
-speak for another. What the daemon knows of a receiver's model lives here: the version it serves whole, the
-one it has staged for its driver, whether a failed apply left it torn, and whether it cannot receive now.
+speak for another. What the daemon knows of a receiver's model is its ``model`` (decisions/receivers.py: one
+state machine); a driver remembers the apply it was asked for.
 """
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ import itertools
 import secrets
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ckpt_engine.control.messages import Assignment, Register
-from ckpt_engine.retry import Backoff
+from ckpt_engine.server.decisions.receivers import ReceiverModel
 
-_UNABLE_BACKOFF = dict(initial_s=5.0, max_s=300.0)
-_REPAIR_BACKOFF = dict(initial_s=1.0, max_s=120.0)
+from ckpt_engine.control.messages import Assignment, Register
 
 
 @dataclass
@@ -47,21 +46,8 @@ class Agent:
     whole_versions: bool = False  # receivers whose engine takes no sparse version (vLLM)
     trainer_ranks: int = 1  # trainer rank 0: ranks of its job
     framework: str | None = None  # verl: the framework moves this agent's versions (messages.Register)
-    # what the model holds (receivers)
-    serving: int | None = None  # the version it holds whole, as far as the daemon knows
-    last_served: int | None = None  # the last version it held whole (a repair re-applies it)
-    staged: int | None = None  # driven receivers: verified, waiting for the driver
-    torn: str | None = None  # why the model holds no whole version (a failed apply), until repaired
-    # it took a whole version under this registration (a newcomer's claim to hold one is not proof, nor is
-    # a receiver's that was cut off from a version's rendezvous); until then it gets versions of its own
-    proven: bool = False
+    model: ReceiverModel = field(default_factory=ReceiverModel)  # receivers: what their model holds
     applying: int | None = None  # drivers: the version they were told to apply (its outcome is theirs to say)
-    unable: str | None = None  # why it cannot receive now; out of the quorum until unable_until
-    unable_until: float = 0.0
-    unable_backoff: Backoff = field(default_factory=lambda: Backoff(**_UNABLE_BACKOFF))
-    catch_up_due: float = 0.0  # newcomers and torn receivers: when to (re)try bringing them a version
-    catch_up_backoff: Backoff = field(default_factory=lambda: Backoff(**_REPAIR_BACKOFF))
-    catch_up_attempts: int = 0
 
     def silence_window(self, heartbeat_s: float) -> float:
         """How long a healthy agent may go unseen: its poll's wait and half a heartbeat."""
@@ -72,41 +58,31 @@ class Agent:
         until ``heartbeat_s`` passes, but must not be put into a version's quorum: it would fail the version."""
         return now - self.last_seen <= self.silence_window(heartbeat_s)
 
-    def able(self, now: float) -> bool:
-        return self.unable is None or now >= self.unable_until
+    def state(self, now: float) -> str:
+        return self.model.state(now) if self.role == "receiver" else "registered"
 
-    def state(self) -> str:
-        if self.role != "receiver":
-            return "registered"
-        if self.torn is not None:
-            return "torn"
-        if self.unable is not None and time.monotonic() < self.unable_until:
-            return "unable"
-        if self.staged is not None:
-            return "staged"
-        return "serving" if self.serving is not None else "empty"
-
-    def public(self) -> dict:
-        now = time.monotonic()
+    def public(self, now: float) -> dict:
+        model = self.model.public(now) if self.role == "receiver" else {
+            "state": "registered", "serving": None, "staged": None, "torn": None, "proven": False, "unable": None,
+            "unable_for_s": None}
         return {"agent_id": self.agent_id, "role": self.role, "rank": self.rank, "host": self.host, "pid": self.pid,
                 "device": self.device, "host_id": self.host_id, "versions": self.versions, "sync_every": self.sync_every,
                 "registered_at": self.registered_at, "seconds_since_seen": round(now - self.last_seen, 3),
-                "engine": self.engine, "driven": self.driven, "members": self.members, "state": self.state(),
-                "whole_versions": self.whole_versions, "proven": self.proven, "framework": self.framework,
-                "serving": self.serving, "staged": self.staged, "torn": self.torn, "unable": self.unable,
-                "unable_for_s": round(max(0.0, self.unable_until - now), 3) if self.unable else None}
+                "engine": self.engine, "driven": self.driven, "members": self.members,
+                "whole_versions": self.whole_versions, "framework": self.framework, **model}
 
 
 class AgentRegistry:
     """Not thread-safe by itself: the controller calls it under its lock."""
 
-    def __init__(self, heartbeat_s: float) -> None:
+    def __init__(self, heartbeat_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.heartbeat_s = heartbeat_s
+        self.clock = clock
         self._agents: dict[str, Agent] = {}
         self._seq = itertools.count()
 
     def add(self, message: Register, versions: list[int]) -> Agent:
-        now = time.monotonic()
+        now = self.clock()
         agent = Agent(secrets.token_hex(8), secrets.token_hex(24), next(self._seq), message.role, message.rank,
                       message.host, message.pid, message.device, message.host_id, time.time(), now, versions,
                       message.sync_every, engine=message.engine, driven=message.driven, members=message.members,
@@ -114,8 +90,6 @@ class AgentRegistry:
                       framework=message.framework)
         if message.role == "trainer":
             agent.ipc_name = message.ipc_name
-        if message.role == "receiver" and versions:
-            agent.serving = agent.last_served = versions[-1]
         self._agents[agent.agent_id] = agent
         return agent
 
@@ -128,17 +102,17 @@ class AgentRegistry:
         return agent if hmac.compare_digest(session.encode(), agent.session.encode()) else None
 
     def seen(self, agent: Agent) -> None:
-        agent.last_seen = time.monotonic()
+        agent.last_seen = self.clock()
 
     def refresh(self) -> None:
         """Start every agent's heartbeat window again (the daemon itself was stalled, not the agents)."""
-        now = time.monotonic()
+        now = self.clock()
         for agent in self._agents.values():
             agent.last_seen = now
 
     def expire(self) -> list[Agent]:
         """Drop agents silent for longer than the heartbeat timeout; returns them."""
-        limit = time.monotonic() - self.heartbeat_s
+        limit = self.clock() - self.heartbeat_s
         gone = [a for a in self._agents.values() if a.last_seen < limit]
         for agent in gone:
             del self._agents[agent.agent_id]
@@ -163,8 +137,14 @@ class AgentRegistry:
         return sorted((a for a in self._agents.values() if a.role == "receiver"), key=lambda a: a.seq)
 
     def driver(self, engine: str) -> Agent | None:
-        drivers = [a for a in self._agents.values() if a.role == "driver" and a.engine == engine]
-        return min(drivers, key=lambda a: a.seq) if drivers else None
+        return self.drivers().get(engine)
+
+    def drivers(self) -> dict[str, Agent]:
+        """Each engine's driver (the earliest registered, should two claim it)."""
+        out: dict[str, Agent] = {}
+        for agent in sorted((a for a in self._agents.values() if a.role == "driver"), key=lambda a: a.seq):
+            out.setdefault(agent.engine or "", agent)
+        return out
 
     def engine_members(self, engine: str) -> list[Agent]:
         return [a for a in self.receivers() if a.engine == engine]

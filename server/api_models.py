@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_type_hints
 
+from ckpt_engine.server.decisions.receivers import STATES
 from ckpt_engine.server.history import STATUSES, VersionRecord
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
@@ -70,10 +71,12 @@ class AgentOut(_Out):
     engine: str | None = None
     driven: bool = False
     members: int | None = None
-    state: Literal["registered", "empty", "serving", "staged", "torn", "unable"] = Field(
-        description="receivers: empty (holds no version yet), serving (holds `serving` whole), staged (verified, "
-                    "waiting for its driver), torn (a failed apply changed the model part way; it is not served "
-                    "until repaired), unable (cannot receive now: `unable`)")
+    state: Literal["registered", *STATES] = Field(  # type: ignore[valid-type]
+        description="receivers (server/decisions/receivers.py): new (holds no whole version the daemon knows of: "
+                    "just registered, or its outcome of a version was never heard; a catch-up brings it one), "
+                    "serving (holds `serving` whole, proven), staged (verified, waiting for its engine's driver), "
+                    "torn (a failed apply changed the model part way; it is not served until repaired), unable "
+                    "(out of the quorums for `unable_for_s`: `unable`); trainers and drivers: registered")
     serving: int | None = None
     staged: int | None = None
     torn: str | None = None

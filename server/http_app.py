@@ -25,19 +25,20 @@ from ckpt_engine.server.authority import Authority
 from ckpt_engine.server.controller import Controller
 from ckpt_engine.server.errors import ControlError, Forbidden, TooManyRequests, Unavailable
 from ckpt_engine.server.history import TERMINAL, StorageUnavailable, VersionRecord
-from ckpt_engine.server.operations import OPERATIONS
+from ckpt_engine.server.operations import OPERATIONS, NoBody
 from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ckpt_engine import __version__
 from ckpt_engine.config import EngineConfig
-from ckpt_engine.control.messages import MAX_ID, LatestQuery, SyncRequest, VersionsQuery
+from ckpt_engine.control.messages import MAX_ID, LatestQuery, SyncRequest, VersionRef, VersionsQuery
 
 # Bounded like every id on the wire: a larger path value is a 422, not an OverflowError (500) in the store.
 _MAX_WAITING = 64
@@ -110,16 +111,16 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
     # Declares the bearer scheme in the OpenAPI document; LimitsAndAuth does the checking (also for 404s).
     auth = [] if authority.open else [Depends(HTTPBearer(auto_error=False))]
 
-    def call(name: str, request: Request, body: dict[str, Any] | None = None) -> Any:
-        """The operation of server/operations.py, as the ZMQ plane calls it: the roles the token holds must
-        include one it allows."""
+    def call(name: str, request: Request, parsed: BaseModel | None = None) -> Any:
+        """The operation of server/operations.py with the request FastAPI parsed, as the ZMQ plane calls it:
+        the roles the token holds must include one it allows."""
         operation = OPERATIONS[name]
         roles = getattr(request.state, "roles", set())
-        allowed = operation.roles(body or {})
+        allowed = operation.roles({})
         if not roles & allowed:
             raise Forbidden(f"{name} needs a token of role {' or '.join(sorted(allowed))}; this one is "
                             f"{', '.join(sorted(roles)) or 'none'}")
-        return operation.run(controller, body or {}, roles)
+        return operation.run(controller, parsed if parsed is not None else NoBody(), roles)
     guarded = (401, 413)  # what LimitsAndAuth can answer on every operation but /health
     # Requests that wait on agents (sync with wait, evict) wait asynchronously, never in a worker thread, so
     # /health and reads are never queued behind them; at most this many wait at once (then 429).
@@ -168,7 +169,7 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
     async def sync(body: SyncRequest, request: Request) -> Any:
         if body.wait and waiting.locked():
             raise TooManyRequests(f"{_MAX_WAITING} requests are waiting already; retry later or do not wait")
-        record = await anyio.to_thread.run_sync(lambda: call("sync", request, body.model_dump()))
+        record = await anyio.to_thread.run_sync(lambda: call("sync", request, body))
         version = record["id"]
         if not body.wait:
             return JSONResponse({"version": version, "status_url": str(request.url_for("version", version=version))},
@@ -181,12 +182,12 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
     @app.get("/versions", summary="Version history, newest first (page with before=next_before)",
              dependencies=auth, response_model=VersionList, responses=error_responses(*guarded, 422, 503))
     def versions(request: Request, query: Annotated[VersionsQuery, Query()]) -> dict:
-        return call("versions", request, query.model_dump())
+        return call("versions", request, query)
 
     @app.get("/versions/latest", summary="The newest version (any status)", dependencies=auth,
              response_model=VersionOut, responses=error_responses(*guarded, 404, 422, 503))
     def latest(request: Request, query: Annotated[LatestQuery, Query()]) -> dict:
-        return call("latest", request, query.model_dump())
+        return call("latest", request, query)
 
     @app.delete("/versions/latest", include_in_schema=False)
     def evict_latest() -> None:
@@ -196,13 +197,13 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
     @app.get("/versions/{version}", name="version", summary="One version's record", dependencies=auth,
              response_model=VersionOut, responses=error_responses(*guarded, 404, 422, 503))
     def version(version: VersionId, request: Request) -> dict:
-        return call("version", request, {"version": version})
+        return call("version", request, VersionRef(version=version))
 
     @app.post("/versions/{version}/push", status_code=202, summary="Re-push a cached version (rollback)",
               dependencies=auth, response_model=PushAccepted,
               responses=error_responses(*guarded, 403, 404, 409, 422, 503))
     def push(version: VersionId, request: Request) -> JSONResponse:
-        record = call("push", request, {"version": version})
+        record = call("push", request, VersionRef(version=version))
         return JSONResponse({"version": record["id"], "source_version": version,
                              "status_url": str(request.url_for("version", version=record["id"]))}, status_code=202)
 
@@ -212,7 +213,7 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
     async def evict(version: VersionId, request: Request) -> dict:
         if waiting.locked():
             raise TooManyRequests(f"{_MAX_WAITING} requests are waiting already; retry later")
-        await anyio.to_thread.run_sync(lambda: call("evict", request, {"version": version}))
+        await anyio.to_thread.run_sync(lambda: call("evict", request, VersionRef(version=version)))
         record = await wait_for(lambda: controller.evicted(version), _EVICT_WAIT_S)
         if record is None:
             raise Unavailable(f"the trainer did not confirm eviction of version {version} in {_EVICT_WAIT_S:.0f}s")

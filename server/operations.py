@@ -1,7 +1,9 @@
-"""Every operation of the daemon, once: what it takes, which roles may call it, and what it does. The ZMQ
-server dispatches a message's ``type`` here; the HTTP routes call the same entries, so both control planes
-check the same roles, parse the same models and give the same answers. (How a caller waits for a version
-to end differs by plane: ZMQ parks the reply, HTTP waits asynchronously.)"""
+"""Every operation of the daemon, once: the model of its request, which roles may call it, and what it does.
+Each plane parses a request into that model once (the ZMQ server from a frame, strictly: a typed frame's
+"1" is not a number; the HTTP routes through FastAPI from a body, query or path) and hands the parsed request
+to ``run``, which hands it on to the controller: no dump and re-parse on the way. Both planes check the same
+roles and give the same answers. (How a caller waits for a version to end differs by plane: ZMQ parks the
+reply, HTTP waits asynchronously.)"""
 
 from __future__ import annotations
 
@@ -11,86 +13,90 @@ from typing import Any
 
 from ckpt_engine.server.controller import Controller
 from ckpt_engine.server.errors import NotFound
+from pydantic import BaseModel
 
 from ckpt_engine.control.auth import ANY_ROLE, Role
 from ckpt_engine.control.messages import (FrameworkSyncRequest, LatestQuery, Poll, PollReply, Register, Report,
-                                          Unregister, VersionRef, VersionsQuery, parse_body)
+                                          SyncRequest, Unregister, VersionRef, VersionsQuery, parse_body)
 
 AGENTS: frozenset[Role] = frozenset({"trainer", "rollout"})
-Handler = Callable[[Controller, dict[str, Any], set[Role]], Any]
+
+
+class NoBody(BaseModel):
+    """Operations that take nothing (a body's keys are ignored)."""
 
 
 @dataclass(frozen=True)
 class Operation:
     name: str
-    roles: Callable[[dict[str, Any]], frozenset[Role]]  # who may call it, given its body
-    run: Handler
+    model: type[BaseModel]  # what the request is parsed into
+    roles: Callable[[dict[str, Any]], frozenset[Role]]  # who may call it, given its raw body (before parsing)
+    run: Callable[[Controller, Any, set[Role]], Any]  # (the controller, the parsed request, the caller's roles)
+    strict: bool = False  # parse a frame strictly (reads whose HTTP twins take typed query/path values)
+
+    def parse(self, body: dict[str, Any]) -> Any:
+        return parse_body(self.model, body, strict=self.strict or None)
 
 
-def _register(controller: Controller, body: dict, roles: set[Role]) -> dict:
-    return controller.register(parse_body(Register, body)).model_dump()
+def _register(controller: Controller, message: Register, roles: set[Role]) -> dict:
+    return controller.register(message).model_dump()
 
 
-def _poll(controller: Controller, body: dict, roles: set[Role]) -> Poll:
+def _poll(controller: Controller, poll: Poll, roles: set[Role]) -> Poll:
     """Acknowledges what the previous reply carried; the assignment (or none) is the plane's to answer."""
-    poll = parse_body(Poll, body)
     controller.acknowledge(poll, roles)  # first: an acknowledged assignment must not be sent again
     return poll
 
 
-def _report(controller: Controller, body: dict, roles: set[Role]) -> dict:
-    controller.report(parse_body(Report, body), roles)
+def _report(controller: Controller, message: Report, roles: set[Role]) -> dict:
+    controller.report(message, roles)
     return {}
 
 
-def _unregister(controller: Controller, body: dict, roles: set[Role]) -> dict:
-    leaving = parse_body(Unregister, body)
+def _unregister(controller: Controller, leaving: Unregister, roles: set[Role]) -> dict:
     controller.unregister(leaving.agent_id, leaving.session, roles)
     return {}
 
 
-def _sync(controller: Controller, body: dict, roles: set[Role]) -> dict:
-    request = parse_body(FrameworkSyncRequest, body)  # (over HTTP the route's SyncRequest refused receivers)
-    if request.receivers is not None:  # a framework's own sync, opened by its trainer rank 0
-        return controller.framework_sync(request, roles)
-    return controller.request_sync(step=request.step, bypass_cpu=request.bypass_cpu, sparse=request.sparse).to_dict()
+def _sync(controller: Controller, request: SyncRequest, roles: set[Role]) -> dict:
+    if isinstance(request, FrameworkSyncRequest) and request.receivers is not None:
+        return controller.framework_sync(request, roles)  # a framework's own sync, opened by its trainer rank 0
+    return controller.request_sync(request).to_dict()
 
 
-def _versions(controller: Controller, body: dict, roles: set[Role]) -> dict:
-    query = parse_body(VersionsQuery, body, strict=True)
+def _versions(controller: Controller, query: VersionsQuery, roles: set[Role]) -> dict:
     rows = controller.history.list(limit=query.limit, status=query.status, before=query.before)
     return {"versions": [r.to_dict() for r in rows], "next_before": rows[-1].id if len(rows) == query.limit else None}
 
 
-def _version(controller: Controller, body: dict, roles: set[Role]) -> dict:
-    version = parse_body(VersionRef, body, strict=True).version
-    record = controller.history.get(version)
+def _version(controller: Controller, ref: VersionRef, roles: set[Role]) -> dict:
+    record = controller.history.get(ref.version)
     if record is None:
-        raise NotFound(f"version {version} is unknown")
+        raise NotFound(f"version {ref.version} is unknown")
     return record.to_dict()
 
 
-def _latest(controller: Controller, body: dict, roles: set[Role]) -> dict:
-    record = controller.history.latest(status=parse_body(LatestQuery, body, strict=True).status)
+def _latest(controller: Controller, query: LatestQuery, roles: set[Role]) -> dict:
+    record = controller.history.latest(status=query.status)
     if record is None:
         raise NotFound("no versions yet")
     return record.to_dict()
 
 
-def _push(controller: Controller, body: dict, roles: set[Role]) -> dict:
-    return controller.push(parse_body(VersionRef, body, strict=True).version).to_dict()
+def _push(controller: Controller, ref: VersionRef, roles: set[Role]) -> dict:
+    return controller.push(ref.version).to_dict()
 
 
-def _evict(controller: Controller, body: dict, roles: set[Role]) -> dict:
+def _evict(controller: Controller, ref: VersionRef, roles: set[Role]) -> dict:
     """Asks the trainer to evict; the HTTP route then waits for its confirmation."""
-    return controller.request_evict(parse_body(VersionRef, body, strict=True).version).to_dict()
+    return controller.request_evict(ref.version).to_dict()
 
 
-def _status(controller: Controller, body: dict, roles: set[Role]) -> dict:
+def _status(controller: Controller, _: NoBody, roles: set[Role]) -> dict:
     return controller.status()
 
 
-def _receivers(controller: Controller, body: dict, roles: set[Role]) -> dict:
+def _receivers(controller: Controller, _: NoBody, roles: set[Role]) -> dict:
     return {"agents": controller.agents_public()}
 
 
@@ -104,19 +110,21 @@ def _registering(body: dict[str, Any]) -> frozenset[Role]:
 
 
 OPERATIONS: dict[str, Operation] = {op.name: op for op in (
-    Operation("register", _registering, _register),
-    Operation("poll", _fixed("trainer", "rollout"), _poll),
-    Operation("report", _fixed("trainer", "rollout"), _report),
-    Operation("unregister", _fixed("trainer", "rollout"), _unregister),
-    Operation("sync", _fixed("operator", "trainer"), _sync),  # trainers ask from their loop (agent.push)
-    Operation("push", _fixed("operator"), _push),
-    Operation("evict", _fixed("operator"), _evict),
-    Operation("versions", _fixed(), _versions),
-    Operation("version", _fixed(), _version),
-    Operation("latest", _fixed(), _latest),
-    Operation("status", _fixed(), _status),
-    Operation("receivers", _fixed(), _receivers),
+    Operation("register", Register, _registering, _register),
+    Operation("poll", Poll, _fixed("trainer", "rollout"), _poll),
+    Operation("report", Report, _fixed("trainer", "rollout"), _report),
+    Operation("unregister", Unregister, _fixed("trainer", "rollout"), _unregister),
+    # trainers ask from their loop (agent.push); a frame may name a framework's receivers (HTTP's SyncRequest
+    # refuses them as an unknown key)
+    Operation("sync", FrameworkSyncRequest, _fixed("operator", "trainer"), _sync),
+    Operation("push", VersionRef, _fixed("operator"), _push, strict=True),
+    Operation("evict", VersionRef, _fixed("operator"), _evict, strict=True),
+    Operation("versions", VersionsQuery, _fixed(), _versions, strict=True),
+    Operation("version", VersionRef, _fixed(), _version, strict=True),
+    Operation("latest", LatestQuery, _fixed(), _latest, strict=True),
+    Operation("status", NoBody, _fixed(), _status),
+    Operation("receivers", NoBody, _fixed(), _receivers),
 )}
 
 
-__all__ = ["AGENTS", "OPERATIONS", "Operation", "PollReply"]
+__all__ = ["AGENTS", "OPERATIONS", "NoBody", "Operation", "PollReply"]

@@ -26,7 +26,7 @@ from ckpt_engine.server.history import TERMINAL
 from ckpt_engine.server.operations import OPERATIONS
 
 from ckpt_engine.control.auth import ANY_ROLE, Role
-from ckpt_engine.control.messages import FrameworkSyncRequest, Poll, PollReply, decode_frame, encode_frame, parse_body
+from ckpt_engine.control.messages import Poll, PollReply, decode_frame, encode_frame
 from ckpt_engine.errors import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -160,13 +160,12 @@ class ZmqServer:
             self.authority.require(token, ANY_ROLE, "any request")
             raise BadRequest(f"unknown message type {kind!r}")
         roles = self.authority.require(token, operation.roles(body), f"{kind!r}")
-        result = operation.run(self.controller, body, roles)
+        request = operation.parse(body)
+        result = operation.run(self.controller, request, roles)
         if kind == "poll":  # answered when there is work, or parked until there is (or its wait ends)
             return self._poll_reply(message, envelope, encoding, result, roles)
-        if kind == "sync":  # waits as the parsed request says, the same as over HTTP
-            request = parse_body(FrameworkSyncRequest, body)
-            if request.wait and len(self._parked) < _MAX_PARKED:
-                return self._park_until_terminal(message, envelope, encoding, result["id"], request.timeout_s)
+        if kind == "sync" and request.wait and len(self._parked) < _MAX_PARKED:  # waits as over HTTP
+            return self._park_until_terminal(message, envelope, encoding, result["id"], request.timeout_s)
         return result
 
     def _poll_reply(self, message: dict, envelope: list[bytes], encoding: str, poll: Poll,

@@ -1,4 +1,4 @@
-"""The registration rule (server/claims.py) as a table: what a registrant may claim about membership given
+"""The registration rule (server/decisions/claims.py) as a table: what a registrant may claim about membership given
 the agents registered now. Pure: no daemon, no clock (the time is an argument)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 from ckpt_engine.server.agents import Agent
-from ckpt_engine.server.claims import judge_registration
+from ckpt_engine.server.decisions.claims import judge_registration
 
 from ckpt_engine.control.messages import Register
 

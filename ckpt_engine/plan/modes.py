@@ -18,8 +18,19 @@ def mode_of(bypass_cpu: bool) -> Mode:
 
 
 def check_sparse(mode: Mode, sparse: bool) -> None:
+    """The one sparse rule: sparse versions are cached ones."""
     if sparse and mode == "bypass_cpu":
         raise ConfigError(SPARSE_NEEDS_THE_CACHE)
+
+
+def resolve(bypass_cpu: bool | None, sparse: bool | None, *, default_bypass_cpu: bool,
+            default_sparse: bool) -> tuple[Mode, bool]:
+    """A request's mode and sparse flag: what it says, else the deployment's (the one place a default is
+    applied, for every path); checked together (ConfigError)."""
+    mode = mode_of(default_bypass_cpu if bypass_cpu is None else bypass_cpu)
+    wanted = default_sparse if sparse is None else sparse
+    check_sparse(mode, wanted)
+    return mode, wanted
 
 
 def check_mode(mode: object) -> Mode:

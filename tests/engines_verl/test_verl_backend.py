@@ -176,7 +176,7 @@ def test_sparse_syncs_send_only_what_changed_and_the_rollouts_get_it_byte_exact(
             assert rollout.get("received") == fingerprint(model_weights(3)), rollout
     finally:
         cluster.close()
-    with pytest.raises(ConfigError, match="sparse needs the cached mode"):
+    with pytest.raises(ConfigError, match="sparse works from the host cache"):
         from ckpt_engine.workers.adapters.verl.sync import VerlSync
 
         VerlSync(BUCKET_SIZE, sparse=True, bypass_cpu=True)

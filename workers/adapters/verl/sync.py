@@ -40,6 +40,7 @@ from ckpt_engine.workers.trainer_agent import evict
 
 from ckpt_engine.device import DeviceInfo, detect_device, synchronize
 from ckpt_engine.errors import ApplyRefused, CkptEngineError, ConfigError, SyncTimeoutError
+from ckpt_engine.plan.modes import check_sparse, mode_of
 from ckpt_engine.receive.assembly import VersionAssembler, VersionPayload
 from ckpt_engine.receive.collective import Receiver, ReceiveResult
 from ckpt_engine.send.publisher import Ownership, Publisher
@@ -159,12 +160,13 @@ class VerlSync:
         # actor rank 0: versions the daemon gave no verdict on (it was down or stalled); asked again at the next
         # sync, and dropped too unless it recorded them committed
         self._unjudged: list[int] = []
-        self.mode = "bypass_cpu" if bypass_cpu else "cached"
+        self.bypass_cpu, self.mode = bypass_cpu, mode_of(bypass_cpu)
         if not isinstance(sparse, bool):
             raise ConfigError(f"engine_kwargs.{BACKEND}.sparse must be true or false, got {sparse!r}")
-        if sparse and bypass_cpu:
-            raise ConfigError(f"engine_kwargs.{BACKEND}: sparse needs the cached mode (bypass_cpu keeps no copy to "
-                              "compare with)")
+        try:
+            check_sparse(mode_of(bypass_cpu), sparse)
+        except ConfigError as exc:
+            raise ConfigError(f"engine_kwargs.{BACKEND}: {exc}") from None
         self.sparse = sparse
         self.host = host
         self.device_name = device
@@ -434,7 +436,7 @@ class VerlSync:
                 # the last sync's outcome first: it goes on another connection, which a daemon that was stalled
                 # may read after this one (the last version would be superseded with its outcome on the way)
                 agent.flush_reports(max(deadline - time.monotonic(), 0.0))
-                record = agent.open_version(receivers, bypass_cpu=self.mode == "bypass_cpu", deadline=deadline,
+                record = agent.open_version(receivers, bypass_cpu=self.bypass_cpu, deadline=deadline,
                                             limit_s=min(3 * self.timeout_s + self.load_timeout_s, _MAX_WAIT_S))
                 sync = {"version": int(record["id"]), "source_version": record.get("source_version"),
                         "expected_digest": record.get("expected_digest"), "keep": record.get("keep") or []}

@@ -1,0 +1,113 @@
+"""The commit rule (pure): whether a version committed, judged from the receivers' own reports.
+
+A version commits when:
+- the trainer sent it with a digest, and that digest is the version's: for a new version, what the trainer
+  sent; for a re-push (rollback, catch-up, repair), what the history recorded for its source when it
+  committed, never digests recomputed from the cache now;
+- enough receivers of its quorum reported, themselves, a digest equal to the version's: ``min_receivers``
+  (at most the quorum), or every one for a policy that needs every receiver (a framework's sync);
+- and no engine's driver failed to apply it (the workers of an engine succeed or fail together).
+The trainer's relayed acknowledgements are evidence in the record, never a vote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ckpt_engine.control.messages import ReceiverAck, Report
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str  # committed | failed
+    reason: str | None
+    entries: list[dict]  # per quorum member, for the history
+    stages: dict[str, float]
+    committed: list[str]  # agent ids that committed it (they proved they hold a whole version)
+    silent: list[str]  # quorum members that never reported their own outcome
+
+
+def expected_digest(done: Report, source_digest: str | None, source: int | None) -> tuple[str | None, str | None]:
+    """The digest receivers must have computed, and why the trainer's bytes are not the version's (None: they
+    are). ``source``/``source_digest``: a re-push's source version and the digest recorded for it."""
+    if source is None:
+        return done.version_digest, None
+    if done.version_digest is not None and done.version_digest != source_digest:
+        return source_digest, (f"the trainer re-sent version {source} with digest {done.version_digest}, but it "
+                               f"committed as {source_digest}: the cached copy changed since")
+    return source_digest, None
+
+
+def receiver_verdict(own: Report | None, expected: str | None, wire_ack: ReceiverAck | None) -> tuple[bool, str | None]:
+    """A receiver's verdict: its own report, with the digest it computed equal to the version's."""
+    if own is None:
+        seen = f" (the trainer saw: {wire_ack.reason or ('ok' if wire_ack.ok else 'failed')})" if wire_ack else ""
+        return False, f"did not report its own outcome{seen}"
+    if not own.ok:
+        return False, own.reason or "failed"
+    if expected is None:
+        return False, "the trainer has no digest for this version"
+    if own.version_digest != expected:
+        return False, f"its digest {own.version_digest} differs from the version's {expected}"
+    return True, None
+
+
+def judge(quorum: Mapping[str, int], reports: Mapping[str, Report], done: Report, *,
+          engines: Mapping[str, Sequence[str]], applied: Mapping[str, Report], owner_failures: Mapping[int, str],
+          transports: Mapping[str, str | None], expected: str | None, stale: str | None, need: int) -> Outcome:
+    """The version's outcome: ``need`` receivers must have committed it (see the module's rule)."""
+    wire = {ack.rank: ack for ack in done.receivers}
+    stages = dict(done.stages)
+    entries = []
+    for agent_id, rank in quorum.items():
+        own = reports.get(agent_id)
+        ok, reason = receiver_verdict(own, expected, wire.get(rank))
+        entries.append({"rank": rank, "agent_id": agent_id, "transport": transports.get(agent_id), "ok": ok,
+                        "reason": reason, "version_digest": own.version_digest if own else None,
+                        "seconds": own.stages if own else {}, "missing_report": own is None})
+        for stage in ("load", "verify"):
+            seconds = own.stages.get(stage) if own else None
+            if seconds is not None:
+                stages[stage] = max(stages.get(stage, 0.0), seconds)
+    _engines_together(engines, applied, entries)
+    committed = [e["agent_id"] for e in entries if e["ok"]]
+    ok = expected is not None and stale is None and len(committed) >= need
+    failures = [e for e in entries if not e["ok"]]
+    if ok:
+        reason = (f"committed by {len(committed)} of {len(quorum)} receivers; "
+                  + "; ".join(f"rank {e['rank']}: {e['reason']}" for e in failures)) if failures else None
+    else:
+        reason = _failure_reason(done, failures, owner_failures, stale) or \
+            f"{len(committed)}/{len(quorum)} receivers committed, {need} needed"
+    return Outcome("committed" if ok else "failed", reason, entries, stages, committed if ok else [],
+                   [a for a in quorum if a not in reports])
+
+
+def _engines_together(engines: Mapping[str, Sequence[str]], applied: Mapping[str, Report], entries: list[dict]) -> None:
+    for engine, members in engines.items():
+        mine = [e for e in entries if e["agent_id"] in members]
+        failed = [e for e in mine if not e["ok"]]
+        done = applied.get(engine)
+        if done is not None and not done.ok:
+            why = f"engine {engine} driver: {done.reason}"
+        elif failed:
+            why = f"engine {engine}: rank {failed[0]['rank']} failed"
+        else:
+            continue
+        for entry in mine:
+            if entry["ok"]:
+                entry.update(ok=False, reason=why)
+
+
+def _failure_reason(done: Report, failures: list[dict], owner_failures: Mapping[int, str], stale: str | None) -> str:
+    """Each cause once: the trainer's own (without the receivers' failures it relays: their own reports say
+    them better), other owner ranks', and each receiver's (one told of the sender's abort repeats the sender's
+    reason: said once, by the sender)."""
+    judged = {f"rank {e['rank']}:" for e in failures}
+    trainer = [part for part in (done.reason or "").split("; ") if not done.ok and part
+               and not any(part.startswith(prefix) for prefix in judged)]
+    owners = [f"owner rank {rank}: {why}" for rank, why in sorted(owner_failures.items())]
+    receivers = [f"rank {e['rank']}: " + ("aborted by the sender" if done.reason and e["reason"]
+                                          and done.reason in e["reason"] else e["reason"]) for e in failures]
+    return "; ".join(dict.fromkeys(filter(None, [stale, *trainer, *owners, *receivers])))

@@ -1,0 +1,136 @@
+"""Who takes a version: the quorum rule, and what it implies (owners, transports, sparse base). Pure: the
+agents and the time are arguments.
+
+A receiver joins a regular version when it is heard from (within its poll wait and half a heartbeat), able
+to receive (not benched), not a framework's (verl's workers take only verl's own syncs), and, for a worker
+of a driven engine, when all of its engine's workers are so and its driver is heard from: an engine is one
+model, in or out whole. One that holds no whole version (new, torn, or of unknown state) is first brought
+one alone from the cache (catch-up, repair) whenever the cache can: so one that cannot receive fails no one
+else's version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from ckpt_engine.server.agents import Agent
+
+# (a receiver) -> the cached version a repair or catch-up would bring it, or None when the cache has none
+RepairSource = Callable[[Agent], "int | None"]
+
+
+def heard(agent: Agent, now: float, heartbeat_s: float) -> bool:
+    return agent.heartbeating(now, heartbeat_s)
+
+
+def engine_ready(receiver: Agent, ready: Sequence[Agent], driver: Agent | None, now: float,
+                 heartbeat_s: float) -> bool:
+    """Every worker of the receiver's engine is ready and its driver is heard from."""
+    members = [m for m in ready if m.engine == receiver.engine and m.driven]
+    return driver is not None and heard(driver, now, heartbeat_s) and len(members) == receiver.members
+
+
+def needs_catch_up(receiver: Agent, pool: Sequence[Agent]) -> bool:
+    """It holds no whole version proven under this registration, or (a driven worker) a worker of its engine
+    does not: what a newcomer says it holds is a claim until a version of its own proves it."""
+    if not receiver.driven:
+        return not receiver.model.whole()
+    return any(not m.model.whole() for m in pool if m.engine == receiver.engine and m.driven)
+
+
+def candidates(receivers: Sequence[Agent], drivers: Mapping[str, Agent], now: float, heartbeat_s: float, *,
+               regular: bool, repair_source: RepairSource) -> list[Agent]:
+    """Receivers that can be put into a quorum now (``regular``: of a regular version, which leaves out the
+    ones a catch-up can bring a version first)."""
+    ready = [r for r in receivers if heard(r, now, heartbeat_s) and r.model.able(now) and r.framework is None]
+    whole = [r for r in ready if not r.driven or engine_ready(r, ready, drivers.get(r.engine or ""), now,
+                                                              heartbeat_s)]
+    if not regular:
+        return whole
+    return [r for r in whole if not (needs_catch_up(r, whole) and repair_source(r) is not None)]
+
+
+def why_out(receiver: Agent, receivers: Sequence[Agent], drivers: Mapping[str, Agent], now: float,
+            heartbeat_s: float, repair_source: RepairSource) -> str:
+    """Why a registered receiver is not in a quorum now (what an operator needs to act on)."""
+    model = receiver.model
+    if not heard(receiver, now, heartbeat_s):
+        return f"silent for {now - receiver.last_seen:.1f}s"
+    if not model.able(now):
+        return f"out for {model.unable_until - now:.0f}s more: {model.unable}"
+    if receiver.framework is not None:
+        return f"a {receiver.framework} worker (takes only {receiver.framework}'s own syncs)"
+    if model.torn is not None:
+        return f"torn ({model.torn}); it is repaired from the cache first"
+    driver = drivers.get(receiver.engine or "")
+    ready = [m for m in receivers if heard(m, now, heartbeat_s) and m.model.able(now)]
+    if receiver.driven and not engine_ready(receiver, ready, driver, now, heartbeat_s):
+        live = sum(1 for m in receivers if m.engine == receiver.engine and m.driven and heard(m, now, heartbeat_s))
+        said = "missing" if driver is None else "silent" if not heard(driver, now, heartbeat_s) else "alive"
+        return f"engine {receiver.engine} is incomplete: {live} of {receiver.members} worker(s) heard from, driver {said}"
+    if needs_catch_up(receiver, [receiver]) and repair_source(receiver) is not None:
+        return "new here: it takes a version of its own from the cache first (catch-up)"
+    return f"not due (sync_every {receiver.sync_every})"
+
+
+def quorum_problem(trainer: Agent | None, receivers: Sequence[Agent], everyone: Sequence[Agent],
+                   drivers: Mapping[str, Agent], min_receivers: int, now: float, heartbeat_s: float,
+                   repair_source: RepairSource) -> str | None:
+    """Why a version cannot start with these receivers (None: it can)."""
+    if trainer is None:
+        return "no trainer agent (role trainer, rank 0) is registered"
+    if not heard(trainer, now, heartbeat_s):
+        return (f"trainer agent {trainer.agent_id} has not been heard from for {now - trainer.last_seen:.1f}s "
+                "(stalled or cut off?)")
+    need = max(min_receivers, 1)
+    if len(receivers) >= need:
+        return None
+    out = [f"receiver {r.agent_id}: {why_out(r, everyone, drivers, now, heartbeat_s, repair_source)}"
+           for r in everyone if r not in receivers]
+    return (f"{len(receivers)} receiver(s) registered, heartbeating and able to receive, at least {need} needed "
+            f"(min_receivers); " + ("; ".join(out) if out else "no receiver is registered"))
+
+
+def sparse_base(receivers: Sequence[Agent]) -> int | None:
+    """The version every receiver of the quorum serves whole, if they all serve the same one; else None (a
+    new, torn, lagging or unsettled receiver makes it a full version, and so does an engine that takes whole
+    versions only)."""
+    if any(r.whole_versions for r in receivers):
+        return None
+    held = {r.model.serving for r in receivers}
+    return held.pop() if len(held) == 1 else None
+
+
+def owners_for(trainer: Agent, trainers: Mapping[int, Agent], source_owners: int | None, transport: str,
+               now: float, heartbeat_s: float) -> int:
+    """How many trainer ranks own shares of a version: a re-push, as many as its source had; a new one, every
+    rank of the trainer job when each one's agent is heard from (else rank 0 sends everything and the others
+    only gather), unless the deployment wants the same-host path only (``transport: ipc``)."""
+    if source_owners is not None:
+        return source_owners
+    ranks = trainer.trainer_ranks
+    if ranks <= 1 or transport == "ipc":
+        return 1
+    return ranks if all(r in trainers and heard(trainers[r], now, heartbeat_s) for r in range(ranks)) else 1
+
+
+def transports(trainer: Agent, receivers: Sequence[Agent], owners: int, transport: str
+               ) -> tuple[list[Agent], str | None]:
+    """Which receivers take the same-host path (shared memory / CUDA IPC), per ``transport``: none for a
+    version several trainer ranks own (each sends on its own sync group); and why the version cannot go."""
+    if owners > 1:
+        if transport == "ipc":
+            return [], f"transport is ipc, but this version is owned by {owners} trainer ranks"
+        return [], None
+    colocated = [r for r in receivers if transport != "collective" and colocatable(trainer, r)]
+    if transport == "ipc" and len(colocated) < len(receivers):
+        far = [r.agent_id for r in receivers if r not in colocated]
+        return [], f"transport is ipc, but receiver(s) {far} are not on the trainer's host with its device kind"
+    return colocated, None
+
+
+def colocatable(trainer: Agent, receiver: Agent) -> bool:
+    """Same kernel and network namespace, and the same kind of device where IPC exists (CPU, CUDA)."""
+    kind = trainer.device.split(":")[0]
+    return (trainer.host_id is not None and receiver.host_id == trainer.host_id
+            and receiver.device.split(":")[0] == kind and kind in ("cpu", "cuda"))

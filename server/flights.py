@@ -1,0 +1,302 @@
+"""The version in flight, from its start to its end: the shell around the commit rule.
+
+    requested -> snapshotting -> transferring -> verifying -> committed | failed (reason) | cancelled | interrupted
+
+One version is in flight at a time. ``Flights`` assigns its sends and receives (a plain version) or records
+the quorum a framework named, takes the reports (the trainer's stages and outcome, the receivers' own
+outcomes, the drivers' applies) and moves each receiver's model, ends the version once the trainer is done
+and every receiver reported (or the acknowledgement time ran out), judges it (decisions/commit.py), writes the
+history and benches the receivers that failed it for everyone. Not thread-safe by itself: the controller
+calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ckpt_engine.server.agents import Agent, AgentRegistry
+from ckpt_engine.server.cache_book import CacheBook
+from ckpt_engine.server.decisions.commit import expected_digest, judge
+from ckpt_engine.server.decisions.policy import PLAIN, SyncPolicy
+from ckpt_engine.server.history import HistoryStore, VersionRecord
+from ckpt_engine.server.metrics import Metrics
+
+from ckpt_engine.config import EngineConfig
+from ckpt_engine.control.messages import Assignment, Report
+from ckpt_engine.plan.modes import Mode
+
+log = logging.getLogger(__name__)
+_ORDER = {"requested": 0, "snapshotting": 1, "transferring": 2, "verifying": 3}
+
+
+@dataclass
+class InFlight:
+    version: int
+    mode: Mode
+    trainer: str
+    quorum: dict[str, int]  # receiver agent id -> rank in the sync group
+    engines: dict[str, list[str]]  # driven engines in the quorum -> their members' agent ids
+    purpose: str
+    started: float
+    policy: SyncPolicy = PLAIN
+    limit_s: float | None = None  # its own time limit (a framework's timeouts), else timeouts.version_s
+    reports: dict[str, Report] = field(default_factory=dict)  # receivers' own outcomes, by agent id
+    applied: dict[str, Report] = field(default_factory=dict)  # drivers' outcomes, by engine
+    apply_sent: set[str] = field(default_factory=set)
+    done: Report | None = None  # the trainer's
+    done_at: float = 0.0
+    owner_failures: dict[int, str] = field(default_factory=dict)  # other owner ranks' own failures, by rank
+
+
+class Flights:
+    def __init__(self, config: EngineConfig, history: HistoryStore, metrics: Metrics, agents: AgentRegistry,
+                 book: CacheBook, clock: Callable[[], float], on_end: Callable[[], None]) -> None:
+        self.config, self.history, self.metrics, self.agents, self.book = config, history, metrics, agents, book
+        self.clock, self.on_end = clock, on_end
+        self.current: InFlight | None = None
+        self.generation = 0
+        self.group_dirty = False  # the sync group must be rebuilt for the next version
+        self._membership: tuple[str, ...] = ()
+
+    # ---- starting ------------------------------------------------------------------------------------
+    def start(self, record: VersionRecord, trainer: Agent, receivers: list[Agent], colocated: list[Agent], *,
+              source: VersionRecord | None, sparse_base: int | None, sparse: bool, purpose: str, owners: int,
+              keep: list[int]) -> None:
+        """A version the daemon drives: every receiver and the trainer are assigned their part."""
+        remote = [r for r in receivers if r not in colocated]
+        trainers = self.agents.trainers()
+        owner_ids = [trainers[r].agent_id for r in range(owners) if r in trainers] if owners > 1 else [trainer.agent_id]
+        # (with another number of owners the receivers join other groups: a new generation, fresh store keys)
+        membership = (*owner_ids, f"owners={owners}", *(r.agent_id for r in remote), "|",
+                      *(r.agent_id for r in colocated))
+        if membership != self._membership or self.group_dirty:
+            self.generation += 1
+            self._membership, self.group_dirty = membership, False
+            log.info("sync group generation %d: trainer %s + %d remote and %d colocated receiver(s)",
+                     self.generation, trainer.agent_id, len(remote), len(colocated))
+        common = dict(version=record.id, mode=record.mode, step=record.step, generation=self.generation,
+                      world_size=1 + len(remote), owners=owners)
+        quorum = {r.agent_id: rank for rank, r in enumerate(remote + colocated, start=1)}
+        for receiver in remote:
+            receiver.pending.append(Assignment(kind="receive", rank=quorum[receiver.agent_id], **common))
+        for receiver in colocated:
+            receiver.pending.append(Assignment(kind="receive", rank=quorum[receiver.agent_id], transport="ipc",
+                                               ipc_name=trainer.ipc_name, **common))
+        trainer.pending.append(Assignment(
+            kind="send", rank=0, source_version=source.id if source else None, sparse_base=sparse_base,
+            sparse=sparse, expected_digest=source.version_digest if source else None, keep=keep,
+            ipc_peers={r.agent_id: quorum[r.agent_id] for r in colocated}, **common))
+        engines: dict[str, list[str]] = {}
+        for receiver in receivers:
+            if receiver.driven and receiver.engine is not None:
+                engines.setdefault(receiver.engine, []).append(receiver.agent_id)
+        self.current = InFlight(record.id, record.mode, trainer.agent_id, quorum, engines, purpose, self.clock())
+        self.history.update(record.id, purpose=purpose, owners=owners, receivers=[
+            {"rank": r, "agent_id": a, "transport": "ipc" if any(c.agent_id == a for c in colocated) else "collective"}
+            for a, r in quorum.items()])
+        self.metrics.in_flight.set(1)
+
+    def open(self, record: VersionRecord, trainer: Agent, receivers: list[Agent], *, policy: SyncPolicy,
+             owners: int, limit_s: float | None) -> VersionRecord:
+        """A version a framework drives on its own groups: nothing is assigned, its named workers report."""
+        purpose = "push" if record.source_version else "sync"
+        quorum = {r.agent_id: rank for rank, r in enumerate(receivers, start=1)}
+        self.current = InFlight(record.id, record.mode, trainer.agent_id, quorum, {}, purpose, self.clock(),
+                                policy=policy, limit_s=limit_s)
+        self.metrics.in_flight.set(1)
+        return self.history.update(record.id, purpose=purpose, owners=owners, receivers=[
+            {"rank": rank, "agent_id": agent_id, "transport": "collective"} for agent_id, rank in quorum.items()])
+
+    # ---- reports -------------------------------------------------------------------------------------
+    def trainer_event(self, flight: InFlight, message: Report) -> None:
+        if message.group_broken:
+            self.group_dirty = True
+        if message.event in _ORDER:
+            current = self.history.get(flight.version)
+            if current and _ORDER.get(message.event, 0) > _ORDER.get(current.status, 99):
+                step = {"step": message.step} if current.step is None and message.step is not None else {}
+                self.history.update(flight.version, status=message.event, **step)
+        elif message.event == "done" and flight.done is None:
+            flight.done, flight.done_at = message, self.clock()
+            self.maybe_finish(flight)
+
+    def receiver_outcome(self, agent: Agent, message: Report, flight: InFlight | None) -> None:
+        """A receiver's own outcome: what its model holds now, and its vote on the version."""
+        model, now = agent.model, self.clock()
+        if message.ok:
+            model.took(message.version, driven=agent.driven)
+        elif message.torn:
+            self.tear([agent], message.reason or "its apply failed part way")
+        else:  # refused or not verified: the model holds what the receiver says (nothing changed)
+            held = message.serving if message.serving is not None and self.book.known([message.serving]) else None
+            model.refused(held, driven=agent.driven)
+        if message.unable:
+            delay = model.benched(message.unable, now)
+            log.warning("receiver %s cannot receive for now (%s); out of the quorum for %.0fs", agent.agent_id,
+                        message.unable, delay)
+        if flight is not None and agent.agent_id in flight.quorum:
+            if message.group_broken:
+                self.group_dirty = True
+            flight.reports.setdefault(agent.agent_id, message)
+            self.maybe_finish(flight)
+        elif flight is None:
+            self._late_outcome(agent, message)
+
+    def staged(self, agent: Agent, message: Report, flight: InFlight) -> None:
+        """A driven receiver verified the version; once every member of its engine has, the driver applies it."""
+        agent.model.staged_version(message.version)
+        engine = agent.engine
+        if engine is None or engine not in flight.engines or engine in flight.apply_sent:
+            return
+        members = [self.agents.get(a) for a in flight.engines[engine]]
+        if all(m is not None and m.model.staged == flight.version for m in members):
+            driver = self.agents.driver(engine)
+            if driver is not None:
+                driver.applying = flight.version
+                record = self.history.get(flight.version)
+                driver.pending.append(Assignment(kind="apply", version=flight.version, mode=flight.mode,
+                                                 step=record.step if record else None))
+                flight.apply_sent.add(engine)
+
+    def applied(self, driver: Agent, message: Report, flight: InFlight | None) -> None:
+        """A driver's outcome for its whole engine: members serve the version, or the engine is torn. Only the
+        outcome of the apply the daemon asked this driver for counts."""
+        if driver.engine is None or driver.applying != message.version:
+            log.warning("ignoring driver %s's outcome of version %d: it was not asked to apply it", driver.agent_id,
+                        message.version)
+            return
+        driver.applying = None
+        members = self.agents.engine_members(driver.engine)
+        if message.ok:
+            for member in members:
+                member.model.applied(message.version)
+        elif message.torn:
+            self.tear(members, f"engine {driver.engine}: {message.reason or 'apply failed part way'}")
+        if not message.ok:  # workers still holding the version staged would wait for it in vain
+            for member in members:
+                if member.model.staged == message.version:
+                    member.model.staged = None
+                    member.pending.append(Assignment(kind="discard", version=message.version,
+                                                     reason=f"the engine's driver failed: {message.reason}"[:2000]))
+        if flight is not None:
+            flight.applied[driver.engine] = message
+            self.maybe_finish(flight)
+
+    def tear(self, agents: list[Agent], reason: str) -> None:
+        for agent in agents:
+            agent.model.tore(reason)
+            log.warning("receiver %s is torn (%s); it will be repaired from the cache", agent.agent_id, reason)
+
+    def _late_outcome(self, agent: Agent, message: Report) -> None:
+        """An outcome that arrived after its version ended: correct that receiver's entry in the history."""
+        record = self.history.get(message.version)
+        if record is None:
+            return
+        entries = [dict(e) for e in record.receivers]
+        for entry in entries:
+            if entry.get("agent_id") == agent.agent_id and entry.get("missing_report"):
+                entry.update(ok=bool(message.ok), reason=message.reason, version_digest=message.version_digest,
+                             missing_report=False, reported_late=True, serving_after=agent.model.serving,
+                             torn=agent.model.torn is not None)
+                self.history.update(record.id, receivers=entries)
+                return
+
+    # ---- ending --------------------------------------------------------------------------------------
+    def maybe_finish(self, flight: InFlight) -> None:
+        """End the version once the trainer is done and every receiver of the quorum that is still registered
+        has reported its own outcome (or the acknowledgement time has passed since the trainer was done)."""
+        if flight.done is None or self.current is not flight:
+            return
+        if flight.done.version_digest is not None:  # without it nothing can commit: no need to hear receivers
+            waiting = [a for a in flight.quorum if a not in flight.reports and self.agents.get(a) is not None]
+            # and the drivers told to apply: what their engines serve afterwards goes into the record
+            waiting += [e for e in flight.apply_sent if e not in flight.applied and self.agents.driver(e) is not None]
+            if waiting and self.clock() - flight.done_at < self.config.timeouts.ack_s:
+                return
+        self._finish(flight, flight.done)
+
+    def _finish(self, flight: InFlight, done: Report) -> None:
+        record = self.history.get(flight.version)
+        source = self.history.get(record.source_version) if record and record.source_version is not None else None
+        expected, stale = expected_digest(done, source.version_digest if source else None,
+                                          source.id if source else None)
+        for agent_id in flight.quorum:  # what a receiver that never said holds is unknown: a full version next
+            agent = self.agents.get(agent_id)
+            if agent is not None and agent_id not in flight.reports:
+                agent.model.lost_track()
+        outcome = judge(flight.quorum, flight.reports, done, engines=flight.engines, applied=flight.applied,
+                        owner_failures=flight.owner_failures,
+                        transports={e["agent_id"]: e.get("transport") for e in (record.receivers if record else [])},
+                        expected=expected, stale=stale,
+                        need=flight.policy.need(len(flight.quorum), self.config.min_receivers))
+        for entry in outcome.entries:
+            agent = self.agents.get(entry["agent_id"])
+            entry.update(engine=agent.engine if agent else None,
+                         serving_after=agent.model.serving if agent else None,
+                         torn=agent is not None and agent.model.torn is not None)
+        # (other owners' shares: as far as their reports have come; each later report updates it)
+        cached = (flight.mode == "cached" and done.cache_versions is not None and flight.version in done.cache_versions
+                  and not self.book.missing_shares(flight.version))
+        self.history.update(flight.version, status=outcome.status, reason=outcome.reason, bytes=done.bytes,
+                            buckets=done.buckets, tensors_sent=done.tensors, tensors_skipped=done.tensors_skipped,
+                            bytes_skipped=done.bytes_skipped, stages=outcome.stages, receivers=outcome.entries,
+                            version_digest=done.version_digest, cached=cached)
+        if outcome.status != "committed" or any(not e["ok"] for e in outcome.entries):
+            self.group_dirty = True
+        if done.version_digest is not None:  # then the daemon waited for every receiver's own report
+            self._bench(flight, outcome.silent, "did not report its outcome of version {}")
+        by_rank = {rank: agent_id for agent_id, rank in flight.quorum.items()}
+        self._bench(flight, [by_rank[r] for r in done.absent_ranks if r in by_rank],
+                    "did not join the sync group of version {}", unproven=True)
+        for agent_id in outcome.committed:  # it took a whole version under this registration
+            agent = self.agents.get(agent_id)
+            if agent is not None:
+                agent.model.proved()
+        self._end(flight, outcome.status, done.bytes, outcome.stages)
+
+    def _bench(self, flight: InFlight, agent_ids: list[str], why: str, *, unproven: bool = False) -> None:
+        """Receivers that failed the version for everyone (silent about their outcome; never at its
+        rendezvous, cut off or not receivers at all): out of the quorum for a while, longer each time, and
+        back only through a version of their own."""
+        for agent_id in agent_ids:
+            agent = self.agents.get(agent_id)
+            if agent is not None:
+                delay = agent.model.benched(why.format(flight.version), self.clock(), unproven=unproven)
+                log.warning("receiver %s %s; out of the quorum for %.0fs", agent_id, why.format(flight.version), delay)
+
+    def fail(self, flight: InFlight, reason: str, status: str = "failed") -> None:
+        owners = [f"owner rank {rank}: {why}" for rank, why in sorted(flight.owner_failures.items())]
+        if owners:  # what other owner ranks already said went wrong (e.g. before the lead went away)
+            reason = "; ".join([reason, *owners])
+        log.warning("version %d %s: %s", flight.version, status, reason)
+        record = self.history.get(flight.version)
+        receivers = [dict(e) for e in (record.receivers if record else [])]
+        for entry in receivers:
+            own = flight.reports.get(entry.get("agent_id", ""))
+            entry.update(ok=False, reason=(own.reason if own and not own.ok else None) or reason,
+                         missing_report=own is None)
+        self.history.update(flight.version, status=status, reason=reason, receivers=receivers)
+        for agent_id in flight.quorum:
+            agent = self.agents.get(agent_id)
+            if agent is not None and agent_id not in flight.reports:
+                agent.model.lost_track()  # it may still be applying the version: unknown until it reports
+        self.group_dirty = True
+        self._end(flight, "failed", 0, {})
+
+    def _end(self, flight: InFlight, outcome: str, nbytes: int, stages: dict[str, float]) -> None:
+        self.metrics.version_done(outcome, nbytes, stages)
+        self.metrics.in_flight.set(0)
+        if self.current is flight:
+            self.current = None
+        for agent_id in flight.quorum:
+            agent = self.agents.get(agent_id)
+            if agent is None:
+                continue
+            agent.model.staged = None
+            if not agent.model.whole() and flight.purpose in ("catch_up", "repair"):
+                agent.model.catch_up_failed(self.clock())
+        for agent in self.agents.all():  # drop leftovers of this version for agents that never picked them up
+            agent.pending = type(agent.pending)(a for a in agent.pending if a.version != flight.version)
+        self.on_end()

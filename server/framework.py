@@ -1,0 +1,129 @@
+"""A framework's own syncs (verl's update_weights) as versions of the same lifecycle, under the FRAMEWORK
+policy (decisions/policy.py): opened by the framework's trainer rank 0 (its registration, not only its
+token), carried by the framework's groups (nothing is assigned), judged by the workers it names, and a
+rollback queued by ``POST /push`` taking the place of the framework's next sync. Not thread-safe by itself:
+the controller calls it under its lock."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ckpt_engine.server.agents import Agent, AgentRegistry
+from ckpt_engine.server.cache_book import CacheBook
+from ckpt_engine.server.decisions.policy import FRAMEWORK
+from ckpt_engine.server.errors import BadRequest, Conflict, NotFound, Unavailable
+from ckpt_engine.server.flights import Flights, InFlight
+from ckpt_engine.server.history import HistoryStore, VersionRecord
+from ckpt_engine.server.metrics import Metrics
+
+from ckpt_engine.control.messages import FrameworkSyncRequest
+from ckpt_engine.plan.modes import Mode
+
+QuorumProblem = Callable[[Agent | None, list[Agent]], "str | None"]
+
+
+class FrameworkSyncs:
+    def __init__(self, history: HistoryStore, metrics: Metrics, agents: AgentRegistry, book: CacheBook,
+                 flights: Flights, create: Callable[..., VersionRecord], require_storage: Callable[[], None]) -> None:
+        self.history, self.metrics, self.agents, self.book, self.flights = history, metrics, agents, book, flights
+        self._create, self._require_storage = create, require_storage
+        self.queued: VersionRecord | None = None  # a rollback waiting for the framework's next sync
+
+    def open(self, request: FrameworkSyncRequest, opener: Agent, mode: Mode, keep: list[int],
+             quorum_problem: QuorumProblem) -> dict:
+        """This sync's version (or the queued rollback in its place): its record, with what a send assignment
+        would say: ``expected_digest`` (a rollback's source as recorded) and ``keep`` (cached versions no
+        snapshot may evict: what the workers serve)."""
+        if request.sparse or (request.step is not None and request.step < 0):
+            raise BadRequest("a framework's sync is never sparse here (its backend decides) and its step is >= 0")
+        trainer = self.agents.trainer()
+        if opener is not trainer or not opener.framework:
+            raise Conflict(f"agent {opener.agent_id} is not the framework trainer rank 0 this daemon serves "
+                           f"(that is {trainer.agent_id if trainer else 'nobody'})")
+        flight = self.flights.current
+        if flight is not None and flight.policy.supersedes_open:
+            self._supersede(flight)
+        elif flight is not None:
+            raise Conflict(f"version {flight.version} is in flight ({flight.purpose}); retry when it has ended",
+                           {"in_flight": flight.version, "purpose": flight.purpose})
+        self._require_storage()
+        quorum = self._quorum(trainer, request.receivers or [])
+        problem = quorum_problem(trainer, quorum)
+        if problem:  # (a queued rollback stays queued)
+            failed = self.history.update(self._create(mode=mode, step=request.step).id, status="failed",
+                                         reason=problem)
+            self.metrics.version_done("failed", 0, {})
+            raise Unavailable(problem, failed.to_dict())
+        record = self._take_queued()
+        if record is not None:  # its step is the framework's at delivery (verl's global_steps), as for any sync:
+            record = self.history.update(record.id, step=request.step)  # given now, or with its first report
+        record = record or self._create(mode=mode, step=request.step)
+        source = self.history.get(record.source_version) if record.source_version else None
+        opened = self.flights.open(record, trainer, quorum, policy=FRAMEWORK, limit_s=request.limit_s,
+                                   owners=source.owners if source is not None else trainer.trainer_ranks)
+        return {**opened.to_dict(), "expected_digest": source.version_digest if source is not None else None,
+                "keep": list(keep)}
+
+    def queue_push(self, record: VersionRecord, trainer: Agent) -> VersionRecord:
+        """A rollback: recorded now, sent at the framework's next sync in place of that sync's new weights (the
+        daemon cannot start the framework's transfer). A newer push replaces one still waiting."""
+        queued = self._create(mode="cached", step=record.step, source_version=record.id)
+        previous, self.queued = self.queued, self.history.update(queued.id, purpose="push", reason=(
+            f"queued: the trainer is driven by {trainer.framework}; sent at its next sync"))
+        if previous is not None:
+            self.history.update(previous.id, status="cancelled",
+                                reason=f"replaced by version {queued.id} (a push of version {record.id})")
+        return self.queued
+
+    def cancel_queued(self, reason: str) -> None:
+        queued, self.queued = self.queued, None
+        if queued is not None:
+            self.history.update(queued.id, status="cancelled", reason=reason)
+
+    def _supersede(self, flight: InFlight) -> None:
+        """The framework runs one sync at a time: one still open when it opens the next was abandoned (verl
+        failed elsewhere, or gave up waiting for the reply that opened it: a stalled daemon), or its last
+        reports have not arrived yet (they come on other connections than the next sync's opening, so a
+        stalled daemon may see them after it). Waiting for its time limit would refuse every sync until then;
+        its outcome is unknown: interrupted. A rollback nothing was heard of yet is queued again: the operator
+        asked for it, and this sync takes it (at worst the same weights arrive twice)."""
+        reason = ("superseded: the framework opened its next sync before this version's outcome reached the "
+                  "daemon (abandoned, or delivered with its reports still on the way)")
+        record = self.history.get(flight.version)
+        untouched = record is not None and record.status == "requested" and flight.done is None and not flight.reports
+        source = self.history.get(record.source_version) if record is not None and record.source_version else None
+        trainer = self.agents.trainer()
+        if source is not None and untouched and self.queued is None and trainer is not None:
+            # as a new version: reports of the abandoned one may still arrive, and must not count for this one
+            try:
+                again = self.queue_push(source, trainer)
+                reason += f"; the rollback is queued again as version {again.id}"
+            except Unavailable as exc:  # the history cannot be written: the operator pushes it again later
+                reason += f"; the rollback could not be queued again ({exc.detail})"
+        self.flights.fail(flight, reason, "interrupted")
+
+    def _take_queued(self) -> VersionRecord | None:
+        """The queued rollback, if its source can still be sent (else it ends failed, saying why)."""
+        queued, self.queued = self.queued, None
+        if queued is None:
+            return None
+        source = self.history.get(queued.source_version)  # type: ignore[arg-type]
+        if source is not None and source.cached and not self.book.evicting(source.id):
+            return queued
+        self.history.update(queued.id, status="failed", reason=f"version {queued.source_version} is no longer in the "
+                            "trainer's cache (evicted before the framework's next sync)")
+        self.metrics.version_done("failed", 0, {})
+        return None
+
+    def _quorum(self, trainer: Agent, receivers: list[str]) -> list[Agent]:
+        if len(set(receivers)) != len(receivers):
+            raise BadRequest("'receivers' names an agent twice")
+        quorum = []
+        for agent_id in receivers:
+            agent = self.agents.get(agent_id)
+            if agent is None:
+                raise NotFound(f"receiver {agent_id!r} is not registered (it left, or the daemon restarted)")
+            if agent.role != "receiver" or agent.framework != trainer.framework:
+                raise Conflict(f"{agent_id!r} is not a {trainer.framework} receiver")
+            quorum.append(agent)
+        return quorum
