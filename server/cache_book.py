@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from ckpt_engine.server.agents import Agent, AgentRegistry
 from ckpt_engine.server.decisions.repair import kept_for_repairs
-from ckpt_engine.server.history import HistoryStore
+from ckpt_engine.server.errors import Conflict, NotFound, Unavailable
+from ckpt_engine.server.history import HistoryStore, VersionRecord
 from ckpt_engine.server.metrics import Metrics
 
-from ckpt_engine.control.messages import Report
+from ckpt_engine.control.messages import Assignment, Report
 
 
 class CacheBook:
@@ -62,6 +63,26 @@ class CacheBook:
         told = any(a.kind == "evict" and a.version == version for t in self.agents.trainers().values()
                    for a in t.pending)
         return told or bool(self.missing_shares(version))
+
+    def ask_evict(self, version: int, sending: VersionRecord | None) -> VersionRecord:
+        """Queue an eviction of ``version`` for every owner rank (``sending``: a re-push in flight, which reads
+        its source from the caches)."""
+        record = self.history.get(version)
+        if record is None:
+            raise NotFound(f"version {version} is unknown")
+        if not record.cached:
+            raise Conflict(f"version {version} is not in the trainer's cache")
+        if sending is not None and sending.source_version == version:
+            # the trainer ranks read it from their caches as it is sent: evicted now, the sync would fail
+            raise Conflict(f"version {version} is being sent again as version {sending.id} (a push in flight); "
+                           "evict it once that has ended", {"in_flight": sending.id})
+        trainers = self.agents.trainers()
+        if 0 not in trainers:
+            raise Unavailable("no trainer agent is registered to evict from")
+        for trainer in trainers.values():  # every owner drops its share
+            if not any(a.kind == "evict" and a.version == version for a in trainer.pending):
+                trainer.pending.append(Assignment(kind="evict", version=version))
+        return record
 
     def kept_for_repairs(self) -> list[int]:
         latest = self.history.latest(status="committed")

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from ckpt_engine.server.agents import Agent, AgentRegistry
 from ckpt_engine.server.cache_book import CacheBook
 from ckpt_engine.server.decisions import quorum as rules
-from ckpt_engine.server.decisions.claims import judge_registration
 from ckpt_engine.server.decisions.policy import FRAMEWORK, policy_of
 from ckpt_engine.server.decisions.repair import plan_catch_up, repair_source
 from ckpt_engine.server.errors import BadRequest, Conflict, Forbidden, NotFound, Unavailable
@@ -29,6 +28,7 @@ from ckpt_engine.server.flights import Flights
 from ckpt_engine.server.framework import FrameworkSyncs
 from ckpt_engine.server.history import TERMINAL, HistoryStore, StorageUnavailable, VersionRecord
 from ckpt_engine.server.metrics import Metrics
+from ckpt_engine.server.registrar import Registrar
 
 from ckpt_engine.config import EngineConfig
 from ckpt_engine.control.messages import (Assignment, FrameworkSyncRequest, Poll, Register, RegisterReply, Report,
@@ -37,9 +37,7 @@ from ckpt_engine.errors import ConfigError, ProtocolError
 from ckpt_engine.plan.modes import resolve
 
 log = logging.getLogger(__name__)
-_NEWCOMER_SETTLE_S = 1.0
 _TICK_FAILING_S = 5.0  # ticks failing this long make /health say not ok
-_MAX_INHERITED_ID = 1 << 32  # a lost history's ids a new one numbers after, at most (far below exhaustion)
 _EVENTS_OF = {"trainer": {"snapshotting", "transferring", "verifying", "done", "evicted"},
               "receiver": {"staged", "received"}, "driver": {"applied"}}
 # the credential an agent of each kind registers (and speaks) with
@@ -58,6 +56,8 @@ class Controller:
         self._changed = threading.Condition(self._lock)
         self.book = CacheBook(history, self.agents, metrics)
         self.flights = Flights(config, history, metrics, self.agents, self.book, clock, self._changed.notify_all)
+        self.registrar = Registrar(config, history, self.agents, self.book, group_name=group_name,
+                                   store_host=store_host, store_port=store_port)
         self.framework = FrameworkSyncs(history, metrics, self.agents, self.book, self.flights, self._create,
                                         self._require_storage)
         self._last_tick = clock()
@@ -75,64 +75,14 @@ class Controller:
 
     # ---- agents -------------------------------------------------------------------------------------
     def register(self, message: Register) -> RegisterReply:
-        if message.role == "driver" and message.engine is None:
-            raise BadRequest("a driver names its engine")
-        if message.driven and (message.engine is None or message.members is None):
-            raise BadRequest("a driven receiver names its engine and how many workers the engine has (members)")
         with self._lock:
-            now = self.clock()
-            if len(self.agents.all()) >= self.config.max_agents:
-                raise Unavailable(f"{self.config.max_agents} agents are registered (max_agents); unregister some "
-                                  "or raise the limit")
-            verdict = judge_registration(message, self.agents.all(), now, self.heartbeat_s)
-            if verdict.conflict is not None:
-                raise Conflict(verdict.conflict, verdict.record())
-            for silent in verdict.replaces:
-                self._replace(silent, message, now)
-            # Versions are numbered by one history: those of another mean nothing here (the file was lost or
-            # replaced), and ids this history never issued are a peer's invention. Neither touches our numbering.
-            held = self.book.known(message.versions) if message.history_id == self.history.history_id else []
-            if message.role == "trainer" and message.versions and message.history_id != self.history.history_id:
-                self._number_after_lost_history(message)
-            agent = self.agents.add(message, held)
-            if agent.role == "receiver":
-                agent.model.registered(held[-1] if held else None, now, _NEWCOMER_SETTLE_S)
+            agent, replaced = self.registrar.admit(message, self.clock())
+            for old in replaced:
+                self._gone(old, f"trainer agent {old.agent_id} was replaced by a restarted process")
             if agent.role == "trainer":
-                agent.ipc_name = agent.ipc_name or f"ckpt-engine/{self.group_name}/{agent.agent_id}"
                 self.book.update()
             self._update_gauges()
-        log.info("agent %s registered: %s rank %d on %s (%s)%s", agent.agent_id, agent.role, agent.rank,
-                 agent.host, agent.device, f" engine {agent.engine}" if agent.engine else "")
-        timeouts = self.config.timeouts
-        return RegisterReply(
-            agent_id=agent.agent_id, session=agent.session, history_id=self.history.history_id,
-            ipc_name=agent.ipc_name, heartbeat_s=timeouts.heartbeat_s, group_name=self.group_name,
-            store_host=self.store_host, store_port=self.store_port, bucket_size=self.config.bucket_size,
-            alignment=self.config.alignment, keep_versions=self.config.keep_versions, verify=self.config.verify,
-            connect_timeout_s=timeouts.connect_s, collective_timeout_s=timeouts.collective_s,
-            ack_timeout_s=timeouts.ack_s, version_timeout_s=timeouts.version_s,
-        )
-
-    def _number_after_lost_history(self, message: Register) -> None:
-        """A trainer holds versions of another history (this one was lost or replaced). While this one has
-        issued nothing yet, its ids start after the trainer's, so logs and dashboards never show one id for two
-        versions; the agent drops those versions either way (their ids mean nothing here). Only a trainer's
-        word counts, and only for an empty history: nothing a peer says moves the numbering of a live one."""
-        if self.book.max_issued > 0 or self.history.latest() is not None or message.history_id is None:
-            return
-        highest = max(message.versions)
-        if 0 < highest <= _MAX_INHERITED_ID and self.history.number_after(highest):
-            log.warning("the trainer holds versions up to %d of history %s, not this one (%s: lost or replaced); "
-                        "new versions are numbered from %d", highest, message.history_id, self.history.history_id,
-                        highest + 1)
-
-    def _replace(self, agent_id: str, message: Register, now: float) -> None:
-        """A silent agent whose place a new registration takes (a restarted process): gone now."""
-        old = self.agents.get(agent_id)
-        if old is not None:
-            log.warning("%s %s (rank %d, silent for %.1fs) replaced by a new registration from pid %d on %s (a "
-                        "restart)", old.role, old.agent_id, old.rank, now - old.last_seen, message.pid, message.host)
-            self._gone(old, f"trainer agent {old.agent_id} was replaced by a restarted process")
+            return self.registrar.reply(agent)
 
     def _gone(self, agent: Agent, reason: str) -> None:
         """An agent left (unregistered, expired, replaced): its share of the caches and its version go too."""
@@ -321,27 +271,12 @@ class Controller:
                            sparse=sparse, owners=owners, keep=self._kept, purpose=purpose)
 
     def request_evict(self, version: int) -> VersionRecord:
-        """Ask the trainer to drop ``version`` from its cache; the history's ``cached`` flag turns false once
-        it confirms (see :meth:`evicted`). Returns at once."""
-        record = self.history.get(version)
-        if record is None:
-            raise NotFound(f"version {version} is unknown")
-        if not record.cached:
-            raise Conflict(f"version {version} is not in the trainer's cache")
+        """Ask the trainer ranks to drop ``version`` from their caches; the history's ``cached`` flag turns
+        false once they confirm (see :meth:`evicted`). Returns at once."""
         with self._lock:
             flight = self.flights.current
             sending = self.history.get(flight.version) if flight is not None and flight.purpose == "push" else None
-            if sending is not None and sending.source_version == version:
-                # the trainer ranks read it from their caches as it is sent: evicted now, the sync would fail
-                raise Conflict(f"version {version} is being sent again as version {sending.id} (a push in "
-                               "flight); evict it once that has ended", {"in_flight": sending.id})
-            trainers = self.agents.trainers()
-            if 0 not in trainers:
-                raise Unavailable("no trainer agent is registered to evict from")
-            for trainer in trainers.values():  # every owner drops its share
-                if not any(a.kind == "evict" and a.version == version for a in trainer.pending):
-                    trainer.pending.append(Assignment(kind="evict", version=version))
-        return record
+            return self.book.ask_evict(version, sending)
 
     def evicted(self, version: int) -> VersionRecord | None:
         """The record once the trainer no longer caches ``version``, else None."""

@@ -1,0 +1,81 @@
+"""Registration: who may join (decisions/claims.py), what it may say it holds, and the settings it is told.
+Not thread-safe by itself: the controller calls it under its lock."""
+
+from __future__ import annotations
+
+import logging
+from ckpt_engine.server.agents import Agent, AgentRegistry
+from ckpt_engine.server.cache_book import CacheBook
+from ckpt_engine.server.decisions.claims import judge_registration
+from ckpt_engine.server.errors import BadRequest, Conflict, Unavailable
+from ckpt_engine.server.history import HistoryStore
+
+from ckpt_engine.config import EngineConfig
+from ckpt_engine.control.messages import Register, RegisterReply
+
+log = logging.getLogger(__name__)
+_NEWCOMER_SETTLE_S = 1.0  # a newcomer's catch-up waits this long: one that vanishes at once costs nothing
+_MAX_INHERITED_ID = 1 << 32  # a lost history's ids a new one numbers after, at most (far below exhaustion)
+
+
+class Registrar:
+    def __init__(self, config: EngineConfig, history: HistoryStore, agents: AgentRegistry, book: CacheBook, *,
+                 group_name: str, store_host: str, store_port: int) -> None:
+        self.config, self.history, self.agents, self.book = config, history, agents, book
+        self.group_name, self.store_host, self.store_port = group_name, store_host, store_port
+
+    def admit(self, message: Register, now: float) -> tuple[Agent, list[Agent]]:
+        """The new agent, and the silent agents whose places it takes (for the caller to let go: a restarted
+        process); Conflict naming a live agent whose place it claims (decisions/claims.py)."""
+        if message.role == "driver" and message.engine is None:
+            raise BadRequest("a driver names its engine")
+        if message.driven and (message.engine is None or message.members is None):
+            raise BadRequest("a driven receiver names its engine and how many workers the engine has (members)")
+        if len(self.agents.all()) >= self.config.max_agents:
+            raise Unavailable(f"{self.config.max_agents} agents are registered (max_agents); unregister some or "
+                              "raise the limit")
+        verdict = judge_registration(message, self.agents.all(), now, self.config.timeouts.heartbeat_s)
+        if verdict.conflict is not None:
+            raise Conflict(verdict.conflict, verdict.record())
+        replaced = [a for a in map(self.agents.get, verdict.replaces) if a is not None]
+        for old in replaced:
+            log.warning("%s %s (rank %d, silent for %.1fs) replaced by a new registration from pid %d on %s (a "
+                        "restart)", old.role, old.agent_id, old.rank, now - old.last_seen, message.pid, message.host)
+        # Versions are numbered by one history: those of another mean nothing here (the file was lost or
+        # replaced), and ids this history never issued are a peer's invention. Neither touches our numbering.
+        held = self.book.known(message.versions) if message.history_id == self.history.history_id else []
+        if message.role == "trainer" and message.versions and message.history_id != self.history.history_id:
+            self._number_after_lost_history(message)
+        agent = self.agents.add(message, held)
+        if agent.role == "receiver":
+            agent.model.registered(held[-1] if held else None, now, _NEWCOMER_SETTLE_S)
+        if agent.role == "trainer":
+            agent.ipc_name = agent.ipc_name or f"ckpt-engine/{self.group_name}/{agent.agent_id}"
+        log.info("agent %s registered: %s rank %d on %s (%s)%s", agent.agent_id, agent.role, agent.rank,
+                 agent.host, agent.device, f" engine {agent.engine}" if agent.engine else "")
+        return agent, replaced
+
+    def reply(self, agent: Agent) -> RegisterReply:
+        timeouts = self.config.timeouts
+        return RegisterReply(
+            agent_id=agent.agent_id, session=agent.session, history_id=self.history.history_id,
+            ipc_name=agent.ipc_name, heartbeat_s=timeouts.heartbeat_s, group_name=self.group_name,
+            store_host=self.store_host, store_port=self.store_port, bucket_size=self.config.bucket_size,
+            alignment=self.config.alignment, keep_versions=self.config.keep_versions, verify=self.config.verify,
+            connect_timeout_s=timeouts.connect_s, collective_timeout_s=timeouts.collective_s,
+            ack_timeout_s=timeouts.ack_s, version_timeout_s=timeouts.version_s,
+        )
+
+    def _number_after_lost_history(self, message: Register) -> None:
+        """A trainer holds versions of another history (this one was lost or replaced). While this one has
+        issued nothing yet, its ids start after the trainer's, so logs and dashboards never show one id for two
+        versions; the agent drops those versions either way (their ids mean nothing here). Only a trainer's
+        word counts, and only for an empty history: nothing a peer says moves the numbering of a live one."""
+        if self.book.max_issued > 0 or self.history.latest() is not None or message.history_id is None:
+            return
+        highest = max(message.versions)
+        if 0 < highest <= _MAX_INHERITED_ID and self.history.number_after(highest):
+            log.warning("the trainer holds versions up to %d of history %s, not this one (%s: lost or replaced); "
+                        "new versions are numbered from %d", highest, message.history_id, self.history.history_id,
+                        highest + 1)
+

@@ -1,0 +1,280 @@
+"""The daemon's decisions (server/decisions/) as tables, in milliseconds: the receiver state machine, the quorum
+rule, the commit rule, catch-up and repair, and the two sync policies. No processes, no clock: the time is
+an argument."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from ckpt_engine.server.agents import Agent
+from ckpt_engine.server.decisions import quorum
+from ckpt_engine.server.decisions.commit import expected_digest, judge
+from ckpt_engine.server.decisions.policy import FRAMEWORK, PLAIN, policy_of
+from ckpt_engine.server.decisions.receivers import MOVES, NEW, SERVING, STAGED, TORN, UNABLE, ReceiverModel
+from ckpt_engine.server.decisions.repair import kept_for_repairs, plan_catch_up, repair_source
+
+from ckpt_engine.control.messages import MAX_KEPT, Report
+
+HB = 10.0
+NOW = 1000.0
+_ids = itertools.count()
+
+
+def agent(role: str = "receiver", *, silent_s: float = 0.0, engine: str | None = None, driven: bool = False,
+          members: int | None = None, framework: str | None = None, rank: int = 0, trainer_ranks: int = 1,
+          host_id: str | None = "h", device: str = "cpu", serving: int | None = None, proven: bool = True,
+          whole_versions: bool = False) -> Agent:
+    n = next(_ids)
+    a = Agent(f"a{n}", "s" * 48, n, role, rank, "host", 100 + n, device, host_id, 0.0, NOW - silent_s, engine=engine,
+              driven=driven, members=members, framework=framework, trainer_ranks=trainer_ranks, poll_wait_s=1.0,
+              whole_versions=whole_versions)
+    a.model.serving = a.model.last_served = serving
+    a.model.proven = proven and serving is not None
+    return a
+
+
+# ---- the receiver state machine ---------------------------------------------------------------------------
+def test_every_move_is_listed_and_names_a_method() -> None:
+    for move in MOVES:
+        method = "staged_version" if move == "staged" else move
+        assert callable(getattr(ReceiverModel, method)), move
+
+
+MOVE_CASES = [
+    # (moves applied in order, expected state, serving, last_served)
+    ([("registered", 3)], NEW, 3, 3),  # a claim, not proof
+    ([("registered", None), ("took", 4), ("proved",)], SERVING, 4, 4),
+    ([("registered", None), ("took", 4)], NEW, 4, 4),  # took it, but the version did not commit
+    ([("registered", None), ("took", 4), ("proved",), ("tore", "oom")], TORN, None, 4),
+    ([("registered", None), ("took", 4), ("proved",), ("tore", "oom"), ("took", 4)], SERVING, 4, 4),
+    ([("registered", None), ("took", 4), ("proved",), ("lost_track",)], NEW, None, 4),
+    ([("registered", None), ("took", 4), ("proved",), ("benched", "silent")], UNABLE, 4, 4),
+    ([("registered", None), ("took", 4), ("proved",), ("refused", 4)], SERVING, 4, 4),
+    ([("registered", None), ("took", 4), ("proved",), ("refused", None)], NEW, None, 4),
+]
+
+
+def _apply(model: ReceiverModel, moves, *, driven: bool = False) -> None:
+    for move, *args in moves:
+        if move == "registered":
+            model.registered(args[0], NOW, 1.0)
+        elif move in ("took", "refused"):
+            getattr(model, move)(args[0], driven=driven)
+        elif move == "benched":
+            model.benched(args[0], NOW)
+        else:
+            getattr(model, move)(*args)
+
+
+@pytest.mark.parametrize(("moves", "state", "serving", "last_served"), MOVE_CASES)
+def test_receiver_moves(moves, state: str, serving, last_served) -> None:
+    model = ReceiverModel()
+    _apply(model, moves)
+    assert (model.state(NOW), model.serving, model.last_served) == (state, serving, last_served)
+
+
+def test_a_driven_worker_serves_only_once_its_driver_applied() -> None:
+    model = ReceiverModel()
+    model.registered(None, NOW, 1.0)
+    model.staged_version(5)
+    assert model.state(NOW) == STAGED
+    model.took(5, driven=True)  # its own outcome: verified; the engine's model is the driver's to say
+    assert model.serving is None and model.state(NOW) == NEW
+    model.applied(5)
+    model.proved()
+    assert model.state(NOW) == SERVING and model.serving == model.last_served == 5
+
+
+def test_a_bench_grows_and_ends_and_a_fresh_tear_is_repaired_at_once() -> None:
+    model = ReceiverModel()
+    first = model.benched("did not join", NOW)
+    second = model.benched("did not join", NOW)
+    assert second > first and model.state(NOW) == UNABLE and model.state(NOW + second + 0.1) != UNABLE
+    model.catch_up_failed(NOW)
+    assert model.catch_up_due > NOW
+    model.tore("apply failed")
+    assert model.catch_up_due == 0.0 and model.catch_up_attempts == 0  # repaired at once, then with backoff
+
+
+# ---- the quorum rule -----------------------------------------------------------------------------------------
+def _candidates(receivers, drivers=None, *, regular=True, source=lambda r: 7):
+    return quorum.candidates(receivers, drivers or {}, NOW, HB, regular=regular, repair_source=source)
+
+
+def test_a_quorum_takes_heard_able_proven_receivers_of_plain_versions() -> None:
+    ok = agent(serving=3)
+    silent = agent(serving=3, silent_s=7.0)  # past poll wait + half a heartbeat
+    benched = agent(serving=3)
+    benched.model.benched("x", NOW)
+    verl = agent(serving=3, framework="verl")
+    newcomer = agent()  # holds nothing proven: a catch-up first, when the cache has something
+    assert _candidates([ok, silent, benched, verl, newcomer]) == [ok]
+    assert _candidates([ok, newcomer], source=lambda r: None) == [ok, newcomer]  # nothing to catch up with
+    assert _candidates([ok, newcomer], regular=False) == [ok, newcomer]
+
+
+def test_an_engine_is_in_or_out_whole() -> None:
+    w1, w2 = (agent(engine="e", driven=True, members=2, serving=3) for _ in range(2))
+    driver = agent("driver", engine="e", members=2)
+    assert _candidates([w1, w2], {"e": driver}) == [w1, w2]
+    assert _candidates([w1], {"e": driver}) == []  # one worker missing
+    assert _candidates([w1, w2], {"e": agent("driver", engine="e", silent_s=8.0)}) == []  # its driver silent
+    w2.model.tore("oom")
+    assert _candidates([w1, w2], {"e": driver}) == []  # one worker torn: both are repaired together
+
+
+def test_why_a_receiver_is_out_is_said_for_each() -> None:
+    silent = agent(serving=3, silent_s=7.0)
+    benched = agent(serving=3)
+    benched.model.benched("did not report", NOW)
+    torn = agent(serving=3)
+    torn.model.tore("oom")
+    problem = quorum.quorum_problem(agent("trainer"), [], [silent, benched, torn], {}, 1, NOW, HB, lambda r: 7)
+    assert f"receiver {silent.agent_id}: silent for 7.0s" in problem
+    assert f"receiver {benched.agent_id}: out for" in problem and "did not report" in problem
+    assert f"receiver {torn.agent_id}: torn (oom)" in problem
+    assert quorum.quorum_problem(None, [], [], {}, 1, NOW, HB, lambda r: 7).startswith("no trainer")
+
+
+@pytest.mark.parametrize(("ranks", "heard", "transport", "source_owners", "owners"), [
+    (2, [0, 1], "auto", None, 2), (2, [0], "auto", None, 1), (2, [0, 1], "ipc", None, 1), (1, [0], "auto", None, 1),
+    (2, [0], "auto", 2, 2),  # a re-push has as many owners as its source
+])
+def test_owners(ranks: int, heard: list[int], transport: str, source_owners, owners: int) -> None:
+    trainers = {r: agent("trainer", rank=r, trainer_ranks=ranks, silent_s=0 if r in heard else 8.0)
+                for r in range(ranks)}
+    assert quorum.owners_for(trainers[0], trainers, source_owners, transport, NOW, HB) == owners
+
+
+def test_transports_and_sparse_base() -> None:
+    trainer = agent("trainer", host_id="h")
+    near, far = agent(host_id="h", serving=3), agent(host_id="other", serving=3)
+    assert quorum.transports(trainer, [near, far], 1, "auto") == ([near], None)
+    assert quorum.transports(trainer, [near, far], 1, "collective") == ([], None)
+    assert "not on the trainer's host" in quorum.transports(trainer, [near, far], 1, "ipc")[1]
+    assert quorum.transports(trainer, [near], 2, "auto") == ([], None)  # several owners: collective only
+    assert quorum.sparse_base([near, far]) == 3
+    assert quorum.sparse_base([near, agent(serving=4)]) is None
+    assert quorum.sparse_base([near, agent(serving=3, whole_versions=True)]) is None
+
+
+# ---- the commit rule -----------------------------------------------------------------------------------------
+def report(ok=True, digest="d", reason=None, **kw) -> Report:
+    return Report(agent_id="x", session="s" * 48, version=1, event="received", ok=ok, version_digest=digest,
+                  reason=reason, **kw)
+
+
+def done(digest="d", ok=True, reason=None, receivers=()) -> Report:
+    return Report(agent_id="t", session="s" * 48, version=1, event="done", ok=ok, version_digest=digest,
+                  reason=reason, receivers=list(receivers))
+
+
+def _judge(reports, trainer=None, *, need=1, quorum_of=("a", "b"), engines=None, applied=None, owners=None,
+           expected="d", stale=None):
+    members = {a: i + 1 for i, a in enumerate(quorum_of)}
+    return judge(members, reports, trainer or done(), engines=engines or {}, applied=applied or {},
+                 owner_failures=owners or {}, transports={}, expected=expected, stale=stale, need=need)
+
+
+COMMIT_CASES = [
+    ("every receiver committed", {"a": report(), "b": report()}, {}, "committed", None),
+    ("one of two, min_receivers 1", {"a": report(), "b": report(ok=False, reason="oom")}, {},
+     "committed", "committed by 1 of 2 receivers; rank 2: oom"),
+    ("one of two, a framework needs both", {"a": report(), "b": report(ok=False, reason="oom")}, {"need": 2},
+     "failed", "rank 2: oom"),
+    ("a digest that is not the version's", {"a": report(digest="x"), "b": report(digest="x")}, {}, "failed",
+     "rank 1: its digest x differs from the version's d; rank 2: its digest x differs from the version's d"),
+    ("silent receivers", {}, {}, "failed", "rank 1: did not report its own outcome"),
+    ("no digest from the trainer", {"a": report(), "b": report()}, {"expected": None}, "failed", None),
+    ("a re-push whose copy changed", {"a": report(), "b": report()}, {"stale": "the copy changed"}, "failed",
+     "the copy changed"),
+]
+
+
+@pytest.mark.parametrize(("name", "reports", "options", "status", "reason_part"), COMMIT_CASES,
+                         ids=[c[0] for c in COMMIT_CASES])
+def test_the_commit_rule(name: str, reports, options, status: str, reason_part) -> None:
+    outcome = _judge(reports, **options)
+    assert outcome.status == status, outcome
+    if reason_part is not None:
+        assert reason_part in outcome.reason, outcome.reason
+    assert outcome.committed == ([a for a in ("a", "b") if outcome.entries[("a", "b").index(a)]["ok"]]
+                                 if status == "committed" else [])
+
+
+def test_an_engine_fails_together_and_a_driver_failure_fails_it() -> None:
+    outcome = _judge({"a": report(), "b": report(ok=False, reason="x")}, engines={"e": ["a", "b"]})
+    assert [e["ok"] for e in outcome.entries] == [False, False] and "engine e: rank 2 failed" in outcome.entries[0]["reason"]
+    failed_apply = report(ok=False, reason="vLLM raised")
+    outcome = _judge({"a": report(), "b": report()}, engines={"e": ["a", "b"]}, applied={"e": failed_apply})
+    assert outcome.status == "failed" and "engine e driver: vLLM raised" in outcome.reason
+
+
+def test_a_failure_reason_names_each_cause_once() -> None:
+    why = "digest mismatch in 1 tensor(s): w"
+    trainer = done(ok=False, reason=f"rank 2: {why}", receivers=[{"rank": 2, "ok": False, "reason": why}])
+    outcome = _judge({"a": report(), "b": report(ok=False, reason=why)}, trainer, need=2)
+    assert outcome.reason.count(why) == 1, outcome.reason
+    aborted = done(ok=False, reason="owner rank(s) [1] could not prepare version 1; owner rank 1: stale")
+    outcome = _judge({"a": report(ok=False, reason=f"sender aborted version 1: {aborted.reason}")}, aborted,
+                     quorum_of=("a",), owners={1: "StaleCopy: stale"})
+    assert outcome.reason.count("could not prepare") == 1 and "rank 1: aborted by the sender" in outcome.reason
+    assert "owner rank 1: StaleCopy: stale" in outcome.reason
+
+
+def test_a_re_push_is_judged_by_its_recorded_digest() -> None:
+    assert expected_digest(done("d"), None, None) == ("d", None)  # a new version: what the trainer sent
+    assert expected_digest(done("d"), "d", 3) == ("d", None)
+    expected, stale = expected_digest(done("e"), "d", 3)
+    assert expected == "d" and "committed as d" in stale  # never digests recomputed from the cache
+
+
+# ---- catch-up and repair -------------------------------------------------------------------------------------
+def test_a_torn_receiver_is_repaired_with_what_it_served_last_when_cached() -> None:
+    torn = agent(serving=4)
+    torn.model.last_served = 4
+    torn.model.tore("oom")
+    cached = {4: 4, 6: 6}.get
+    assert repair_source(torn, 6, cached) == 4
+    assert repair_source(torn, 6, {6: 6}.get) == 6  # its own is gone: the newest committed one
+    assert repair_source(agent(), None, cached) is None
+
+
+def test_a_catch_up_brings_the_largest_group_its_version() -> None:
+    newcomers = [agent() for _ in range(2)]
+    torn = agent(serving=4)
+    torn.model.tore("oom")
+    for a in (*newcomers, torn):
+        a.model.catch_up_due = NOW - 1
+    plan = plan_catch_up([*newcomers, torn, agent(serving=6)], NOW, 6, {4: 4, 6: 6}.get)
+    assert plan.source == 6 and list(plan.receivers) == newcomers and plan.purpose == "catch_up"
+    later = agent()
+    later.model.catch_up_due = NOW + 5  # not due yet (it just registered)
+    assert plan_catch_up([later], NOW, 6, {6: 6}.get) is None
+
+
+def test_an_engine_s_workers_are_due_together() -> None:
+    w1, w2 = (agent(engine="e", driven=True, members=2) for _ in range(2))
+    w1.model.catch_up_due, w2.model.catch_up_due = NOW - 1, NOW + 3
+    assert plan_catch_up([w1, w2], NOW, 6, {6: 6}.get) is None
+    w2.model.catch_up_due = NOW - 1
+    assert list(plan_catch_up([w1, w2], NOW, 6, {6: 6}.get).receivers) == [w1, w2]
+
+
+def test_the_cache_keeps_what_receivers_serve_and_the_newest_committed() -> None:
+    receivers = [agent(serving=4), agent(serving=9), agent()]
+    receivers[0].model.last_served = 3
+    source_of = {3: 3, 4: 4, 9: 2, 10: 10}.get  # 9 is a re-push of 2
+    assert kept_for_repairs(receivers, 10, source_of) == [10, 4, 3, 2]
+    assert len(kept_for_repairs([agent(serving=v) for v in range(1, 20)], 20, lambda v: v)) == MAX_KEPT
+
+
+# ---- the policies --------------------------------------------------------------------------------------------
+def test_plain_and_framework_policies() -> None:
+    assert policy_of(None) is PLAIN and policy_of("verl") is FRAMEWORK
+    assert PLAIN.need(3, min_receivers=1) == 1 and PLAIN.need(3, min_receivers=5) == 3
+    assert FRAMEWORK.need(3, min_receivers=1) == 3
+    assert PLAIN.assigns and PLAIN.catches_up and not PLAIN.supersedes_open and not PLAIN.queues_rollbacks
+    assert not FRAMEWORK.assigns and not FRAMEWORK.catches_up and FRAMEWORK.supersedes_open
+    assert FRAMEWORK.queues_rollbacks
