@@ -76,7 +76,7 @@ class TrainerAgent(Agent):
         else:
             self._tensors = model
         self._pending: collections.deque[Assignment] = collections.deque()
-        self._background: threading.Thread | None = None
+        self._current: Transfer | None = None  # the version this rank sends now (one at a time)
         self.publisher: Publisher | None = None
         self.held_seconds: list[float] = []  # per served version: how long step() held the training loop
         self.gathered: dict[int, int] = {}  # per served version: bytes of full tensors assembled on this rank
@@ -114,7 +114,9 @@ class TrainerAgent(Agent):
             self._evict(assignment.version)
         elif assignment.kind == "send" and assignment.source_version is not None and assignment.owners == 1:
             self.served.append(assignment.version)  # rank 0 holds the whole version: no other rank is needed
-            self._in_background(assignment, self._republish)
+            self._track(assignment.version, lambda: self._publisher().publish(
+                assignment.version, source_version=assignment.source_version, route=lambda: self._route(assignment),
+                expected_digest=assignment.expected_digest, keep=assignment.keep), 0.0)
         elif assignment.kind == "send":
             self._pending.append(assignment)
             # Rendezvous with the receivers now, while the loop runs on to its next step boundary.
@@ -174,8 +176,7 @@ class TrainerAgent(Agent):
         has ended that version (it also waits for the receivers' own reports), so a version requested next is
         not refused as overlapping; for clean shutdowns and tests. Only rank 0 asks the daemon."""
         deadline = time.monotonic() + timeout_s
-        if self._background is not None:
-            self._background.join(timeout_s)
+        self._wait_current(timeout_s)
         self.flush_reports(max(0.0, deadline - time.monotonic()))
         if self.rank == 0 and self.served and self.settings is not None:
             self.wait_ended(self.served[-1], deadline)
@@ -202,7 +203,7 @@ class TrainerAgent(Agent):
         waits out a receiver's timeout after the daemon already failed it), the new version is served at a
         later boundary: announcing it now would leave the other ranks waiting in its gathers, past their
         collective timeout."""
-        if not self._pending or (self._background is not None and self._background.is_alive()):
+        if not self._pending or (self._current is not None and not self._current.done()):
             return None
         for stale in [a for a in list(self._pending) if self.from_earlier_registration(a)]:
             self._pending.remove(stale)
@@ -255,8 +256,7 @@ class TrainerAgent(Agent):
         version = assignment.version
         if self.rank == 0:
             self.report(version, "snapshotting", step=step)
-        if self._background is not None:  # one version in flight (reports are not waited for: see wait_idle)
-            self._background.join(self.settings.version_timeout_s if self.settings else 600)
+        self._wait_current(self.settings.version_timeout_s if self.settings else 600)  # one version at a time
         try:
             transfer = self._publish(assignment, step)
         except TrainerGroupError as exc:
@@ -270,8 +270,7 @@ class TrainerAgent(Agent):
             self._report_failure(version, reason, list(getattr(exc, "absent_ranks", [])))
         else:
             self.gathered[version] = transfer.gathered_bytes
-            held = time.perf_counter() - started
-            self._in_background(assignment, lambda a: self._finish(transfer, held))
+            self._track(version, lambda: transfer, time.perf_counter() - started)
         self.held_seconds.append(time.perf_counter() - started)
 
     def _give_up(self, version: int, exc: TrainerGroupError) -> None:
@@ -295,31 +294,29 @@ class TrainerAgent(Agent):
         except Exception:  # the step boundary tries again and reports the failure: this thread must not die mute
             log.exception("preparing the sync group for version %d failed", assignment.version)
 
-    def _republish(self, assignment: Assignment) -> None:
-        transfer = self._publisher().publish(assignment.version, source_version=assignment.source_version,
-                                             route=lambda: self._route(assignment),
-                                             expected_digest=assignment.expected_digest, keep=assignment.keep)
-        self._finish(transfer, 0.0)
+    def _track(self, version: int, start: Callable[[], Transfer], held: float) -> None:
+        """The version this rank sends now: its outcome is reported when the send ends, by the thread that ends
+        it (one thread per version: the send's own)."""
+        try:
+            transfer = start()
+        except Exception as exc:  # every failure ends the version with a reason in history
+            log.exception("version %d failed on the trainer", version)
+            self._report_failure(version, f"{type(exc).__name__}: {exc}", list(getattr(exc, "absent_ranks", [])))
+            return
+        self._current = transfer
+        transfer.on_done(lambda result: self._report_result(result, held))
 
-    def _finish(self, transfer: Transfer, held: float) -> None:
-        settings = self.settings
-        self._report_result(transfer.result(timeout_s=settings.version_timeout_s if settings else None), held)
+    def _wait_current(self, timeout_s: float) -> None:
+        current = self._current
+        if current is not None:
+            try:
+                current.result(timeout_s)
+            except CkptEngineError as exc:  # (its sends are bounded: this is a bug's safety net)
+                log.warning("version %d still in transfer: %s", current.version, exc)
 
     def _report_result(self, result: TransferResult, held: float) -> None:
         self.report(result.version, "done", **done_fields(result, self._publisher(), held),
                     group_broken=self.group_broken)
-
-    def _in_background(self, assignment: Assignment, work: Callable[[Assignment], None]) -> None:
-        def run() -> None:
-            try:
-                work(assignment)
-            except Exception as exc:  # every failure ends the version with a reason in history
-                log.exception("version %d failed on the trainer", assignment.version)
-                self._report_failure(assignment.version, f"{type(exc).__name__}: {exc}",
-                                     list(getattr(exc, "absent_ranks", [])))
-
-        self._background = threading.Thread(target=run, name=f"ckpt-trainer-v{assignment.version}", daemon=True)
-        self._background.start()
 
     def _report_failure(self, version: int, reason: str, absent_ranks: list[int] | None = None) -> None:
         publisher = self.publisher

@@ -144,7 +144,7 @@ class Publisher:
             transfer = Transfer(version, "cached")
             transfer.params_released.set()
             return self._in_background(transfer, lambda: self._sender(route).send_cached(
-                self.cache, source_version, as_version=version, expected_digest=expected_digest))
+                self.cache, source_version, as_version=version, expected_digest=expected_digest, inline=True))
         named = _named(version, named)
         layout = self.layout_for(named)
         owners = mine.of(layout)
@@ -172,10 +172,10 @@ class Publisher:
         transfer.params_released.set()
         transfer.gathered_bytes = cursor.gathered_bytes
         if sparse_base is not None:
-            send = lambda: self._sender(route).send_sparse(self.cache, version, sparse_base,
+            send = lambda: self._sender(route).send_sparse(self.cache, version, sparse_base, inline=True,
                                                            bucket_size=self.bucket_size, alignment=self.alignment)
         else:
-            send = lambda: self._sender(route).send_cached(self.cache, version)
+            send = lambda: self._sender(route).send_cached(self.cache, version, inline=True)
         return self._in_background(transfer, send)
 
     def abort_before_start(self, version: int, reason: str, route: Callable[[], Route] | None = None) -> None:
@@ -265,8 +265,8 @@ class Publisher:
 
     @staticmethod
     def _in_background(transfer: Transfer, send: Callable[[], Transfer]) -> Transfer:
-        """``send()`` (which may first wait for its route, e.g. a rendezvous) on a thread of its own; its
-        transfer's outcome becomes ``transfer``'s."""
+        """``send()`` (which may first wait for its route, e.g. a rendezvous, then sends inline) on the one thread
+        of this version; its transfer's outcome becomes ``transfer``'s."""
 
         def run() -> None:
             try:
@@ -278,7 +278,7 @@ class Publisher:
                                         absent_ranks=list(getattr(exc, "absent_ranks", [])))
             transfer._finish(result)
 
-        threading.Thread(target=run, name=f"ckpt-publish-v{transfer.version}", daemon=True).start()
+        threading.Thread(target=run, name=f"ckpt-send-v{transfer.version}", daemon=True).start()
         return transfer
 
 

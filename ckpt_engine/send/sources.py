@@ -1,0 +1,312 @@
+"""Where a version's bucket bytes come from: live tensors (``bypass_cpu``), the cache (a cached version or a
+re-send of one, checked against its identity first), or the cache's changes against a base (sparse)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+import torch
+import xxhash
+
+from ckpt_engine.device import DigestAlgo
+from ckpt_engine.errors import CkptEngineError, ProtocolError
+from ckpt_engine.plan.hashing import layout_digests
+from ckpt_engine.plan.layout import Layout
+from ckpt_engine.plan.modes import Mode
+from ckpt_engine.plan.owners import Owners, single_owner
+from ckpt_engine.plan.sparse import Manifest, SparsePlan, manifest_of, plan_sparse
+from ckpt_engine.plan.tensors import BucketTensors, TensorsOrProvider, fill_bucket, provider_of
+from ckpt_engine.send.cache import CachedVersion, VersionCache
+
+log = logging.getLogger(__name__)
+
+
+class Source(Protocol):
+    """Where a version's bucket bytes come from: live tensors, the cache, or the cache's changes (sparse)."""
+
+    mode: Mode
+    layout: Layout  # what goes on the wire (after plan)
+    owners: Owners  # who sends each bucket of ``layout``
+    version: int
+    step: int | None
+    aliases: Mapping[str, str]
+    header_extra: dict
+    skipped: int
+    skipped_bytes: int
+    base_version: int | None
+    needs_slot: bool  # bucket() must be given a send slot to fill (else it returns views of the source)
+
+    def prepare(self, algo: DigestAlgo, device: torch.device, rank: int) -> list[int]:
+        """Work before the first bucket; returns what this owner tells the others (see ``plan``)."""
+
+    def plan(self, told: list[list[int]] | None) -> None:
+        """Fix ``layout`` and ``owners`` from what every owner told (None: this rank is the only one)."""
+
+    def manifest(self, version: int, algo: str, wire_digests: list[int]) -> Manifest: ...
+
+    def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor: ...
+
+    def all_filled(self) -> None: ...
+
+
+class FullSource:
+    """What every full source shares: nothing to prepare, the wire digest is the version digest."""
+
+    header_extra: dict = {}
+    skipped = 0
+    skipped_bytes = 0
+    base_version: int | None = None
+
+    def prepare(self, algo: DigestAlgo, device: torch.device, rank: int) -> list[int]:
+        return []
+
+    def plan(self, told: list[list[int]] | None) -> None:
+        pass
+
+    def manifest(self, version: int, algo: str, wire_digests: list[int]) -> Manifest:
+        return manifest_of(version, algo, self.layout, wire_digests)  # type: ignore[attr-defined]
+
+
+class LiveSource(FullSource):
+    """bypass_cpu: bucket bytes come straight from the live tensors into the send slot."""
+
+    mode: Mode = "bypass_cpu"
+    needs_slot = True
+
+    def __init__(self, version: int, layout: Layout, tensors: TensorsOrProvider,
+                 aliases: Mapping[str, str], step: int | None, released: threading.Event,
+                 owners: Owners | None = None) -> None:
+        self.version, self.layout, self.aliases, self.step = version, layout, aliases, step
+        self.owners = owners or single_owner(layout)
+        self._provide: BucketTensors | None = provider_of(tensors)
+        self._released = released
+
+    def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:
+        bucket = self.layout.buckets[index]
+        if slot is None or self._provide is None:
+            raise ValueError("a live source needs a send slot and its tensors")
+        fill_bucket(slot, bucket.slots, self._provide(bucket), bucket.nbytes)
+        return slot[: bucket.nbytes]
+
+    def all_filled(self) -> None:
+        self._provide = None  # drop references to the live tensors
+        self._released.set()
+
+
+class CacheSource(FullSource):
+    """cached: bucket bytes are read from the version cache (copied to the device when the wire needs it;
+    assembled from its own and its parent's bytes for a delta version)."""
+
+    mode: Mode = "cached"
+
+    def __init__(self, cached: CachedVersion, on_host_wire: bool, as_version: int | None = None,
+                 segment=None, expected_digest: str | None = None, drop: Callable[[], None] | None = None) -> None:
+        """``as_version``: a re-send (rollback, catch-up, repair), checked against the version's identity first
+        (``expected_digest``: the digest the daemon recorded for it); ``drop`` evicts a copy that fails it."""
+        self.cached, self.as_version = cached, as_version
+        self.expected_digest, self._drop = expected_digest, drop
+        # gloo sends host memory: a whole cached version goes on the wire without any copy
+        self.needs_slot = not (on_host_wire and cached.is_whole)
+        # the cache buffer's shareable segment: colocated receivers read it in place
+        self.segment = segment if not self.needs_slot else None
+        self.layout, self.owners = cached.version_layout, cached.owners  # type: ignore[assignment]
+        self.aliases, self.step = cached.aliases, cached.step
+        self.version = cached.version if as_version is None else as_version
+
+    def prepare(self, algo: DigestAlgo, device: torch.device, rank: int) -> list[int]:
+        if self.as_version is not None:
+            try:
+                check_identity(self.cached, algo, device, rank, self.expected_digest)
+            except StaleCopy:
+                if self._drop is not None:
+                    self._drop()  # it can never be sent as that version again
+                raise
+        return []
+
+    def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:
+        local = self.cached.local_index(index)
+        if not self.cached.is_whole:
+            return self.cached.fill(local, _need(slot))
+        return _placed(self.cached.bucket(local), _need(slot) if self.needs_slot else slot)
+
+    def all_filled(self) -> None:
+        pass
+
+
+class StaleCopy(CkptEngineError):
+    """A cached version no longer is what it was when it was sent (its bytes or its record changed)."""
+
+
+def check_identity(cached: CachedVersion, algo: DigestAlgo, device: torch.device, rank: int,
+                   expected_digest: str | None) -> None:
+    """Raise StaleCopy, naming the tensors, unless this rank's cached bytes of the version are exactly what was
+    sent when it was first sent (and, given ``expected_digest``, what the daemon recorded): a re-send is
+    verified against the version's identity, never against digests recomputed from what is stored now."""
+    identity, version = cached.identity, cached.version
+    if identity is None:
+        raise StaleCopy(f"owner rank {rank} holds no record of what version {version} was when it was sent, so it "
+                        "cannot vouch for its cached copy")
+    if expected_digest is not None and identity.version_digest != expected_digest:
+        raise StaleCopy(f"version {version} is recorded with digest {expected_digest}, but owner rank {rank}'s "
+                        f"cached copy was sent as {identity.version_digest}")
+    if identity.algo != algo:
+        raise StaleCopy(f"version {version} was digested with {identity.algo}, this sender uses {algo}")
+    scratch = None if cached.is_whole else torch.empty(cached.layout.max_bucket_bytes, dtype=torch.uint8)
+    read = cached.bucket if cached.is_whole else (lambda b: cached.fill(b, scratch))  # type: ignore[arg-type]
+    digests = layout_digests(cached.layout, lambda b: read(b.index), algo, device)
+    recorded = dict(zip(identity.names, identity.digests))
+    changed = [slot.name for slot, digest in zip(cached.layout.slots, digests) if recorded.get(slot.name) != digest]
+    if changed:
+        raise StaleCopy(f"owner rank {rank}'s cached copy of version {version} no longer matches what was sent: "
+                        f"{len(changed)} tensor(s) changed ({', '.join(changed[:5])}); dropped from the cache")
+
+
+class SparseCacheSource:
+    """cached and sparse: only tensors whose digest differs from the base version's are sent, laid out in
+    their own buckets; the header tells receivers the base and the whole model's digest."""
+
+    mode: Mode = "cached"
+
+    def __init__(self, cached: CachedVersion, base: Manifest | None, bucket_size: int, alignment: int,
+                 on_host_wire: bool, parent: Manifest | None = None) -> None:
+        """``parent``: the manifest of the version a delta ``cached`` shares its unchanged tensors with, when
+        known; then only the delta's own tensors are digested."""
+        self.cached, self.base, self.parent = cached, base, parent
+        self.version, self.aliases, self.step = cached.version, cached.aliases, cached.step
+        self.layout, self.owners = cached.version_layout, cached.owners  # type: ignore[assignment]
+        self.bucket_size, self.alignment = bucket_size, alignment
+        self.full: Manifest | None = None
+        self.plan_: SparsePlan | None = None
+        self._algo = ""
+        self._on_host_wire = on_host_wire
+        self._own_wire = False  # the changes are exactly the delta's own buffer, already in wire layout
+
+    @property
+    def needs_slot(self) -> bool:
+        in_place = self._own_wire if self.plan_ is not None else self.cached.is_whole
+        return not (self._on_host_wire and in_place)
+
+    @property
+    def skipped(self) -> int:
+        return self.plan_.skipped if self.plan_ else 0
+
+    @property
+    def skipped_bytes(self) -> int:
+        return self.plan_.skipped_bytes if self.plan_ else 0
+
+    @property
+    def base_version(self) -> int | None:
+        return self.base.version if self.plan_ and self.base else None
+
+    @property
+    def header_extra(self) -> dict:
+        if self.plan_ is None or self.full is None:
+            return {}
+        return {"base_version": self.base_version, "full_layout_digest": self.full.layout_digest,
+                "full_version_digest": self.full.version_digest, "skipped": self.plan_.skipped}
+
+    def prepare(self, algo: DigestAlgo, device: torch.device, rank: int) -> list[int]:
+        """Digest what this rank caches of the version (only a delta's own tensors when its parent's digests
+        are known and the version is this rank's alone). With several owners, returns (tensor index in the
+        version, digest) pairs of this rank's share, for every owner to build the same manifest."""
+        cached, parent, self._algo = self.cached, self.parent, algo
+        if (self.owners.ranks == 1 and not cached.is_whole and parent is not None and parent.algo == algo
+                and parent.layout_digest == cached.layout.digest):
+            # Per-tensor digests do not depend on the layout, so the delta's own buckets give the changed ones.
+            own = cached.own_layout
+            changed = dict(zip(cached.changed, layout_digests(own, lambda b: cached.buffer[b.flat_offset:], algo,
+                                                              device)))
+            self.full = parent.updated(self.version, changed)
+            return []
+        scratch = None if cached.is_whole else torch.empty(cached.layout.max_bucket_bytes, dtype=torch.uint8)
+        read = cached.bucket if cached.is_whole else (lambda b: cached.fill(b, scratch))  # type: ignore[arg-type]
+        digests = layout_digests(cached.layout, lambda b: read(b.index), algo, device)
+        if self.owners.ranks == 1:
+            self.full = manifest_of(self.version, algo, cached.layout, digests)
+            return []
+        position = {slot.name: slot.index for slot in self.layout.slots}
+        return [_base_word(self.base), *(value for slot, digest in zip(cached.layout.slots, digests)
+                                         for value in (position[slot.name], digest))]
+
+    def plan(self, told: list[list[int]] | None) -> None:
+        """What changed against the base; with several owners, from every owner's share of the digests, and
+        against the base only when every owner holds the same one (an owner that did not send it, e.g. silent
+        when the owner count changed, has no manifest of it): else every owner plans the full version."""
+        full_layout = self.layout
+        if told is not None:
+            bases = {values[0] for values in told}
+            if len(bases) != 1 or 0 in bases:
+                if self.base is not None:
+                    log.info("version %d: not every owner holds base version %d's digests; sending it whole",
+                             self.version, self.base.version)
+                self.base = None
+            found = {index: digest for values in told for index, digest in zip(values[1::2], values[2::2])}
+            if len(found) != full_layout.num_tensors:
+                raise ProtocolError(f"the owners' digests cover {len(found)} of {full_layout.num_tensors} tensors")
+            self.full = manifest_of(self.version, self._algo, full_layout, [found[i] for i in range(len(found))])
+        self.plan_ = plan_sparse(full_layout, self.full, self.base, bucket_size=self.bucket_size,  # type: ignore[arg-type]
+                                 alignment=self.alignment, owners=self.owners)
+        if self.plan_ is not None:
+            self.layout, self.owners = self.plan_.layout, self.plan_.owners
+            self._own_wire = (self.owners.ranks == 1 and not self.cached.is_whole
+                              and self.plan_.layout.digest == self.cached.own_layout.digest)
+
+    def manifest(self, version: int, algo: str, wire_digests: list[int]) -> Manifest:
+        if self.plan_ is None or self.full is None:
+            return manifest_of(version, algo, self.layout, wire_digests)
+        return self.full
+
+    def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:
+        bucket = self.layout.buckets[index]
+        if self.plan_ is None:  # no usable base: the full version, from this rank's share
+            local = self.cached.local_index(index)
+            if not self.cached.is_whole:
+                return self.cached.fill(local, _need(slot))
+            return _placed(self.cached.bucket(local), slot)
+        if self._own_wire:  # bytes already in wire layout in one cache buffer
+            return _placed(self.cached.buffer[bucket.flat_offset : bucket.flat_offset + bucket.nbytes], slot)
+        fill_bucket(_need(slot), bucket.slots, self.cached.views(), bucket.nbytes)
+        return slot[: bucket.nbytes]  # type: ignore[index]
+
+    def all_filled(self) -> None:
+        pass
+
+
+def record_identity(source: Source, manifest: Manifest) -> None:
+    """The first send of a cached version fixes what it is: every later re-send is checked against this."""
+    cached = getattr(source, "cached", None)
+    if isinstance(cached, CachedVersion) and cached.identity is None and source.version == cached.version:
+        cached.identity = manifest
+
+
+def evict_quietly(cache: VersionCache, version: int) -> None:
+    try:
+        cache.evict(version)
+    except CkptEngineError:  # evicted meanwhile
+        pass
+    log.error("version %d dropped from the cache: its cached copy no longer matches what was sent", version)
+
+
+def _base_word(base: Manifest | None) -> int:
+    """A sparse base as one int64 word for the owners' vote (0: none)."""
+    if base is None:
+        return 0
+    text = f"{base.version}|{base.algo}|{base.layout_digest}|{base.version_digest}"
+    return (xxhash.xxh3_64_intdigest(text.encode()) >> 2) or 1
+
+
+def _need(slot: torch.Tensor | None) -> torch.Tensor:
+    if slot is None:
+        raise ValueError("this source needs a send slot")
+    return slot
+
+
+def _placed(view: torch.Tensor, slot: torch.Tensor | None) -> torch.Tensor:
+    """``view`` itself, or its bytes copied into ``slot`` when the wire reads from a send slot."""
+    if slot is None:
+        return view
+    slot[: view.numel()].copy_(view, non_blocking=True)
+    return slot[: view.numel()]

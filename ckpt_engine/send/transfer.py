@@ -1,0 +1,95 @@
+"""A version being sent: its outcome (``TransferResult``) and the handle the caller holds (``Transfer``).
+
+``Transfer.params_released`` is set as soon as the source tensors are no longer read: right away for a cached
+version (the cache holds the bytes), after the last bucket has been filled for a live (``bypass_cpu``) one.
+``on_done`` callbacks run on the thread that ends the transfer (no thread waits for one)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ckpt_engine.errors import CkptEngineError, SyncTimeoutError
+from ckpt_engine.plan.modes import Mode
+from ckpt_engine.transport.messages import Ack
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TransferResult:
+    version: int
+    mode: Mode
+    ok: bool
+    reason: str | None
+    version_digest: str | None
+    receivers: list[Ack]
+    bytes_sent: int  # by this rank (an owner's share of the version)
+    buckets: int
+    tensors: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    finished_at: float = 0.0  # time.perf_counter() when every acknowledgement was in (or the transfer failed)
+    tensors_skipped: int = 0  # sparse: unchanged tensors not sent
+    bytes_skipped: int = 0  # sparse: their bytes
+    base_version: int | None = None  # sparse: the version the receivers held
+    absent_ranks: list[int] = field(default_factory=list)  # receivers that never joined the rendezvous
+    version_bytes: int = 0  # of the whole version on the wire (every owner's share), once all were sent
+
+    @property
+    def committed_ranks(self) -> list[int]:
+        return [ack.rank for ack in self.receivers if ack.ok]
+
+
+class Transfer:
+    """Handle of one version being sent."""
+
+    def __init__(self, version: int, mode: Mode) -> None:
+        self.version = version
+        self.mode = mode
+        self.gathered_bytes = 0  # bytes of full tensors this rank assembled for it (gathers of a sharded model)
+        self.params_released = threading.Event()
+        self._done = threading.Event()
+        self._result: TransferResult | None = None
+        self._callbacks: list[Callable[[TransferResult], None]] = []
+        self._callbacks_lock = threading.Lock()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def on_done(self, callback: Callable[[TransferResult], None]) -> None:
+        """Call ``callback(result)`` once the transfer has ended: at once if it has, else on the thread that ends
+        it (no thread waits for it). A callback that raises is logged; the others still run."""
+        with self._callbacks_lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        _call(callback, self.result(0))
+
+    def result(self, timeout_s: float | None = None) -> TransferResult:
+        if not self._done.wait(timeout_s):
+            raise SyncTimeoutError(f"version {self.version} still in transfer after {timeout_s}s")
+        if self._result is None:
+            raise CkptEngineError(f"version {self.version}: transfer ended without a result")
+        return self._result
+
+    def _finish(self, result: TransferResult) -> None:
+        """Ends the transfer: its callbacks run first, so whoever waits for ``result()`` finds them done."""
+        self._result = result
+        self.params_released.set()
+        while True:
+            with self._callbacks_lock:
+                callbacks, self._callbacks = self._callbacks, []
+                if not callbacks:
+                    self._done.set()
+                    return
+            for callback in callbacks:
+                _call(callback, result)
+
+
+def _call(callback: Callable[[TransferResult], None], result: TransferResult) -> None:
+    try:
+        callback(result)
+    except Exception:  # a consumer of the outcome (e.g. the report to the daemon) must not stop the others
+        log.exception("a callback on the outcome of version %d failed", result.version)
