@@ -81,6 +81,7 @@ def test_verl_syncs_are_versions_byte_exact_and_a_corrupted_byte_is_refused(mode
     cluster = Cluster(2, 2, {"bypass_cpu": mode == "bypass_cpu", "timeout_s": 60.0, "load_timeout_s": 60.0}, how)
     try:
         assert [c["class"] for c in cluster.constructed] == ["CkptEngineCheckpointEngine"] * 4
+        assert [c["side"] for c in cluster.constructed] == ["VerlActor"] * 2 + ["VerlRollout"] * 2
         assert {c["mode"] for c in cluster.constructed} == {mode}
 
         first = cluster.update_weights(global_steps=3)

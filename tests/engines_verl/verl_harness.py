@@ -83,8 +83,9 @@ def worker(role: str, rank: int, engine_kwargs: dict[str, Any], how: str, comman
     try:
         engine = _construct(role, rank, engine_kwargs, how)
         corrupt = {"bucket": None}
-        engine._wire_hook = lambda k, buf: _flip(k, buf) if k == corrupt["bucket"] else buf
-        results.put(("ok", {"class": type(engine).__name__, "mode": engine.mode}))
+        side = engine.side  # (the actor's or the rollout worker's: backend.py)
+        side._wire_hook = lambda k, buf: _flip(k, buf) if k == corrupt["bucket"] else buf
+        results.put(("ok", {"class": type(engine).__name__, "side": type(side).__name__, "mode": side.mode}))
     except BaseException:  # noqa: BLE001 - everything goes back to the driver, which fails the test
         results.put(("error", traceback.format_exc()))
         return
@@ -107,7 +108,7 @@ def worker(role: str, rank: int, engine_kwargs: dict[str, Any], how: str, comman
             elif command == "receive":
                 value = asyncio.run(_receive(engine, args["global_steps"], args.get("stop_after")))
             elif command == "corrupt_cache":  # one byte of this rank's cached share of a version, in memory
-                cached = engine._publisher.cache.get(args["version"])
+                cached = side._publisher.cache.get(args["version"])
                 cached.buffer[cached.buffer.numel() // 2] ^= 0x5A
                 value = None
             else:
@@ -130,7 +131,7 @@ async def _receive(engine, global_steps: int, stop_after: int | None = None) -> 
                 break
     except Exception as exc:  # noqa: BLE001 - what verl's adapter would see, for the test to check
         return {"raised": f"{type(exc).__name__}: {exc}", "yielded": len(got)}
-    return {"received": fingerprint(got), "version": engine.last_version}
+    return {"received": fingerprint(got), "version": engine.side.last_version}
 
 
 class Cluster:

@@ -5,11 +5,48 @@ ckpt_engine``. Importing this module registers it in verl's CheckpointEngineRegi
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
+from .actor import VerlActor
+from .rollout import VerlRollout
 from .sync import BACKEND, VerlSync
 
 
 @CheckpointEngineRegistry.register(BACKEND)
-class CkptEngineCheckpointEngine(VerlSync, CheckpointEngine):
-    """Every verl sync as one versioned, verified ckpt-engine version (sync.py has the how)."""
+class CkptEngineCheckpointEngine(CheckpointEngine):
+    """Every verl sync as one versioned, verified ckpt-engine version. verl constructs it with ``is_master`` on
+    actor ranks only: that picks the side (``side``: actor.py or rollout.py; sync.py has what they share)."""
+
+    wire_format = VerlSync.wire_format
+
+    def __init__(self, bucket_size: int, is_master: bool | None = None, **engine_kwargs: Any) -> None:
+        self.side: VerlActor | VerlRollout = (VerlActor(bucket_size, bool(is_master), **engine_kwargs)
+                                              if is_master is not None else VerlRollout(bucket_size, **engine_kwargs))
+
+    def prepare(self) -> dict[str, Any]:
+        return self.side.prepare()
+
+    @classmethod
+    def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
+                       metadata: list[dict]) -> tuple[dict[str, list], dict[str, list]]:
+        return VerlSync.build_topology(actor_wg_world_size, rollout_world_size, metadata)
+
+    def init_process_group(self, **topology: Any) -> None:
+        self.side.init_process_group(**topology)
+
+    async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                           global_steps: int | None = None) -> dict[str, Any]:
+        return await self.side.send_weights(weights, global_steps=global_steps)
+
+    def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        return self.side.receive_weights(global_steps=global_steps)  # (not awaited: verl does not await it)
+
+    def finalize(self) -> None:
+        self.side.finalize()
+
+    def close(self) -> None:
+        self.side.close()

@@ -20,35 +20,30 @@ our versions:
 Actor rank 0 announces each sync's version on its store (so every rank and worker learns it, and whether it
 is a rollback). With ``endpoint`` (a ckpt-engine daemon), that version is the daemon's (daemon.py): history,
 metrics, ``/versions``, the rollout workers' own verdicts, and rollbacks queued with ``POST /push``.
+
+This module holds what both sides share (``VerlSync``); actor.py is an actor rank's side, rollout.py a rollout
+worker's, and backend.py verl's class, which opens the side verl asks for.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
 import os
 import re
-import threading
-import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import torch
-from ckpt_engine.workers.trainer_agent import evict
 
-from ckpt_engine.device import DeviceInfo, detect_device, synchronize
-from ckpt_engine.errors import ApplyRefused, CkptEngineError, ConfigError, SyncTimeoutError
+from ckpt_engine.device import DeviceInfo, detect_device
+from ckpt_engine.errors import CkptEngineError, ConfigError, SyncTimeoutError
 from ckpt_engine.plan.modes import check_sparse, mode_of
-from ckpt_engine.receive.assembly import VersionAssembler, VersionPayload
-from ckpt_engine.receive.collective import Receiver, ReceiveResult
-from ckpt_engine.send.publisher import Ownership, Publisher
-from ckpt_engine.send.sender import Transfer, TransferResult, WireHook
-from ckpt_engine.transport.group import SyncGroup, bounded, open_store, owner_part, serve_store, wait_for_key
+from ckpt_engine.send.publisher import Publisher
+from ckpt_engine.transport.group import SyncGroup, open_store, owner_part, wait_for_key
 
 from .daemon import VerlAgent
-from .stream import collect_owned, drain
 
 log = logging.getLogger(__name__)
 BACKEND = "ckpt_engine"
@@ -119,7 +114,9 @@ def _check_daemon(endpoint: object, credentials: object) -> None:
 
 
 class VerlSync:
-    """One actor rank's or rollout worker's side of verl's checkpoint-engine contract."""
+    """What both sides of verl's checkpoint-engine contract share (options, the topology, the rendezvous, the
+    groups, the daemon's agent); ``VerlActor`` (actor.py) and ``VerlRollout`` (rollout.py) are the two sides,
+    and backend.py opens the one verl asks for (``is_master`` given: an actor rank)."""
 
     wire_format = "named_tensors"  # verl's adapters get (name, tensor) pairs
 
@@ -153,13 +150,6 @@ class VerlSync:
         self.is_actor = is_master is not None
         self.endpoint, self.credentials = endpoint, credentials
         self._agent: VerlAgent | None = None
-        self._open: int | None = None  # actor rank 0: the daemon's version of this sync, until it is sent
-        # actor rank 0: versions that failed, for every rank to drop from its cache (a failed version must not
-        # take the place of the last good one, the rollback target)
-        self._failed: list[int] = []
-        # actor rank 0: versions the daemon gave no verdict on (it was down or stalled); asked again at the next
-        # sync, and dropped too unless it recorded them committed
-        self._unjudged: list[int] = []
         self.bypass_cpu, self.mode = bypass_cpu, mode_of(bypass_cpu)
         if not isinstance(sparse, bool):
             raise ConfigError(f"engine_kwargs.{BACKEND}.sparse must be true or false, got {sparse!r}")
@@ -175,16 +165,10 @@ class VerlSync:
         self.keep_versions = keep_versions
         self.group_name = group_name
         self._device: DeviceInfo | None = None
-        self._versions = 0  # the master's counter: verl syncs become versions 1, 2, ...
-        self._server: Any = None  # the rendezvous store actor rank 0 serves during a sync
         self._store: Any = None
         self._topology: dict[str, Any] | None = None
         self._groups: list[SyncGroup] = []
         self._owners_group: SyncGroup | None = None
-        self._publisher: Publisher | None = None
-        self._assembler: VersionAssembler | None = None
-        self._handoff = _Handoff(self.load_timeout_s)
-        self._wire_hook: WireHook | None = None  # fault injection for tests (the library's own hook)
         self.last_version: int | None = None
 
     @property
@@ -203,22 +187,6 @@ class VerlSync:
         return self._device
 
     # ---- verl's lifecycle, every sync ------------------------------------------------------------------
-    def prepare(self) -> dict[str, Any]:
-        if not self.is_actor:  # a rollout worker: the daemon knows it by its agent id (build_topology passes it on)
-            held = self._assembler.manifest if self._assembler is not None else None
-            # (checked with the daemon: after a restart the id held is unknown there, and verl names it)
-            agent_id = (self._daemon("receiver", 0).current_id(time.monotonic() + min(self._daemon_s, 5.0))
-                        if self.endpoint else None)
-            return {"role": _PEER, "agent_id": agent_id, "holds": held.version if held is not None else None}
-        if not self.is_master:
-            return {"role": _PEER}
-        self._abandon_open("verl started a new sync before this one's weights were sent")
-        self._close_store()
-        host = self.host or _node_address()
-        self._server = serve_store(host, 0, timeout_s=self.timeout_s)
-        self._versions += 1
-        return {"role": _MASTER, "host": host, "port": int(self._server.port)}
-
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
                        metadata: list[dict]) -> tuple[dict[str, list], dict[str, list]]:
@@ -258,13 +226,9 @@ class VerlSync:
             raise ConfigError(f"engine_kwargs.{BACKEND}.endpoint must be set in every verl process or in none")
         self._close_groups()
         self._topology = None
-        store = self._server if self.is_master else self._open_rank_0_store(host, port)
+        store = self._store_for(host, port)
         self._store = store
-        if role == "actor" and self.endpoint and not self.is_master:  # (rank 0 registers as it announces)
-            self._daemon("trainer", rank, actors)
-        sync = self._announce(store, receivers, actors) if self.is_master else self._announced(store)
-        if role == "actor":
-            self._drop(sync.get("drop", []))
+        sync = self._join(store, rank, receivers, actors)
         version = sync["version"]
         self._topology = {"role": role, "rank": rank, "version": version, "actors": actors, "rollouts": rollouts,
                           "source_version": sync.get("source_version"), "sparse_base": sparse_base,
@@ -285,125 +249,9 @@ class VerlSync:
         else:
             self._groups = [group(owner_part(owner), 1 + rank, 1 + rollouts) for owner in range(actors)]
 
-    async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
-                           global_steps: int | None = None) -> dict[str, Any]:
-        topology = self._require("actor")
-        rank = topology["rank"]
-        version, source = topology["version"], topology["source_version"]
-        step = _step(global_steps)
-        if self._agent is not None and self.is_master:
-            self._agent.report(version, "snapshotting", step=step)  # verl's global_steps become the version's step
-        started = time.perf_counter()
-        publisher = self._publisher_for()
-        publisher.attach(self._groups[0], owners_group=self._owners_group)
-        weights = iter(weights)
-        try:
-            transfer, kept = self._publish(publisher, weights, topology, step)
-        except Exception as exc:  # nothing went out: tell the rollout workers now, not after their timeout
-            drain(weights)  # (the generator's gathers are collective: the other ranks are still in them)
-            reason = f"actor rank {rank} could not send it: {type(exc).__name__}: {exc}"
-            self._abort(publisher, version, reason)
-            raise CkptEngineError(f"{BACKEND}: version {version} (global_steps {global_steps}): {reason}") from exc
-        held = time.perf_counter() - started
-        result = await asyncio.to_thread(transfer.result, self.timeout_s + self.load_timeout_s + self.timeout_s)
-        # with a daemon, the version counts once it judged the rollout workers' own reports
-        verdict = await asyncio.to_thread(self._told, result, publisher, held) if self._agent is not None else None
-        if not result.ok or (verdict is not None and verdict.get("status") != "committed"):
-            self._failed.append(version)  # dropped from every rank's cache at the next sync (announced)
-        elif verdict is None and self._agent is not None and self.is_master:
-            self._unjudged.append(version)
-        if not result.ok:
-            raise CkptEngineError(f"{BACKEND}: version {version} (global_steps {global_steps}) was not delivered by "
-                                  f"actor rank {rank}: {result.reason}")
-        if verdict is not None and verdict.get("status") != "committed":
-            raise VerificationFailed(f"{BACKEND}: version {version} (global_steps {global_steps}) "
-                                     f"{verdict.get('status')} on the daemon: {verdict.get('reason')}")
-        self.last_version = version
-        unjudged = {f"{BACKEND}/daemon_verdict_unknown": 1} if self.is_master and self._agent and not verdict else {}
-        return {**unjudged, f"{BACKEND}/version": version, f"{BACKEND}/bytes_kept_rank{rank}": kept,
-                f"{BACKEND}/bytes_sent_rank{rank}": result.bytes_sent,
-                f"{BACKEND}/seconds_rank{rank}": sum(result.seconds.values()) if result.seconds else 0.0,
-                f"{BACKEND}/tensors_skipped": result.tensors_skipped,  # (of the version: the same on every rank)
-                **({f"{BACKEND}/rollback_of": source} if source is not None else {})}
-
-    def _publish(self, publisher: Publisher, weights: Iterator[tuple[str, torch.Tensor]], topology: dict[str, Any],
-                 step: int | None) -> tuple[Transfer, int]:
-        """This rank's part of the sync's version (and the bytes it kept). The generator is walked here, on
-        verl's thread, to the end on every rank: its gathers are collective."""
-        rank, actors, version = topology["rank"], topology["actors"], topology["version"]
-        if topology["source_version"] is not None:  # a rollback queued on the daemon: sent instead of new weights
-            drain(weights)
-            return publisher.publish(version, source_version=topology["source_version"],
-                                     ownership=Ownership(rank, actors), expected_digest=topology["expected_digest"],
-                                     keep=topology["keep"]), 0
-        named, kept = collect_owned(weights, rank=rank, ranks=actors, bucket_size=self.bucket_size)
-        agree = self._agree(rank, actors) if self.sparse and actors > 1 else None
-        transfer = publisher.publish(version, named, mode=self.mode, step=step,  # type: ignore[arg-type]
-                                     ownership=Ownership(rank, actors), sparse=self.sparse, agree=agree,
-                                     sparse_base=topology["sparse_base"] if self.sparse else None,
-                                     keep=topology["keep"])
-        return transfer, kept  # (the kept tensors: snapshotted, or read for bypass_cpu, by now)
-
-    def _abort(self, publisher: Publisher, version: int, reason: str) -> None:
-        try:
-            publisher.abort_before_start(version, reason)
-        except CkptEngineError as exc:  # the rollout workers then fall back on their own timeout
-            log.warning("could not tell the rollout workers that version %d is abandoned: %s", version, exc)
-        if self._agent is not None:
-            self._agent.abandoned(version, reason)
-            self._open = None
-
-    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """Yields the whole version's (name, tensor) only after it arrived and verified. The tensors are views
-        into this worker's staging: valid until the generator is resumed after the last one (verl's adapters
-        copy or clone them)."""
-        topology = self._require("rollout")
-        version = topology["version"]
-        receiver = Receiver(self._groups, self._handoff.load, assembler=self._assembler_for())
-        loop = asyncio.get_running_loop()
-        handed = self._handoff.expect(loop)
-        received = asyncio.ensure_future(asyncio.to_thread(self._receive_and_report, receiver, version))
-        try:
-            await asyncio.wait([handed, received], return_when=asyncio.FIRST_COMPLETED)
-            if handed.done():
-                payload: VersionPayload = handed.result()
-                for name, tensor in payload.tensors.items():
-                    yield name, tensor
-                if self.device.kind != "cpu":
-                    synchronize(self.device)  # verl's copies out of staging may be non-blocking
-                self._handoff.consumed(whole=True)
-            await received
-        finally:
-            self._handoff.consumed(whole=False)  # verl stopped reading part way: the receiving thread goes on
-            if not received.done():
-                await asyncio.wait([received], timeout=self.timeout_s)
-        result = received.result() if received.done() else ReceiveResult(
-            version, False, "still receiving when the sync's wait ran out")
-        if not result.ok:
-            what = "was handed to verl but did not complete" if handed.done() else "refused, nothing handed to verl"
-            raise VerificationFailed(f"{BACKEND}: version {version} (global_steps {global_steps}) {what}: "
-                                     f"{result.reason}")
-        self.last_version = version
-
-    def _receive_and_report(self, receiver: Receiver, version: int) -> ReceiveResult:
-        """On the receiving thread: the outcome, told to the daemon from here, so it is told whatever verl does
-        with the generator (it may close it part way, or drop it)."""
-        try:
-            result = _outcome(version, receiver.receive(self.timeout_s))
-        except Exception as exc:  # told like any other failure: the daemon must not wait for this worker
-            log.exception("version %d: receiving failed", version)
-            result = ReceiveResult(version, False, f"{type(exc).__name__}: {exc}")
-        if self._agent is not None:  # said before verl goes on: the history holds it when verl's sync ends
-            self._agent.received(version, result)
-            self._agent.flush_reports(self._report_wait_s)
-        return result
-
     def finalize(self) -> None:
-        self._abandon_open("verl ended the sync before its weights were sent")
         self._close_groups()
         self._store = None
-        if self.is_master:
-            self._close_store()
         self._topology = None
 
     def close(self) -> None:
@@ -414,44 +262,36 @@ class VerlSync:
             self._agent = None
 
     # ---- the daemon, and this sync's version --------------------------------------------------------------
+    # ---- what each side does (actor.py, rollout.py) -------------------------------------------------
+    def prepare(self) -> dict[str, Any]:
+        raise CkptEngineError(f"{BACKEND}: open an actor rank's or a rollout worker's side (backend.py does)")
+
+    async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                           global_steps: int | None = None) -> dict[str, Any]:
+        raise CkptEngineError(f"{BACKEND}: this is a rollout worker; only an actor rank sends weights")
+
+    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        raise CkptEngineError(f"{BACKEND}: this is an actor rank; only a rollout worker receives weights")
+        yield  # (an async generator, as verl's contract has it)
+
+    def _join(self, store: Any, rank: int, receivers: list[str] | None, actors: int) -> dict[str, Any]:
+        """This side's part of init_process_group: the sync's announcement (the version and what goes with it)."""
+        return self._announced(store)
+
+    def _store_for(self, host: str, port: int) -> Any:
+        return self._open_rank_0_store(host, port)
+
+    def _cache_publisher(self) -> Publisher | None:
+        return None
+
     def _daemon(self, role: str, rank: int, ranks: int | None = None) -> VerlAgent:
         """This process's agent, registered with the daemon the first time it is needed."""
         if self._agent is None:
             self._agent = VerlAgent(role, self.endpoint or "", rank=rank, credentials=self.credentials,
                                     device=self.device,
-                                    trainer_ranks=ranks, publisher=lambda: self._publisher,
+                                    trainer_ranks=ranks, publisher=self._cache_publisher,
                                     timeout_s=self._daemon_s).start()
         return self._agent
-
-    def _announce(self, store: Any, receivers: list[str] | None, actors: int) -> dict[str, Any]:
-        """Actor rank 0: this sync's version, from the daemon when there is one, told to every rank and worker
-        on the store (with the reason when there is none, so everyone fails this sync alike)."""
-        try:
-            if receivers is None:  # (no daemon: the cache keeps the last version every worker took)
-                sync: dict[str, Any] = {"version": self._versions,
-                                        "keep": [self.last_version] if self.last_version is not None else []}
-            else:
-                agent = self._daemon("trainer", 0, actors)  # (registered within the daemon bound)
-                deadline = time.monotonic() + self._daemon_s
-                # the last sync's outcome first: it goes on another connection, which a daemon that was stalled
-                # may read after this one (the last version would be superseded with its outcome on the way)
-                agent.flush_reports(max(deadline - time.monotonic(), 0.0))
-                record = agent.open_version(receivers, bypass_cpu=self.bypass_cpu, deadline=deadline,
-                                            limit_s=min(3 * self.timeout_s + self.load_timeout_s, _MAX_WAIT_S))
-                sync = {"version": int(record["id"]), "source_version": record.get("source_version"),
-                        "expected_digest": record.get("expected_digest"), "keep": record.get("keep") or []}
-                self._open = sync["version"]
-                if sync["source_version"] is not None and record.get("owners") != actors:
-                    raise ConfigError(f"version {sync['source_version']} was cached by {record.get('owners')} actor "
-                                      f"ranks, this job has {actors}: it cannot be sent again")
-                self._judge_unjudged(agent, deadline)
-        except CkptEngineError as exc:
-            self._abandon_open(str(exc))
-            store.set(_ANNOUNCEMENT, json.dumps({"error": str(exc)}))
-            raise
-        sync["drop"], self._failed = self._failed, []
-        store.set(_ANNOUNCEMENT, json.dumps(sync))
-        return sync
 
     def _open_rank_0_store(self, host: str, port: int) -> Any:
         try:
@@ -472,84 +312,6 @@ class VerlSync:
             raise CkptEngineError(f"{BACKEND}: no version for this sync: {sync['error']}")
         return sync
 
-    def _judge_unjudged(self, agent: VerlAgent, deadline: float) -> None:
-        """Versions the daemon gave no verdict on: dropped from the caches with the failed ones unless it has
-        since recorded them committed (a killed daemon records them interrupted; they must not push the last
-        committed version, the rollback target, out of the cache). Asked again next time if it does not say."""
-        still: list[int] = []
-        for version in self._unjudged:
-            status = agent.status_of(version, deadline)
-            if status is None:
-                still.append(version)
-            elif status != "committed":
-                log.warning("%s: version %d is %s on the daemon; dropped from the caches", BACKEND, version, status)
-                self._failed.append(version)
-        self._unjudged = still
-
-    def _agree(self, rank: int, actors: int) -> Callable[[list[int]], list[int]]:
-        """Sparse versions: every actor rank's change flags merged (over this sync's store: each rank digests
-        only the tensors it keeps, so one flag of each tensor comes from its owner)."""
-        store = self._store
-
-        def agree(vector: list[int]) -> list[int]:
-            bounded(lambda: store.set(f"{_CHANGES}/{rank}", json.dumps(vector)), self.timeout_s,
-                    "publishing this rank's change flags")
-            merged = list(vector)
-            for other in range(actors):
-                if other != rank:
-                    theirs = json.loads(wait_for_key(store, f"{_CHANGES}/{other}", self.timeout_s))
-                    if len(theirs) != len(merged):
-                        raise CkptEngineError(f"actor rank {other} planned {len(theirs)} change flags, this rank "
-                                              f"{len(merged)}: the ranks' generators yielded different tensors")
-                    merged = [max(a, b) for a, b in zip(merged, theirs)]
-            return merged
-
-        return agree
-
-    def _drop(self, versions: list[int]) -> None:
-        publisher = self._publisher
-        if publisher is None:
-            return
-        for version in versions:
-            if version not in publisher.cache:
-                continue
-            if self._agent is not None:  # the daemon hears what this rank's cache holds now
-                evict(self._agent, publisher, version)
-            else:
-                publisher.cache.evict(version)
-            log.info("%s: version %d failed; dropped from this rank's cache", BACKEND, version)
-
-    def _on_stage(self, version: int, stage: str) -> None:
-        """The send's progress (transferring, verifying) in the daemon's record of the version."""
-        if self._agent is not None and self.is_master:
-            self._agent.report(version, stage)
-
-    def _abandon_open(self, reason: str) -> None:
-        if self._open is not None and self._agent is not None:
-            self._agent.abandoned(self._open, reason)
-        self._open = None
-
-    def _told(self, result: TransferResult, publisher: Publisher, held: float) -> dict[str, Any] | None:
-        """With a daemon: this rank's outcome told to it; on actor rank 0, the daemon's verdict (its record once
-        it judged the rollout workers' own reports). None when the daemon did not answer in time: then what
-        our own protocol verified stands (every worker acknowledged the digests); the daemon's record decides
-        once it answers (a stalled daemon judges it as usual, a restarted one records it interrupted)."""
-        agent = self._agent
-        if agent is None:
-            return None
-        agent.sent(result, publisher, held)
-        self._open = None
-        if not self.is_master:
-            agent.flush_reports(self._report_wait_s)
-            return None
-        verdict = agent.verdict(result.version, self._report_wait_s, self.timeout_s)
-        if verdict is None and result.ok:
-            log.error("%s: the daemon at %s gave no verdict on version %d within %.0fs; every rollout worker "
-                      "acknowledged it, so verl goes on (the daemon's record decides once it answers: unless it "
-                      "records the version committed, the next sync drops it from the caches)", BACKEND,
-                      self.endpoint, result.version, self._report_wait_s + self.timeout_s)
-        return verdict
-
     # ---- internals -------------------------------------------------------------------------------------
     def _require(self, role: str) -> dict[str, Any]:
         topology = self._topology
@@ -559,36 +321,11 @@ class VerlSync:
             raise CkptEngineError(f"{BACKEND}: this is a {topology['role']}; only a(n) {role} does that")
         return topology
 
-    def _publisher_for(self) -> Publisher:
-        if self._publisher is None:
-            self._publisher = Publisher(device=self.device, bucket_size=self.bucket_size,
-                                        keep_versions=self.keep_versions, timeout_s=self.timeout_s,
-                                        ack_timeout_s=self.timeout_s + self.load_timeout_s,
-                                        wire_hook=self._wire_hook, on_stage=self._on_stage)
-        return self._publisher
-
-    def _assembler_for(self) -> VersionAssembler:
-        if self._assembler is None:  # kept across syncs: staging and the version held carry over
-            self._assembler = VersionAssembler(self.device, self._handoff.load)
-        return self._assembler
-
     def _close_groups(self) -> None:
         # Closed without a CLOSE frame: every member is in finalize, nobody would take it.
         for group in [*self._groups, *([self._owners_group] if self._owners_group is not None else [])]:
             group.close()
         self._groups, self._owners_group = [], None
-
-    def _close_store(self) -> None:
-        self._server = None  # the TCPStore server stops when its last reference goes
-
-
-def _outcome(version: int, result: ReceiveResult | None) -> ReceiveResult:
-    """This worker's outcome of the announced ``version``."""
-    if result is None:
-        return ReceiveResult(version, False, "the trainer closed the sync before the version")
-    if result.ok and result.version != version:
-        result.ok, result.reason = False, f"received version {result.version}, announced {version}"
-    return result
 
 
 def _step(global_steps: int | None) -> int | None:
@@ -597,43 +334,3 @@ def _step(global_steps: int | None) -> int | None:
     if isinstance(global_steps, bool) or not isinstance(global_steps, int) or global_steps < 0:
         raise ConfigError(f"global_steps must be a non-negative int or None, got {global_steps!r}")
     return global_steps
-
-
-class _Handoff:
-    """Hands a verified version from the receiving thread (inside ``load``) to the async generator, and holds
-    the thread in ``load`` until verl consumed it: the views point into staging, which the next version reuses."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._future: asyncio.Future | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._done = threading.Event()
-        self._whole = False
-
-    def expect(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
-        self._loop, self._future = loop, loop.create_future()
-        self._done.clear()
-        self._whole = False
-        return self._future
-
-    def load(self, payload: VersionPayload) -> None:
-        loop, future = self._loop, self._future
-        if loop is None or future is None:
-            raise ApplyRefused("no receive_weights() is waiting for this version")
-        loop.call_soon_threadsafe(_set_once, future, payload)
-        if not self._done.wait(self.timeout_s):
-            raise CkptEngineError(f"verl did not consume version {payload.version} within {self.timeout_s:.0f}s "
-                                  "(engine_kwargs.ckpt_engine.load_timeout_s)")
-        if not self._whole:  # verl's loader took part of it: the rollout's weights are torn
-            raise CkptEngineError(f"verl stopped reading version {payload.version} part way")
-
-    def consumed(self, *, whole: bool) -> None:
-        if not self._done.is_set():
-            self._whole = whole
-            self._done.set()
-
-
-def _set_once(future: asyncio.Future, value: object) -> None:
-    if not future.done():
-        future.set_result(value)
-

@@ -1,0 +1,137 @@
+"""A rollout worker's side of verl's contract: it receives the sync's version on a thread of its own (from
+every actor rank's group), verifies it, and only then yields it to verl's loader through the async
+generator; its own outcome is told to the daemon from the receiving thread, whatever verl does with the
+generator."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from ckpt_engine.errors import ApplyRefused, CkptEngineError
+from ckpt_engine.device import synchronize
+from ckpt_engine.receive.assembly import VersionAssembler, VersionPayload
+from ckpt_engine.receive.collective import Receiver, ReceiveResult
+
+from .sync import _PEER, BACKEND, VerificationFailed, VerlSync
+
+log = logging.getLogger(__name__)
+
+
+class VerlRollout(VerlSync):
+    def __init__(self, bucket_size: int, **options: Any) -> None:
+        super().__init__(bucket_size, None, **options)
+        self._assembler: VersionAssembler | None = None
+        self._handoff = _Handoff(self.load_timeout_s)
+
+    def prepare(self) -> dict[str, Any]:
+        # the daemon knows this worker by its agent id (build_topology passes it on)
+        held = self._assembler.manifest if self._assembler is not None else None
+        # (checked with the daemon: after a restart the id held is unknown there, and verl names it)
+        agent_id = (self._daemon("receiver", 0).current_id(time.monotonic() + min(self._daemon_s, 5.0))
+                    if self.endpoint else None)
+        return {"role": _PEER, "agent_id": agent_id, "holds": held.version if held is not None else None}
+
+    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Yields the whole version's (name, tensor) only after it arrived and verified. The tensors are views
+        into this worker's staging: valid until the generator is resumed after the last one (verl's adapters
+        copy or clone them)."""
+        topology = self._require("rollout")
+        version = topology["version"]
+        receiver = Receiver(self._groups, self._handoff.load, assembler=self._assembler_for())
+        loop = asyncio.get_running_loop()
+        handed = self._handoff.expect(loop)
+        received = asyncio.ensure_future(asyncio.to_thread(self._receive_and_report, receiver, version))
+        try:
+            await asyncio.wait([handed, received], return_when=asyncio.FIRST_COMPLETED)
+            if handed.done():
+                payload: VersionPayload = handed.result()
+                for name, tensor in payload.tensors.items():
+                    yield name, tensor
+                if self.device.kind != "cpu":
+                    synchronize(self.device)  # verl's copies out of staging may be non-blocking
+                self._handoff.consumed(whole=True)
+            await received
+        finally:
+            self._handoff.consumed(whole=False)  # verl stopped reading part way: the receiving thread goes on
+            if not received.done():
+                await asyncio.wait([received], timeout=self.timeout_s)
+        result = received.result() if received.done() else ReceiveResult(
+            version, False, "still receiving when the sync's wait ran out")
+        if not result.ok:
+            what = "was handed to verl but did not complete" if handed.done() else "refused, nothing handed to verl"
+            raise VerificationFailed(f"{BACKEND}: version {version} (global_steps {global_steps}) {what}: "
+                                     f"{result.reason}")
+        self.last_version = version
+
+    def _receive_and_report(self, receiver: Receiver, version: int) -> ReceiveResult:
+        """On the receiving thread: the outcome, told to the daemon from here, so it is told whatever verl does
+        with the generator (it may close it part way, or drop it)."""
+        try:
+            result = _outcome(version, receiver.receive(self.timeout_s))
+        except Exception as exc:  # told like any other failure: the daemon must not wait for this worker
+            log.exception("version %d: receiving failed", version)
+            result = ReceiveResult(version, False, f"{type(exc).__name__}: {exc}")
+        if self._agent is not None:  # said before verl goes on: the history holds it when verl's sync ends
+            self._agent.received(version, result)
+            self._agent.flush_reports(self._report_wait_s)
+        return result
+
+    def _assembler_for(self) -> VersionAssembler:
+        if self._assembler is None:  # kept across syncs: staging and the version held carry over
+            self._assembler = VersionAssembler(self.device, self._handoff.load)
+        return self._assembler
+
+
+def _outcome(version: int, result: ReceiveResult | None) -> ReceiveResult:
+    """This worker's outcome of the announced ``version``."""
+    if result is None:
+        return ReceiveResult(version, False, "the trainer closed the sync before the version")
+    if result.ok and result.version != version:
+        result.ok, result.reason = False, f"received version {result.version}, announced {version}"
+    return result
+
+
+class _Handoff:
+    """Hands a verified version from the receiving thread (inside ``load``) to the async generator, and holds
+    the thread in ``load`` until verl consumed it: the views point into staging, which the next version reuses."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._future: asyncio.Future | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._done = threading.Event()
+        self._whole = False
+
+    def expect(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        self._loop, self._future = loop, loop.create_future()
+        self._done.clear()
+        self._whole = False
+        return self._future
+
+    def load(self, payload: VersionPayload) -> None:
+        loop, future = self._loop, self._future
+        if loop is None or future is None:
+            raise ApplyRefused("no receive_weights() is waiting for this version")
+        loop.call_soon_threadsafe(_set_once, future, payload)
+        if not self._done.wait(self.timeout_s):
+            raise CkptEngineError(f"verl did not consume version {payload.version} within {self.timeout_s:.0f}s "
+                                  "(engine_kwargs.ckpt_engine.load_timeout_s)")
+        if not self._whole:  # verl's loader took part of it: the rollout's weights are torn
+            raise CkptEngineError(f"verl stopped reading version {payload.version} part way")
+
+    def consumed(self, *, whole: bool) -> None:
+        if not self._done.is_set():
+            self._whole = whole
+            self._done.set()
+
+
+def _set_once(future: asyncio.Future, value: object) -> None:
+    if not future.done():
+        future.set_result(value)
