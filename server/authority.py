@@ -3,6 +3,8 @@ the roles it needs. ``auth.open`` grants every role to everyone (development onl
 
 from __future__ import annotations
 
+import hashlib
+
 import logging
 from collections.abc import Iterable
 
@@ -33,6 +35,12 @@ class Authority:
                 log.warning("WARNING: auth_token is one token for the roles %s: a host that holds it can act as any "
                             "of them. Give each role its own token (auth.operator_token, auth.trainer_token, "
                             "auth.rollout_token).", ", ".join(shared))
+
+    def engine_secret(self) -> bytes | None:
+        """What engines' worker keys derive from: the operator's token (never given to rollout hosts), so a key
+        stays valid across restarts; None (a key per run) when there is none (auth.open)."""
+        token = self.credentials.token("operator") if self.credentials is not None else None
+        return hashlib.sha256(f"ckpt-engine/engine-keys|{token}".encode()).digest() if token else None
 
     def roles_of(self, token: object) -> set[Role]:
         if self.open:

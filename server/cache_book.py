@@ -84,6 +84,6 @@ class CacheBook:
                 trainer.pending.append(Assignment(kind="evict", version=version))
         return record
 
-    def kept_for_repairs(self) -> list[int]:
+    def kept_for_repairs(self, limit: int) -> list[int]:
         latest = self.history.latest(status="committed")
-        return kept_for_repairs(self.agents.receivers(), latest.id if latest else None, self.source_of)
+        return kept_for_repairs(self.agents.receivers(), latest.id if latest else None, self.source_of, limit=limit)

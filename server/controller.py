@@ -14,6 +14,7 @@ by the trainer's claim alone.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -46,7 +47,9 @@ ROLE_OF_AGENT = {"trainer": "trainer", "receiver": "rollout", "driver": "rollout
 
 class Controller:
     def __init__(self, config: EngineConfig, history: HistoryStore, metrics: Metrics, *, store_host: str,
-                 store_port: int, group_name: str, clock: Callable[[], float] = time.monotonic) -> None:
+                 store_port: int, group_name: str, clock: Callable[[], float] = time.monotonic,
+                 engine_secret: bytes | None = None) -> None:
+        """``engine_secret``: what engines' worker keys derive from (default: random, for this run only)."""
         self.config, self.history, self.metrics, self.clock = config, history, metrics, clock
         # read when scraped: the metric says what /health and /status say at that moment
         metrics.storage_degraded.set_function(lambda: float(history.degraded))
@@ -57,7 +60,8 @@ class Controller:
         self.book = CacheBook(history, self.agents, metrics)
         self.flights = Flights(config, history, metrics, self.agents, self.book, clock, self._changed.notify_all)
         self.registrar = Registrar(config, history, self.agents, self.book, group_name=group_name,
-                                   store_host=store_host, store_port=store_port)
+                                   store_host=store_host, store_port=store_port,
+                                   engine_secret=engine_secret or secrets.token_bytes(32))
         self.framework = FrameworkSyncs(history, metrics, self.agents, self.book, self.flights, self._create,
                                         self._require_storage)
         self._last_tick = clock()
@@ -198,8 +202,9 @@ class Controller:
         with self._lock:
             if not record.cached:
                 missing = self.book.missing_shares(version) if record.mode == "cached" else []
-                held = (f": owner rank(s) {missing} of its {record.owners} no longer hold their share (a rank that "
-                        "restarted or went away takes its share with it)" if missing and record.owners > 1 else
+                partly = missing and len(missing) < record.owners  # some rank still holds its share
+                held = (f": owner rank(s) {missing} of its {record.owners} no longer hold their share (evicted, or a "
+                        "rank that restarted or went away took its share with it)" if partly else
                         " (it was evicted, never cached, or sent with bypass_cpu)")
                 raise Conflict(f"version {version} is not in the trainer's cache{held}")
             trainer = self.agents.trainer()
@@ -222,7 +227,7 @@ class Controller:
                                   default_sparse=False)
             except ConfigError as exc:
                 raise BadRequest(str(exc)) from None
-            self._kept = self.book.kept_for_repairs()
+            self._kept = self.book.kept_for_repairs(self.config.keep_versions)
             return self.framework.open(request, opener, mode, self._kept, self._quorum_problem)
 
     def _open_slot(self) -> Agent | None:
@@ -266,7 +271,7 @@ class Controller:
     def _launch(self, record: VersionRecord, trainer: Agent, receivers: list[Agent], colocated: list[Agent],
                 owners: int, *, source: VersionRecord | None, sparse_base: int | None = None, sparse: bool = False,
                 purpose: str) -> None:
-        self._kept = self.book.kept_for_repairs()
+        self._kept = self.book.kept_for_repairs(self.config.keep_versions)
         self.flights.start(record, trainer, receivers, colocated, source=source, sparse_base=sparse_base,
                            sparse=sparse, owners=owners, keep=self._kept, purpose=purpose)
 

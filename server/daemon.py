@@ -67,7 +67,8 @@ class Daemon:
             raise
         # A fresh group name per daemon run: store prefixes of an earlier run can never be read by mistake.
         self.controller = Controller(config, self.history, Metrics(), store_host=config.store.rendezvous_host,
-                                     store_port=self.store.port, group_name=f"ckpt-{uuid.uuid4().hex[:8]}")
+                                     store_port=self.store.port, group_name=f"ckpt-{uuid.uuid4().hex[:8]}",
+                                     engine_secret=self.authority.engine_secret())
         self.zmq = ZmqServer(self.controller, config.zmq.endpoint, max_frame_bytes=config.zmq.max_frame_bytes,
                              authority=self.authority)
         self._stop = threading.Event()
@@ -133,8 +134,22 @@ class Daemon:
         return [f"{key}={host}" for key, host in binds if not is_loopback(host)]
 
 
+class OneLineFormatter(logging.Formatter):
+    """Log records one line each: control characters of a message (peers choose the strings some messages
+    carry: reasons, host names) are escaped, so no peer can forge a log line. Tracebacks stay as they are."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        return escape_controls(super().formatMessage(record))
+
+
+def escape_controls(text: str) -> str:
+    return "".join(ch if ch.isprintable() or ch == " " else ch.encode("unicode_escape").decode() for ch in text)
+
+
 def serve(config: EngineConfig) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(OneLineFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a daemon that seems stuck shows where it waits
     # A file-size limit must surface as a storage fault the daemon reports (EFBIG), not kill it.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

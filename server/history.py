@@ -289,7 +289,8 @@ class HistoryStore:
                 self._cached_dirty = False
             clean = not self._dirty and not self._cached_dirty
         if clean and self._problem is not None:
-            log.warning("history storage works again; %d pending write(s) flushed", len(dirty))
+            log.warning("history storage works again; %d pending write(s) flushed",
+                        len(dirty) + int(cached is not None))
             self._problem, self._problem_since = None, None
             self._retry.reset()
         return clean

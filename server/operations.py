@@ -32,10 +32,11 @@ class Operation:
     model: type[BaseModel]  # what the request is parsed into
     roles: Callable[[dict[str, Any]], frozenset[Role]]  # who may call it, given its raw body (before parsing)
     run: Callable[[Controller, Any, set[Role]], Any]  # (the controller, the parsed request, the caller's roles)
-    strict: bool = False  # parse a frame strictly (reads whose HTTP twins take typed query/path values)
 
     def parse(self, body: dict[str, Any]) -> Any:
-        return parse_body(self.model, body, strict=self.strict or None)
+        """A frame's body, strictly: its values are typed (msgpack or JSON), so "1" is no number and 1 no bool
+        (the HTTP routes parse strings of a query or path through FastAPI instead)."""
+        return parse_body(self.model, body, strict=True)
 
 
 def _register(controller: Controller, message: Register, roles: set[Role]) -> dict:
@@ -117,11 +118,11 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
     # trainers ask from their loop (agent.push); a frame may name a framework's receivers (HTTP's SyncRequest
     # refuses them as an unknown key)
     Operation("sync", FrameworkSyncRequest, _fixed("operator", "trainer"), _sync),
-    Operation("push", VersionRef, _fixed("operator"), _push, strict=True),
-    Operation("evict", VersionRef, _fixed("operator"), _evict, strict=True),
-    Operation("versions", VersionsQuery, _fixed(), _versions, strict=True),
-    Operation("version", VersionRef, _fixed(), _version, strict=True),
-    Operation("latest", LatestQuery, _fixed(), _latest, strict=True),
+    Operation("push", VersionRef, _fixed("operator"), _push),
+    Operation("evict", VersionRef, _fixed("operator"), _evict),
+    Operation("versions", VersionsQuery, _fixed(), _versions),
+    Operation("version", VersionRef, _fixed(), _version),
+    Operation("latest", LatestQuery, _fixed(), _latest),
     Operation("status", NoBody, _fixed(), _status),
     Operation("receivers", NoBody, _fixed(), _receivers),
 )}

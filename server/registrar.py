@@ -3,11 +3,13 @@ Not thread-safe by itself: the controller calls it under its lock."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 from ckpt_engine.server.agents import Agent, AgentRegistry
 from ckpt_engine.server.cache_book import CacheBook
 from ckpt_engine.server.decisions.claims import judge_registration
-from ckpt_engine.server.errors import BadRequest, Conflict, Unavailable
+from ckpt_engine.server.errors import BadRequest, Conflict, Forbidden, Unavailable
 from ckpt_engine.server.history import HistoryStore
 
 from ckpt_engine.config import EngineConfig
@@ -20,9 +22,15 @@ _MAX_INHERITED_ID = 1 << 32  # a lost history's ids a new one numbers after, at 
 
 class Registrar:
     def __init__(self, config: EngineConfig, history: HistoryStore, agents: AgentRegistry, book: CacheBook, *,
-                 group_name: str, store_host: str, store_port: int) -> None:
+                 group_name: str, store_host: str, store_port: int, engine_secret: bytes) -> None:
         self.config, self.history, self.agents, self.book = config, history, agents, book
         self.group_name, self.store_host, self.store_port = group_name, store_host, store_port
+        self._engine_secret = engine_secret
+
+    def engine_key(self, engine: str) -> str:
+        """What the workers of ``engine`` register with: issued to its driver, the same for every run of the
+        daemon with the same credentials (workers registering again after a restart still hold it)."""
+        return hmac.new(self._engine_secret, f"engine:{engine}".encode(), hashlib.sha256).hexdigest()[:32]
 
     def admit(self, message: Register, now: float) -> tuple[Agent, list[Agent]]:
         """The new agent, and the silent agents whose places it takes (for the caller to let go: a restarted
@@ -31,6 +39,10 @@ class Registrar:
             raise BadRequest("a driver names its engine")
         if message.driven and (message.engine is None or message.members is None):
             raise BadRequest("a driven receiver names its engine and how many workers the engine has (members)")
+        if message.role == "receiver" and message.driven and not hmac.compare_digest(
+                (message.engine_key or "").encode(), self.engine_key(message.engine or "").encode()):
+            raise Forbidden(f"a worker of engine {message.engine!r} registers with the key its engine's driver was "
+                            "issued (engine_key in the driver's registration reply); start the driver first")
         if len(self.agents.all()) >= self.config.max_agents:
             raise Unavailable(f"{self.config.max_agents} agents are registered (max_agents); unregister some or "
                               "raise the limit")
@@ -64,6 +76,7 @@ class Registrar:
             alignment=self.config.alignment, keep_versions=self.config.keep_versions, verify=self.config.verify,
             connect_timeout_s=timeouts.connect_s, collective_timeout_s=timeouts.collective_s,
             ack_timeout_s=timeouts.ack_s, version_timeout_s=timeouts.version_s,
+            engine_key=self.engine_key(agent.engine or "") if agent.role == "driver" else None,
         )
 
     def _number_after_lost_history(self, message: Register) -> None:

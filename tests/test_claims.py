@@ -89,3 +89,14 @@ def test_a_refusal_says_when_a_falling_silent_holder_could_be_replaced() -> None
     verdict = judge_registration(register("trainer"), [holder], NOW, HEARTBEAT_S)
     assert verdict.retry_after_s == pytest.approx(1.0 + HEARTBEAT_S / 2 - 2.0)
     assert "in 4.0s at the earliest" in verdict.conflict
+
+
+@pytest.mark.parametrize(("register_wait_s", "first_answer_s", "waits_s"), [
+    (30.0, 1.5, 30.0),  # a default heartbeat: the fixed wait covers it
+    (30.0, 31.0, 67.0),  # heartbeat_s 60: the old one is replaced only after 31 s (found by the outside attack)
+    (30.0, 1e9, 7205.0),  # bounded: a live holder keeps pushing its answer back
+])
+def test_a_restarted_agent_waits_as_long_as_the_daemon_says(register_wait_s, first_answer_s, waits_s) -> None:
+    from ckpt_engine.workers.agent import registration_wait
+
+    assert registration_wait(register_wait_s, first_answer_s) == waits_s

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from ckpt_engine.server.controller import Controller
-from ckpt_engine.server.errors import Conflict, Unavailable
+from ckpt_engine.server.errors import Conflict, Forbidden, Unavailable
 from ckpt_engine.server.history import HistoryStore
 from ckpt_engine.server.metrics import Metrics
 
@@ -35,7 +35,8 @@ class Daemon:
 
     def register(self, role: str, **fields) -> dict:
         reply = self.ctl.register(Register(role=role, host="h", pid=1, device="cpu", **fields))
-        return {"agent_id": reply.agent_id, "session": reply.session, "roles": TRAINER if role == "trainer" else ROLLOUT}
+        return {"agent_id": reply.agent_id, "session": reply.session, "engine_key": reply.engine_key,
+                "roles": TRAINER if role == "trainer" else ROLLOUT}
 
     def poll(self, agent: dict, **fields):
         message = Poll(agent_id=agent["agent_id"], session=agent["session"], wait_s=0, **fields)
@@ -142,14 +143,17 @@ def test_a_silent_receiver_is_benched_and_one_absent_from_the_rendezvous_loses_i
 def test_an_impostor_cannot_take_a_live_engine_out_but_a_restarted_worker_takes_its_silent_place() -> None:
     d = Daemon()
     trainer = d.register("trainer")
-    worker = d.register("receiver", engine="e", driven=True, members=1)
     driver = d.register("driver", engine="e", members=1)
-    with pytest.raises(Conflict) as refused:
+    key = driver["engine_key"]
+    with pytest.raises(Forbidden, match="engine_key"):  # a worker slot is the driver's to give
         d.register("receiver", engine="e", driven=True, members=1)
+    worker = d.register("receiver", engine="e", driven=True, members=1, engine_key=key)
+    with pytest.raises(Conflict) as refused:
+        d.register("receiver", engine="e", driven=True, members=1, engine_key=key)
     assert worker["agent_id"] in refused.value.detail and refused.value.record["retry_after_s"] is not None
     d.clock.now += 6.0  # the worker fell silent (killed); its driver and the trainer poll on
     d.poll(driver), d.poll(trainer)
-    restarted = d.register("receiver", engine="e", driven=True, members=1)
+    restarted = d.register("receiver", engine="e", driven=True, members=1, engine_key=key)
     ids = [a["agent_id"] for a in d.ctl.agents_public()]
     assert restarted["agent_id"] in ids and worker["agent_id"] not in ids
 
@@ -234,3 +238,19 @@ def test_a_version_past_its_limit_fails_naming_its_state() -> None:
     record = d.record(version)
     assert record["status"] == "failed" and "timed out in state snapshotting after 60s" in record["reason"]
     assert record["step"] == 3
+
+
+def test_a_re_push_the_trainer_did_not_send_commits_nothing_whatever_a_receiver_claims() -> None:
+    """Found by the outside attack: the trainer refused a stale copy (nothing sent) and the re-push committed
+    on one receiver's report of the source's digest, which any token can read in the history."""
+    d = Daemon()
+    trainer, rx = d.register("trainer"), d.register("receiver")
+    first = d.ctl.request_sync(SyncRequest()).id
+    d.poll(trainer), d.poll(rx)
+    d.commit(trainer, [rx], first)
+    pushed = d.ctl.push(first).id
+    d.poll(trainer), d.poll(rx)
+    d.report(rx, pushed, "received", ok=True, version_digest=d.record(first)["version_digest"])
+    d.report(trainer, pushed, "done", ok=False, reason="StaleCopy: refused, nothing sent", cache_versions=[])
+    record = d.record(pushed)
+    assert record["status"] == "failed" and "StaleCopy" in record["reason"], record

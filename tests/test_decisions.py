@@ -228,6 +228,21 @@ def test_a_re_push_is_judged_by_its_recorded_digest() -> None:
     assert expected_digest(done("d"), "d", 3) == ("d", None)
     expected, stale = expected_digest(done("e"), "d", 3)
     assert expected == "d" and "committed as d" in stale  # never digests recomputed from the cache
+    # found by the outside attack: a re-push the trainer refused (nothing sent) committed on a receiver's word
+    # (the source's digest is public): nothing sent, nothing committed
+    refused = done(None, ok=False, reason="StaleCopy: refused, nothing sent")
+    assert expected_digest(refused, "d", 3) == (None, None)
+    outcome = _judge({"a": report(digest="d")}, refused, quorum_of=("a",), expected=None)
+    assert outcome.status == "failed" and "StaleCopy" in outcome.reason and outcome.committed == []
+
+
+def test_a_receiver_the_trainer_saw_absent_received_nothing_whatever_it_reports() -> None:
+    trainer = done("d")
+    trainer.absent_ranks = [2]
+    outcome = _judge({"a": report(), "b": report()}, trainer, need=2)
+    assert outcome.status == "failed" and outcome.entries[1]["reason"].startswith("it never joined")
+    outcome = _judge({"a": report(), "b": report()}, trainer, need=1)
+    assert outcome.status == "committed" and outcome.committed == ["a"]  # only the one that received is proven
 
 
 # ---- catch-up and repair -------------------------------------------------------------------------------------
@@ -268,6 +283,14 @@ def test_the_cache_keeps_what_receivers_serve_and_the_newest_committed() -> None
     source_of = {3: 3, 4: 4, 9: 2, 10: 10}.get  # 9 is a re-push of 2
     assert kept_for_repairs(receivers, 10, source_of) == [10, 4, 3, 2]
     assert len(kept_for_repairs([agent(serving=v) for v in range(1, 20)], 20, lambda v: v)) == MAX_KEPT
+    assert kept_for_repairs(receivers, 10, source_of, limit=1) == [10]  # at most keep_versions: the newest first
+
+
+def test_what_a_receiver_only_claims_pins_nothing() -> None:
+    """Found by the outside attack: three raw registrations claiming versions 1, 2 and 4 made the trainer keep
+    five versions with keep_versions 1."""
+    claims = [agent(serving=v, proven=False) for v in (1, 2, 4)]
+    assert kept_for_repairs(claims, 7, lambda v: v, limit=4) == [7]
 
 
 # ---- the policies --------------------------------------------------------------------------------------------

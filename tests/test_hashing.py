@@ -140,3 +140,18 @@ def test_device_digest_matches_reference_on_random_layouts(monkeypatch, chunk_wo
             got += bucket_digests(bucket, buf, "torch-mix64", layout.digest).tolist()
         want = [reference_mix64_digest("uint8", (t.numel(),), bytes(t.tolist())) for t in tensors.values()]
         assert got == want, (trial, sizes)
+
+
+def test_a_host_buffer_keeps_its_tensor_alive() -> None:
+    """Found by the third outside round: ``bytes(host_buffer(t.cpu()))`` of a device tensor read the freed
+    temporary (CPU stand-in: a clone nobody else holds)."""
+    import gc
+
+    from ckpt_engine.plan.hashing import host_buffer
+
+    expected = torch.arange(1 << 14, dtype=torch.int32).view(torch.uint8)
+    for _ in range(50):
+        view = host_buffer(expected.clone())  # the only reference to the clone is the view's
+        gc.collect()
+        _ = [torch.full((1 << 14,), 7, dtype=torch.int32) for _ in range(4)]  # reuse what a free left behind
+        assert bytes(view) == bytes(host_buffer(expected))

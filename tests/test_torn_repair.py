@@ -169,7 +169,8 @@ def engine(zmq: str, stop_file: str, armed: str) -> dict:
 
     control = Control()
     driver = EngineDriver(control, zmq, engine="e0", poll_wait_s=0.2).start()
-    for worker in workers:
+    for worker in workers:  # admitted by the key the daemon issued the engine's driver
+        worker.agent.engine_key = driver.engine_key
         worker.agent.start()
     while not os.path.exists(stop_file):
         time.sleep(0.05)

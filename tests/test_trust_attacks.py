@@ -164,8 +164,11 @@ def test_a_receiver_absent_from_a_rendezvous_is_benched_and_the_others_go_on(tmp
 # ---- F3: a driver speaking for another engine ----------------------------------------------------------------
 def test_only_the_engine_s_driver_speaks_for_it_and_only_about_what_it_was_asked(tmp_path: Path) -> None:
     daemon = start_daemon(write_config(tmp_path, timeouts=_QUICK))
-    members = [RawAgent(daemon, "receiver", engine="vllm-A", driven=True, members=1)]
     driver = RawAgent(daemon, "driver", engine="vllm-A")
+    with pytest.raises(ControlReplyError, match="registers with the key its engine's driver was issued"):
+        RawAgent(daemon, "receiver", engine="vllm-A", driven=True, members=1)  # (found by the third round)
+    members = [RawAgent(daemon, "receiver", engine="vllm-A", driven=True, members=1,
+                        engine_key=driver.reply["engine_key"])]
     try:
         driver.poll()
         with pytest.raises(ControlReplyError, match="has a driver already"):

@@ -130,16 +130,22 @@ def test_serve_and_check_config_refuse_a_credentials_directory_others_can_write(
     ("latest", {"status": ["failed"]}), ("latest", {"status": "bogus"}), ("versions", {"status": 3}),
     ("versions", {"limit": True}), ("versions", {"before": "soon"}), ("version", {"version": [1]}),
     ("push", {"version": 1.5}), ("evict", {"version": True}),
+    # agents' messages too (found by the outside attack: "ok": "1", "torn": "true", "serving": true were taken)
+    ("poll", {"agent_id": "a" * 12, "session": "s" * 48, "wait_s": "1"}),
+    ("report", {"agent_id": "a" * 12, "session": "s" * 48, "version": 1, "event": "received", "ok": "1"}),
+    ("report", {"agent_id": "a" * 12, "session": "s" * 48, "version": 1, "event": "received", "serving": True}),
+    ("register", {"role": "receiver", "host": "h", "device": "cpu", "pid": "1"}),
 ])
 def test_zmq_reads_refuse_wrong_typed_fields_as_http_does(shared_daemon, kind: str, body: dict) -> None:
     from ckpt_engine.control.client import ControlClient
 
-    client = ControlClient(shared_daemon.zmq, timeout_s=5, token=shared_daemon.token)
+    role = "rollout" if kind in ("poll", "report", "register") else "operator"
+    client = ControlClient(shared_daemon.zmq, timeout_s=5, token=shared_daemon.tokens()[role])
     try:
         with pytest.raises(ControlReplyError) as refused:
             client.request(kind, body)
         assert refused.value.error == "bad request", refused.value
-        field = next(iter(body))
+        field = list(body)[-1]  # (the wrong-typed one)
         assert field in str(refused.value.detail), refused.value.detail
     finally:
         client.close()
@@ -169,15 +175,20 @@ def test_an_impostor_worker_of_a_live_engine_is_refused_and_the_engine_keeps_rec
     agents = []
     try:
         trainer = RawAgent(daemon, "trainer")
-        worker = RawAgent(daemon, "receiver", engine="eng", driven=True, members=1)
         driver = RawAgent(daemon, "driver", engine="eng", members=1)
+        key = driver.reply["engine_key"]
+        worker = RawAgent(daemon, "receiver", engine="eng", driven=True, members=1, engine_key=key)
         agents += [trainer, worker, driver]
-        for impostor in ({"engine": "eng", "driven": True, "members": 1}, {"engine": "eng", "driven": True, "members": 2},
-                         {"engine": "eng"}):
+        # (even one holding the engine's key: the claims themselves conflict with live agents)
+        for impostor in ({"engine": "eng", "driven": True, "members": 1, "engine_key": key},
+                         {"engine": "eng", "driven": True, "members": 2, "engine_key": key}, {"engine": "eng"}):
             with pytest.raises(ControlReplyError) as refused:
                 RawAgent(daemon, "receiver", **impostor)
             assert refused.value.error == "conflict", refused.value
             assert worker.agent_id in str(refused.value.detail) or driver.agent_id in str(refused.value.detail)
+        with pytest.raises(ControlReplyError) as keyless:  # and without the key, not even a free slot
+            RawAgent(daemon, "receiver", engine="eng2", driven=True, members=2)
+        assert keyless.value.error == "forbidden", keyless.value
         with pytest.raises(ControlReplyError, match="has a driver already"):
             RawAgent(daemon, "driver", engine="eng", members=1)
         with pytest.raises(ControlReplyError, match="registered and alive") as second_job:
@@ -202,8 +213,8 @@ def test_a_restarted_worker_takes_its_silent_old_place_and_a_refusal_names_every
     daemon = start_daemon(write_config(tmp_path, timeouts={**_TIMEOUTS, "heartbeat_s": 10}))
     try:
         trainer = RawAgent(daemon, "trainer")
-        old = RawAgent(daemon, "receiver", engine="eng", driven=True, members=1)
         driver = RawAgent(daemon, "driver", engine="eng", members=1)
+        old = RawAgent(daemon, "receiver", engine="eng", driven=True, members=1, engine_key=driver.reply["engine_key"])
         with daemon.client() as http:
             driver_seen = time.monotonic()
             # the worker fell silent (killed); its driver keeps polling
@@ -212,7 +223,8 @@ def test_a_restarted_worker_takes_its_silent_old_place_and_a_refusal_names_every
             refused = http.post("/sync", json={})
             detail = refused.json()["detail"]
             assert refused.status_code == 503 and old.agent_id in detail and "silent for" in detail, detail
-            new = RawAgent(daemon, "receiver", engine="eng", driven=True, members=1)
+            new = RawAgent(daemon, "receiver", engine="eng", driven=True, members=1,
+                           engine_key=driver.reply["engine_key"])
             agents = {a["agent_id"] for a in http.get("/receivers").json()["agents"]}
             assert new.agent_id in agents and old.agent_id not in agents
             assert http.post("/sync", json={}).status_code == 202
@@ -619,3 +631,34 @@ def test_a_failed_version_names_each_receiver_s_failure_once(tmp_path: Path) -> 
         trainer.close()
         receiver.close()
         daemon.stop()
+
+
+def test_a_peer_cannot_forge_a_line_of_the_daemon_s_log(tmp_path: Path) -> None:
+    """Found by the outside attack: a newline in a poll's ``unable`` made a fake log line."""
+    daemon = start_daemon(write_config(tmp_path))
+    try:
+        rx = RawAgent(daemon, "receiver")
+        rx.poll(unable="oom\n2026-11-26 07:00:01,000 ckpt_engine.daemon WARNING stopped\r")
+        rx.close()
+    finally:
+        daemon.stop()
+    lines = daemon.log_path.read_text().splitlines()
+    assert not any(line.startswith("2026-11-26 07:00:01,000") for line in lines)
+    assert any("oom\\n2026-11-26 07:00:01,000 ckpt_engine.daemon WARNING stopped\\r" in line for line in lines)
+
+
+def test_serve_refuses_a_credentials_file_in_a_directory_others_can_write(tmp_path: Path) -> None:
+    """Found by the outside attack: check-config refused it, serve did not (the file existed already)."""
+    import subprocess
+    import sys
+
+    from tests.daemon_harness import ROOT
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    write_credentials(shared / "credentials.json", Credentials(operator="o" * 32, trainer="t" * 32, rollout="r" * 32))
+    os.chmod(shared, 0o777)
+    config = write_config(tmp_path, auth={"credentials_file": str(shared / "credentials.json")})
+    result = subprocess.run([sys.executable, "-m", "ckpt_engine.server", "serve", "--config", str(config)],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 2 and str(shared) in result.stderr and "Traceback" not in result.stderr, result.stderr

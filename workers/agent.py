@@ -38,6 +38,13 @@ def registration_lost(exc: ControlReplyError) -> bool:
     return "unregistered agent" in str(exc.detail) or exc.error == "unauthorized"
 
 
+def registration_wait(register_wait_s: float, first_retry_after_s: float) -> float:
+    """How long ``start()`` waits for a place its previous run holds: at least ``register_wait_s``, and long
+    enough for the daemon's first answer (when that place could be taken: a long heartbeat makes it long), with
+    room to spare; bounded (an hour), since a live holder keeps pushing that answer back."""
+    return max(register_wait_s, 2 * min(first_retry_after_s, 3600.0) + 5.0)
+
+
 def supervised(target: Callable[[], None], name: str, on_death: Callable[[BaseException], None] | None = None
                ) -> threading.Thread:
     """A daemon thread whose unexpected death is logged with its traceback and handed to ``on_death``."""
@@ -66,7 +73,8 @@ class Agent:
         """``token``: the credential of this agent's role (default: ``$CKPT_ENGINE_TOKEN``, else the role's entry
         of the local credentials file). ``host_id`` overrides the same-host identity (ipc.host_identity); a
         distinct value forces the collective path for this agent. ``register_wait_s``: how long ``start()``
-        waits for a place held by a process that is falling silent (its previous run)."""
+        waits at least for a place held by a process that is falling silent (its previous run); longer when the
+        daemon says that takes longer (a long heartbeat), never for a place a live agent keeps holding."""
         self.endpoint = endpoint
         self.rank = rank
         self._explicit_token = token
@@ -307,7 +315,8 @@ class Agent:
         slot or driver) is held by an agent that has not fallen silent yet (a previous run of this process,
         restarted at once), try again until it has, for up to ``register_wait_s``. A place a live agent keeps
         holding (a second job, an engine started twice) is refused with the daemon's reason, naming it."""
-        deadline = time.monotonic() + self.register_wait_s
+        started = time.monotonic()
+        deadline: float | None = None
         backoff = Backoff(initial_s=0.25, max_s=2.0)
         while True:
             try:
@@ -315,8 +324,10 @@ class Agent:
                 return
             except ControlReplyError as exc:
                 silent_in = (exc.record or {}).get("retry_after_s") if exc.error == "conflict" else None
-                if not isinstance(silent_in, (int, float)):
+                if not isinstance(silent_in, (int, float)) or isinstance(silent_in, bool) or silent_in < 0:
                     raise
+                if deadline is None:
+                    deadline = started + registration_wait(self.register_wait_s, float(silent_in))
                 delay = max(float(silent_in), backoff.next_delay())
                 if time.monotonic() + delay > deadline:
                     raise

@@ -65,6 +65,11 @@ class EngineDriver(Agent):
     def register_extra(self) -> dict[str, Any]:
         return {"engine": self.engine}
 
+    @property
+    def engine_key(self) -> str | None:
+        """What this engine's workers register with (the daemon issued it to this driver)."""
+        return self.settings.engine_key if self.settings is not None else None
+
     def on_registered(self) -> None:
         if not self._worker.is_alive():
             self._worker.start()

@@ -33,15 +33,18 @@ class RolloutAgent(Agent):
     def __init__(self, load: LoadFn, endpoint: str, *, token: str | None = None, device: DeviceInfo | None = None,
                  poll_wait_s: float = 1.0, host_id: str | None = None, sync_every: int = 1,
                  engine: str | None = None, driven: bool = False, members: int | None = None,
-                 whole_versions: bool = False, discard: Callable[[int, str], None] | None = None) -> None:
+                 whole_versions: bool = False, discard: Callable[[int, str], None] | None = None,
+                 engine_key: str | None = None, register_wait_s: float = 30.0) -> None:
         """``sync_every``: take only every N-th version (a slow engine); rollbacks and catch-ups still come.
         ``engine``/``members``: this receiver is one of ``members`` workers of an engine that apply versions
         together; ``driven``: the engine's driver applies them (``load`` only stages, see staged.py), and
         ``discard(version, reason)`` drops a staged version the driver could not apply.
-        ``whole_versions``: the engine cannot take sparse versions (the daemon sends it whole ones)."""
-        super().__init__(endpoint, token=token, device=device, poll_wait_s=poll_wait_s, host_id=host_id)
+        ``whole_versions``: the engine cannot take sparse versions (the daemon sends it whole ones).
+        ``engine_key``: a driven worker's admission, the key its engine's driver was issued (``driver.engine_key``)."""
+        super().__init__(endpoint, token=token, device=device, poll_wait_s=poll_wait_s, host_id=host_id,
+                         register_wait_s=register_wait_s)
         self.sync_every = sync_every
-        self.engine, self.driven, self.members = engine, driven, members
+        self.engine, self.driven, self.members, self.engine_key = engine, driven, members, engine_key
         self.whole_versions, self.discard = whole_versions, discard
         self.load = load
         self.current_version: int | None = None
@@ -57,7 +60,8 @@ class RolloutAgent(Agent):
         self.applied = threading.Condition()
 
     def register_extra(self) -> dict:
-        extra = {"engine": self.engine, "driven": self.driven, "members": self.members} if self.engine else {}
+        extra = ({"engine": self.engine, "driven": self.driven, "members": self.members, "engine_key": self.engine_key}
+                 if self.engine else {})
         return {**extra, "whole_versions": True} if self.whole_versions else extra
 
     def on_registered(self) -> None:

@@ -63,12 +63,12 @@ class TrainerAgent(Agent):
 
     def __init__(self, model: nn.Module | TensorSource, endpoint: str, *, process_group: dist.ProcessGroup | None = None,
                  token: str | None = None, device: DeviceInfo | None = None, poll_wait_s: float = 1.0,
-                 name_map: NameMap | None = None, include_buffers: bool = True) -> None:
+                 name_map: NameMap | None = None, include_buffers: bool = True, register_wait_s: float = 30.0) -> None:
         self.process_group = process_group if process_group is not None else (
             dist.group.WORLD if dist.is_available() and dist.is_initialized() else None)
         sharded = self.process_group is not None
         super().__init__(endpoint, rank=dist.get_rank(self.process_group) if sharded else 0, token=token,
-                         device=device, poll_wait_s=poll_wait_s)
+                         device=device, poll_wait_s=poll_wait_s, register_wait_s=register_wait_s)
         self.world_size = dist.get_world_size(self.process_group) if sharded else 1
         if isinstance(model, nn.Module):
             self._tensors: TensorSource = lambda: sharded_tensors_of(model, include_buffers=include_buffers,

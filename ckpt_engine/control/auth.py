@@ -138,10 +138,9 @@ def check_private_directory(directory: Path, path: Path) -> None:
 def daemon_credentials(path: Path, fixed: Mapping[Role, str | None]) -> Credentials:
     """The tokens the daemon accepts: the configured ones, then those already in the file, then new ones.
     The result is written back to the file so local clients can read it."""
-    try:
-        existing = read_credentials(path) or Credentials()
-    except ConfigError:
-        raise
+    if path.parent.exists():  # also when the file is there already: others could replace it at any time
+        check_private_directory(path.parent, path)
+    existing = read_credentials(path) or Credentials()
     tokens = {role: fixed.get(role) or existing.token(role) or new_token() for role in ROLES}
     credentials = Credentials(**tokens)
     if credentials != existing:

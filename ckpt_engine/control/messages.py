@@ -75,6 +75,9 @@ class Register(_Body):
     whole_versions: bool = False
     # trainer rank 0: ranks of the trainer job (each can own a share of every version)
     trainer_ranks: int | None = Field(None, ge=1, le=1 << 16)
+    # A driven worker: the key its engine's driver was issued (RegisterReply.engine_key), which admits it as a
+    # worker of that engine (a rollout-token holder without it cannot take a worker's place)
+    engine_key: str | None = Field(None, max_length=128, pattern=r"^[\x21-\x7e]+$")
     # A framework (verl) moves this agent's versions on its own schedule and groups: the daemon numbers them,
     # judges the receivers' own reports and keeps the history, but assigns such receivers nothing (no
     # catch-up, no version of its own) and starts versions of such a trainer only when it asks (see SyncRequest
@@ -99,6 +102,7 @@ class RegisterReply(_Body):
     collective_timeout_s: float
     ack_timeout_s: float
     version_timeout_s: float
+    engine_key: str | None = None  # drivers: what their engine's workers register with (Register.engine_key)
 
 
 def longest_poll_wait(heartbeat_s: float) -> float:

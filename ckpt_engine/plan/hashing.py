@@ -63,13 +63,16 @@ def header_seed(dtype: str, shape: Sequence[int]) -> int:
 
 
 def host_buffer(buf: torch.Tensor) -> memoryview:
-    """Zero-copy memoryview of a contiguous uint8 CPU tensor (no numpy, so bf16 sources work too)."""
+    """Zero-copy memoryview of a contiguous uint8 CPU tensor (no numpy, so bf16 sources work too). The view
+    keeps the tensor alive: ``host_buffer(t.cpu())`` of a device tensor must not read a freed temporary."""
     if buf.device.type != "cpu" or buf.dtype != torch.uint8 or not buf.is_contiguous():
         raise ValueError("host_buffer needs a contiguous uint8 CPU tensor")
     size = buf.numel()
     if size == 0:
         return memoryview(b"")
-    return memoryview((ctypes.c_ubyte * size).from_address(buf.data_ptr())).cast("B")
+    array = (ctypes.c_ubyte * size).from_address(buf.data_ptr())
+    array._tensor = buf  # type: ignore[attr-defined]  # (from_address alone holds no reference to the memory)
+    return memoryview(array).cast("B")
 
 
 def xxh3_digest(dtype: str, shape: Sequence[int], data: torch.Tensor) -> int:

@@ -3,9 +3,12 @@
 A version commits when:
 - the trainer sent it with a digest, and that digest is the version's: for a new version, what the trainer
   sent; for a re-push (rollback, catch-up, repair), what the history recorded for its source when it
-  committed, never digests recomputed from the cache now;
+  committed, never digests recomputed from the cache now. A re-push the trainer did not send (it refused a
+  copy that changed, or failed before sending) commits nothing, whatever receivers say: the source's digest
+  is public, so a receiver's report of it proves nothing by itself;
 - enough receivers of its quorum reported, themselves, a digest equal to the version's: ``min_receivers``
-  (at most the quorum), or every one for a policy that needs every receiver (a framework's sync);
+  (at most the quorum), or every one for a policy that needs every receiver (a framework's sync); one the
+  trainer saw absent from the version's rendezvous received nothing, whatever it reports;
 - and no engine's driver failed to apply it (the workers of an engine succeed or fail together).
 The trainer's relayed acknowledgements are evidence in the record, never a vote.
 """
@@ -33,7 +36,9 @@ def expected_digest(done: Report, source_digest: str | None, source: int | None)
     are). ``source``/``source_digest``: a re-push's source version and the digest recorded for it."""
     if source is None:
         return done.version_digest, None
-    if done.version_digest is not None and done.version_digest != source_digest:
+    if done.version_digest is None:  # the trainer sent nothing (it refused its copy, or failed first)
+        return None, None
+    if done.version_digest != source_digest:
         return source_digest, (f"the trainer re-sent version {source} with digest {done.version_digest}, but it "
                                f"committed as {source_digest}: the cached copy changed since")
     return source_digest, None
@@ -58,11 +63,14 @@ def judge(quorum: Mapping[str, int], reports: Mapping[str, Report], done: Report
           transports: Mapping[str, str | None], expected: str | None, stale: str | None, need: int) -> Outcome:
     """The version's outcome: ``need`` receivers must have committed it (see the module's rule)."""
     wire = {ack.rank: ack for ack in done.receivers}
+    absent = set(done.absent_ranks)
     stages = dict(done.stages)
     entries = []
     for agent_id, rank in quorum.items():
         own = reports.get(agent_id)
         ok, reason = receiver_verdict(own, expected, wire.get(rank))
+        if rank in absent:
+            ok, reason = False, "it never joined the version's sync group (the trainer saw it absent)"
         entries.append({"rank": rank, "agent_id": agent_id, "transport": transports.get(agent_id), "ok": ok,
                         "reason": reason, "version_digest": own.version_digest if own else None,
                         "seconds": own.stages if own else {}, "missing_report": own is None})

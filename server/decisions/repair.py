@@ -70,10 +70,15 @@ def plan_catch_up(pool: Sequence[Agent], now: float, latest_committed: int | Non
     return CatchUp(source, tuple(receivers), purpose)
 
 
-def kept_for_repairs(receivers: Sequence[Agent], latest_committed: int | None, source_of: SourceOf) -> list[int]:
-    """Cached versions receivers may need again, newest first (at most MAX_KEPT): the newest committed one (a
-    catch-up sends it) and the one each receiver serves or served last (a repair re-applies it). The trainer's
-    cache never evicts them to make room."""
-    wanted = {v for r in receivers for v in (r.model.serving, r.model.last_served)} | {latest_committed}
-    sources = {source_of(v) for v in wanted if v is not None}
-    return sorted((s for s in sources if s is not None), reverse=True)[:MAX_KEPT]
+def kept_for_repairs(receivers: Sequence[Agent], latest_committed: int | None, source_of: SourceOf, *,
+                     limit: int = MAX_KEPT) -> list[int]:
+    """Cached versions receivers may need again, newest first (at most ``limit``, and MAX_KEPT): the newest
+    committed one (a catch-up sends it) and the one each proven receiver serves or served last (a repair
+    re-applies it). The trainer's cache never evicts them to make room. What a receiver only claims to hold
+    (a newcomer's word) pins nothing: else any rollout-token holder could make the trainer keep old copies."""
+    wanted = {v for r in receivers if r.model.proven for v in (r.model.serving, r.model.last_served)}
+    sources = {source_of(v) for v in wanted | {latest_committed} if v is not None}
+    newest = sorted((s for s in sources if s is not None), reverse=True)
+    latest = source_of(latest_committed) if latest_committed is not None else None
+    kept = ([latest] if latest is not None else []) + [s for s in newest if s != latest]  # the newest committed first
+    return kept[: max(1, min(limit, MAX_KEPT))]

@@ -469,20 +469,22 @@ def _hostile_registrant(cluster: Cluster, trial: Trial, rng: random.Random) -> N
     try:
         live = {a["rank"]: a for a in cluster.http.get("/receivers").json()["agents"] if a["role"] == "trainer"}
         # an engine of one worker and its driver, as a real engine would register (ours: unregistered after)
-        register(rollout, {"role": "driver", "engine": engine, "members": 1})
-        register(rollout, {"role": "receiver", "engine": engine, "driven": True, "members": 1})
+        key = register(rollout, {"role": "driver", "engine": engine, "members": 1})["engine_key"]
+        register(rollout, {"role": "receiver", "engine": engine, "driven": True, "members": 1, "engine_key": key})
         claims = [(trainer, {"role": "trainer", "rank": rank, "trainer_ranks": 2, "pid": live[rank]["pid"],
                              "host": live[rank]["host"]}) for rank in sorted(live)]
         claims += [(trainer, {"role": "trainer", "rank": 0, "trainer_ranks": 1, "framework": "verl"}),
-                   (rollout, {"role": "receiver", "engine": engine, "driven": True, "members": 1}),
-                   (rollout, {"role": "receiver", "engine": engine, "driven": True, "members": 2}),
+                   (rollout, {"role": "receiver", "engine": engine, "driven": True, "members": 1, "engine_key": key}),
+                   (rollout, {"role": "receiver", "engine": engine, "driven": True, "members": 2, "engine_key": key}),
                    (rollout, {"role": "receiver", "engine": engine}),
-                   (rollout, {"role": "driver", "engine": engine, "members": 1})]
+                   (rollout, {"role": "driver", "engine": engine, "members": 1}),
+                   (rollout, {"role": "receiver", "engine": f"{engine}-free", "driven": True, "members": 2})]
         for client, claim in rng.sample(claims, len(claims)):
             try:
                 register(client, claim)
             except ControlReplyError as exc:
-                if exc.error != "conflict" or not (exc.record or {}).get("live_agent"):
+                keyless = exc.error == "forbidden" and "engine_key" not in claim and claim.get("driven")
+                if not keyless and (exc.error != "conflict" or not (exc.record or {}).get("live_agent")):
                     trial.violations.append(f"a registration claiming {claim} got {exc.error}: {exc.detail}")
                 continue
             trial.violations.append(f"a registration claiming {claim} was accepted while the place is held")

@@ -48,6 +48,7 @@ class CkptEngineInitInfo(WeightTransferInitInfo):
     endpoint: str
     engine: str
     token: str | None = None
+    engine_key: str | None = None  # what the engine's driver was issued: admits these workers to the engine
     host_id: str | None = None
     poll_wait_s: float = 1.0
     take_timeout_s: float = 60.0
@@ -82,6 +83,7 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
             self.receiver.close()
         settings = WorkerSettings(endpoint=init_info.endpoint, engine=init_info.engine,
                                   members=members_of(self.vllm_config), token=init_info.token,
+                                  engine_key=init_info.engine_key,
                                   host_id=init_info.host_id, poll_wait_s=init_info.poll_wait_s,
                                   take_timeout_s=init_info.take_timeout_s, apply_timeout_s=init_info.apply_timeout_s)
         self.receiver = WorkerReceiver(settings, self.device)

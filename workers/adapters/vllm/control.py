@@ -185,7 +185,8 @@ def start_vllm_driver(control: HttpControl | LLMControl, endpoint: str, *, engin
     driver = EngineDriver(control, endpoint, engine=name, token=token, poll_wait_s=poll_wait_s).start()
     try:
         control.start_workers({"endpoint": endpoint, "engine": name, "token": worker_token or token,
-                               "poll_wait_s": poll_wait_s, "take_timeout_s": take_timeout_s})
+                               "engine_key": driver.engine_key, "poll_wait_s": poll_wait_s,
+                               "take_timeout_s": take_timeout_s})
     except BaseException:
         driver.close()  # unregistered: an engine whose workers never started is not left in /receivers
         raise

@@ -6,7 +6,11 @@ own thread by ``collective_rpc("ckpt_engine_apply", args=(version,))``, inside v
 processed model cannot take ``load_weights`` directly). ckpt-engine's driver makes that call when every worker
 has staged the version (workers/adapters/vllm/control.py, ``ExtensionControl``).
 
-    llm.collective_rpc("ckpt_engine_start", args=("tcp://daemon:8766",), kwargs={"engine": "vllm-0"})
+    driver = EngineDriver(ExtensionControl(llm), "tcp://daemon:8766", engine="vllm-0").start()
+    llm.collective_rpc("ckpt_engine_start", args=("tcp://daemon:8766",),
+                       kwargs={"engine": "vllm-0", "engine_key": driver.engine_key})
+
+(``start_vllm_driver(ExtensionControl(llm), ...)`` does both.)
 """
 
 from __future__ import annotations
@@ -31,12 +35,13 @@ class CkptEngineWorkerExtension:
     """Mixed into vLLM's worker class; vLLM provides ``self.model_runner``, ``self.vllm_config``, ``self.device``."""
 
     def ckpt_engine_start(self, endpoint: str, token: str | None = None, engine: str | None = None,
-                          poll_wait_s: float = 1.0, take_timeout_s: float = 60.0) -> str:
-        """Start this worker's receiver (once); returns its agent id."""
+                          poll_wait_s: float = 1.0, take_timeout_s: float = 60.0, engine_key: str | None = None) -> str:
+        """Start this worker's receiver (once); returns its agent id. ``engine_key``: the engine's driver's."""
         receiver: WorkerReceiver | None = getattr(self, "_ckpt_engine_receiver", None)
         if receiver is None:
             settings = WorkerSettings(endpoint=endpoint, engine=engine or default_engine_name(),
                                       members=members_of(self.vllm_config), token=token,  # type: ignore[attr-defined]
+                                      engine_key=engine_key,
                                       poll_wait_s=poll_wait_s, take_timeout_s=take_timeout_s)
             receiver = WorkerReceiver(settings, self.device)  # type: ignore[attr-defined]
             self._ckpt_engine_receiver = receiver

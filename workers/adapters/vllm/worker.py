@@ -37,6 +37,7 @@ class WorkerSettings:
     engine: str
     members: int
     token: str | None = None
+    engine_key: str | None = None  # the driver's (the daemon admits the engine's workers with it)
     host_id: str | None = None
     poll_wait_s: float = 1.0
     take_timeout_s: float = 60.0
@@ -55,7 +56,8 @@ class WorkerReceiver:
         self.agent = RolloutAgent(self.staged.load, settings.endpoint, token=settings.token,
                                   device=_device_info(device), poll_wait_s=settings.poll_wait_s,
                                   host_id=settings.host_id, engine=settings.engine, driven=True,
-                                  members=settings.members, whole_versions=True, discard=self.staged.discard)
+                                  members=settings.members, whole_versions=True, discard=self.staged.discard,
+                                  engine_key=settings.engine_key)
         self.agent.start()
 
     def _on_staged(self, version: int) -> None:
