@@ -11,6 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from ckpt_engine.transport.group import _nccl_failures_cleanup_only, await_members, open_store, store_prefix
+from tests.procs import context as procs_context
 
 
 def _members(port: int, ranks: list[int], size: int, timeout_s: float) -> dict[int, str | None]:
@@ -69,14 +70,13 @@ def test_a_stalled_store_server_fails_every_store_call_within_its_bound() -> Non
     """Found by the third outside round on issue 18: a store server whose process stopped (SIGSTOP: stalled,
     not gone) blocked its clients for good, whatever timeout they gave (verl's rollout workers waited on a
     hung actor rank 0 with no end)."""
-    import multiprocessing as mp
     import signal
 
     from ckpt_engine.device import detect_device
     from ckpt_engine.errors import SyncTimeoutError
     from ckpt_engine.transport.group import SyncGroup, wait_for_key
 
-    ctx = mp.get_context("spawn")
+    ctx = procs_context()
     ports = ctx.Queue()
     server = ctx.Process(target=_serve_store, args=(ports,), daemon=True)
     server.start()

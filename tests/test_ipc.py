@@ -4,7 +4,6 @@ remote-style receiver gets the same version over the gloo collective; faults on 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -24,6 +23,7 @@ from ckpt_engine.send.publisher import Publisher
 from ckpt_engine.transport.group import open_store
 from ckpt_engine.transport.same_host import FramedSocket, IpcHub, abstract_address, host_identity
 from tests.models import BUCKET_SIZE, AwkwardModel, load_into, state_bytes
+from tests.procs import context as procs_context
 from tests.procs import run_processes, start_processes
 from tests.test_sync_multiproc import _sync_group
 
@@ -161,7 +161,7 @@ def test_kill9_of_the_colocated_receiver_mid_version(tmp_path: Path) -> None:
     store = open_store("127.0.0.1", 0, is_master=True, timeout_s=20)
     hub = f"ckpt-test-{uuid.uuid4().hex[:8]}"
     marker = tmp_path / "stalled"
-    ctx = mp.get_context("spawn")
+    ctx = procs_context()
     victim = ctx.Process(target=colocated_receiver, args=(hub, 1, str(marker)), daemon=True)
     victim.start()
     others = start_processes([(mixed_sender, (store.port, hub, 1)), (collective_receiver, (store.port,))])
@@ -206,7 +206,7 @@ def lone_colocated_receiver(hub: str) -> dict:
 def test_kill9_of_the_sender_mid_version_releases_the_receiver(tmp_path: Path) -> None:
     hub = f"ckpt-test-{uuid.uuid4().hex[:8]}"
     marker = tmp_path / "stalled"
-    ctx = mp.get_context("spawn")
+    ctx = procs_context()
     victim = ctx.Process(target=stalling_sender, args=(hub, str(marker)), daemon=True)
     victim.start()
     receiver = start_processes([(lone_colocated_receiver, (hub,))])
@@ -237,7 +237,7 @@ def hub_only_sender(hub: str) -> dict:
 
 def test_a_receiver_that_stops_releasing_is_timed_out_and_dropped(tmp_path: Path) -> None:
     hub = f"ckpt-test-{uuid.uuid4().hex[:8]}"
-    ctx = mp.get_context("spawn")
+    ctx = procs_context()
     stalled = ctx.Process(target=colocated_receiver, args=(hub, 0, str(tmp_path / "stalled")), daemon=True)
     stalled.start()
     try:

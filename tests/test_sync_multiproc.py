@@ -7,7 +7,6 @@ trainer 0 is also the sender of a separate sync group whose other members are tw
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
 import time
 
@@ -24,6 +23,7 @@ from ckpt_engine.receive.collective import Receiver, VersionPayload
 from ckpt_engine.send.publisher import Publisher
 from ckpt_engine.transport.group import SyncGroup, open_store
 from tests.models import BUCKET_SIZE, AwkwardModel, load_into, state_bytes
+from tests.procs import context as procs_context
 from tests.procs import run_processes
 
 pytestmark = pytest.mark.multiproc
@@ -214,7 +214,7 @@ def test_receiver_dying_mid_version_fails_the_version_without_hanging() -> None:
 
 def _run_with_dying_peer(port: int) -> tuple[dict, dict]:
     """The dying receiver runs outside run_processes, which would report its exit as a failure."""
-    ctx = mp.get_context("spawn")
+    ctx = procs_context()
     dying = ctx.Process(target=dying_receiver, args=(port,), daemon=True)
     dying.start()
     try:

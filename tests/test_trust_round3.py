@@ -594,12 +594,13 @@ def group_member(rank: int, port: int, die: bool, results) -> None:
 def test_a_collective_that_fails_because_a_peer_died_names_that_peer() -> None:
     """Found with verl: a killed rollout worker showed at the actor ranks as gloo's "Connection closed by
     peer", naming an address. The members announce who they are; a failed collective names the gone ones."""
-    import multiprocessing
 
     from ckpt_engine.transport.group import serve_store
 
     server = serve_store("127.0.0.1", 0)
-    ctx = multiprocessing.get_context("spawn")
+    from tests.procs import context as procs_context
+
+    ctx = procs_context()
     results = ctx.Queue()
     procs = [ctx.Process(target=group_member, args=(r, server.port, r == 2, results), daemon=True) for r in range(3)]
     for proc in procs:
