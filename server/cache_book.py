@@ -44,6 +44,19 @@ class CacheBook:
         trainers = self.agents.trainers()
         return [r for r in range(owners) if r not in trainers or version not in trainers[r].versions]
 
+    def why_not_cached(self, record: VersionRecord) -> str:
+        """Why ``record``'s version cannot be sent again, as the end of a sentence."""
+        missing = self.missing_shares(record.id) if record.mode == "cached" else []
+        trainers = self.agents.trainers()
+        gone = [r for r in missing if r not in trainers]
+        if gone and record.owners > 1:
+            return (f": owner rank(s) {gone} of its {record.owners} went away or restarted since (a rank's share of "
+                    "the cache goes with it)")
+        if missing and len(missing) < record.owners:
+            return (f": owner rank(s) {missing} of its {record.owners} no longer hold their share (evicted, or "
+                    "dropped as a copy that changed)")
+        return " (it was evicted, never cached, or sent with bypass_cpu)"
+
     def source_of(self, version: int) -> int | None:
         """The version holding ``version``'s bytes (itself, or a re-push's source); None when unknown."""
         record = self.history.get(version)

@@ -201,12 +201,7 @@ class Controller:
             raise Conflict(f"version {version} is {record.status}: only a committed version can be pushed")
         with self._lock:
             if not record.cached:
-                missing = self.book.missing_shares(version) if record.mode == "cached" else []
-                partly = missing and len(missing) < record.owners  # some rank still holds its share
-                held = (f": owner rank(s) {missing} of its {record.owners} no longer hold their share (evicted, or a "
-                        "rank that restarted or went away took its share with it)" if partly else
-                        " (it was evicted, never cached, or sent with bypass_cpu)")
-                raise Conflict(f"version {version} is not in the trainer's cache{held}")
+                raise Conflict(f"version {version} is not in the trainer's cache{self.book.why_not_cached(record)}")
             trainer = self.agents.trainer()
             if trainer is not None and policy_of(trainer.framework).queues_rollbacks:
                 self._require_storage()

@@ -32,11 +32,12 @@ class Operation:
     model: type[BaseModel]  # what the request is parsed into
     roles: Callable[[dict[str, Any]], frozenset[Role]]  # who may call it, given its raw body (before parsing)
     run: Callable[[Controller, Any, set[Role]], Any]  # (the controller, the parsed request, the caller's roles)
+    # A frame's values are typed (msgpack or JSON): "1" is no number and 1 no bool, except where the HTTP twin
+    # is a JSON body FastAPI parses laxly (sync): there both planes take the same values.
+    strict: bool = True
 
     def parse(self, body: dict[str, Any]) -> Any:
-        """A frame's body, strictly: its values are typed (msgpack or JSON), so "1" is no number and 1 no bool
-        (the HTTP routes parse strings of a query or path through FastAPI instead)."""
-        return parse_body(self.model, body, strict=True)
+        return parse_body(self.model, body, strict=self.strict)
 
 
 def _register(controller: Controller, message: Register, roles: set[Role]) -> dict:
@@ -117,7 +118,7 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
     Operation("unregister", Unregister, _fixed("trainer", "rollout"), _unregister),
     # trainers ask from their loop (agent.push); a frame may name a framework's receivers (HTTP's SyncRequest
     # refuses them as an unknown key)
-    Operation("sync", FrameworkSyncRequest, _fixed("operator", "trainer"), _sync),
+    Operation("sync", FrameworkSyncRequest, _fixed("operator", "trainer"), _sync, strict=False),
     Operation("push", VersionRef, _fixed("operator"), _push),
     Operation("evict", VersionRef, _fixed("operator"), _evict),
     Operation("versions", VersionsQuery, _fixed(), _versions),

@@ -13,7 +13,9 @@ ROOT = Path(__file__).parents[1]
 SMALL = ["--steps", "8", "--sync-every", "4", "--hidden", "64", "--layers", "2", "--vocab", "256"]
 
 
-@pytest.mark.parametrize("mode", [[], ["--bypass-cpu"]], ids=["cached", "bypass_cpu"])
+# (cached, as the quick start runs it: bypass_cpu versions of an FSDP2 job reaching transformers rollouts
+# byte-exact are tests/test_fsdp_sync.py's, and the library demo sends both modes)
+@pytest.mark.parametrize("mode", [[]], ids=["cached"])
 def test_fully_async_demo_commits_every_version_and_rollouts_match(mode: list[str]) -> None:
     out = subprocess.run([sys.executable, "-m", "ckpt_engine.server", "demo", *SMALL, *mode],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -209,29 +209,7 @@ def test_an_impostor_worker_of_a_live_engine_is_refused_and_the_engine_keeps_rec
         daemon.stop()
 
 
-def test_a_restarted_worker_takes_its_silent_old_place_and_a_refusal_names_every_receiver(tmp_path: Path) -> None:
-    daemon = start_daemon(write_config(tmp_path, timeouts={**_TIMEOUTS, "heartbeat_s": 10}))
-    try:
-        trainer = RawAgent(daemon, "trainer")
-        driver = RawAgent(daemon, "driver", engine="eng", members=1)
-        old = RawAgent(daemon, "receiver", engine="eng", driven=True, members=1, engine_key=driver.reply["engine_key"])
-        with daemon.client() as http:
-            driver_seen = time.monotonic()
-            # the worker fell silent (killed); its driver keeps polling
-            wait_until(lambda: not trainer.poll() and not driver.poll() and time.monotonic() - driver_seen > 5.5, 30,
-                       "the old worker to fall silent (past half a heartbeat)")
-            refused = http.post("/sync", json={})
-            detail = refused.json()["detail"]
-            assert refused.status_code == 503 and old.agent_id in detail and "silent for" in detail, detail
-            new = RawAgent(daemon, "receiver", engine="eng", driven=True, members=1,
-                           engine_key=driver.reply["engine_key"])
-            agents = {a["agent_id"] for a in http.get("/receivers").json()["agents"]}
-            assert new.agent_id in agents and old.agent_id not in agents
-            assert http.post("/sync", json={}).status_code == 202
-        for agent in (trainer, old, driver, new):
-            agent.close()
-    finally:
-        daemon.stop()
+_TIMEOUTS = {"connect_s": 4, "collective_s": 4, "ack_s": 5, "heartbeat_s": 3, "version_s": 30}
 
 
 # ---- 3. timings that depend on each other: a poll never waits past the heartbeat -------------------------
@@ -260,9 +238,6 @@ def test_a_poll_wait_longer_than_the_heartbeat_is_clamped_on_both_sides(tmp_path
         if agent is not None:
             agent.close()
         daemon.stop()
-
-
-_TIMEOUTS = {"connect_s": 4, "collective_s": 4, "ack_s": 5, "heartbeat_s": 3, "version_s": 30}
 
 
 # ---- 1. the owner set changes between versions, in every mode -------------------------------------------------
