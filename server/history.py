@@ -325,9 +325,17 @@ class HistoryStore:
             args.append(before)
         query += " ORDER BY id DESC LIMIT ?"
         args.append(limit)
-        rows = self._query(query, args)
+        # ids first: the records already in memory are not read and parsed again (a dashboard asks every second)
+        ids = [row[0] for row in self._raw(query.replace("SELECT *", "SELECT id", 1), args)]
         with self._mem:
-            records = [replace(self._records.get(r.id) or self._overlay(r)) for r in rows]
+            missing = [v for v in ids if v not in self._records]
+        fetched = {r.id: r for r in (self._query(f"SELECT * FROM versions WHERE id IN ({','.join('?' * len(missing))})",
+                                                 missing) if missing else [])}
+        with self._mem:
+            for record in fetched.values():
+                if record.id not in self._records:
+                    self._remember(self._overlay(record))
+            records = [replace(self._records.get(v) or fetched[v]) for v in ids if v in self._records or v in fetched]
             # a dirty record may have moved into (or out of) the status asked for
             if status is not None:
                 records = [r for r in records if r.status == status]

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,7 @@ def write_config(directory: Path, base: Path | None = None, *, test_timeouts: bo
 
 @dataclass
 class DaemonProcess:
-    proc: subprocess.Popen
+    proc: Any  # subprocess.Popen, or what the tests give in its place (tests/daemon_harness.py)
     config_path: Path
     url: str
     zmq: str
@@ -101,20 +102,29 @@ class DaemonProcess:
         return "\n".join(self.log().splitlines()[-lines:])
 
 
+# Starts ``ckpt-engine serve --config PATH`` with an environment and a log file; returns a Popen-like handle.
+Spawner = Callable[[Path, dict[str, str], Path], Any]
+
+
+def _popen(config_path: Path, env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ckpt_engine.server", "serve", "--config", str(config_path)],
+                            stdout=log_path.open("w"), stderr=subprocess.STDOUT, cwd=REPO, env=env)
+
+
 def start_daemon(config_path: Path, *, env: dict[str, str] | None = None, timeout_s: float = 30,
-                 log_path: Path | None = None, export_credentials: bool = True) -> DaemonProcess:
+                 log_path: Path | None = None, export_credentials: bool = True,
+                 spawner: Spawner = _popen) -> DaemonProcess:
     """Start ``ckpt-engine serve --config config_path`` and wait until ``/health`` answers. With
     ``export_credentials`` this process's environment points at its credentials file, so agents started from
-    here (and their child processes) find their role's token."""
+    here (and their child processes) find their role's token. ``spawner``: how the process is started (the
+    tests fork it from a server that imported the daemon's modules once)."""
     config = yaml.safe_load(config_path.read_text())
     http = dict(config["http"])
     if env and "CKPT_ENGINE_HTTP__PORT" in env:
         http["port"] = int(env["CKPT_ENGINE_HTTP__PORT"])
     zmq = (env or {}).get("CKPT_ENGINE_ZMQ__ENDPOINT", config["zmq"]["endpoint"])
     log_path = log_path or config_path.with_suffix(f".{time.monotonic_ns()}.log")
-    proc = subprocess.Popen([sys.executable, "-m", "ckpt_engine.server", "serve", "--config", str(config_path)],
-                            stdout=log_path.open("w"), stderr=subprocess.STDOUT, cwd=REPO,
-                            env={**os.environ, **(env or {})})
+    proc = spawner(config_path, {**os.environ, **(env or {})}, log_path)
     auth = config.get("auth") or {}
     credentials = (env or {}).get("CKPT_ENGINE_AUTH__CREDENTIALS_FILE") or auth.get("credentials_file")
     path = None if auth.get("open") else Path(os.path.expanduser(credentials or "~/.ckpt-engine/credentials.json"))

@@ -16,11 +16,73 @@ RUNNING: list[DaemonProcess] = []  # stopped by the autouse fixture in conftest.
 
 def start_daemon(config_path: Path, env: dict[str, str] | None = None, timeout_s: float = 30) -> DaemonProcess:
     try:
-        daemon = launch.start_daemon(config_path, env=env, timeout_s=timeout_s)
+        daemon = launch.start_daemon(config_path, env=env, timeout_s=timeout_s, spawner=forked_daemon)
     except RuntimeError as exc:
         raise AssertionError(str(exc)) from exc
     RUNNING.append(daemon)
     return daemon
+
+
+def forked_daemon(config_path: Path, env: dict[str, str], log_path: Path) -> ForkedProcess:
+    """``ckpt-engine serve`` as a real process of its own, forked from the tests' fork server (tests/procs.py),
+    which imported the daemon's modules (torch among them) once: not seconds of imports per daemon."""
+    from tests.procs import context
+
+    proc = context().Process(target=_serve, args=(str(config_path), env, str(log_path)), daemon=False)
+    proc.start()
+    return ForkedProcess(proc)
+
+
+def _serve(config_path: str, env: dict[str, str], log_path: str) -> None:
+    import sys
+
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(str(ROOT))
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    from ckpt_engine.server.cli import main
+
+    code = main(["serve", "--config", config_path])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)  # (as the command would: no multiprocessing clean-up of a process that served)
+
+
+class ForkedProcess:
+    """What the tests use of subprocess.Popen, for a multiprocessing.Process."""
+
+    def __init__(self, proc) -> None:
+        self._proc = proc
+        self.pid = proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"daemon {self.pid}", timeout or 0)
+        return self._proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._proc.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(9)
+
+    def terminate(self) -> None:
+        self.send_signal(15)
 
 
 def train_until_stopped(agent, stop_file: str, on_version=None) -> None:

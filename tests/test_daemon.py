@@ -140,7 +140,9 @@ def test_restart_after_kill9_keeps_history_and_interrupts_the_in_flight_version(
     from ckpt_engine.workers.rollout_agent import RolloutAgent
     from ckpt_engine.workers.trainer_agent import TrainerAgent
 
-    config = write_config(tmp_path)
+    # (short timeouts: the receiver, assigned a version that never begins, waits at most version_s in close())
+    config = write_config(tmp_path, timeouts={"connect_s": 3, "collective_s": 3, "ack_s": 3, "heartbeat_s": 5,
+                                              "version_s": 8})
     daemon = start_daemon(config)
     with daemon.client() as client:
         refused = client.post("/sync", json={"step": 1})

@@ -149,9 +149,9 @@ def test_a_host_buffer_keeps_its_tensor_alive() -> None:
 
     from ckpt_engine.plan.hashing import host_buffer
 
-    expected = torch.arange(1 << 14, dtype=torch.int32).view(torch.uint8)
-    for _ in range(50):
+    expected = torch.arange(1 << 12, dtype=torch.int32).view(torch.uint8)
+    for _ in range(20):
         view = host_buffer(expected.clone())  # the only reference to the clone is the view's
         gc.collect()
-        _ = [torch.full((1 << 14,), 7, dtype=torch.int32) for _ in range(4)]  # reuse what a free left behind
+        _ = [torch.full((1 << 12,), 7, dtype=torch.int32) for _ in range(4)]  # reuse what a free left behind
         assert bytes(view) == bytes(host_buffer(expected))
