@@ -94,6 +94,9 @@ class Controller:
         self.flights.group_dirty = True
         if agent.role == "trainer":
             self.book.update()
+            if agent.framework:  # its next sync will not come: push again once a trainer is back
+                self.framework.cancel_queued(f"the {agent.framework} trainer {agent.agent_id} left before its next "
+                                             f"sync ({reason}); push the version again")
         flight = self.flights.current
         if flight is not None and flight.trainer == agent.agent_id:
             self.flights.fail(flight, reason)

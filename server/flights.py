@@ -146,6 +146,10 @@ class Flights:
 
     def staged(self, agent: Agent, message: Report, flight: InFlight) -> None:
         """A driven receiver verified the version; once every member of its engine has, the driver applies it."""
+        if not agent.driven or agent.agent_id not in flight.quorum:  # (only an engine's workers wait for a driver)
+            log.warning("ignoring %s's staged report for version %d: it is not a driven worker of its quorum",
+                        agent.agent_id, message.version)
+            return
         agent.model.staged_version(message.version)
         engine = agent.engine
         if engine is None or engine not in flight.engines or engine in flight.apply_sent:
@@ -177,7 +181,7 @@ class Flights:
         if not message.ok:  # workers still holding the version staged would wait for it in vain
             for member in members:
                 if member.model.staged == message.version:
-                    member.model.staged = None
+                    member.model.unstaged()
                     member.pending.append(Assignment(kind="discard", version=message.version,
                                                      reason=f"the engine's driver failed: {message.reason}"[:2000]))
         if flight is not None:
@@ -294,7 +298,7 @@ class Flights:
             agent = self.agents.get(agent_id)
             if agent is None:
                 continue
-            agent.model.staged = None
+            agent.model.unstaged()
             if not agent.model.whole() and flight.purpose in ("catch_up", "repair"):
                 agent.model.catch_up_failed(self.clock())
         for agent in self.agents.all():  # drop leftovers of this version for agents that never picked them up

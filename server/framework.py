@@ -37,15 +37,17 @@ class FrameworkSyncs:
         if request.sparse or (request.step is not None and request.step < 0):
             raise BadRequest("a framework's sync is never sparse here (its backend decides) and its step is >= 0")
         trainer = self.agents.trainer()
-        if opener is not trainer or not opener.framework:
+        if opener is trainer and not opener.framework:
+            raise Conflict(f"agent {opener.agent_id} is a plain trainer: 'receivers' names the workers of a "
+                           "framework's own sync, which only a framework's trainer rank 0 opens")
+        if opener is not trainer:
             raise Conflict(f"agent {opener.agent_id} is not the framework trainer rank 0 this daemon serves "
                            f"(that is {trainer.agent_id if trainer else 'nobody'})")
         flight = self.flights.current
-        if flight is not None and flight.policy.supersedes_open:
-            self._supersede(flight)
-        elif flight is not None:
+        if flight is not None and not flight.policy.supersedes_open:
             raise Conflict(f"version {flight.version} is in flight ({flight.purpose}); retry when it has ended",
                            {"in_flight": flight.version, "purpose": flight.purpose})
+        # Every check before the open sync is superseded: a request refused leaves it as it was.
         self._require_storage()
         quorum = self._quorum(trainer, request.receivers or [])
         problem = quorum_problem(trainer, quorum)
@@ -54,6 +56,8 @@ class FrameworkSyncs:
                                          reason=problem)
             self.metrics.version_done("failed", 0, {})
             raise Unavailable(problem, failed.to_dict())
+        if flight is not None:
+            self._supersede(flight)
         record = self._take_queued()
         if record is not None:  # its step is the framework's at delivery (verl's global_steps), as for any sync:
             record = self.history.update(record.id, step=request.step)  # given now, or with its first report

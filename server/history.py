@@ -327,15 +327,21 @@ class HistoryStore:
         args.append(limit)
         # ids first: the records already in memory are not read and parsed again (a dashboard asks every second)
         ids = [row[0] for row in self._raw(query.replace("SELECT *", "SELECT id", 1), args)]
+        fetched: dict[int, VersionRecord] = {}
+        for _ in range(3):  # (a record evicted by another reader between the two looks is read again)
+            with self._mem:
+                missing = [v for v in ids if v not in self._records and v not in fetched]
+            if not missing:
+                break
+            marks = ",".join("?" * len(missing))
+            fetched.update((r.id, r) for r in self._query(f"SELECT * FROM versions WHERE id IN ({marks})", missing))
         with self._mem:
-            missing = [v for v in ids if v not in self._records]
-        fetched = {r.id: r for r in (self._query(f"SELECT * FROM versions WHERE id IN ({','.join('?' * len(missing))})",
-                                                 missing) if missing else [])}
-        with self._mem:
+            # what memory holds is taken before remembering the rest, which may evict some of it
+            held = {v: replace(self._records[v]) for v in ids if v in self._records}
             for record in fetched.values():
                 if record.id not in self._records:
                     self._remember(self._overlay(record))
-            records = [replace(self._records.get(v) or fetched[v]) for v in ids if v in self._records or v in fetched]
+            records = [held.get(v) or replace(fetched[v]) for v in ids if v in held or v in fetched]
             # a dirty record may have moved into (or out of) the status asked for
             if status is not None:
                 records = [r for r in records if r.status == status]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_engine.server.controller import Controller
-from ckpt_engine.server.errors import NotFound
+from ckpt_engine.server.errors import BadRequest, NotFound
 from pydantic import BaseModel
 
 from ckpt_engine.control.auth import ANY_ROLE, Role
@@ -60,9 +60,15 @@ def _unregister(controller: Controller, leaving: Unregister, roles: set[Role]) -
     return {}
 
 
+_FRAMEWORK_ONLY = frozenset(FrameworkSyncRequest.model_fields) - frozenset(SyncRequest.model_fields) - {"receivers"}
+
+
 def _sync(controller: Controller, request: SyncRequest, roles: set[Role]) -> dict:
     if isinstance(request, FrameworkSyncRequest) and request.receivers is not None:
         return controller.framework_sync(request, roles)  # a framework's own sync, opened by its trainer rank 0
+    stray = sorted(_FRAMEWORK_ONLY & request.model_fields_set)
+    if stray:  # what HTTP refuses as unknown keys, refused here too, with the reason
+        raise BadRequest(f"{', '.join(stray)}: only a framework's own sync (one naming its 'receivers') takes these")
     return controller.request_sync(request).to_dict()
 
 

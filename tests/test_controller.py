@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from ckpt_engine.server.controller import Controller
-from ckpt_engine.server.errors import Conflict, Forbidden, Unavailable
+from ckpt_engine.server.errors import Conflict, Forbidden, NotFound, Unavailable
 from ckpt_engine.server.history import HistoryStore
 from ckpt_engine.server.metrics import Metrics
 
@@ -254,3 +254,97 @@ def test_a_re_push_the_trainer_did_not_send_commits_nothing_whatever_a_receiver_
     d.report(trainer, pushed, "done", ok=False, reason="StaleCopy: refused, nothing sent", cache_versions=[])
     record = d.record(pushed)
     assert record["status"] == "failed" and "StaleCopy" in record["reason"], record
+
+
+def _verl(d: Daemon) -> tuple[dict, list[dict]]:
+    return d.register("trainer", framework="verl", trainer_ranks=1), [d.register("receiver", framework="verl")
+                                                                      for _ in range(2)]
+
+
+def _open(d: Daemon, trainer: dict, receivers: list[str], step: int = 1) -> dict:
+    return d.ctl.framework_sync(FrameworkSyncRequest(receivers=receivers, step=step, agent_id=trainer["agent_id"],
+                                                     session=trainer["session"]), TRAINER)
+
+
+def test_a_refused_framework_sync_leaves_the_open_one_as_it_was() -> None:
+    """Outside attack on issue 26: a second sync naming an unknown receiver (404) or failing its quorum (503)
+    ended the open sync as interrupted."""
+    d = Daemon(min_receivers=2)
+    trainer, workers = _verl(d)
+    ids = [w["agent_id"] for w in workers]
+    opened = _open(d, trainer, ids)["id"]
+    with pytest.raises(NotFound):
+        _open(d, trainer, [ids[0], "nobody"])
+    with pytest.raises(Unavailable):
+        _open(d, trainer, [ids[0]])  # one receiver, two needed
+    assert d.record(opened)["status"] == "requested" and d.ctl.flights.current.version == opened
+    assert d.record(_open(d, trainer, ids)["id"])["status"] == "requested"  # a valid one supersedes it
+    assert d.record(opened)["status"] == "interrupted"
+
+
+def test_a_rollback_queued_for_a_framework_ends_when_its_trainer_leaves() -> None:
+    """Outside attack on issue 26: the queued rollback stayed requested for the daemon's life after the verl
+    job left and a plain trainer took over."""
+    d = Daemon()
+    trainer, workers = _verl(d)
+    first = _open(d, trainer, [w["agent_id"] for w in workers])["id"]
+    d.commit(trainer, workers, first)
+    d.poll(trainer, versions=[first])
+    queued = d.ctl.push(first)
+    d.ctl.unregister(trainer["agent_id"], trainer["session"], TRAINER)
+    record = d.record(queued.id)
+    assert record["status"] == "cancelled" and "left before its next sync" in record["reason"]
+    assert d.ctl.status()["queued_push"] is None
+
+
+def test_only_a_driven_worker_of_the_quorum_stages_a_version() -> None:
+    """Outside attack on issue 26: a plain receiver outside the quorum that reported ``staged`` stayed staged."""
+    d = Daemon()
+    trainer, member, outsider = d.register("trainer"), d.register("receiver"), None
+    version = d.ctl.request_sync(SyncRequest()).id
+    d.poll(trainer), d.poll(member)
+    outsider = d.register("receiver")
+    d.report(outsider, version, "staged")
+    d.report(member, version, "staged")
+    assert d.state(outsider)["staged"] is None and d.state(member)["staged"] is None
+    d.commit(trainer, [member], version)
+    d.tick(1000)
+    assert d.state(outsider)["state"] != "staged"
+
+
+def test_framework_only_fields_are_refused_on_a_plain_sync_and_steps_are_counts() -> None:
+    """Outside attack on issue 26: the ZMQ sync silently ignored what HTTP refuses; ``step: true`` was step 1."""
+    from ckpt_engine.server.operations import OPERATIONS
+    from ckpt_engine.server.errors import BadRequest
+    from pydantic import ValidationError
+
+    d = Daemon()
+    plain, rx = d.register("trainer"), d.register("receiver")
+    sync = OPERATIONS["sync"]
+    with pytest.raises(BadRequest, match="limit_s"):
+        sync.run(d.ctl, sync.model.model_validate({"limit_s": 5}), TRAINER)
+    for step in (True, -1):
+        with pytest.raises(ValidationError):
+            SyncRequest.model_validate({"step": step})
+    with pytest.raises(Conflict, match="plain trainer"):
+        _open(d, plain, [rx["agent_id"]])
+
+
+@pytest.mark.parametrize("asked, default, expected", [
+    ((None, None), (False, True), ("cached", True)),
+    ((True, None), (False, True), ("bypass_cpu", False)),  # the deployment's sparse yields to bypass_cpu asked
+    ((None, True), (True, False), ("cached", True)),  # and its bypass_cpu to sparse asked
+    ((False, False), (True, True), ("cached", False)),
+])
+def test_a_deployment_default_yields_to_what_a_request_asks(asked, default, expected) -> None:
+    from ckpt_engine.plan.modes import resolve
+
+    assert resolve(*asked, default_bypass_cpu=default[0], default_sparse=default[1]) == expected
+
+
+def test_asking_for_both_sparse_and_bypass_cpu_is_refused() -> None:
+    from ckpt_engine.errors import ConfigError
+    from ckpt_engine.plan.modes import resolve
+
+    with pytest.raises(ConfigError, match="sparse"):
+        resolve(True, True, default_bypass_cpu=False, default_sparse=False)

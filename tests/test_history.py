@@ -201,3 +201,20 @@ def test_list_pages_with_a_cursor(tmp_path: Path) -> None:
     second = store.list(limit=3, before=first[-1].id)
     third = store.list(limit=3, before=second[-1].id)
     assert [r.id for r in first + second + third] == ids[::-1]
+
+
+def test_a_page_keeps_every_row_when_reading_it_evicts_records_from_memory(tmp_path: Path) -> None:
+    """Found by the outside attack on issue 26: a page whose in-memory records were evicted while the rest of
+    it was read from the file lost them (49 rows of 50, and no cursor to the older ones)."""
+    path = tmp_path / "h.sqlite3"
+    store = HistoryStore(path)
+    for step in range(2100):
+        store.create(mode="cached", step=step)
+    store.close()
+    store = HistoryStore(path)  # nothing in memory
+    store.list(limit=1000)
+    store.list(limit=1000, before=1101)  # memory now holds 1100..101, 101 the oldest
+    assert [r.id for r in store.list(limit=50, before=126)] == list(range(125, 75, -1))
+    assert len(store.list(limit=1000, before=600)) == 599
+    assert len(store.list(limit=1000, before=1101)) == 1000
+    store.close()

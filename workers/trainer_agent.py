@@ -315,8 +315,14 @@ class TrainerAgent(Agent):
                 log.warning("version %d still in transfer: %s", current.version, exc)
 
     def _report_result(self, result: TransferResult, held: float) -> None:
-        self.report(result.version, "done", **done_fields(result, self._publisher(), held),
-                    group_broken=self.group_broken)
+        try:
+            fields = done_fields(result, self._publisher(), held)
+        except Exception as exc:  # the daemon still hears of the version at once, not at its time limit
+            log.exception("version %d: building its report failed", result.version)
+            self._report_failure(result.version, f"the trainer could not report the outcome: {type(exc).__name__}: "
+                                 f"{exc}")
+            return
+        self.report(result.version, "done", **fields, group_broken=self.group_broken)
 
     def _report_failure(self, version: int, reason: str, absent_ranks: list[int] | None = None) -> None:
         publisher = self.publisher

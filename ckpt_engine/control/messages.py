@@ -28,7 +28,16 @@ Encoding = Literal["msgpack", "json"]
 # Version ids and steps: exact in every JSON parser (2**53) and within SQLite's INTEGER, so a larger value is a
 # validation error, never an OverflowError deep in the history store.
 MAX_ID = (1 << 53) - 1
-WireInt = Annotated[int, Field(ge=-MAX_ID, le=MAX_ID)]
+def _not_bool(value: object) -> object:
+    # JSON's true is not the number 1 here (pydantic's lax mode would take it as one)
+    if isinstance(value, bool):
+        raise ValueError("expected an integer, got a boolean")
+    return value
+
+
+# (the validator after the bounds: it still runs first, and the bounds stay minimum/maximum in the JSON schema)
+WireInt = Annotated[int, Field(ge=-MAX_ID, le=MAX_ID), BeforeValidator(_not_bool)]
+Step = Annotated[int, Field(ge=0, le=MAX_ID), BeforeValidator(_not_bool)]
 MAX_KEPT = 4  # versions the daemon asks the trainer to keep for repairs (what receivers serve), at most
 MAX_LISTED_VERSIONS = 1024  # an agent holds a handful of versions; the cap bounds what one frame can make us store
 # Counts and sizes a peer reports: what the history stores must fit its integer columns (and JSON's exact range).
@@ -238,7 +247,7 @@ class SyncRequest(BaseModel):
     key is refused (a typo such as ``"bypass": true`` must not quietly become a cached version)."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra=_NOT_SPARSE_AND_BYPASS)
-    step: WireInt | None = Field(None, description="trainer step this version belongs to")
+    step: Step | None = Field(None, description="trainer step this version belongs to")
     bypass_cpu: bool | None = Field(None, description="override the deployment's bypass_cpu for this version")
     sparse: bool | None = Field(None, description="send only tensors changed since the version every receiver "
                                 "holds (default: the deployment's sparse)")
@@ -260,15 +269,7 @@ class FrameworkSyncRequest(SyncRequest):
                                   "before failing it (the framework's own timeouts; default timeouts.version_s)")
 
 
-def _not_bool(value: object) -> object:
-    # JSON's true is not the number 1 here (pydantic's lax mode would take it as one)
-    if isinstance(value, bool):
-        raise ValueError("expected an integer, got a boolean")
-    return value
-
-
-# (the validator after the bounds: it still runs first, and the bounds stay minimum/maximum in the JSON schema)
-VersionId = Annotated[int, Field(ge=-MAX_ID, le=MAX_ID), BeforeValidator(_not_bool)]
+VersionId = WireInt
 
 
 class VersionsQuery(BaseModel):

@@ -26,11 +26,21 @@ def check_sparse(mode: Mode, sparse: bool) -> None:
 def resolve(bypass_cpu: bool | None, sparse: bool | None, *, default_bypass_cpu: bool,
             default_sparse: bool) -> tuple[Mode, bool]:
     """A request's mode and sparse flag: what it says, else the deployment's (the one place a default is
-    applied, for every path); checked together (ConfigError)."""
-    mode = mode_of(default_bypass_cpu if bypass_cpu is None else bypass_cpu)
-    wanted = default_sparse if sparse is None else sparse
-    check_sparse(mode, wanted)
-    return mode, wanted
+    applied, for every path). A default yields to what the request asks (``bypass_cpu: true`` under a sparse
+    deployment is a whole bypass version; ``sparse: true`` under a bypass deployment a cached one); asking
+    for both is a ConfigError."""
+    if bypass_cpu is not None and sparse is not None:
+        check_sparse(mode_of(bypass_cpu), sparse)
+        return mode_of(bypass_cpu), sparse
+    if bypass_cpu is not None:
+        return mode_of(bypass_cpu), default_sparse and not bypass_cpu
+    if sparse is not None:
+        return mode_of(default_bypass_cpu and not sparse), sparse
+    try:
+        check_sparse(mode_of(default_bypass_cpu), default_sparse)
+    except ConfigError as exc:
+        raise ConfigError(f"the deployment sets both bypass_cpu and sparse: {exc}") from None
+    return mode_of(default_bypass_cpu), default_sparse
 
 
 def check_mode(mode: object) -> Mode:

@@ -31,7 +31,8 @@ _REPAIR_BACKOFF = dict(initial_s=1.0, max_s=120.0)
 MOVES: dict[str, str] = {
     "registered": "-> new (a version it says it holds is kept as a claim, not proof)",
     "took": "its own report says a version verified and applied -> serving (a driven worker: stays, see applied)",
-    "staged": "a driven worker verified a version -> staged",
+    "staged": "a driven worker of the version's quorum verified it -> staged",
+    "unstaged": "the version it staged ended without its driver's apply -> back to what it holds",
     "applied": "its engine's driver applied the staged version -> serving",
     "refused": "it refused or could not verify a version, nothing changed -> it holds what it says it holds",
     "tore": "an apply failed part way -> torn (its last served version is what a repair brings)",
@@ -87,6 +88,9 @@ class ReceiverModel:
 
     def staged_version(self, version: int) -> None:
         self.staged = version
+
+    def unstaged(self) -> None:
+        self.staged = None
 
     def applied(self, version: int) -> None:
         self.serving = self.last_served = version
