@@ -34,8 +34,8 @@ class FrameworkSyncs:
         """This sync's version (or the queued rollback in its place): its record, with what a send assignment
         would say: ``expected_digest`` (a rollback's source as recorded) and ``keep`` (cached versions no
         snapshot may evict: what the workers serve)."""
-        if request.sparse or (request.step is not None and request.step < 0):
-            raise BadRequest("a framework's sync is never sparse here (its backend decides) and its step is >= 0")
+        if request.sparse:
+            raise BadRequest("a framework's sync is never sparse here (its backend decides)")
         trainer = self.agents.trainer()
         if opener is trainer and not opener.framework:
             raise Conflict(f"agent {opener.agent_id} is a plain trainer: 'receivers' names the workers of a "

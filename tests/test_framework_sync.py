@@ -86,7 +86,7 @@ def test_the_daemon_does_not_start_a_framework_job_s_versions_and_refuses_hostil
             _open(trainer, [workers[0], workers[0]])
         with pytest.raises(ControlReplyError, match="never sparse"):
             _open(trainer, workers, sparse=True)
-        with pytest.raises(ControlReplyError, match="step is >= 0"):
+        with pytest.raises(ControlReplyError, match="step: Input should be greater than or equal to 0"):
             _open(trainer, workers, step=-5)
         with pytest.raises(ControlReplyError, match="names the trainer agent"):  # the token alone is not enough
             trainer.request("sync", {"receivers": [w.agent_id for w in workers]})
