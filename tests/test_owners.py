@@ -679,6 +679,7 @@ def releasing_owner(port: int, rank: int) -> dict:
         return buf
 
     (group,), owners = _library_groups(port, rank)
+    _joined(port).set(f"releasing/joined/{rank}", "1")
     publisher = Publisher(group, bucket_size=16 << 10, wire_hook=hook)
     publisher.attach(group, {}, owners)
     time.sleep(1.0)  # the receiver has left
@@ -693,7 +694,16 @@ def releasing_owner(port: int, rank: int) -> dict:
 
 def leaving_receiver(port: int) -> str:
     _library_groups(port, 2)
+    # gone only once both owners' groups are up on their side too (leaving during their handshake fails them
+    # before the send this test is about)
+    _joined(port).wait([f"releasing/joined/{rank}" for rank in range(2)])
     return "joined, then left"
+
+
+def _joined(port: int):
+    from ckpt_engine.transport.group import open_store
+
+    return open_store("127.0.0.1", port, timeout_s=_T)
 
 
 def test_a_failing_owner_releases_its_live_tensors_before_it_waits_for_the_other_owners_vote() -> None:
