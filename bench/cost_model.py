@@ -29,13 +29,17 @@ class Row:
     pcie_gbps: float  # host→device per GPU
     hbm_gbps: float
     device_gib: float  # memory of one GPU
+    host_gib_per_gpu: float  # a node's host memory ÷ its GPUs (each GPU's receiver would stage in its share)
+    largest_bytes: float  # the largest tensor (a streamed one is put together from its pieces)
 
 
 # Sizes: parameters × bytes per parameter; tensor counts from the models' configs (experts × 3 projections ×
 # MoE layers + the rest; FP8 checkpoints add one scale tensor per quantized weight).
 ROWS = (
-    Row("Qwen3-235B-A22B BF16", "8×H800 TP8", 8, 235e9 * 2, 94 * (128 * 3 + 10) + 3, 6.22, 45, 3350, 80),
-    Row("Kimi-K2 FP8", "256×H20 TP16", 256, 1.03e12, 2 * 60 * 384 * 3 + 61 * 12 + 3, 16.04, 45, 4000, 96),
+    Row("Qwen3-235B-A22B BF16", "8×H800 TP8", 8, 235e9 * 2, 94 * (128 * 3 + 10) + 3, 6.22, 45, 3350, 80,
+        2048 / 8, 151936 * 4096 * 2),
+    Row("Kimi-K2 FP8", "256×H20 TP16", 256, 1.03e12, 2 * 60 * 384 * 3 + 61 * 12 + 3, 16.04, 45, 4000, 96,
+        2048 / 8, 163840 * 7168 * 2),
 )
 
 ASSUMPTIONS = {
@@ -45,6 +49,11 @@ ASSUMPTIONS = {
                    "(no GPU has run scripts/gpu-check.sh): this is the term most likely to be wrong",
     "per_tensor": "host work per tensor (views, names, digest bookkeeping), sender and receiver together, as measured "
                   "on this CPU machine; a GPU host is assumed no slower",
+    "host": "2 TiB of host memory per 8-GPU node (256 GiB per GPU's receiver); largest tensor: the bf16 embedding",
+    "staging": "auto takes at most half of what is free: device if the version fits half a GPU, host if it fits half "
+               "the GPU's share of host memory, else stream (two buckets + the largest tensor on the device); the "
+               "engine's pause: device = the version copied on the device (HBM), host = copied in over PCIe, stream = "
+               "the whole transfer",
     "overlap": "cached: owners copy their buckets host→device in parallel (as MoonshotAI does), not overlapped with the "
                "wire; receivers verify bucket k while bucket k+1 is on the wire, so only the last bucket's verify "
                "adds (upper bound: every verify adds)",
@@ -65,7 +74,10 @@ class Projection:
     cached_upper_s: float
     bypass_s: float
     bypass_upper_s: float
-    fits_device: bool  # a receiver stages a whole version on its device before it applies it
+    fits_device: bool  # a whole version fits half a GPU (device staging)
+    staging: str  # what auto staging picks for one receiver
+    staging_bytes: float  # what that staging holds on the device
+    pause_s: float  # how long the engine is paused for a version under that staging (cached mode)
 
 
 def project(row: Row, per_tensor_us: float, digest_gbps: float | None = None, bucket_bytes: float = 2 << 30) -> Projection:
@@ -77,17 +89,29 @@ def project(row: Row, per_tensor_us: float, digest_gbps: float | None = None, bu
     tail = min(bucket_bytes, row.bytes) / digest
     per_tensor = row.tensors * per_tensor_us * 1e-6
     owner_digest = row.bytes / row.ranks / digest
+    cached = h2d + wire + tail + per_tensor
+    staging, held, pause = _staging(row, bucket_bytes, cached)
     return Projection(row, wire_gbps, h2d, wire, verify, tail, per_tensor, owner_digest,
-                      cached_s=h2d + wire + tail + per_tensor, cached_upper_s=h2d + wire + verify + per_tensor,
+                      cached_s=cached, cached_upper_s=h2d + wire + verify + per_tensor,
                       bypass_s=owner_digest + wire + tail + per_tensor,
                       bypass_upper_s=owner_digest + wire + verify + per_tensor,
-                      fits_device=row.bytes <= row.device_gib * (1 << 30) * 0.5)
+                      fits_device=staging == "device", staging=staging, staging_bytes=held, pause_s=pause)
+
+
+def _staging(row: Row, bucket_bytes: float, transfer_s: float) -> tuple[str, float, float]:
+    """(auto's pick, device bytes it holds, the engine's pause) for one receiver of the whole version."""
+    half_device, half_host = row.device_gib * (1 << 30) * 0.5, row.host_gib_per_gpu * (1 << 30) * 0.5
+    if row.bytes <= half_device:
+        return "device", row.bytes, row.bytes / (row.hbm_gbps * GB)
+    if row.bytes <= half_host and 2 * bucket_bytes <= half_device:
+        return "host", 2 * bucket_bytes, row.bytes / (row.pcie_gbps * GB)
+    return "stream", 2 * bucket_bytes + row.largest_bytes, transfer_s
 
 
 def render(per_tensor_us: float, digest_gbps: float | None = None) -> list[str]:
     lines = ["| Model, devices | bytes, tensors | MoonshotAI measured | wire GB/s (calibrated) | H2D (cached) "
              "| owner digest (bypass) | receiver verify: last bucket / all | per-tensor | **ckpt-engine cached** "
-             "| **ckpt-engine bypass_cpu** | whole version fits half a GPU? |",
+             "| **ckpt-engine bypass_cpu** | auto staging: mode, device memory, engine pause |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for row in ROWS:
         p = project(row, per_tensor_us, digest_gbps)
@@ -95,7 +119,8 @@ def render(per_tensor_us: float, digest_gbps: float | None = None) -> list[str]:
             f"| {row.model}, {row.devices} | {row.bytes / GB:,.0f} GB, {row.tensors:,} | {row.measured_s:.2f} s "
             f"| {p.wire_gbps:.0f} | {p.h2d_s:.2f} s | {p.owner_digest_s:.2f} s | {p.verify_tail_s:.2f} / "
             f"{p.verify_s:.2f} s | {p.per_tensor_s:.2f} s | **{p.cached_s:.2f} s** (≤ {p.cached_upper_s:.2f}) "
-            f"| **{p.bypass_s:.2f} s** (≤ {p.bypass_upper_s:.2f}) | {'yes' if p.fits_device else 'no'} |")
+            f"| **{p.bypass_s:.2f} s** (≤ {p.bypass_upper_s:.2f}) | {p.staging}, {p.staging_bytes / GB:.1f} GB "
+            f"of {row.device_gib} GiB, {p.pause_s:.2f} s |")
     return lines
 
 

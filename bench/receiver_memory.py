@@ -1,5 +1,8 @@
 """Receiver memory: how much a receiving process grows while it receives a version, relative to the bucket
-size. Three processes: a sender; a collective receiver (rank 1 of a 2-rank gloo group); a colocated
+size; then, per receiver staging (device / host / stream), receiver and trainer memory and time per staging
+(bench/staging_bench.py, run and rendered as part of this section).
+
+The first part runs three processes: a sender; a collective receiver (rank 1 of a 2-rank gloo group); a colocated
 shared-memory receiver (``IpcReceiver``, no group). Each receiver holds its own copy of the model, and its
 ``load`` copies the verified tensors into it, as a rollout engine would.
 
@@ -16,6 +19,7 @@ import time
 import uuid
 from typing import Any
 
+from ckpt_engine.bench import staging_bench
 from ckpt_engine.bench.common import MiB, Progress, master_store, proc_status, run_processes, stats, sync_group
 
 from ckpt_engine.plan.modes import MODES
@@ -192,7 +196,9 @@ def run(opts: dict, progress: Progress) -> dict:
                 "retained_anon_after": vs[-1]["after"].get("RssAnon", 0) - base.get("RssAnon", 0),
                 "hwm_reset": all(v["peak"].get("hwm_reset") for v in vs),
             })
-    return {"args": args, "bucket_size": bucket, "model_bytes": args["mib"] * MiB, "rows": rows, "repeats": REPEATS}
+    out = {"args": args, "bucket_size": bucket, "model_bytes": args["mib"] * MiB, "rows": rows, "repeats": REPEATS}
+    out["staging"] = staging_bench.run(opts, progress)
+    return out
 
 
 def render(result: dict, machine: dict) -> list[str]:
@@ -224,13 +230,17 @@ def render(result: dict, machine: dict) -> list[str]:
             + f" | {worst / bucket:.2f} | {r['retained_anon_after'] / MiB:.0f} |")
     lines += [
         "",
-        "*worst extra ÷ bucket* = the larger of the two extra figures ÷ the bucket size. By design a receiver "
-        "stages a whole version before it calls `load` (nothing is applied unless every tensor verified), so "
-        "its first version allocates a staging buffer of the model's size, which it keeps and reuses: the "
-        "figure to expect is about model size ÷ bucket size, not ~1–2 buckets. The colocated receiver in "
-        "cached mode reads the sender's shared cache buffer in place: it maps the sender's memory (counted as "
-        "shared RSS) instead of allocating staging of its own; its first bypass_cpu version then allocates its "
-        "own staging (model size) and maps the sender's two bucket slots (2 × bucket, shared).",
+        "*worst extra ÷ bucket* = the larger of the two extra figures ÷ the bucket size. Where a receiver holds a "
+        "version depends on its staging (`ckpt_engine/receive/staging.py`: device, host, stream, or auto, which "
+        "picks by free memory per version): these receivers are built with the defaults, which stage the whole "
+        "version on the device (host memory here) before `load` sees any of it, so their first version allocates "
+        "a staging buffer of the model's size, kept and reused: about model size ÷ bucket size. A streaming "
+        "receiver holds a few buckets instead (next table). The colocated receiver in cached mode reads the "
+        "sender's shared cache buffer in place: it maps the sender's memory (counted as shared RSS) instead of "
+        "allocating staging of its own; its first bypass_cpu version then allocates its own staging (model size) "
+        "and maps the sender's two bucket slots (2 × bucket, shared).",
         "",
     ]
+    if "staging" in result:
+        lines += staging_bench.render(result["staging"], machine)
     return lines

@@ -11,7 +11,9 @@ Sections (each in its own module, run in this order; ``--only`` / ``--skip`` pic
                     ranks owning shares of each version.
 - ``ipc``           (bench/ipc_bench.py): the same-host shared-memory path vs memcpy and gloo.
 - ``curves``        (bench/curves.py): model size 64 MiB → 4 GiB, receivers 1 → 3.
-- ``memory``        (bench/receiver_memory.py): receiver peak extra memory during a sync vs bucket size.
+- ``memory``        (bench/receiver_memory.py, bench/staging_bench.py): receiver peak extra memory during a sync
+                    vs bucket size; per receiver staging (device / host / stream): receiver and trainer peak
+                    memory in buckets, time to verified / applied.
 - ``trainer``       (bench/trainer_overhead.py): training step time during a cached sync vs idle.
 - ``daemon_e2e``    (bench/daemon_e2e.py): POST /sync → every receiver verified, through the real daemon.
 - ``control_plane`` (bench/control_plane.py): GET /versions and POST /sync latency at ~200 requests/s.
@@ -49,6 +51,7 @@ from ckpt_engine.bench import (
     owners_bench,
     plots,
     receiver_memory,
+    staging_bench,
     sync_bench,
     trainer_overhead,
 )
@@ -326,6 +329,17 @@ def evaluate_targets(report: dict) -> list[dict]:
 
     add("same-host shared-memory path throughput ÷ memcpy", ">=", 0.7, "", "ipc", ipc_measure,
         "memcpy time / shared-memory cached time-to-verified")
+
+    def staging(key: str) -> Callable[[], list[tuple[str, float, str]]]:
+        return lambda: staging_bench.target_measurements(res["memory"].get("staging", {})).get(key, [])
+
+    add("receiver peak extra memory ÷ bucket, stream staging", "<=", staging_bench.GOAL_STREAM_BUCKETS, "",
+        "memory", staging("stream_memory"), "peak RSS during a version − RSS before the first, ÷ bucket size")
+    add("trainer peak extra memory ÷ bucket, largest tensor 4× the bucket (beyond the cached version)", "<=",
+        staging_bench.GOAL_SENDER_BUCKETS, "", "memory", staging("sender_memory"),
+        "peak RSS while publishing − RSS before the first version, less the host cache, ÷ bucket size")
+    add("stream ÷ device staging time-to-applied", "<=", staging_bench.GOAL_STREAM_OVER_DEVICE, "", "memory",
+        staging("stream_time"), "publish start → the receiver's result, medians of interleaved rounds")
 
     def trainer_measure() -> list[tuple[str, float, str]]:
         t = res["trainer"]

@@ -20,7 +20,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from ckpt_engine.control.auth import DEFAULT_CREDENTIALS_FILE, Token
 from ckpt_engine.errors import ConfigError
-from ckpt_engine.plan.modes import check_sparse, mode_of
+from ckpt_engine.plan.modes import Staging, check_sparse, mode_of
 
 DAY_S = 86400.0
 _LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
@@ -227,6 +227,14 @@ class EngineConfig(_Strict):
     min_receivers: Int = Field(1, ge=1, le=1 << 16, description="receivers that must commit for a version to commit")
     max_agents: Int = Field(4096, ge=2, le=1 << 16, description="registered agents at most (each holds daemon "
                                                                   "memory; a register past it is refused)")
+    staging: Staging = Field("auto", description="where a receiver holds a version before it is applied: device "
+                             "(whole, on the device), host (whole, in pinned host memory), stream (two buckets, "
+                             "applied as each verifies, the engine paused for the transfer), auto (the first that "
+                             "fits staging_share of free memory, per version)")
+    staging_share: Float = Field(0.5, gt=0, le=1, allow_inf_nan=False,
+                                 description="the part of free memory auto staging may take")
+    staging_budget_mb: Float | None = Field(None, gt=0, le=1 << 30, allow_inf_nan=False,
+                                            description="MiB auto staging considers free, instead of measuring")
     transport: Literal["auto", "collective", "ipc"] = Field(
         "auto", description="auto: shared memory for receivers on the sender's host, the collective for others")
     auth_token: Token | None = Field(None, description="one token for every role (older deployments; roles are "

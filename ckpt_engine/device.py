@@ -7,6 +7,7 @@ import contextlib
 import importlib
 import importlib.util
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -183,3 +184,26 @@ def set_current(info: DeviceInfo) -> None:
     """Bind this thread to the device index (collectives on NCCL/HCCL need it)."""
     if info.kind != "cpu" and info.index is not None:
         _module(info.kind).set_device(info.index)
+
+
+def free_memory(info: DeviceInfo) -> tuple[int, int]:
+    """(free bytes on the device, available host bytes) now. On the CPU both are the host's: a receiver's
+    "device" there is host memory too."""
+    host = host_available()
+    if info.kind == "cpu":
+        return host, host
+    free, _ = _module(info.kind).mem_get_info(info.torch_device)
+    return int(free), host
+
+
+def host_available() -> int:
+    """The kernel's estimate of memory available to new allocations without swapping (MemAvailable)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    pages, size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    return int(pages * size)

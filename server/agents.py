@@ -46,6 +46,8 @@ class Agent:
     whole_versions: bool = False  # receivers whose engine takes no sparse version (vLLM)
     trainer_ranks: int = 1  # trainer rank 0: ranks of its job
     framework: str | None = None  # verl: the framework moves this agent's versions (messages.Register)
+    staging: str | None = None  # receivers: the staging policy they asked for (None: the deployment's)
+    staged_last: dict | None = None  # receivers: where their last version was held, why, and the pause
     model: ReceiverModel = field(default_factory=ReceiverModel)  # receivers: what their model holds
     applying: int | None = None  # drivers: the version they were told to apply (its outcome is theirs to say)
 
@@ -69,7 +71,8 @@ class Agent:
                 "device": self.device, "host_id": self.host_id, "versions": self.versions, "sync_every": self.sync_every,
                 "registered_at": self.registered_at, "seconds_since_seen": round(now - self.last_seen, 3),
                 "engine": self.engine, "driven": self.driven, "members": self.members,
-                "whole_versions": self.whole_versions, "framework": self.framework, **model}
+                "whole_versions": self.whole_versions, "framework": self.framework, "staging": self.staging,
+                "last_staging": self.staged_last, **model}
 
 
 class AgentRegistry:
@@ -87,7 +90,7 @@ class AgentRegistry:
                       message.host, message.pid, message.device, message.host_id, time.time(), now, versions,
                       message.sync_every, engine=message.engine, driven=message.driven, members=message.members,
                       whole_versions=message.whole_versions, trainer_ranks=message.trainer_ranks or 1,
-                      framework=message.framework)
+                      framework=message.framework, staging=message.staging)
         if message.role == "trainer":
             agent.ipc_name = message.ipc_name
         self._agents[agent.agent_id] = agent

@@ -15,6 +15,7 @@ from ckpt_engine import __version__
 from ckpt_engine.config import load_config
 from ckpt_engine.control.messages import TERMINAL
 from ckpt_engine.errors import ConfigError
+from ckpt_engine.plan.modes import STAGINGS
 
 DEFAULT_URL = "http://127.0.0.1:8765"
 
@@ -94,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     driver.add_argument("--vllm-api-key", default=os.environ.get("VLLM_API_KEY"))
     driver.add_argument("--pause-mode", choices=["keep", "wait", "abort"], default="keep",
                         help="what vLLM does with requests in flight during an update (docs/workers.md)")
+    driver.add_argument("--staging", choices=list(STAGINGS), default=None,
+                        help="where the workers hold a version before it is applied (default: the deployment's; "
+                             "docs/workers.md)")
     driver.set_defaults(run=_vllm_driver)
     check = sub.add_parser("check-config", help="validate a deployment YAML and print the effective settings")
     check.add_argument("path")
@@ -131,7 +135,7 @@ def _vllm_driver(args: argparse.Namespace) -> int:
     control = HttpControl(args.vllm_url, api_key=args.vllm_api_key, pause_mode=args.pause_mode)
     try:
         driver = start_vllm_driver(control, args.endpoint, engine=args.engine, token=args.token,
-                                   credentials=args.credentials)
+                                   credentials=args.credentials, staging=args.staging)
     except CkptEngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         control.close()

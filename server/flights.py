@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ckpt_engine.server.agents import Agent, AgentRegistry
 from ckpt_engine.server.cache_book import CacheBook
-from ckpt_engine.server.decisions.commit import expected_digest, judge
+from ckpt_engine.server.decisions.commit import expected_digest, judge, staging_entry
 from ckpt_engine.server.decisions.policy import PLAIN, SyncPolicy
 from ckpt_engine.server.history import HistoryStore, VersionRecord
 from ckpt_engine.server.metrics import Metrics
@@ -125,6 +125,8 @@ class Flights:
     def receiver_outcome(self, agent: Agent, message: Report, flight: InFlight | None) -> None:
         """A receiver's own outcome: what its model holds now, and its vote on the version."""
         model, now = agent.model, self.clock()
+        if message.staging is not None:
+            agent.staged_last = staging_entry(message)
         if message.ok:
             model.took(message.version, driven=agent.driven)
         elif message.torn:

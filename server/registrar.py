@@ -77,6 +77,8 @@ class Registrar:
             connect_timeout_s=timeouts.connect_s, collective_timeout_s=timeouts.collective_s,
             ack_timeout_s=timeouts.ack_s, version_timeout_s=timeouts.version_s,
             engine_key=self.engine_key(agent.engine or "") if agent.role == "driver" else None,
+            staging=agent.staging or self.config.staging, staging_share=self.config.staging_share,
+            staging_budget=(int(self.config.staging_budget_mb * (1 << 20)) if self.config.staging_budget_mb else None),
         )
 
     def _number_after_lost_history(self, message: Register) -> None:

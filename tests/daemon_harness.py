@@ -101,12 +101,12 @@ def train_until_stopped(agent, stop_file: str, on_version=None) -> None:
 class TrainerLoop:
     """A TrainerAgent stepping in a thread of the test process; ``tensors()`` says what it serves now."""
 
-    def __init__(self, endpoint: str, tensors, poll_wait_s: float = 0.2) -> None:
+    def __init__(self, endpoint: str, tensors, poll_wait_s: float = 0.2, wire_hook=None) -> None:
         import threading
 
         from ckpt_engine.workers.trainer_agent import TrainerAgent
 
-        self.agent = TrainerAgent(tensors, endpoint, poll_wait_s=poll_wait_s).start()
+        self.agent = TrainerAgent(tensors, endpoint, poll_wait_s=poll_wait_s, wire_hook=wire_hook).start()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()

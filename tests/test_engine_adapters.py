@@ -21,6 +21,7 @@ from ckpt_engine.workers.adapters.sglang import EngineUpdateError, SGLangAdapter
 from ckpt_engine.device import detect_device
 from ckpt_engine.plan.tensors import named_tensors_of
 from ckpt_engine.receive.collective import VersionPayload
+from ckpt_engine.receive.streamed import StreamFailed
 from tests.daemon_harness import ROOT, free_port
 from tests.tiny_lm import tiny_llama
 
@@ -112,6 +113,58 @@ def test_sglang_failing_part_way_stays_paused_until_a_whole_version() -> None:
         adapter.close()
     assert state["paused"] is None and state["weight_version"] == "9" and adapter.torn is None
     assert [c["call"] for c in state["calls"]].count("pause_generation") == 1  # it never ran on the mix
+
+
+def streamed(version: int, fail_after: int | None = None) -> VersionPayload:
+    """The payload a streamed receive hands ``load`` (receive/streamed.py): (name, tensor) pairs as buckets
+    verify, an alias right after its tensor; ``fail_after`` items, the stream raises as a bucket that did not
+    verify makes it."""
+    whole = payload(version)
+
+    def items() -> Iterator[tuple[str, torch.Tensor]]:
+        for index, item in enumerate(whole.tensors.items()):
+            if fail_after is not None and index == fail_after:
+                raise StreamFailed(f"version {version}: digest mismatch in {item[0]} (bucket 3)")
+            yield item
+
+    return VersionPayload(version=version, step=70, mode="cached", version_digest=None, tensors={},
+                          stream=items())
+
+
+def test_sglang_takes_a_streamed_version_batch_by_batch_with_the_label_after_the_end() -> None:
+    with fake_server("tests.fakes.fake_sglang") as url:
+        settings = push_settings()
+        adapter = SGLangAdapter(url, settings, group=cpu_group(settings))
+        adapter.connect()
+        adapter.load(streamed(7))
+        state = httpx.get(f"{url}/_fake/state").json()
+        adapter.close()
+    updates = [c for c in state["calls"] if c["call"] == "update_weights_from_distributed"]
+    assert len(updates) > 1 and [u["weight_version"] for u in updates] == [None] * (len(updates) - 1) + ["7"]
+    expected = {name: sha(t) for name, t in payload(7).tensors.items() if name != "lm_head.weight"}
+    assert state["checksums"] == expected and state["paused"] is None and state["weight_version"] == "7"
+
+
+@pytest.mark.parametrize("fail_after, torn", [(1, False), (10, True)])
+def test_sglang_a_stream_failing_part_way_refuses_or_stays_paused(fail_after: int, torn: bool) -> None:
+    """A bucket fails to verify: before any batch was pushed SGLang is unchanged and generation continues
+    (refused); after one was, SGLang holds a mix and stays paused (torn) until a whole version applies; the
+    update group stays (our side failed, not the push)."""
+    from ckpt_engine.errors import ApplyRefused
+
+    with fake_server("tests.fakes.fake_sglang") as url:
+        settings = push_settings(chunk_bytes=16 << 10)
+        adapter = SGLangAdapter(url, settings, group=cpu_group(settings))
+        adapter.connect()
+        with pytest.raises(ApplyRefused if not torn else StreamFailed, match="digest mismatch"):
+            adapter.load(streamed(8, fail_after))
+        state = httpx.get(f"{url}/_fake/state").json()
+        assert (state["paused"] == "retract") == torn and (adapter.torn is not None) == torn
+        assert state["weight_version"] == "default" and adapter._stale is None
+        adapter.load(streamed(9))
+        state = httpx.get(f"{url}/_fake/state").json()
+        adapter.close()
+    assert state["paused"] is None and state["weight_version"] == "9" and adapter.torn is None
 
 
 def test_sglang_refusing_before_any_weight_changes_nothing() -> None:

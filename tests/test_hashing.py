@@ -8,7 +8,15 @@ import sys
 import pytest
 import torch
 
-from ckpt_engine.plan.hashing import bucket_digests, reference_mix64_digest, version_digest, xxh3_digest
+from ckpt_engine.plan.hashing import (
+    bucket_digests,
+    fold_pieces,
+    reference_mix64_digest,
+    slot_seed,
+    tensor_digests,
+    version_digest,
+    xxh3_digest,
+)
 from ckpt_engine.plan.layout import TensorSpec, plan_layout
 from ckpt_engine.plan.tensors import fill_bucket
 
@@ -138,8 +146,16 @@ def test_device_digest_matches_reference_on_random_layouts(monkeypatch, chunk_wo
             buf = torch.randint(0, 256, (bucket.nbytes,), dtype=torch.uint8, generator=gen)  # dirty padding
             fill_bucket(buf, bucket.slots, tensors, bucket.nbytes)
             got += bucket_digests(bucket, buf, "torch-mix64", layout.digest).tolist()
-        want = [reference_mix64_digest("uint8", (t.numel(),), bytes(t.tolist())) for t in tensors.values()]
+        # per piece (tensors larger than a bucket travel in pieces, each with a seed of its own) ...
+        want = [reference_mix64_digest("uint8", s.shape, bytes(tensors[s.name][s.start : s.start + s.nbytes].tolist()),
+                                       seed=slot_seed(s)) for s in layout.pieces]
         assert got == want, (trial, sizes)
+        # ... and per tensor: a whole tensor's own, a chunked one's pieces folded
+        whole = [reference_mix64_digest("uint8", (t.numel(),), bytes(t.tolist())) for t in tensors.values()]
+        folded = tensor_digests(layout, got)
+        for slot, digest, plain in zip(layout.slots, folded, whole):
+            assert digest == (plain if slot.parts == 1 else fold_pieces("uint8", slot.shape, [
+                d for p, d in zip(layout.pieces, got) if p.index == slot.index])), (trial, slot)
 
 
 def test_a_host_buffer_keeps_its_tensor_alive() -> None:

@@ -1,11 +1,14 @@
-"""Pure layout planner: order, alignment, oversize tensors, determinism, mismatch detection."""
+"""Pure layout planner: order, alignment, chunked tensors, determinism, mismatch detection."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ckpt_engine.errors import LayoutError, LayoutMismatchError
-from ckpt_engine.plan.layout import TensorSpec, check_same_layout, plan_layout
+from ckpt_engine.plan.layout import Packer, TensorSpec, check_same_layout, layout_digest, plan_layout
+from ckpt_engine.plan.owners import plan_owners
+from ckpt_engine.plan.tensors import fill_bucket, slot_view, specs_of
 
 
 def specs(*sizes: int, dtype: str = "float32") -> list[TensorSpec]:
@@ -32,10 +35,62 @@ def test_splits_buckets_at_the_size_limit() -> None:
     assert [[s.name for s in b.slots] for b in layout.buckets] == [["t0", "t1"], ["t2"]]
 
 
-def test_tensor_larger_than_a_bucket_gets_its_own() -> None:
-    layout = plan_layout(specs(10, 1000, 10), bucket_size=1024)
-    assert [[s.name for s in b.slots] for b in layout.buckets] == [["t0"], ["t1"], ["t2"]]
-    assert layout.buckets[1].nbytes == 4096 and layout.max_bucket_bytes == 4096
+def test_a_tensor_larger_than_a_bucket_travels_in_pieces_of_one_bucket() -> None:
+    layout = plan_layout(specs(10, 1000, 10), bucket_size=1024)  # t1: 4000 bytes in pieces of 1024
+    assert [[(s.name, s.part, s.start, s.nbytes) for s in b.slots] for b in layout.buckets] == [
+        [("t0", 0, 0, 40)], [("t1", 0, 0, 1024)], [("t1", 1, 1024, 1024)], [("t1", 2, 2048, 1024)],
+        [("t1", 3, 3072, 928)], [("t2", 0, 0, 40)]]
+    assert layout.max_bucket_bytes == 1024 and layout.chunked
+    # one slot per tensor, the chunked one whole, its pieces back to back from its first one
+    assert [(s.name, s.nbytes, s.parts) for s in layout.slots] == [("t0", 40, 1), ("t1", 4000, 4), ("t2", 40, 1)]
+    first = layout.buckets[layout.slots[1].bucket].flat_offset
+    assert [layout.buckets[b].flat_offset for b in range(1, 5)] == [first + 1024 * k for k in range(4)]
+    assert layout.num_tensors == 3 and len(layout.pieces) == 6 and layout.payload_bytes == 4080
+    assert layout.buckets[2].continues and not layout.buckets[1].continues
+
+
+def test_a_chunked_tensor_is_one_view_in_a_version_buffer_and_its_pieces_fill_buckets() -> None:
+    tensors = {"a": torch.arange(7, dtype=torch.float32), "big": torch.randn(33, 17),
+               "c": torch.tensor([True, False])}
+    layout = plan_layout(specs_of(tensors), bucket_size=512, alignment=8)
+    assert layout.chunked and layout.max_bucket_bytes <= 512
+    flat = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    for bucket in layout.buckets:  # each bucket filled on its own, as a sender does
+        scratch = torch.full((bucket.nbytes,), 0xAB, dtype=torch.uint8)
+        fill_bucket(scratch, bucket.slots, tensors, bucket.nbytes)
+        flat[bucket.flat_offset : bucket.flat_offset + bucket.nbytes] = scratch
+    for slot in layout.slots:
+        view = slot_view(flat, slot, layout.buckets[slot.bucket].flat_offset)
+        assert torch.equal(view, tensors[slot.name]), slot.name
+
+
+def test_pieces_have_whole_elements_and_one_owner() -> None:
+    layout = plan_layout([TensorSpec("z", "complex128", (40,)), TensorSpec("w", "float32", (3000,))],
+                         bucket_size=100, alignment=8)
+    assert all(s.nbytes % 16 == 0 for s in layout.pieces if s.name == "z")  # complex128: 16 bytes an element
+    assert max(b.nbytes for b in layout.buckets) == 96  # whole elements within the bucket size
+    tiny = plan_layout([TensorSpec("z", "complex128", (4,))], bucket_size=10, alignment=8)
+    assert [b.nbytes for b in tiny.buckets] == [16] * 4  # a bucket smaller than one element: one a piece
+    owners = plan_owners(layout, 3).of
+    for bucket in layout.buckets:
+        if bucket.continues:
+            assert owners[bucket.index] == owners[bucket.index - 1]
+    assert len(set(owners)) == 2  # the two tensors: two owners; a rank's share holds whole tensors
+
+
+def test_a_chunked_layout_has_a_digest_of_its_own_kind() -> None:
+    base = specs(10, 1000)
+    chunked = plan_layout(base, 1024)
+    assert chunked.digest != layout_digest(base, 1024, 256)  # what a planner without pieces would compute
+    assert plan_layout(specs(10, 100), 1024).digest == layout_digest(specs(10, 100), 1024, 256)
+
+
+def test_the_packer_says_which_buckets_a_tensor_lies_in() -> None:
+    packer = Packer(1024)
+    assert packer.add(TensorSpec("a", "float32", (10,))) == range(0, 1)
+    assert packer.add(TensorSpec("b", "float32", (1000,))) == range(1, 5)
+    assert packer.continues(2) and not packer.continues(1)
+    assert packer.add(TensorSpec("c", "float32", (10,))) == range(5, 6)
 
 
 def test_zero_dim_and_empty_tensors() -> None:

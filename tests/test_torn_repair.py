@@ -59,21 +59,20 @@ class FailingOnce:
         return Adapter(model)
 
 
-def tearing_receiver(zmq: str, stop_file: str, armed: str) -> dict:
-    from ckpt_engine.workers.rollout_agent import RolloutAgent
-
-    model = AwkwardModel(seed=7)
-    adapter = FailingOnce.adapter(model, Path(armed))
-    agent = RolloutAgent(adapter.load, zmq, poll_wait_s=0.2).start()
+def serve_until_stopped(adapter, agent, model, stop_file: str) -> dict:
+    """A rollout loop generating (under ``adapter.serving()``) until ``stop_file`` exists; what it saw."""
     served_while_torn: list[int] = []
+    generated = 0
     stop = threading.Event()
 
-    def generate() -> None:  # a rollout loop: generation only ever runs on a whole version
+    def generate() -> None:  # generation only ever runs on a whole version
+        nonlocal generated
         while not stop.is_set():
             try:
                 with adapter.serving(timeout_s=0.2) as version:
                     if adapter.torn is not None:
                         served_while_torn.append(version or -1)
+                    generated += 1
             except Exception:  # TornModelError: it waits for the repair instead of generating
                 pass
             time.sleep(0.005)
@@ -86,7 +85,16 @@ def tearing_receiver(zmq: str, stop_file: str, armed: str) -> dict:
     loop.join(5)
     agent.close()
     return {"state": state_bytes(model), "version": adapter.version, "served_while_torn": served_while_torn,
-            "results": [(r.version, r.ok, r.torn) for r in agent.results]}
+            "generated": generated, "results": [(r.version, r.ok, r.torn, r.staging) for r in agent.results]}
+
+
+def tearing_receiver(zmq: str, stop_file: str, armed: str) -> dict:
+    from ckpt_engine.workers.rollout_agent import RolloutAgent
+
+    model = AwkwardModel(seed=7)
+    adapter = FailingOnce.adapter(model, Path(armed))
+    agent = RolloutAgent(adapter.load, zmq, poll_wait_s=0.2).start()
+    return serve_until_stopped(adapter, agent, model, stop_file)
 
 
 def test_a_torn_transformers_model_is_not_served_and_is_repaired(tmp_path: Path) -> None:
@@ -113,7 +121,81 @@ def test_a_torn_transformers_model_is_not_served_and_is_repaired(tmp_path: Path)
         trainer, rollout = procs.collect(120)
     assert rollout["served_while_torn"] == []
     assert rollout["state"] == trainer["served"][first["id"]]  # byte for byte the version it served before
-    assert (failed["id"], False, True) in rollout["results"]
+    assert (failed["id"], False, True, "device") in rollout["results"]
+
+
+STREAM_BUCKET_MB = 1 / 32  # 32 KiB: AwkwardModel is then 8 buckets or more, and its ``big`` is in pieces
+
+
+def corrupting_trainer(zmq: str, stop_file: str, corrupt: str) -> dict:
+    """versions_trainer whose wire flips one byte of a middle bucket of the next version once ``corrupt``
+    exists (it is removed then: one version only)."""
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
+
+    model = AwkwardModel(seed=1)
+    target = Path(corrupt)
+
+    def hook(bucket: int, buf):
+        if bucket == 4 and target.exists():
+            target.unlink()
+            buf = buf.clone()
+            buf[buf.numel() // 2] ^= 0xFF
+        return buf
+
+    agent = TrainerAgent(model, zmq, poll_wait_s=0.2, wire_hook=hook).start()
+    served: dict[int, dict] = {}
+
+    def after(step: int) -> None:
+        served[agent.served[-1]] = state_bytes(model)
+        model.perturb(step, fraction=0.5)
+
+    train_until_stopped(agent, stop_file, on_version=after)
+    return {"served": served}
+
+
+def streaming_receiver(zmq: str, stop_file: str) -> dict:
+    """A transformers-style model taking versions streamed (staging stream); generation polled throughout."""
+    from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
+    from ckpt_engine.workers.rollout_agent import RolloutAgent
+
+    model = AwkwardModel(seed=7)
+    adapter = ModuleAdapter(model)
+    agent = RolloutAgent(adapter.load, zmq, poll_wait_s=0.2, staging="stream", streams=True).start()
+    return serve_until_stopped(adapter, agent, model, stop_file)
+
+
+def test_a_streamed_version_failing_in_a_middle_bucket_is_never_served_and_is_repaired(tmp_path: Path) -> None:
+    """staging stream: the model takes each bucket as it verifies, so a byte flipped in a middle bucket fails
+    the version after earlier buckets were applied: the model is torn, generation never runs on it, and the
+    daemon repairs it from the trainer's cache (streamed again) with the version it served last."""
+    daemon = start_daemon(write_config(tmp_path, keep_versions=3, transport="collective",
+                                       bucket_size_mb=STREAM_BUCKET_MB))
+    stop, corrupt = tmp_path / "stop", tmp_path / "corrupt"
+    procs = start_processes([(corrupting_trainer, (daemon.zmq, str(stop), str(corrupt))),
+                             (streaming_receiver, (daemon.zmq, str(stop)))])
+    try:
+        with daemon.client() as http:
+            wait_until(lambda: len(agents_of(http)) == 2, what="registration")
+            committed = [http.post("/sync", json={"wait": True, "timeout_s": 60}).json() for _ in range(3)]
+            assert [c["status"] for c in committed] == ["committed"] * 3, committed
+            entry = committed[-1]["receivers"][0]
+            assert entry["staging"]["mode"] == "stream" and entry["staging"]["pause_s"] > 0, entry
+            corrupt.touch()
+            failed = http.post("/sync", json={"wait": True, "timeout_s": 60}).json()
+            assert failed["status"] == "failed" and "digest mismatch" in failed["reason"], failed
+            entry = failed["receivers"][0]
+            assert entry["torn"] and entry["serving_after"] is None, entry
+            repair = _wait_for_repair(http)
+            assert repair["source_version"] == committed[-1]["id"] and repair["status"] == "committed", repair
+            receiver = [a for a in agents_of(http) if a["role"] == "receiver"][0]
+            assert receiver["state"] == "serving" and receiver["serving"] == repair["id"]
+            assert receiver["last_staging"]["mode"] == "stream", receiver
+    finally:
+        stop.touch()
+        trainer, rollout = procs.collect(120)
+    assert rollout["served_while_torn"] == [] and rollout["generated"] > 0
+    assert rollout["state"] == trainer["served"][committed[-1]["id"]]  # byte for byte the version before
+    assert (failed["id"], False, True, "stream") in rollout["results"]
 
 
 def _wait_for_repair(http: httpx.Client) -> dict:

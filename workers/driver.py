@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any, Protocol
 
 from ckpt_engine.workers.agent import Agent, supervised
@@ -103,6 +104,7 @@ class EngineDriver(Agent):
 
     def _apply(self, version: int) -> None:
         control = self.control
+        paused = time.perf_counter()
         if self.torn is None:  # a torn engine is paused already
             try:
                 control.pause()
@@ -122,7 +124,7 @@ class EngineDriver(Agent):
             control.resume()
         except Exception as exc:
             log.warning("resuming the engine after version %d failed: %s", version, exc)
-        self.report(version, "applied", ok=True, serving=version)
+        self.report(version, "applied", ok=True, serving=version, stages={"pause": time.perf_counter() - paused})
         log.info("engine %s serves version %d", self.engine, version)
 
     def _torn(self, version: int, exc: BaseException) -> None:

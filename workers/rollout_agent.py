@@ -3,7 +3,9 @@ them and applies them through ``load`` (an adapter), then reports the outcome wi
 
     agent = RolloutAgent(load, "tcp://127.0.0.1:8766").start()
 
-``load`` gets a whole, verified version (``VersionPayload``) and must copy what it needs during the call.
+``load`` gets a verified version (``VersionPayload``) and must copy what it needs during the call. With
+``streams=True`` it may be given a streamed one (staging ``stream``): it then iterates ``payload.items()``,
+each tensor valid until it asks for the next (see receive/streamed.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ckpt_engine.workers.agent import Agent, supervised
 from ckpt_engine.control.messages import Assignment
 from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError
+from ckpt_engine.plan.modes import Staging
 from ckpt_engine.receive.assembly import VersionAssembler
 from ckpt_engine.receive.collective import LoadFn, Receiver, ReceiveResult
 from ckpt_engine.receive.colocated import IpcReceiver
@@ -34,19 +37,22 @@ class RolloutAgent(Agent):
                  poll_wait_s: float = 1.0, host_id: str | None = None, sync_every: int = 1,
                  engine: str | None = None, driven: bool = False, members: int | None = None,
                  whole_versions: bool = False, discard: Callable[[int, str], None] | None = None,
-                 engine_key: str | None = None, register_wait_s: float = 30.0) -> None:
+                 engine_key: str | None = None, register_wait_s: float = 30.0, staging: Staging | None = None,
+                 streams: bool = False) -> None:
         """``sync_every``: take only every N-th version (a slow engine); rollbacks and catch-ups still come.
         ``engine``/``members``: this receiver is one of ``members`` workers of an engine that apply versions
         together; ``driven``: the engine's driver applies them (``load`` only stages, see staged.py), and
         ``discard(version, reason)`` drops a staged version the driver could not apply.
         ``whole_versions``: the engine cannot take sparse versions (the daemon sends it whole ones).
-        ``engine_key``: a driven worker's admission, the key its engine's driver was issued (``driver.engine_key``)."""
+        ``engine_key``: a driven worker's admission, the key its engine's driver was issued (``driver.engine_key``).
+        ``staging``: this receiver's staging policy (default: the deployment's); ``streams``: ``load`` iterates
+        ``payload.items()`` and so can take a streamed version."""
         super().__init__(endpoint, token=token, device=device, poll_wait_s=poll_wait_s, host_id=host_id,
                          register_wait_s=register_wait_s)
         self.sync_every = sync_every
         self.engine, self.driven, self.members, self.engine_key = engine, driven, members, engine_key
         self.whole_versions, self.discard = whole_versions, discard
-        self.load = load
+        self.load, self.staging, self.streams = load, staging, streams
         self.current_version: int | None = None
         self.results: list[ReceiveResult] = []
         self._work: queue.Queue[Assignment | None] = queue.Queue()
@@ -62,6 +68,8 @@ class RolloutAgent(Agent):
     def register_extra(self) -> dict:
         extra = ({"engine": self.engine, "driven": self.driven, "members": self.members, "engine_key": self.engine_key}
                  if self.engine else {})
+        if self.staging is not None:
+            extra["staging"] = self.staging
         return {**extra, "whole_versions": True} if self.whole_versions else extra
 
     def on_registered(self) -> None:
@@ -202,10 +210,16 @@ class RolloutAgent(Agent):
         return self._ipc
 
     def _assembler(self, settings) -> VersionAssembler:
-        """One per agent, whatever the transport: it knows which version the model holds (sparse bases)."""
-        if self._shared_assembler is None:
-            self._shared_assembler = VersionAssembler(self.device, self.load, verify=settings.verify)
-        return self._shared_assembler
+        """One per agent, whatever the transport: it knows which version the model holds (sparse bases); its
+        staging follows the latest registration's settings."""
+        assembler = self._shared_assembler
+        if assembler is None:
+            assembler = self._shared_assembler = VersionAssembler(self.device, self.load, verify=settings.verify,
+                                                                  streams=self.streams)
+        assembler.verify = settings.verify
+        assembler.staging, assembler.staging_share = settings.staging, settings.staging_share
+        assembler.budget = settings.staging_budget
+        return assembler
 
     def _record(self, assignment: Assignment, result: ReceiveResult) -> None:
         self.results.append(result)
@@ -221,4 +235,5 @@ class RolloutAgent(Agent):
 def received_fields(result: ReceiveResult) -> dict:
     """A receiver's ``received`` report: its own outcome, with the digest it computed."""
     return dict(ok=result.ok, reason=result.reason, version_digest=result.version_digest,
-                bytes=result.bytes_received, stages=result.seconds, torn=result.torn, unable=result.unable)
+                bytes=result.bytes_received, stages=result.seconds, torn=result.torn, unable=result.unable,
+                staging=result.staging, staging_why=result.staging_why)

@@ -6,6 +6,10 @@ The receiver's ``load`` stages the version and waits: the staging buffer holds t
 applied them, so nothing is copied. The engine's thread takes the version, applies it, and reports the
 outcome back, which ``load`` returns (or raises) as usual. A version the engine never takes is refused
 (nothing changed); one it took and failed to apply leaves the model torn, and ``load`` raises so.
+
+A streamed version (staging ``stream``) is staged as soon as its header is known: the engine's thread then
+reads it off the wire bucket by bucket while it applies it, under the pause its driver took (the sender waits
+meanwhile, within the transport's timeouts).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class StagedVersion:
         self._taken = False
         self._outcome: BaseException | None = None
         self._done = False
+        self._taken_at = 0.0
 
     @property
     def staged(self) -> int | None:
@@ -79,6 +84,7 @@ class StagedVersion:
                 payload = self._payload
                 if payload is not None and payload.version == version and not self._taken:
                     self._taken = True
+                    self._taken_at = time.perf_counter()
                     self._cond.notify_all()
                     return payload
                 remaining = deadline - time.monotonic()
@@ -96,8 +102,9 @@ class StagedVersion:
                 return  # the receive thread gave up on it already
             if error is not None and not isinstance(error, (ApplyRefused, CkptEngineError)):
                 error = _Failed(f"{type(error).__name__}: {error}")
+            self._payload.paused_s = time.perf_counter() - self._taken_at  # (its driver paused the engine for it)
             if error is None and self.on_applied is not None:
-                self.on_applied(frozenset(self._payload.tensors))
+                self.on_applied(self._payload.names())
             self._outcome, self._done = error, True
             self._cond.notify_all()
 

@@ -51,7 +51,7 @@ from ckpt_engine.plan.modes import MODES
 from ckpt_engine.plan.tensors import NamedTensors, NameMap
 from ckpt_engine.retry import Backoff, FailureLog
 from ckpt_engine.send.publisher import Ownership, Publisher, Route
-from ckpt_engine.send.sender import Transfer, TransferResult
+from ckpt_engine.send.sender import Transfer, TransferResult, WireHook
 
 log = logging.getLogger(__name__)
 TensorSource = Callable[[], NamedTensors]
@@ -63,7 +63,10 @@ class TrainerAgent(Agent):
 
     def __init__(self, model: nn.Module | TensorSource, endpoint: str, *, process_group: dist.ProcessGroup | None = None,
                  token: str | None = None, device: DeviceInfo | None = None, poll_wait_s: float = 1.0,
-                 name_map: NameMap | None = None, include_buffers: bool = True, register_wait_s: float = 30.0) -> None:
+                 name_map: NameMap | None = None, include_buffers: bool = True, register_wait_s: float = 30.0,
+                 wire_hook: WireHook | None = None) -> None:
+        """``wire_hook``: fault injection for tests, as the Publisher's (a bucket's bytes as they go out)."""
+        self._wire_hook = wire_hook
         self.process_group = process_group if process_group is not None else (
             dist.group.WORLD if dist.is_available() and dist.is_initialized() else None)
         sharded = self.process_group is not None
@@ -99,7 +102,8 @@ class TrainerAgent(Agent):
         self.publisher = Publisher(device=self.device, bucket_size=settings.bucket_size, alignment=settings.alignment,
                                    keep_versions=settings.keep_versions, ack_timeout_s=settings.ack_timeout_s,
                                    on_stage=self._on_stage, timeout_s=settings.collective_timeout_s,
-                                   ipc_hub_name=settings.ipc_name if self.rank == 0 else None)
+                                   ipc_hub_name=settings.ipc_name if self.rank == 0 else None,
+                                   wire_hook=self._wire_hook)
 
     def versions_held(self) -> list[int]:
         return self.publisher.cache.versions() if self.publisher else []

@@ -15,7 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
 
 from ckpt_engine.control.auth import TOKEN_MAX_LENGTH
 from ckpt_engine.errors import ProtocolError
-from ckpt_engine.plan.modes import Mode
+from ckpt_engine.plan.modes import Mode, Staging
 
 Role = Literal["trainer", "receiver", "driver"]
 # A version's lifecycle in the daemon: requested -> snapshotting -> transferring -> verifying -> one of TERMINAL.
@@ -92,6 +92,8 @@ class Register(_Body):
     # catch-up, no version of its own) and starts versions of such a trainer only when it asks (see SyncRequest
     # ``receivers``); a re-push (rollback) waits for the framework's next sync.
     framework: Literal["verl"] | None = None
+    # Receivers: their own staging policy (receive/staging.py), over the deployment's
+    staging: Staging | None = None
 
 
 class RegisterReply(_Body):
@@ -112,6 +114,10 @@ class RegisterReply(_Body):
     ack_timeout_s: float
     version_timeout_s: float
     engine_key: str | None = None  # drivers: what their engine's workers register with (Register.engine_key)
+    # receivers: the staging policy to apply (theirs if they named one, else the deployment's)
+    staging: Staging = "auto"
+    staging_share: float = 0.5
+    staging_budget: int | None = None  # bytes auto staging considers free instead of measuring
 
 
 def longest_poll_wait(heartbeat_s: float) -> float:
@@ -229,6 +235,9 @@ class Report(_Body):
     # Receivers: why this agent cannot take versions at all for now (e.g. staging memory); it leaves the
     # quorum for a while instead of failing every version.
     unable: str | None = Field(None, max_length=2000)
+    # Receivers: where the version was held (``shared``: read where the sender holds it) and why
+    staging: Literal["device", "host", "stream", "shared"] | None = None
+    staging_why: str | None = Field(None, max_length=2000)
 
 
 class Unregister(_Body):

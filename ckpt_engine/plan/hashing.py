@@ -29,7 +29,7 @@ import xxhash
 
 from ckpt_engine.device import DigestAlgo
 from ckpt_engine.errors import ProtocolError
-from ckpt_engine.plan.layout import Bucket, Layout
+from ckpt_engine.plan.layout import Bucket, Layout, TensorSlot
 
 log = logging.getLogger(__name__)
 ALGORITHMS: tuple[str, ...] = ("xxh3-64", "torch-mix64")
@@ -60,6 +60,41 @@ def check_algo(algo: str) -> DigestAlgo:
 def header_seed(dtype: str, shape: Sequence[int]) -> int:
     """Signed 64-bit seed from dtype and shape: the part of a digest that is not bytes."""
     return to_signed64(xxhash.xxh3_64_intdigest(f"{dtype}|{','.join(map(str, shape))}".encode()))
+
+
+def slot_seed(slot: TensorSlot) -> int:
+    """The seed of what a slot carries: a whole tensor's is its header seed; a piece's also names where in
+    its tensor the piece starts, so pieces swapped or moved do not digest alike."""
+    if slot.parts == 1:
+        return header_seed(slot.dtype, slot.shape)
+    text = f"{slot.dtype}|{','.join(map(str, slot.shape))}|piece {slot.start}+{slot.nbytes}"
+    return to_signed64(xxhash.xxh3_64_intdigest(text.encode()))
+
+
+def fold_pieces(dtype: str, shape: Sequence[int], piece_digests: Sequence[int]) -> int:
+    """A chunked tensor's digest from its pieces' (in order): it depends on every byte through them."""
+    packed = struct.pack(f"<{len(piece_digests)}q", *piece_digests)
+    return to_signed64(xxhash.xxh3_64_intdigest(packed, header_seed(dtype, shape) & _MASK64))
+
+
+def tensor_digests(layout: Layout, piece_digests: Sequence[int]) -> list[int]:
+    """Per-tensor digests (manifests, version digests) from the per-piece digests the buckets carry, in wire
+    order: a chunked tensor's is its pieces' folded; the others are their own."""
+    if not layout.chunked:
+        return list(piece_digests)
+    if len(piece_digests) != len(layout.pieces):
+        raise ProtocolError(f"{len(piece_digests)} piece digests for {len(layout.pieces)} pieces")
+    out: list[int] = []
+    pending: list[int] = []
+    for slot, digest in zip(layout.pieces, piece_digests):
+        if slot.parts == 1:
+            out.append(digest)
+            continue
+        pending.append(digest)
+        if slot.part == slot.parts - 1:
+            out.append(fold_pieces(slot.dtype, slot.shape, pending))
+            pending = []
+    return out
 
 
 def host_buffer(buf: torch.Tensor) -> memoryview:
@@ -145,7 +180,7 @@ def _build_plan(bucket: Bucket, device: torch.device) -> _BucketPlan:
     slots = bucket.slots
     starts = [s.offset // 8 for s in slots]
     full = [s.nbytes // 8 for s in slots]
-    seeds = [header_seed(s.dtype, s.shape) & _MASK64 for s in slots]
+    seeds = [slot_seed(s) & _MASK64 for s in slots]
     offs = [(seed - start * _GOLDEN) & _MASK64 for seed, start in zip(seeds, starts)]
     chunks = tuple(_plan_chunk(c0, min(c0 + _CHUNK_WORDS, bucket.nbytes // 8), starts, full, offs, device)
                    for c0 in range(0, bucket.nbytes // 8, _CHUNK_WORDS))
@@ -335,16 +370,16 @@ def bucket_digests(bucket: Bucket, buf: torch.Tensor, algo: DigestAlgo, layout_d
 
 def layout_digests(layout: Layout, read: Callable[[Bucket], torch.Tensor], algo: DigestAlgo,
                    device: torch.device | None = None) -> list[int]:
-    """Per-tensor digests of every bucket of ``layout``, whose bytes ``read(bucket)`` returns (it may reuse
-    one scratch buffer: each bucket is digested before the next is read). torch-mix64 runs on ``device``
-    when given; one host sync in all."""
+    """Per-tensor digests of every tensor of ``layout``, whose buckets' bytes ``read(bucket)`` returns (it may
+    reuse one scratch buffer: each bucket is digested before the next is read). torch-mix64 runs on
+    ``device`` when given; one host sync in all."""
     parts = []
     for bucket in layout.buckets:
         data = read(bucket)
         if algo == "torch-mix64" and device is not None and data.device != device:
             data = data.to(device, non_blocking=True)
         parts.append(bucket_digests(bucket, data, algo, layout.digest))
-    return torch.cat(parts).cpu().tolist() if parts else []
+    return tensor_digests(layout, torch.cat(parts).cpu().tolist() if parts else [])
 
 
 _span_cache: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
@@ -358,7 +393,7 @@ def _xxh3_spans(bucket: Bucket, layout_digest: str) -> list[tuple[int, int, int]
     if spans is None:
         if len(_span_cache) > 4096:
             _span_cache.clear()
-        spans = _span_cache[key] = [(s.offset, s.offset + s.nbytes, header_seed(s.dtype, s.shape) & _MASK64)
+        spans = _span_cache[key] = [(s.offset, s.offset + s.nbytes, slot_seed(s) & _MASK64)
                                     for s in bucket.slots]
     return spans
 
@@ -371,8 +406,9 @@ def version_digest(algo: str, layout_digest: str, digests: Sequence[int]) -> str
     return hasher.hexdigest()
 
 
-def reference_mix64_digest(dtype: str, shape: Sequence[int], data: bytes) -> int:
-    """Plain-Python torch-mix64 of one tensor, for cross-checking the vectorised version in tests."""
+def reference_mix64_digest(dtype: str, shape: Sequence[int], data: bytes, *, seed: int | None = None) -> int:
+    """Plain-Python torch-mix64 of one tensor (or, with a piece's ``seed``, one piece), for cross-checking the
+    vectorised version in tests."""
 
     def mix(z: int) -> int:
         z ^= z >> 30
@@ -381,7 +417,7 @@ def reference_mix64_digest(dtype: str, shape: Sequence[int], data: bytes) -> int
         z = (z * _C2) & _MASK64
         return z ^ (z >> 31)
 
-    seed = header_seed(dtype, shape) & _MASK64
+    seed = (header_seed(dtype, shape) if seed is None else seed) & _MASK64
     acc = 0
     padded = data + b"\0" * (-len(data) % 8)
     for i in range(len(padded) // 8):

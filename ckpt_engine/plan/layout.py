@@ -2,10 +2,16 @@
 
 Every rank plans the same layout from the same (names, dtypes, shapes, bucket size, alignment), so no
 per-bucket metadata has to travel; a digest of the plan lets ranks check they agree.
+
+A tensor larger than a bucket is split into pieces (chunks) of one bucket each, the last one possibly
+shorter, so no bucket (and no send or receive buffer) is larger than the bucket size whatever the largest
+tensor. A chunked tensor's first piece opens a bucket and every piece but the last fills one exactly, so its
+pieces lie back to back in a buffer holding the whole version: the tensor is still one view there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Iterable, Sequence
@@ -40,7 +46,10 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class TensorSlot:
-    """Where a tensor sits: bucket index and byte offset inside that bucket."""
+    """Where a tensor, or one piece of a chunked tensor, sits: bucket index and byte offset inside that bucket.
+    ``index`` is the tensor's (its pieces share it); ``start`` is the piece's first byte within the tensor and
+    ``parts`` the tensor's number of pieces. ``Bucket.slots`` holds pieces; ``Layout.slots`` one slot per
+    tensor, ``nbytes`` its whole size (the pieces are back to back from its first one)."""
 
     index: int
     name: str
@@ -49,10 +58,23 @@ class TensorSlot:
     bucket: int
     offset: int
     nbytes: int
+    start: int = 0
+    parts: int = 1
+    part: int = 0
 
     @property
     def spec(self) -> TensorSpec:
         return TensorSpec(self.name, self.dtype, self.shape)
+
+    @property
+    def chunked(self) -> bool:
+        """A tensor sent in several pieces (this slot may be one piece, or the whole tensor)."""
+        return self.parts > 1
+
+    @property
+    def is_piece(self) -> bool:
+        """Less than the whole tensor: one chunk of it."""
+        return self.parts > 1 and self.nbytes != self.spec.nbytes
 
 
 @dataclass(frozen=True)
@@ -62,7 +84,12 @@ class Bucket:
     index: int
     nbytes: int
     flat_offset: int
-    slots: tuple[TensorSlot, ...]
+    slots: tuple[TensorSlot, ...]  # what it carries: whole tensors and pieces of chunked ones
+
+    @property
+    def continues(self) -> bool:
+        """It opens with a later piece of a tensor chunked across the buckets before it."""
+        return bool(self.slots) and self.slots[0].part > 0
 
 
 @dataclass(frozen=True)
@@ -76,7 +103,19 @@ class Layout:
 
     @functools.cached_property
     def slots(self) -> tuple[TensorSlot, ...]:
+        """One per tensor, in order; a chunked tensor's is its first piece grown to the whole tensor."""
+        return tuple((slot if slot.parts == 1 else dataclasses.replace(slot, nbytes=slot.spec.nbytes))
+                     for slot in self.pieces if slot.part == 0)
+
+    @functools.cached_property
+    def pieces(self) -> tuple[TensorSlot, ...]:
+        """What the buckets carry, in wire order (the tensors themselves unless some are chunked)."""
         return tuple(slot for bucket in self.buckets for slot in bucket.slots)
+
+    @functools.cached_property
+    def chunked(self) -> bool:
+        """Some tensor is larger than a bucket and travels in pieces."""
+        return any(slot.parts > 1 for slot in self.pieces)
 
     @functools.cached_property
     def specs(self) -> tuple[TensorSpec, ...]:
@@ -90,7 +129,7 @@ class Layout:
     @property
     def payload_bytes(self) -> int:
         """Bytes of tensor data alone."""
-        return sum(slot.nbytes for bucket in self.buckets for slot in bucket.slots)
+        return sum(slot.nbytes for slot in self.pieces)
 
     @property
     def max_bucket_bytes(self) -> int:
@@ -98,7 +137,7 @@ class Layout:
 
     @property
     def num_tensors(self) -> int:
-        return sum(len(bucket.slots) for bucket in self.buckets)
+        return len(self.slots)
 
 
 def align_up(value: int, alignment: int) -> int:
@@ -127,10 +166,11 @@ def plan_layout(
 ) -> Layout:
     """Pack tensors into buckets in the given order.
 
-    Offsets are aligned to ``alignment``; a tensor larger than ``bucket_size`` gets a bucket of its own.
+    Offsets are aligned to ``alignment``; a tensor larger than ``bucket_size`` is chunked (see the module).
     A bucket's size is its last tensor's end rounded up to the alignment, so no bucket exceeds
-    ``max(bucket_size rounded up, largest tensor rounded up)``. With ``groups`` (one per tensor), a new
-    bucket starts wherever the group changes, so each bucket holds tensors of one group.
+    ``bucket_size`` rounded up to the alignment (or to one element of the widest dtype, for buckets smaller
+    than that). With ``groups`` (one per tensor), a new bucket starts wherever the group changes, so each
+    bucket holds tensors of one group.
     """
     _validate(specs, bucket_size, alignment)
     if groups is not None and len(groups) != len(specs):
@@ -142,64 +182,100 @@ def plan_layout(
 
 
 class Packer:
-    """plan_layout's packing one tensor at a time: each tensor's bucket is known as it comes, so a stream that
-    cannot be held whole (verl's weight generator) can keep only the tensors of the buckets it owns. The one
-    packing rule, so a streamed plan and plan_layout always agree."""
+    """plan_layout's packing one tensor at a time: each tensor's buckets are known as it comes, so a stream
+    that cannot be held whole (verl's weight generator) can keep only the tensors of the buckets it owns. The
+    one packing rule, so a streamed plan and plan_layout always agree."""
 
     def __init__(self, bucket_size: int, alignment: int = DEFAULT_ALIGNMENT) -> None:
         self.bucket_size = bucket_size
         self.alignment = alignment
-        self._packed: list[list[tuple[TensorSpec, int]]] = [[]]
+        # per bucket: (spec, offset in the bucket, first byte in the tensor, bytes, part, parts)
+        self._packed: list[list[tuple[TensorSpec, int, int, int, int, int]]] = [[]]
         self._cursor = 0
 
-    def add(self, spec: TensorSpec, *, regroup: bool = False) -> int:
-        """Place ``spec``; returns the index of its bucket (buckets before it are closed from then on)."""
+    def add(self, spec: TensorSpec, *, regroup: bool = False) -> range:
+        """Place ``spec``; returns the indices of the buckets it lies in (one, unless it is chunked; buckets
+        before the last of them are closed from then on)."""
         nbytes = spec.nbytes
-        oversize = nbytes > self.bucket_size
-        if self._packed[-1] and (oversize or regroup or self._cursor + nbytes > self.bucket_size):
-            self._packed.append([])
-            self._cursor = 0
-        self._packed[-1].append((spec, self._cursor))
-        index = len(self._packed) - 1
+        if nbytes > self.bucket_size:
+            return self._add_chunked(spec, nbytes)
+        if self._packed[-1] and (regroup or self._cursor + nbytes > self.bucket_size):
+            self._open()
+        self._packed[-1].append((spec, self._cursor, 0, nbytes, 0, 1))
         self._cursor = align_up(self._cursor + nbytes, self.alignment)
-        if oversize:  # a tensor larger than a bucket gets a bucket of its own
-            self._packed.append([])
-            self._cursor = 0
-        return index
+        return range(len(self._packed) - 1, len(self._packed))
+
+    def _add_chunked(self, spec: TensorSpec, nbytes: int) -> range:
+        """Pieces of ``chunk_bytes`` each, one bucket each (a new group always opens a bucket here too)."""
+        size = chunk_bytes(self.bucket_size, self.alignment, itemsize(spec.dtype))
+        parts = -(-nbytes // size)
+        if self._packed[-1]:
+            self._open()
+        first = len(self._packed) - 1
+        for part in range(parts):
+            if part:
+                self._open()
+            start = part * size
+            piece = min(size, nbytes - start)
+            self._packed[-1].append((spec, 0, start, piece, part, parts))
+            self._cursor = align_up(piece, self.alignment)
+        return range(first, len(self._packed))
+
+    def _open(self) -> None:
+        self._packed.append([])
+        self._cursor = 0
+
+    def continues(self, index: int) -> bool:
+        """Bucket ``index`` opens with a later piece of a chunked tensor (its owner is that tensor's)."""
+        entries = self._packed[index]
+        return bool(entries) and entries[0][4] > 0
 
     def bucket_nbytes(self, index: int) -> int:
         """Bytes of bucket ``index`` as the layout will have them (final once a later bucket opened)."""
-        end = max((offset + spec.nbytes for spec, offset in self._packed[index]), default=0)
+        end = max((offset + piece for _, offset, _, piece, _, _ in self._packed[index]), default=0)
         return align_up(end, self.alignment)
 
-    def packed(self) -> list[list[tuple[TensorSpec, int]]]:
+    def packed(self) -> list[list[tuple[TensorSpec, int, int, int, int, int]]]:
         return self._packed[:-1] if not self._packed[-1] else list(self._packed)
 
 
-def _build(groups: list[list[tuple[TensorSpec, int]]], bucket_size: int, alignment: int,
+def chunk_bytes(bucket_size: int, alignment: int, element: int) -> int:
+    """Bytes of each piece of a chunked tensor (all but its last): the most whole aligned elements that fit a
+    bucket; at least one aligned element."""
+    unit = math.lcm(alignment, element)
+    return max(unit, bucket_size // unit * unit)
+
+
+def _build(groups: list[list[tuple[TensorSpec, int, int, int, int, int]]], bucket_size: int, alignment: int,
            tensor_groups: tuple[int, ...] | None = None) -> Layout:
     buckets: list[Bucket] = []
     flat_offset = 0
-    index = 0
+    index = -1
+    specs: list[TensorSpec] = []
     for bucket_index, group in enumerate(groups):
         slots = []
-        for spec, offset in group:
-            slots.append(TensorSlot(index, spec.name, spec.dtype, spec.shape, bucket_index, offset, spec.nbytes))
-            index += 1
+        for spec, offset, start, piece, part, parts in group:
+            if part == 0:
+                index += 1
+                specs.append(spec)
+            slots.append(TensorSlot(index, spec.name, spec.dtype, spec.shape, bucket_index, offset, piece, start,
+                                    parts, part))
         end = max((slot.offset + slot.nbytes for slot in slots), default=0)
         nbytes = align_up(end, alignment)
         buckets.append(Bucket(bucket_index, nbytes, flat_offset, tuple(slots)))
         flat_offset += nbytes
-    specs = [slot.spec for bucket in buckets for slot in bucket.slots]
+    chunked = any(slot.parts > 1 for bucket in buckets for slot in bucket.slots)
     salt = "" if tensor_groups is None else "groups|" + ",".join(map(str, tensor_groups))
-    return Layout(bucket_size, alignment, tuple(buckets), layout_digest(specs, bucket_size, alignment, salt=salt),
-                  tensor_groups)
+    return Layout(bucket_size, alignment, tuple(buckets),
+                  layout_digest(specs, bucket_size, alignment, salt=salt, chunked=chunked), tensor_groups)
 
 
-def layout_digest(specs: Iterable[TensorSpec], bucket_size: int, alignment: int, *, salt: str = "") -> str:
-    """Hex digest of everything the plan depends on; equal digests mean equal layouts."""
+def layout_digest(specs: Iterable[TensorSpec], bucket_size: int, alignment: int, *, salt: str = "",
+                  chunked: bool = False) -> str:
+    """Hex digest of everything the plan depends on; equal digests mean equal layouts. A layout with chunked
+    tensors is of another kind (v2): a planner that does not chunk cannot arrive at the same digest."""
     hasher = xxhash.xxh3_64()
-    hasher.update(f"ckpt-layout-v1|{bucket_size}|{alignment}|".encode())
+    hasher.update(f"ckpt-layout-{'v2' if chunked else 'v1'}|{bucket_size}|{alignment}|".encode())
     if salt:
         hasher.update(f"{salt}|".encode())
     for spec in specs:

@@ -10,6 +10,11 @@ from ckpt_engine.errors import ConfigError
 # cache in the background. bypass_cpu: sent straight from the live tensors (no host copy, not cached).
 Mode = Literal["cached", "bypass_cpu"]
 MODES: tuple[Mode, ...] = ("cached", "bypass_cpu")
+# How a version reaches a receiver's model: staged whole on the device or in host memory, or streamed bucket by
+# bucket (receive/staging.py chooses; ``auto``: per version, by free memory). One type from the YAML to the history.
+Staging = Literal["auto", "device", "host", "stream"]
+StagingMode = Literal["device", "host", "stream"]
+STAGINGS: tuple[Staging, ...] = ("auto", "device", "host", "stream")
 SPARSE_NEEDS_THE_CACHE = "sparse works from the host cache, so it cannot be combined with bypass_cpu"
 
 

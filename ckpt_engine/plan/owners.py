@@ -7,12 +7,14 @@ digests and sends of a version run on every rank at once.
 
 Owners are given in bucket order to the rank that owns the fewest bytes so far (the lowest rank on a tie):
 deterministic, balanced within one bucket's bytes, and interleaved, so that consecutive buckets come from
-different ranks and their transfers overlap.
+different ranks and their transfers overlap. The pieces of a chunked tensor have one owner (its first
+piece's), so every rank holds whole tensors: a rank's share is a layout like any other.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 import xxhash
 
 from ckpt_engine.errors import LayoutError, LayoutMismatchError
-from ckpt_engine.plan.layout import Bucket, Layout, TensorSlot, layout_digest
+from ckpt_engine.plan.layout import Bucket, Layout, layout_digest
 
 MAX_OWNERS = 1 << 16
 
@@ -64,9 +66,9 @@ def plan_owners(layout: Layout, ranks: int) -> Owners:
     if ranks == 1:
         return single_owner(layout)
     picker = OwnerPicker(ranks)
-    of = []
+    of: list[int] = []
     for bucket in layout.buckets:
-        owner = picker.pick()
+        owner = of[-1] if bucket.continues else picker.pick()
         picker.charge(owner, bucket.nbytes)
         of.append(owner)
     return Owners(ranks, tuple(of))
@@ -141,16 +143,18 @@ def _plan_share(layout: Layout, owners: Owners, rank: int) -> Share:
     buckets: list[Bucket] = []
     flat = 0
     index = 0
+    specs = []
     for local, wire in enumerate(mine):
         source = layout.buckets[wire]
         slots = []
         for slot in source.slots:
-            slots.append(TensorSlot(index, slot.name, slot.dtype, slot.shape, local, slot.offset, slot.nbytes))
-            index += 1
+            if slot.part == 0:
+                specs.append(slot.spec)
+            slots.append(dataclasses.replace(slot, index=len(specs) - 1, bucket=local))
         buckets.append(Bucket(local, source.nbytes, flat, tuple(slots)))
         flat += source.nbytes
-    specs = [slot.spec for bucket in buckets for slot in bucket.slots]
-    digest = layout_digest(specs, layout.bucket_size, layout.alignment, salt=f"share|{layout.digest}|{rank}")
+    digest = layout_digest(specs, layout.bucket_size, layout.alignment, salt=f"share|{layout.digest}|{rank}",
+                           chunked=layout.chunked)
     return Share(rank, Layout(layout.bucket_size, layout.alignment, tuple(buckets), digest), mine)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ckpt_engine.plan.hashing import version_digest
+from ckpt_engine.plan.hashing import tensor_digests, version_digest
 from ckpt_engine.plan.layout import Layout, plan_layout
 from ckpt_engine.plan.owners import Owners, owners_by_group, single_owner
 
@@ -69,7 +69,13 @@ def plan_sparse(full: Layout, new: Manifest, base: Manifest | None, *, bucket_si
 
 
 def manifest_of(version: int, algo: str, layout: Layout, digests: Sequence[int]) -> Manifest:
+    """From per-tensor digests in layout order."""
     return Manifest(version, algo, layout.digest, tuple(s.name for s in layout.slots), tuple(digests))
+
+
+def wire_manifest(version: int, algo: str, layout: Layout, piece_digests: Sequence[int]) -> Manifest:
+    """From the digests the buckets carried (per piece: chunked tensors' pieces are folded)."""
+    return manifest_of(version, algo, layout, tensor_digests(layout, piece_digests))
 
 
 # ---- trainer ranks agreeing on what changed --------------------------------------------------------------

@@ -148,10 +148,25 @@ def specs_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
 
 
 def slot_view(buf: torch.Tensor, slot: TensorSlot, base: int = 0) -> torch.Tensor:
-    """The tensor of ``slot`` as a typed, shaped, zero-copy view into the uint8 buffer ``buf``."""
+    """The tensor of ``slot`` as a typed, shaped, zero-copy view into the uint8 buffer ``buf``; a piece of a
+    chunked tensor as a flat typed view of its elements."""
     start = base + slot.offset
-    raw = buf[start : start + slot.nbytes]
-    return raw.view(dtype_from_name(slot.dtype)).view(slot.shape)
+    raw = buf[start : start + slot.nbytes].view(dtype_from_name(slot.dtype))
+    return raw if slot.is_piece else raw.view(slot.shape)
+
+
+def piece_of(tensor: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
+    """What ``slot`` carries of ``tensor``: the tensor itself, or, for a piece of a chunked tensor, its elements
+    in row-major order from the piece's start (a zero-copy view of a contiguous tensor; a strided one is made
+    contiguous first). A source that is already the piece (as many elements) is taken as it is."""
+    if not slot.is_piece:
+        return tensor
+    size = tensor.element_size()
+    count = slot.nbytes // size
+    if tensor.numel() == count:
+        return tensor.reshape(-1)
+    first = slot.start // size
+    return tensor.reshape(-1)[first : first + count]
 
 
 def check_matches_layout(layout: Layout, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -179,7 +194,10 @@ def fill_bucket(buf: torch.Tensor, slots: tuple[TensorSlot, ...], tensors: Mappi
     if bucket_nbytes == 0:
         return
     targets, gaps, names = _fill_views(buf, slots, bucket_nbytes, base)
-    torch._foreach_copy_(targets, _plain(list(map(tensors.__getitem__, names))), non_blocking=True)
+    sources = list(map(tensors.__getitem__, names))
+    if slots and (slots[0].parts > 1 or slots[-1].parts > 1):  # (a chunked tensor's piece opens or ends a bucket)
+        sources = [piece_of(source, slot) for source, slot in zip(sources, slots)]
+    torch._foreach_copy_(targets, _plain(sources), non_blocking=True)
     if gaps:
         torch._foreach_zero_(gaps)
 

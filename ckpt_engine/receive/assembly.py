@@ -1,63 +1,45 @@
-"""Receiving one version, independent of how its bytes arrive (collective or same-host IPC): the layout
-from the header, a reused staging buffer, digest checks per bucket, and ``load`` only for a whole verified
-version."""
+"""Receiving one version, independent of how its bytes arrive (collective or same-host IPC): the layout from the
+header, the staging chosen for it (receive/staging.py), digest checks per bucket, and ``load`` only with
+verified bytes: a whole version at once (device or host staging), or bucket by bucket into a load that takes a
+stream (receive/streamed.py).
+
+A transport drives a version through a ``Feed``: the bytes of each bucket into the buffer it is given, the
+digests the sender announced for it, and the trailer.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from ckpt_engine.device import DeviceInfo, comm_empty
-from ckpt_engine.errors import ApplyRefused, CkptEngineError, ProtocolError, StagingUnavailable
+from ckpt_engine.device import DeviceInfo, synchronize
+from ckpt_engine.errors import ApplyRefused, ProtocolError
 from ckpt_engine.plan.hashing import bucket_digests, check_algo, version_digest
-from ckpt_engine.plan.layout import Bucket, Layout
-from ckpt_engine.plan.modes import Mode
-from ckpt_engine.plan.sparse import Manifest, manifest_of
+from ckpt_engine.plan.layout import Bucket, Layout, TensorSpec
+from ckpt_engine.plan.sparse import Manifest, wire_manifest
 from ckpt_engine.plan.tensors import slot_view
-from ckpt_engine.transport.messages import Ack, VersionHeader, VersionTrailer
+from ckpt_engine.receive.buffers import StagingBuffers
+from ckpt_engine.receive.payload import LoadFn, ReceiveResult, SenderAborted, VersionPayload
+from ckpt_engine.receive.staging import Held, Staging, StagingChoice, StagingNeeds, choose_staging
+from ckpt_engine.transport.messages import VersionHeader, VersionTrailer
 
 log = logging.getLogger(__name__)
+__all__ = ["Feed", "Incoming", "LoadFn", "ReceiveResult", "SenderAborted", "VersionAssembler", "VersionPayload"]
 
 
-@dataclass
-class VersionPayload:
-    """What ``load`` receives: a verified version as named tensor views (aliases included)."""
+class Feed(Protocol):
+    def start(self, bucket: Bucket, into: torch.Tensor) -> Callable[[], list[int]] | None:
+        """Begin receiving ``bucket`` into ``into``; returns a wait that ends when the bytes are there and gives
+        the sender's digests of it, or None when the bucket will not come (its owner aborted: the version
+        fails, the others' buckets still come)."""
 
-    version: int
-    step: int | None
-    mode: Mode
-    version_digest: str
-    tensors: dict[str, torch.Tensor]
-    sparse: bool = False  # only the tensors that changed since the version the receiver holds
-
-
-LoadFn = Callable[[VersionPayload], None]
-
-
-@dataclass
-class ReceiveResult:
-    version: int | None
-    ok: bool
-    reason: str | None = None
-    version_digest: str | None = None
-    bad_tensors: list[str] = field(default_factory=list)
-    loaded: bool = False
-    bytes_received: int = 0
-    seconds: dict[str, float] = field(default_factory=dict)
-    torn: bool = False  # load failed part way: the model holds no whole version
-    unable: str | None = None  # this receiver cannot take versions like this one now (e.g. memory)
-
-    def ack(self, rank: int) -> Ack:
-        return Ack(version=self.version or 0, rank=rank, ok=self.ok, version_digest=self.version_digest,
-                   reason=self.reason, bad_tensors=self.bad_tensors, seconds=self.seconds)
-
-
-class SenderAborted(CkptEngineError):
-    """The sender abandoned the version; nothing of it was loaded."""
+    def trailer(self) -> VersionTrailer:
+        """The version's end (raises SenderAborted, or ProtocolError when a bucket never came)."""
 
 
 @dataclass
@@ -67,99 +49,212 @@ class Incoming:
     header: VersionHeader
     layout: Layout
     algo: str
-    staging: torch.Tensor
+    choice: StagingChoice
     result: ReceiveResult
+    shared: torch.Tensor | None = None  # the sender's buffer holding the version (same host): nothing staged
     started: float = field(default_factory=time.perf_counter)
     seconds: dict[str, float] = field(default_factory=dict)
-    digests: list[int] = field(default_factory=list)
+    landing: dict[int, torch.Tensor] = field(default_factory=dict)  # streamed: each bucket's buffer, while used
+    on_wire: dict[int, tuple[Callable[[], list[int]] | None, float]] = field(default_factory=dict)  # streamed: started
+    next_bucket: int = 0  # streamed: the first bucket not started yet
+    assembly: torch.Tensor | None = None  # streamed: the chunked tensor being put together
+    digests: list[int] = field(default_factory=list)  # per piece, in wire order
     bad: list[str] = field(default_factory=list)
-
-    def bucket_view(self, bucket: Bucket) -> torch.Tensor:
-        return self.staging[bucket.flat_offset : bucket.flat_offset + bucket.nbytes]
+    missing: list[int] = field(default_factory=list)  # buckets whose owner aborted
 
     def add_seconds(self, stage: str, seconds: float) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
 
 class VersionAssembler:
-    def __init__(self, device: DeviceInfo, load: LoadFn, *, verify: bool = True) -> None:
+    def __init__(self, device: DeviceInfo, load: LoadFn, *, verify: bool = True, staging: Staging = "device",
+                 staging_share: float = 0.5, budget: int | None = None, streams: bool = False) -> None:
+        """``staging``: the policy (see staging.py); ``staging_share``: the part of free memory it may take;
+        ``budget``: bytes to consider free instead of measuring; ``streams``: ``load`` can take a stream."""
         self.device = device
         self.load = load
         self.verify = verify
+        self.staging, self.staging_share, self.budget, self.streams = staging, staging_share, budget, streams
         self.committed: VersionPayload | None = None
         self.manifest: Manifest | None = None  # per-tensor digests of the committed version (sparse bases)
+        self.buffers = StagingBuffers(device)
         self._layouts: dict[str, Layout] = {}
-        self._staging: torch.Tensor | None = None
         self._view_cache: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
 
+    # ---- a version's start -------------------------------------------------------------------------------
     def begin(self, header: VersionHeader, staging: torch.Tensor | None = None) -> Incoming:
-        """``staging``: a buffer that already holds (or will hold) the version in wire layout, e.g. the
-        sender's shared cache buffer; by default this receiver's own staging buffer (StagingUnavailable when it
-        cannot be allocated)."""
+        """``staging``: a buffer that already holds (or will hold) the version in wire layout, e.g. the sender's
+        shared cache buffer; otherwise staging is chosen and allocated here (StagingUnavailable when it cannot
+        be)."""
         layout = self._layout(header)
         if staging is not None and staging.numel() < layout.total_bytes:
             raise ProtocolError(f"shared buffer of {staging.numel()} bytes cannot hold {layout.total_bytes}")
-        return Incoming(header, layout, check_algo(header.digest_algo),
-                        self._staging_for(layout) if staging is None else staging, ReceiveResult(header.version, False))
+        result = ReceiveResult(header.version, False)
+        if staging is not None:
+            mode = "stream" if self.streams and self.staging == "stream" else "device"
+            choice = StagingChoice(mode, "same host: read where the sender holds it, nothing staged")  # type: ignore[arg-type]
+        else:
+            choice = self._choose(layout)
+            before = (_ptr(self.buffers.whole), _ptr(self.buffers.host))
+            self.buffers.prepare(choice.mode, layout)
+            if (_ptr(self.buffers.whole), _ptr(self.buffers.host)) != before:
+                self._view_cache.clear()  # views keep the old buffers alive
+        result.staging = "shared" if staging is not None else choice.mode
+        result.staging_why = choice.why
+        return Incoming(header, layout, check_algo(header.digest_algo), choice, result, shared=staging)
+
+    def _choose(self, layout: Layout) -> StagingChoice:
+        if self.staging != "auto":
+            return choose_staging(self.staging, StagingNeeds.of(layout), free_device=0, free_host=0, share=1.0,
+                                  streams=self.streams)
+        if self.budget is not None:  # what staging may take in all, the buffers it holds included
+            free_device, free_host, held = self.budget, self.budget, Held()
+        else:  # measured: the buffers held here are not free, yet they are this staging's to reuse
+            (free_device, free_host), held = self.buffers.free(), self.buffers.held()
+        return choose_staging("auto", StagingNeeds.of(layout), free_device=free_device, free_host=free_host,
+                              share=self.staging_share, held=held, streams=self.streams)
 
     def forget(self) -> None:
         """Hold no version any more (its label belongs to a history the daemon no longer uses)."""
         self.committed, self.manifest = None, None
 
+    # ---- the buckets -------------------------------------------------------------------------------------
+    def flow(self, incoming: Incoming, feed: Feed) -> Iterator[Bucket]:
+        """Every bucket through ``feed`` into its buffer, each checked while the next is on the wire; yields each
+        bucket once checked (a bucket whose owner aborted is noted in ``incoming.missing`` and not yielded).
+        Host staging copies each checked bucket to its place in host memory."""
+        if incoming.choice.mode == "stream" and incoming.shared is None:
+            yield from self._streamed_flow(incoming, feed)
+            return
+        previous: tuple[Bucket, list[int]] | None = None
+        for bucket in incoming.layout.buckets:
+            t0 = time.perf_counter()
+            wait = feed.start(bucket, self.bucket_buffer(incoming, bucket))
+            if previous is not None:
+                yield self._checked(incoming, *previous)  # overlaps with this bucket on the wire
+                previous = None
+            if wait is None:
+                incoming.missing.append(bucket.index)
+                continue
+            expected = wait()
+            incoming.add_seconds("recv", time.perf_counter() - t0)
+            incoming.result.bytes_received += bucket.nbytes
+            previous = (bucket, expected)
+        if previous is not None:
+            yield self._checked(incoming, *previous)
+
+    def _streamed_flow(self, incoming: Incoming, feed: Feed) -> Iterator[Bucket]:
+        """Streamed: bucket k+1 goes on the wire while bucket k is applied, started by ``start_next`` once the
+        load took k's first tensor (and so let go of bucket k-1: a load's loop holds its last tensor until it
+        is given the next), so two bucket buffers are in use, not three; or here, if it was not started."""
+        for bucket in incoming.layout.buckets:
+            self.start_next(incoming, feed, upto=bucket.index)
+            wait, t0 = incoming.on_wire.pop(bucket.index)
+            if wait is None:
+                incoming.missing.append(bucket.index)
+                incoming.landing.pop(bucket.index, None)
+                continue
+            expected = wait()
+            incoming.add_seconds("recv", time.perf_counter() - t0)
+            incoming.result.bytes_received += bucket.nbytes
+            yield self._checked(incoming, bucket, expected)
+            incoming.landing.pop(bucket.index, None)  # (the load's views keep it while it needs them)
+
+    def start_next(self, incoming: Incoming, feed: Feed, upto: int | None = None) -> None:
+        """Streamed: put the next bucket not started yet on the wire (``upto``: only if its index is at most
+        that); buckets are started in order, each after the one before it was received."""
+        index = incoming.next_bucket
+        if index >= len(incoming.layout.buckets) or (upto is not None and index > upto):
+            return
+        bucket = incoming.layout.buckets[index]
+        incoming.landing[index] = self.buffers.landing(bucket.nbytes)
+        incoming.on_wire[index] = (feed.start(bucket, incoming.landing[index][: bucket.nbytes]), time.perf_counter())
+        incoming.next_bucket = index + 1
+
+    def bucket_buffer(self, incoming: Incoming, bucket: Bucket) -> torch.Tensor:
+        landed = incoming.landing.get(bucket.index)
+        if landed is not None:
+            return landed[: bucket.nbytes]
+        return self.buffers.bucket(incoming.layout, bucket, incoming.shared)
+
+    def _checked(self, incoming: Incoming, bucket: Bucket, expected: list[int]) -> Bucket:
+        self.check_bucket(incoming, bucket, expected)
+        if incoming.choice.mode == "host" and incoming.shared is None and bucket.nbytes:
+            host = self.buffers.host
+            host[bucket.flat_offset : bucket.flat_offset + bucket.nbytes].copy_(  # type: ignore[index]
+                self.bucket_buffer(incoming, bucket), non_blocking=True)
+        return bucket
+
     def check_bucket(self, incoming: Incoming, bucket: Bucket, expected: list[int]) -> None:
-        """Recompute the bucket's digests from staging and note every tensor that differs."""
+        """Recompute the bucket's digests from where it landed and note every tensor that differs."""
         if len(expected) != len(bucket.slots):
             raise ProtocolError(f"bucket {bucket.index}: {len(expected)} digests for {len(bucket.slots)} tensors")
         if not self.verify:
             incoming.digests.extend(expected)
             return
         t0 = time.perf_counter()
-        computed = bucket_digests(bucket, incoming.bucket_view(bucket), incoming.algo,  # type: ignore[arg-type]
+        computed = bucket_digests(bucket, self.bucket_buffer(incoming, bucket), incoming.algo,  # type: ignore[arg-type]
                                   incoming.layout.digest).cpu().tolist()
         if computed != expected:  # (compared whole first: the names are looked at only on a mismatch)
-            incoming.bad.extend(slot.name for slot, got, want in zip(bucket.slots, computed, expected) if got != want)
+            incoming.bad.extend(slot.name for slot, got, want in zip(bucket.slots, computed, expected)
+                                if got != want and slot.name not in incoming.bad)
         incoming.digests.extend(computed)
         incoming.add_seconds("verify", time.perf_counter() - t0)
 
+    # ---- a whole version's end ---------------------------------------------------------------------------
     def conclude(self, incoming: Incoming, trailer: VersionTrailer) -> ReceiveResult:
         """Compare the whole version with the trailer and, only if everything matches, call ``load``."""
+        result = incoming.result
+        manifest, problem = self.judge(incoming, trailer)
+        if manifest is None:
+            result.reason = problem
+        else:
+            result.version_digest = manifest.version_digest  # the whole model's, also after a sparse version
+            if incoming.choice.mode == "host":
+                synchronize(self.device)  # the copies to host memory are asynchronous
+            if self._load(incoming, result.version_digest):
+                self.manifest = manifest
+        return self.finish(incoming)
+
+    def judge(self, incoming: Incoming, trailer: VersionTrailer) -> tuple[Manifest | None, str | None]:
+        """The manifest this receiver holds once the version is applied, or why the version is not whole and
+        verified (digests, the trailer, the sparse base)."""
         header, result = incoming.header, incoming.result
         digest = version_digest(incoming.algo, incoming.layout.digest, incoming.digests)
         result.version_digest, result.bad_tensors = digest, incoming.bad
         if trailer.version != header.version:
-            result.reason = f"trailer is for version {trailer.version}, header for {header.version}"
-        elif incoming.bad:
-            result.reason = (f"digest mismatch in {len(incoming.bad)} tensor(s): {', '.join(incoming.bad[:8])}"
-                             f"{' ...' if len(incoming.bad) > 8 else ''}")
-        elif digest != trailer.version_digest:
-            result.reason = f"version digest {digest} != sender's {trailer.version_digest}"
-        else:
-            manifest, problem = self._next_manifest(incoming)
-            if problem is not None:
-                result.reason = problem
-            else:
-                result.version_digest = manifest.version_digest  # the whole model's, also after a sparse version
-                if self._load(incoming, result.version_digest):
-                    self.manifest = manifest
-        return self.finish(incoming)
+            return None, f"trailer is for version {trailer.version}, header for {header.version}"
+        if incoming.bad:
+            return None, (f"digest mismatch in {len(incoming.bad)} tensor(s): {', '.join(incoming.bad[:8])}"
+                          f"{' ...' if len(incoming.bad) > 8 else ''}")
+        if digest != trailer.version_digest or len(incoming.digests) != len(incoming.layout.pieces):
+            return None, f"version digest {digest} != sender's {trailer.version_digest}"
+        return self.next_manifest(incoming, wire_manifest(header.version, incoming.algo, incoming.layout,
+                                                          incoming.digests))
 
-    def _next_manifest(self, incoming: Incoming) -> tuple[Manifest, str | None]:
-        """The manifest this receiver holds once the version is applied; for a sparse version it must hold
-        the base, and the whole-model digest with the changes applied must equal the sender's."""
+    def next_manifest(self, incoming: Incoming, received: Manifest) -> tuple[Manifest | None, str | None]:
+        """For a sparse version this receiver must hold the base, and the whole-model digest with the changes
+        applied must equal the sender's."""
         header = incoming.header
-        received = manifest_of(header.version, incoming.algo, incoming.layout, incoming.digests)
         if header.base_version is None:
             return received, None
-        base = self.manifest
-        if base is None or base.version != header.base_version or base.layout_digest != header.full_layout_digest:
-            held = "nothing" if base is None else f"version {base.version}"
-            return received, f"sparse version {header.version} applies to version {header.base_version}; this " \
-                             f"receiver holds {held}"
-        applied = base.updated(header.version, dict(zip(received.names, received.digests)))
+        problem = self.base_problem(header)
+        if problem is not None:
+            return None, problem
+        applied = self.manifest.updated(header.version, dict(zip(received.names, received.digests)))  # type: ignore[union-attr]
         if applied.version_digest != header.full_version_digest:
-            return received, (f"whole-model digest after applying would be {applied.version_digest}, the "
+            return None, (f"whole-model digest after applying would be {applied.version_digest}, the "
                               f"sender's is {header.full_version_digest}")
         return applied, None
+
+    def base_problem(self, header: VersionHeader) -> str | None:
+        """Why this receiver cannot apply a sparse ``header`` (it does not hold its base), or None."""
+        base = self.manifest
+        if header.base_version is None or (base is not None and base.version == header.base_version
+                                           and base.layout_digest == header.full_layout_digest):
+            return None
+        held = "nothing" if base is None else f"version {base.version}"
+        return f"sparse version {header.version} applies to version {header.base_version}; this receiver holds {held}"
 
     def finish(self, incoming: Incoming, reason: str | None = None) -> ReceiveResult:
         result = incoming.result
@@ -171,38 +266,68 @@ class VersionAssembler:
             log.warning("version %s not loaded: %s", result.version, result.reason)
         return result
 
-    def _load(self, incoming: Incoming, digest: str) -> bool:
+    def loaded(self, incoming: Incoming, digest: str) -> None:
+        """``load`` took the version whole: this receiver holds it."""
         header, result = incoming.header, incoming.result
-        sparse = header.base_version is not None
+        result.ok = result.loaded = True
+        self.committed = VersionPayload(header.version, header.step, header.mode, digest, {},
+                                        sparse=header.base_version is not None)
+
+    def _load(self, incoming: Incoming, digest: str) -> bool:
+        header = incoming.header
+        payload = VersionPayload(header.version, header.step, header.mode, digest, self._views(incoming),
+                                 sparse=header.base_version is not None, specs=self.specs(incoming))
+        failure = self.call_load(incoming, payload)
+        if failure is None:
+            self.loaded(incoming, digest)
+            return True
+        return False
+
+    def call_load(self, incoming: Incoming, payload: VersionPayload, *, touched: Callable[[], bool] = lambda: True
+                  ) -> BaseException | None:
+        """Hand ``payload`` to ``load``; its failure (None: it took the version). An ApplyRefused changed nothing;
+        any other failure leaves the model torn when ``touched()`` (something of the version reached it)."""
+        result, header = incoming.result, incoming.header
         t0 = time.perf_counter()
         try:
-            self.load(VersionPayload(header.version, header.step, header.mode, digest, self._views(incoming),
-                                     sparse=sparse))
+            self.load(payload)
+            return None
         except ApplyRefused as exc:  # nothing was changed: the model still holds the previous version
             result.reason = f"load refused: {exc}"
             log.warning("version %d refused by the engine: %s", header.version, exc)
-            return False
+            return exc
         except Exception as exc:  # the adapter's failure is reported, never swallowed
             result.reason = f"load failed: {type(exc).__name__}: {exc}"
-            result.torn = True
-            log.exception("load of version %d failed part way; the model is torn until repaired", header.version)
-            self.manifest, self.committed = None, None  # the model may be partly updated: it holds no version
-            return False
+            if touched():
+                result.torn = True
+                log.exception("load of version %d failed part way; the model is torn until repaired", header.version)
+                self.manifest, self.committed = None, None  # the model may be partly updated: it holds no version
+            return exc
         finally:
             incoming.seconds["load"] = time.perf_counter() - t0
-        result.ok = result.loaded = True
-        self.committed = VersionPayload(header.version, header.step, header.mode, digest, {}, sparse=sparse)
-        return True
+            incoming.seconds["pause"] = payload.paused_s if payload.paused_s is not None else incoming.seconds["load"]
+
+    def specs(self, incoming: Incoming) -> dict[str, TensorSpec]:
+        """Every tensor the version carries, aliases included, as known from its header."""
+        specs = {slot.name: slot.spec for slot in incoming.layout.slots}
+        for alias, canonical in incoming.header.aliases.items():
+            if canonical in specs:
+                specs[alias] = TensorSpec(alias, specs[canonical].dtype, specs[canonical].shape)
+            elif incoming.header.base_version is None:
+                raise ProtocolError(f"alias {alias!r} points at unknown tensor {canonical!r}")
+        return specs
 
     def _views(self, incoming: Incoming) -> dict[str, torch.Tensor]:
-        """Named views into staging; built once per (layout, staging buffer) and reused across versions."""
-        layout, staging = incoming.layout, incoming.staging
-        key = (layout.digest, staging.data_ptr())
+        """Named views into the whole buffer holding the version; built once per (layout, buffer) and reused."""
+        layout = incoming.layout
+        staging = incoming.shared if incoming.shared is not None else (
+            self.buffers.host if incoming.choice.mode == "host" else self.buffers.whole)
+        key = (layout.digest, staging.data_ptr())  # type: ignore[union-attr]
         views = self._view_cache.get(key)  # (aliases of tensors a sparse version leaves out are dropped below)
         if views is None:
             if len(self._view_cache) >= 4:  # staging plus a few shared cache buffers
                 self._view_cache.clear()
-            views = self._view_cache[key] = {s.name: slot_view(staging, s, layout.buckets[s.bucket].flat_offset)
+            views = self._view_cache[key] = {s.name: slot_view(staging, s, layout.buckets[s.bucket].flat_offset)  # type: ignore[arg-type]
                                              for s in layout.slots}
         if incoming.header.aliases:
             views = dict(views)
@@ -213,6 +338,7 @@ class VersionAssembler:
                     raise ProtocolError(f"alias {alias!r} points at unknown tensor {canonical!r}")
         return views
 
+    # ---- layouts -----------------------------------------------------------------------------------------
     def layout_of(self, header: VersionHeader) -> Layout:
         return self._layout(header)
 
@@ -229,14 +355,6 @@ class VersionAssembler:
         self._layouts = {layout.digest: layout}  # keep only the newest: layouts change rarely
         return layout
 
-    def _staging_for(self, layout: Layout) -> torch.Tensor:
-        need = max(layout.total_bytes, 1)
-        if self._staging is None or self._staging.numel() < need:
-            self._staging = None
-            self._view_cache.clear()  # views keep the old buffer alive
-            try:
-                self._staging = comm_empty(need, self.device)
-            except (RuntimeError, MemoryError) as exc:  # torch's allocators raise RuntimeError (or OOM subclasses)
-                raise StagingUnavailable(f"cannot allocate {need} bytes of staging for version "
-                                         f"layout {layout.digest}: {exc}") from exc
-        return self._staging
+
+def _ptr(buffer: torch.Tensor | None) -> int | None:
+    return None if buffer is None else buffer.data_ptr()

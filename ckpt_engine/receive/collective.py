@@ -1,29 +1,24 @@
-"""The receiving side of a version on the sync group (collective transport): receives buckets into a
-staging buffer, recomputes every tensor digest, compares it with the sender's, and hands the named tensors
-to ``load`` only when the whole version is verified. On any mismatch, abort or missing bucket, ``load`` is
-not called and the reason is reported.
+"""The receiving side of a version on the sync group (collective transport): receives buckets where the
+version's staging puts them (receive/staging.py), recomputes every tensor digest, compares it with the
+sender's, and hands the named tensors to ``load`` only once verified: the whole version at once, or bucket by
+bucket to a load that takes a stream. On any mismatch, abort or missing bucket, nothing more reaches ``load``
+and the reason is reported.
 
-Staging holds one version (the layout's total bytes) and is reused across versions; views handed to
-``load`` point into it and are valid only during the call.
+Staging buffers are reused across versions; views handed to ``load`` point into them and are valid only
+during the call (or, streamed, until the next tensor is asked for).
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ckpt_engine.errors import CkptEngineError, ProtocolError, StagingUnavailable
-from ckpt_engine.receive.assembly import (
-    Incoming,
-    LoadFn,
-    ReceiveResult,
-    SenderAborted,
-    VersionAssembler,
-    VersionPayload,
-)
+from ckpt_engine.plan.layout import Bucket
+from ckpt_engine.receive.assembly import Incoming, LoadFn, ReceiveResult, SenderAborted, VersionAssembler, VersionPayload
+from ckpt_engine.receive.streamed import receive_streamed
 from ckpt_engine.transport.framing import Channel, Frame, FrameKind
 from ckpt_engine.transport.group import SyncGroup
 from ckpt_engine.transport.messages import AbortMessage, VersionHeader, VersionTrailer, decode
@@ -63,28 +58,31 @@ class Receiver:
                 return None
             header = decode(VersionHeader, self._payload_of(frame, FrameKind.BEGIN, "version header"))
             incoming = self.assembler.begin(header)
+            feed = _Feed(self, self._owners(header, incoming))
         except StagingUnavailable as exc:
             return self._drain(header, exc)  # type: ignore[arg-type]
         except SenderAborted as exc:
             return ReceiveResult(None, False, str(exc))
         except CkptEngineError as exc:
             return ReceiveResult(None, False, self._desynced(exc))
+        if incoming.choice.mode == "stream":
+            result = receive_streamed(self.assembler, incoming, feed, self._desynced)
+        else:
+            result = self._receive_whole(incoming, feed)
+        if feed.ended:  # (after an abort or a broken wire nobody exchanges acknowledgements)
+            self._acknowledge(result)
+        return result
+
+    def _receive_whole(self, incoming: Incoming, feed: _Feed) -> ReceiveResult:
         try:
-            owners = self._owners(header, incoming)
-            aborted = self._receive_buckets(incoming, owners)
-            if 0 in aborted:  # the lead aborted at a bucket: nothing more comes on its group for this version
-                raise SenderAborted(aborted[0])
-            frame = self.channel.frame(None, 0, "version end")
-            trailer = decode(VersionTrailer, self._payload_of(frame, FrameKind.END, "version trailer"))
-            if aborted:  # another owner aborted; the lead ended the version without an abort: not a whole one
-                raise ProtocolError(f"owner(s) {sorted(aborted)} aborted, yet the version ended: {aborted}")
+            for _ in self.assembler.flow(incoming, feed):
+                pass
+            trailer = feed.trailer()
         except SenderAborted as exc:
             return self.assembler.finish(incoming, str(exc))
         except CkptEngineError as exc:
             return self.assembler.finish(incoming, self._desynced(exc))
-        result = self.assembler.conclude(incoming, trailer)
-        self._acknowledge(result)
-        return result
+        return self.assembler.conclude(incoming, trailer)
 
     def _closed_by_the_others(self, timeout_s: float | None) -> None:
         """The lead closed: take the other owners' CLOSE too, so that they are not left announcing it to a
@@ -145,7 +143,7 @@ class Receiver:
         self._acknowledge(result)
         return result
 
-    def _desynced(self, exc: Exception) -> str:
+    def _desynced(self, exc: BaseException) -> str:
         """A failure mid-stream leaves this rank out of step with the senders: the groups must be rebuilt."""
         reason = f"{type(exc).__name__}: {exc}"
         for group in self.groups:
@@ -162,42 +160,55 @@ class Receiver:
             raise ProtocolError(f"expected {expected.name} frame, got {frame.kind.name}")
         return channel.payload(None, frame.a, what)
 
-    def _receive_buckets(self, incoming: Incoming, owners: list[int]) -> dict[int, str]:
-        """Every bucket, each from its owner's group, into staging; returns the owners that aborted (and why):
-        an owner that aborts sends nothing more of the version, the others go on to its end."""
-        previous = None
-        aborted: dict[int, str] = {}
-        for bucket in incoming.layout.buckets:
-            k, owner = bucket.index, owners[bucket.index]
-            if owner in aborted:
-                continue
-            channel = self.channels[owner]
-            frame = channel.frame(None, len(bucket.slots), f"bucket {k} header")
-            if frame.kind != FrameKind.BUCKET:
-                try:
-                    self._payload_of(frame, FrameKind.BUCKET, "bucket", channel)
-                except SenderAborted as exc:
-                    aborted[owner] = str(exc)
-                    continue
-            if frame.a != k or frame.b != bucket.nbytes or frame.c != len(bucket.slots):
-                raise ProtocolError(f"bucket {k}: frame says index {frame.a}, {frame.b} bytes, {frame.c} tensors; "
-                                    f"layout says {bucket.nbytes} bytes, {len(bucket.slots)} tensors")
-            t0 = time.perf_counter()
-            work = channel.data(incoming.bucket_view(bucket)) if bucket.nbytes else None
-            if previous is not None:
-                self.assembler.check_bucket(incoming, *previous)  # overlaps with bucket k on the wire
-            if work is not None:
-                channel.wait(work, f"bucket {k} data")
-            incoming.add_seconds("recv", time.perf_counter() - t0)
-            incoming.result.bytes_received += bucket.nbytes
-            previous = (bucket, frame.extra)
-        if previous is not None:
-            self.assembler.check_bucket(incoming, *previous)
-        return aborted
-
     def _acknowledge(self, result: ReceiveResult) -> None:
         try:
             self.channel.exchange_acks(result.ack(self.group.rank), None)
         except CkptEngineError as exc:
             result.ok = False
             result.reason = f"{result.reason or 'loaded'}; acknowledgement failed: {exc}"
+
+
+class _Feed:
+    """The buckets of one version on the owners' groups (receive/assembly.py's Feed): each from its owner; an
+    owner that aborts sends nothing more of the version, the others go on to its end."""
+
+    def __init__(self, receiver: Receiver, owners: list[int]) -> None:
+        self.receiver, self.owners = receiver, owners
+        self.aborted: dict[int, str] = {}
+        self.ended = False  # the version's end was read
+
+    def start(self, bucket: Bucket, into: torch.Tensor) -> Callable[[], list[int]] | None:
+        k, owner = bucket.index, self.owners[bucket.index]
+        if owner in self.aborted:
+            return None
+        channel = self.receiver.channels[owner]
+        frame = channel.frame(None, len(bucket.slots), f"bucket {k} header")
+        if frame.kind != FrameKind.BUCKET:
+            try:
+                self.receiver._payload_of(frame, FrameKind.BUCKET, "bucket", channel)
+            except SenderAborted as exc:
+                if owner == 0:  # the lead aborted: nothing more comes on its group for this version
+                    raise
+                self.aborted[owner] = str(exc)
+                return None
+        if frame.a != k or frame.b != bucket.nbytes or frame.c != len(bucket.slots):
+            raise ProtocolError(f"bucket {k}: frame says index {frame.a}, {frame.b} bytes, {frame.c} tensors; "
+                                f"layout says {bucket.nbytes} bytes, {len(bucket.slots)} tensors")
+        work = channel.data(into) if bucket.nbytes else None
+
+        def wait() -> list[int]:
+            if work is not None:
+                channel.wait(work, f"bucket {k} data")
+            return frame.extra
+
+        return wait
+
+    def trailer(self) -> VersionTrailer:
+        if 0 in self.aborted:
+            raise SenderAborted(self.aborted[0])
+        frame = self.receiver.channel.frame(None, 0, "version end")
+        trailer = decode(VersionTrailer, self.receiver._payload_of(frame, FrameKind.END, "version trailer"))
+        if self.aborted:  # another owner aborted; the lead ended the version without an abort: not a whole one
+            raise ProtocolError(f"owner(s) {sorted(self.aborted)} aborted, yet the version ended: {self.aborted}")
+        self.ended = True
+        return trailer

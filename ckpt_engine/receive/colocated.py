@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ckpt_engine.device import DeviceInfo, stream_synchronize
 from ckpt_engine.errors import CkptEngineError, ProtocolError, StagingUnavailable, SyncTimeoutError
-from ckpt_engine.receive.assembly import Incoming, LoadFn, ReceiveResult, VersionAssembler
+from ckpt_engine.plan.layout import Bucket
+from ckpt_engine.receive.assembly import Incoming, LoadFn, ReceiveResult, SenderAborted, VersionAssembler
+from ckpt_engine.receive.streamed import receive_streamed
 from ckpt_engine.transport.messages import VersionHeader, VersionTrailer, decode
 from ckpt_engine.transport.same_host import IPC_PROTO, FramedSocket, PeerGone, abstract_address, map_slot
 
@@ -76,17 +78,27 @@ class IpcReceiver:
             return None
         except CkptEngineError as exc:
             return ReceiveResult(None, False, self._broke(exc))
+        feed = _Feed(self, incoming)
+        if incoming.choice.mode == "stream":
+            result = receive_streamed(self.assembler, incoming, feed, self._broke)
+        else:
+            result = self._receive_whole(incoming, feed)
+        if feed.ended:  # (after an abort or a broken channel there is nobody to acknowledge to)
+            try:
+                self.channel.send({"type": "ack", "ack": result.ack(self.rank).model_dump()})
+            except CkptEngineError as exc:
+                result.ok, result.reason = False, f"{result.reason or 'loaded'}; acknowledgement failed: {exc}"
+        return result
+
+    def _receive_whole(self, incoming: Incoming, feed: _Feed) -> ReceiveResult:
         try:
-            trailer = self._receive_buckets(incoming)
+            for _ in self.assembler.flow(incoming, feed):
+                pass
+            trailer = feed.trailer()
         except CkptEngineError as exc:
             reason = str(exc) if isinstance(exc, _Aborted) else self._broke(exc)
             return self.assembler.finish(incoming, reason)
-        result = self.assembler.conclude(incoming, trailer)
-        try:
-            self.channel.send({"type": "ack", "ack": result.ack(self.rank).model_dump()})
-        except CkptEngineError as exc:
-            result.ok, result.reason = False, f"{result.reason or 'loaded'}; acknowledgement failed: {exc}"
-        return result
+        return self.assembler.conclude(incoming, trailer)
 
     def close(self) -> None:
         self.channel.close()
@@ -122,34 +134,6 @@ class IpcReceiver:
             if time.monotonic() >= deadline:
                 raise SyncTimeoutError("IPC peer sent nothing within the timeout")
         return None
-
-    def _receive_buckets(self, incoming: Incoming) -> VersionTrailer:
-        previous = None
-        for bucket in incoming.layout.buckets:
-            message = self._next(self.timeout_s, {"bucket", "abort"})
-            if message["type"] == "abort":
-                raise _Aborted(f"sender aborted version {incoming.header.version}: {_reason(message)}")
-            notice = _notice(message)
-            if notice.index != bucket.index or (notice.nbytes is not None and notice.nbytes != bucket.nbytes) or (
-                    notice.names is not None and notice.names != [s.name for s in bucket.slots]):
-                raise ProtocolError(f"bucket {bucket.index}: notice for index {notice.index} does not match the layout")
-            t0 = time.perf_counter()
-            if bucket.nbytes and not notice.in_place:
-                incoming.bucket_view(bucket).copy_(self._slot(notice.slot)[: bucket.nbytes])
-                # A device copy is only queued: the sender may refill the slot as soon as it is released.
-                stream_synchronize(self.device)
-            self.channel.send({"type": "release", "seq": notice.seq})
-            incoming.add_seconds("recv", time.perf_counter() - t0)
-            incoming.result.bytes_received += bucket.nbytes
-            if previous is not None:
-                self.assembler.check_bucket(incoming, *previous)
-            previous = (bucket, notice.digests)
-        if previous is not None:
-            self.assembler.check_bucket(incoming, *previous)
-        message = self._next(self.timeout_s, {"end", "abort"})
-        if message["type"] == "abort":
-            raise _Aborted(f"sender aborted version {incoming.header.version}: {_reason(message)}")
-        return decode(VersionTrailer, message["trailer"])
 
     def _next(self, timeout_s: float | None, expected: set[str]) -> dict[str, Any]:
         """The next frame of an expected type; slot maps are handled on the way."""
@@ -192,13 +176,46 @@ class IpcReceiver:
             raise ProtocolError(f"bucket announced in slot {index}, which was never mapped")
         return slot
 
-    def _broke(self, exc: CkptEngineError) -> str:
+    def _broke(self, exc: BaseException) -> str:
         self.broken = f"{type(exc).__name__}: {exc}"
         return self.broken
 
 
-class _Aborted(CkptEngineError):
+class _Aborted(SenderAborted):
     pass
+
+
+class _Feed:
+    """The buckets of one version as the hub announces them (receive/assembly.py's Feed): each copied out of
+    its shared slot (unless the version is read in place) and the slot released at once, so the sender can
+    refill it."""
+
+    def __init__(self, receiver: IpcReceiver, incoming: Incoming) -> None:
+        self.receiver, self.version = receiver, incoming.header.version
+        self.ended = False  # the version's end was read
+
+    def start(self, bucket: Bucket, into: torch.Tensor) -> Callable[[], list[int]]:
+        receiver = self.receiver
+        message = receiver._next(receiver.timeout_s, {"bucket", "abort"})
+        if message["type"] == "abort":
+            raise _Aborted(f"sender aborted version {self.version}: {_reason(message)}")
+        notice = _notice(message)
+        if notice.index != bucket.index or (notice.nbytes is not None and notice.nbytes != bucket.nbytes) or (
+                notice.names is not None and notice.names != [s.name for s in bucket.slots]):
+            raise ProtocolError(f"bucket {bucket.index}: notice for index {notice.index} does not match the layout")
+        if bucket.nbytes and not notice.in_place:
+            into.copy_(receiver._slot(notice.slot)[: bucket.nbytes])
+            # A device copy is only queued: the sender may refill the slot as soon as it is released.
+            stream_synchronize(receiver.device)
+        receiver.channel.send({"type": "release", "seq": notice.seq})
+        return lambda: notice.digests
+
+    def trailer(self) -> VersionTrailer:
+        message = self.receiver._next(self.receiver.timeout_s, {"end", "abort"})
+        if message["type"] == "abort":
+            raise _Aborted(f"sender aborted version {self.version}: {_reason(message)}")
+        self.ended = True
+        return decode(VersionTrailer, message["trailer"])
 
 
 def _notice(message: dict[str, Any]) -> BucketNotice:

@@ -23,9 +23,9 @@ log = logging.getLogger(__name__)
 
 
 class Outlet(Protocol):
-    def begin(self, version: int, layout_digest: str, full: Callable[[], bytes], slim: bytes) -> None:
+    def begin(self, version: int, layout_digest: str, full: Callable[[], bytes], slim: bytes, proto: int) -> None:
         """Announce a version: ``full()`` builds the header with the layout, ``slim`` carries only its digest,
-        for receivers known to hold that layout already."""
+        for receivers known to hold that layout already; ``proto``: what a receiver must speak to take it."""
 
     def reclaim(self, slot_index: int, k: int) -> None:
         """Return once send slot ``slot_index`` may be overwritten with bucket ``k``."""
@@ -63,11 +63,11 @@ class CollectiveOutlet:
         self._version = 0
         self._layout_sent = layout_sent
 
-    def begin(self, version: int, layout_digest: str, full: Callable[[], bytes], slim: bytes) -> None:
+    def begin(self, version: int, layout_digest: str, full: Callable[[], bytes], slim: bytes, proto: int) -> None:
         self._version = version
         header = slim if self._layout_sent.digest == layout_digest else full()
         self._layout_sent.digest = None  # until the header went out whole
-        self.channel.frame(Frame(FrameKind.BEGIN, version, len(header)), 0, "version begin")
+        self.channel.frame(Frame(FrameKind.BEGIN, version, len(header), proto=proto), 0, "version begin")
         self.channel.payload(header, len(header), "version header")
         self._layout_sent.digest = layout_digest
 
@@ -131,8 +131,11 @@ class IpcOutlet:
         self.missing = missing  # agent id -> why it is not part of this version
         self.in_place = in_place
 
-    def begin(self, version: int, layout_digest: str, full: Callable[[], bytes], slim: bytes) -> None:
+    def begin(self, version: int, layout_digest: str, full: Callable[[], bytes], slim: bytes, proto: int) -> None:
         for peer in self._live():
+            if peer.proto < proto:  # an older receiver: told why, and left out of this version
+                self._guard(peer, lambda p: self._refuse(p, version, proto))
+                continue
             header = slim if peer.layout_digest == layout_digest else full()
             self._guard(peer, lambda p: self._map_and_begin(p, header))
             peer.layout_digest = layout_digest
@@ -212,6 +215,12 @@ class IpcOutlet:
             self._expect(peer, "mapped")
             peer.mapped_generation = self.hub.slots_generation
         peer.channel.send({"type": "begin", "header": header, "buffer": buffer.index if buffer else None})
+
+    def _refuse(self, peer: IpcPeer, version: int, proto: int) -> None:
+        reason = (f"version {version} has tensors larger than a bucket, sent in pieces (same-host protocol "
+                  f"{proto}); this receiver speaks protocol {peer.proto}: upgrade ckpt-engine where it runs")
+        peer.channel.send({"type": "abort", "reason": reason.encode()})
+        raise ProtocolError(reason)
 
     def _wait_released(self, peer: IpcPeer, seq: int, deadline: float) -> None:
         while peer.released < seq:

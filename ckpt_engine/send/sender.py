@@ -35,7 +35,16 @@ from ckpt_engine.send.sources import (CacheSource, LiveSource, Source, SparseCac
 from ckpt_engine.send.transfer import Transfer, TransferResult
 from ckpt_engine.transport.framing import Channel, Frame, FrameKind
 from ckpt_engine.transport.group import SyncGroup
-from ckpt_engine.transport.messages import AbortMessage, Ack, LayoutMessage, VersionHeader, VersionTrailer, encode
+from ckpt_engine.transport.messages import (
+    PROTO_CHUNKED,
+    PROTO_VERSION,
+    AbortMessage,
+    Ack,
+    LayoutMessage,
+    VersionHeader,
+    VersionTrailer,
+    encode,
+)
 from ckpt_engine.transport.same_host import IpcHub
 
 log = logging.getLogger(__name__)
@@ -223,8 +232,9 @@ class Sender:
             if self.lead:
                 with timer.stage("header"):
                     full, slim = self._headers(source)
+                    proto = PROTO_CHUNKED if layout.chunked else PROTO_VERSION
                     for outlet in outlets:
-                        outlet.begin(source.version, layout.digest, full, slim)
+                        outlet.begin(source.version, layout.digest, full, slim, proto)
             self._stage(source.version, "transferring")
             digests = self._send_buckets(source, outlets, slots, timer, result, mine)
             if self.owners_group is not None:

@@ -17,7 +17,7 @@ from ckpt_engine.plan.hashing import layout_digests
 from ckpt_engine.plan.layout import Layout
 from ckpt_engine.plan.modes import Mode
 from ckpt_engine.plan.owners import Owners, single_owner
-from ckpt_engine.plan.sparse import Manifest, SparsePlan, manifest_of, plan_sparse
+from ckpt_engine.plan.sparse import Manifest, SparsePlan, manifest_of, plan_sparse, wire_manifest
 from ckpt_engine.plan.tensors import BucketTensors, TensorsOrProvider, fill_bucket, provider_of
 from ckpt_engine.send.cache import CachedVersion, VersionCache
 
@@ -67,7 +67,7 @@ class FullSource:
         pass
 
     def manifest(self, version: int, algo: str, wire_digests: list[int]) -> Manifest:
-        return manifest_of(version, algo, self.layout, wire_digests)  # type: ignore[attr-defined]
+        return wire_manifest(version, algo, self.layout, wire_digests)  # type: ignore[attr-defined]
 
 
 class LiveSource(FullSource):
@@ -256,7 +256,7 @@ class SparseCacheSource:
 
     def manifest(self, version: int, algo: str, wire_digests: list[int]) -> Manifest:
         if self.plan_ is None or self.full is None:
-            return manifest_of(version, algo, self.layout, wire_digests)
+            return wire_manifest(version, algo, self.layout, wire_digests)
         return self.full
 
     def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:

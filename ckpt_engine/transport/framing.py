@@ -8,7 +8,8 @@ Per version::
     control END(len)    -> payload VersionTrailer                                     (or ABORT(len) -> reason)
     allgather of fixed-size Ack frames (every rank's outcome)
 
-A control frame is int64[8]: MAGIC, PROTO_VERSION, kind, version, a, b, c, d (+ digests for BUCKET).
+A control frame is int64[8]: MAGIC, protocol, kind, version, a, b, c, d (+ digests for BUCKET). The protocol is
+1, or 2 in the BEGIN frame of a version whose tensors include pieces of chunked ones (see messages.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from ckpt_engine.errors import ProtocolError
 from ckpt_engine.plan.hashing import host_buffer
 from ckpt_engine.transport.group import SyncGroup
-from ckpt_engine.transport.messages import PROTO_VERSION, Ack, decode, encode
+from ckpt_engine.transport.messages import PROTO_VERSION, SUPPORTED_PROTOS, Ack, decode, encode
 
 MAGIC = 0x434B5054  # "CKPT"
 CONTROL_LEN = 8
@@ -49,6 +50,7 @@ class Frame:
     c: int = 0
     d: int = 0
     extra: list[int] = field(default_factory=list)
+    proto: int = PROTO_VERSION
 
 
 class Channel:
@@ -67,7 +69,7 @@ class Channel:
         if self.is_src:
             if frame is None:
                 raise ValueError("the sender must pass a frame")
-            head = [MAGIC, PROTO_VERSION, int(frame.kind), frame.version, frame.a, frame.b, frame.c, frame.d]
+            head = [MAGIC, frame.proto, int(frame.kind), frame.version, frame.a, frame.b, frame.c, frame.d]
             tensor[:CONTROL_LEN] = torch.tensor(head, dtype=torch.int64)
             if extra is not None and extra_len:
                 tensor[CONTROL_LEN:] = extra.to(self._device)
@@ -106,13 +108,14 @@ def _parse(values: list[int], what: str) -> Frame:
     magic, proto, kind, version, a, b, c, d = values[:CONTROL_LEN]
     if magic != MAGIC:
         raise ProtocolError(f"{what}: bad magic {magic:#x}, not a ckpt-engine frame")
-    if proto != PROTO_VERSION:
-        raise ProtocolError(f"{what}: protocol {proto} is not supported (this side speaks {PROTO_VERSION})")
+    if proto not in SUPPORTED_PROTOS:
+        raise ProtocolError(f"{what}: protocol {proto} is not supported (this side speaks "
+                            f"{', '.join(map(str, SUPPORTED_PROTOS))})")
     try:
         frame_kind = FrameKind(kind)
     except ValueError:
         raise ProtocolError(f"{what}: unknown frame kind {kind}") from None
-    return Frame(frame_kind, version, a, b, c, d, values[CONTROL_LEN:])
+    return Frame(frame_kind, version, a, b, c, d, values[CONTROL_LEN:], proto)
 
 
 def _ack_bytes(ack: Ack) -> bytes:

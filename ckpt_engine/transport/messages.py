@@ -16,6 +16,10 @@ from ckpt_engine.plan.layout import Layout, TensorSpec, check_same_layout, plan_
 from ckpt_engine.plan.modes import Mode
 
 PROTO_VERSION = 1
+# A version with tensors larger than a bucket (sent in pieces) opens with this protocol number: a receiver
+# that cannot put pieces together refuses it at the first frame ("protocol 2 is not supported").
+PROTO_CHUNKED = 2
+SUPPORTED_PROTOS = (PROTO_VERSION, PROTO_CHUNKED)
 MAX_MESSAGE_BYTES = 64 << 20
 
 

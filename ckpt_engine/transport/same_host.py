@@ -29,7 +29,7 @@ from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError, ProtocolError, SyncTimeoutError
 
 log = logging.getLogger(__name__)
-IPC_PROTO = 1
+IPC_PROTO = 2  # 2: takes versions with chunked tensors (an older receiver says 1, or nothing)
 MAX_FRAME_BYTES = 64 << 20
 _LEN = struct.Struct("<I")
 
@@ -300,7 +300,7 @@ class IpcHub:
                 log.warning("rejected an IPC connection: %s", exc)
                 channel.close()
                 continue
-            peer = IpcPeer(hello["agent_id"], channel)
+            peer = IpcPeer(hello["agent_id"], channel, proto=_proto_of(hello))
             with self._changed:
                 old = self._peers.pop(peer.agent_id, None)
                 self._peers[peer.agent_id] = peer
@@ -309,10 +309,16 @@ class IpcHub:
                     old.channel.close()
 
 
+def _proto_of(hello: dict) -> int:
+    proto = hello.get("proto", 1)
+    return proto if isinstance(proto, int) and not isinstance(proto, bool) else 1
+
+
 @dataclass
 class IpcPeer:
     agent_id: str
     channel: FramedSocket
+    proto: int = 1  # the same-host protocol it said it speaks
     rank: int = 0
     mapped_generation: int = 0
     mapped_buffers: set[int] = field(default_factory=set)

@@ -44,6 +44,13 @@ def expected_digest(done: Report, source_digest: str | None, source: int | None)
     return source_digest, None
 
 
+def staging_entry(own: Report) -> dict | None:
+    """Where a receiver held the version, why, and how long its engine was paused for it (as it said)."""
+    if own.staging is None:
+        return None
+    return {"mode": own.staging, "why": own.staging_why, "pause_s": own.stages.get("pause")}
+
+
 def receiver_verdict(own: Report | None, expected: str | None, wire_ack: ReceiverAck | None) -> tuple[bool, str | None]:
     """A receiver's verdict: its own report, with the digest it computed equal to the version's."""
     if own is None:
@@ -73,7 +80,8 @@ def judge(quorum: Mapping[str, int], reports: Mapping[str, Report], done: Report
             ok, reason = False, "it never joined the version's sync group (the trainer saw it absent)"
         entries.append({"rank": rank, "agent_id": agent_id, "transport": transports.get(agent_id), "ok": ok,
                         "reason": reason, "version_digest": own.version_digest if own else None,
-                        "seconds": own.stages if own else {}, "missing_report": own is None})
+                        "seconds": own.stages if own else {}, "missing_report": own is None,
+                        "staging": staging_entry(own) if own else None})
         for stage in ("load", "verify"):
             seconds = own.stages.get(stage) if own else None
             if seconds is not None:
@@ -97,6 +105,10 @@ def _engines_together(engines: Mapping[str, Sequence[str]], applied: Mapping[str
         mine = [e for e in entries if e["agent_id"] in members]
         failed = [e for e in mine if not e["ok"]]
         done = applied.get(engine)
+        paused = done.stages.get("pause") if done is not None else None
+        for entry in mine:  # an engine is paused by its driver: its pause is the driver's
+            if paused is not None and entry["staging"] is not None:
+                entry["staging"] = {**entry["staging"], "pause_s": paused}
         if done is not None and not done.ok:
             why = f"engine {engine} driver: {done.reason}"
         elif failed:

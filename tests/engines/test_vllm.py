@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -149,6 +150,83 @@ def test_the_ckpt_engine_backend_in_an_offline_llm(tmp_path: Path) -> None:
         trainer.close()
         llm.llm_engine.engine_core.shutdown()
         daemon.stop()
+
+
+def test_the_backend_streams_versions_and_a_bad_middle_bucket_leaves_it_paused_until_repaired(tmp_path: Path) -> None:
+    """staging stream, buckets of 32 KiB (the model is over 40 buckets, each MLP weight 4 buckets in pieces):
+    vLLM loads each bucket as it verifies, inside its layerwise reload, paused for the transfer. Three
+    versions in a row give transformers' tokens; a byte flipped in a middle bucket, after earlier buckets were
+    loaded, leaves vLLM paused and torn (generation, polled all along, never runs on it) until the daemon's
+    repair from the cache gives the last committed version's tokens again."""
+    daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts=_TIMEOUTS,
+                                       bucket_size_mb=1 / 32, staging="stream", keep_versions=3))
+    corrupt = threading.Event()  # set: the next bucket 20 to go out (the next version's) has a byte flipped
+    base = llama(seed=1)
+    state = {"base": base, "tensors": hf_tensors(base)}
+
+    def hook(bucket: int, buf: torch.Tensor) -> torch.Tensor:
+        if bucket == 20 and corrupt.is_set():
+            corrupt.clear()
+            buf = buf.clone()
+            buf[buf.numel() // 2] ^= 0xFF
+        return buf
+
+    trainer = TrainerLoop(daemon.zmq, lambda: state["tensors"], wire_hook=hook)
+    llm = make_llm(save_model(tmp_path / "model", seed=1), weight_transfer_config={"backend": "ckpt_engine"})
+    control = Recorded(LLMControl(llm))
+    driver = start_vllm_driver(control, daemon.zmq, engine="vllm-stream")
+    seen: list[list[int]] = []
+    polling = threading.Event()
+
+    def poll() -> None:  # generation all along: whatever it returns is some committed version's tokens
+        while not polling.is_set():
+            try:
+                with control.control.serving(timeout_s=1):
+                    seen.append(vllm_tokens(llm))
+            except TornModelError:
+                pass
+
+    poller = threading.Thread(target=poll, daemon=True)
+    try:
+        with daemon.client() as http:
+            wait_for(lambda: len(receivers_of(http)) == 1, 60, "the vLLM worker to register")
+            poller.start()
+            expected = [reference_tokens(base)]
+            for seed in (2, 3, 4):
+                pushed = llama(seed=seed)
+                state["tensors"] = hf_tensors(pushed)
+                record = sync(http)
+                assert record["status"] == "committed", record
+                assert record["receivers"][0]["staging"]["mode"] == "stream", record["receivers"][0]
+                assert driver.wait_for_version(record["id"], 60)
+                expected.append(reference_tokens(pushed))
+                with control.control.serving(timeout_s=60):
+                    assert vllm_tokens(llm) == expected[-1]
+            last = record
+            state["tensors"] = hf_tensors(llama(seed=5))
+            corrupt.set()
+            failed = sync(http)
+            assert failed["status"] == "failed" and "digest mismatch" in str(failed), failed
+            assert failed["receivers"][0]["serving_after"] is None, failed["receivers"][0]
+            repair = wait_for(lambda: next((v for v in http.get("/versions").json()["versions"]
+                                            if v["purpose"] == "repair" and v["status"] == "committed"), None),
+                              120, "the repair")
+            assert repair["source_version"] == last["id"], repair
+            assert driver.wait_for_version(repair["id"], 60)
+            with control.control.serving(timeout_s=60):
+                assert vllm_tokens(llm) == expected[-1]
+    finally:
+        polling.set()
+        if poller.is_alive():
+            poller.join(120)
+        driver.close()
+        trainer.close()
+        llm.llm_engine.engine_core.shutdown()
+        daemon.stop()
+    assert seen and all(tokens in expected for tokens in seen), seen
+    events = control.events
+    failed_at = events.index(f"failed {failed['id']}")
+    assert "resume" not in events[failed_at:events.index(f"apply {repair['id']}")], events
 
 
 def test_the_worker_extension_in_an_offline_llm(tmp_path: Path) -> None:

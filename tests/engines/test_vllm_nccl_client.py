@@ -5,6 +5,10 @@ NCCL communicator: it needs CUDA, so here it must refuse clearly."""
 
 from __future__ import annotations
 
+import http.server
+import json
+import threading
+
 import pytest
 import torch
 
@@ -34,3 +38,37 @@ def test_without_cuda_the_bridge_says_what_to_use_instead() -> None:
     with pytest.raises(ConfigError, match="ckpt_engine backend"):
         client.connect()
     client.control.close()
+
+
+def test_connect_starts_the_workers_with_vllms_init_info(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What connect() posts to the vLLM server (a real HTTP server here, recording it). vLLM's side of the NCCL
+    rendezvous needs CUDA, which this machine lacks: only that is replaced."""
+    from vllm.distributed.weight_transfer import nccl_common
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(nccl_common, "trainer_init", lambda info: "communicator")
+    posted: list[tuple[str, object]] = []
+
+    class Recording(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            body = self.rfile.read(int(self.headers.get("content-length") or 0))
+            posted.append((self.path, json.loads(body) if body else None))
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recording)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = VLLMWeightTransferClient(f"http://127.0.0.1:{server.server_address[1]}", master_address="127.0.0.1",
+                                          master_port=29702, workers=2)
+        client.connect()
+        assert client.communicator == "communicator"
+        assert posted == [("/init_weight_transfer_engine", {"init_info": init_info("127.0.0.1", 29702, 3)})]
+        client.control.close()
+    finally:
+        server.shutdown()

@@ -114,6 +114,28 @@ def test_verl_syncs_are_versions_byte_exact_and_a_corrupted_byte_is_refused(mode
         cluster.close()
 
 
+def test_a_streamed_rollout_yields_each_verified_bucket_and_a_bad_middle_bucket_fails_it_part_way() -> None:
+    """staging stream: verl's loader gets each bucket's tensors once it verified (a model of 9 buckets, its
+    lm_head 4 buckets in pieces, byte-exact); a corrupted middle bucket after earlier ones reached the loader
+    raises into it (the rollout is torn; the next sync is whole again)."""
+    small = 24 << 10
+    cluster = Cluster(2, 2, {"staging": "stream", "timeout_s": 60.0, "load_timeout_s": 60.0, "_bucket_size": small})
+    try:
+        for version, steps in enumerate((3, 4, 5), start=1):
+            _check_delivered(cluster.update_weights(global_steps=steps), steps, version=version)
+        layout = plan_layout([spec_of(n, t) for n, t in model_weights(6)], small)
+        assert len(layout.buckets) >= 8 and any(slot.chunked for slot in layout.slots)
+        middle = len(layout.buckets) // 2
+        owner = plan_owners(layout, 2).of[middle]
+        bad = cluster.update_weights(global_steps=6, corrupt=(owner, middle))
+        for rollout in bad["rollouts"]:
+            assert rollout["yielded"] > 0, rollout  # earlier buckets had reached the loader
+            assert "VerificationFailed" in rollout["raised"] and "digest mismatch" in rollout["raised"], rollout
+        _check_delivered(cluster.update_weights(global_steps=7), 7, version=5)
+    finally:
+        cluster.close()
+
+
 def test_a_streamed_share_is_the_planned_one_for_any_sizes() -> None:
     """Each rank keeps exactly the tensors of the buckets plan_owners gives it, learnt as the tensors come."""
     import torch

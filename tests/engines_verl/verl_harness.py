@@ -57,7 +57,11 @@ def fingerprint(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, t
 
 
 def _construct(role: str, rank: int, engine_kwargs: dict[str, Any], how: str):
+    """``engine_kwargs["_bucket_size"]``: verl's bucket size for this cluster (default BUCKET_SIZE)."""
     from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+    engine_kwargs = dict(engine_kwargs)
+    bucket_size = engine_kwargs.pop("_bucket_size", BUCKET_SIZE)
 
     if how == "custom_backend_module":
         from verl.utils.import_utils import import_external_libs
@@ -66,9 +70,9 @@ def _construct(role: str, rank: int, engine_kwargs: dict[str, Any], how: str):
     else:
         import verl  # noqa: F401 - the verl.plugins entry point registers the backend at import
     if role == "actor":  # as ActorRolloutRefWorker.init_model; rollout workers as CheckpointEngineWorker
-        return CheckpointEngineRegistry.new("ckpt_engine", is_master=rank == 0, bucket_size=BUCKET_SIZE,
+        return CheckpointEngineRegistry.new("ckpt_engine", is_master=rank == 0, bucket_size=bucket_size,
                                             **engine_kwargs)
-    return CheckpointEngineRegistry.new("ckpt_engine", bucket_size=BUCKET_SIZE, **engine_kwargs)
+    return CheckpointEngineRegistry.new("ckpt_engine", bucket_size=bucket_size, **engine_kwargs)
 
 
 def _flip(bucket: int, buf: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ Only versions the agent has already verified are pushed; the engine then confirm
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -22,6 +23,7 @@ from ckpt_engine.errors import CkptEngineError, SyncTimeoutError
 from ckpt_engine.transport.group import SyncGroup, open_store
 
 T = TypeVar("T")
+Batch = list[tuple[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -90,26 +92,29 @@ def push_while(call: Callable[[], T], work: Callable[[], None], timeout_s: float
             raise SyncTimeoutError(f"the engine did not answer within {timeout_s}s") from None
 
 
-def unique_tensors(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """Drop alias names (tied weights share one tensor object in a payload): each tensor is pushed once."""
-    seen: set[int] = set()
-    out = []
-    for name, tensor in tensors.items():
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            out.append((name, tensor))
-    return out
+def distinct(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Drop alias names (tied weights are one tensor object in a payload): each tensor is pushed once. Weak
+    references: a streamed payload lets tensors go as it moves on, and a new one may reuse a dead one's id."""
+    seen: dict[int, weakref.ref] = {}
+    for name, tensor in items:
+        ref = seen.get(id(tensor))
+        if ref is not None and ref() is tensor:
+            continue
+        seen[id(tensor)] = weakref.ref(tensor)
+        yield name, tensor
 
 
-def chunks(named: list[tuple[str, torch.Tensor]], limit: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive batches of at most ``limit`` bytes (a larger tensor goes alone)."""
-    batches: list[list[tuple[str, torch.Tensor]]] = [[]]
+def batches(items: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[tuple[Batch, bool]]:
+    """Consecutive (batch, is_last) of at most ``limit`` bytes (a larger tensor goes alone). One item ahead: a
+    batch is known to be the last only once the payload ended (streamed: after its trailer verified)."""
+    batch: Batch = []
     size = 0
-    for name, tensor in named:
+    for name, tensor in items:
         nbytes = tensor.numel() * tensor.element_size()
-        if batches[-1] and size + nbytes > limit:
-            batches.append([])
-            size = 0
-        batches[-1].append((name, tensor))
+        if batch and size + nbytes > limit:
+            yield batch, False
+            batch, size = [], 0
+        batch.append((name, tensor))
         size += nbytes
-    return [b for b in batches if b]
+    if batch:
+        yield batch, True

@@ -15,6 +15,10 @@ not run: SGLang does not install on a CPU-only machine. Per version:
 every successful request, so sending it earlier would label the server with the new version before its
 last batch landed (and a flush refuses while requests wait, failing a batch that was applied).
 
+A streamed version (staging ``stream``: ``RolloutAgent(adapter.load, ..., streams=True)``) is pushed batch by
+batch as its buckets verify, inside the same session, with generation paused from the first batch; the last
+batch (with the label) goes only after the whole version and its trailer verified.
+
 No torn model: a batch that fails after an earlier one was applied leaves SGLang with a mix; the adapter then
 keeps generation paused and reports the load torn, and the daemon re-sends the version this receiver served
 last; once a version applies whole, generation continues. A failure before any weight was sent changes
@@ -29,15 +33,15 @@ from typing import Any
 import httpx
 import torch
 from ckpt_engine.workers.adapters.engine_http import EngineUpdateError, checked
-from ckpt_engine.workers.adapters.push_group import PushGroup, PushSettings, chunks, push_while, unique_tensors
+from ckpt_engine.workers.adapters.push_group import Batch, PushGroup, PushSettings, batches, distinct, push_while
 
 from ckpt_engine.errors import ApplyRefused, CkptEngineError, SyncTimeoutError, TornModelError
 from ckpt_engine.plan.dtypes import dtype_name
 from ckpt_engine.receive.collective import VersionPayload
+from ckpt_engine.receive.streamed import StreamFailed
 
 __all__ = ["EngineUpdateError", "SGLangAdapter"]
 log = logging.getLogger(__name__)
-Batch = list[tuple[str, torch.Tensor]]
 
 
 class SGLangAdapter:
@@ -74,9 +78,8 @@ class SGLangAdapter:
         try:
             self.post("/begin_weight_update", {})
             opened = True
-            batches = chunks(unique_tensors(payload.tensors), self.push.chunk_bytes)
-            for index, batch in enumerate(batches):
-                update = _update(batch, self.push.group_name, index == len(batches) - 1, payload.version)
+            for batch, last in batches(distinct(payload.items()), self.push.chunk_bytes):
+                update = _update(batch, self.push.group_name, last, payload.version)
                 push_while(lambda: self.post("/update_weights_from_distributed", update),  # noqa: B023 - awaited here
                            lambda: self.group.broadcast(t for _, t in batch), self.push.timeout_s)  # noqa: B023
                 done += 1
@@ -109,7 +112,9 @@ class SGLangAdapter:
     def _failed(self, version: int, exc: Exception, opened: bool, done: int) -> None:
         if opened:
             self._close_session()  # only our own: another client's open session is not ours to end
-        if not isinstance(exc, EngineUpdateError) or "Failed to receive weights" in str(exc):
+        if isinstance(exc, StreamFailed):  # our side: the version failed to verify part way, the group is fine
+            pass
+        elif not isinstance(exc, EngineUpdateError) or "Failed to receive weights" in str(exc):
             self._stale = f"{type(exc).__name__}: {exc}"  # the group may be broken: join a new one next time
         if done or (opened and _may_have_landed(exc)):  # some weights may have landed: a mix is not served
             self.torn = f"version {version} failed part way: {exc}"

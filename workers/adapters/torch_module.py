@@ -1,7 +1,7 @@
 """Apply versions to a plain torch / transformers model in place, pausing generation while doing so.
 
     adapter = ModuleAdapter(model)
-    RolloutAgent(adapter.load, endpoint).start()
+    RolloutAgent(adapter.load, endpoint, streams=True).start()
     with adapter.serving():              # generation holds this; a version waits for it, then blocks new ones
         out = model.generate(...)
 
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ckpt_engine.errors import ApplyRefused, TornModelError
+from ckpt_engine.plan.dtypes import dtype_name
 from ckpt_engine.plan.tensors import NameMap, persistent_buffers, strip_wrapper_prefixes
 from ckpt_engine.receive.collective import VersionPayload
 
@@ -51,15 +52,17 @@ class ModuleAdapter:
             yield self.version
 
     def load(self, payload: VersionPayload) -> None:
-        """LoadFn for the receiver: check everything, then copy in place with generation paused."""
-        self._check(payload.tensors, payload.sparse)
+        """LoadFn for the receiver: check everything the version carries (known before any byte: a streamed
+        version's too), then copy in place with generation paused; a streamed version is copied as each of
+        its buckets verifies, and generation resumes only after its end verified."""
+        self._check(payload)
         if payload.sparse and self.torn is not None:
             raise ApplyRefused("the model is torn: only a whole version can repair it")
         with self._whole, torch.no_grad():
             try:
-                for name, target in self.targets.items():
-                    source = payload.tensors.get(name)
-                    if source is not None:
+                for name, source in payload.items():
+                    target = self.targets.get(name)
+                    if target is not None:
                         self._copy(name, target, source)
             except BaseException as exc:
                 self.torn = f"version {payload.version} failed part way: {type(exc).__name__}: {exc}"
@@ -72,15 +75,23 @@ class ModuleAdapter:
     def _copy(self, name: str, target: torch.Tensor, source: torch.Tensor) -> None:
         target.copy_(source)
 
-    def _check(self, tensors: dict[str, torch.Tensor], sparse: bool = False) -> None:
-        missing = [name for name in self.targets if name not in tensors]
-        if missing and self.strict and not sparse:  # a sparse version carries only what changed
+    def _check(self, payload: VersionPayload) -> None:
+        carried = _carried(payload)
+        missing = [name for name in self.targets if name not in carried]
+        if missing and self.strict and not payload.sparse:  # a sparse version carries only what changed
             raise ApplyRefused(f"version lacks {len(missing)} tensor(s) of the model, e.g. {missing[:3]}")
-        extra = [name for name in tensors if name not in self.targets]
+        extra = [name for name in carried if name not in self.targets]
         if extra and self.strict:  # applying the rest would serve a model that is not the version it claims
             raise ApplyRefused(f"version has {len(extra)} tensor(s) the model does not, e.g. {extra[:3]}")
         for name, target in self.targets.items():
-            source = tensors.get(name)
-            if source is not None and (source.shape != target.shape or source.dtype != target.dtype):
-                raise ApplyRefused(f"{name}: version has {source.dtype}{tuple(source.shape)}, model has "
-                                   f"{target.dtype}{tuple(target.shape)}")
+            found = carried.get(name)
+            if found is not None and found != (dtype_name(target.dtype), tuple(target.shape)):
+                raise ApplyRefused(f"{name}: version has {found[0]}{found[1]}, model has "
+                                   f"{dtype_name(target.dtype)}{tuple(target.shape)}")
+
+
+def _carried(payload: VersionPayload) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """(dtype, shape) of every tensor the version carries, from its header (or its tensors, when given alone)."""
+    if payload.specs:
+        return {name: (spec.dtype, tuple(spec.shape)) for name, spec in payload.specs.items()}
+    return {name: (dtype_name(t.dtype), tuple(t.shape)) for name, t in payload.tensors.items()}

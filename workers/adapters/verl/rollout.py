@@ -1,6 +1,6 @@
 """A rollout worker's side of verl's contract: it receives the sync's version on a thread of its own (from
-every actor rank's group), verifies it, and only then yields it to verl's loader through the async
-generator; its own outcome is told to the daemon from the receiving thread, whatever verl does with the
+every actor rank's group), verifies it, and yields it to verl's loader through the async generator (staged:
+the whole version once verified; streamed: each bucket once verified); its own outcome is told to the daemon from the receiving thread, whatever verl does with the
 generator."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import torch
@@ -39,9 +39,10 @@ class VerlRollout(VerlSync):
         return {"role": _PEER, "agent_id": agent_id, "holds": held.version if held is not None else None}
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """Yields the whole version's (name, tensor) only after it arrived and verified. The tensors are views
-        into this worker's staging: valid until the generator is resumed after the last one (verl's adapters
-        copy or clone them)."""
+        """Yields the version's (name, tensor) once verified: staged, all of it after the whole version
+        verified; streamed, each bucket's tensors once that bucket verified, ending after the trailer verified.
+        The tensors are views into this worker's staging: valid until the generator is resumed past the next
+        bucket (verl's adapters copy or clone them)."""
         topology = self._require("rollout")
         version = topology["version"]
         receiver = Receiver(self._groups, self._handoff.load, assembler=self._assembler_for())
@@ -51,11 +52,8 @@ class VerlRollout(VerlSync):
         try:
             await asyncio.wait([handed, received], return_when=asyncio.FIRST_COMPLETED)
             if handed.done():
-                payload: VersionPayload = handed.result()
-                for name, tensor in payload.tensors.items():
+                async for name, tensor in self._handed(handed.result()):
                     yield name, tensor
-                if self.device.kind != "cpu":
-                    synchronize(self.device)  # verl's copies out of staging may be non-blocking
                 self._handoff.consumed(whole=True)
             await received
         finally:
@@ -69,6 +67,29 @@ class VerlRollout(VerlSync):
             raise VerificationFailed(f"{BACKEND}: version {version} (global_steps {global_steps}) {what}: "
                                      f"{result.reason}")
         self.last_version = version
+
+    async def _handed(self, payload: VersionPayload) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """The payload's tensors; a streamed one read off the event loop (each step receives and verifies)."""
+        if not payload.streamed:
+            for name, tensor in payload.tensors.items():
+                yield name, tensor
+            self._settle()
+            return
+        items = payload.items()
+        while True:
+            try:
+                item = await asyncio.to_thread(_next_or_none, items)
+            except Exception as exc:  # the stream failed part way: the receiving thread reports it, torn
+                self._handoff.consumed(whole=False, error=exc)
+                raise VerificationFailed(f"{BACKEND}: version {payload.version} failed part way: {exc}") from exc
+            if item is None:
+                return
+            yield item
+            self._settle()  # verl's copy out of this bucket is done before the stream may let it go
+
+    def _settle(self) -> None:
+        if self.device.kind != "cpu":
+            synchronize(self.device)  # verl's copies out of staging may be non-blocking
 
     def _receive_and_report(self, receiver: Receiver, version: int) -> ReceiveResult:
         """On the receiving thread: the outcome, told to the daemon from here, so it is told whatever verl does
@@ -85,7 +106,7 @@ class VerlRollout(VerlSync):
 
     def _assembler_for(self) -> VersionAssembler:
         if self._assembler is None:  # kept across syncs: staging and the version held carry over
-            self._assembler = VersionAssembler(self.device, self._handoff.load)
+            self._assembler = VersionAssembler(self.device, self._handoff.load, staging=self.staging, streams=True)
         return self._assembler
 
 
@@ -108,11 +129,12 @@ class _Handoff:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done = threading.Event()
         self._whole = False
+        self._error: BaseException | None = None  # what ended a streamed version part way
 
     def expect(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
         self._loop, self._future = loop, loop.create_future()
         self._done.clear()
-        self._whole = False
+        self._whole, self._error = False, None
         return self._future
 
     def load(self, payload: VersionPayload) -> None:
@@ -123,13 +145,19 @@ class _Handoff:
         if not self._done.wait(self.timeout_s):
             raise CkptEngineError(f"verl did not consume version {payload.version} within {self.timeout_s:.0f}s "
                                   "(engine_kwargs.ckpt_engine.load_timeout_s)")
+        if self._error is not None:
+            raise self._error
         if not self._whole:  # verl's loader took part of it: the rollout's weights are torn
             raise CkptEngineError(f"verl stopped reading version {payload.version} part way")
 
-    def consumed(self, *, whole: bool) -> None:
+    def consumed(self, *, whole: bool, error: BaseException | None = None) -> None:
         if not self._done.is_set():
-            self._whole = whole
+            self._whole, self._error = whole, error
             self._done.set()
+
+
+def _next_or_none(items: Iterator[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor] | None:
+    return next(items, None)
 
 
 def _set_once(future: asyncio.Future, value: object) -> None:

@@ -48,12 +48,12 @@ def collect_owned(weights: Iterable[tuple[str, torch.Tensor]], *, rank: int, ran
         name, tensor = item
         if name in tensors:
             raise LayoutError(f"verl's weight generator yielded tensor {name!r} twice")
-        bucket = packer.add(spec_of(name, tensor))
-        while len(owner_of) <= bucket:  # a bucket opened: the ones before it are closed and charged
+        buckets = packer.add(spec_of(name, tensor))
+        while len(owner_of) <= buckets[-1]:  # a bucket opened: the ones before it are closed and charged
             if owner_of:
                 picker.charge(owner_of[-1], packer.bucket_nbytes(len(owner_of) - 1))
-            owner_of.append(picker.pick())
-        if owner_of[bucket] == rank:
+            owner_of.append(owner_of[-1] if packer.continues(len(owner_of)) else picker.pick())
+        if owner_of[buckets[0]] == rank:  # (a chunked tensor's pieces have one owner)
             # A copy: a yielded tensor is valid only until the generator moves on (verl's merged-LoRA export
             # restores the base weights in place when it ends; an exporter may reuse its buffers).
             tensors[name] = tensor.detach().clone()

@@ -12,9 +12,11 @@ our versions:
   its own with all rollout workers; the actor ranks also form the owners group (their votes);
 - send_weights: every actor rank walks the whole generator (it is collective), keeps its buckets' tensors and
   publishes (cached or bypass_cpu); it returns once every rollout worker has acknowledged;
-- receive_weights: an async generator; the version is received and verified on a thread, and only a whole,
-  verified version is yielded to verl's loader (views into staging, valid until the generator moves past the
-  last tensor). A failed verification yields nothing and raises, naming the tensors;
+- receive_weights: an async generator; the version is received and verified on a thread. Staged (device or
+  host), only a whole, verified version is yielded to verl's loader; streamed, each bucket's tensors are
+  yielded once that bucket verified, and the generator ends only after the last bucket and the trailer
+  verified (a failure part way raises into verl's loader: the rollout is torn, which the daemon repairs).
+  A failed verification raises, naming the tensors;
 - finalize: the groups and the store close (a new topology comes with every sync).
 
 Actor rank 0 announces each sync's version on its store (so every rank and worker learns it, and whether it
@@ -39,7 +41,7 @@ import torch
 
 from ckpt_engine.device import DeviceInfo, detect_device
 from ckpt_engine.errors import CkptEngineError, ConfigError, SyncTimeoutError
-from ckpt_engine.plan.modes import check_sparse, mode_of
+from ckpt_engine.plan.modes import STAGINGS, Staging, check_sparse, mode_of
 from ckpt_engine.send.publisher import Publisher
 from ckpt_engine.transport.group import SyncGroup, open_store, owner_part, wait_for_key
 
@@ -52,7 +54,7 @@ _ANNOUNCEMENT = "ckpt-engine/verl/version"  # on actor rank 0's store: this sync
 _CHANGES = "ckpt-engine/verl/changes"  # sparse versions: each actor rank's change flags
 _DAEMON_WAIT_S = 30.0  # at most, per step of a sync that asks the daemon (registering, opening its version)
 _REPORT_WAIT_S = 30.0  # how long an outcome may take to reach the daemon (it retries with backoff meanwhile)
-_KNOWN = ("bypass_cpu", "sparse", "host", "device", "timeout_s", "load_timeout_s", "keep_versions", "group_name", "endpoint",
+_KNOWN = ("bypass_cpu", "sparse", "staging", "host", "device", "timeout_s", "load_timeout_s", "keep_versions", "group_name", "endpoint",
           "credentials")
 
 
@@ -121,13 +123,14 @@ class VerlSync:
     wire_format = "named_tensors"  # verl's adapters get (name, tensor) pairs
 
     def __init__(self, bucket_size: int, is_master: bool | None = None, *, bypass_cpu: bool = False,
-                 sparse: bool = False, host: str | None = None, device: str = "auto", timeout_s: float = 120.0,
+                 sparse: bool = False, staging: str = "auto", host: str | None = None, device: str = "auto", timeout_s: float = 120.0,
                  load_timeout_s: float = 600.0, keep_versions: int = 1, group_name: str = "verl",
                  endpoint: str | None = None, credentials: str | None = None, **unknown: Any) -> None:
         """``bucket_size`` is verl's (``update_weights_bucket_megabytes``); ``is_master`` verl gives actor ranks
         only (True on rank 0): without it this is a rollout worker. The rest are ``engine_kwargs.ckpt_engine``:
         ``bypass_cpu`` (mode), ``sparse`` (send only the tensors that changed since the version every rollout
-        worker holds; cached mode), ``host`` (where actor rank 0 serves the rendezvous; default this node's Ray
+        worker holds; cached mode), ``staging`` (how a rollout worker holds a version before verl's loader
+        gets it: auto, device, host or stream; see docs/workers.md), ``host`` (where actor rank 0 serves the rendezvous; default this node's Ray
         address), ``device`` (auto: cuda/npu/cpu), ``timeout_s`` (every wait of the transfer),
         ``load_timeout_s`` (how long verl's loader may take to consume a version), ``keep_versions`` (cached
         versions kept in host memory on each actor rank), ``endpoint`` (a ckpt-engine daemon's control endpoint,
@@ -158,6 +161,9 @@ class VerlSync:
         except ConfigError as exc:
             raise ConfigError(f"engine_kwargs.{BACKEND}: {exc}") from None
         self.sparse = sparse
+        if staging not in STAGINGS:
+            raise ConfigError(f"engine_kwargs.{BACKEND}.staging must be one of {', '.join(STAGINGS)}, got {staging!r}")
+        self.staging: Staging = staging  # type: ignore[assignment]
         self.host = host
         self.device_name = device
         self.timeout_s = _seconds("timeout_s", timeout_s)

@@ -33,6 +33,7 @@ from vllm.config.weight_transfer import WeightTransferConfig
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from ckpt_engine.errors import CkptEngineError
+from ckpt_engine.plan.modes import STAGINGS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,10 +54,13 @@ class CkptEngineInitInfo(WeightTransferInitInfo):
     poll_wait_s: float = 1.0
     take_timeout_s: float = 60.0
     apply_timeout_s: float = 600.0
+    staging: str | None = None  # auto | device | host | stream: this engine's, over the deployment's
 
     def __post_init__(self) -> None:
         if not self.endpoint or not self.engine:
             raise ValueError("init_info needs the daemon's endpoint and the engine's name")
+        if self.staging is not None and self.staging not in STAGINGS:
+            raise ValueError(f"init_info staging must be one of {', '.join(STAGINGS)}, got {self.staging!r}")
 
 
 @dataclass
@@ -85,7 +89,8 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
                                   members=members_of(self.vllm_config), token=init_info.token,
                                   engine_key=init_info.engine_key,
                                   host_id=init_info.host_id, poll_wait_s=init_info.poll_wait_s,
-                                  take_timeout_s=init_info.take_timeout_s, apply_timeout_s=init_info.apply_timeout_s)
+                                  take_timeout_s=init_info.take_timeout_s, apply_timeout_s=init_info.apply_timeout_s,
+                                  staging=init_info.staging)  # type: ignore[arg-type]
         self.receiver = WorkerReceiver(settings, self.device)
         log.info("ckpt-engine receiver %s started for engine %s", self.receiver.agent.agent_id, init_info.engine)
 

@@ -172,8 +172,10 @@ def default_engine_name(kind: str = "vllm") -> str:
 
 def start_vllm_driver(control: HttpControl | LLMControl, endpoint: str, *, engine: str | None = None,
                       token: str | None = None, worker_token: str | None = None, poll_wait_s: float = 1.0,
-                      take_timeout_s: float = 60.0, credentials: str | None = None) -> EngineDriver:
-    """Start the workers' receivers (through ``control``) and the driver of engine ``engine``.
+                      take_timeout_s: float = 60.0, credentials: str | None = None,
+                      staging: str | None = None) -> EngineDriver:
+    """Start the workers' receivers (through ``control``) and the driver of engine ``engine``; ``staging``:
+    the engine's staging policy (auto, device, host, stream; default: the deployment's).
 
     ``token``: the driver's rollout token (default: $CKPT_ENGINE_TOKEN, else the rollout token of the
     ``credentials`` file); ``worker_token``: the one the workers send (default: the same; a worker on another
@@ -184,9 +186,9 @@ def start_vllm_driver(control: HttpControl | LLMControl, endpoint: str, *, engin
     token = client_token("rollout", token, credentials)
     driver = EngineDriver(control, endpoint, engine=name, token=token, poll_wait_s=poll_wait_s).start()
     try:
-        control.start_workers({"endpoint": endpoint, "engine": name, "token": worker_token or token,
-                               "engine_key": driver.engine_key, "poll_wait_s": poll_wait_s,
-                               "take_timeout_s": take_timeout_s})
+        init_info = {"endpoint": endpoint, "engine": name, "token": worker_token or token,
+                     "engine_key": driver.engine_key, "poll_wait_s": poll_wait_s, "take_timeout_s": take_timeout_s}
+        control.start_workers(init_info | ({"staging": staging} if staging is not None else {}))
     except BaseException:
         driver.close()  # unregistered: an engine whose workers never started is not left in /receivers
         raise

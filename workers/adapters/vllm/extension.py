@@ -35,13 +35,15 @@ class CkptEngineWorkerExtension:
     """Mixed into vLLM's worker class; vLLM provides ``self.model_runner``, ``self.vllm_config``, ``self.device``."""
 
     def ckpt_engine_start(self, endpoint: str, token: str | None = None, engine: str | None = None,
-                          poll_wait_s: float = 1.0, take_timeout_s: float = 60.0, engine_key: str | None = None) -> str:
-        """Start this worker's receiver (once); returns its agent id. ``engine_key``: the engine's driver's."""
+                          poll_wait_s: float = 1.0, take_timeout_s: float = 60.0, engine_key: str | None = None,
+                          staging: str | None = None) -> str:
+        """Start this worker's receiver (once); returns its agent id. ``engine_key``: the engine's driver's;
+        ``staging``: this engine's staging policy (auto, device, host, stream; default: the deployment's)."""
         receiver: WorkerReceiver | None = getattr(self, "_ckpt_engine_receiver", None)
         if receiver is None:
             settings = WorkerSettings(endpoint=endpoint, engine=engine or default_engine_name(),
                                       members=members_of(self.vllm_config), token=token,  # type: ignore[attr-defined]
-                                      engine_key=engine_key,
+                                      engine_key=engine_key, staging=staging,  # type: ignore[arg-type]
                                       poll_wait_s=poll_wait_s, take_timeout_s=take_timeout_s)
             receiver = WorkerReceiver(settings, self.device)  # type: ignore[attr-defined]
             self._ckpt_engine_receiver = receiver

@@ -21,14 +21,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from ckpt_engine.workers.adapters.push_group import chunks, unique_tensors
+from ckpt_engine.workers.adapters.push_group import Batch, batches, distinct
 from ckpt_engine.workers.adapters.vllm.control import HttpControl
 
 from ckpt_engine.errors import ConfigError, SyncTimeoutError
 from ckpt_engine.plan.dtypes import dtype_name
 from ckpt_engine.receive.collective import VersionPayload
 
-Batch = list[tuple[str, torch.Tensor]]
 
 
 def init_info(master_address: str, master_port: int, world_size: int) -> dict[str, Any]:
@@ -63,7 +62,8 @@ class VLLMWeightTransferClient:
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
         info = init_info(self.master_address, self.master_port, self.world_size)
-        self.communicator = _while(lambda: self.control.init(info), lambda: trainer_init(info), self.timeout_s)
+        self.communicator = _while(lambda: self.control.start_workers(info), lambda: trainer_init(info),
+                                   self.timeout_s)
 
     def load(self, payload: VersionPayload) -> None:
         if self.communicator is None:
@@ -72,7 +72,7 @@ class VLLMWeightTransferClient:
         control.pause()
         try:
             control.start()
-            for batch in chunks(unique_tensors(payload.tensors), self.chunk_bytes):
+            for batch, _ in batches(distinct(payload.items()), self.chunk_bytes):
                 info = update_info(batch)
                 _while(lambda: control.update(info), lambda: self._broadcast(batch), self.timeout_s)
             control.finish(str(payload.version))

