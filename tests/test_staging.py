@@ -172,3 +172,59 @@ def test_a_streamed_version_lands_in_two_bucket_buffers_reused_across_buckets_an
     sent, got = run_processes([(plain_sender, (store.port,)), (counting_receiver, (store.port,))], timeout_s=120)
     assert sent and got["ok"] == [True] * 3 and got["same"], got
     assert got["pool"] == 2 and all(size <= BUCKET for size in got["bytes"]), got
+
+
+# ---- a receiver of an older release (it speaks protocol 1) facing a chunked version ------------------------------
+def chunked_then_plain(version: int) -> dict[str, torch.Tensor]:
+    tensors = plain_model(version)
+    if version == 2:
+        tensors["long"] = torch.randn(3 * BUCKET // 4)  # three buckets: sent in pieces
+    return tensors
+
+
+def older_sender(port: int | None, hub: str | None) -> list[tuple[bool, str | None]]:
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.send.publisher import Publisher
+
+    if hub is None:
+        publisher = Publisher(_sync_group(port, 0, 2, timeout_s=5), bucket_size=BUCKET)
+    else:
+        publisher = Publisher(device=detect_device("cpu"), bucket_size=BUCKET, ipc_hub_name=hub, timeout_s=20)
+        publisher.attach(None, ipc_peers={"old": 1})
+    out = []
+    for version in (1, 2):
+        result = publisher.publish(version, NamedTensors(chunked_then_plain(version))).result(timeout_s=60)
+        out.append((result.ok, result.reason))
+    publisher.close()
+    return out
+
+
+def older_receiver(port: int | None, hub: str | None) -> list[tuple[bool, str | None]]:
+    """This release's receiver made to speak protocol 1 only, as the releases before chunked tensors did."""
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.receive import colocated
+    from ckpt_engine.receive.collective import Receiver
+    from ckpt_engine.transport import framing
+
+    framing.SUPPORTED_PROTOS = (1,)
+    colocated.IPC_PROTO = 1
+    if hub is None:
+        rx = Receiver(_sync_group(port, 1, 2, timeout_s=5), lambda payload: None)
+    else:
+        rx = colocated.IpcReceiver(hub, "old", 1, lambda payload: None, device=detect_device("cpu"), timeout_s=20)
+    return [(r.ok, r.reason) for r in (rx.receive(30), rx.receive(30))]
+
+
+@pytest.mark.parametrize("transport", ["collective", "ipc"])
+def test_a_receiver_that_speaks_protocol_1_takes_plain_versions_and_refuses_a_chunked_one_clearly(transport) -> None:
+    import uuid
+
+    store = open_store(HOST, 0, is_master=True, timeout_s=30)
+    port, hub = (store.port, None) if transport == "collective" else (None, f"ckpt-test-{uuid.uuid4().hex[:8]}")
+    sent, got = run_processes([(older_sender, (port, hub)), (older_receiver, (port, hub))], timeout_s=120)
+    assert sent[0][0] and got[0][0], (sent, got)  # a version without pieces is protocol 1, as before
+    assert not got[1][0] and not sent[1][0], (sent, got)
+    if transport == "collective":
+        assert "protocol 2 is not supported" in got[1][1], got
+    else:
+        assert "sent in pieces" in got[1][1] and "upgrade ckpt-engine" in got[1][1], got

@@ -16,7 +16,7 @@ from ckpt_engine.device import stream_synchronize
 from ckpt_engine.errors import CkptEngineError, ProtocolError, SyncTimeoutError
 from ckpt_engine.plan.layout import Bucket
 from ckpt_engine.transport.framing import Channel, Frame, FrameKind
-from ckpt_engine.transport.messages import Ack
+from ckpt_engine.transport.messages import AbortMessage, Ack, encode
 from ckpt_engine.transport.same_host import IpcHub, IpcPeer, SharedSlot
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ class IpcOutlet:
     def _refuse(self, peer: IpcPeer, version: int, proto: int) -> None:
         reason = (f"version {version} has tensors larger than a bucket, sent in pieces (same-host protocol "
                   f"{proto}); this receiver speaks protocol {peer.proto}: upgrade ckpt-engine where it runs")
-        peer.channel.send({"type": "abort", "reason": reason.encode()})
+        peer.channel.send({"type": "abort", "reason": encode(AbortMessage(version=version, reason=reason))})
         raise ProtocolError(reason)
 
     def _wait_released(self, peer: IpcPeer, seq: int, deadline: float) -> None:
