@@ -18,6 +18,7 @@ import torch
 from ckpt_engine.errors import CkptEngineError, ProtocolError, StagingUnavailable
 from ckpt_engine.plan.layout import Bucket
 from ckpt_engine.receive.assembly import Incoming, LoadFn, ReceiveResult, SenderAborted, VersionAssembler, VersionPayload
+from ckpt_engine.receive.staging import Staging
 from ckpt_engine.receive.streamed import receive_streamed
 from ckpt_engine.transport.framing import Channel, Frame, FrameKind
 from ckpt_engine.transport.group import SyncGroup
@@ -32,16 +33,19 @@ class Receiver:
     ranks own, on one group per owner (``groups[r]``: owner r's; owner 0 also sends the header and trailer)."""
 
     def __init__(self, group: SyncGroup | Sequence[SyncGroup], load: LoadFn, *, verify: bool = True,
+                 staging: Staging = "device", streams: bool = False,
                  assembler: VersionAssembler | None = None) -> None:
-        """``assembler``: share one across receivers of the same model (another group generation, or the
-        same-host path) so the version this process holds, and its staging, carry over."""
+        """``staging`` (receive/staging.py) and ``streams`` (``load`` iterates ``payload.items()``, so it can be
+        given a streamed version); ``assembler``: share one across receivers of the same model (another group
+        generation, or the same-host path) so the version this process holds, and its staging, carry over."""
         self.groups = [group] if isinstance(group, SyncGroup) else list(group)
         self.group = self.groups[0]
         self.channels = [Channel(g) for g in self.groups]
         self.channel = self.channels[0]
         if any(channel.is_src for channel in self.channels):
             raise ProtocolError("rank 0 is the sender of a sync group; receivers have ranks >= 1")
-        self.assembler = assembler or VersionAssembler(self.group.device, load, verify=verify)
+        self.assembler = assembler or VersionAssembler(self.group.device, load, verify=verify, staging=staging,
+                                                       streams=streams)
 
     @property
     def committed(self) -> VersionPayload | None:
