@@ -3,7 +3,8 @@
 Every trainer rank calls :meth:`ShardedTensors.bucket_tensors` for the same buckets in the same order. For
 the common case (DTensor parameters sharded on dim 0 over a 1-D mesh) a bucket costs one
 ``all_gather_into_tensor`` of the ranks' packed local shards, not one collective per tensor; other
-placements fall back to ``full_tensor()``. Memory stays at about one bucket of gathered bytes.
+placements fall back to ``full_tensor()``. Memory stays at about one bucket of gathered bytes, also for a
+tensor larger than a bucket: each piece gathers only the rows it spans.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from ckpt_engine.errors import LayoutMismatchError, TrainerGroupError
-from ckpt_engine.plan.layout import Bucket
+from ckpt_engine.plan.layout import Bucket, TensorSlot
 from ckpt_engine.plan.tensors import NamedTensors, NameMap, byte_view, named_tensors_of
 
 # torch >= 2.13 names it all_gather_single; older releases only have all_gather_into_tensor.
@@ -42,20 +43,22 @@ class ShardedTensors(NamedTensors):
     """NamedTensors whose DTensors are gathered per bucket (shapes and dtypes are the full tensors')."""
 
     def bucket_tensors(self, bucket: Bucket, to: int | None = None) -> Mapping[str, torch.Tensor]:
+        """The bucket's tensors, gathered: a whole tensor, or for a piece of a tensor larger than a bucket only
+        that piece's elements (a dim-0-sharded one gathers just the rows the piece spans)."""
         out: dict[str, torch.Tensor] = {}
-        sharded: list[tuple[str, DTensor]] = []
+        sharded: list[tuple[TensorSlot, DTensor]] = []
         for slot in bucket.slots:
             tensor = self.tensors[slot.name]
             if _dim0_sharded(tensor):
-                sharded.append((slot.name, tensor))  # type: ignore[arg-type]
-            elif isinstance(tensor, DTensor):
+                sharded.append((slot, tensor))  # type: ignore[arg-type]
+            elif isinstance(tensor, DTensor):  # (other placements: the whole tensor, once per piece)
                 with job_collective(f"gathering {slot.name} (bucket {bucket.index})"):
                     out[slot.name] = tensor.full_tensor()
             else:
                 out[slot.name] = tensor
-        by_group: dict[int, list[tuple[str, DTensor]]] = {}
-        for name, tensor in sharded:
-            by_group.setdefault(id(tensor.device_mesh.get_group()), []).append((name, tensor))
+        by_group: dict[int, list[tuple[TensorSlot, DTensor]]] = {}
+        for slot, tensor in sharded:
+            by_group.setdefault(id(tensor.device_mesh.get_group()), []).append((slot, tensor))
         for items in by_group.values():
             with job_collective(f"gathering bucket {bucket.index}"):  # this rank's part in it, and what precedes it
                 plans, stride, received = _exchange(items, to)
@@ -74,10 +77,37 @@ def job_collective(what: str) -> Iterator[None]:
             from exc
 
 
-_Plan = tuple[str, DTensor, torch.Tensor, list[int], int, list[int]]
+@dataclass(frozen=True)
+class _Plan:
+    """One tensor's part in a bucket's gather: rows ``first`` to ``first + sum(rows)`` of the full tensor (all of
+    it, or those a piece spans), ``rows[r]`` of them from rank r, at ``offsets[r]`` in each rank's part."""
+
+    slot: TensorSlot
+    tensor: DTensor
+    local: torch.Tensor  # this rank's rows of them
+    rows: list[int]
+    row_bytes: int
+    offsets: list[int]
+    first: int
 
 
-def _exchange(items: list[tuple[str, DTensor]], to: int | None = None
+def _plan(slot: TensorSlot, tensor: DTensor, world: int, me: int, offsets: list[int]) -> _Plan:
+    dim0 = tensor.shape[0]
+    held = rows_per_rank(dim0, world)
+    row_bytes = (tensor.numel() // dim0 if dim0 else 0) * tensor.element_size()
+    local = tensor.to_local()
+    if local.shape[0] != held[me]:
+        raise LayoutMismatchError(f"{slot.name}: local shard has {local.shape[0]} rows, chunking says {held[me]}")
+    first, end = 0, dim0
+    if slot.is_piece:  # the rows the piece's bytes lie in
+        first, end = slot.start // row_bytes, -(-(slot.start + slot.nbytes) // row_bytes)
+    starts = [sum(held[:r]) for r in range(world)]
+    rows = [max(0, min(starts[r] + held[r], end) - max(starts[r], first)) for r in range(world)]
+    mine = max(starts[me], first) - starts[me]
+    return _Plan(slot, tensor, local[mine : mine + rows[me]], rows, row_bytes, list(offsets), first)
+
+
+def _exchange(items: list[tuple[TensorSlot, DTensor]], to: int | None = None
               ) -> tuple[list[_Plan], int, list[torch.Tensor] | torch.Tensor | None]:
     """One collective for every dim-0-sharded tensor of a bucket that shares a process group: a gather to
     the process of global rank ``to`` (the bucket's owner; 1/world of an all-gather's traffic), or an
@@ -92,22 +122,17 @@ def _exchange(items: list[tuple[str, DTensor]], to: int | None = None
             to = None
     plans: list[_Plan] = []
     sizes = [0] * world
-    for name, tensor in items:
-        rows = rows_per_rank(tensor.shape[0], world)
-        row_bytes = (tensor.numel() // tensor.shape[0] if tensor.shape[0] else 0) * tensor.element_size()
-        local = tensor.to_local()
-        if local.shape[0] != rows[me]:
-            raise LayoutMismatchError(f"{name}: local shard has {local.shape[0]} rows, chunking says {rows[me]}")
-        offsets = list(sizes)
+    for slot, tensor in items:
+        plan = _plan(slot, tensor, world, me, sizes)
         for r in range(world):
-            sizes[r] += rows[r] * row_bytes
-        plans.append((name, tensor, local, rows, row_bytes, offsets))
+            sizes[r] += plan.rows[r] * plan.row_bytes
+        plans.append(plan)
     stride = max(sizes)
     device = items[0][1].to_local().device
     send = torch.empty(stride, dtype=torch.uint8, device=device)
-    for _, _, local, rows, row_bytes, offsets in plans:
-        if rows[me]:
-            send[offsets[me] : offsets[me] + rows[me] * row_bytes] = byte_view(local)
+    for plan in plans:
+        if plan.rows[me]:
+            send[plan.offsets[me] : plan.offsets[me] + plan.rows[me] * plan.row_bytes] = byte_view(plan.local)
     if to is not None:
         chunks = [torch.empty(stride, dtype=torch.uint8, device=device) for _ in range(world)] if me == to else None
         dist.gather(send, chunks, dst=dist.get_global_rank(group, to), group=group)
@@ -119,15 +144,21 @@ def _exchange(items: list[tuple[str, DTensor]], to: int | None = None
 
 def _unpack(plans: list[_Plan], stride: int, received: list[torch.Tensor] | torch.Tensor | None
             ) -> dict[str, torch.Tensor]:
-    """The full tensors out of what a gather brought (nothing on a rank it was not gathered to)."""
+    """The full tensors, or the pieces' elements, out of what a gather brought (nothing on a rank it was not
+    gathered to)."""
     if received is None:
         return {}
     gathered = torch.cat(received) if isinstance(received, list) else received
     out = {}
-    for name, tensor, _, rows, row_bytes, offsets in plans:
-        world = len(rows)
-        parts = [gathered[r * stride + offsets[r] : r * stride + offsets[r] + rows[r] * row_bytes] for r in range(world)]
-        out[name] = torch.cat(parts).view(tensor.dtype).view(tensor.shape)
+    for plan in plans:
+        parts = [gathered[r * stride + plan.offsets[r] : r * stride + plan.offsets[r] + plan.rows[r] * plan.row_bytes]
+                 for r in range(len(plan.rows))]
+        raw, slot, dtype = torch.cat(parts), plan.slot, plan.tensor.dtype
+        if slot.is_piece:
+            skip = slot.start - plan.first * plan.row_bytes
+            out[slot.name] = raw[skip : skip + slot.nbytes].view(dtype)  # (piece_of takes it as the piece)
+        else:
+            out[slot.name] = raw.view(dtype).view(plan.tensor.shape)
     return out
 
 
