@@ -228,3 +228,50 @@ def test_a_receiver_that_speaks_protocol_1_takes_plain_versions_and_refuses_a_ch
         assert "protocol 2 is not supported" in got[1][1], got
     else:
         assert "sent in pieces" in got[1][1] and "upgrade ckpt-engine" in got[1][1], got
+
+
+# ---- the deployment's staging reaches every receiver; what each used is in the history -----------------------------
+def budget_receiver(zmq: str, stop_file: str, streams: bool) -> list:
+    import os
+    import time
+
+    from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
+    from ckpt_engine.workers.rollout_agent import RolloutAgent
+    from tests.models import AwkwardModel
+
+    adapter = ModuleAdapter(AwkwardModel(seed=7))
+    agent = RolloutAgent(adapter.load, zmq, poll_wait_s=0.2, streams=streams).start()
+    while not os.path.exists(stop_file):
+        time.sleep(0.05)
+    agent.close()
+    return [(r.version, r.ok, r.staging) for r in agent.results]
+
+
+def test_auto_staging_under_the_deployment_s_budget_streams_where_the_load_can(tmp_path) -> None:
+    """staging auto with a budget half of which holds no version: the receiver whose load streams is streamed,
+    the one whose load takes whole versions falls back to host staging; the history says which and why."""
+    from tests.daemon_harness import start_daemon, write_config
+    from tests.procs import start_processes
+    from tests.test_elastic import agents_of, wait_until
+    from tests.test_torn_repair import versions_trainer
+
+    daemon = start_daemon(write_config(tmp_path, staging="auto", staging_budget_mb=0.05, transport="collective"))
+    stop = tmp_path / "stop"
+    procs = start_processes([(versions_trainer, (daemon.zmq, str(stop))),
+                             (budget_receiver, (daemon.zmq, str(stop), True)),
+                             (budget_receiver, (daemon.zmq, str(stop), False))])
+    try:
+        with daemon.client() as http:
+            wait_until(lambda: len(agents_of(http)) == 3, what="registration")
+            record = http.post("/sync", json={"wait": True, "timeout_s": 60}).json()
+            assert record["status"] == "committed", record
+            modes = sorted(entry["staging"]["mode"] for entry in record["receivers"])
+            assert modes == ["host", "stream"], record["receivers"]
+            why = {entry["staging"]["mode"]: entry["staging"]["why"] for entry in record["receivers"]}
+            assert "whole versions only" in why["host"] and "neither" in why["stream"], why
+            listed = [a["last_staging"]["mode"] for a in agents_of(http) if a["role"] == "receiver"]
+            assert sorted(listed) == ["host", "stream"]
+    finally:
+        stop.touch()
+        _, streamed, whole = procs.collect(120)
+    assert streamed[-1][1:] == (True, "stream") and whole[-1][1:] == (True, "host")
