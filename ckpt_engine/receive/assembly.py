@@ -155,6 +155,7 @@ class VersionAssembler:
                 incoming.landing.pop(bucket.index, None)
                 continue
             expected = wait()
+            wait = None  # (it holds the buffer the bucket landed in: let the load be the one that keeps it)
             incoming.add_seconds("recv", time.perf_counter() - t0)
             incoming.result.bytes_received += bucket.nbytes
             yield self._checked(incoming, bucket, expected)

@@ -4,7 +4,8 @@
 A streamed version lands each bucket in a buffer of a small pool: a buffer is reused once nothing else refers
 to its memory (the load let go of every view into it), and another is allocated while the load still holds
 views (vLLM's layerwise reload keeps a layer's weights until the layer is complete, which may be a bucket
-later). Reuse, not a fresh allocation per bucket: a host allocator keeps freed buffers (glibc raises its mmap
+later), or while the transport has not yet let go of a bucket it finished receiving (gloo's and NCCL's work
+objects release their tensors from their own threads): two in use, now and then three. Reuse, not a fresh allocation per bucket: a host allocator keeps freed buffers (glibc raises its mmap
 threshold after the first free), and fresh pages fault in on every bucket."""
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class StagingBuffers:
 
     def landing(self, nbytes: int) -> torch.Tensor:
         """A buffer for one streamed bucket (or one chunked tensor put together) that nothing else refers to."""
-        free = [entry for entry in self.pool if entry[0].numel() >= nbytes and _uses(entry[0]) == entry[1]]
+        free = [entry for entry in self.pool if _serves(entry[0].numel(), nbytes, self._bucket_bytes)
+                and _uses(entry[0]) == entry[1]]
         if free:
             return min(free, key=lambda entry: entry[0].numel())[0][:nbytes]
         buffer: torch.Tensor = self._sized(None, max(nbytes, self._bucket_bytes), comm_empty)  # type: ignore[assignment]
@@ -85,6 +87,12 @@ _POOL_KEPT = 4  # stream buffers kept from one version to the next
 
 
 _COUNTS_USES = hasattr(torch._C, "_storage_Use_Count")  # (torch.multiprocessing relies on it too)
+
+
+def _serves(size: int, nbytes: int, bucket_bytes: int) -> bool:
+    """Whether a pool buffer of ``size`` bytes takes ``nbytes``: a bucket lands only in a bucket-sized buffer,
+    so the buffer a chunked tensor is put together in stays free for the next such tensor."""
+    return size == bucket_bytes if nbytes <= bucket_bytes else size >= nbytes
 
 
 def _uses(buffer: torch.Tensor) -> int:

@@ -123,7 +123,8 @@ def _tensors(assembler: VersionAssembler, incoming: Incoming, flow: Iterator[Buc
                                "aborted): nothing more of it is applied")
         if bucket is None:
             break
-        for name, tensor in _bucket_tensors(assembler, incoming, bucket):
+        for name, tensor in _bucket_tensors(assembler, incoming, bucket,
+                                            lambda: assembler.start_next(incoming, feed, upto=bucket.index + 1)):  # noqa: B023
             progress.yielded += 1
             yield name, tensor
             # the load took this bucket's first tensor, so it let go of the bucket before: the next one goes on
@@ -144,10 +145,12 @@ def _tensors(assembler: VersionAssembler, incoming: Incoming, flow: Iterator[Buc
     progress.manifest = manifest
 
 
-def _bucket_tensors(assembler: VersionAssembler, incoming: Incoming,
-                    bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
+def _bucket_tensors(assembler: VersionAssembler, incoming: Incoming, bucket: Bucket,
+                    prefetch: Callable[[], None]) -> Iterator[tuple[str, torch.Tensor]]:
     """The verified tensors of ``bucket``; a chunked tensor once its last piece is in (its pieces are copied
-    into the assembly buffer as they come, unless the sender's buffer on this host holds them back to back)."""
+    into the assembly buffer as they come, unless the sender's buffer on this host holds them back to back).
+    A piece that fills its bucket lets go of the bucket once copied and puts the next one on the wire
+    (``prefetch``): the load holds a tensor of an earlier bucket meanwhile, and gets none from this one."""
     buffer = assembler.bucket_buffer(incoming, bucket)
     for slot in bucket.slots:
         if not slot.is_piece:
@@ -164,7 +167,11 @@ def _bucket_tensors(assembler: VersionAssembler, incoming: Incoming,
         if assembly is None or assembly.numel() < slot.spec.nbytes:
             raise ProtocolError(f"piece {slot.part} of {slot.name!r} came without its first")
         assembly[slot.start : slot.start + slot.nbytes].copy_(buffer[slot.offset : slot.offset + slot.nbytes])
-        if slot.part == slot.parts - 1:
+        if slot.part < slot.parts - 1:  # (a piece that is not the last fills the rest of its bucket)
+            buffer = None  # type: ignore[assignment]
+            incoming.landing.pop(bucket.index, None)
+            prefetch()
+        else:
             incoming.assembly = None  # (the load's view keeps it while it needs it)
             yield slot.name, _typed(assembly[: slot.spec.nbytes], slot)
 
