@@ -202,6 +202,28 @@ def barrier(group: Any) -> None:
     group.allgather(torch.zeros(1, dtype=torch.int64), "bench barrier")
 
 
+def receive_versions(receiver: Any, count: int, *, before_each: Callable[[], None] | None = None,
+                     timeout_s: float = 300.0) -> list[Any]:
+    """A bench receiver's whole life: ``count`` versions on ``receiver`` (``before_each()`` before each; every
+    one must be ok), then the sender's CLOSE (:func:`expect_close`). Their results."""
+    results = []
+    for _ in range(count):
+        if before_each is not None:
+            before_each()
+        result = receiver.receive(timeout_s)
+        if result is None or not result.ok:
+            raise RuntimeError(f"receive failed: {result}")
+        results.append(result)
+    expect_close(receiver)
+    return results
+
+
+def expect_close(receiver: Any, timeout_s: float = 60.0) -> None:
+    """The sender closed the group: ``receive`` returns None (a version instead is an error)."""
+    if receiver.receive(timeout_s) is not None:
+        raise RuntimeError("expected CLOSE")
+
+
 def master_store(timeout_s: float = 60.0):
     from ckpt_engine.transport.group import open_store
 

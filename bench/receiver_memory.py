@@ -20,7 +20,16 @@ import uuid
 from typing import Any
 
 from ckpt_engine.bench import staging_bench
-from ckpt_engine.bench.common import MiB, Progress, master_store, proc_status, run_processes, stats, sync_group
+from ckpt_engine.bench.common import (
+    MiB,
+    Progress,
+    expect_close,
+    master_store,
+    proc_status,
+    run_processes,
+    stats,
+    sync_group,
+)
 
 from ckpt_engine.plan.modes import MODES
 
@@ -155,8 +164,7 @@ def _receiver(rank: int, port: int, hub: str, args: dict) -> dict:
                 raise RuntimeError(f"rank {rank}: {mode} receive failed: {result}")
             versions.append({"mode": mode, "before": before, "peak": peak, "after": after})
     if rank == 1:
-        if receiver.receive(60) is not None:
-            raise RuntimeError("expected CLOSE")
+        expect_close(receiver)
     else:
         receiver.close()
     sampler.close()

@@ -14,7 +14,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ckpt_engine.bench.common import MiB, Progress, fmt_ms, master_store, run_processes, stats, sync_group
+from ckpt_engine.bench.common import (
+    MiB,
+    Progress,
+    fmt_ms,
+    master_store,
+    receive_versions,
+    run_processes,
+    stats,
+    sync_group,
+)
 
 HIDDEN, LAYERS, VOCAB, BATCH, LENGTH = 256, 2, 2048, 4, 32
 IDLE_STEPS = 5
@@ -30,13 +39,7 @@ def _child(rank: int, results: Any, port: int, args: dict) -> dict | None:
         return _trainer(group, args, results)
     from ckpt_engine.receive.collective import Receiver
 
-    receiver = Receiver(group, lambda payload: None)
-    for _ in range(args["rounds"] + 1):
-        res = receiver.receive(300)
-        if res is None or not res.ok:
-            raise RuntimeError(f"receive failed: {res}")
-    if receiver.receive(60) is not None:
-        raise RuntimeError("expected CLOSE")
+    receive_versions(Receiver(group, lambda payload: None), args["rounds"] + 1)
     return None
 
 
