@@ -279,15 +279,19 @@ class Flights:
         log.warning("version %d %s: %s", flight.version, status, reason)
         record = self.history.get(flight.version)
         receivers = [dict(e) for e in (record.receivers if record else [])]
-        for entry in receivers:
-            own = flight.reports.get(entry.get("agent_id", ""))
-            entry.update(ok=False, reason=(own.reason if own and not own.ok else None) or reason,
-                         missing_report=own is None)
-        self.history.update(flight.version, status=status, reason=reason, receivers=receivers)
         for agent_id in flight.quorum:
             agent = self.agents.get(agent_id)
             if agent is not None and agent_id not in flight.reports:
                 agent.model.lost_track()  # it may still be applying the version: unknown until it reports
+        for entry in receivers:  # (what a judged version's entries say too: judge() and _finish)
+            own = flight.reports.get(entry.get("agent_id", ""))
+            agent = self.agents.get(entry.get("agent_id", ""))
+            entry.update(ok=False, reason=(own.reason if own and not own.ok else None) or reason,
+                         missing_report=own is None, staging=staging_entry(own) if own else None,
+                         engine=agent.engine if agent else None,
+                         serving_after=agent.model.serving if agent else None,
+                         torn=agent is not None and agent.model.torn is not None)
+        self.history.update(flight.version, status=status, reason=reason, receivers=receivers)
         self.group_dirty = True
         self._end(flight, "failed", 0, {})
 

@@ -287,3 +287,104 @@ def test_auto_staging_under_the_deployment_s_budget_streams_where_the_load_can(t
         stop.touch()
         _, streamed, whole = procs.collect(120)
     assert streamed[-1][1:] == (True, "stream") and whole[-1][1:] == (True, "host")
+
+
+# ---- what the outside attack on issue 27 found ------------------------------------------------------------------
+def ipc_sender(hub: str) -> list[bool]:
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.send.publisher import Publisher
+
+    publisher = Publisher(device=detect_device("cpu"), bucket_size=BUCKET, ipc_hub_name=hub, timeout_s=20,
+                          keep_versions=2)
+    publisher.attach(None, ipc_peers={"streamed": 1})
+    oks = [publisher.publish(v, NamedTensors(plain_model(v, chunked=v % 2 == 1))).result(timeout_s=60).ok
+           for v in (1, 2, 3)]
+    publisher.close()
+    return oks
+
+
+def ipc_streamed_receiver(hub: str) -> list:
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.receive.assembly import VersionAssembler
+    from ckpt_engine.receive.colocated import IpcReceiver
+
+    own = {name: torch.empty_like(t) for name, t in plain_model(0, True).items()}
+    got: list = []
+
+    def load(payload) -> None:
+        for name, tensor in payload.items():
+            own[name].copy_(tensor)
+
+    device = detect_device("cpu")
+    rx = IpcReceiver(hub, "streamed", 1, load, device=device, timeout_s=20,
+                     assembler=VersionAssembler(device, load, staging="stream", streams=True))
+    for version in (1, 2, 3):
+        result = rx.receive(30)
+        expected = plain_model(version, chunked=version % 2 == 1)
+        same = all(torch.equal(own[name], tensor) for name, tensor in expected.items())
+        got.append((result.ok, result.reason, result.staging, result.staging_why, same))
+    rx.close()
+    return got
+
+
+def test_a_same_host_receiver_streams_from_the_sender_s_buffer() -> None:
+    """Found by the outside attack on issue 27: a streamed load on the same host read the next bucket's notice
+    early (the streamed prefetch ran on a version the sender's buffer holds) and lost step with the sender."""
+    import uuid
+
+    hub = f"ckpt-test-{uuid.uuid4().hex[:8]}"
+    sent, got = run_processes([(ipc_sender, (hub,)), (ipc_streamed_receiver, (hub,))], timeout_s=120)
+    assert sent == [True] * 3, (sent, got)
+    for ok, reason, staging, why, same in got:
+        assert ok and same, (reason, got)
+        assert staging == "shared" and "streamed into the load" in why, why
+
+
+def growing_sender(port: int) -> bool:
+    from ckpt_engine.send.publisher import Publisher
+
+    publisher = Publisher(_sync_group(port, 0, 2), bucket_size=BUCKET)
+    oks = [publisher.publish(v, NamedTensors(growing_model(v))).result(timeout_s=60).ok for v in (1, 2, 3)]
+    publisher.close()
+    return all(oks)
+
+
+def growing_model(version: int) -> dict[str, torch.Tensor]:
+    """Chunked tensors of 2.5, 4.5 and 6.5 buckets, smallest first, between small ones."""
+    gen = torch.Generator().manual_seed(version)
+    out: dict[str, torch.Tensor] = {}
+    for i, buckets in enumerate((2.5, 4.5, 6.5)):
+        out[f"small{i}"] = torch.randn(100, generator=gen)
+        out[f"chunked{i}"] = torch.randn(int(buckets * BUCKET) // 4, generator=gen)
+    return out
+
+
+def pool_receiver(port: int) -> dict:
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.receive.collective import Receiver
+
+    own = {name: torch.empty_like(t) for name, t in growing_model(0).items()}
+    peak: list[int] = []
+
+    def load(payload) -> None:
+        for name, tensor in payload.items():
+            own[name].copy_(tensor)
+            peak.append(sum(b.numel() for b, _ in rx.assembler.buffers.pool))
+
+    rx = Receiver(_sync_group(port, 1, 2), load, staging="stream", streams=True)
+    oks = [rx.receive(60).ok for _ in range(3)]
+    rx.receive(60)
+    return {"ok": oks, "peak": max(peak), "after": [b.numel() for b, _ in rx.assembler.buffers.pool],
+            "same": fingerprint(own) == fingerprint(growing_model(3))}
+
+
+def test_a_stream_of_growing_chunked_tensors_holds_the_largest_not_their_sum() -> None:
+    """Found by the outside attack on issue 27: each assembly buffer too small for the next chunked tensor stayed
+    in the pool (memory the sum of them), and the largest was dropped between versions (allocated again)."""
+    store = open_store(HOST, 0, is_master=True, timeout_s=30)
+    sent, got = run_processes([(growing_sender, (store.port,)), (pool_receiver, (store.port,))], timeout_s=120)
+    assert sent and got["ok"] == [True] * 3 and got["same"], got
+    largest = int(6.5 * BUCKET)
+    # two assembly buffers at most at once (the load holds the previous tensor while the next is put together)
+    assert got["peak"] <= 3 * BUCKET + largest + int(4.5 * BUCKET), got
+    assert max(got["after"]) == largest and sorted(got["after"])[:-1] == [BUCKET] * (len(got["after"]) - 1), got

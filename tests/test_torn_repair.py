@@ -287,3 +287,53 @@ def test_an_engine_of_two_workers_applies_together_tears_together_and_is_repaire
     assert rollout["resumes_while_torn"] == 0
     assert rollout["states"][0] == rollout["states"][1] == trainer["served"][first["id"]]
     assert rollout["version"] == repair["id"]
+
+
+def dying_trainer(zmq: str, stop_file: str, trigger: str) -> dict:
+    """versions_trainer killed (SIGKILL, by itself) as it sends bucket 4 of the next version once ``trigger``
+    exists."""
+    import signal
+
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
+
+    model = AwkwardModel(seed=1)
+    target = Path(trigger)
+
+    def hook(bucket: int, buf):
+        if bucket == 4 and target.exists():
+            os.kill(os.getpid(), signal.SIGKILL)
+        return buf
+
+    agent = TrainerAgent(model, zmq, poll_wait_s=0.2, wire_hook=hook).start()
+    train_until_stopped(agent, stop_file, on_version=lambda step: model.perturb(step, fraction=0.5))
+    return {}
+
+
+def test_a_trainer_killed_mid_stream_leaves_the_receiver_torn_in_the_history_too(tmp_path: Path) -> None:
+    """Found by the outside attack on issue 27: the version's record, closed when the trainer went away, kept
+    the receiver's own report but not that it was torn (/receivers said so, the history did not)."""
+    daemon = start_daemon(write_config(tmp_path, transport="collective", bucket_size_mb=STREAM_BUCKET_MB))
+    stop, trigger = tmp_path / "stop", tmp_path / "trigger"
+    procs = start_processes([(dying_trainer, (daemon.zmq, str(stop), str(trigger))),
+                             (streaming_receiver, (daemon.zmq, str(stop)))])
+    try:
+        with daemon.client() as http:
+            wait_until(lambda: len(agents_of(http)) == 2, what="registration")
+            first = http.post("/sync", json={"wait": True, "timeout_s": 60}).json()
+            assert first["status"] == "committed", first
+            trigger.touch()
+            failed = http.post("/sync", json={"wait": True, "timeout_s": 60}).json()
+            assert failed["status"] == "failed" and "went away" in failed["reason"], failed
+
+            def torn_entry() -> dict | None:
+                entry = http.get(f"/versions/{failed['id']}").json()["receivers"][0]
+                return entry if entry.get("torn") else None
+
+            wait_until(torn_entry, 30, "the torn receiver in the version's record")
+            entry = torn_entry()
+            assert entry["serving_after"] is None and entry["staging"]["mode"] == "stream", entry
+            assert [a["state"] for a in agents_of(http) if a["role"] == "receiver"] == ["torn"]
+    finally:
+        stop.touch()
+        with pytest.raises(AssertionError, match=r"\[0\] died"):  # the trainer, by its own hand; not the receiver
+            procs.collect(120)

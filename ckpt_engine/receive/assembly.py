@@ -92,7 +92,8 @@ class VersionAssembler:
         result = ReceiveResult(header.version, False)
         if staging is not None:
             mode = "stream" if self.streams and self.staging == "stream" else "device"
-            choice = StagingChoice(mode, "same host: read where the sender holds it, nothing staged")  # type: ignore[arg-type]
+            how = "streamed into the load as each bucket verifies" if mode == "stream" else "handed over whole"
+            choice = StagingChoice(mode, f"same host: read where the sender holds it, nothing staged; {how}")  # type: ignore[arg-type]
         else:
             choice = self._choose(layout)
             before = (_ptr(self.buffers.whole), _ptr(self.buffers.host))
@@ -165,6 +166,8 @@ class VersionAssembler:
         """Streamed: put the next bucket not started yet on the wire (``upto``: only if its index is at most
         that); buckets are started in order, each after the one before it was received."""
         index = incoming.next_bucket
+        if incoming.shared is not None:  # (the sender's buffer holds it: flow() takes every bucket in order itself)
+            return
         if index >= len(incoming.layout.buckets) or (upto is not None and index > upto):
             return
         bucket = incoming.layout.buckets[index]

@@ -44,8 +44,7 @@ class StagingBuffers:
                                 layout.total_bytes if mode == "host" else 0, host_empty)
         # stream: the pool keeps what serves this layout, at most a few (a load that held views grew it)
         self._bucket_bytes = max(layout.max_bucket_bytes, 1)
-        self.pool = [entry for entry in self.pool if entry[0].numel() >= self._bucket_bytes][:_POOL_KEPT] \
-            if mode == "stream" else []
+        self.pool = _kept(self.pool, self._bucket_bytes) if mode == "stream" else []
         bucket = max(layout.max_bucket_bytes, 1) if mode == "host" else 0
         if not bucket:
             self.pair = []
@@ -59,6 +58,9 @@ class StagingBuffers:
                 and _uses(entry[0]) == entry[1]]
         if free:
             return min(free, key=lambda entry: entry[0].numel())[0][:nbytes]
+        if nbytes > self._bucket_bytes:  # a larger chunked tensor: the smaller free assembly buffers go (the
+            self.pool = [entry for entry in self.pool  # bound is the largest such tensor, not their sum)
+                         if entry[0].numel() <= self._bucket_bytes or _uses(entry[0]) != entry[1]]
         buffer: torch.Tensor = self._sized(None, max(nbytes, self._bucket_bytes), comm_empty)  # type: ignore[assignment]
         if _COUNTS_USES:  # (without the count a buffer cannot be known free: each is then used once)
             self.pool.append((buffer, _uses(buffer)))
@@ -83,7 +85,15 @@ class StagingBuffers:
             raise StagingUnavailable(f"cannot allocate {nbytes} bytes of staging: {exc}") from exc
 
 
-_POOL_KEPT = 4  # stream buffers kept from one version to the next
+_BUCKETS_KEPT = 3  # stream bucket buffers kept from one version to the next (two in use, a third now and then)
+
+
+def _kept(pool: list[tuple[torch.Tensor, int]], bucket_bytes: int) -> list[tuple[torch.Tensor, int]]:
+    """What the pool keeps for the next version: its bucket-sized buffers (a few) and its largest assembly
+    buffer (the next version's chunked tensors are put together in it); buffers of another layout go."""
+    buckets = [entry for entry in pool if entry[0].numel() == bucket_bytes][:_BUCKETS_KEPT]
+    larger = [entry for entry in pool if entry[0].numel() > bucket_bytes]
+    return buckets + ([max(larger, key=lambda entry: entry[0].numel())] if larger else [])
 
 
 _COUNTS_USES = hasattr(torch._C, "_storage_Use_Count")  # (torch.multiprocessing relies on it too)

@@ -59,12 +59,17 @@ class ModuleAdapter:
         if payload.sparse and self.torn is not None:
             raise ApplyRefused("the model is torn: only a whole version can repair it")
         with self._whole, torch.no_grad():
+            touched = False
             try:
                 for name, source in payload.items():
                     target = self.targets.get(name)
                     if target is not None:
+                        touched = True
                         self._copy(name, target, source)
             except BaseException as exc:
+                if not touched and isinstance(exc, Exception):  # (a stream failed before its first tensor)
+                    raise ApplyRefused(f"version {payload.version} failed before anything was applied: "
+                                       f"{type(exc).__name__}: {exc}") from exc
                 self.torn = f"version {payload.version} failed part way: {type(exc).__name__}: {exc}"
                 self.version = None
                 raise
