@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ckpt_engine.server.cli import main
+
 from tests.browser import Browser, find_chromium
 from tests.daemon_harness import ROOT, start_daemon, write_config
 from tests.procs import start_processes
@@ -47,8 +49,8 @@ def test_the_page_needs_no_token_but_its_data_does(tmp_path: Path) -> None:
     assert daemon.stop() == 0
 
 
-def test_the_page_shows_versions_the_torn_and_repaired_receiver_and_stage_timings(tmp_path: Path,
-                                                                                   browser: Browser) -> None:
+def test_the_page_shows_versions_the_torn_and_repaired_receiver_and_stage_timings(
+        tmp_path: Path, browser: Browser, capsys: pytest.CaptureFixture) -> None:
     daemon = start_daemon(write_config(tmp_path, keep_versions=3, transport="collective"))
     stop, armed = tmp_path / "stop", tmp_path / "armed"
     procs = start_processes([(versions_trainer, (daemon.zmq, str(stop))),
@@ -80,6 +82,8 @@ def test_the_page_shows_versions_the_torn_and_repaired_receiver_and_stage_timing
         else:
             assert tab.screenshot()[:8] == b"\x89PNG\r\n\x1a\n"
         assert tab.evaluate("location.href") == daemon.url + "/"  # the token went into no URL
+        terminal = _cli(capsys, daemon.url, token, "status")
+        watched = _cli(capsys, daemon.url, token, "versions", "--watch", "--count", "2", "--interval", "0.05")
     finally:
         stop.touch()
         procs.collect(120)
@@ -98,6 +102,17 @@ def test_the_page_shows_versions_the_torn_and_repaired_receiver_and_stage_timing
     assert {r["staging"].split()[0] for r in receivers.values()} == {"device", "stream"}, receivers
     assert all(r["lag"] == "0" for r in receivers.values()), receivers
     assert shown["trainers"] == ["0"] and shown["health"] == "ok"
+    # the same in the terminal: ckpt-engine status and versions --watch
+    row = next(line for line in terminal if line.startswith(tearing))
+    assert row.split()[2:5] == ["serving", f"v{last['id']}", "0"] and "injected" in row, terminal
+    assert "no version in flight" in terminal and "  rank 0" in "\n".join(terminal)
+    assert watched.count("no version in flight") == 2 and sum(line.startswith("   id") for line in watched) == 2
+
+
+def _cli(capsys: pytest.CaptureFixture, url: str, token: str, *command: str) -> list[str]:
+    capsys.readouterr()
+    assert main(["--url", url, "--token", token, *command]) == 0
+    return capsys.readouterr().out.splitlines()
 
 
 # What the test reads of the rendered page (text as shown, bars as drawn).
