@@ -7,6 +7,7 @@ import datetime
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -16,6 +17,7 @@ from ckpt_engine.config import load_config
 from ckpt_engine.control.messages import TERMINAL
 from ckpt_engine.errors import ConfigError
 from ckpt_engine.plan.modes import STAGINGS
+from ckpt_engine.server.console import progress_line, status_lines, version_lines
 
 DEFAULT_URL = "http://127.0.0.1:8765"
 
@@ -78,13 +80,17 @@ def _parser() -> argparse.ArgumentParser:
     versions.add_argument("--limit", type=int, default=20)
     versions.add_argument("--before", type=int, default=None, help="only versions older than this id (paging)")
     versions.add_argument("--status", choices=["requested", "snapshotting", "transferring", "verifying", *TERMINAL])
+    _watch_options(versions)
     versions.set_defaults(run=_versions)
     for name, helptext, run in (("version", "one version's record", _version), ("push", "re-push a cached version",
                                 _push), ("evict", "evict a version from the trainer's cache", _evict)):
         cmd = sub.add_parser(name, help=helptext)
         cmd.add_argument("id", type=int)
         cmd.set_defaults(run=run)
-    sub.add_parser("status", help="daemon status").set_defaults(run=_status)
+    status = sub.add_parser("status", help="the daemon, its trainer ranks, receivers (state, version served, lag, "
+                                           "staging, last error), cache, and the version in flight")
+    _watch_options(status)
+    status.set_defaults(run=_status)
     driver = sub.add_parser("vllm-driver", help="drive a vLLM server's ckpt_engine weight-transfer backend: start "
                                               "its workers' receivers and apply each verified version")
     driver.add_argument("--vllm-url", required=True, help="the vLLM server (VLLM_SERVER_DEV_MODE=1), e.g. "
@@ -103,6 +109,12 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("path")
     check.set_defaults(run=_check_config)
     return parser
+
+
+def _watch_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl-C")
+    command.add_argument("--interval", type=float, default=1.0)
+    command.add_argument("--count", type=int, default=0, help="with --watch: stop after this many frames")
 
 
 def _bench(argv: list[str]) -> int:
@@ -217,20 +229,18 @@ def _follow(args: argparse.Namespace, version: int) -> int:
 def _versions(args: argparse.Namespace) -> int:
     params = {"limit": args.limit, **({"status": args.status} if args.status else {}),
               **({"before": args.before} if args.before else {})}
-    status, body = _call(args, "GET", "/versions", params=params)
-    if status >= 400:
-        return 1
-    print(f"{'id':>5} {'step':>6} {'mode':<10} {'status':<12} {'from':>5} {'MiB':>8} {'seconds':>8} {'rx':>4} "
-          f"{'cached':>6}  digest / reason")
-    for r in body["versions"]:
-        total = r["stages"].get("total") or sum(v for k, v in r["stages"].items() if k in ("header", "fill", "digest",
-                                                                                         "broadcast", "ack"))
-        ok_rx = sum(1 for x in r["receivers"] if x.get("ok"))
-        source = r.get("source_version")
-        print(f"{r['id']:>5} {r['step'] if r['step'] is not None else '-':>6} {r['mode']:<10} {r['status']:<12} "
-              f"{source if source is not None else '-':>5} {r['bytes'] / (1 << 20):>8.2f} {total:>8.3f} {ok_rx:>4} {'yes' if r['cached'] else 'no':>6}  "
-              f"{r['version_digest'] or ''}{'  ' + r['reason'] if r['reason'] else ''}")
-    return 0
+    if not args.watch:
+        status, body = _call(args, "GET", "/versions", params=params)
+        if status >= 400:
+            return 1
+        print("\n".join(version_lines(body["versions"])))
+        return 0
+
+    def frame(client: httpx.Client) -> list[str]:
+        records = _get(client, "/versions", params)["versions"]
+        return [progress_line(_get(client, "/status"), records, time.time()), "", *version_lines(records)]
+
+    return _watch(args, frame)
 
 
 def _version(args: argparse.Namespace) -> int:
@@ -258,12 +268,44 @@ def _evict(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    status, body = _call(args, "GET", "/status")
-    if status >= 400:
+    def frame(client: httpx.Client) -> list[str]:
+        records = _get(client, "/versions", {"limit": 50})["versions"]
+        return status_lines(_get(client, "/status"), _get(client, "/receivers")["agents"], records, time.time())
+
+    return _watch(args, frame)
+
+
+def _get(client: httpx.Client, path: str, params: dict | None = None) -> dict:
+    reply = client.get(path, params=params)
+    if reply.status_code >= 400:
+        raise CommandFailed(f"error {reply.status_code} from GET {path}: {reply.text[:200]}")
+    return reply.json()
+
+
+class CommandFailed(Exception):
+    """The daemon refused a read a command needs (the message says which and why)."""
+
+
+def _watch(args: argparse.Namespace, frame: Callable[[httpx.Client], list[str]]) -> int:
+    """Print ``frame`` once, or (``--watch``) redraw it every ``--interval`` seconds until Ctrl-C or ``--count``
+    frames; on a terminal each frame replaces the last."""
+    shown, redraw = 0, args.watch and sys.stdout.isatty()
+    try:
+        with _client(args) as client:
+            while True:
+                lines = frame(client)
+                print(("\x1b[H\x1b[2J" if redraw else "") + "\n".join(lines), flush=True)
+                shown += 1
+                if not args.watch or (args.count and shown >= args.count):
+                    return 0
+                if not redraw:
+                    print(flush=True)
+                time.sleep(args.interval)
+    except CommandFailed as exc:
+        print(exc, file=sys.stderr)
         return 1
-    for key, value in body.items():
-        print(f"{key:>16}: {value}")
-    return 0
+    except KeyboardInterrupt:
+        return 0
 
 
 def _print_record(r: dict) -> None:

@@ -24,6 +24,7 @@ from ckpt_engine.server.cache_book import CacheBook
 from ckpt_engine.server.decisions import quorum as rules
 from ckpt_engine.server.decisions.policy import FRAMEWORK, policy_of
 from ckpt_engine.server.decisions.repair import plan_catch_up, repair_source
+from ckpt_engine.server.decisions.views import LAG_WINDOW, ReceiverRow, receiver_rows
 from ckpt_engine.server.errors import BadRequest, Conflict, Forbidden, NotFound, Unavailable
 from ckpt_engine.server.flights import Flights
 from ckpt_engine.server.framework import FrameworkSyncs
@@ -53,6 +54,7 @@ class Controller:
         self.config, self.history, self.metrics, self.clock = config, history, metrics, clock
         # read when scraped: the metric says what /health and /status say at that moment
         metrics.storage_degraded.set_function(lambda: float(history.degraded))
+        metrics.watch_receivers(self.receiver_rows)
         self.store_host, self.store_port, self.group_name = store_host, store_port, group_name
         self.agents = AgentRegistry(config.timeouts.heartbeat_s, clock)
         self._lock = threading.RLock()
@@ -171,6 +173,11 @@ class Controller:
             now = self.clock()
             return [{**a.public(now), **({"joins_next": a.agent_id in regular} if a.role == "receiver" else {})}
                     for a in self.agents.all()]
+
+    def receiver_rows(self) -> list[ReceiverRow]:
+        """What an operator is shown of each receiver (server/decisions/views.py): read at each scrape."""
+        recent = [r.to_dict() for r in self.history.list(limit=LAG_WINDOW, status="committed")]
+        return receiver_rows(self.agents_public(), recent)
 
     # ---- versions -----------------------------------------------------------------------------------
     def request_sync(self, request: SyncRequest) -> VersionRecord:

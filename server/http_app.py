@@ -27,6 +27,7 @@ from ckpt_engine.server.controller import Controller
 from ckpt_engine.server.errors import ControlError, Forbidden, TooManyRequests, Unavailable
 from ckpt_engine.server.history import TERMINAL, StorageUnavailable, VersionRecord
 from ckpt_engine.server.operations import OPERATIONS, NoBody
+from ckpt_engine.server.page_routes import PAGE_FILES, add_page
 from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -73,7 +74,7 @@ class LimitsAndAuth:
             return
         headers = {k.decode("latin-1").lower(): v.decode(errors="replace") for k, v in scope.get("headers", [])}
         roles = self.authority.roles_of(_bearer(headers))
-        if scope["path"] != "/health" and not roles:
+        if not roles and not _public(scope):
             await _error(401, "unauthorized", "send 'Authorization: Bearer <token>'",
                          headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
             return
@@ -98,6 +99,11 @@ class LimitsAndAuth:
 
         await self.app(scope, limited_receive, send)
 
+
+
+def _public(scope: Scope) -> bool:
+    """/health, and the operator page's static files (they hold no data: the page asks for a token)."""
+    return scope["path"] == "/health" or (scope["path"] in PAGE_FILES and scope["method"] in ("GET", "HEAD"))
 
 
 def _bearer(headers: dict[str, str]) -> str | None:
@@ -252,6 +258,7 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
     def metrics() -> Response:
         return Response(controller.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    add_page(app)
     return app
 
 

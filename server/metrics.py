@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
+from ckpt_engine.server.decisions.receivers import STATES
+from ckpt_engine.server.decisions.views import ReceiverRow
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -10,6 +16,7 @@ STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._receiver_gauges: ReceiverGauges | None = None
         self.versions = Counter("ckpt_engine_versions", "versions by outcome", ["outcome"], registry=self.registry)
         self.bytes_sent = Counter("ckpt_engine_bytes_sent", "bytes broadcast for committed and failed versions",
                                   registry=self.registry)
@@ -28,6 +35,13 @@ class Metrics:
         self.refused = Counter("ckpt_engine_refused", "control-plane requests refused, by reason", ["reason"],
                                registry=self.registry)
 
+    def watch_receivers(self, rows: Callable[[], list[ReceiverRow]]) -> None:
+        """Per-receiver gauges, read from ``rows`` at each scrape (nothing to keep in step between scrapes)."""
+        if self._receiver_gauges is not None:  # a second controller on these metrics: the newest one is shown
+            self.registry.unregister(self._receiver_gauges)
+        self._receiver_gauges = ReceiverGauges(rows)
+        self.registry.register(self._receiver_gauges)
+
     def version_done(self, outcome: str, nbytes: int, stages: dict[str, float]) -> None:
         self.versions.labels(outcome=outcome).inc()
         self.bytes_sent.inc(nbytes)
@@ -36,3 +50,37 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ReceiverGauges(Collector):
+    """``ckpt_engine_receiver_state`` (1 for the state it is in, 0 for the others, so ``sum by (state)``
+    counts receivers per state), ``ckpt_engine_receiver_serving_version`` and ``ckpt_engine_receiver_lag_versions``
+    (committed versions newer than the one it serves), labelled by agent id and engine."""
+
+    def __init__(self, rows: Callable[[], list[ReceiverRow]]) -> None:
+        self.rows = rows
+
+    def describe(self) -> list[Metric]:
+        return list(self._families([]))  # registering must not call into the controller
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(self.rows())
+
+    @staticmethod
+    def _families(rows: list[ReceiverRow]) -> Iterator[Metric]:
+        labels = ["agent", "engine"]
+        state = GaugeMetricFamily("ckpt_engine_receiver_state", "1 for the state each receiver is in",
+                                  labels=[*labels, "state"])
+        serving = GaugeMetricFamily("ckpt_engine_receiver_serving_version", "version each receiver serves "
+                                    "(absent while it serves none)", labels=labels)
+        lag = GaugeMetricFamily("ckpt_engine_receiver_lag_versions", "committed versions newer than the one each "
+                                "receiver serves (absent while it serves none)", labels=labels)
+        for row in rows:
+            names = [row.agent_id, row.engine or ""]
+            for name in STATES:
+                state.add_metric([*names, name], float(row.state == name))
+            if row.serving is not None:
+                serving.add_metric(names, float(row.serving))
+            if row.lag is not None:
+                lag.add_metric(names, float(row.lag))
+        yield from (state, serving, lag)

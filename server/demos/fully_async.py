@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--hold", type=float, default=0.0, help="keep the daemon up this many seconds after the "
+                                                               "run, to look at its page (Ctrl-C ends it sooner)")
     args = parser.parse_args(argv)
     size = ModelSize(args.hidden, args.layers, args.vocab)
     with tempfile.TemporaryDirectory(prefix="ckpt-engine-demo-") as tmp:
@@ -149,11 +151,25 @@ def main(argv: list[str] | None = None) -> int:
         url, zmq = daemon.url, daemon.zmq
         print(f"[demo] daemon up: {url} (zmq {zmq}), config {args.config or 'built-in defaults'}"
               f"{' + bypass_cpu' if args.bypass_cpu else ''}", flush=True)
+        # the file's path, not the token: a token printed ends up in terminal scrollback and CI logs
+        print(f"[demo] operator page: {url}/ (paste the \"rollout\" token of {daemon.credentials_path}: it "
+              f"reads, and writes nothing over HTTP)", flush=True)
         try:
-            return _run(args, size, url, zmq)
+            code = _run(args, size, url, zmq)
+            _hold(args.hold)
+            return code
         finally:
             code = daemon.stop(signal.SIGTERM, 60)
             print(f"[demo] daemon stopped (exit {code})", flush=True)
+
+
+def _hold(seconds: float) -> None:
+    if seconds > 0:
+        print(f"[demo] holding the daemon for {seconds:.0f} s (Ctrl-C ends it)", flush=True)
+        try:
+            time.sleep(seconds)
+        except KeyboardInterrupt:
+            pass
 
 
 def _run(args: argparse.Namespace, size: ModelSize, url: str, zmq: str) -> int:

@@ -1,0 +1,72 @@
+"""What ``ckpt-engine status`` and ``ckpt-engine versions`` print (pure: the JSON of GET /status, /versions
+and /receivers in, lines out), with the progress line of the version in flight."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ckpt_engine.server.decisions.views import receiver_rows
+
+_TRAINER_STAGES = ("header", "fill", "digest", "broadcast", "ack")  # what the trainer's total is made of
+
+
+def progress_line(status: Mapping[str, Any], records: Sequence[Mapping[str, Any]], now: float) -> str:
+    """The version in flight, its state, how long it has run and the stages done so far; else that none is."""
+    flight = status.get("in_flight")
+    record = next((r for r in records if r["id"] == flight), None)
+    if flight is None or record is None:
+        queued = status.get("queued_push")
+        return f"re-push of v{queued} waits for the framework's next sync" if queued is not None else \
+            "no version in flight"
+    done = ", ".join(f"{k} {_ms(v)}" for k, v in record["stages"].items())
+    return (f">> v{record['id']} {record['status']} ({record.get('purpose', 'sync')}), {now - record['created_at']:.1f} s "
+            f"so far" + (f": {done}" if done else ""))
+
+
+def total_seconds(record: Mapping[str, Any]) -> float:
+    stages = record["stages"]
+    return stages.get("total") or sum(v for k, v in stages.items() if k in _TRAINER_STAGES)
+
+
+def version_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    lines = [f"{'id':>5} {'step':>6} {'mode':<10} {'status':<12} {'from':>5} {'MiB':>8} {'seconds':>8} {'rx':>4} "
+             f"{'cached':>6}  digest / reason"]
+    for r in records:
+        ok_rx = sum(1 for x in r["receivers"] if x.get("ok"))
+        source = r.get("source_version")
+        step = r["step"] if r["step"] is not None else "-"
+        lines.append(f"{r['id']:>5} {step:>6} {r['mode']:<10} {r['status']:<12} "
+                     f"{source if source is not None else '-':>5} {r['bytes'] / (1 << 20):>8.2f} "
+                     f"{total_seconds(r):>8.3f} {ok_rx:>4} {'yes' if r['cached'] else 'no':>6}  "
+                     f"{r['version_digest'] or ''}{'  ' + r['reason'] if r['reason'] else ''}")
+    return lines
+
+
+def status_lines(status: Mapping[str, Any], agents: Sequence[Mapping[str, Any]],
+                 records: Sequence[Mapping[str, Any]], now: float) -> list[str]:
+    """The daemon, its trainer ranks, its receivers (state, version, lag, staging, last error) and its cache."""
+    health = "DEGRADED: the history cannot be written" if status["degraded"] else "ok"
+    counts = ", ".join(f"{k} {v}" for k, v in status["versions"].items()) or "none yet"
+    lines = [f"ckpt-engine {status['version']}  history {status['history_id'][:8]}  {health}  versions: {counts}",
+             progress_line(status, records, now), "", "trainer ranks:"]
+    trainers = sorted((a for a in agents if a["role"] == "trainer"), key=lambda a: a["rank"])
+    lines += [f"  rank {a['rank']:<3} {a['agent_id']}  {a['host']}:{a['pid']}  {a['device']}  holds "
+              f"{' '.join(f'v{v}' for v in a['versions']) or '-'}" for a in trainers] or ["  none registered"]
+    kept = set(status.get("cache_kept_for_repairs") or ())
+    cache = " ".join(f"v{v}{'*' if v in kept else ''}" for v in sorted(status["cache_versions"], reverse=True))
+    lines += [f"cache: {cache or 'empty'}" + ("  (* kept for repairs)" if kept else ""), "",
+              f"{'receiver':<18} {'engine':<10} {'state':<8} {'serving':>7} {'lag':>4}  {'staging':<8} last error"]
+    staging = {a["agent_id"]: (a.get("last_staging") or {}).get("mode") or "-" for a in agents}
+    for row in receiver_rows(agents, records):
+        lines.append(f"{row.agent_id:<18} {row.engine or '-':<10} {row.state:<8} "
+                     f"{'v' + str(row.serving) if row.serving is not None else '-':>7} "
+                     f"{row.lag if row.lag is not None else '-':>4}  {staging[row.agent_id]:<8} {row.last_error or ''}")
+    return lines
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+__all__ = ["progress_line", "status_lines", "total_seconds", "version_lines"]

@@ -1,0 +1,57 @@
+"""What an operator is shown of each receiver, from the records the HTTP API returns (pure): how far behind it
+is, and the last thing that went wrong for it. The metrics (server/metrics.py), ``ckpt-engine status`` and the
+operator page (server/page/page.js, which applies the same rules to the same JSON) show these.
+
+Lag counts committed versions newer than the one a receiver serves, not ids: a failed or cancelled version
+takes an id but brings nothing a receiver missed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+LAG_WINDOW = 100  # committed versions looked at: a receiver further behind shows this lag (it is far behind)
+
+
+@dataclass(frozen=True)
+class ReceiverRow:
+    agent_id: str
+    engine: str | None
+    state: str
+    serving: int | None
+    lag: int | None  # None: it serves nothing, so no lag is meaningful (its state says why)
+    last_error: str | None
+
+
+def lag(serving: int | None, committed_ids: Iterable[int]) -> int | None:
+    """Committed versions newer than ``serving``."""
+    if serving is None:
+        return None
+    return sum(1 for version in committed_ids if version > serving)
+
+
+def last_errors(versions: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """Each receiver's newest failure in ``versions`` (newest first, as GET /versions lists them), as
+    ``v<id>: <reason>``, also when a later version succeeded: its state says whether it recovered, this why
+    it had to."""
+    errors: dict[str, str] = {}
+    for record in versions:
+        for entry in record.get("receivers") or ():
+            agent = entry.get("agent_id")
+            if agent and not entry.get("ok") and agent not in errors:
+                errors[agent] = f"v{record['id']}: {entry.get('reason') or 'failed'}"
+    return errors
+
+
+def receiver_rows(agents: Sequence[Mapping[str, Any]], versions: Sequence[Mapping[str, Any]]) -> list[ReceiverRow]:
+    """One row per receiver of ``agents`` (GET /receivers), judged against ``versions`` (GET /versions)."""
+    committed = [v["id"] for v in versions if v.get("status") == "committed"]
+    errors = last_errors(versions)
+    return [ReceiverRow(a["agent_id"], a.get("engine"), a.get("state", "new"), a.get("serving"),
+                        lag(a.get("serving"), committed), a.get("torn") or a.get("unable") or errors.get(a["agent_id"]))
+            for a in agents if a.get("role") == "receiver"]
+
+
+__all__ = ["LAG_WINDOW", "ReceiverRow", "last_errors", "lag", "receiver_rows"]

@@ -1,0 +1,258 @@
+// The operator page: reads GET /status, /versions and /receivers with the token kept in this tab's
+// sessionStorage (sent as a header, never in a URL) and draws them. Everything the daemon sends is put in the
+// page as text (textContent), never as markup: a reason or host name cannot inject anything.
+"use strict";
+
+const TOKEN_KEY = "ckpt-engine-token";
+const REFRESH_MS = 2000;
+const VERSIONS_SHOWN = 30;
+// the trainer's stages first, in the order they happen, then the receivers' (the rest after, by name)
+const STAGE_ORDER = ["snapshot", "held", "header", "fill", "digest", "broadcast", "wire", "ack", "control", "verify", "load",
+  "apply", "pause"];
+const PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
+  "#9c755f", "#bab0ac", "#86bcb6", "#d37295"];
+const AGGREGATES = new Set(["total"]);  // sums of the others: not stacked
+
+class AuthError extends Error {}
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs || {})) node.setAttribute(key, value);
+  for (const child of children) node.append(child instanceof Node ? child : String(child ?? ""));
+  return node;
+}
+
+function svg(tag, attrs) {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [key, value] of Object.entries(attrs || {})) node.setAttribute(key, value);
+  return node;
+}
+
+function ms(seconds) {
+  if (seconds === null || seconds === undefined) return "";
+  return seconds >= 10 ? `${seconds.toFixed(1)} s` : `${(seconds * 1000).toFixed(1)} ms`;
+}
+
+function ago(seconds) {
+  return seconds < 60 ? `${seconds.toFixed(1)} s ago` : `${Math.round(seconds / 60)} min ago`;
+}
+
+function mib(bytes) {
+  return (bytes / 1048576).toFixed(2);
+}
+
+async function api(path) {
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  const headers = token ? {Authorization: `Bearer ${token}`} : {};  // none: a daemon with auth.open needs none
+  const reply = await fetch(path, {headers, cache: "no-store"});
+  if (reply.status === 401 || reply.status === 403) throw new AuthError(`${path}: ${reply.status}`);
+  if (!reply.ok) throw new Error(`${path}: HTTP ${reply.status}`);
+  return reply.json();
+}
+
+function stageNames(records) {
+  const seen = new Set();
+  for (const r of records) for (const name of Object.keys(r.stages || {})) if (!AGGREGATES.has(name)) seen.add(name);
+  const known = STAGE_ORDER.filter((name) => seen.has(name));
+  return known.concat([...seen].filter((name) => !STAGE_ORDER.includes(name)).sort());
+}
+
+function stagedSeconds(record, names) {
+  return names.reduce((sum, name) => sum + (record.stages[name] || 0), 0);
+}
+
+// Marks of one version besides its status: torn (a receiver's failed apply tore its model), repaired by vN
+// (a later committed repair brought that receiver back), repair of vS (this version is such a repair).
+function marks(record, records) {
+  const out = [];
+  const torn = (record.receivers || []).filter((e) => e.torn).map((e) => e.agent_id);
+  if (torn.length) {
+    out.push("torn");
+    const repair = records.filter((r) => r.purpose === "repair" && r.status === "committed" && r.id > record.id)
+      .reverse().find((r) => (r.receivers || []).some((e) => torn.includes(e.agent_id) && e.ok));
+    if (repair) out.push(`repaired by v${repair.id}`);
+  }
+  if (record.purpose === "repair" && record.source_version !== null) out.push(`repair of v${record.source_version}`);
+  if (record.purpose === "push" && record.source_version !== null) out.push(`re-push of v${record.source_version}`);
+  return out;
+}
+
+function stageBar(record, names, widest) {
+  const width = 320, height = 14;
+  const bar = svg("svg", {width, height, class: "bar", role: "img"});
+  let x = 0;
+  names.forEach((name, i) => {
+    const seconds = record.stages[name];
+    if (!seconds) return;
+    const w = Math.max(1, (seconds / widest) * width);
+    const rect = svg("rect", {x, y: 0, width: w, height, fill: PALETTE[i % PALETTE.length], "data-stage": name});
+    const title = svg("title", {});
+    title.textContent = `${name} ${ms(seconds)}`;
+    rect.append(title);
+    bar.append(rect);
+    x += w;
+  });
+  return bar;
+}
+
+function renderLegend(names) {
+  const legend = document.getElementById("legend");
+  const swatch = (i) => {  // an SVG fill, not a style attribute: the page's CSP allows no inline styles
+    const box = svg("svg", {width: 10, height: 10});
+    box.append(svg("rect", {width: 10, height: 10, fill: PALETTE[i % PALETTE.length]}));
+    return box;
+  };
+  legend.replaceChildren(...names.map((name, i) => el("span", {class: "key"}, swatch(i), name)));
+}
+
+function renderVersions(records) {
+  const names = stageNames(records);
+  const widest = Math.max(1e-6, ...records.map((r) => stagedSeconds(r, names)));
+  renderLegend(names);
+  const rows = records.map((r) => {
+    const extra = marks(r, records);
+    const stages = names.filter((n) => r.stages[n]).map((n) => `${n} ${ms(r.stages[n])}`).join(", ");
+    return el("tr", {"data-version": r.id, "data-status": r.status, class: `status-${r.status}`},
+      el("td", {}, `v${r.id}`),
+      el("td", {}, el("span", {class: `pill status-${r.status}`}, r.status),
+        ...extra.map((m) => el("span", {class: `mark mark-${m.split(" ")[0]}`}, m))),
+      el("td", {}, r.purpose), el("td", {}, r.step ?? "-"), el("td", {}, r.owners), el("td", {}, mib(r.bytes)),
+      el("td", {class: "stages", title: stages}, stageBar(r, names, widest), el("span", {class: "stage-text"}, stages)),
+      el("td", {}, ms(r.stages.total ?? stagedSeconds(r, names))),
+      el("td", {class: "reason"}, r.reason || ""));
+  });
+  document.querySelector("#versions tbody").replaceChildren(...rows);
+}
+
+function lastErrors(records) {  // the rule of server/decisions/views.py: each receiver's newest failure
+  const errors = {};
+  for (const r of records) for (const e of r.receivers || []) {
+    if (e.agent_id && !e.ok && !(e.agent_id in errors)) errors[e.agent_id] = `v${r.id}: ${e.reason || "failed"}`;
+  }
+  return errors;
+}
+
+function lag(serving, committed) {  // committed versions newer than the one it serves
+  return serving === null || serving === undefined ? "" : committed.filter((id) => id > serving).length;
+}
+
+function staging(s) {
+  if (!s) return "";
+  return [s.mode, s.why ? `(${s.why})` : "", s.pause_s !== null && s.pause_s !== undefined ? `pause ${ms(s.pause_s)}` : ""]
+    .filter(Boolean).join(" ");
+}
+
+function renderReceivers(agents, records) {
+  const committed = records.filter((r) => r.status === "committed").map((r) => r.id);
+  const errors = lastErrors(records);
+  const rows = agents.filter((a) => a.role === "receiver").map((a) => el("tr", {"data-agent": a.agent_id, "data-state": a.state},
+    el("td", {}, a.agent_id), el("td", {}, a.rank), el("td", {}, a.engine || ""), el("td", {}, `${a.host}:${a.pid}`),
+    el("td", {}, el("span", {class: `pill state-${a.state}`}, a.state)),
+    el("td", {}, a.serving === null ? "-" : `v${a.serving}`), el("td", {}, lag(a.serving, committed)),
+    el("td", {}, staging(a.last_staging)),
+    el("td", {class: "reason"}, a.torn || a.unable || errors[a.agent_id] || ""),
+    el("td", {}, ago(a.seconds_since_seen))));
+  document.querySelector("#receivers tbody").replaceChildren(...rows);
+}
+
+function renderTrainers(agents) {
+  const rows = agents.filter((a) => a.role === "trainer").sort((a, b) => a.rank - b.rank).map((a) => el("tr", {},
+    el("td", {}, a.rank), el("td", {}, a.agent_id), el("td", {}, `${a.host}:${a.pid}`), el("td", {}, a.device),
+    el("td", {}, a.versions.map((v) => `v${v}`).join(" ")), el("td", {}, ago(a.seconds_since_seen))));
+  document.querySelector("#trainers tbody").replaceChildren(...rows);
+}
+
+function renderCache(status, records) {
+  const byId = Object.fromEntries(records.map((r) => [r.id, r]));
+  const kept = new Set(status.cache_kept_for_repairs || []);
+  const rows = [...status.cache_versions].sort((a, b) => b - a).map((id) => {
+    const r = byId[id];
+    return el("tr", {"data-version": id}, el("td", {}, `v${id}`), el("td", {}, r ? r.status : ""),
+      el("td", {}, r ? mib(r.bytes) : ""), el("td", {}, r ? r.owners : ""), el("td", {}, kept.has(id) ? "yes" : ""));
+  });
+  document.querySelector("#cache tbody").replaceChildren(...rows);
+}
+
+function renderDaemon(status) {
+  const facts = {
+    "ckpt-engine": status.version, history: status.history_id, started: new Date(status.started_at * 1000).toLocaleString(),
+    degraded: status.degraded ? `yes: ${status.storage.error || "the history cannot be written"}` : "no",
+    "in flight": status.in_flight ?? "-", receivers: status.receivers,
+    versions: Object.entries(status.versions).map(([k, v]) => `${k} ${v}`).join(", "),
+    torn: status.torn.join(", ") || "-", unable: status.unable.join(", ") || "-",
+    ...Object.fromEntries(Object.entries(status.config).map(([k, v]) => [k, String(v)])),
+  };
+  document.querySelector("#config tbody").replaceChildren(...Object.entries(facts).map(([k, v]) =>
+    el("tr", {}, el("th", {}, k), el("td", {"data-fact": k}, v))));
+  const health = document.getElementById("health");
+  const problem = status.degraded ? "degraded" : status.torn.length ? `${status.torn.length} torn` : "";
+  health.textContent = problem || "ok";
+  health.className = `pill ${problem ? "bad" : "good"}`;
+  document.getElementById("daemon").textContent = `${status.version} · history ${status.history_id.slice(0, 8)}`;
+}
+
+function renderProgress(status, records) {
+  const line = document.getElementById("progress");
+  const r = records.find((v) => v.id === status.in_flight);
+  if (status.in_flight === null || !r) {
+    line.textContent = status.queued_push !== null && status.queued_push !== undefined
+      ? `re-push v${status.queued_push} waits for the framework's next sync` : "no version in flight";
+    line.className = "progress idle";
+    return;
+  }
+  const done = Object.entries(r.stages).map(([k, v]) => `${k} ${ms(v)}`).join(", ");
+  line.textContent = `v${r.id} ${r.status}: ${(Date.now() / 1000 - r.created_at).toFixed(1)} s so far` +
+    (done ? ` (${done})` : "");
+  line.className = "progress busy";
+}
+
+async function refresh() {
+  try {
+    const [status, page, agents] = await Promise.all([api("/status"), api(`/versions?limit=${VERSIONS_SHOWN}`),
+      api("/receivers")]);
+    const records = page.versions;
+    renderDaemon(status);
+    renderProgress(status, records);
+    renderVersions(records);
+    renderReceivers(agents.agents, records);
+    renderTrainers(agents.agents);
+    renderCache(status, records);
+    document.getElementById("refreshed").textContent = `updated ${new Date().toLocaleTimeString()}`;
+    document.body.dataset.loaded = "yes";
+  } catch (error) {
+    if (error instanceof AuthError) {
+      return askForToken(sessionStorage.getItem(TOKEN_KEY) ? "That token was refused (401/403): paste another." : "");
+    }
+    document.getElementById("refreshed").textContent = `refresh failed: ${error.message}`;
+  }
+  setTimeout(refresh, REFRESH_MS);
+}
+
+function askForToken(message) {
+  sessionStorage.removeItem(TOKEN_KEY);
+  document.getElementById("main").hidden = true;
+  document.getElementById("forget").hidden = true;
+  document.getElementById("login").hidden = false;
+  document.getElementById("login-error").textContent = message || "";
+}
+
+function start() {
+  document.getElementById("login").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const input = document.getElementById("token");
+    sessionStorage.setItem(TOKEN_KEY, input.value.trim());
+    input.value = "";
+    show();
+  });
+  document.getElementById("forget").addEventListener("click", () => askForToken());
+  show();  // with no token yet, the first refresh's 401 asks for one
+}
+
+function show() {
+  document.getElementById("login").hidden = true;
+  document.getElementById("main").hidden = false;
+  document.getElementById("forget").hidden = false;
+  refresh();
+}
+
+start();
