@@ -26,9 +26,7 @@ class Authority:
             log.warning("WARNING: auth.open is set: no authentication; anyone who reaches the control ports is "
                         "operator, trainer and rollout")
             return
-        fixed = {"operator": auth.operator_token or config.auth_token, "trainer": auth.trainer_token or
-                 config.auth_token, "rollout": auth.rollout_token or config.auth_token}
-        self.credentials = daemon_credentials(self.credentials_file, fixed)  # type: ignore[arg-type]
+        self.credentials = daemon_credentials(self.credentials_file, configured_tokens(config))  # type: ignore[arg-type]
         if config.auth_token is not None:
             shared = [role for role in ROLES if self.credentials.token(role) == config.auth_token]
             if len(shared) > 1:
@@ -60,3 +58,10 @@ class Authority:
             raise Forbidden(f"{what} needs a token of role {' or '.join(sorted(allowed))}; this one is "
                             f"{', '.join(sorted(roles))}")
         return roles
+
+
+def configured_tokens(config: EngineConfig) -> dict[str, str | None]:
+    """Each role's token as the deployment gives it (None: kept in, or generated into, the credentials file)."""
+    auth = config.auth
+    return {"operator": auth.operator_token or config.auth_token, "trainer": auth.trainer_token or config.auth_token,
+            "rollout": auth.rollout_token or config.auth_token}

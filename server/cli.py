@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import sys
 import time
@@ -17,7 +18,7 @@ from ckpt_engine.config import load_config
 from ckpt_engine.control.messages import TERMINAL
 from ckpt_engine.errors import ConfigError
 from ckpt_engine.plan.modes import STAGINGS
-from ckpt_engine.server.console import progress_line, status_lines, version_lines
+from ckpt_engine.server.console import printable, progress_line, status_lines, version_lines
 
 DEFAULT_URL = "http://127.0.0.1:8765"
 
@@ -111,9 +112,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.1 <= value <= 3600:  # (also false for nan)
+        raise argparse.ArgumentTypeError(f"must be a number of seconds from 0.1 to 3600, got {text!r}")
+    return value
+
+
 def _watch_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl-C")
-    command.add_argument("--interval", type=float, default=1.0)
+    command.add_argument("--interval", type=_interval, default=1.0, help="seconds between frames (0.1 to 3600)")
     command.add_argument("--count", type=int, default=0, help="with --watch: stop after this many frames")
 
 
@@ -163,11 +174,12 @@ def _check_config(args: argparse.Namespace) -> int:
     from ckpt_engine.server.history import HistoryError, check_history_path
 
     from ckpt_engine.control.auth import check_credentials_path, credentials_path
+    from ckpt_engine.server.authority import configured_tokens
 
     config = load_config(args.path)
     try:
         check_history_path(config.store.history_path)
-        if not config.auth.open:
+        if not config.auth.open and not all(configured_tokens(config).values()):  # (else serve needs no file)
             check_credentials_path(credentials_path(config.auth.credentials_file))
     except HistoryError as exc:
         raise ConfigError(f"{args.path}: {exc}") from exc
@@ -288,19 +300,30 @@ class CommandFailed(Exception):
 
 def _watch(args: argparse.Namespace, frame: Callable[[httpx.Client], list[str]]) -> int:
     """Print ``frame`` once, or (``--watch``) redraw it every ``--interval`` seconds until Ctrl-C or ``--count``
-    frames; on a terminal each frame replaces the last."""
+    frames; on a terminal each frame replaces the last. A watch outlives a daemon that is down, restarting or
+    refusing: it says so, with the last frame's time, and tries again, backing off up to 30 s."""
     shown, redraw = 0, args.watch and sys.stdout.isatty()
+    last_ok: float | None = None
+    wait_s = args.interval
     try:
         with _client(args) as client:
             while True:
-                lines = frame(client)
+                try:
+                    lines, last_ok, wait_s = frame(client), time.time(), args.interval
+                except (CommandFailed, httpx.HTTPError) as exc:
+                    if not args.watch:
+                        raise
+                    since = time.strftime("%H:%M:%S", time.localtime(last_ok)) if last_ok else "never"
+                    wait_s = min(max(2 * wait_s, 1.0), 30.0)
+                    lines = printable([f"daemon unreachable or refusing ({type(exc).__name__}: {exc}); last frame "
+                                       f"{since}; trying again in {wait_s:.0f} s"])
                 print(("\x1b[H\x1b[2J" if redraw else "") + "\n".join(lines), flush=True)
                 shown += 1
                 if not args.watch or (args.count and shown >= args.count):
                     return 0
                 if not redraw:
                     print(flush=True)
-                time.sleep(args.interval)
+                time.sleep(wait_s)
     except CommandFailed as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -310,15 +333,15 @@ def _watch(args: argparse.Namespace, frame: Callable[[httpx.Client], list[str]])
 
 def _print_record(r: dict) -> None:
     source = f", a re-push of version {r['source_version']}" if r.get("source_version") is not None else ""
-    print(f"version {r['id']} ({r['mode']}, step {r['step']}{source}, {r.get('purpose', 'sync')}): {r['status']}"
-          + (f" - {r['reason']}" if r["reason"] else ""))
-    print(f"  {r['bytes'] / (1 << 20):.2f} MiB in {r['buckets']} bucket(s), {r['tensors_sent']} tensors; "
-          f"digest {r['version_digest']}; cached: {'yes' if r['cached'] else 'no'}")
+    lines = [f"version {r['id']} ({r['mode']}, step {r['step']}{source}, {r.get('purpose', 'sync')}): {r['status']}"
+             + (f" - {r['reason']}" if r["reason"] else ""),
+             f"  {r['bytes'] / (1 << 20):.2f} MiB in {r['buckets']} bucket(s), {r['tensors_sent']} tensors; "
+             f"digest {r['version_digest']}; cached: {'yes' if r['cached'] else 'no'}"]
     if r["stages"]:
-        print("  stages: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["stages"].items()))
-    for rx in r["receivers"]:
-        print(f"  receiver rank {rx.get('rank')}: {'ok' if rx.get('ok') else 'FAILED'} "
-              f"digest {rx.get('version_digest')}" + (f" - {rx['reason']}" if rx.get("reason") else ""))
+        lines.append("  stages: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["stages"].items()))
+    lines += [f"  receiver rank {rx.get('rank')}: {'ok' if rx.get('ok') else 'FAILED'} digest {rx.get('version_digest')}"
+              + (f" - {rx['reason']}" if rx.get("reason") else "") for rx in r["receivers"]]
+    print("\n".join(printable(lines)))
 
 
 if __name__ == "__main__":

@@ -3,12 +3,20 @@ and /receivers in, lines out), with the progress line of the version in flight."
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ckpt_engine.server.decisions.views import receiver_rows
 
 _TRAINER_STAGES = ("header", "fill", "digest", "broadcast", "ack")  # what the trainer's total is made of
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(lines: Iterable[str]) -> list[str]:
+    """``lines`` with every control character written as ``\\xNN``: agents name hosts, devices and reasons,
+    and a terminal would obey an escape sequence in them (retitle, clipboard, erase and fake a line)."""
+    return [_CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", line) for line in lines]
 
 
 def progress_line(status: Mapping[str, Any], records: Sequence[Mapping[str, Any]], now: float) -> str:
@@ -20,8 +28,8 @@ def progress_line(status: Mapping[str, Any], records: Sequence[Mapping[str, Any]
         return f"re-push of v{queued} waits for the framework's next sync" if queued is not None else \
             "no version in flight"
     done = ", ".join(f"{k} {_ms(v)}" for k, v in record["stages"].items())
-    return (f">> v{record['id']} {record['status']} ({record.get('purpose', 'sync')}), {now - record['created_at']:.1f} s "
-            f"so far" + (f": {done}" if done else ""))
+    return printable([f">> v{record['id']} {record['status']} ({record.get('purpose', 'sync')}), "
+                      f"{now - record['created_at']:.1f} s so far" + (f": {done}" if done else "")])[0]
 
 
 def total_seconds(record: Mapping[str, Any]) -> float:
@@ -40,7 +48,7 @@ def version_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
                      f"{source if source is not None else '-':>5} {r['bytes'] / (1 << 20):>8.2f} "
                      f"{total_seconds(r):>8.3f} {ok_rx:>4} {'yes' if r['cached'] else 'no':>6}  "
                      f"{r['version_digest'] or ''}{'  ' + r['reason'] if r['reason'] else ''}")
-    return lines
+    return printable(lines)
 
 
 def status_lines(status: Mapping[str, Any], agents: Sequence[Mapping[str, Any]],
@@ -62,11 +70,11 @@ def status_lines(status: Mapping[str, Any], agents: Sequence[Mapping[str, Any]],
         lines.append(f"{row.agent_id:<18} {row.engine or '-':<10} {row.state:<8} "
                      f"{'v' + str(row.serving) if row.serving is not None else '-':>7} "
                      f"{row.lag if row.lag is not None else '-':>4}  {staging[row.agent_id]:<8} {row.last_error or ''}")
-    return lines
+    return printable(lines)
 
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
 
 
-__all__ = ["progress_line", "status_lines", "total_seconds", "version_lines"]
+__all__ = ["printable", "progress_line", "status_lines", "total_seconds", "version_lines"]

@@ -24,7 +24,7 @@ from ckpt_engine.server.cache_book import CacheBook
 from ckpt_engine.server.decisions import quorum as rules
 from ckpt_engine.server.decisions.policy import FRAMEWORK, policy_of
 from ckpt_engine.server.decisions.repair import plan_catch_up, repair_source
-from ckpt_engine.server.decisions.views import LAG_WINDOW, ReceiverRow, receiver_rows
+from ckpt_engine.server.decisions.views import LAG_WINDOW, ReceiverRow, lag, receiver_rows
 from ckpt_engine.server.errors import BadRequest, Conflict, Forbidden, NotFound, Unavailable
 from ckpt_engine.server.flights import Flights
 from ckpt_engine.server.framework import FrameworkSyncs
@@ -168,11 +168,18 @@ class Controller:
         log.info("agent %s (%s rank %d) left", agent.agent_id, agent.role, agent.rank)
 
     def agents_public(self) -> list[dict]:
+        """GET /receivers: every agent; a receiver also with whether it joins the next version and its lag
+        (committed versions newer than the one it serves: the one rule the metrics, the CLI and the page show)."""
         with self._lock:
             regular = {r.agent_id for r in self._candidates(self.clock())}
             now = self.clock()
-            return [{**a.public(now), **({"joins_next": a.agent_id in regular} if a.role == "receiver" else {})}
+            rows = [{**a.public(now), **({"joins_next": a.agent_id in regular} if a.role == "receiver" else {})}
                     for a in self.agents.all()]
+        committed = [r.id for r in self.history.list(limit=LAG_WINDOW, status="committed")]  # (outside the lock)
+        for row in rows:
+            if row["role"] == "receiver":
+                row["lag"] = lag(row.get("serving"), committed)
+        return rows
 
     def receiver_rows(self) -> list[ReceiverRow]:
         """What an operator is shown of each receiver (server/decisions/views.py): read at each scrape."""

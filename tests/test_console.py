@@ -40,3 +40,40 @@ def test_a_degraded_daemon_says_so_first() -> None:
 def test_version_lines_total_is_the_trainers_stages_without_a_total() -> None:
     record = {**RECORD, "stages": {"header": 0.5, "fill": 0.25, "verify": 9.0}}
     assert version_lines([record])[1].split()[6] == "0.750"
+
+
+def test_what_agents_name_cannot_drive_the_terminal() -> None:
+    """Found by the outside attack on issue 28: a host, device or reason with escape sequences retitled the
+    window, wrote the clipboard (OSC 52) and erased a line to print a fake one."""
+    hostile = "\x1b]0;PWNED\x07\x1b[31mRED\x1b]52;c;cHduZWQ=\x07\r\x1b[2Kfake\x9b"
+    agents = [{**AGENTS[0], "host": hostile, "device": hostile},
+              {**AGENTS[1], "torn": hostile, "last_staging": {"mode": "stream", "why": hostile}}]
+    record = {**RECORD, "status": "failed", "reason": hostile}
+    lines = status_lines(STATUS, agents, [record], now=101.0) + version_lines([record])
+    assert not any(ch in line for line in lines for ch in "\x1b\x07\r\x9b")
+    assert any("\\x1b]0;PWNED\\x07" in line for line in lines)
+
+
+def test_the_lag_is_the_daemon_s_when_it_gives_one() -> None:
+    """Found by the outside attack on issue 28: the CLI counted lag in the 50 versions it read, the page in 30,
+    the metrics in 100 committed ones; GET /receivers now says it, and every view shows that."""
+    far_behind = {**AGENTS[1], "serving": 1, "lag": 60}
+    assert status_lines(STATUS, [AGENTS[0], far_behind], [RECORD], now=101.0)[-1].split()[4] == "60"
+
+
+def test_a_watch_outlives_a_daemon_that_is_down_and_refuses_a_bad_interval() -> None:
+    """Found by the outside attack on issue 28: a watch ended at the first failed read (a restarting daemon),
+    and --interval nan or -1 crashed it after the first frame."""
+    import subprocess
+    import sys
+
+    from tests.daemon_harness import ROOT, free_port
+
+    cli = [sys.executable, "-m", "ckpt_engine.server.cli", "--url", f"http://127.0.0.1:{free_port()}"]
+    down = subprocess.run([*cli, "status", "--watch", "--count", "2", "--interval", "0.1"], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+    assert down.returncode == 0 and down.stdout.count("daemon unreachable or refusing") == 2, down
+    for bad in ("nan", "-1", "0"):
+        refused = subprocess.run([*cli, "versions", "--watch", "--interval", bad], capture_output=True, text=True,
+                                 timeout=60, cwd=ROOT)
+        assert refused.returncode == 2 and "from 0.1 to 3600" in refused.stderr, refused

@@ -125,6 +125,23 @@ def test_serve_and_check_config_refuse_a_credentials_directory_others_can_write(
         assert str(shared) in result.stderr and "777" in result.stderr, result.stderr
 
 
+def test_with_every_token_configured_a_group_writable_credentials_folder_is_left_alone(tmp_path: Path) -> None:
+    """Found by the outside attack on issue 28: a kubelet's fsGroup pass makes the volume's folders 2770, and the
+    sidecar (every token from a Secret) then refused to start again. It needs nothing of the file: it starts,
+    writes nothing there, and says why; with a token left to the file it still refuses."""
+    from ckpt_engine.control.auth import daemon_credentials
+
+    folder = tmp_path / "auth"
+    folder.mkdir()
+    os.chmod(folder, 0o2770)
+    target = folder / "credentials.json"
+    fixed = {"operator": "o" * 32, "trainer": "t" * 32, "rollout": "r" * 32}
+    assert daemon_credentials(target, fixed) == Credentials(**fixed)
+    assert not target.exists()
+    with pytest.raises(ConfigError, match="other users can write"):
+        daemon_credentials(target, {**fixed, "rollout": None})
+
+
 # ---- 7. every ZMQ message is validated by its HTTP twin's model ---------------------------------------------
 @pytest.mark.parametrize(("kind", "body"), [
     ("latest", {"status": ["failed"]}), ("latest", {"status": "bogus"}), ("versions", {"status": 3}),

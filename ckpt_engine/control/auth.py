@@ -15,6 +15,7 @@ and agents on the same host and user find them without configuration.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import stat
@@ -38,6 +39,8 @@ TOKEN_PATTERN = r"^[\x21-\x7e]+$"  # visible ASCII: tokens travel in an HTTP hea
 TOKEN_MIN_LENGTH, TOKEN_MAX_LENGTH = 16, 4096
 Token = Annotated[str, Field(min_length=TOKEN_MIN_LENGTH, max_length=TOKEN_MAX_LENGTH, pattern=TOKEN_PATTERN)]
 _MAX_FILE_BYTES = 64 << 10
+
+log = logging.getLogger(__name__)
 
 
 class Credentials(BaseModel):
@@ -137,7 +140,17 @@ def check_private_directory(directory: Path, path: Path) -> None:
 
 def daemon_credentials(path: Path, fixed: Mapping[Role, str | None]) -> Credentials:
     """The tokens the daemon accepts: the configured ones, then those already in the file, then new ones.
-    The result is written back to the file so local clients can read it."""
+    The result is written back to the file so local clients can read it. When every token is given (e.g. from
+    a Kubernetes Secret) the daemon needs nothing of the file: one it cannot keep private is then left alone
+    (logged), instead of refusing to start (a kubelet's fsGroup pass makes a volume's folders group-writable)."""
+    if all(fixed.get(role) for role in ROLES):
+        try:
+            if path.parent.exists():
+                check_private_directory(path.parent, path)
+        except ConfigError as exc:
+            log.warning("the credentials file is not written (every role's token is configured, so the daemon "
+                        "does not need it; clients take theirs from their environment): %s", exc)
+            return Credentials(**{role: fixed[role] for role in ROLES})  # type: ignore[arg-type]
     if path.parent.exists():  # also when the file is there already: others could replace it at any time
         check_private_directory(path.parent, path)
     existing = read_credentials(path) or Credentials()

@@ -3,7 +3,8 @@ is, and the last thing that went wrong for it. The metrics (server/metrics.py), 
 operator page (server/page/page.js, which applies the same rules to the same JSON) show these.
 
 Lag counts committed versions newer than the one a receiver serves, not ids: a failed or cancelled version
-takes an id but brings nothing a receiver missed.
+takes an id but brings nothing a receiver missed. The daemon computes it once, over its newest LAG_WINDOW
+committed versions, and GET /receivers carries it (``lag``): every view shows that number.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def receiver_rows(agents: Sequence[Mapping[str, Any]], versions: Sequence[Mappin
     committed = [v["id"] for v in versions if v.get("status") == "committed"]
     errors = last_errors(versions)
     return [ReceiverRow(a["agent_id"], a.get("engine"), a.get("state", "new"), a.get("serving"),
-                        lag(a.get("serving"), committed), a.get("torn") or a.get("unable") or errors.get(a["agent_id"]))
+                        a["lag"] if "lag" in a else lag(a.get("serving"), committed),  # (the daemon's, when given)
+                        a.get("torn") or a.get("unable") or errors.get(a["agent_id"]))
             for a in agents if a.get("role") == "receiver"]
 
 
