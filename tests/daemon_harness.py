@@ -14,13 +14,30 @@ from ckpt_engine.server.launch import DaemonProcess, free_port, write_config  # 
 RUNNING: list[DaemonProcess] = []  # stopped by the autouse fixture in conftest.py, whatever a test did
 
 
+_PORT_TRIES = 3  # free_port() only finds a port free: another process may take it before the daemon binds it
+
+
 def start_daemon(config_path: Path, env: dict[str, str] | None = None, timeout_s: float = 30) -> DaemonProcess:
-    try:
-        daemon = launch.start_daemon(config_path, env=env, timeout_s=timeout_s, spawner=forked_daemon)
-    except RuntimeError as exc:
-        raise AssertionError(str(exc)) from exc
+    for attempt in range(_PORT_TRIES):
+        try:
+            daemon = launch.start_daemon(config_path, env=env, timeout_s=timeout_s, spawner=forked_daemon)
+            break
+        except RuntimeError as exc:
+            if "Address already in use" not in str(exc) or attempt == _PORT_TRIES - 1:
+                raise AssertionError(str(exc)) from exc
+            _new_ports(config_path)
     RUNNING.append(daemon)
     return daemon
+
+
+def _new_ports(config_path: Path) -> None:
+    """Other free loopback ports for the daemon's HTTP and ZMQ endpoints (what write_config picked was taken)."""
+    import yaml
+
+    data = yaml.safe_load(config_path.read_text())
+    data["http"]["port"] = free_port()
+    data["zmq"]["endpoint"] = f"tcp://127.0.0.1:{free_port()}"
+    config_path.write_text(yaml.safe_dump(data))
 
 
 def forked_daemon(config_path: Path, env: dict[str, str], log_path: Path) -> ForkedProcess:
