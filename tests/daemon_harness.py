@@ -23,7 +23,7 @@ def start_daemon(config_path: Path, env: dict[str, str] | None = None, timeout_s
             daemon = launch.start_daemon(config_path, env=env, timeout_s=timeout_s, spawner=forked_daemon)
             break
         except RuntimeError as exc:
-            if "Address already in use" not in str(exc) or attempt == _PORT_TRIES - 1:
+            if "address already in use" not in str(exc).lower() or attempt == _PORT_TRIES - 1:
                 raise AssertionError(str(exc)) from exc
             _new_ports(config_path)
     RUNNING.append(daemon)
