@@ -27,7 +27,9 @@ def add_page(app: FastAPI) -> None:
         def serve(body: bytes = body, media_type: str = media_type) -> Response:
             return Response(body, media_type=media_type, headers=_HEADERS)
 
-        app.add_api_route(path, serve, methods=["GET"], include_in_schema=False)
+        # HEAD too: LimitsAndAuth admits it for these paths, and a HEAD-only route check (a proxy's, a load
+        # balancer's) should see the page's headers, not a 405 (uvicorn sends no body for a HEAD).
+        app.add_api_route(path, serve, methods=["GET", "HEAD"], include_in_schema=False)
 
 
 __all__ = ["PAGE_FILES", "add_page"]

@@ -7,13 +7,17 @@ Set CKPT_ENGINE_PAGE_SCREENSHOT=docs/operator-page.png to refresh the README's s
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from ckpt_engine.server.cli import main
+from ckpt_engine.server.page_routes import PAGE_FILES
 
 from tests.browser import Browser, find_chromium
 from tests.daemon_harness import ROOT, start_daemon, write_config
@@ -44,6 +48,11 @@ def test_the_page_needs_no_token_but_its_data_does(tmp_path: Path) -> None:
         assert anonymous.get("/page/page.js").status_code == 200
         assert {anonymous.get(p).status_code for p in ("/status", "/versions", "/receivers", "/page/other.js")} == {401}
         assert anonymous.post("/").status_code == 401
+        for path in PAGE_FILES:  # (was a 405 with an empty Allow: the middleware admits HEAD, the routes did not)
+            got, head = anonymous.get(path), anonymous.head(path)
+            assert head.status_code == 200 and head.content == b"", (path, head.headers)
+            same = ("content-type", "content-length", "content-security-policy", "x-content-type-options")
+            assert {h: head.headers.get(h) for h in same} == {h: got.headers.get(h) for h in same}, path
     with daemon.client() as http:
         assert "/" not in http.get("/openapi.json").json()["paths"]
     assert daemon.stop() == 0
@@ -69,6 +78,8 @@ def test_the_page_shows_versions_the_torn_and_repaired_receiver_and_stage_timing
             wait_until(lambda: http.get("/status").json()["in_flight"] is None, what="the repair's end")
             last = http.post("/sync", json={"wait": True, "timeout_s": 60}).json()
             assert last["status"] == "committed", last
+            lags = {a["agent_id"]: "-" if a.get("lag") is None else str(a["lag"])
+                    for a in http.get("/receivers").json()["agents"] if a["role"] == "receiver"}
         token = daemon.tokens()["operator"]
         tab = browser.tab()
         tab.goto(daemon.url + "/")
@@ -83,7 +94,7 @@ def test_the_page_shows_versions_the_torn_and_repaired_receiver_and_stage_timing
             assert tab.screenshot()[:8] == b"\x89PNG\r\n\x1a\n"
         assert tab.evaluate("location.href") == daemon.url + "/"  # the token went into no URL
         terminal = _cli(capsys, daemon.url, token, "status")
-        watched = _cli(capsys, daemon.url, token, "versions", "--watch", "--count", "2", "--interval", "0.05")
+        watched = _cli(capsys, daemon.url, token, "versions", "--watch", "--count", "2", "--interval", "0.1")
     finally:
         stop.touch()
         procs.collect(120)
@@ -100,7 +111,7 @@ def test_the_page_shows_versions_the_torn_and_repaired_receiver_and_stage_timing
     assert receivers[tearing]["state"] == "serving" and receivers[tearing]["serving"] == f"v{last['id']}"
     assert receivers[tearing]["error"].startswith(f"v{torn['id']}: ") and "injected" in receivers[tearing]["error"]
     assert {r["staging"].split()[0] for r in receivers.values()} == {"device", "stream"}, receivers
-    assert all(r["lag"] == "0" for r in receivers.values()), receivers
+    assert {agent: r["lag"] for agent, r in receivers.items()} == lags == {agent: "0" for agent in receivers}
     assert shown["trainers"] == ["0"] and shown["health"] == "ok"
     # the same in the terminal: ckpt-engine status and versions --watch
     row = next(line for line in terminal if line.startswith(tearing))
@@ -109,11 +120,107 @@ def test_the_page_shows_versions_the_torn_and_repaired_receiver_and_stage_timing
     assert watched.count("no version in flight") == 2 and sum(line.startswith("   id") for line in watched) == 2
 
 
+def test_the_page_shows_no_stale_or_hostile_data_as_current(tmp_path: Path, browser: Browser) -> None:
+    """An outside tester's findings: a stalled or stopped daemon left a green 'ok' over frozen tables; a stage or
+    agent named like an Object.prototype member turned every bar into NaN; each forget-and-paste added a
+    refresh loop; a token no header can carry (a pasted en dash) retried forever instead of asking again; the
+    lag was counted over the 30 versions shown, not the daemon's window."""
+    daemon = start_daemon(write_config(tmp_path))
+    token = daemon.tokens()["operator"]
+    tab = browser.tab()
+    tab.goto(daemon.url + "/")
+    tab.wait_for("!document.getElementById('login').hidden", what="the token form")
+    _paste(tab, token)
+    tab.wait_for("document.getElementById('health').classList.contains('good')", what="the daemon's health")
+
+    # hostile names and the daemon's lag, drawn and read in one task (no refresh redraws in between)
+    drawn = tab.evaluate(f"({_DRAW_CRAFTED})({json.dumps(json.dumps(_CRAFTED))})")
+    assert drawn["widths"] and all(w is not None and 0 < w < 1e6 for w in drawn["widths"]), drawn  # (NaN: None)
+    assert drawn["staged"] == 0.5 and not any("NaN" in cell for row in drawn["versions"] for cell in row), drawn
+    assert {row[0]: (row[6], row[8]) for row in drawn["receivers"]} == {
+        "constructor": ("60", "v3: injected"), "toString": ("-", ""), "older-daemon": ("-", "")}, drawn
+
+    # forget and paste twice within one refresh interval: still one refresh loop (was one more each time)
+    pasted, started = time.monotonic(), tab.evaluate(
+        f"{_FORGET_AND_PASTE % (json.dumps(token),)} {_FORGET_AND_PASTE % (json.dumps(token),)} performance.now()")
+    later = ("performance.getEntriesByType('resource').filter((e) => e.name.endsWith('/status') && "
+             f"e.startTime >= {started} + 300")
+    tab.wait_for(f"{later}).length >= 1", timeout_s=10, what="the next refresh")  # the loop goes on
+    time.sleep(max(0.0, pasted + 2.5 - time.monotonic()))
+    assert tab.evaluate(f"{later} && e.startTime < {started} + 2300).length") <= 1  # one interval: one per loop
+
+    # a token no header can carry is not kept: the form asks again, saying why; a refused one also asks again
+    tab.evaluate("document.getElementById('forget').click(); true")
+    _paste(tab, "abcdefgh\u2013ijklmnopqrstu")
+    assert tab.evaluate(_FORM) == {"form": True, "kept": None, "error": True}
+    assert "not a token" in tab.evaluate("document.getElementById('login-error').textContent")
+    _paste(tab, "x" * 20)
+    tab.wait_for("!document.getElementById('login').hidden && "
+                 "document.getElementById('login-error').textContent.includes('refused')", what="the refusal")
+
+    # a stalled daemon (SIGSTOP): the fetches time out and the pill turns stale, saying how old the data is
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        _paste(tab, token)
+        tab.wait_for(_STALE, timeout_s=10, what="the stale pill of a stalled daemon")
+        assert "no answer within 5 s" in tab.evaluate("document.getElementById('refreshed').textContent")
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    tab.wait_for("document.getElementById('health').classList.contains('good') && "
+                 "!document.getElementById('main').classList.contains('stale')", timeout_s=10, what="the recovery")
+    assert daemon.stop() == 0  # and a daemon that is gone
+    tab.wait_for(_STALE, timeout_s=10, what="the stale pill of a stopped daemon")
+
+
+def _paste(tab, token: str) -> None:
+    tab.evaluate(f"document.getElementById('token').value = {json.dumps(token)}; "
+                 "document.getElementById('login').requestSubmit(); true")
+
+
 def _cli(capsys: pytest.CaptureFixture, url: str, token: str, *command: str) -> list[str]:
     capsys.readouterr()
     assert main(["--url", url, "--token", token, *command]) == 0
     return capsys.readouterr().out.splitlines()
 
+
+_FORGET_AND_PASTE = ("document.getElementById('forget').click(); document.getElementById('token').value = %s; "
+                     "document.getElementById('login').requestSubmit();")
+_FORM = """({form: !document.getElementById('login').hidden, kept: sessionStorage.getItem('ckpt-engine-token'),
+  error: document.getElementById('login-error').textContent.length > 0})"""
+_STALE = """(() => {
+  const pill = document.getElementById('health');
+  return pill.classList.contains('stale') && !pill.classList.contains('good') && /data from \\d/.test(pill.textContent)
+    && document.getElementById('main').classList.contains('stale');
+})()"""
+
+# Versions and receivers as a hostile agent could name them: stages and an agent id that are Object.prototype
+# members (JSON.parse makes even __proto__ an own key, as the wire's JSON does), a stage that is no number,
+# a receiver far behind (the daemon's lag), one that serves nothing and one from a daemon with no lag field.
+_RECEIVER = {"role": "receiver", "rank": 0, "engine": "e", "host": "h", "pid": 1, "state": "serving", "serving": 2,
+             "last_staging": None, "torn": None, "unable": None, "seconds_since_seen": 1.0}
+_CRAFTED = {
+    "records": [{"id": 3, "status": "committed", "purpose": "sync", "step": 3, "owners": 1, "bytes": 1048576,
+                 "reason": None, "source_version": None, "created_at": 0,
+                 "receivers": [{"agent_id": "constructor", "ok": False, "torn": False, "reason": "injected"}],
+                 "stages": {"snapshot": 0.5, "constructor": 0.25, "toString": 0.25, "__proto__": 0.1,
+                            "valueOf": "x", "total": 1.1}},
+                {"id": 2, "status": "committed", "purpose": "sync", "step": 2, "owners": 1, "bytes": 1048576,
+                 "reason": None, "source_version": None, "created_at": 0, "receivers": [],
+                 "stages": {"snapshot": 0.5}}],
+    "agents": [{**_RECEIVER, "agent_id": "constructor", "lag": 60},
+               {**_RECEIVER, "agent_id": "toString", "serving": None, "lag": None},
+               {**_RECEIVER, "agent_id": "older-daemon"}],
+}
+_DRAW_CRAFTED = """(raw) => {
+  const {records, agents} = JSON.parse(raw);
+  renderVersions(records);
+  renderReceivers(agents, records);
+  const cells = (table) => [...document.querySelectorAll(`${table} tbody tr`)]
+    .map((row) => [...row.cells].map((c) => c.textContent.trim()));
+  const rects = [...document.querySelectorAll('#versions rect[data-stage]')];
+  return {widths: rects.map((r) => Number(r.getAttribute('width'))), versions: cells('#versions'),
+    receivers: cells('#receivers'), staged: stagedSeconds(records[1], stageNames(records))};
+}"""
 
 # What the test reads of the rendered page (text as shown, bars as drawn).
 _READ_PAGE = """(() => {

@@ -5,6 +5,11 @@
 
 const TOKEN_KEY = "ckpt-engine-token";
 const REFRESH_MS = 2000;
+// A stalled daemon (stopped, swapped out, a hung proxy) must not leave the page showing old data as current.
+const FETCH_TIMEOUT_MS = 5000;
+// What the daemon accepts as a token (ckpt_engine/control/auth.py Token): it travels in a header, which
+// fetch refuses to send with any other character (a word processor's dash or quote in a pasted token).
+const TOKEN_RE = /^[\x21-\x7e]{16,4096}$/;
 const VERSIONS_SHOWN = 30;
 // the trainer's stages first, in the order they happen, then the receivers' (the rest after, by name)
 const STAGE_ORDER = ["snapshot", "held", "header", "fill", "digest", "broadcast", "wire", "ack", "control", "verify", "load",
@@ -14,6 +19,11 @@ const PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948
 const AGGREGATES = new Set(["total"]);  // sums of the others: not stacked
 
 class AuthError extends Error {}
+
+let timer = null;  // the one pending refresh
+let loop = 0;  // bumped when the token changes: a refresh of an older loop drops its result and stops
+let shownAt = null;  // when the data on the page was fetched
+let failingSince = null;
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -41,13 +51,33 @@ function mib(bytes) {
   return (bytes / 1048576).toFixed(2);
 }
 
+function validToken(token) {
+  return TOKEN_RE.test(token);
+}
+
 async function api(path) {
   const token = sessionStorage.getItem(TOKEN_KEY);
+  if (token && !validToken(token)) throw new AuthError(`${path}: the kept token is not a valid token`);
   const headers = token ? {Authorization: `Bearer ${token}`} : {};  // none: a daemon with auth.open needs none
-  const reply = await fetch(path, {headers, cache: "no-store"});
-  if (reply.status === 401 || reply.status === 403) throw new AuthError(`${path}: ${reply.status}`);
-  if (!reply.ok) throw new Error(`${path}: HTTP ${reply.status}`);
-  return reply.json();
+  const signal = AbortSignal.timeout(FETCH_TIMEOUT_MS);  // (also bounds reading the body)
+  try {
+    const reply = await fetch(path, {headers, cache: "no-store", signal});
+    if (reply.status === 401 || reply.status === 403) throw new AuthError(`${path}: ${reply.status}`);
+    if (!reply.ok) throw new Error(`${path}: HTTP ${reply.status}`);
+    return await reply.json();
+  } catch (error) {
+    if (error.name === "TimeoutError") throw new Error(`${path}: no answer within ${FETCH_TIMEOUT_MS / 1000} s`);
+    if (error instanceof TypeError) throw new Error(`${path}: ${error.message}`);  // (fetch's: which is not said)
+    throw error;
+  }
+}
+
+// A stage's seconds, or undefined: only the record's own keys (a stage named "constructor" must not find
+// Object.prototype's), and only finite numbers (anything else would make every bar NaN).
+function stageSeconds(record, name) {
+  const stages = record.stages || {};
+  const seconds = Object.hasOwn(stages, name) ? stages[name] : undefined;
+  return typeof seconds === "number" && Number.isFinite(seconds) ? seconds : undefined;
 }
 
 function stageNames(records) {
@@ -58,7 +88,7 @@ function stageNames(records) {
 }
 
 function stagedSeconds(record, names) {
-  return names.reduce((sum, name) => sum + (record.stages[name] || 0), 0);
+  return names.reduce((sum, name) => sum + (stageSeconds(record, name) || 0), 0);
 }
 
 // Marks of one version besides its status: torn (a receiver's failed apply tore its model), repaired by vN
@@ -82,7 +112,7 @@ function stageBar(record, names, widest) {
   const bar = svg("svg", {width, height, class: "bar", role: "img"});
   let x = 0;
   names.forEach((name, i) => {
-    const seconds = record.stages[name];
+    const seconds = stageSeconds(record, name);
     if (!seconds) return;
     const w = Math.max(1, (seconds / widest) * width);
     const rect = svg("rect", {x, y: 0, width: w, height, fill: PALETTE[i % PALETTE.length], "data-stage": name});
@@ -111,29 +141,33 @@ function renderVersions(records) {
   renderLegend(names);
   const rows = records.map((r) => {
     const extra = marks(r, records);
-    const stages = names.filter((n) => r.stages[n]).map((n) => `${n} ${ms(r.stages[n])}`).join(", ");
+    const stages = names.filter((n) => stageSeconds(r, n)).map((n) => `${n} ${ms(stageSeconds(r, n))}`).join(", ");
     return el("tr", {"data-version": r.id, "data-status": r.status, class: `status-${r.status}`},
       el("td", {}, `v${r.id}`),
       el("td", {}, el("span", {class: `pill status-${r.status}`}, r.status),
         ...extra.map((m) => el("span", {class: `mark mark-${m.split(" ")[0]}`}, m))),
       el("td", {}, r.purpose), el("td", {}, r.step ?? "-"), el("td", {}, r.owners), el("td", {}, mib(r.bytes)),
       el("td", {class: "stages", title: stages}, stageBar(r, names, widest), el("span", {class: "stage-text"}, stages)),
-      el("td", {}, ms(r.stages.total ?? stagedSeconds(r, names))),
+      el("td", {}, ms(stageSeconds(r, "total") ?? stagedSeconds(r, names))),
       el("td", {class: "reason"}, r.reason || ""));
   });
   document.querySelector("#versions tbody").replaceChildren(...rows);
 }
 
-function lastErrors(records) {  // the rule of server/decisions/views.py: each receiver's newest failure
-  const errors = {};
+// The rule of server/decisions/views.py: each receiver's newest failure. A Map: an agent id is the agent's
+// own word, and "constructor" must not find Object.prototype's.
+function lastErrors(records) {
+  const errors = new Map();
   for (const r of records) for (const e of r.receivers || []) {
-    if (e.agent_id && !e.ok && !(e.agent_id in errors)) errors[e.agent_id] = `v${r.id}: ${e.reason || "failed"}`;
+    if (e.agent_id && !e.ok && !errors.has(e.agent_id)) errors.set(e.agent_id, `v${r.id}: ${e.reason || "failed"}`);
   }
   return errors;
 }
 
-function lag(serving, committed) {  // committed versions newer than the one it serves
-  return serving === null || serving === undefined ? "" : committed.filter((id) => id > serving).length;
+// The daemon's own count (over its window of committed versions, not the few shown here); "-" when it
+// serves nothing, or from a daemon too old to send one.
+function lag(agent) {
+  return Number.isFinite(agent.lag) ? agent.lag : "-";
 }
 
 function staging(s) {
@@ -143,14 +177,13 @@ function staging(s) {
 }
 
 function renderReceivers(agents, records) {
-  const committed = records.filter((r) => r.status === "committed").map((r) => r.id);
   const errors = lastErrors(records);
   const rows = agents.filter((a) => a.role === "receiver").map((a) => el("tr", {"data-agent": a.agent_id, "data-state": a.state},
     el("td", {}, a.agent_id), el("td", {}, a.rank), el("td", {}, a.engine || ""), el("td", {}, `${a.host}:${a.pid}`),
     el("td", {}, el("span", {class: `pill state-${a.state}`}, a.state)),
-    el("td", {}, a.serving === null ? "-" : `v${a.serving}`), el("td", {}, lag(a.serving, committed)),
+    el("td", {}, a.serving === null ? "-" : `v${a.serving}`), el("td", {}, lag(a)),
     el("td", {}, staging(a.last_staging)),
-    el("td", {class: "reason"}, a.torn || a.unable || errors[a.agent_id] || ""),
+    el("td", {class: "reason"}, a.torn || a.unable || errors.get(a.agent_id) || ""),
     el("td", {}, ago(a.seconds_since_seen))));
   document.querySelector("#receivers tbody").replaceChildren(...rows);
 }
@@ -163,10 +196,10 @@ function renderTrainers(agents) {
 }
 
 function renderCache(status, records) {
-  const byId = Object.fromEntries(records.map((r) => [r.id, r]));
+  const byId = new Map(records.map((r) => [r.id, r]));
   const kept = new Set(status.cache_kept_for_repairs || []);
   const rows = [...status.cache_versions].sort((a, b) => b - a).map((id) => {
-    const r = byId[id];
+    const r = byId.get(id);
     return el("tr", {"data-version": id}, el("td", {}, `v${id}`), el("td", {}, r ? r.status : ""),
       el("td", {}, r ? mib(r.bytes) : ""), el("td", {}, r ? r.owners : ""), el("td", {}, kept.has(id) ? "yes" : ""));
   });
@@ -200,16 +233,20 @@ function renderProgress(status, records) {
     line.className = "progress idle";
     return;
   }
-  const done = Object.entries(r.stages).map(([k, v]) => `${k} ${ms(v)}`).join(", ");
+  const done = Object.keys(r.stages || {}).filter((k) => stageSeconds(r, k) !== undefined)
+    .map((k) => `${k} ${ms(stageSeconds(r, k))}`).join(", ");
   line.textContent = `v${r.id} ${r.status}: ${(Date.now() / 1000 - r.created_at).toFixed(1)} s so far` +
     (done ? ` (${done})` : "");
   line.className = "progress busy";
 }
 
-async function refresh() {
+// One loop per token: a refresh started for an older one (forgotten, or replaced by a paste while its fetches
+// were out) drops what it got and stops, so pasting again never adds a loop.
+async function refresh(mine) {
   try {
     const [status, page, agents] = await Promise.all([api("/status"), api(`/versions?limit=${VERSIONS_SHOWN}`),
       api("/receivers")]);
+    if (mine !== loop) return;
     const records = page.versions;
     renderDaemon(status);
     renderProgress(status, records);
@@ -217,18 +254,47 @@ async function refresh() {
     renderReceivers(agents.agents, records);
     renderTrainers(agents.agents);
     renderCache(status, records);
-    document.getElementById("refreshed").textContent = `updated ${new Date().toLocaleTimeString()}`;
-    document.body.dataset.loaded = "yes";
+    showFresh();
   } catch (error) {
+    if (mine !== loop) return;
     if (error instanceof AuthError) {
-      return askForToken(sessionStorage.getItem(TOKEN_KEY) ? "That token was refused (401/403): paste another." : "");
+      const kept = sessionStorage.getItem(TOKEN_KEY);
+      return askForToken(kept ? `That token was refused (${error.message}): paste another.` : "");
     }
-    document.getElementById("refreshed").textContent = `refresh failed: ${error.message}`;
+    showStale(error);
   }
-  setTimeout(refresh, REFRESH_MS);
+  timer = setTimeout(refresh, REFRESH_MS, mine);
+}
+
+function showFresh() {
+  shownAt = new Date();
+  failingSince = null;
+  document.getElementById("main").classList.remove("stale");
+  document.getElementById("health").title = "";
+  document.getElementById("refreshed").textContent = `updated ${shownAt.toLocaleTimeString()}`;
+  document.body.dataset.loaded = "yes";
+}
+
+// The tables stay (the last known state helps), but nothing may look current: the pill leaves green/red for
+// its own state and says how old the data is, and the tables are dimmed until a refresh succeeds.
+function showStale(error) {
+  failingSince = failingSince || new Date();
+  const health = document.getElementById("health");
+  health.textContent = `stale · ${shownAt ? `data from ${shownAt.toLocaleTimeString()}` : "no data yet"}`;
+  health.className = "pill stale";
+  health.title = error.message;
+  document.getElementById("main").classList.add("stale");
+  document.getElementById("refreshed").textContent =
+    `no answer since ${failingSince.toLocaleTimeString()}: ${error.message}`;
+}
+
+function stopRefreshing() {
+  clearTimeout(timer);
+  loop += 1;
 }
 
 function askForToken(message) {
+  stopRefreshing();
   sessionStorage.removeItem(TOKEN_KEY);
   document.getElementById("main").hidden = true;
   document.getElementById("forget").hidden = true;
@@ -240,8 +306,13 @@ function start() {
   document.getElementById("login").addEventListener("submit", (event) => {
     event.preventDefault();
     const input = document.getElementById("token");
-    sessionStorage.setItem(TOKEN_KEY, input.value.trim());
+    const token = input.value.trim();
     input.value = "";
+    if (!validToken(token)) {  // never kept: fetch could not send it, and the daemon would refuse it anyway
+      return askForToken("That is not a token: a token is 16 to 4096 printable ASCII characters with no spaces " +
+        "(a dash or quote changed by the program it was copied from is a common cause).");
+    }
+    sessionStorage.setItem(TOKEN_KEY, token);
     show();
   });
   document.getElementById("forget").addEventListener("click", () => askForToken());
@@ -249,10 +320,11 @@ function start() {
 }
 
 function show() {
+  stopRefreshing();
   document.getElementById("login").hidden = true;
   document.getElementById("main").hidden = false;
   document.getElementById("forget").hidden = false;
-  refresh();
+  refresh(loop);
 }
 
 start();
