@@ -24,12 +24,12 @@ from ckpt_engine.server.cache_book import CacheBook
 from ckpt_engine.server.decisions import quorum as rules
 from ckpt_engine.server.decisions.policy import FRAMEWORK, policy_of
 from ckpt_engine.server.decisions.repair import plan_catch_up, repair_source
-from ckpt_engine.server.decisions.views import LAG_WINDOW, ReceiverRow, lag, receiver_rows
 from ckpt_engine.server.errors import BadRequest, Conflict, Forbidden, NotFound, Unavailable
 from ckpt_engine.server.flights import Flights
 from ckpt_engine.server.framework import FrameworkSyncs
 from ckpt_engine.server.history import TERMINAL, HistoryStore, StorageUnavailable, VersionRecord
 from ckpt_engine.server.metrics import Metrics
+from ckpt_engine.server.receivers_view import receiver_rows_of
 from ckpt_engine.server.registrar import Registrar
 
 from ckpt_engine.config import EngineConfig
@@ -54,7 +54,7 @@ class Controller:
         self.config, self.history, self.metrics, self.clock = config, history, metrics, clock
         # read when scraped: the metric says what /health and /status say at that moment
         metrics.storage_degraded.set_function(lambda: float(history.degraded))
-        metrics.watch_receivers(self.receiver_rows)
+        metrics.watch_receivers(lambda: receiver_rows_of(self))
         self.store_host, self.store_port, self.group_name = store_host, store_port, group_name
         self.agents = AgentRegistry(config.timeouts.heartbeat_s, clock)
         self._lock = threading.RLock()
@@ -168,23 +168,13 @@ class Controller:
         log.info("agent %s (%s rank %d) left", agent.agent_id, agent.role, agent.rank)
 
     def agents_public(self) -> list[dict]:
-        """GET /receivers: every agent; a receiver also with whether it joins the next version and its lag
-        (committed versions newer than the one it serves: the one rule the metrics, the CLI and the page show)."""
+        """Every agent as GET /receivers shows it; a receiver also with whether it joins the next version (its
+        lag is added outside the lock: server/receivers_view.py)."""
         with self._lock:
-            regular = {r.agent_id for r in self._candidates(self.clock())}
             now = self.clock()
-            rows = [{**a.public(now), **({"joins_next": a.agent_id in regular} if a.role == "receiver" else {})}
+            regular = {r.agent_id for r in self._candidates(now)}
+            return [{**a.public(now), **({"joins_next": a.agent_id in regular} if a.role == "receiver" else {})}
                     for a in self.agents.all()]
-        committed = [r.id for r in self.history.list(limit=LAG_WINDOW, status="committed")]  # (outside the lock)
-        for row in rows:
-            if row["role"] == "receiver":
-                row["lag"] = lag(row.get("serving"), committed)
-        return rows
-
-    def receiver_rows(self) -> list[ReceiverRow]:
-        """What an operator is shown of each receiver (server/decisions/views.py): read at each scrape."""
-        recent = [r.to_dict() for r in self.history.list(limit=LAG_WINDOW, status="committed")]
-        return receiver_rows(self.agents_public(), recent)
 
     # ---- versions -----------------------------------------------------------------------------------
     def request_sync(self, request: SyncRequest) -> VersionRecord:

@@ -13,6 +13,7 @@ from typing import Any
 
 from ckpt_engine.server.controller import Controller
 from ckpt_engine.server.errors import BadRequest, NotFound
+from ckpt_engine.server.receivers_view import receivers_public
 from pydantic import BaseModel
 
 from ckpt_engine.control.auth import ANY_ROLE, Role
@@ -105,7 +106,7 @@ def _status(controller: Controller, _: NoBody, roles: set[Role]) -> dict:
 
 
 def _receivers(controller: Controller, _: NoBody, roles: set[Role]) -> dict:
-    return {"agents": controller.agents_public()}
+    return {"agents": receivers_public(controller)}
 
 
 def _fixed(*roles: Role) -> Callable[[dict[str, Any]], frozenset[Role]]:

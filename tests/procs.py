@@ -6,6 +6,7 @@ wire); every wait is bounded and leftover processes are killed.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -94,3 +95,21 @@ def start_processes(jobs: list[tuple[Callable[..., Any], tuple]]) -> Running:
 def run_processes(jobs: list[tuple[Callable[..., Any], tuple]], timeout_s: float = 120.0) -> list[Any]:
     """Run each (target, args) in its own spawned process; return their results in order."""
     return Running(jobs).collect(timeout_s)
+
+
+def shm_files(pid: int | None = None) -> set[str]:
+    """Files in /dev/shm that process ``pid`` (default: this one) maps or holds open: only what the test's own
+    processes made is checked, never the whole of /dev/shm (other users of the machine have files there).
+    sem.mp-* are the test harness's own multiprocessing semaphores."""
+    proc = f"/proc/{pid or os.getpid()}"
+    found = set()
+    with contextlib.suppress(OSError):
+        with open(f"{proc}/maps") as maps:
+            found |= {line.split(None, 5)[-1].strip() for line in maps if "/dev/shm/" in line}
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"{proc}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"{proc}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    found.add(target)
+    return {f for f in found if not os.path.basename(f).startswith("sem.mp-")}

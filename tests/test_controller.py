@@ -62,6 +62,14 @@ class Daemon:
         for receiver in receivers:
             self.report(receiver, version, "received", ok=True, version_digest=digest)
 
+    def committed(self, trainer: dict, receivers: list[dict]) -> int:
+        """A new version, assigned (every agent polls) and committed by ``receivers``; its id."""
+        version = self.ctl.request_sync(SyncRequest()).id
+        for agent in (trainer, *receivers):
+            self.poll(agent)
+        self.commit(trainer, receivers, version)
+        return version
+
     def tick(self, seconds: float = 0.0) -> None:
         self.clock.now += seconds
         self.ctl.tick()
@@ -86,9 +94,7 @@ def test_a_version_commits_on_the_receivers_own_reports_and_proves_them() -> Non
 def test_a_newcomer_is_caught_up_alone_before_it_joins_regular_versions() -> None:
     d = Daemon()
     trainer, old = d.register("trainer"), d.register("receiver")
-    first = d.ctl.request_sync(SyncRequest()).id
-    d.poll(trainer), d.poll(old)
-    d.commit(trainer, [old], first)
+    first = d.committed(trainer, [old])
     d.poll(trainer, versions=[first])  # the trainer caches it
     newcomer = d.register("receiver")
     assert not d.state(newcomer)["joins_next"]
@@ -103,9 +109,7 @@ def test_a_newcomer_is_caught_up_alone_before_it_joins_regular_versions() -> Non
 def test_a_torn_receiver_is_repaired_with_what_it_served_and_failed_versions_do_not_evict_it() -> None:
     d = Daemon()
     trainer, rx = d.register("trainer"), d.register("receiver")
-    first = d.ctl.request_sync(SyncRequest()).id
-    d.poll(trainer), d.poll(rx)
-    d.commit(trainer, [rx], first)
+    first = d.committed(trainer, [rx])
     for _ in range(2):  # two refused versions: it keeps serving the first
         version = d.ctl.request_sync(SyncRequest()).id
         assert d.poll(trainer).keep == [first]
@@ -127,9 +131,7 @@ def test_a_torn_receiver_is_repaired_with_what_it_served_and_failed_versions_do_
 def test_a_silent_receiver_is_benched_and_one_absent_from_the_rendezvous_loses_its_proof() -> None:
     d = Daemon()
     trainer, rx, other = d.register("trainer"), d.register("receiver"), d.register("receiver")
-    first = d.ctl.request_sync(SyncRequest()).id
-    d.poll(trainer), d.poll(rx), d.poll(other)
-    d.commit(trainer, [rx, other], first)
+    first = d.committed(trainer, [rx, other])
     second = d.ctl.request_sync(SyncRequest()).id
     d.poll(trainer), d.poll(rx), d.poll(other)
     d.report(rx, second, "received", ok=True, version_digest="e")
@@ -194,9 +196,7 @@ def test_a_framework_sync_needs_every_worker_supersedes_an_abandoned_one_and_tak
 def test_a_re_push_is_judged_by_the_digest_its_source_committed_with() -> None:
     d = Daemon()
     trainer, rx = d.register("trainer"), d.register("receiver")
-    first = d.ctl.request_sync(SyncRequest()).id
-    d.poll(trainer), d.poll(rx)
-    d.commit(trainer, [rx], first)
+    first = d.committed(trainer, [rx])
     pushed = d.ctl.push(first).id
     assignment = d.poll(trainer)
     assert assignment.source_version == first and assignment.expected_digest == "d"
@@ -245,9 +245,7 @@ def test_a_re_push_the_trainer_did_not_send_commits_nothing_whatever_a_receiver_
     on one receiver's report of the source's digest, which any token can read in the history."""
     d = Daemon()
     trainer, rx = d.register("trainer"), d.register("receiver")
-    first = d.ctl.request_sync(SyncRequest()).id
-    d.poll(trainer), d.poll(rx)
-    d.commit(trainer, [rx], first)
+    first = d.committed(trainer, [rx])
     pushed = d.ctl.push(first).id
     d.poll(trainer), d.poll(rx)
     d.report(rx, pushed, "received", ok=True, version_digest=d.record(first)["version_digest"])

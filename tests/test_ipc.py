@@ -3,7 +3,6 @@ remote-style receiver gets the same version over the gloo collective; faults on 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -24,29 +23,11 @@ from ckpt_engine.transport.group import open_store
 from ckpt_engine.transport.same_host import FramedSocket, IpcHub, abstract_address, host_identity
 from tests.models import BUCKET_SIZE, AwkwardModel, load_into, state_bytes
 from tests.procs import context as procs_context
-from tests.procs import run_processes, start_processes
+from tests.procs import run_processes, shm_files, start_processes
 from tests.test_sync_multiproc import _sync_group
 
 pytestmark = pytest.mark.multiproc
 CPU = detect_device("cpu")
-
-
-def shm_files(pid: int | None = None) -> set[str]:
-    """Files in /dev/shm that process ``pid`` (default: this one) maps or holds open: only what the test's own
-    processes made is checked, never the whole of /dev/shm (other users of the machine have files there).
-    sem.mp-* are the test harness's own multiprocessing semaphores."""
-    proc = f"/proc/{pid or os.getpid()}"
-    found = set()
-    with contextlib.suppress(OSError):
-        with open(f"{proc}/maps") as maps:
-            found |= {line.split(None, 5)[-1].strip() for line in maps if "/dev/shm/" in line}
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"{proc}/fd"):
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"{proc}/fd/{fd}")
-                if target.startswith("/dev/shm/"):
-                    found.add(target)
-    return {f for f in found if not os.path.basename(f).startswith("sem.mp-")}
 
 
 def mixed_sender(port: int, hub: str, versions: int) -> dict:

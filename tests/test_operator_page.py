@@ -22,7 +22,7 @@ from ckpt_engine.server.page_routes import PAGE_FILES
 from tests.browser import Browser, find_chromium
 from tests.daemon_harness import ROOT, start_daemon, write_config
 from tests.procs import start_processes
-from tests.test_elastic import agents_of, wait_until
+from tests.test_elastic import agents_of, sync, wait_until
 from tests.test_torn_repair import _wait_for_repair, streaming_receiver, tearing_receiver, versions_trainer
 
 pytestmark = pytest.mark.multiproc
@@ -68,15 +68,15 @@ def test_the_page_shows_versions_the_torn_and_repaired_receiver_and_stage_timing
     try:
         with daemon.client() as http:
             wait_until(lambda: len(agents_of(http)) == 3, what="registration")
-            first = http.post("/sync", json={"wait": True, "timeout_s": 60}).json()
+            first = sync(http)
             assert first["status"] == "committed", first
             armed.touch()
-            torn = http.post("/sync", json={"wait": True, "timeout_s": 60}).json()
+            torn = sync(http)
             tearing = next(e for e in torn["receivers"] if e["torn"])["agent_id"]
             repair = _wait_for_repair(http)
             assert repair["status"] == "committed", repair
             wait_until(lambda: http.get("/status").json()["in_flight"] is None, what="the repair's end")
-            last = http.post("/sync", json={"wait": True, "timeout_s": 60}).json()
+            last = sync(http)
             assert last["status"] == "committed", last
             lags = {a["agent_id"]: "-" if a.get("lag") is None else str(a["lag"])
                     for a in http.get("/receivers").json()["agents"] if a["role"] == "receiver"}

@@ -264,7 +264,7 @@ def test_auto_staging_under_the_deployment_s_budget_streams_where_the_load_can(t
     the one whose load takes whole versions falls back to host staging; the history says which and why."""
     from tests.daemon_harness import start_daemon, write_config
     from tests.procs import start_processes
-    from tests.test_elastic import agents_of, wait_until
+    from tests.test_elastic import agents_of, sync, wait_until
     from tests.test_torn_repair import versions_trainer
 
     daemon = start_daemon(write_config(tmp_path, staging="auto", staging_budget_mb=0.05, transport="collective"))
@@ -275,7 +275,7 @@ def test_auto_staging_under_the_deployment_s_budget_streams_where_the_load_can(t
     try:
         with daemon.client() as http:
             wait_until(lambda: len(agents_of(http)) == 3, what="registration")
-            record = http.post("/sync", json={"wait": True, "timeout_s": 60}).json()
+            record = sync(http)
             assert record["status"] == "committed", record
             modes = sorted(entry["staging"]["mode"] for entry in record["receivers"])
             assert modes == ["host", "stream"], record["receivers"]

@@ -20,18 +20,19 @@ import pytest
 from tests.daemon_harness import start_daemon, train_until_stopped, write_config
 from tests.models import AwkwardModel, state_bytes
 from tests.procs import start_processes
-from tests.test_elastic import agents_of, wait_until
+from tests.test_elastic import agents_of, sync, wait_until
 
 pytestmark = pytest.mark.multiproc
 FAIL_AT = "small.500"  # a tensor in the middle of AwkwardModel
 
 
-def versions_trainer(zmq: str, stop_file: str) -> dict:
-    """Serves AwkwardModel, changed after every version; returns the bytes it served, by version."""
+def versions_trainer(zmq: str, stop_file: str, wire_hook=None) -> dict:
+    """Serves AwkwardModel, changed after every version; returns the bytes it served, by version.
+    ``wire_hook``: fault injection on the bytes of each bucket as they go out (the Publisher's)."""
     from ckpt_engine.workers.trainer_agent import TrainerAgent
 
     model = AwkwardModel(seed=1)
-    agent = TrainerAgent(model, zmq, poll_wait_s=0.2).start()
+    agent = TrainerAgent(model, zmq, poll_wait_s=0.2, wire_hook=wire_hook).start()
     served: dict[int, dict] = {}
 
     def after(step: int) -> None:
@@ -105,10 +106,10 @@ def test_a_torn_transformers_model_is_not_served_and_is_repaired(tmp_path: Path)
     try:
         with daemon.client() as http:
             wait_until(lambda: len(agents_of(http)) == 2, what="registration")
-            first = http.post("/sync", json={"wait": True, "timeout_s": 60}).json()
+            first = sync(http)
             assert first["status"] == "committed", first
             armed.touch()
-            failed = http.post("/sync", json={"wait": True, "timeout_s": 60}).json()
+            failed = sync(http)
             assert failed["status"] == "failed" and "injected" in failed["reason"], failed
             entry = failed["receivers"][0]
             assert entry["torn"] and entry["serving_after"] is None, entry  # never shown serving it
@@ -130,9 +131,6 @@ STREAM_BUCKET_MB = 1 / 32  # 32 KiB: AwkwardModel is then 8 buckets or more, and
 def corrupting_trainer(zmq: str, stop_file: str, corrupt: str) -> dict:
     """versions_trainer whose wire flips one byte of a middle bucket of the next version once ``corrupt``
     exists (it is removed then: one version only)."""
-    from ckpt_engine.workers.trainer_agent import TrainerAgent
-
-    model = AwkwardModel(seed=1)
     target = Path(corrupt)
 
     def hook(bucket: int, buf):
@@ -142,15 +140,7 @@ def corrupting_trainer(zmq: str, stop_file: str, corrupt: str) -> dict:
             buf[buf.numel() // 2] ^= 0xFF
         return buf
 
-    agent = TrainerAgent(model, zmq, poll_wait_s=0.2, wire_hook=hook).start()
-    served: dict[int, dict] = {}
-
-    def after(step: int) -> None:
-        served[agent.served[-1]] = state_bytes(model)
-        model.perturb(step, fraction=0.5)
-
-    train_until_stopped(agent, stop_file, on_version=after)
-    return {"served": served}
+    return versions_trainer(zmq, stop_file, wire_hook=hook)
 
 
 def streaming_receiver(zmq: str, stop_file: str) -> dict:
@@ -176,12 +166,12 @@ def test_a_streamed_version_failing_in_a_middle_bucket_is_never_served_and_is_re
     try:
         with daemon.client() as http:
             wait_until(lambda: len(agents_of(http)) == 2, what="registration")
-            committed = [http.post("/sync", json={"wait": True, "timeout_s": 60}).json() for _ in range(3)]
+            committed = [sync(http) for _ in range(3)]
             assert [c["status"] for c in committed] == ["committed"] * 3, committed
             entry = committed[-1]["receivers"][0]
             assert entry["staging"]["mode"] == "stream" and entry["staging"]["pause_s"] > 0, entry
             corrupt.touch()
-            failed = http.post("/sync", json={"wait": True, "timeout_s": 60}).json()
+            failed = sync(http)
             assert failed["status"] == "failed" and "digest mismatch" in failed["reason"], failed
             entry = failed["receivers"][0]
             assert entry["torn"] and entry["serving_after"] is None, entry
@@ -271,10 +261,10 @@ def test_an_engine_of_two_workers_applies_together_tears_together_and_is_repaire
     try:
         with daemon.client() as http:
             wait_until(lambda: len(agents_of(http)) == 4, what="trainer, 2 workers and a driver")
-            first = http.post("/sync", json={"wait": True, "timeout_s": 60}).json()
+            first = sync(http)
             assert first["status"] == "committed" and len(first["receivers"]) == 2, first
             armed.touch()  # worker 1 fails half way; worker 0 applied the version whole
-            failed = http.post("/sync", json={"wait": True, "timeout_s": 60}).json()
+            failed = sync(http)
             assert failed["status"] == "failed" and all(not r["ok"] for r in failed["receivers"]), failed
             repair = _wait_for_repair(http)
             assert repair["source_version"] == first["id"] and repair["status"] == "committed", repair
@@ -294,9 +284,6 @@ def dying_trainer(zmq: str, stop_file: str, trigger: str) -> dict:
     exists."""
     import signal
 
-    from ckpt_engine.workers.trainer_agent import TrainerAgent
-
-    model = AwkwardModel(seed=1)
     target = Path(trigger)
 
     def hook(bucket: int, buf):
@@ -304,9 +291,7 @@ def dying_trainer(zmq: str, stop_file: str, trigger: str) -> dict:
             os.kill(os.getpid(), signal.SIGKILL)
         return buf
 
-    agent = TrainerAgent(model, zmq, poll_wait_s=0.2, wire_hook=hook).start()
-    train_until_stopped(agent, stop_file, on_version=lambda step: model.perturb(step, fraction=0.5))
-    return {}
+    return versions_trainer(zmq, stop_file, wire_hook=hook)
 
 
 def test_a_trainer_killed_mid_stream_leaves_the_receiver_torn_in_the_history_too(tmp_path: Path) -> None:
@@ -319,10 +304,10 @@ def test_a_trainer_killed_mid_stream_leaves_the_receiver_torn_in_the_history_too
     try:
         with daemon.client() as http:
             wait_until(lambda: len(agents_of(http)) == 2, what="registration")
-            first = http.post("/sync", json={"wait": True, "timeout_s": 60}).json()
+            first = sync(http)
             assert first["status"] == "committed", first
             trigger.touch()
-            failed = http.post("/sync", json={"wait": True, "timeout_s": 60}).json()
+            failed = sync(http)
             assert failed["status"] == "failed" and "went away" in failed["reason"], failed
 
             def torn_entry() -> dict | None:

@@ -22,7 +22,7 @@ import torch
 
 from ckpt_engine.errors import CkptEngineError, ProtocolError
 from ckpt_engine.plan.dtypes import dtype_from_name
-from ckpt_engine.plan.layout import Bucket
+from ckpt_engine.plan.layout import Bucket, TensorSlot
 from ckpt_engine.plan.sparse import Manifest
 from ckpt_engine.plan.tensors import slot_view
 from ckpt_engine.receive.assembly import Feed, Incoming, VersionAssembler
@@ -176,7 +176,7 @@ def _bucket_tensors(assembler: VersionAssembler, incoming: Incoming, bucket: Buc
             yield slot.name, _typed(assembly[: slot.spec.nbytes], slot)
 
 
-def _typed(raw: torch.Tensor, slot) -> torch.Tensor:
+def _typed(raw: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     return raw.view(dtype_from_name(slot.dtype)).view(slot.shape)
 
 

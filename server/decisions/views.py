@@ -33,6 +33,14 @@ def lag(serving: int | None, committed_ids: Iterable[int]) -> int | None:
     return sum(1 for version in committed_ids if version > serving)
 
 
+def with_lag(agents: list[dict], committed_ids: Sequence[int]) -> list[dict]:
+    """``agents`` (GET /receivers rows), each receiver with its ``lag`` against ``committed_ids``."""
+    for row in agents:
+        if row["role"] == "receiver":
+            row["lag"] = lag(row.get("serving"), committed_ids)
+    return agents
+
+
 def last_errors(versions: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     """Each receiver's newest failure in ``versions`` (newest first, as GET /versions lists them), as
     ``v<id>: <reason>``, also when a later version succeeded: its state says whether it recovered, this why
@@ -56,4 +64,4 @@ def receiver_rows(agents: Sequence[Mapping[str, Any]], versions: Sequence[Mappin
             for a in agents if a.get("role") == "receiver"]
 
 
-__all__ = ["LAG_WINDOW", "ReceiverRow", "last_errors", "lag", "receiver_rows"]
+__all__ = ["LAG_WINDOW", "ReceiverRow", "last_errors", "lag", "receiver_rows", "with_lag"]

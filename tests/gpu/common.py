@@ -92,8 +92,11 @@ def open_fds() -> int:
 
 
 def shm_entries() -> set[str]:
-    """/dev/shm entries, without the test harness's own multiprocessing semaphores."""
-    return {e for e in os.listdir("/dev/shm") if not e.startswith("sem.mp-")}
+    """/dev/shm files this process maps or holds open (tests/procs.py: never the whole of /dev/shm, which other
+    users of the machine share)."""
+    from tests.procs import shm_files
+
+    return shm_files()
 
 
 def visible_devices() -> list[str]:
