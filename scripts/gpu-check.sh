@@ -8,17 +8,20 @@
 #    connected machine by scripts/gpu-wheels.sh) with pip --no-index --target into a folder on PYTHONPATH:
 #    no venv, no root, nothing in site-packages;
 # 3. stages the package as pip would install it (server/ and workers/ become ckpt_engine.server / .workers);
-# 4. runs the GPU tests (tests/gpu) and the GPU benchmark section (bench/gpu_bench.py);
+# 4. runs the GPU tests (tests/gpu), the GPU benchmark section (bench/gpu_bench.py) and the side by side with
+#    MoonshotAI's checkpoint-engine 0.4.2 (bench/anchor_bench.py; skipped, saying why, without its wheels);
 # 5. writes OUTDIR/report.md and OUTDIR/report.json, next to the logs and raw results.
 #
 # Without CUDA it says so, collects the GPU tests (they skip) and exits 0 without running anything GPU-only.
-# With CUDA it exits 1 when a test failed or the benchmark did not run. The whole run is bounded to 9 minutes.
+# With CUDA it exits 1 when a test failed or the benchmark did not run (the side by side only reports). The whole
+# run is bounded to 14 minutes.
 #
 # --dry-run    check torch and the wheel plan (read-only), then print every command instead of running it
 # --quick      the benchmark's smaller model sizes
 # --wheels DIR wheel folder (default $CKPT_WHEELS or .whl)
 # Environment: PYTHON (default python3), CKPT_GPU_SITE (install target, default $TMPDIR/ckpt-engine-gpu-site),
-#              CKPT_GPU_TEST_TIMEOUT / CKPT_GPU_BENCH_TIMEOUT (seconds, default 300 / 220).
+#              CKPT_GPU_TEST_TIMEOUT / CKPT_GPU_BENCH_TIMEOUT / CKPT_GPU_ANCHOR_TIMEOUT (seconds, default
+#              300 / 220 / 300).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
@@ -27,7 +30,7 @@ DRY=0
 QUICK=()
 WHEELS="${CKPT_WHEELS:-$ROOT/.whl}"
 OUT=""
-usage() { sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1; shift ;;
@@ -44,6 +47,7 @@ case "$WHEELS" in /*) ;; *) WHEELS="$PWD/$WHEELS" ;; esac
 SITE="${CKPT_GPU_SITE:-${TMPDIR:-/tmp}/ckpt-engine-gpu-site}"
 TEST_TIMEOUT="${CKPT_GPU_TEST_TIMEOUT:-300}"
 BENCH_TIMEOUT="${CKPT_GPU_BENCH_TIMEOUT:-220}"
+ANCHOR_TIMEOUT="${CKPT_GPU_ANCHOR_TIMEOUT:-300}"
 COMMAND="scripts/gpu-check.sh${QUICK[*]:+ ${QUICK[*]}} $OUT"
 
 say() { echo "gpu-check: $*" >&2; }
@@ -100,6 +104,7 @@ bounded() {  # the command prefix that stops a step after $1 seconds (none witho
 }
 read -r -a TESTS_LIMIT <<< "$(bounded "$TEST_TIMEOUT")"
 read -r -a BENCH_LIMIT <<< "$(bounded "$BENCH_TIMEOUT")"
+read -r -a ANCHOR_LIMIT <<< "$(bounded "$ANCHOR_TIMEOUT")"
 
 # Python runs from the scratch folder: with the repository root as the current directory, its ckpt_engine/
 # (without server/ and workers/) would come first on sys.path. pytest appends the root (--import-mode=append).
@@ -141,6 +146,22 @@ elif [ "$DRY" = 1 ]; then
     --json "$OUT/gpu-bench.json"
 else
   say "no CUDA device here: the GPU tests were collected and skipped, the GPU benchmark is not run"
+fi
+
+# 4c. side by side with MoonshotAI's checkpoint-engine: only with CUDA; it says itself when their package is missing
+ANCHOR_CMD=("${ANCHOR_LIMIT[@]}" "$PYTHON" -m ckpt_engine.bench.anchor_bench "${QUICK[@]}" --out "$OUT/anchor-bench.md"
+            --json "$OUT/anchor-bench.json")
+if [ "$CUDA" = 1 ]; then
+  say "side by side with MoonshotAI's checkpoint-engine (bench/anchor_bench.py), at most ${ANCHOR_TIMEOUT}s"
+  set +e
+  in_work "${ANCHOR_CMD[@]}" 2>&1 | { if [ "$DRY" = 1 ]; then cat; else tee "$OUT/anchor-bench.log"; fi; }
+  BENCH_ARGS+=(--anchor-rc "${PIPESTATUS[0]}")
+  set -e
+elif [ "$DRY" = 1 ]; then
+  say "with CUDA the side by side with MoonshotAI's checkpoint-engine would be:"
+  in_work "${ANCHOR_CMD[@]}"
+else
+  say "no CUDA device here: the side by side with MoonshotAI's checkpoint-engine is skipped"
 fi
 
 # 5. report

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Companion of gpu-check.sh, run on a machine WITH internet access: download every wheel that gpu-check.sh may
-# need to install on a GPU machine without it (the project's dependencies except torch, and pytest with
-# pytest-timeout, with everything they need in turn), for one CPython version on manylinux x86-64. Copy the
-# folder to the GPU machine as .whl/ in the repository root (git-ignored); gpu-check.sh installs from it only
-# what that machine lacks and keeps its own torch.
+# need to install on a GPU machine without it (the project's dependencies except torch, pytest with
+# pytest-timeout, and checkpoint-engine==0.4.2 for the side by side, with everything they need in turn),
+# for one CPython version on manylinux x86-64. Copy the folder to the GPU machine as .whl/ in the repository
+# root (git-ignored); gpu-check.sh installs from it only what that machine lacks and keeps its own torch.
 #
 #   scripts/gpu-wheels.sh [--python 3.12] [--dest DIR] [--platform TAG]...
 #
@@ -32,7 +32,7 @@ if [ ${#PLATFORMS[@]} -eq 0 ]; then
              manylinux_2_5_x86_64 manylinux1_x86_64)
 fi
 ABI="cp${TARGET//./}"
-mapfile -t REQS < <("$PYTHON" "$ROOT/scripts/gpu_check.py" requirements)
+mapfile -t REQS < <("$PYTHON" "$ROOT/scripts/gpu_check.py" requirements --anchor)
 PLATFORM_ARGS=()
 for tag in "${PLATFORMS[@]}"; do PLATFORM_ARGS+=(--platform "$tag"); done
 mkdir -p "$DEST"

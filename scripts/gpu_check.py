@@ -2,7 +2,8 @@
 """Helper of scripts/gpu-check.sh and scripts/gpu-wheels.sh. Standard library only (plus pip's vendored
 ``packaging`` where ``packaging`` itself is not installed), so it runs before any dependency is there.
 
-    gpu_check.py requirements                  what a GPU check needs besides torch, one requirement a line
+    gpu_check.py requirements [--anchor]       what a GPU check needs besides torch, one requirement a line
+                                               (--anchor: also MoonshotAI's checkpoint-engine, for the side by side)
     gpu_check.py missing --wheels DIR          the wheels of DIR to install here: every requirement that is
                                                missing or too old, with what those wheels need in turn
     gpu_check.py closure --wheels DIR --python 3.12
@@ -45,6 +46,9 @@ except ImportError:  # pragma: no cover - depends on the machine
 REPO = Path(__file__).resolve().parent.parent
 # From the test extra: what running tests/gpu needs (transformers and schemathesis serve other tests).
 TEST_TOOLS = ("pytest", "pytest-timeout")
+# The anchor of the side by side (bench/anchor_bench.py); optional on the GPU machine: without its wheels the
+# rest of the check still runs and the report says the side by side was skipped.
+ANCHOR = ("checkpoint-engine==0.4.2",)
 NOT_FROM_WHEELS = ("torch",)  # the machine's own build is kept
 MANYLINUX_X86_64 = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64",
                     "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
@@ -74,6 +78,15 @@ def requirements() -> list[str]:
     tools = [r for r in project["optional-dependencies"]["test"]
              if canonicalize_name(Requirement(r).name) in {canonicalize_name(t) for t in TEST_TOOLS}]
     return deps + tools
+
+
+def anchor_plan(wheels: WheelDir) -> dict[str, Path]:
+    """The anchor's wheels to install here, or nothing (with the reason on stderr) when the folder lacks them."""
+    try:
+        return plan(list(ANCHOR), wheels)
+    except CheckError as exc:
+        print(f"gpu_check: the side by side with {ANCHOR[0]} will be skipped: {exc}", file=sys.stderr)
+        return {}
 
 
 class WheelDir:
@@ -269,6 +282,10 @@ def build_report(outdir: Path, args: argparse.Namespace) -> dict[str, Any]:
     tests = read_junit(outdir / "gpu-tests.xml")
     bench_path = outdir / "gpu-bench.json"
     bench = json.loads(bench_path.read_text()) if bench_path.is_file() else None
+    anchor_path = outdir / "anchor-bench.json"
+    anchor = json.loads(anchor_path.read_text()) if anchor_path.is_file() else None
+    anchor_md_path = outdir / "anchor-bench.md"
+    anchor_md = anchor_md_path.read_text() if anchor_md_path.is_file() else None
     gpu_result = (bench or {}).get("results", {}).get("gpu")
     targets = [t for t in (bench or {}).get("targets", []) if t["target"].startswith("GPU")]
     return {"generated_utc": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": env,
@@ -276,7 +293,7 @@ def build_report(outdir: Path, args: argparse.Namespace) -> dict[str, Any]:
             "cuda": bool(env.get("cuda_available")), "tests_rc": args.tests_rc, "bench_rc": args.bench_rc,
             "tests": tests, "bench": {"ran": bench is not None, "targets": targets, "result": gpu_result,
                                       "errors": (bench or {}).get("errors", {})},
-            "note": args.note,
+            "anchor": anchor, "anchor_md": anchor_md, "anchor_rc": args.anchor_rc, "note": args.note,
             "ok": args.tests_rc == 0 and (args.bench_rc in (0, None)) and bool(env.get("cuda_available"))}
 
 
@@ -320,9 +337,21 @@ def render_report(report: dict[str, Any]) -> str:
             lines.append(f"| {t['target']} | {threshold} | {t['summary']} | **{t['status']}** |")
         lines += [""] + key_figures(bench["result"])
         lines += ["", "Every figure with its method: [gpu-bench.md](gpu-bench.md); raw samples: gpu-bench.json.", ""]
+    lines += anchor_section(report)
     lines += ["Files: env.json (machine), gpu-tests.log / gpu-tests.xml (pytest), gpu-bench.log / gpu-bench.md / "
-              "gpu-bench.json (benchmark), report.json (this report as data).", ""]
+              "gpu-bench.json (benchmark), anchor-bench.log / anchor-bench.md / anchor-bench.json (side by side), report.json (this report as data).", ""]
     return "\n".join(lines)
+
+
+def anchor_section(report: dict[str, Any]) -> list[str]:
+    """The side by side with MoonshotAI's checkpoint-engine: its table, or why it did not run."""
+    lines = [f"## Side by side with MoonshotAI's checkpoint-engine (bench/anchor_bench.py, {ANCHOR[0]})", ""]
+    if report.get("anchor_md") is None:
+        why = "no CUDA" if not report["cuda"] else f"failed, exit code {report.get('anchor_rc')}; see anchor-bench.log"
+        return lines + [f"Not run ({why}).", ""]
+    # The table as anchor_bench rendered it, without its own heading: this helper imports nothing of ours.
+    body = [line for line in report["anchor_md"].splitlines() if not line.startswith("## ")]
+    return lines + body + [""]
 
 
 def key_figures(result: dict[str, Any] | None) -> list[str]:
@@ -356,7 +385,8 @@ def key_figures(result: dict[str, Any] | None) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("requirements")
+    reqs = sub.add_parser("requirements")
+    reqs.add_argument("--anchor", action="store_true", help="also the side by side's anchor package")
     missing = sub.add_parser("missing")
     missing.add_argument("--wheels", type=Path, required=True)
     closure = sub.add_parser("closure")
@@ -371,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--command", default="scripts/gpu-check.sh")
     report.add_argument("--tests-rc", type=int, default=None)
     report.add_argument("--bench-rc", type=int, default=None)
+    report.add_argument("--anchor-rc", type=int, default=None)
     report.add_argument("--installed", nargs="*", default=[])
     report.add_argument("--note", default=None, help="why the run stopped early")
     args = parser.parse_args(argv)
@@ -383,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.cmd == "requirements":
-        print("\n".join(requirements()))
+        print("\n".join(requirements() + (list(ANCHOR) if args.anchor else [])))
     elif args.cmd == "missing":
         wheels = WheelDir(args.wheels, _tags.sys_tags()) if args.wheels.is_dir() else None
         if wheels is None:
@@ -392,12 +423,15 @@ def _run(args: argparse.Namespace) -> int:
                 raise CheckError(f"missing here: {', '.join(unmet)}; and no wheel folder at {args.wheels} "
                                  "(fetch one with scripts/gpu-wheels.sh on a machine with internet access)")
             return 0
-        for path in plan(requirements(), wheels).values():
+        chosen = plan(requirements(), wheels)
+        for name, path in anchor_plan(wheels).items():
+            chosen.setdefault(name, path)
+        for path in chosen.values():
             print(path)
     elif args.cmd == "closure":
         platforms = args.platform or list(MANYLINUX_X86_64)
         wheels = WheelDir(args.wheels, _target_tags(args.python, platforms))
-        chosen = plan(requirements(), wheels, assume_nothing_installed=True,
+        chosen = plan(requirements() + list(ANCHOR), wheels, assume_nothing_installed=True,
                       environment=_target_environment(args.python))
         for name, path in sorted(chosen.items()):
             print(f"{name:<22} {path.name}")

@@ -87,6 +87,7 @@ def test_dry_run_prints_the_commands_and_runs_none(tmp_path: Path) -> None:
     out = _gpu_check(tmp_path, "--dry-run", str(tmp_path / "out"))
     assert out.returncode == 0, out.stderr
     assert "would run:" in out.stdout and "-m pytest" in out.stdout and "gpu_check.py report" in out.stdout
+    assert "-m ckpt_engine.bench.anchor_bench" in out.stdout and "side by side" in out.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "site").exists()
 
 
@@ -100,3 +101,54 @@ def test_without_cuda_it_says_so_skips_the_gpu_tests_and_exits_0(tmp_path: Path)
     junit = gpu_check.read_junit(tmp_path / "out" / "gpu-tests.xml")
     assert junit["counts"]["skipped"] == len(junit["tests"]) > 0
     assert not (tmp_path / "out" / "gpu-bench.json").exists()
+    assert "side by side with MoonshotAI's checkpoint-engine is skipped" in out.stderr
+    assert "## Side by side with MoonshotAI's checkpoint-engine" in report and "Not run (no CUDA)." in report
+    assert not (tmp_path / "out" / "anchor-bench.json").exists()
+
+
+def test_wheel_list_includes_the_anchor_and_gpu_wheels_asks_for_it(capsys: pytest.CaptureFixture) -> None:
+    assert gpu_check.main(["requirements", "--anchor"]) == 0
+    assert "checkpoint-engine==0.4.2" in capsys.readouterr().out.splitlines()
+    assert gpu_check.main(["requirements"]) == 0
+    assert "checkpoint-engine==0.4.2" not in capsys.readouterr().out  # the check itself does not need it
+    assert "gpu_check.py\" requirements --anchor)" in (REPO / "scripts" / "gpu-wheels.sh").read_text()
+
+
+def test_anchor_wheels_are_installed_when_present_and_skipped_when_not(tmp_path: Path) -> None:
+    wheels = gpu_check.WheelDir(tmp_path, gpu_check._tags.sys_tags())
+    assert gpu_check.anchor_plan(wheels) == {}  # no wheels: the side by side is skipped, the check goes on
+    _wheel(tmp_path, "checkpoint_engine", "0.4.2", ["torch>=2.5.0", "loguru-pkg", "mooncake-x; extra == 'p2p'"])
+    _wheel(tmp_path, "loguru_pkg", "1.0", [])
+    wheels = gpu_check.WheelDir(tmp_path, gpu_check._tags.sys_tags())
+    chosen = gpu_check.anchor_plan(wheels)
+    assert sorted(chosen) == ["checkpoint-engine", "loguru-pkg"]  # torch is the machine's own
+
+
+def _anchor_bench():
+    sys.path.insert(0, str(REPO))
+    from ckpt_engine.bench import anchor_bench
+
+    return anchor_bench
+
+
+def test_anchor_sizes_scale_down_to_the_memory_there_is() -> None:
+    ab = _anchor_bench()
+    GiB = 1 << 30
+    assert ab.scaled_sizes(ab.FULL_SIZES, 141 * GiB, 1024 * GiB) == list(ab.FULL_SIZES)
+    assert ab.scaled_sizes(ab.FULL_SIZES, 80 * GiB, 1024 * GiB) == [(4, 500), (4, 20000), (8, 500), (8, 20000)]
+    assert ab.scaled_sizes(ab.FULL_SIZES, 16 * GiB, 1024 * GiB) == [(1, 500), (1, 20000)]
+    assert ab.scaled_sizes(ab.FULL_SIZES, 4 * GiB, 1024 * GiB) == []
+
+
+def test_anchor_table_has_time_rate_and_ratio_per_round() -> None:
+    ab = _anchor_bench()
+    records = [{"variant": v, "round": r, "seconds": s, "update": s / 2}
+               for r in (-1, 0, 1, 2) for v, s in (("theirs", 2.0), ("ours_cached", 1.5), ("ours_bypass", 1.0))]
+    digest = {"kernel": "fused", "gbps": 900.0, "seconds": {}}
+    config = ab.summarize({"gib": 1, "tensors": 500}, {"bytes": 1 << 30, "records": records, "digest": digest})
+    assert config["ours_over_theirs"]["ours_bypass"]["value"] == pytest.approx(0.5)
+    result = {"path": "colocated (CUDA IPC on cuda:0)", "gpus": 1, "anchor": "0.4.2", "configs": [config],
+              "args": {"bucket_size": 256 << 20, "repeats": 3, "warmup": 1, "timeout_s": 60}}
+    text = "\n".join(ab.render(result))
+    assert "**0.75**" in text and "**0.50**" in text and "device digest (fused) 900.0 GB/s" in text
+    assert "not measured (no CUDA" in "\n".join(ab.render(ab.run({}, print)))
