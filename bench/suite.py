@@ -569,10 +569,30 @@ def gpu_check_section(gpu: dict | None, sections: list[str]) -> list[str]:
         "suite's `gpu` section (`ckpt-engine bench --only gpu`), and writes `OUTDIR/report.md` and "
         "`OUTDIR/report.json` next to the logs, the JUnit XML and the benchmark's own report and JSON. Without "
         "CUDA it says so, collects the GPU tests (they skip) and exits 0. With CUDA it exits 1 if a test failed or "
-        "the benchmark did not finish; the run is bounded to about 9 minutes (tests 300 s, benchmark 220 s). "
+        "the benchmark did not finish; the run is bounded to about 14 minutes (tests 300 s, benchmark 220 s, "
+        "side by side 300 s). "
         "`--dry-run` checks torch and the wheel plan, then prints every command instead of running it.",
         "- `tests/gpu` is collected everywhere (CI included) and skips with a reason without CUDA; its multi-GPU "
         "tests skip with fewer than 2 GPUs.",
+        "- **Side by side with MoonshotAI's checkpoint-engine** (`bench/anchor_bench.py`, run by `gpu-check.sh` "
+        'after the benchmark, at most 300 s, `CKPT_GPU_ANCHOR_TIMEOUT`): `gpu-wheels.sh` also fetches '
+        '`checkpoint-engine==0.4.2` and its dependencies (fastapi, pydantic, safetensors, pyzmq, uvicorn, loguru, '
+        "numpy, httpx; torch stays the machine's own), and `gpu-check.sh` installs them from the folder when it "
+        'has them (without them the rest of the check runs and the report says the side by side was skipped). For '
+        'the same bf16 model bytes and tensor counts (4 and 16 GiB in 500 and 20,000 tensors; `--quick` 1 GiB; '
+        "each size lowered to the largest power of two within 12 % of the GPU's memory and 20 % of the host's "
+        'available memory) it runs, interleaved in one run with the order rotated every round: on 1 GPU the '
+        'colocated path, their `ParameterServer` (`register_checkpoint` of the device tensors into their reused '
+        'pinned pool, `gather_metas`, `update` whose request function hands the ZMQ address to a plain torch '
+        'worker process on the same GPU running their public `update_weights_from_ipc`) against our same-host CUDA '
+        'IPC path (`Publisher` → `IpcReceiver`), cached and bypass_cpu; on 2+ GPUs the broadcast path, their two '
+        'PS ranks (cuda:0 owns the checkpoint) each with the colocated worker their design requires, against our '
+        'NCCL sender on cuda:0 and receiver on cuda:1. Each time ends when the inference side holds (ours: has '
+        'verified and acknowledged) the bytes; both sides hand them to a no-op. The table gives time, GB/s and the '
+        "per-round ratio ours ÷ theirs (below 1 is faster; the issue's target is ≤ 0.9), their `update` alone, and "
+        'the device digest rate. Their package is used only through its public API; nothing of it is copied into '
+        "ours. **It has not run on a GPU yet**: the CUDA-only parts were written from the 0.4.2 wheel's `ps.py` "
+        'and `worker.py` and are tested here only as a dry run and a CPU skip.',
         "",
         "To put a GPU machine's figures into this file, regenerate it with that run's results merged in: "
         "`ckpt-engine bench --merge-json OUTDIR/gpu-bench.json` (or `--from-json` of an earlier run plus "

@@ -32,10 +32,16 @@ if [ ${#PLATFORMS[@]} -eq 0 ]; then
              manylinux_2_5_x86_64 manylinux1_x86_64)
 fi
 ABI="cp${TARGET//./}"
-mapfile -t REQS < <("$PYTHON" "$ROOT/scripts/gpu_check.py" requirements --anchor)
+mapfile -t REQS < <("$PYTHON" "$ROOT/scripts/gpu_check.py" requirements)
 PLATFORM_ARGS=()
 for tag in "${PLATFORMS[@]}"; do PLATFORM_ARGS+=(--platform "$tag"); done
 mkdir -p "$DEST"
+# The side by side's anchor (MoonshotAI's checkpoint-engine) alone, then what it needs except torch: resolving it
+# with its dependencies would download a CUDA torch build, and the GPU machine keeps its own.
+ANCHOR="$("$PYTHON" "$ROOT/scripts/gpu_check.py" requirements --anchor | tail -n 1)"
+"$PYTHON" -m pip download --quiet --disable-pip-version-check --only-binary=:all: --no-deps --dest "$DEST" \
+  --python-version "$TARGET" --implementation cp --abi "$ABI" "${PLATFORM_ARGS[@]}" "$ANCHOR"
+mapfile -t -O "${#REQS[@]}" REQS < <("$PYTHON" "$ROOT/scripts/gpu_check.py" anchor-deps --wheels "$DEST")
 echo "gpu-wheels: CPython $TARGET ($ABI), ${PLATFORMS[0]} and older, into $DEST:" >&2
 printf '  %s\n' "${REQS[@]}" >&2
 # Binary wheels only (nothing is built on the GPU machine); pip resolves the closure for the target's markers.

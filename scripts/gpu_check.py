@@ -4,6 +4,8 @@
 
     gpu_check.py requirements [--anchor]       what a GPU check needs besides torch, one requirement a line
                                                (--anchor: also MoonshotAI's checkpoint-engine, for the side by side)
+    gpu_check.py anchor-deps --wheels DIR      what the anchor's wheel in DIR needs, without torch (pip download
+                                               of the anchor itself would pull a CUDA torch build)
     gpu_check.py missing --wheels DIR          the wheels of DIR to install here: every requirement that is
                                                missing or too old, with what those wheels need in turn
     gpu_check.py closure --wheels DIR --python 3.12
@@ -387,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     reqs = sub.add_parser("requirements")
     reqs.add_argument("--anchor", action="store_true", help="also the side by side's anchor package")
+    anchor_deps = sub.add_parser("anchor-deps")
+    anchor_deps.add_argument("--wheels", type=Path, required=True)
     missing = sub.add_parser("missing")
     missing.add_argument("--wheels", type=Path, required=True)
     closure = sub.add_parser("closure")
@@ -415,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.cmd == "requirements":
         print("\n".join(requirements() + (list(ANCHOR) if args.anchor else [])))
+    elif args.cmd == "anchor-deps":
+        wheel = WheelDir(args.wheels, _tags.sys_tags()).best(Requirement(ANCHOR[0]))
+        print("\n".join(str(r) for r in wheel_requires(wheel) if canonicalize_name(r.name) not in NOT_FROM_WHEELS))
     elif args.cmd == "missing":
         wheels = WheelDir(args.wheels, _tags.sys_tags()) if args.wheels.is_dir() else None
         if wheels is None:

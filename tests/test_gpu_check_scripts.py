@@ -111,7 +111,14 @@ def test_wheel_list_includes_the_anchor_and_gpu_wheels_asks_for_it(capsys: pytes
     assert "checkpoint-engine==0.4.2" in capsys.readouterr().out.splitlines()
     assert gpu_check.main(["requirements"]) == 0
     assert "checkpoint-engine==0.4.2" not in capsys.readouterr().out  # the check itself does not need it
-    assert "gpu_check.py\" requirements --anchor)" in (REPO / "scripts" / "gpu-wheels.sh").read_text()
+    script = (REPO / "scripts" / "gpu-wheels.sh").read_text()
+    assert "requirements --anchor" in script and "--no-deps" in script and "anchor-deps" in script
+
+
+def test_anchor_deps_are_its_requirements_without_torch(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    _wheel(tmp_path, "checkpoint_engine", "0.4.2", ["torch>=2.5.0", "loguru", "mooncake-x; extra == 'p2p'"])
+    assert gpu_check.main(["anchor-deps", "--wheels", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.split() == ["loguru"]
 
 
 def test_anchor_wheels_are_installed_when_present_and_skipped_when_not(tmp_path: Path) -> None:
