@@ -53,6 +53,14 @@ def auth_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def machine_info() -> dict[str, Any]:
     import torch
 
@@ -64,10 +72,7 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
+    usable = usable_cores()
     return {
         "cpu_model": cpu,
         "logical_cores": os.cpu_count(),

@@ -43,18 +43,20 @@ from ckpt_engine.bench.common import (
     run_processes,
     stats,
     sync_group,
+    usable_cores,
 )
 
 from ckpt_engine.plan.modes import mode_of
 
 GROUP_NAME = "bench"
-ALL_VARIANTS = ("cached", "bypass", "raw", "per_tensor", "memcpy", "disk_local", "disk_shm")
+ALL_VARIANTS = ("cached", "cached_serial", "bypass", "raw", "per_tensor", "memcpy", "disk_local", "disk_shm")
 CURVE_VARIANTS = ("cached", "bypass", "raw", "per_tensor")
 # MoE scale (Kimi-K2 has ~69k expert weights): the per-tensor loop would take minutes a round there
 MOE_COUNTS = (100_000,)
 MOE_VARIANTS = ("cached", "bypass", "raw")
 VARIANT_LABEL = {
     "cached": "ckpt-engine e2e, cached",
+    "cached_serial": "ckpt-engine e2e, cached, send after the whole snapshot",
     "bypass": "ckpt-engine e2e, bypass_cpu",
     "raw": "raw single broadcast (gloo)",
     "per_tensor": "per-tensor broadcast loop",
@@ -72,6 +74,10 @@ RATIOS = (
     ("per_tensor_over_bypass", "per_tensor", "bypass", "seconds", "seconds", "bypass speedup over per-tensor loop"),
     ("disk_local_over_cached", "disk_local", "cached", "seconds", "seconds", "cached speedup over safetensors disk"),
     ("disk_shm_over_cached", "disk_shm", "cached", "seconds", "seconds", "cached speedup over safetensors shm"),
+    ("serial_over_cached", "cached_serial", "cached", "seconds", "seconds",
+     "cached time-to-verified: send after the snapshot ÷ overlapped with it"),
+    ("cpu_bound_over_cached", "cached", "cached", "cpu_bound", "seconds", "cached: its CPU bound ÷ its time"),
+    ("cpu_bound_over_raw", "raw", "raw", "cpu_bound", "seconds", "raw: its CPU bound ÷ its time"),
     ("bypass_over_cached", "bypass", "cached", "seconds", "seconds", "bypass time-to-verified ÷ cached"),
     ("held_cached_over_bypass", "cached", "bypass", "held", "held", "cached trainer-held ÷ bypass trainer-held"),
 )
@@ -207,9 +213,11 @@ def _sender(group: Any, world: int, configs: list[ModelConfig], schedule: list[S
         gc.collect()
         barrier(group)
         record: dict[str, Any] = {"config": step.config, "variant": step.variant, "rep": step.rep}
-        if step.variant in ("cached", "bypass"):
+        cpu0 = time.process_time()
+        if step.variant in ("cached", "cached_serial", "bypass"):
             version += 1
             bypass = step.variant == "bypass"
+            publisher.overlap_snapshot = step.variant == "cached"
             t0 = time.perf_counter()
             transfer = publisher.publish(version, named, mode=mode_of(bypass))
             if bypass:
@@ -259,6 +267,7 @@ def _sender(group: Any, world: int, configs: list[ModelConfig], schedule: list[S
             record.update(seconds=seconds, save=save_s)
         else:
             raise ValueError(step.variant)
+        record["cpu"] = time.process_time() - cpu0
         records.append(record)
         held_text = f"  held {record['held']:.3f}s" if "held" in record else ""
         rep_text = "warm-up" if step.rep < 0 else f"rep {step.rep + 1}"
@@ -295,7 +304,8 @@ def _receiver(group: Any, configs: list[ModelConfig], schedule: list[Step], time
         gc.collect()
         barrier(group)
         record: dict[str, Any] = {"config": step.config, "variant": step.variant, "rep": step.rep}
-        if step.variant in ("cached", "bypass"):
+        cpu0 = time.process_time()
+        if step.variant in ("cached", "cached_serial", "bypass"):
             res = receiver.receive(begin_timeout_s=timeout_s)
             if res is None or not res.ok or not res.loaded:
                 raise RuntimeError(f"rank {group.rank}: {step.variant} receive failed: {res}")
@@ -311,6 +321,7 @@ def _receiver(group: Any, configs: list[ModelConfig], schedule: list[Step], time
             barrier(group)  # the sender's file is complete
             record["load"] = disk_bench.load_into(f"{dirs[step.variant]}/model.safetensors", targets)
             barrier(group)
+        record["cpu"] = time.process_time() - cpu0
         records.append(record)
     closed = receiver.receive(begin_timeout_s=timeout_s)
     if closed is not None:
@@ -335,17 +346,17 @@ def run_engine(world: int, configs: list[ModelConfig], repeats: int, warmup: int
         disk_bench.remove_dirs(dirs)
         del store
     sender, *receivers = outs
-    expected = sum(1 for s in schedule if s.variant in ("cached", "bypass"))
+    expected = sum(1 for s in schedule if s.variant in ("cached", "cached_serial", "bypass"))
     for r, rx in enumerate(receivers, start=1):
         if rx["loads"] != expected:
             raise RuntimeError(f"receiver {r} loaded {rx['loads']} versions, expected {expected}")
     return {"world": world, "configs": [asdict(c) | {"payload_bytes": c.payload_bytes} for c in configs],
             "repeats": repeats, "warmup": warmup, "bucket_size": bucket_size,
             "wall_seconds": time.perf_counter() - started,
-            "rows": aggregate(configs, sender, receivers)}
+            "cores": usable_cores(), "rows": aggregate(configs, sender, receivers, usable_cores())}
 
 
-def aggregate(configs: list[ModelConfig], sender: dict, receivers: list[dict]) -> list[dict]:
+def aggregate(configs: list[ModelConfig], sender: dict, receivers: list[dict], cores: int = 1) -> list[dict]:
     records = [r for r in sender["records"] if r["rep"] >= 0]
     by_cv: dict[tuple[int, str], list[dict]] = {}
     for r in records:
@@ -367,6 +378,14 @@ def aggregate(configs: list[ModelConfig], sender: dict, receivers: list[dict]) -
             entry: dict[str, Any] = {"seconds": stats(r["seconds"] for r in recs),
                                      "samples": [r["seconds"] for r in recs], "reps": [r["rep"] for r in recs]}
             entry["gbps"] = gbps(config.payload_bytes, entry["seconds"])
+            rx_cpu: dict[int, float] = {}
+            for r in rx_by_cv.get((c, v), []):
+                rx_cpu[r["rep"]] = rx_cpu.get(r["rep"], 0.0) + r.get("cpu", 0.0)
+            # every process's CPU seconds in the operation; ÷ cores: the shortest time the machine allows for it
+            entry["cpu_samples"] = [r.get("cpu", 0.0) + rx_cpu.get(r["rep"], 0.0) for r in recs]
+            entry["cpu"] = stats(entry["cpu_samples"])
+            entry["cpu_bound_samples"] = [cpu / cores for cpu in entry["cpu_samples"]]
+            entry["cpu_bound"] = stats(entry["cpu_bound_samples"])
             if "held" in recs[0]:
                 entry["held"] = stats(r["held"] for r in recs)
                 entry["held_samples"] = [r["held"] for r in recs]
@@ -529,6 +548,7 @@ def render(result: dict, machine: dict) -> list[str]:
             f"| {fmt_ratio(r.get('disk_shm_over_cached'), 2, '×')} "
             f"| {fmt_ratio(r.get('bypass_over_cached'), 3)} | {fmt_ratio(r.get('held_cached_over_bypass'), 3)} |")
     add("")
+    lines += render_overlap(result)
     disk_rows = [row for row in result["rows"] if "disk_local" in row["variants"]]
     if disk_rows:
         add("Safetensors round trip split (medians, s): the sender's `save_file` (local disk: + fsync + "
@@ -556,7 +576,7 @@ def render(result: dict, machine: dict) -> list[str]:
         + " | recv | verify | load | receiver total |")
     add("|---|---|" + "---:|" * (1 + len(keys) + 4))
     for row in result["rows"]:
-        for v in ("cached", "bypass"):
+        for v in ("cached", "cached_serial", "bypass"):
             e = row["variants"].get(v)
             if e is None:
                 continue
@@ -567,6 +587,42 @@ def render(result: dict, machine: dict) -> list[str]:
     add("")
     lines += render_slopes(result)
     return lines
+
+
+def render_overlap(result: dict) -> list[str]:
+    """Cached with the send overlapping the snapshot vs after it, and how close every variant runs to the time
+    its CPU work alone needs on these cores (the processes share them)."""
+    rows = [row for row in result["rows"] if "cached_serial" in row["variants"]]
+    if not rows:
+        return []
+    cores = result.get("cores", 1)
+    lines = [(f"Cached mode, the send overlapping the snapshot (bucket k leaves once it is cached) vs the send "
+              f"after the whole snapshot (`Publisher(overlap_snapshot=False)`), and the CPU bound: every process's "
+              f"CPU seconds in the operation (`time.process_time()`, all threads, sender and receivers summed) ÷ "
+              f"the {cores} usable cores, the shortest time the operation could take here if nothing else ran. "
+              f"Medians, s; ratios as above."), "",
+             ("| Model | cached (overlapped) | cached, send after snapshot | after ÷ overlapped | raw broadcast "
+              "| per-tensor loop | CPU s: cached / raw / per-tensor | CPU bound: cached / raw "
+              "| cached time ÷ its CPU bound | raw time ÷ its CPU bound |"),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        v, r = row["variants"], row["ratios"]
+        lines.append(f"| {row['name']} | {_median(v.get('cached'))} | {_median(v.get('cached_serial'))} "
+                     f"| {fmt_ratio(r.get('serial_over_cached'), 3)} | {_median(v.get('raw'))} "
+                     f"| {_median(v.get('per_tensor'))} | {_median(v.get('cached'), 'cpu')} / "
+                     f"{_median(v.get('raw'), 'cpu')} / {_median(v.get('per_tensor'), 'cpu')} "
+                     f"| {_median(v.get('cached'), 'cpu_bound')} / {_median(v.get('raw'), 'cpu_bound')} "
+                     f"| {_inverse(r.get('cpu_bound_over_cached'))} | {_inverse(r.get('cpu_bound_over_raw'))} |")
+    lines.append("")
+    return lines
+
+
+def _median(entry: dict | None, field: str = "seconds") -> str:
+    return f"{entry[field]['median']:.3f}" if entry and field in entry else "—"
+
+
+def _inverse(ratio: dict | None) -> str:
+    return f"{1 / ratio['value']:.2f}" if ratio else "—"
 
 
 def render_slopes(result: dict) -> list[str]:

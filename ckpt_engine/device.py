@@ -180,6 +180,22 @@ def on_stream(info: DeviceInfo, stream: Any | None, after: Any | None = None) ->
         yield
 
 
+def mark(info: DeviceInfo) -> Any | None:
+    """A point in the calling thread's current stream (None on CPU, where queued work is already done): another
+    stream can wait for it (:func:`wait_for`) without waiting for everything queued after it."""
+    if info.kind == "cpu":
+        return None
+    event = _module(info.kind).Event()
+    event.record(current_stream(info))
+    return event
+
+
+def wait_for(info: DeviceInfo, point: Any | None) -> None:
+    """Work queued from now on on the calling thread's current stream runs after ``point`` (see :func:`mark`)."""
+    if point is not None and info.kind != "cpu":
+        current_stream(info).wait_event(point)
+
+
 def set_current(info: DeviceInfo) -> None:
     """Bind this thread to the device index (collectives on NCCL/HCCL need it)."""
     if info.kind != "cpu" and info.index is not None:

@@ -48,6 +48,19 @@ def resolve(bypass_cpu: bool | None, sparse: bool | None, *, default_bypass_cpu:
     return mode_of(default_bypass_cpu), default_sparse
 
 
+def overlaps_snapshot(mode: Mode, *, delta: bool, sparse_base: bool, owner_ranks: int, gathers: bool,
+                      host_wire: bool) -> bool:
+    """Whether a cached version's send starts while its snapshot is still filling the cache (bucket k leaves once
+    it is cached). Not for the versions whose send needs them whole first: a sparse send digests every tensor
+    to find what changed, and a delta is assembled from its parent. Not where the send thread's collectives
+    would run beside the snapshot's on device communicators: the owners' votes of a version of several owners,
+    or the gathers of a sharded model onto a device wire (NCCL does not order two communicators used from two
+    threads alike on every rank)."""
+    if mode != "cached" or delta or sparse_base:
+        return False
+    return owner_ranks == 1 and (not gathers or host_wire)
+
+
 def check_mode(mode: object) -> Mode:
     """``mode`` if it is one of MODES; a ConfigError naming them otherwise (a typo must not quietly become a
     cached version)."""

@@ -32,6 +32,8 @@ class NamedTensors:
 
     tensors: dict[str, torch.Tensor]
     aliases: dict[str, str] = field(default_factory=dict)
+    # bucket_tensors runs collectives (every rank of the trainer's group takes part in each bucket's)
+    gathers = False
 
     def check_sendable(self) -> None:
         """Every tensor can go on the wire byte-exact, checked on every version (a tensor may turn sparse or meta

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ckpt_engine.device import DeviceInfo, host_empty, synchronize
+from ckpt_engine.device import DeviceInfo, host_empty, mark, synchronize
 from ckpt_engine.errors import CacheError, ConfigError, LayoutMismatchError
 from ckpt_engine.plan.layout import Layout
 from ckpt_engine.plan.owners import Owners, Share, single_owner
@@ -34,6 +34,7 @@ from ckpt_engine.plan.tensors import (
     provider_of,
     slot_view,
 )
+from ckpt_engine.send.filling import FillProgress
 from ckpt_engine.transport.same_host import SharedSlot, create_slot
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ class CachedVersion:
     # What the version was when it was first sent (every tensor's digest, as the receivers verified it and the
     # daemon recorded it): a re-send checks this rank's bytes against it before anything goes out.
     identity: Manifest | None = None
+    # While its snapshot runs: how far it got (a send may read the filled buckets meanwhile). Listed in the cache
+    # (for re-sends, sparse bases, repairs) only once whole.
+    filling: FillProgress | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.own_layout is None:
@@ -154,6 +158,7 @@ class VersionCache:
         self._shared: dict[int, SharedSlot] = {}  # buffer data_ptr -> its segment
         self.keep_versions = keep_versions
         self._versions: dict[int, CachedVersion] = {}
+        self._filling: set[int] = set()  # versions begun and not yet filled (not listed)
         self._pool: list[torch.Tensor] = []
         self._refs: dict[int, int] = {}  # buffer data_ptr -> versions (cached or leased) reading it
         self._used: dict[int, int] = {}  # buffer data_ptr -> bytes its owner version stores in it
@@ -181,17 +186,57 @@ class VersionCache:
         ``share`` (with ``owners`` and ``version_layout``): ``layout`` is this rank's share of that version."""
         if check and not callable(tensors):
             check_matches_layout(layout, tensors)
-        started = time.perf_counter()
+        cached = self.begin(version, layout, aliases=aliases, step=step, share=share, owners=owners,
+                            version_layout=version_layout)
+        try:
+            self.fill(cached, tensors)
+        finally:
+            self.unlease(cached)
+        return cached
+
+    def begin(self, version: int, layout: Layout, *, aliases: Mapping[str, str] | None = None,
+              step: int | None = None, share: Share | None = None, owners: Owners | None = None,
+              version_layout: Layout | None = None) -> CachedVersion:
+        """A buffer for ``version``, to be filled by :meth:`fill`, leased once for the caller (who ends it with
+        :meth:`unlease`): a send may read its buckets as :attr:`CachedVersion.filling` says they are filled.
+        The cache lists it only once it is whole."""
         with self._lock:
             self._check_new(version)
             self._make_room(self.keep_versions - 1)
             buffer = self._take_buffer(layout)
-        self._fill(buffer, layout, tensors)
-        cached = CachedVersion(version, layout, step, dict(aliases or {}), time.time(),
-                               time.perf_counter() - started, buffer, version_layout=version_layout, owners=owners,
-                               wire=share.wire if share is not None else None)
-        self._add(cached)
+            cached = CachedVersion(version, layout, step, dict(aliases or {}), time.time(), 0.0, buffer,
+                                   version_layout=version_layout, owners=owners,
+                                   wire=share.wire if share is not None else None,
+                                   filling=FillProgress(version, len(layout.buckets)))
+            cached._leases = 1
+            self._hold(cached)
+            self._filling.add(version)
         return cached
+
+    def fill(self, cached: CachedVersion, tensors: TensorsOrProvider) -> None:
+        """Copy ``tensors`` into a version from :meth:`begin`, bucket by bucket, saying each one filled; then list
+        it. Returns once every copy is done (the caller may change its tensors again). On failure the version is
+        dropped (its buffer is reused once nothing leases it) and the error raised."""
+        progress = cached.filling
+        if progress is None or progress.done:
+            raise CacheError(f"version {cached.version} is not waiting to be filled")
+        provide = provider_of(tensors)
+        started = time.perf_counter()
+        try:
+            for position, bucket in enumerate(cached.layout.buckets):
+                fill_bucket(cached.buffer, bucket.slots, provide(bucket), bucket.nbytes, bucket.flat_offset)
+                progress.filled(position, mark(self.device))
+            synchronize(self.device)
+        except BaseException as exc:
+            progress.failed(f"{type(exc).__name__}: {exc}")
+            with self._lock:
+                self._filling.discard(cached.version)
+                self._retire(cached)
+            raise
+        cached.snapshot_seconds = time.perf_counter() - started
+        with self._lock:
+            self._filling.discard(cached.version)
+            self._list(cached)
 
     def snapshot_delta(self, version: int, parent: int, changed: Layout, tensors: TensorsOrProvider, *,
                        aliases: Mapping[str, str] | None = None, step: int | None = None) -> CachedVersion:
@@ -206,7 +251,7 @@ class VersionCache:
                 self._check_new(version)
                 self._make_room(self.keep_versions - 1)  # the lease keeps the parent's bytes meanwhile
                 buffer = self._take_buffer(changed)
-            self._fill(buffer, changed, tensors)
+            self._fill_delta(buffer, changed, tensors)
             names = {s.name for s in changed.slots}
             shared = {name: view for name, view in base.views().items() if name not in names}
             buffers = (buffer, *_buffers_holding(base._buffers, shared.values()))
@@ -214,7 +259,9 @@ class VersionCache:
                                    time.perf_counter() - started, buffer, own_layout=changed, parent=parent,
                                    _shared=shared, _buffers=buffers, version_layout=base.version_layout,
                                    owners=base.owners, wire=base.wire)
-            self._add(cached)
+            with self._lock:
+                self._hold(cached)
+                self._list(cached)
         return cached
 
     def get(self, version: int) -> CachedVersion:
@@ -268,20 +315,24 @@ class VersionCache:
         try:
             yield cached
         finally:
-            with self._lock:
-                cached._leases -= 1
-                if cached._evicted and cached._leases == 0:
-                    self._release(cached)
+            self.unlease(cached)
+
+    def unlease(self, cached: CachedVersion) -> None:
+        """End one lease of ``cached`` (from :meth:`lease` or :meth:`begin`)."""
+        with self._lock:
+            cached._leases -= 1
+            if cached._evicted and cached._leases == 0:
+                self._release(cached)
 
     def shared_segment(self, cached: CachedVersion) -> SharedSlot | None:
         """The memfd segment behind a whole cached version, when the cache is shareable."""
         return self._shared.get(cached.buffer.data_ptr()) if cached.is_whole else None
 
     def _check_new(self, version: int) -> None:
-        if version in self._versions:
+        if version in self._versions or version in self._filling:
             raise CacheError(f"version {version} is already cached")
 
-    def _fill(self, buffer: torch.Tensor, layout: Layout, tensors: TensorsOrProvider) -> None:
+    def _fill_delta(self, buffer: torch.Tensor, layout: Layout, tensors: TensorsOrProvider) -> None:
         provide = provider_of(tensors)
         try:
             for bucket in layout.buckets:
@@ -292,13 +343,16 @@ class VersionCache:
                 self._pool.append(buffer)  # nothing refers to it yet: straight back to the pool
             raise
 
-    def _add(self, cached: CachedVersion) -> None:
-        with self._lock:
-            self._used[cached.buffer.data_ptr()] = cached.nbytes
-            for buffer in cached._buffers:
-                self._refs[buffer.data_ptr()] = self._refs.get(buffer.data_ptr(), 0) + 1
-            self._versions[cached.version] = cached
-            self._make_room(self.keep_versions, new=cached.version)
+    def _hold(self, cached: CachedVersion) -> None:
+        """Count ``cached`` among the readers of its buffers (under the lock)."""
+        self._used[cached.buffer.data_ptr()] = cached.nbytes
+        for buffer in cached._buffers:
+            self._refs[buffer.data_ptr()] = self._refs.get(buffer.data_ptr(), 0) + 1
+
+    def _list(self, cached: CachedVersion) -> None:
+        """Make ``cached`` (held) one of the cached versions (under the lock)."""
+        self._versions[cached.version] = cached
+        self._make_room(self.keep_versions, new=cached.version)
 
     def pin(self, versions: Iterable[int]) -> None:
         """Versions that must not be evicted to make room for new ones (the daemon's word: what receivers serve,

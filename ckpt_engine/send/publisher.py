@@ -21,7 +21,7 @@ from ckpt_engine.device import DeviceInfo, DigestAlgo
 from ckpt_engine.errors import CacheError, CkptEngineError, ConfigError, TrainerGroupError
 from ckpt_engine.plan.changes import ChangeTracker
 from ckpt_engine.plan.layout import DEFAULT_ALIGNMENT, Bucket, Layout, plan_layout
-from ckpt_engine.plan.modes import Mode, check_mode, check_sparse
+from ckpt_engine.plan.modes import Mode, check_mode, check_sparse, overlaps_snapshot
 from ckpt_engine.plan.owners import Owners, Share, owners_by_group, plan_owners, share_of, single_owner
 from ckpt_engine.plan.sparse import Manifest
 from ckpt_engine.plan.tensors import NamedTensors, specs_of
@@ -81,14 +81,19 @@ class Publisher:
         on_stage: Callable[[int, str], None] | None = None,
         ipc_hub_name: str | None = None,
         timeout_s: float = 60.0,
+        overlap_snapshot: bool = True,
     ) -> None:
-        """``ipc_hub_name``: serve colocated receivers through shared memory under this name (same_host.py)."""
+        """``ipc_hub_name``: serve colocated receivers through shared memory under this name (same_host.py).
+        ``overlap_snapshot``: a cached version's send starts while its snapshot runs, each bucket as soon as it
+        is cached (where plan/modes.py's overlaps_snapshot allows); False: only after the whole snapshot (the
+        benchmarks compare both)."""
         if bucket_size <= 0:
             raise ConfigError(f"bucket_size must be positive, got {bucket_size}")
         if group is None and device is None:
             raise ConfigError("a Publisher needs a sync group or, until one is attached, a device")
         self.bucket_size = bucket_size
         self.alignment = alignment
+        self.overlap_snapshot = overlap_snapshot
         self.device: DeviceInfo = group.device if group is not None else device  # type: ignore[assignment]
         # With colocated receivers the cache lives in shareable memory: cached versions reach them zero-copy.
         self.cache = VersionCache(self.device, keep_versions, shareable=ipc_hub_name is not None)
@@ -165,6 +170,10 @@ class Publisher:
                 live.params_released.wait()
                 live.gathered_bytes = cursor.gathered_bytes
                 return live
+            if self.overlap_snapshot and overlaps_snapshot(mode, delta=delta is not None, sparse_base=sparse_base is not None,
+                                 owner_ranks=owners.ranks, gathers=named.gathers,
+                                 host_wire=self.device.comm_device.type == "cpu"):
+                return self._send_while_snapshotting(version, named, cursor, share, step, layout, owners, route)
             self._snapshot(version, named, cursor, share, delta, step, layout, owners)
         finally:
             cursor.drain()  # this rank's part in the remaining gathers (also after a failure part way)
@@ -247,6 +256,36 @@ class Publisher:
         else:
             self.cache.snapshot(version, share.layout, provide, aliases=named.aliases, step=step, check=False,
                                 share=share, owners=owners, version_layout=layout)
+
+    def _send_while_snapshotting(self, version: int, named: NamedTensors, cursor: GatherCursor, share: Share,
+                                 step: int | None, layout: Layout, owners: Owners,
+                                 route: Callable[[], Route] | None) -> Transfer:
+        """Snapshot ``version`` into the cache on this thread while its send, started first, sends every bucket
+        as soon as it is cached; returns once the snapshot is done. A snapshot that fails part way ends the
+        transfer failed (the receivers are told at the first bucket it did not fill); only a failure of the
+        trainer's own group is raised, for the training loop to end."""
+        cached = self.cache.begin(version, share.layout, aliases=named.aliases, step=step, share=share,
+                                  owners=owners, version_layout=layout)
+        transfer = Transfer(version, "cached")
+
+        def send() -> Transfer:
+            try:  # the begin lease is the send's: the buffer stays until the send is over, whatever happens
+                return self._sender(route).send_cached(self.cache, version, inline=True, filling=cached)
+            finally:
+                self.cache.unlease(cached)
+
+        self._in_background(transfer, send)
+        try:
+            self.cache.fill(cached, cursor.provider(share.rank, share))
+        except TrainerGroupError:
+            raise
+        except Exception as exc:
+            log.error("version %d: the snapshot failed part way (%s: %s); its send stops there", version,
+                      type(exc).__name__, exc)
+        finally:
+            transfer.params_released.set()
+        transfer.gathered_bytes = cursor.gathered_bytes
+        return transfer
 
     def _gather_only(self, version: int, mode: Mode, cursor: GatherCursor) -> Transfer:
         """A rank that owns no bucket: its part is the gathers (``cursor.drain``, in the caller's finally)."""

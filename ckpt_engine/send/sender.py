@@ -97,15 +97,18 @@ class Sender:
         self.manifests: dict[int, Manifest] = manifests if manifests is not None else {}
 
     def send_cached(self, cache: VersionCache, version: int, *, as_version: int | None = None,
-                    expected_digest: str | None = None, inline: bool = False) -> Transfer:
+                    expected_digest: str | None = None, inline: bool = False,
+                    filling: CachedVersion | None = None) -> Transfer:
         """Send a version held in ``cache`` (labelled ``as_version`` on the wire when given, e.g. a rollback,
         after checking the cached bytes against what was sent the first time and, given ``expected_digest``,
-        against the digest the daemon recorded); the cache keeps its buffer alive until the transfer ends."""
+        against the digest the daemon recorded); the cache keeps its buffer alive until the transfer ends.
+        ``filling``: the version, begun in the cache and leased by the caller, while its snapshot still runs:
+        each bucket goes out once it is filled."""
         hold = contextlib.ExitStack()
-        cached = self._lease(hold, cache, version, as_version if as_version is not None else version)
+        cached = filling if filling is not None else self._lease(hold, cache, version, as_version if as_version is not None else version)
         drop = lambda: evict_quietly(cache, version)  # noqa: E731
-        source = CacheSource(cached, self.device.comm_device.type == "cpu", as_version, cache.shared_segment(cached),
-                              expected_digest, drop)
+        source = CacheSource(cached, self.device, as_version, cache.shared_segment(cached), expected_digest, drop,
+                             fill_timeout_s=self.timeout_s)
         transfer = Transfer(source.version, "cached")
         transfer.params_released.set()
         return self._start(source, transfer, hold, inline)

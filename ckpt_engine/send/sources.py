@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 import xxhash
 
-from ckpt_engine.device import DigestAlgo
+from ckpt_engine.device import DeviceInfo, DigestAlgo, wait_for
 from ckpt_engine.errors import CkptEngineError, ProtocolError
 from ckpt_engine.plan.hashing import layout_digests
 from ckpt_engine.plan.layout import Layout
@@ -102,14 +102,18 @@ class CacheSource(FullSource):
 
     mode: Mode = "cached"
 
-    def __init__(self, cached: CachedVersion, on_host_wire: bool, as_version: int | None = None,
-                 segment=None, expected_digest: str | None = None, drop: Callable[[], None] | None = None) -> None:
+    def __init__(self, cached: CachedVersion, device: DeviceInfo, as_version: int | None = None,
+                 segment=None, expected_digest: str | None = None, drop: Callable[[], None] | None = None,
+                 fill_timeout_s: float = 60.0) -> None:
         """``as_version``: a re-send (rollback, catch-up, repair), checked against the version's identity first
-        (``expected_digest``: the digest the daemon recorded for it); ``drop`` evicts a copy that fails it."""
+        (``expected_digest``: the digest the daemon recorded for it); ``drop`` evicts a copy that fails it.
+        A version still being snapshotted is read bucket by bucket as it is filled, each bucket waited for at
+        most ``fill_timeout_s`` (its device copies ordered before the send's on ``device``)."""
         self.cached, self.as_version = cached, as_version
+        self._device, self._fill_timeout_s = device, fill_timeout_s
         self.expected_digest, self._drop = expected_digest, drop
         # gloo sends host memory: a whole cached version goes on the wire without any copy
-        self.needs_slot = not (on_host_wire and cached.is_whole)
+        self.needs_slot = not (device.comm_device.type == "cpu" and cached.is_whole)
         # the cache buffer's shareable segment: colocated receivers read it in place
         self.segment = segment if not self.needs_slot else None
         self.layout, self.owners = cached.version_layout, cached.owners  # type: ignore[assignment]
@@ -128,6 +132,9 @@ class CacheSource(FullSource):
 
     def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:
         local = self.cached.local_index(index)
+        filling = self.cached.filling
+        if filling is not None:
+            wait_for(self._device, filling.wait(local, self._fill_timeout_s))
         if not self.cached.is_whole:
             return self.cached.fill(local, _need(slot))
         return _placed(self.cached.bucket(local), _need(slot) if self.needs_slot else slot)

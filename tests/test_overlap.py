@@ -1,0 +1,181 @@
+"""Cached mode with the send overlapping the snapshot: bucket k goes on the wire once it is in the cache.
+
+The rule (which versions overlap) and the fill progress are tested as tables and threads; the wiring with real
+processes on a real gloo group: a send that really starts before the snapshot ends, and a snapshot that fails
+part way, which the receivers hear at that bucket while the cache never lists the version.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from ckpt_engine.device import detect_device
+from ckpt_engine.errors import CacheError, CkptEngineError
+from ckpt_engine.plan.layout import Bucket, plan_layout
+from ckpt_engine.plan.modes import overlaps_snapshot
+from ckpt_engine.plan.tensors import NamedTensors, specs_of
+from ckpt_engine.receive.collective import Receiver, VersionPayload
+from ckpt_engine.send.cache import VersionCache
+from ckpt_engine.send.filling import FillProgress, SnapshotFailed
+from ckpt_engine.send.publisher import Publisher
+from ckpt_engine.transport.group import SyncGroup, open_store
+from tests.procs import run_processes
+
+HOST = "127.0.0.1"
+TIMEOUT_S = 20.0
+BUCKET = 4096
+
+
+# ---- the rule ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode, delta, sparse_base, owners, gathers, host_wire, expected", [
+    ("cached", False, False, 1, False, False, True),  # a plain model on any wire
+    ("cached", False, False, 1, True, True, True),  # a sharded model's gathers beside a gloo send
+    ("cached", False, False, 1, True, False, False),  # ... beside an NCCL send: two communicators, two threads
+    ("cached", False, False, 2, False, True, False),  # several owners vote on their group from the send thread
+    ("cached", True, False, 1, False, True, False),  # a delta is assembled from its parent
+    ("cached", False, True, 1, False, True, False),  # a sparse send digests the whole version first
+    ("bypass_cpu", False, False, 1, False, True, False),  # nothing is snapshotted
+])
+def test_which_versions_overlap(mode, delta, sparse_base, owners, gathers, host_wire, expected) -> None:
+    assert overlaps_snapshot(mode, delta=delta, sparse_base=sparse_base, owner_ranks=owners, gathers=gathers,
+                             host_wire=host_wire) is expected
+
+
+# ---- fill progress -------------------------------------------------------------------------------------------
+def test_a_bucket_is_handed_over_once_filled_and_in_order() -> None:
+    progress = FillProgress(7, 3)
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.extend(progress.wait(k, TIMEOUT_S) for k in range(3)))
+    reader.start()
+    for k in range(3):
+        progress.filled(k, f"mark{k}")
+    reader.join(TIMEOUT_S)
+    assert got == ["mark0", "mark1", "mark2"] and progress.done
+    with pytest.raises(CkptEngineError, match="out of order"):
+        FillProgress(7, 3).filled(1, None)
+
+
+def test_a_failed_snapshot_reaches_the_reader_at_the_first_bucket_it_did_not_fill() -> None:
+    progress = FillProgress(7, 4)
+    progress.filled(0, None)
+    progress.failed("OSError: device fell over")
+    assert progress.wait(0, 0.0) is None  # filled before the failure: still readable
+    with pytest.raises(SnapshotFailed, match="version 7 failed at bucket 1: OSError: device fell over"):
+        progress.wait(1, TIMEOUT_S)
+
+
+def test_a_stalled_snapshot_is_waited_for_a_bounded_time() -> None:
+    with pytest.raises(SnapshotFailed, match="did not fill bucket 0 within 0.05 s"):
+        FillProgress(3, 2).wait(0, 0.05)
+
+
+# ---- the cache ----------------------------------------------------------------------------------------------
+def _tensors(value: float) -> dict[str, torch.Tensor]:
+    return {f"w{i}": torch.full((512,), value + i) for i in range(6)}  # 2 KiB each: 3 buckets of 4 KiB
+
+
+def test_a_begun_version_is_listed_only_once_whole_and_a_failed_one_never() -> None:
+    cache = VersionCache(detect_device("cpu"), keep_versions=2)
+    layout = plan_layout(specs_of(_tensors(0.0)), BUCKET)
+    cached = cache.begin(1, layout)
+    assert cache.versions() == []
+    with pytest.raises(CacheError, match="already cached"):
+        cache.begin(1, layout)
+    cache.fill(cached, _tensors(1.0))
+    cache.unlease(cached)
+    assert cache.versions() == [1] and torch.equal(cache.get(1).tensor("w2"), torch.full((512,), 3.0))
+
+    failing = cache.begin(2, layout)
+
+    def provide(bucket: Bucket) -> dict[str, torch.Tensor]:
+        if bucket.index == 1:
+            raise RuntimeError("gather failed")
+        return _tensors(2.0)
+
+    with pytest.raises(RuntimeError, match="gather failed"):
+        cache.fill(failing, provide)
+    with pytest.raises(SnapshotFailed, match="failed at bucket 1"):
+        failing.filling.wait(1, 0.0)  # type: ignore[union-attr]
+    assert cache.versions() == [1]
+    allocations = cache.allocations
+    cache.unlease(failing)  # the send's lease ends: the buffer goes back to the pool
+    cache.snapshot(3, layout, _tensors(3.0))
+    assert cache.versions() == [1, 3] and cache.allocations == allocations
+
+
+# ---- real processes ------------------------------------------------------------------------------------------
+def _group(port: int, rank: int) -> SyncGroup:
+    return SyncGroup(open_store(HOST, port, timeout_s=TIMEOUT_S), name="overlap", generation=0, rank=rank,
+                     world_size=2, device=detect_device("cpu"), timeout_s=TIMEOUT_S, bind_host=HOST)
+
+
+class _Snapshot(NamedTensors):
+    """Tensors whose later buckets are handed to the snapshot only when told (the trainer's copies are slow),
+    or not at all (a bucket whose copy fails)."""
+
+    go_on: threading.Event
+    fail_at: int | None = None
+    last: int = 0
+    went_on: bool = False  # the last bucket was handed over because go_on was set, not for want of time
+
+    def bucket_tensors(self, bucket: Bucket, to: int | None = None):
+        if bucket.index == self.fail_at:
+            raise RuntimeError(f"the device lost bucket {bucket.index}'s tensors")
+        if bucket.index == self.last:
+            self.went_on = self.go_on.wait(5.0)
+        return self.tensors
+
+
+def overlapping_sender(port: int) -> dict:
+    wire: list[int] = []
+    first_out = threading.Event()
+
+    def hook(k: int, buf: torch.Tensor) -> torch.Tensor:
+        wire.append(k)
+        first_out.set()
+        return buf
+
+    publisher = Publisher(_group(port, 0), bucket_size=BUCKET, wire_hook=hook)
+    named = _Snapshot(_tensors(1.0))
+    named.go_on, named.last = first_out, 2
+    first = publisher.publish(1, named).result(timeout_s=60)  # its last bucket waits for bucket 0 on the wire
+    failing = _Snapshot(_tensors(2.0))
+    failing.go_on, failing.last, failing.fail_at = threading.Event(), 99, 2
+    second = publisher.publish(2, failing)  # returns: the failure is the transfer's, told to the receivers
+    second_result = second.result(timeout_s=60)
+    third = publisher.publish(3, NamedTensors(_tensors(3.0))).result(timeout_s=60)
+    cached = publisher.cache.versions()
+    publisher.close()
+    return {"overlapped": named.went_on, "wire": wire, "first": (first.ok, first.reason),
+            "second": (second_result.ok, second_result.reason, second.params_released.is_set()),
+            "third": (third.ok, third.reason), "cached": cached}
+
+
+def loading_receiver(port: int) -> dict:
+    loaded: dict[int, float] = {}
+
+    def load(payload: VersionPayload) -> None:
+        loaded[payload.version] = float(payload.tensors["w5"][0])
+
+    results = Receiver(_group(port, 1), load).serve()
+    return {"results": [(r.version, r.ok, r.reason) for r in results], "loaded": loaded}
+
+
+def test_the_send_starts_before_the_snapshot_ends_and_a_failed_snapshot_fails_the_version_where_it_stopped() -> None:
+    store = open_store(HOST, 0, is_master=True, timeout_s=10)
+    sender, receiver = run_processes([(overlapping_sender, (store.port,)), (loading_receiver, (store.port,))],
+                                     timeout_s=120)
+    assert sender["overlapped"], "bucket 0 was not on the wire before the snapshot of the last bucket"
+    assert sender["first"] == (True, None) and sender["third"] == (True, None)
+    ok, reason, released = sender["second"]
+    assert not ok and released
+    assert "bucket 2 could not be prepared" in reason and "the device lost bucket 2's tensors" in reason
+    assert sender["wire"] == [0, 1, 2, 0, 1, 0, 1, 2]  # version 2 stopped at its third bucket
+    assert sender["cached"] == [1, 3]  # a version whose snapshot failed is never listed
+    (v1, ok1, _), (v2, ok2, why2), (v3, ok3, _) = receiver["results"]
+    assert (v1, ok1, v2, ok2, v3, ok3) == (1, True, 2, False, 3, True)
+    assert "the device lost bucket 2's tensors" in why2
+    assert receiver["loaded"] == {1: 6.0, 3: 8.0}
