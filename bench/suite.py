@@ -192,6 +192,9 @@ def merge_sections(report: dict, paths: list[str]) -> dict:
 def _write(report: dict, out_path: Path, json_path: str | None) -> int:
     """Plots, markdown and (optionally) JSON of a run; prints the targets. Non-zero when a section failed."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    if json_path:  # first: whatever fails below, the measured figures are kept (--from-json renders them again)
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=1, default=str))
     images: dict[str, str] = {}
     machine = report["machine"]
     try:
