@@ -163,10 +163,16 @@ def _child(rank: int, results: Any, gpus: int, port: int, ps_port: int, hub: str
 
 
 def _parameter_server(ps_rank: int, world: int, ps_port: int) -> Any:
-    # Their constructor as their README shows it, with rank/world/master given instead of taken from the
-    # environment; master_port is used as given (ps.py, _get_master_port). gpu_count=world keeps rank r on cuda:r.
+    # Their constructor as their README shows it, under torchrun's environment: 0.4.2 reads ``rank or
+    # int(os.environ["RANK"])`` (ps.py), so rank 0 given as an argument still needs RANK set, as torchrun sets
+    # it for their examples. master_port is used as given (_get_master_port); gpu_count=world keeps rank r on
+    # cuda:r.
+    import os
+
     from checkpoint_engine import ParameterServer
 
+    os.environ.update(RANK=str(ps_rank), WORLD_SIZE=str(world), LOCAL_RANK=str(ps_rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(ps_port))
     return ParameterServer(rank=ps_rank, world_size=world, gpu_count=world, master_addr="127.0.0.1",
                            master_port=ps_port)
 

@@ -17,9 +17,10 @@ from typing import Any
 from ckpt_engine.bench.common import (
     MiB,
     Progress,
+    expect_close,
     fmt_ms,
+    fmt_s,
     master_store,
-    receive_versions,
     run_processes,
     stats,
     sync_group,
@@ -39,8 +40,16 @@ def _child(rank: int, results: Any, port: int, args: dict) -> dict | None:
         return _trainer(group, args, results)
     from ckpt_engine.receive.collective import Receiver
 
-    receive_versions(Receiver(group, lambda payload: None), args["rounds"] + 1)
-    return None
+    receiver = Receiver(group, lambda payload: None)
+    cpu: list[float] = []
+    for _ in range(args["rounds"] + 1):
+        started = time.process_time()
+        result = receiver.receive(300.0)
+        if result is None or not result.ok:
+            raise RuntimeError(f"receive failed: {result}")
+        cpu.append(time.process_time() - started)
+    expect_close(receiver)
+    return {"cpu": cpu[1:]}  # (the first is the warm-up sync)
 
 
 def _trainer(group: Any, args: dict, results: Any) -> dict:
@@ -77,11 +86,13 @@ def _trainer(group: Any, args: dict, results: Any) -> dict:
     held: list[float] = []
     sync_seconds: list[float] = []
     steps_per_sync: list[int] = []
+    send_cpu: list[float] = []
     for r in range(args["rounds"]):
         for _ in range(IDLE_STEPS):
             idle.append(train_step())
         sync_tensors["w0"].add_(1.0)  # a new version of the synced model
         t0 = time.perf_counter()
+        process0, loop0 = time.process_time(), time.thread_time()
         transfer = publisher.publish(r + 2, named)
         held.append(time.perf_counter() - t0)
         n = 0
@@ -90,6 +101,8 @@ def _trainer(group: Any, args: dict, results: Any) -> dict:
             n += 1
         result = transfer.result(300)
         sync_seconds.append(time.perf_counter() - t0)
+        # this process's CPU besides the training loop's thread: the send (its thread, gloo's threads)
+        send_cpu.append((time.process_time() - process0) - (time.thread_time() - loop0))
         if not result.ok:
             raise RuntimeError(f"version {r + 2}: {result.reason}")
         steps_per_sync.append(n)
@@ -98,7 +111,7 @@ def _trainer(group: Any, args: dict, results: Any) -> dict:
                                     f"{sync_seconds[-1]:.3f}s sync"))
     publisher.close()
     return {"idle": idle, "during": during, "held": held, "sync_seconds": sync_seconds,
-            "steps_per_sync": steps_per_sync,
+            "steps_per_sync": steps_per_sync, "send_cpu": send_cpu,
             "model_params": sum(p.numel() for p in model.parameters())}
 
 
@@ -108,10 +121,15 @@ def run(opts: dict, progress: Progress) -> dict:
     store = master_store(args["timeout_s"])
     progress(f"  trainer: Llama {HIDDEN}/{LAYERS} layers, batch {BATCH}×{LENGTH}; synced model {args['mib']} MiB; "
              f"{args['rounds']} rounds")
-    trainer, _ = run_processes(_child, [(store.port, args)] * 2, deadline_s=900, progress=progress, name="trainer")
+    trainer, receiver = run_processes(_child, [(store.port, args)] * 2, deadline_s=900, progress=progress, name="trainer")
     del store
     idle, during = stats(trainer["idle"]), stats(trainer["during"])
-    return {"args": args, "raw": trainer, "idle": idle, "during": during, "held": stats(trainer["held"]),
+    # Cores the sync keeps busy while it runs (the trainer's send besides its loop, and the receiver): beyond the
+    # cores the loop leaves free, the loop's steps must give up time.
+    busy = [(send + got) / seconds for send, got, seconds in
+            zip(trainer["send_cpu"], receiver["cpu"], trainer["sync_seconds"])]
+    return {"send_cpu": stats(trainer["send_cpu"]), "receiver_cpu": stats(receiver["cpu"]),
+            "sync_cores": stats(busy), "args": args, "raw": trainer, "idle": idle, "during": during, "held": stats(trainer["held"]),
             "sync_seconds": stats(trainer["sync_seconds"]), "ratio": during["median"] / idle["median"],
             "steps_per_sync": trainer["steps_per_sync"], "model_params": trainer["model_params"]}
 
@@ -137,5 +155,23 @@ def render(result: dict, machine: dict) -> list[str]:
         f"{result['sync_seconds']['n']} |",
         "",
         f"Steps that overlapped each sync: {', '.join(map(str, result['steps_per_sync']))}.",
+        "",
+    ] + _render_cpu(result, machine)
+
+
+def _render_cpu(result: dict, machine: dict) -> list[str]:
+    if "sync_cores" not in result:
+        return []
+    return [
+        "Where the steps' time goes: the CPU the sync itself uses while it runs (`time.process_time()`: the trainer "
+        "process's send thread and gloo's threads, i.e. its CPU less the training loop thread's, and the receiver "
+        "process's), per sync, and the cores that keeps busy (÷ the sync's time). The loop takes one core of the "
+        f"{machine['usable_cores']}; what the sync needs beyond the rest it takes from the loop.",
+        "",
+        "| Measure | Median (min–max) |",
+        "|---|---:|",
+        f"| trainer process, send (s per sync) | {fmt_s(result['send_cpu'])} |",
+        f"| receiver process (s per sync) | {fmt_s(result['receiver_cpu'])} |",
+        f"| cores the sync keeps busy while it runs | {fmt_s(result['sync_cores'], 2)} |",
         "",
     ]

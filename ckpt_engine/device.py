@@ -190,9 +190,15 @@ def mark(info: DeviceInfo) -> Any | None:
     return event
 
 
-def wait_for(info: DeviceInfo, point: Any | None) -> None:
-    """Work queued from now on on the calling thread's current stream runs after ``point`` (see :func:`mark`)."""
-    if point is not None and info.kind != "cpu":
+def wait_for(info: DeviceInfo, point: Any | None, *, host: bool) -> None:
+    """What comes next runs after ``point`` (see :func:`mark`): with ``host``, this thread waits for it (the CPU
+    reads what the work before it wrote, e.g. a device→host copy); else only the work queued from now on on the
+    calling thread's current stream does (the device reads it), without blocking the thread."""
+    if point is None or info.kind == "cpu":
+        return
+    if host:
+        point.synchronize()
+    else:
         current_stream(info).wait_event(point)
 
 

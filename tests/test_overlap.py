@@ -30,18 +30,31 @@ BUCKET = 4096
 
 
 # ---- the rule ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode, delta, sparse_base, owners, gathers, host_wire, expected", [
-    ("cached", False, False, 1, False, False, True),  # a plain model on any wire
-    ("cached", False, False, 1, True, True, True),  # a sharded model's gathers beside a gloo send
-    ("cached", False, False, 1, True, False, False),  # ... beside an NCCL send: two communicators, two threads
-    ("cached", False, False, 2, False, True, False),  # several owners vote on their group from the send thread
-    ("cached", True, False, 1, False, True, False),  # a delta is assembled from its parent
-    ("cached", False, True, 1, False, True, False),  # a sparse send digests the whole version first
-    ("bypass_cpu", False, False, 1, False, True, False),  # nothing is snapshotted
+@pytest.mark.parametrize("mode, delta, sparse_base, owners, gathers, host_wire, device_copy, wanted, expected", [
+    ("cached", False, False, 1, False, False, True, None, True),  # a GPU trainer's plain model, by default
+    ("cached", False, False, 1, False, True, False, None, False),  # a host memcpy would share the send's cores
+    ("cached", False, False, 1, False, True, False, True, True),  # ... unless asked for
+    ("cached", False, False, 1, False, False, True, False, False),  # asked not to
+    ("cached", False, False, 1, True, True, True, None, True),  # a sharded model's gathers beside a gloo send
+    ("cached", False, False, 1, True, False, True, True, False),  # ... beside NCCL: two communicators, two threads
+    ("cached", False, False, 2, False, True, True, True, False),  # several owners vote from the send thread
+    ("cached", True, False, 1, False, True, True, True, False),  # a delta is assembled from its parent
+    ("cached", False, True, 1, False, True, True, True, False),  # a sparse send digests the whole version first
+    ("bypass_cpu", False, False, 1, False, True, True, True, False),  # nothing is snapshotted
 ])
-def test_which_versions_overlap(mode, delta, sparse_base, owners, gathers, host_wire, expected) -> None:
+def test_which_versions_overlap(mode, delta, sparse_base, owners, gathers, host_wire, device_copy, wanted,
+                                expected) -> None:
     assert overlaps_snapshot(mode, delta=delta, sparse_base=sparse_base, owner_ranks=owners, gathers=gathers,
-                             host_wire=host_wire) is expected
+                             host_wire=host_wire, device_copy=device_copy, wanted=wanted) is expected
+
+
+class _Gathering(NamedTensors):
+    def bucket_tensors(self, bucket: Bucket, to: int | None = None):
+        return self.tensors
+
+
+def test_tensors_that_assemble_buckets_themselves_are_taken_to_gather() -> None:
+    assert not NamedTensors({}).gathers and _Gathering({}).gathers
 
 
 # ---- fill progress -------------------------------------------------------------------------------------------
@@ -106,6 +119,17 @@ def test_a_begun_version_is_listed_only_once_whole_and_a_failed_one_never() -> N
     assert cache.versions() == [1, 3] and cache.allocations == allocations
 
 
+def test_a_version_of_no_bucket_is_filled_and_listed() -> None:
+    cache = VersionCache(detect_device("cpu"), keep_versions=2)
+    empty = plan_layout([], BUCKET)
+    cached = cache.begin(4, empty)
+    cache.fill(cached, {})
+    cache.unlease(cached)
+    assert cache.versions() == [4]
+    with pytest.raises(CacheError, match="not waiting to be filled"):
+        cache.fill(cached, {})
+
+
 # ---- real processes ------------------------------------------------------------------------------------------
 def _group(port: int, rank: int) -> SyncGroup:
     return SyncGroup(open_store(HOST, port, timeout_s=TIMEOUT_S), name="overlap", generation=0, rank=rank,
@@ -138,7 +162,7 @@ def overlapping_sender(port: int) -> dict:
         first_out.set()
         return buf
 
-    publisher = Publisher(_group(port, 0), bucket_size=BUCKET, wire_hook=hook)
+    publisher = Publisher(_group(port, 0), bucket_size=BUCKET, wire_hook=hook, overlap_snapshot=True)
     named = _Snapshot(_tensors(1.0))
     named.go_on, named.last = first_out, 2
     first = publisher.publish(1, named).result(timeout_s=60)  # its last bucket waits for bucket 0 on the wire
@@ -179,3 +203,73 @@ def test_the_send_starts_before_the_snapshot_ends_and_a_failed_snapshot_fails_th
     assert (v1, ok1, v2, ok2, v3, ok3) == (1, True, 2, False, 3, True)
     assert "the device lost bucket 2's tensors" in why2
     assert receiver["loaded"] == {1: 6.0, 3: 8.0}
+
+
+# ---- a GPU trainer on a host wire, simulated -------------------------------------------------------------------
+# CUDA cannot run here. What the overlap relies on is simulated with torch.cuda.Event's API (2.13): a device→host
+# copy is queued and lands later (a worker thread, 20 ms after it was queued); mark() returns an event that is
+# set once the copies queued before it landed, with Event.synchronize() waiting for it; device.py's wait_for runs
+# as it is, for a device of kind "cuda" with gloo (host) collectives. The send reads the cache on the host, so it
+# must wait for each bucket's copy itself.
+class _CopyEvent:
+    def __init__(self) -> None:
+        self._landed = threading.Event()
+
+    def synchronize(self) -> None:
+        if not self._landed.wait(TIMEOUT_S):
+            raise RuntimeError("a simulated copy never landed")
+
+
+def _simulate_async_copies() -> None:
+    import queue
+    import time
+
+    import ckpt_engine.send.cache as cache_module
+    import ckpt_engine.send.sources as sources_module
+    from ckpt_engine import device as device_module
+    from ckpt_engine.device import DeviceInfo
+
+    copies: queue.Queue = queue.Queue()
+    queued: list[_CopyEvent] = []
+
+    def copier() -> None:
+        while True:
+            copy, event = copies.get()
+            time.sleep(0.02)  # the copy engine is behind the queue
+            copy()
+            event._landed.set()
+
+    threading.Thread(target=copier, daemon=True).start()
+    real_fill = cache_module.fill_bucket
+
+    def queued_fill(buf, slots, tensors, nbytes, base=0) -> None:
+        source = {name: t.clone() for name, t in tensors.items()}  # the device tensors stay as they were
+        event = _CopyEvent()
+        queued.append(event)
+        copies.put((lambda: real_fill(buf, slots, source, nbytes, base), event))
+
+    cuda_on_gloo = DeviceInfo("cuda", 0, "gloo", True, "none")  # type: ignore[arg-type]
+    cache_module.fill_bucket = queued_fill
+    cache_module.mark = lambda device: queued[-1] if queued else None
+    cache_module.stream_synchronize = lambda device: [event.synchronize() for event in list(queued)]
+    sources_module.wait_for = lambda device, point, host: device_module.wait_for(cuda_on_gloo, point, host=host) \
+        if host else None  # a stream wait does not block the host: nothing to do for it here
+
+
+def async_copy_sender(port: int) -> list:
+    _simulate_async_copies()
+    publisher = Publisher(_group(port, 0), bucket_size=BUCKET, keep_versions=1, overlap_snapshot=True)
+    out = []
+    for version in (1, 2, 3):
+        result = publisher.publish(version, NamedTensors(_tensors(float(version)))).result(timeout_s=60)
+        out.append((result.ok, result.reason))
+    publisher.close()
+    return out
+
+
+def test_a_host_read_of_the_cache_waits_for_each_buckets_device_copy() -> None:
+    store = open_store(HOST, 0, is_master=True, timeout_s=10)
+    sender, receiver = run_processes([(async_copy_sender, (store.port,)), (loading_receiver, (store.port,))],
+                                     timeout_s=120)
+    assert sender == [(True, None)] * 3
+    assert receiver["loaded"] == {1: 6.0, 2: 7.0, 3: 8.0}  # w5 = version + 5: every byte landed before it left

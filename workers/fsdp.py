@@ -42,8 +42,6 @@ def _dim0_sharded(tensor: torch.Tensor) -> bool:
 class ShardedTensors(NamedTensors):
     """NamedTensors whose DTensors are gathered per bucket (shapes and dtypes are the full tensors')."""
 
-    gathers = True
-
     def bucket_tensors(self, bucket: Bucket, to: int | None = None) -> Mapping[str, torch.Tensor]:
         """The bucket's tensors, gathered: a whole tensor, or for a piece of a tensor larger than a bucket only
         that piece's elements (a dim-0-sharded one gathers just the rows the piece spans)."""

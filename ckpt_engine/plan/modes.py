@@ -49,16 +49,21 @@ def resolve(bypass_cpu: bool | None, sparse: bool | None, *, default_bypass_cpu:
 
 
 def overlaps_snapshot(mode: Mode, *, delta: bool, sparse_base: bool, owner_ranks: int, gathers: bool,
-                      host_wire: bool) -> bool:
+                      host_wire: bool, device_copy: bool, wanted: bool | None = None) -> bool:
     """Whether a cached version's send starts while its snapshot is still filling the cache (bucket k leaves once
-    it is cached). Not for the versions whose send needs them whole first: a sparse send digests every tensor
-    to find what changed, and a delta is assembled from its parent. Not where the send thread's collectives
+    it is cached). Never for the versions whose send needs them whole first: a sparse send digests every tensor
+    to find what changed, and a delta is assembled from its parent. Never where the send thread's collectives
     would run beside the snapshot's on device communicators: the owners' votes of a version of several owners,
     or the gathers of a sharded model onto a device wire (NCCL does not order two communicators used from two
-    threads alike on every rank)."""
-    if mode != "cached" or delta or sparse_base:
+    threads alike on every rank). Else as ``wanted`` says; by default (None) where the snapshot is a
+    device→host copy (``device_copy``), done by a copy engine beside the send's work: a host snapshot is a
+    memcpy on the cores the send needs too, and measured on 2 cores it held the training loop twice as long for
+    a few percent off the time to verified (docs/performance-notes.md)."""
+    if wanted is False or mode != "cached" or delta or sparse_base:
         return False
-    return owner_ranks == 1 and (not gathers or host_wire)
+    if owner_ranks != 1 or (gathers and not host_wire):
+        return False
+    return device_copy if wanted is None else True
 
 
 def check_mode(mode: object) -> Mode:

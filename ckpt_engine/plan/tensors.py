@@ -32,8 +32,12 @@ class NamedTensors:
 
     tensors: dict[str, torch.Tensor]
     aliases: dict[str, str] = field(default_factory=dict)
-    # bucket_tensors runs collectives (every rank of the trainer's group takes part in each bucket's)
-    gathers = False
+
+    @property
+    def gathers(self) -> bool:
+        """Whether :meth:`bucket_tensors` may run collectives (every rank of the trainer's group taking part in
+        each bucket's): assumed of any subclass that overrides it, unless the subclass says otherwise."""
+        return type(self).bucket_tensors is not NamedTensors.bucket_tensors
 
     def check_sendable(self) -> None:
         """Every tensor can go on the wire byte-exact, checked on every version (a tensor may turn sparse or meta

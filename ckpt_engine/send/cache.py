@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ckpt_engine.device import DeviceInfo, host_empty, mark, synchronize
+from ckpt_engine.device import DeviceInfo, host_empty, mark, stream_synchronize
 from ckpt_engine.errors import CacheError, ConfigError, LayoutMismatchError
 from ckpt_engine.plan.layout import Layout
 from ckpt_engine.plan.owners import Owners, Share, single_owner
@@ -218,15 +218,18 @@ class VersionCache:
         it. Returns once every copy is done (the caller may change its tensors again). On failure the version is
         dropped (its buffer is reused once nothing leases it) and the error raised."""
         progress = cached.filling
-        if progress is None or progress.done:
+        with self._lock:
+            waiting = progress is not None and cached.version in self._filling
+        if not waiting:
             raise CacheError(f"version {cached.version} is not waiting to be filled")
         provide = provider_of(tensors)
         started = time.perf_counter()
         try:
             for position, bucket in enumerate(cached.layout.buckets):
                 fill_bucket(cached.buffer, bucket.slots, provide(bucket), bucket.nbytes, bucket.flat_offset)
-                progress.filled(position, mark(self.device))
-            synchronize(self.device)
+                progress.filled(position, mark(self.device))  # type: ignore[union-attr]
+            # This thread's copies only: the whole device would include a send's transfers running meanwhile.
+            stream_synchronize(self.device)
         except BaseException as exc:
             progress.failed(f"{type(exc).__name__}: {exc}")
             with self._lock:
@@ -337,7 +340,7 @@ class VersionCache:
         try:
             for bucket in layout.buckets:
                 fill_bucket(buffer, bucket.slots, provide(bucket), bucket.nbytes, bucket.flat_offset)
-            synchronize(self.device)
+            stream_synchronize(self.device)
         except BaseException:
             with self._lock:
                 self._pool.append(buffer)  # nothing refers to it yet: straight back to the pool

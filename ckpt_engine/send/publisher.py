@@ -81,12 +81,12 @@ class Publisher:
         on_stage: Callable[[int, str], None] | None = None,
         ipc_hub_name: str | None = None,
         timeout_s: float = 60.0,
-        overlap_snapshot: bool = True,
+        overlap_snapshot: bool | None = None,
     ) -> None:
         """``ipc_hub_name``: serve colocated receivers through shared memory under this name (same_host.py).
-        ``overlap_snapshot``: a cached version's send starts while its snapshot runs, each bucket as soon as it
-        is cached (where plan/modes.py's overlaps_snapshot allows); False: only after the whole snapshot (the
-        benchmarks compare both)."""
+        ``overlap_snapshot``: True: a cached version's send starts while its snapshot runs, each bucket as soon
+        as it is cached (where plan/modes.py's overlaps_snapshot allows it); False: only after the whole
+        snapshot; None: where the snapshot is a device→host copy (GPU/NPU trainers)."""
         if bucket_size <= 0:
             raise ConfigError(f"bucket_size must be positive, got {bucket_size}")
         if group is None and device is None:
@@ -170,9 +170,10 @@ class Publisher:
                 live.params_released.wait()
                 live.gathered_bytes = cursor.gathered_bytes
                 return live
-            if self.overlap_snapshot and overlaps_snapshot(mode, delta=delta is not None, sparse_base=sparse_base is not None,
+            if overlaps_snapshot(mode, delta=delta is not None, sparse_base=sparse_base is not None,
                                  owner_ranks=owners.ranks, gathers=named.gathers,
-                                 host_wire=self.device.comm_device.type == "cpu"):
+                                 host_wire=self.device.comm_device.type == "cpu",
+                                 device_copy=self.device.kind != "cpu", wanted=self.overlap_snapshot):
                 return self._send_while_snapshotting(version, named, cursor, share, step, layout, owners, route)
             self._snapshot(version, named, cursor, share, delta, step, layout, owners)
         finally:

@@ -134,7 +134,10 @@ class CacheSource(FullSource):
         local = self.cached.local_index(index)
         filling = self.cached.filling
         if filling is not None:
-            wait_for(self._device, filling.wait(local, self._fill_timeout_s))
+            # Read in place (a host wire, colocated receivers) or staged in a host slot, the bytes are read by the
+            # CPU: it must wait for the bucket's device→host copy itself, not only queue behind it.
+            on_host = slot is None or slot.device.type == "cpu"
+            wait_for(self._device, filling.wait(local, self._fill_timeout_s), host=on_host)
         if not self.cached.is_whole:
             return self.cached.fill(local, _need(slot))
         return _placed(self.cached.bucket(local), _need(slot) if self.needs_slot else slot)

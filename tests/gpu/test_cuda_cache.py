@@ -35,7 +35,7 @@ def test_the_cache_is_pinned_and_holds_the_device_bytes() -> None:
             assert tensor_hash(cached.tensor(name)) == tensor_hash(tensor), (version, name)
     assert cache.allocations == 1
     publisher = Publisher(device=device, bucket_size=BUCKET_SIZE, keep_versions=1)
-    assert publisher.snapshot(1, named).buffer.is_pinned()
+    assert publisher.cache.snapshot(1, layout, named.tensors).buffer.is_pinned()
 
 
 def host_wire_sender(port: int) -> dict:
