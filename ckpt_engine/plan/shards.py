@@ -1,0 +1,167 @@
+"""Sharded delivery, the pure part: what each receiver keeps of every tensor, which receivers keep the same
+(a class), and what goes on the wire for a class.
+
+A receiver declares a shard spec: for some tensors, the slices of them it keeps (a tensor-parallel rank keeps
+one contiguous range of rows or columns of most weights, or, for a checkpoint tensor stored fused, one range
+of each of its parts); every tensor it does not name it keeps whole. Receivers with identical specs form one
+class (TP rank r of every data-parallel replica) and share one stream of exactly their bytes.
+
+On the wire a class's version is a version like any other, of *pieces*: each (tensor, slice) becomes one
+wire tensor named ``<tensor>@<dim>:<start>:<length>`` whose shape is the tensor's with ``dim`` cut to
+``length``, packed contiguously by the owner (a column slice of a row-major weight is strided in the full
+tensor and contiguous on the wire). A whole tensor keeps its name. Buckets, digests, chunking and
+verification then apply to a class's pieces unchanged, so each receiver verifies exactly what it receives.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import xxhash
+
+from ckpt_engine.errors import ConfigError
+from ckpt_engine.plan.layout import TensorSpec
+
+PIECE_MARK = "@"
+
+
+@dataclass(frozen=True, order=True)
+class Slice:
+    """Elements ``start .. start + length`` of a tensor along ``dim``."""
+
+    dim: int
+    start: int
+    length: int
+
+    def __post_init__(self) -> None:
+        for field, value in (("dim", self.dim), ("start", self.start), ("length", self.length)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"a slice's {field} is an int, got {value!r}")
+        if self.dim < 0 or self.start < 0 or self.length < 1:
+            raise ConfigError(f"a slice needs dim >= 0, start >= 0 and length >= 1, got {self}")
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+# tensor name -> the slices of it a receiver keeps (sorted, disjoint, along one dim); absent: the whole tensor
+ShardSpec = Mapping[str, tuple[Slice, ...]]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One wire tensor of a class: ``tensor``'s ``part`` (None: all of it)."""
+
+    tensor: str
+    part: Slice | None
+    spec: TensorSpec  # the wire tensor: its name, dtype and shape as sent
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.nbytes
+
+
+def piece_name(tensor: str, part: Slice | None) -> str:
+    return tensor if part is None else f"{tensor}{PIECE_MARK}{part.dim}:{part.start}:{part.length}"
+
+
+def check_spec(spec: ShardSpec, tensors: Iterable[TensorSpec]) -> dict[str, tuple[Slice, ...]]:
+    """``spec`` normalised (slices sorted; a spec that keeps a whole tensor drops it) against the version's
+    tensors; a ConfigError naming the first problem: an unknown tensor, a slice out of the tensor's shape,
+    slices along different dims or overlapping, a 0-dim tensor sliced."""
+    by_name = {t.name: t for t in tensors}
+    out: dict[str, tuple[Slice, ...]] = {}
+    for name, slices in spec.items():
+        tensor = by_name.get(name)
+        if tensor is None:
+            raise ConfigError(f"shard spec: no tensor {name!r} in the version")
+        ordered = tuple(sorted(slices))
+        if not ordered:
+            raise ConfigError(f"shard spec: {name!r} lists no slice (leave it out to keep it whole)")
+        dims = {s.dim for s in ordered}
+        if len(dims) != 1:
+            raise ConfigError(f"shard spec: {name!r} is sliced along several dims {sorted(dims)}")
+        dim = ordered[0].dim
+        if dim >= len(tensor.shape):
+            raise ConfigError(f"shard spec: {name!r} has {len(tensor.shape)} dim(s), a slice is along dim {dim}")
+        for before, after in zip(ordered, ordered[1:]):
+            if after.start < before.end:
+                raise ConfigError(f"shard spec: {name!r} slices {before} and {after} overlap")
+        if ordered[-1].end > tensor.shape[dim]:
+            raise ConfigError(f"shard spec: {name!r} has {tensor.shape[dim]} along dim {dim}, a slice ends at "
+                              f"{ordered[-1].end}")
+        if sum(s.length for s in ordered) == tensor.shape[dim]:
+            continue  # disjoint and within the dim, they cover all of it: the whole tensor
+        out[name] = ordered
+    return out
+
+
+def pieces_of(tensors: Iterable[TensorSpec], spec: ShardSpec) -> list[Piece]:
+    """The wire tensors of a class with ``spec`` (checked), in the version's tensor order, each tensor's slices
+    in order."""
+    out: list[Piece] = []
+    for tensor in tensors:
+        slices = spec.get(tensor.name)
+        if not slices:
+            out.append(Piece(tensor.name, None, tensor))
+            continue
+        for part in slices:
+            shape = tuple(part.length if d == part.dim else n for d, n in enumerate(tensor.shape))
+            out.append(Piece(tensor.name, part, TensorSpec(piece_name(tensor.name, part), tensor.dtype, shape)))
+    return out
+
+
+def spec_key(spec: ShardSpec) -> str:
+    """A class's identity: the same for identical (normalised) specs, whatever their order."""
+    canonical = sorted((name, [(s.dim, s.start, s.length) for s in sorted(slices)]) for name, slices in spec.items())
+    return xxhash.xxh3_64_hexdigest(json.dumps(canonical, separators=(",", ":")).encode()) if canonical else "whole"
+
+
+@dataclass(frozen=True)
+class ReceiverClass:
+    """Receivers that keep the same bytes: one stream of exactly those."""
+
+    key: str
+    receivers: tuple[str, ...]
+    spec: dict[str, tuple[Slice, ...]]
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+
+def plan_classes(tensors: list[TensorSpec], specs: Mapping[str, ShardSpec | None]) -> list[ReceiverClass]:
+    """Receivers (id -> spec; None: whole tensors) grouped by identical specs, each spec checked against the
+    version's tensors. Classes are ordered by their first receiver id, receivers within a class sorted, so every
+    process plans the same classes from the same inputs."""
+    grouped: dict[str, tuple[dict[str, tuple[Slice, ...]], list[str]]] = {}
+    for receiver in sorted(specs):
+        try:
+            normal = check_spec(specs[receiver] or {}, tensors)
+        except ConfigError as exc:
+            raise ConfigError(f"receiver {receiver}: {exc}") from None
+        grouped.setdefault(spec_key(normal), (normal, []))[1].append(receiver)
+    classes = [ReceiverClass(key, tuple(ids), normal, tuple(pieces_of(tensors, normal)))
+               for key, (normal, ids) in grouped.items()]
+    return sorted(classes, key=lambda c: c.receivers[0])
+
+
+def sharded_fraction(tensors: list[TensorSpec], cls: ReceiverClass) -> float:
+    """Bytes a class receives ÷ the version's bytes (1.0: whole tensors; 1/TP for an even tensor-parallel split)."""
+    total = sum(t.nbytes for t in tensors)
+    return cls.nbytes / total if total else 1.0
+
+
+def even_split(dim: int, length: int, parts: int, rank: int) -> Slice:
+    """Rank ``rank``'s range of ``length`` elements along ``dim`` split evenly into ``parts`` (the usual
+    tensor-parallel rule); a ConfigError when it does not divide."""
+    if parts < 1 or not 0 <= rank < parts:
+        raise ConfigError(f"even split: rank {rank} of {parts} parts")
+    if length % parts:
+        raise ConfigError(f"even split: {length} does not split evenly into {parts}")
+    size = length // parts
+    return Slice(dim, rank * size, size)

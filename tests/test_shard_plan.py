@@ -1,0 +1,102 @@
+"""Sharded delivery's pure plan (plan/shards.py): specs checked, classes formed, pieces and their bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckpt_engine.errors import ConfigError
+from ckpt_engine.plan.layout import TensorSpec, plan_layout
+from ckpt_engine.plan.shards import Slice, check_spec, even_split, pieces_of, plan_classes, sharded_fraction
+
+# A Llama-style layer as a checkpoint holds it (hidden 8, 4 query heads and 2 KV heads of 2, MLP 16)
+TENSORS = [
+    TensorSpec("embed_tokens.weight", "float32", (32, 8)),
+    TensorSpec("q_proj.weight", "float32", (8, 8)),
+    TensorSpec("k_proj.weight", "float32", (4, 8)),
+    TensorSpec("v_proj.weight", "float32", (4, 8)),
+    TensorSpec("o_proj.weight", "float32", (8, 8)),
+    TensorSpec("gate_proj.weight", "float32", (16, 8)),
+    TensorSpec("up_proj.weight", "float32", (16, 8)),
+    TensorSpec("down_proj.weight", "float32", (8, 16)),
+    TensorSpec("norm.weight", "float32", (8,)),
+    TensorSpec("step", "int64", ()),
+]
+
+
+def tp_spec(rank: int, tp: int) -> dict[str, tuple[Slice, ...]]:
+    """What TP rank ``rank`` keeps: column-parallel rows, row-parallel columns, vocab rows; norms whole."""
+    spec = {}
+    for t in TENSORS:
+        if t.name in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight",
+                      "embed_tokens.weight"):
+            spec[t.name] = (even_split(0, t.shape[0], tp, rank),)
+        elif t.name in ("o_proj.weight", "down_proj.weight"):
+            spec[t.name] = (even_split(1, t.shape[1], tp, rank),)
+    return spec
+
+
+@pytest.mark.parametrize("spec, problem", [
+    ({"nope": (Slice(0, 0, 1),)}, "no tensor 'nope'"),
+    ({"q_proj.weight": (Slice(2, 0, 1),)}, "has 2 dim\\(s\\), a slice is along dim 2"),
+    ({"q_proj.weight": (Slice(0, 6, 4),)}, "has 8 along dim 0, a slice ends at 10"),
+    ({"q_proj.weight": (Slice(0, 0, 4), Slice(0, 3, 2))}, "overlap"),
+    ({"q_proj.weight": (Slice(0, 0, 4), Slice(1, 4, 2))}, "several dims"),
+    ({"q_proj.weight": ()}, "lists no slice"),
+    ({"step": (Slice(0, 0, 1),)}, "has 0 dim"),
+])
+def test_a_spec_that_cannot_be_served_is_refused_naming_why(spec, problem) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        check_spec(spec, TENSORS)
+
+
+@pytest.mark.parametrize("bad", [dict(dim=-1, start=0, length=1), dict(dim=0, start=-1, length=1),
+                                 dict(dim=0, start=0, length=0), dict(dim=0, start=True, length=1),
+                                 dict(dim=0.0, start=0, length=1)])
+def test_a_slice_is_ints_in_range(bad) -> None:
+    with pytest.raises(ConfigError):
+        Slice(**bad)
+
+
+def test_slices_that_cover_a_tensor_keep_it_whole_and_order_does_not_matter() -> None:
+    spec = {"q_proj.weight": (Slice(0, 4, 4), Slice(0, 0, 4)), "k_proj.weight": (Slice(0, 2, 2), Slice(0, 0, 1))}
+    assert check_spec(spec, TENSORS) == {"k_proj.weight": (Slice(0, 0, 1), Slice(0, 2, 2))}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_ranks_form_one_class_each_and_receive_their_share(tp: int) -> None:
+    specs = {f"dp{d}-tp{r}": tp_spec(r, tp) for d in range(2) for r in range(tp)} | {"trainer-eval": None}
+    classes = plan_classes(TENSORS, specs)
+    assert [c.receivers for c in classes] == [(f"dp0-tp{r}", f"dp1-tp{r}") for r in range(tp)] + [("trainer-eval",)]
+    whole = classes[-1]
+    assert whole.key == "whole" and [p.tensor for p in whole.pieces] == [t.name for t in TENSORS]
+    total = sum(t.nbytes for t in TENSORS)
+    replicated = sum(t.nbytes for t in TENSORS if t.name in ("norm.weight", "step"))
+    for cls in classes[:-1]:
+        assert cls.nbytes == (total - replicated) // tp + replicated
+        assert sharded_fraction(TENSORS, cls) <= 1 / tp + replicated / total
+    # every rank's pieces of a row-parallel weight are its columns, contiguous on the wire
+    down = [p for p in classes[1].pieces if p.tensor == "down_proj.weight"]
+    assert [(p.spec.name, p.spec.shape) for p in down] == [(f"down_proj.weight@1:{16 // tp}:{16 // tp}", (8, 16 // tp))]
+
+
+def test_a_class_plans_its_own_buckets_of_exactly_its_pieces() -> None:
+    spec = check_spec(tp_spec(1, 2), TENSORS)
+    pieces = pieces_of(TENSORS, spec)
+    layout = plan_layout([p.spec for p in pieces], 256)
+    assert layout.total_bytes >= sum(p.nbytes for p in pieces)
+    assert [s.name for s in layout.slots] == [p.spec.name for p in pieces]
+
+
+def test_a_fused_checkpoint_tensor_keeps_one_range_of_each_part() -> None:
+    # a checkpoint storing q, k and v fused along dim 0 (8 + 4 + 4 rows): TP rank 1 of 2 keeps rows 4-7, 10-11, 14-15
+    fused = [TensorSpec("qkv_proj.weight", "bfloat16", (16, 8))]
+    spec = {"qkv_proj.weight": (Slice(0, 4, 4), Slice(0, 10, 2), Slice(0, 14, 2))}
+    (cls,) = plan_classes(fused, {"tp1": spec})
+    assert [(p.spec.name, p.spec.shape) for p in cls.pieces] == [
+        ("qkv_proj.weight@0:4:4", (4, 8)), ("qkv_proj.weight@0:10:2", (2, 8)), ("qkv_proj.weight@0:14:2", (2, 8))]
+    assert cls.nbytes == 8 * 8 * 2
+
+
+def test_a_bad_spec_names_its_receiver() -> None:
+    with pytest.raises(ConfigError, match="receiver tp9: shard spec: no tensor 'x'"):
+        plan_classes(TENSORS, {"tp0": None, "tp9": {"x": (Slice(0, 0, 1),)}})
