@@ -19,6 +19,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import torch
 import xxhash
 
 from ckpt_engine.errors import ConfigError
@@ -165,3 +166,23 @@ def even_split(dim: int, length: int, parts: int, rank: int) -> Slice:
         raise ConfigError(f"even split: {length} does not split evenly into {parts}")
     size = length // parts
     return Slice(dim, rank * size, size)
+
+
+def cut(tensor: torch.Tensor, part: Slice | None) -> torch.Tensor:
+    """The wire tensor of ``part`` of ``tensor``: contiguous (a column range of a row-major weight is copied
+    into rows of its own), the whole tensor when ``part`` is None."""
+    if part is None:
+        return tensor
+    piece = tensor.narrow(part.dim, part.start, part.length)
+    return piece if piece.is_contiguous() else piece.contiguous()
+
+
+def placed(piece: torch.Tensor, full_shape: tuple[int, ...], part: Slice) -> torch.Tensor:
+    """``piece`` at its place in a tensor of the full shape whose other elements are left unwritten: for an
+    engine loader that slices the full checkpoint tensor itself and reads only this rank's range. On the CPU the
+    pages of the unwritten elements are never touched (torch.empty does not fault them in)."""
+    if piece.shape[part.dim] != part.length:
+        raise ConfigError(f"a piece of {piece.shape[part.dim]} along dim {part.dim} for a slice of {part.length}")
+    full = torch.empty(full_shape, dtype=piece.dtype, device=piece.device)
+    full.narrow(part.dim, part.start, part.length).copy_(piece)
+    return full
