@@ -24,6 +24,7 @@ import xxhash
 
 from ckpt_engine.errors import ConfigError
 from ckpt_engine.plan.layout import TensorSpec
+from ckpt_engine.plan.tensors import NamedTensors
 
 PIECE_MARK = "@"
 
@@ -186,3 +187,21 @@ def placed(piece: torch.Tensor, full_shape: tuple[int, ...], part: Slice) -> tor
     full = torch.empty(full_shape, dtype=piece.dtype, device=piece.device)
     full.narrow(part.dim, part.start, part.length).copy_(piece)
     return full
+
+
+def class_tensors(named: NamedTensors, cls: ReceiverClass) -> NamedTensors:
+    """A class's pieces of ``named`` as tensors to publish: views of the full tensors (a column range is a
+    strided view; the bucket fill packs it contiguously), so nothing is copied ahead of the send. A tied name
+    stays tied to each of its canonical tensor's pieces. Tensors assembled per bucket by gathers (a sharded
+    model) have no views to take: a ConfigError."""
+    if named.gathers:
+        raise ConfigError("sharded delivery of a model whose buckets are gathered is not supported yet")
+    tensors = {piece.spec.name: cut_view(named.tensors[piece.tensor], piece.part) for piece in cls.pieces}
+    aliases = {piece_name(alias, part): piece_name(canonical, part)  # tied: the same bytes, the same ranges
+               for alias, canonical in named.aliases.items() for part in cls.spec.get(canonical) or (None,)}
+    return NamedTensors(tensors, aliases)
+
+
+def cut_view(tensor: torch.Tensor, part: Slice | None) -> torch.Tensor:
+    """``part`` of ``tensor`` as a view (strided for a column range)."""
+    return tensor if part is None else tensor.narrow(part.dim, part.start, part.length)
