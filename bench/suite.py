@@ -20,6 +20,9 @@ Sections (each in its own module, run in this order; ``--only`` / ``--skip`` pic
 - ``sparse``        (bench/sparse_bench.py): sparse sync of 1% / 10% / 50% of the tensors vs a full sync.
 - ``load``          (bench/load_bench.py): 200 requests/s of mixed reads for 60 s (quick: 10 s) while versions
                     run back to back: errors, latency per endpoint, sync time vs without the load.
+- ``netns``         (bench/netns_bench.py): trainer and receivers in network namespaces of their own, on
+                    rate-limited veth links (tc): full vs sharded delivery at TP 2 and 4, and the raw broadcast
+                    (root only; skipped saying why elsewhere).
 - ``gpu``           (bench/gpu_bench.py): the CUDA data paths against their raw copies (snapshot, bypass fill,
                     device digest vs PCIe, CUDA IPC, NCCL); says so and measures nothing without CUDA.
 
@@ -48,6 +51,7 @@ from ckpt_engine.bench import (
     gpu_bench,
     ipc_bench,
     load_bench,
+    netns_bench,
     owners_bench,
     plots,
     receiver_memory,
@@ -91,6 +95,7 @@ SECTIONS: list[tuple[str, str, Any]] = [
     ("control_plane", "Control plane under load", control_plane),
     ("sparse", "Sparse sync vs full sync", _SparseSection),
     ("load", "Load: mixed reads while versions run", load_bench),
+    ("netns", "Network-bound cluster: full vs sharded delivery on rate-limited links", netns_bench),
     ("gpu", "GPU data paths (CUDA)", gpu_bench),
 ]
 SECTION_NAMES = [s[0] for s in SECTIONS]
@@ -379,6 +384,14 @@ def evaluate_targets(report: dict) -> list[dict]:
         f"at ~{control_plane.RATE:.0f} requests/s")
     add("GET /versions latency p99 (ms)", "<", 20, " ms", "control_plane", get_measure,
         f"at ~{control_plane.RATE:.0f} requests/s")
+
+    def netns(key: str) -> Callable[[], list[tuple[str, float, str]]]:
+        return lambda: netns_bench.target_measurements(res["netns"]).get(key, [])
+
+    add("sharded delivery on rate-limited links: (sharded ÷ full time) × TP", "<=", 1.2, "", "netns", netns("time"),
+        "the same receivers, whole model vs each its TP rank's ranges; ≤ 1.2 is sharded ÷ full ≤ 1/TP × 1.2")
+    add("sharded delivery: bytes a receiver gets ÷ model bytes, less 1/TP", "<=", 0.05, "", "netns", netns("bytes"),
+        "Llama-style model (q/k/v, gate/up, down, embeddings split; norms whole)")
 
     def gpu(key: str) -> Callable[[], list[tuple[str, float, str]]]:
         return lambda: gpu_bench.target_measurements(res["gpu"]).get(key, [])

@@ -1,0 +1,333 @@
+"""A network-bound cluster on this machine: full vs sharded delivery over rate-limited links.
+
+    ckpt-engine bench --only netns                                    (a section of the suite; as root)
+    python -m ckpt_engine.bench.netns_bench [--rate-mbit 300] [--mib 48] [--rounds 3] [--json PATH]
+
+The 2 cores hide how well the wire is used: on loopback the CPU is the bottleneck. Here every process (the
+trainer, each receiver) runs in a network namespace of its own, joined to the others through a bridge in a hub
+namespace by a veth link rate-limited with ``tc`` (tbf, both directions), so the links are the bottleneck and
+the CPU is not. Only addresses inside the namespaces this bench creates are used (10.213.0.0/24); every
+namespace is removed when it ends, whatever happens. Without root or iproute2 it says why and measures nothing.
+
+Scenarios (fresh processes each; rounds interleaved within a scenario), a Llama-style model (fused-able q/k/v,
+gate/up/down, embeddings, norms) of ``--mib`` float32:
+
+- ``full, R receivers``: one sync group, every receiver gets the whole model (today's delivery);
+- ``sharded, TP=R``: receiver r is TP rank r of R, its own class and its own sync group, getting only its
+  ranges (plan/shards.py ``class_tensors``); the trainer sends every class at once;
+- ``raw``: one broadcast of the model's bytes on the full group (the wire's own limit).
+
+Time: from the first publish to every receiver verified (cached mode, snapshot included). Goal (issue 30):
+sharded ÷ full ≤ 1/TP × 1.2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+SUBNET = "10.213.0"
+MiB = 1 << 20
+
+
+# ---- the cluster ---------------------------------------------------------------------------------------------
+def cannot_run() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) is not installed"
+    return None
+
+
+def _sh(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True, timeout=30)
+
+
+@contextlib.contextmanager
+def cluster(nodes: int, rate_mbit: int) -> Iterator[list[tuple[str, str]]]:
+    """``nodes`` namespaces, each (name, address), linked through a bridge by rate-limited veths; removed on
+    exit."""
+    tag = uuid.uuid4().hex[:5]
+    hub = f"ckb{tag}h"
+    made: list[str] = []
+    try:
+        _sh("ip", "netns", "add", hub)
+        made.append(hub)
+        _sh("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", hub, "link", "set", "br0", "up")
+        out = []
+        for i in range(nodes):
+            ns, addr = f"ckb{tag}n{i}", f"{SUBNET}.{i + 1}"
+            _sh("ip", "netns", "add", ns)
+            made.append(ns)
+            a, b = f"ckb{tag}{i}a", f"ckb{tag}{i}b"
+            _sh("ip", "link", "add", a, "netns", ns, "type", "veth", "peer", "name", b, "netns", hub)
+            _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", a)
+            _sh("ip", "-n", ns, "link", "set", a, "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            _sh("ip", "-n", hub, "link", "set", b, "master", "br0")
+            _sh("ip", "-n", hub, "link", "set", b, "up")
+            for where, dev in ((ns, a), (hub, b)):  # both directions of the node's link
+                _sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+                    f"{rate_mbit}mbit", "burst", "256kb", "latency", "100ms")
+            out.append((ns, addr))
+        yield out
+    finally:
+        for ns in reversed(made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+# ---- the processes -------------------------------------------------------------------------------------------
+def _model(mib: int, tp_max: int) -> Any:
+    """Float32 Llama-style tensors of about ``mib`` MiB; every split dim divides by ``tp_max``."""
+    import torch
+
+    from ckpt_engine.plan.tensors import NamedTensors
+
+    hidden = 512
+    layers = max(1, mib * MiB // 4 // (hidden * hidden * 16))  # q, k, v, o: 4 h²; gate, up, down: 12 h²
+    gen = torch.Generator().manual_seed(0)
+    tensors: dict[str, torch.Tensor] = {"embed.weight": torch.randn(8 * tp_max * 16, hidden, generator=gen)}
+    for layer in range(layers):
+        p = f"layers.{layer}."
+        for name, shape in (("q_proj", (hidden, hidden)), ("k_proj", (hidden, hidden)), ("v_proj", (hidden, hidden)),
+                            ("o_proj", (hidden, hidden)), ("gate_proj", (4 * hidden, hidden)),
+                            ("up_proj", (4 * hidden, hidden)), ("down_proj", (hidden, 4 * hidden))):
+            tensors[p + name + ".weight"] = torch.randn(*shape, generator=gen)
+        tensors[p + "norm.weight"] = torch.randn(hidden, generator=gen)
+    return NamedTensors(tensors)
+
+
+def tp_spec(named: Any, rank: int, tp: int) -> dict:
+    """TP rank ``rank``'s ranges: rows of column-parallel weights and the vocabulary, columns of row-parallel."""
+    from ckpt_engine.plan.shards import even_split
+
+    spec = {}
+    for name, t in named.tensors.items():
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight",
+                          "embed.weight")):
+            spec[name] = (even_split(0, t.shape[0], tp, rank),)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            spec[name] = (even_split(1, t.shape[1], tp, rank),)
+    return spec
+
+
+def _group(addr: str, store: tuple[str, int], name: str, rank: int, world: int, timeout_s: float) -> Any:
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.transport.group import SyncGroup, open_store
+
+    return SyncGroup(open_store(store[0], store[1], timeout_s=timeout_s), name=name, generation=0, rank=rank,
+                     world_size=world, device=detect_device("cpu"), timeout_s=timeout_s, bind_host=addr)
+
+
+def run_sender(cfg: dict) -> dict:
+    """Trainer: one publisher per group (one group for full delivery; one per class for sharded)."""
+    import torch
+
+    from ckpt_engine.plan.shards import class_tensors, plan_classes
+    from ckpt_engine.plan.tensors import specs_of
+    from ckpt_engine.send.publisher import Publisher
+    from ckpt_engine.transport.group import open_store
+
+    store = open_store(cfg["addr"], 0, is_master=True, timeout_s=cfg["timeout_s"])
+    print(json.dumps({"port": store.port}), flush=True)
+    named = _model(cfg["mib"], cfg["tp_max"])
+    groups = cfg["groups"]  # [receivers in each group]
+    pubs = [Publisher(_group(cfg["addr"], (cfg["addr"], store.port), f"g{g}", 0, 1 + n, cfg["timeout_s"]),
+                      bucket_size=cfg["bucket_mib"] * MiB, keep_versions=1) for g, n in enumerate(groups)]
+    specs = specs_of(named.tensors)
+    if cfg["sharded"]:
+        classes = plan_classes(specs, {f"tp{r}": tp_spec(named, r, len(groups)) for r in range(len(groups))})
+        views = [class_tensors(named, c) for c in classes]
+    else:
+        views = [named]
+    raw = torch.empty(sum(s.nbytes for s in specs), dtype=torch.uint8) if cfg["raw"] else None
+    times, raw_times, sent = [], [], []
+    for version in range(1, cfg["rounds"] + 2):  # the first is a warm-up
+        named.tensors[next(iter(named.tensors))].add_(1.0)
+        t0 = time.perf_counter()
+        transfers = [pub.publish(version, view) for pub, view in zip(pubs, views)]
+        results = [t.result(timeout_s=cfg["timeout_s"] * 4) for t in transfers]
+        elapsed = time.perf_counter() - t0
+        if not all(r.ok for r in results):
+            raise RuntimeError(f"version {version}: {[r.reason for r in results]}")
+        if version > 1:
+            times.append(elapsed)
+            sent.append(sum(r.bytes_sent for r in results))
+        if raw is not None:
+            group = pubs[0].sender.group  # type: ignore[union-attr]
+            t0 = time.perf_counter()
+            group.wait(group.broadcast(raw, src=0), "raw")
+            if version > 1:
+                raw_times.append(time.perf_counter() - t0)
+    for pub in pubs:
+        pub.close()
+    return {"seconds": times, "raw_seconds": raw_times, "bytes_sent": sent, "model_bytes": sum(s.nbytes for s in specs)}
+
+
+def run_receiver(cfg: dict) -> dict:
+    import torch
+
+    from ckpt_engine.receive.collective import Receiver
+
+    group = _group(cfg["addr"], (cfg["store_addr"], cfg["port"]), f"g{cfg['group']}", cfg["rank"],
+                   cfg["world"], cfg["timeout_s"])
+    receiver = Receiver(group, lambda payload: None)
+    received = []
+    raw = None
+    for version in range(1, cfg["rounds"] + 2):
+        result = receiver.receive(cfg["timeout_s"] * 4)
+        if result is None or not result.ok:
+            raise RuntimeError(f"receive failed: {result}")
+        received.append(result.bytes_received)
+        if cfg["raw"]:
+            if raw is None:
+                raw = torch.empty(cfg["model_bytes"], dtype=torch.uint8)
+            group.wait(group.broadcast(raw, src=0), "raw")
+    receiver.receive(cfg["timeout_s"])  # the sender's close
+    return {"bytes_received": received[1:]}
+
+
+# ---- one scenario --------------------------------------------------------------------------------------------
+def scenario(name: str, receivers: int, sharded: bool, args: dict) -> dict:
+    groups = [1] * receivers if sharded else [receivers]
+    with cluster(1 + receivers, args["rate_mbit"]) as nodes:
+        base = {"mib": args["mib"], "tp_max": 4, "rounds": args["rounds"], "bucket_mib": args["bucket_mib"],
+                "timeout_s": args["timeout"], "sharded": sharded, "raw": not sharded and args["raw"]}
+        sender_ns, sender_addr = nodes[0]
+        sender = _spawn(sender_ns, "sender", base | {"addr": sender_addr, "groups": groups})
+        try:
+            port = json.loads(sender.stdout.readline())["port"]  # type: ignore[union-attr]
+            model_bytes = _model_bytes(args["mib"])
+            procs = []
+            for r, (ns, addr) in enumerate(nodes[1:]):
+                group, rank = (r, 1) if sharded else (0, r + 1)
+                procs.append(_spawn(ns, "receiver", base | {
+                    "addr": addr, "store_addr": sender_addr, "port": port, "group": group, "rank": rank,
+                    "world": 1 + groups[group], "model_bytes": model_bytes}))
+            outs = [_finish(p, args["timeout"] * 8) for p in procs]
+            sent = _finish(sender, args["timeout"] * 8)
+        finally:
+            sender.kill()
+    return {"name": name, "receivers": receivers, "sharded": sharded, **sent,
+            "received": [o["bytes_received"] for o in outs]}
+
+
+def _model_bytes(mib: int) -> int:
+    from ckpt_engine.plan.tensors import specs_of
+
+    return sum(s.nbytes for s in specs_of(_model(mib, 4).tensors))
+
+
+def _spawn(ns: str, role: str, cfg: dict) -> subprocess.Popen:
+    return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "ckpt_engine.bench.netns_bench",
+                             "--role", role, "--config", json.dumps(cfg)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float) -> dict:
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise RuntimeError("a bench process did not finish in time") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"a bench process failed ({proc.returncode}): {err[-2000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# ---- the bench -----------------------------------------------------------------------------------------------
+def run(opts: dict, progress: Any = print) -> dict:
+    """The suite's entry: quick runs a smaller model for fewer rounds."""
+    args = {"rate_mbit": 300, "mib": 16 if opts.get("quick") else 48, "bucket_mib": 8,
+            "rounds": 2 if opts.get("quick") else 3, "tp": [2, 4], "raw": True, "timeout": 60.0} | opts.get("netns", {})
+    why = cannot_run()
+    if why is not None:
+        return {"skipped": why}
+    results = []
+    for receivers in args["tp"]:
+        progress(f"  {receivers} receivers: full, then sharded")
+        results.append(scenario(f"full, {receivers} receivers", receivers, False, args))
+        results.append(scenario(f"sharded, TP={receivers}", receivers, True, args))
+    by = {(r["receivers"], r["sharded"]): r for r in results}
+    for r in results:
+        r["median_s"] = statistics.median(r["seconds"])
+        if r["raw_seconds"]:
+            r["raw_median_s"] = statistics.median(r["raw_seconds"])
+        r["received_fraction"] = max(statistics.median(x) for x in r["received"]) / r["model_bytes"]
+        if r["sharded"]:
+            full = by[(r["receivers"], False)]
+            r["over_full"] = r["median_s"] / full["median_s"]
+            r["goal"] = 1.2 / r["receivers"]
+    return {"args": args, "results": results}
+
+
+def render(result: dict, machine: dict | None = None) -> list[str]:
+    if "skipped" in result:
+        return [f"Not measured: {result['skipped']}.", ""]
+    a = result["args"]
+    lines = [f"Links: {a['rate_mbit']} Mbit/s each way per process (tbf), one bridge; model {a['mib']} MiB float32, "
+             f"buckets of {a['bucket_mib']} MiB; {a['rounds']} rounds after a warm-up; time from the first publish to "
+             "every receiver verified (cached, snapshot included), median.", "",
+             "| Scenario | time s | raw broadcast s | largest receiver's bytes ÷ model | sharded ÷ full | goal |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in result["results"]:
+        raw = f"{r['raw_median_s']:.2f}" if "raw_median_s" in r else "—"
+        over = f"{r['over_full']:.3f}" if "over_full" in r else "—"
+        goal = f"≤ {r['goal']:.2f}" if "goal" in r else "—"
+        lines.append(f"| {r['name']} | {r['median_s']:.2f} | {raw} | {r['received_fraction']:.3f} | {over} | {goal} |")
+    return lines + ["", "Sharded rows: each receiver is TP rank r of R and its own class (plan/shards.py); the trainer "
+                    "sends every class at once, each on its own sync group. Not yet through the daemon or an "
+                    "engine: the pieces are published and verified as versions of their own.", ""]
+
+
+def target_measurements(result: dict) -> dict[str, list[tuple[str, float, str]]]:
+    """Per target: (where, value, note) for the suite's table."""
+    if "skipped" in result:
+        return {}
+    out: dict[str, list[tuple[str, float, str]]] = {"time": [], "bytes": []}
+    for r in result["results"]:
+        if r["sharded"]:
+            tp = r["receivers"]
+            out["time"].append((f"TP={tp}", r["over_full"] * tp, f"(sharded ÷ full {r['over_full']:.3f})"))
+            out["bytes"].append((f"TP={tp}", r["received_fraction"] - 1 / tp, f"({r['received_fraction']:.3f} of the model)"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--role", choices=("sender", "receiver"))
+    p.add_argument("--config")
+    p.add_argument("--rate-mbit", type=int, default=300)
+    p.add_argument("--mib", type=int, default=48)
+    p.add_argument("--bucket-mib", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tp", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
+    p.add_argument("--raw", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if args.role:
+        cfg = json.loads(args.config)
+        print(json.dumps(run_sender(cfg) if args.role == "sender" else run_receiver(cfg)), flush=True)
+        return 0
+    result = run({"netns": {k: v for k, v in vars(args).items() if k not in ("role", "config", "json")}})
+    print("\n".join(render(result)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
