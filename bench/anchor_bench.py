@@ -38,11 +38,13 @@ from ckpt_engine.bench.common import (
     GiB,
     MiB,
     Progress,
+    cuda_devices,
     fmt_s,
     gbps,
     master_store,
     mib,
     paired_ratio,
+    rotated_rounds,
     run_processes,
     stats,
 )
@@ -68,15 +70,6 @@ def anchor_missing() -> str | None:
     return None
 
 
-def _cuda_devices() -> int:
-    import torch
-
-    try:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001 - a broken driver: no usable GPU
-        return 0
-
-
 def scaled_sizes(sizes: tuple[tuple[int, int], ...], gpu_bytes: int, host_bytes: int) -> list[tuple[int, int]]:
     """Each (GiB, tensors) with the GiB lowered to the largest power of two that fits both memories."""
     cap = min(gpu_bytes * MODEL_SHARE_OF_GPU, host_bytes * MODEL_SHARE_OF_HOST) / GiB
@@ -88,15 +81,6 @@ def scaled_sizes(sizes: tuple[tuple[int, int], ...], gpu_bytes: int, host_bytes:
         if fit >= 1 and (fit, count) not in out:
             out.append((fit, count))
     return out
-
-
-def _rotated(variants: tuple[str, ...], repeats: int, warmup: int) -> list[tuple[str, int]]:
-    """(variant, round) for every round, order rotated each round; rounds < 0 are warm-up."""
-    order = []
-    for r in range(warmup + repeats):
-        shift = r % len(variants)
-        order += [(v, r - warmup) for v in variants[shift:] + variants[:shift]]
-    return order
 
 
 def _free_port() -> int:
@@ -144,7 +128,7 @@ def _device_uuid(index: int) -> str:
 def _child(rank: int, results: Any, gpus: int, port: int, ps_port: int, hub: str, cfg: dict, args: dict) -> Any:
     import torch
 
-    schedule = _rotated(VARIANTS[gpus], args["repeats"], args["warmup"])
+    schedule = rotated_rounds(VARIANTS[gpus], args["repeats"], args["warmup"])
     if gpus == 1:
         torch.cuda.set_device(0)
         if rank == 0:
@@ -350,7 +334,7 @@ def plan(opts: dict, gpus: int, gpu_bytes: int, host_bytes: int) -> dict:
 
 
 def run(opts: dict, progress: Progress) -> dict:
-    gpus = _cuda_devices()
+    gpus = cuda_devices()
     if gpus < 1:
         return {"skipped": "no CUDA device in this process (torch.cuda.is_available() is False): nothing measured"}
     missing = anchor_missing()

@@ -53,6 +53,25 @@ def auth_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
+def cuda_devices() -> int:
+    """CUDA devices this process can use (0 without CUDA, or with a broken driver)."""
+    import torch
+
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken driver: no usable GPU
+        return 0
+
+
+def rotated_rounds(variants: tuple[str, ...], repeats: int, warmup: int) -> list[tuple[str, int]]:
+    """(variant, round) for every round, order rotated each round; rounds < 0 are warm-up."""
+    order = []
+    for r in range(warmup + repeats):
+        shift = r % len(variants)
+        order += [(v, r - warmup) for v in variants[shift:] + variants[:shift]]
+    return order
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its affinity), else the machine's."""
     try:

@@ -27,7 +27,19 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from ckpt_engine.bench.common import MiB, Progress, fmt_s, gbps, master_store, mib, paired_ratio, run_processes, stats
+from ckpt_engine.bench.common import (
+    MiB,
+    Progress,
+    cuda_devices,
+    fmt_s,
+    gbps,
+    master_store,
+    mib,
+    paired_ratio,
+    rotated_rounds,
+    run_processes,
+    stats,
+)
 
 from ckpt_engine.plan.modes import mode_of
 
@@ -55,24 +67,6 @@ LABEL = {
     "ipc_cached_serial": "CUDA IPC, cached, send after the whole snapshot",
     "nccl_cached_serial": "NCCL, cached, send after the whole snapshot",
 }
-
-
-def _cuda_devices() -> int:
-    import torch
-
-    try:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # a broken driver: no usable GPU
-        return 0
-
-
-def _rotated(variants: tuple[str, ...], repeats: int, warmup: int) -> list[tuple[str, int]]:
-    """(variant, round) for every round, order rotated each round; rounds < 0 are warm-up."""
-    order = []
-    for r in range(warmup + repeats):
-        shift = r % len(variants)
-        order += [(v, r - warmup) for v in variants[shift:] + variants[:shift]]
-    return order
 
 
 def _rows(mib_total: int, count: int) -> int:
@@ -182,7 +176,7 @@ def _local_config(mib_total: int, count: int, device: Any, args: dict, fused: bo
         "d2d_copy": lambda: flat_dst.copy_(flat), "digest": digest(False), "digest_eager": digest(True)}
     variants = tuple(v for v in LOCAL_VARIANTS if v != "digest_eager" or fused)
     samples: dict[str, list[float]] = {v: [] for v in variants}
-    for variant, rnd in _rotated(variants, args["repeats"], args["warmup"]):
+    for variant, rnd in rotated_rounds(variants, args["repeats"], args["warmup"]):
         seconds = _timed(ops[variant])
         if rnd >= 0:
             samples[variant].append(seconds)
@@ -198,7 +192,7 @@ def _pair_child(rank: int, results: Any, kind: str, port: int, hub: str, args: d
 
     index = rank if kind == "nccl" else 0
     torch.cuda.set_device(index)
-    schedule = _rotated(PAIR_VARIANTS[kind], args["repeats"], args["warmup"])
+    schedule = rotated_rounds(PAIR_VARIANTS[kind], args["repeats"], args["warmup"])
     if rank == 0:
         return _pair_sender(kind, port, hub, args, schedule, results)
     _pair_receiver(kind, port, hub, args, schedule)
@@ -303,7 +297,7 @@ def _pair_bytes(args: dict) -> int:
 
 
 def run(opts: dict, progress: Progress) -> dict:
-    gpus = _cuda_devices()
+    gpus = cuda_devices()
     if gpus < 1:
         return {"skipped": "no CUDA device in this process (torch.cuda.is_available() is False): nothing measured"}
     quick = opts["quick"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import statistics
@@ -88,24 +89,28 @@ def cluster(nodes: int, rate_mbit: int) -> Iterator[list[tuple[str, str]]]:
 
 
 # ---- the processes -------------------------------------------------------------------------------------------
-def _model(mib: int, tp_max: int) -> Any:
+def _model_shapes(mib: int, tp_max: int) -> dict[str, tuple[int, ...]]:
     """Float32 Llama-style tensors of about ``mib`` MiB; every split dim divides by ``tp_max``."""
-    import torch
-
-    from ckpt_engine.plan.tensors import NamedTensors
-
     hidden = 512
     layers = max(1, mib * MiB // 4 // (hidden * hidden * 16))  # q, k, v, o: 4 h²; gate, up, down: 12 h²
-    gen = torch.Generator().manual_seed(0)
-    tensors: dict[str, torch.Tensor] = {"embed.weight": torch.randn(8 * tp_max * 16, hidden, generator=gen)}
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (8 * tp_max * 16, hidden)}
     for layer in range(layers):
         p = f"layers.{layer}."
         for name, shape in (("q_proj", (hidden, hidden)), ("k_proj", (hidden, hidden)), ("v_proj", (hidden, hidden)),
                             ("o_proj", (hidden, hidden)), ("gate_proj", (4 * hidden, hidden)),
                             ("up_proj", (4 * hidden, hidden)), ("down_proj", (hidden, 4 * hidden))):
-            tensors[p + name + ".weight"] = torch.randn(*shape, generator=gen)
-        tensors[p + "norm.weight"] = torch.randn(hidden, generator=gen)
-    return NamedTensors(tensors)
+            shapes[p + name + ".weight"] = shape
+        shapes[p + "norm.weight"] = (hidden,)
+    return shapes
+
+
+def _model(mib: int, tp_max: int) -> Any:
+    import torch
+
+    from ckpt_engine.plan.tensors import NamedTensors
+
+    gen = torch.Generator().manual_seed(0)
+    return NamedTensors({name: torch.randn(*shape, generator=gen) for name, shape in _model_shapes(mib, tp_max).items()})
 
 
 def tp_spec(named: Any, rank: int, tp: int) -> dict:
@@ -224,9 +229,7 @@ def scenario(name: str, receivers: int, sharded: bool, args: dict) -> dict:
 
 
 def _model_bytes(mib: int) -> int:
-    from ckpt_engine.plan.tensors import specs_of
-
-    return sum(s.nbytes for s in specs_of(_model(mib, 4).tensors))
+    return sum(4 * math.prod(shape) for shape in _model_shapes(mib, 4).values())
 
 
 def _spawn(ns: str, role: str, cfg: dict) -> subprocess.Popen:

@@ -172,19 +172,18 @@ def even_split(dim: int, length: int, parts: int, rank: int) -> Slice:
 def cut(tensor: torch.Tensor, part: Slice | None) -> torch.Tensor:
     """The wire tensor of ``part`` of ``tensor``: contiguous (a column range of a row-major weight is copied
     into rows of its own), the whole tensor when ``part`` is None."""
-    if part is None:
-        return tensor
-    piece = tensor.narrow(part.dim, part.start, part.length)
-    return piece if piece.is_contiguous() else piece.contiguous()
+    return cut_view(tensor, part).contiguous()
 
 
-def placed(piece: torch.Tensor, full_shape: tuple[int, ...], part: Slice) -> torch.Tensor:
-    """``piece`` at its place in a tensor of the full shape whose other elements are left unwritten: for an
-    engine loader that slices the full checkpoint tensor itself and reads only this rank's range. On the CPU the
-    pages of the unwritten elements are never touched (torch.empty does not fault them in)."""
+def placed(piece: torch.Tensor, full_shape: tuple[int, ...], part: Slice, *, rest: float | None = None) -> torch.Tensor:
+    """``piece`` at its place in a tensor of the full shape: for an engine loader that slices the full checkpoint
+    tensor itself and reads only this rank's range. The other elements are left unwritten (on the CPU their
+    pages are never touched: torch.empty does not fault them in), or set to ``rest``."""
     if piece.shape[part.dim] != part.length:
         raise ConfigError(f"a piece of {piece.shape[part.dim]} along dim {part.dim} for a slice of {part.length}")
     full = torch.empty(full_shape, dtype=piece.dtype, device=piece.device)
+    if rest is not None:
+        full.fill_(rest)
     full.narrow(part.dim, part.start, part.length).copy_(piece)
     return full
 

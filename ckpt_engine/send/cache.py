@@ -237,6 +237,7 @@ class VersionCache:
                 self._retire(cached)
             raise
         cached.snapshot_seconds = time.perf_counter() - started
+        cached.filling = None  # every copy landed: readers from now on have nothing to wait for
         with self._lock:
             self._filling.discard(cached.version)
             self._list(cached)

@@ -24,10 +24,9 @@ from tests.engines.vllm_helpers import llama, make_llm, reference_tokens, save_m
 def apply_only_my_ranges(self, seed: int) -> tuple[int, int, dict[str, str]]:
     """On every worker: this version's tensors cut to the worker's ranges, loaded; (bytes received, bytes of the
     version, tensors kept whole and why)."""
-    import torch
     from vllm.config import set_current_vllm_config
 
-    from ckpt_engine.plan.shards import cut
+    from ckpt_engine.plan.shards import cut, placed
     from ckpt_engine.plan.tensors import named_tensors_of, specs_of
     from ckpt_engine.workers.adapters.vllm.shards import derive_spec
     from ckpt_engine.workers.adapters.vllm.worker import begin_reload, end_reload, load_version
@@ -46,9 +45,7 @@ def apply_only_my_ranges(self, seed: int) -> tuple[int, int, dict[str, str]]:
         (part,) = slices
         piece = cut(tensor, part).clone()  # what the wire carries
         received += piece.numel() * piece.element_size()
-        poisoned = torch.full_like(tensor, float("nan"))
-        poisoned.narrow(part.dim, part.start, part.length).copy_(piece)
-        weights[name] = poisoned
+        weights[name] = placed(piece, tuple(tensor.shape), part, rest=float("nan"))
     weights.update({alias: weights[canonical] for alias, canonical in named.aliases.items()})
 
     class Payload:

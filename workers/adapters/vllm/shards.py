@@ -38,18 +38,6 @@ class DerivedSpec:
     spec: dict[str, tuple[Slice, ...]] = field(default_factory=dict)
     whole: dict[str, str] = field(default_factory=dict)
 
-    def sharded_bytes(self, tensors: list[TensorSpec]) -> tuple[int, int]:
-        """(bytes this worker receives, bytes of the version)."""
-        total = received = 0
-        for t in tensors:
-            total += t.nbytes
-            slices = self.spec.get(t.name)
-            if slices:
-                received += t.nbytes // t.shape[slices[0].dim] * sum(s.length for s in slices)
-            else:
-                received += t.nbytes
-        return received, total
-
 
 def derive_spec(model: torch.nn.Module, tensors: list[TensorSpec]) -> DerivedSpec:
     """The slices of ``tensors`` (checkpoint names, full shapes) that this TP rank of ``model`` keeps."""
@@ -110,9 +98,11 @@ def _slice(layer: torch.nn.Module, leaf: str, shard_id: object | None, tensor: T
     for flag in ("packed_dim", "packed_factor", "marlin_tile_size"):
         if getattr(param, flag, None) is not None:
             return f"a packed parameter ({flag})"
-    if getattr(param, "is_sharded_weight", False) or getattr(layer, "quant_method", None) is not None and \
-            type(layer.quant_method).__name__ not in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
-        return f"quantized ({type(layer.quant_method).__name__})"
+    if getattr(param, "is_sharded_weight", False):
+        return "a weight the checkpoint stores already sharded"
+    method = type(getattr(layer, "quant_method", None)).__name__
+    if method not in ("NoneType", "UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
+        return f"quantized ({method})"
     if not isinstance(layer, (VocabParallelEmbedding, ColumnParallelLinear, RowParallelLinear)):
         return f"{type(layer).__name__}: replicated on every rank"
     tp_rank, tp_size = getattr(layer, "tp_rank", 0), getattr(layer, "tp_size", 1)
