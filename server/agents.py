@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from ckpt_engine.server.decisions.receivers import ReceiverModel
 
 from ckpt_engine.control.messages import Assignment, Register
+from ckpt_engine.plan.shards import spec_from_wire, spec_key, spec_to_wire
 
 
 @dataclass
@@ -50,6 +51,10 @@ class Agent:
     staged_last: dict | None = None  # receivers: where their last version was held, why, and the pause
     model: ReceiverModel = field(default_factory=ReceiverModel)  # receivers: what their model holds
     applying: int | None = None  # drivers: the version they were told to apply (its outcome is theirs to say)
+    # receivers: the slices they keep (wire form, normalised) and its class key (plan/shards.py spec_key);
+    # None: every tensor whole
+    shard_spec: dict | None = None
+    shard_key: str = "whole"
 
     def silence_window(self, heartbeat_s: float) -> float:
         """How long a healthy agent may go unseen: its poll's wait and half a heartbeat."""
@@ -72,7 +77,8 @@ class Agent:
                 "registered_at": self.registered_at, "seconds_since_seen": round(now - self.last_seen, 3),
                 "engine": self.engine, "driven": self.driven, "members": self.members,
                 "whole_versions": self.whole_versions, "framework": self.framework, "staging": self.staging,
-                "last_staging": self.staged_last, **model}
+                "last_staging": self.staged_last, "shard_class": self.shard_key if self.shard_spec else None,
+                "sharded_tensors": len(self.shard_spec or {}), **model}
 
 
 class AgentRegistry:
@@ -93,6 +99,9 @@ class AgentRegistry:
                       framework=message.framework, staging=message.staging)
         if message.role == "trainer":
             agent.ipc_name = message.ipc_name
+        if message.role == "receiver" and message.shard_spec:
+            spec = spec_from_wire(message.shard_spec)  # (the registrar checked it)
+            agent.shard_spec, agent.shard_key = spec_to_wire(spec), spec_key(spec)
         self._agents[agent.agent_id] = agent
         return agent
 

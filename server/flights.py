@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ckpt_engine.server.agents import Agent, AgentRegistry
 from ckpt_engine.server.cache_book import CacheBook
+from ckpt_engine.server.decisions.classes import NO_CLASSES, ClassPlan, expected_by_receiver, plan_lanes
 from ckpt_engine.server.decisions.commit import expected_digest, judge, staging_entry
 from ckpt_engine.server.decisions.policy import PLAIN, SyncPolicy
 from ckpt_engine.server.history import HistoryStore, VersionRecord
@@ -48,6 +49,7 @@ class InFlight:
     done: Report | None = None  # the trainer's
     done_at: float = 0.0
     owner_failures: dict[int, str] = field(default_factory=dict)  # other owner ranks' own failures, by rank
+    classes: ClassPlan = NO_CLASSES  # a sharded version's receiver classes (none: a plain version)
 
 
 class Flights:
@@ -69,8 +71,10 @@ class Flights:
         trainers = self.agents.trainers()
         owner_ids = [trainers[r].agent_id for r in range(owners) if r in trainers] if owners > 1 else [trainer.agent_id]
         # (with another number of owners the receivers join other groups: a new generation, fresh store keys)
+        quorum = {r.agent_id: rank for rank, r in enumerate(remote + colocated, start=1)}
+        classes = plan_lanes(receivers, quorum)
         membership = (*owner_ids, f"owners={owners}", *(r.agent_id for r in remote), "|",
-                      *(r.agent_id for r in colocated))
+                      *(r.agent_id for r in colocated), "|", *(f"{a}:{s[1]}" for a, s in classes.seats.items()))
         if membership != self._membership or self.group_dirty:
             self.generation += 1
             self._membership, self.group_dirty = membership, False
@@ -78,23 +82,29 @@ class Flights:
                      self.generation, trainer.agent_id, len(remote), len(colocated))
         common = dict(version=record.id, mode=record.mode, step=record.step, generation=self.generation,
                       world_size=1 + len(remote), owners=owners)
-        quorum = {r.agent_id: rank for rank, r in enumerate(remote + colocated, start=1)}
         for receiver in remote:
-            receiver.pending.append(Assignment(kind="receive", rank=quorum[receiver.agent_id], **common))
+            seat = classes.seats.get(receiver.agent_id)
+            if seat is not None:  # its class's group: the trainer and the receivers that keep the same slices
+                receiver.pending.append(Assignment(kind="receive", part=seat[1], rank=seat[2],
+                                                   **{**common, "world_size": seat[3]}))
+            else:
+                receiver.pending.append(Assignment(kind="receive", rank=quorum[receiver.agent_id], **common))
         for receiver in colocated:
             receiver.pending.append(Assignment(kind="receive", rank=quorum[receiver.agent_id], transport="ipc",
                                                ipc_name=trainer.ipc_name, **common))
         trainer.pending.append(Assignment(
             kind="send", rank=0, source_version=source.id if source else None, sparse_base=sparse_base,
             sparse=sparse, expected_digest=source.version_digest if source else None, keep=keep,
-            ipc_peers={r.agent_id: quorum[r.agent_id] for r in colocated}, **common))
+            ipc_peers={r.agent_id: quorum[r.agent_id] for r in colocated}, classes=classes.lanes, **common))
         engines: dict[str, list[str]] = {}
         for receiver in receivers:
             if receiver.driven and receiver.engine is not None:
                 engines.setdefault(receiver.engine, []).append(receiver.agent_id)
-        self.current = InFlight(record.id, record.mode, trainer.agent_id, quorum, engines, purpose, self.clock())
+        self.current = InFlight(record.id, record.mode, trainer.agent_id, quorum, engines, purpose, self.clock(),
+                                classes=classes)
         self.history.update(record.id, purpose=purpose, owners=owners, receivers=[
-            {"rank": r, "agent_id": a, "transport": "ipc" if any(c.agent_id == a for c in colocated) else "collective"}
+            {"rank": r, "agent_id": a, "transport": "ipc" if any(c.agent_id == a for c in colocated) else "collective",
+             **({"shard_class": classes.key_of(a)} if classes.seats else {})}
             for a, r in quorum.items()])
         self.metrics.in_flight.set(1)
 
@@ -235,13 +245,16 @@ class Flights:
         outcome = judge(flight.quorum, flight.reports, done, engines=flight.engines, applied=flight.applied,
                         owner_failures=flight.owner_failures,
                         transports={e["agent_id"]: e.get("transport") for e in (record.receivers if record else [])},
-                        expected=expected, stale=stale,
+                        expected=expected, stale=stale, expected_for=self._class_digests(flight, done),
                         need=flight.policy.need(len(flight.quorum), self.config.min_receivers))
         for entry in outcome.entries:
             agent = self.agents.get(entry["agent_id"])
             entry.update(engine=agent.engine if agent else None,
                          serving_after=agent.model.serving if agent else None,
                          torn=agent is not None and agent.model.torn is not None)
+            if flight.classes.seats:
+                own = flight.reports.get(entry["agent_id"])
+                entry.update(shard_class=flight.classes.key_of(entry["agent_id"]), bytes=own.bytes if own else None)
         # (other owners' shares: as far as their reports have come; each later report updates it)
         cached = (flight.mode == "cached" and done.cache_versions is not None and flight.version in done.cache_versions
                   and not self.book.missing_shares(flight.version))
@@ -261,6 +274,15 @@ class Flights:
             if agent is not None:
                 agent.model.proved()
         self._end(flight, outcome.status, done.bytes, outcome.stages)
+
+    @staticmethod
+    def _class_digests(flight: InFlight, done: Report) -> dict[str, str | None] | None:
+        """A sharded version's receivers each verify their class's pieces: the digest to compare is their
+        class's, as the trainer sent it (None for a class it did not send whole)."""
+        if not flight.classes.seats:
+            return None
+        digests = {c.key: c.version_digest if c.ok else None for c in done.classes}
+        return expected_by_receiver(flight.classes, digests)
 
     def _bench(self, flight: InFlight, agent_ids: list[str], why: str, *, unproven: bool = False) -> None:
         """Receivers that failed the version for everyone (silent about their outcome; never at its

@@ -271,7 +271,8 @@ class Agent:
         owner_rank = self._owner_rank(assignment)
         with_owners = owner_rank is not None and assignment.owners > 1
         usable = (current is not None and current.generation == assignment.generation and not self.group_broken
-                  and len(self.groups) == wanted and (self.owners_group is not None) == with_owners)
+                  and len(self.groups) == wanted and (self.owners_group is not None) == with_owners
+                  and current.part.startswith(assignment.part))
         if usable:
             return current
         if current is not None and current.name == settings.group_name and assignment.generation < current.generation:
@@ -280,7 +281,8 @@ class Agent:
                                   f"{assignment.generation}, superseded by {current.generation}")
         self._close_groups()
         store = open_store(settings.store_host, settings.store_port, timeout_s=settings.connect_timeout_s)
-        parts = [owner_part(owner_rank)] if owner_rank is not None else [owner_part(o) for o in range(wanted)]
+        owners = [owner_rank] if owner_rank is not None else range(wanted)
+        parts = [assignment.part + owner_part(o) for o in owners]  # (a class's groups: under the class's part)
         for part in parts:
             self.groups.append(self._sync_group(store, settings, assignment, part, assignment.rank,
                                                 assignment.world_size))

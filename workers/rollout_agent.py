@@ -22,6 +22,7 @@ from ckpt_engine.control.messages import Assignment
 from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.plan.modes import Staging
+from ckpt_engine.plan.shards import ShardSpec, spec_from_wire, spec_to_wire
 from ckpt_engine.receive.assembly import VersionAssembler
 from ckpt_engine.receive.collective import LoadFn, Receiver, ReceiveResult
 from ckpt_engine.receive.colocated import IpcReceiver
@@ -38,7 +39,7 @@ class RolloutAgent(Agent):
                  engine: str | None = None, driven: bool = False, members: int | None = None,
                  whole_versions: bool = False, discard: Callable[[int, str], None] | None = None,
                  engine_key: str | None = None, register_wait_s: float = 30.0, staging: Staging | None = None,
-                 streams: bool = False) -> None:
+                 streams: bool = False, shard_spec: ShardSpec | None = None) -> None:
         """``sync_every``: take only every N-th version (a slow engine); rollbacks and catch-ups still come.
         ``engine``/``members``: this receiver is one of ``members`` workers of an engine that apply versions
         together; ``driven``: the engine's driver applies them (``load`` only stages, see staged.py), and
@@ -46,13 +47,17 @@ class RolloutAgent(Agent):
         ``whole_versions``: the engine cannot take sparse versions (the daemon sends it whole ones).
         ``engine_key``: a driven worker's admission, the key its engine's driver was issued (``driver.engine_key``).
         ``staging``: this receiver's staging policy (default: the deployment's); ``streams``: ``load`` iterates
-        ``payload.items()`` and so can take a streamed version."""
+        ``payload.items()`` and so can take a streamed version.
+        ``shard_spec``: the slices of tensors this receiver keeps (a tensor-parallel rank, plan/shards.py); it then
+        receives only those, each slice as a piece named ``<tensor>@<dim>:<start>:<length>``
+        (``split_piece_name``), and every tensor the spec does not name whole."""
         super().__init__(endpoint, token=token, device=device, poll_wait_s=poll_wait_s, host_id=host_id,
                          register_wait_s=register_wait_s)
         self.sync_every = sync_every
         self.engine, self.driven, self.members, self.engine_key = engine, driven, members, engine_key
         self.whole_versions, self.discard = whole_versions, discard
         self.load, self.staging, self.streams = load, staging, streams
+        self.shard_spec = spec_from_wire(spec_to_wire(shard_spec)) if shard_spec else None  # (checked, sorted)
         self.current_version: int | None = None
         self.results: list[ReceiveResult] = []
         self._work: queue.Queue[Assignment | None] = queue.Queue()
@@ -70,6 +75,8 @@ class RolloutAgent(Agent):
                  if self.engine else {})
         if self.staging is not None:
             extra["staging"] = self.staging
+        if self.shard_spec:
+            extra["shard_spec"] = spec_to_wire(self.shard_spec)
         return {**extra, "whole_versions": True} if self.whole_versions else extra
 
     def on_registered(self) -> None:

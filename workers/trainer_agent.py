@@ -44,14 +44,17 @@ from ckpt_engine.workers.fsdp import job_collective, sharded_tensors_of
 from torch import nn
 
 from ckpt_engine.control.client import ControlReplyError
-from ckpt_engine.control.messages import MAX_KEPT, Assignment
+from ckpt_engine.control.messages import MAX_KEPT, Assignment, RegisterReply
 from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError, SyncTimeoutError, TrainerGroupError
 from ckpt_engine.plan.modes import MODES
 from ckpt_engine.plan.tensors import NamedTensors, NameMap
 from ckpt_engine.retry import Backoff, FailureLog
+from ckpt_engine.plan.shards import spec_from_wire
+from ckpt_engine.send.classes import Lane
 from ckpt_engine.send.publisher import Ownership, Publisher, Route
 from ckpt_engine.send.sender import Transfer, TransferResult, WireHook
+from ckpt_engine.transport.group import SyncGroup, open_store
 
 log = logging.getLogger(__name__)
 TensorSource = Callable[[], NamedTensors]
@@ -233,7 +236,8 @@ class TrainerAgent(Agent):
             step=assignment.step if assignment.step is not None else step,
             sparse=assignment.sparse, sparse_base=assignment.sparse_base,
             agree=self._all_reduce_max if self.world_size > 1 else None,
-            route=lambda: self._route(assignment), ownership=ownership, keep=assignment.keep)
+            route=lambda: self._route(assignment), ownership=ownership, keep=assignment.keep,
+            sharded=bool(assignment.classes) and self.rank == 0)
 
     def _global_rank(self, rank: int) -> int:
         return dist.get_global_rank(self.process_group, rank)
@@ -249,7 +253,30 @@ class TrainerAgent(Agent):
         return reduced.tolist()
 
     def _route(self, assignment: Assignment) -> Route:
+        if assignment.classes:  # a sharded version: every class on its own group (see _group_for)
+            self.group_for(assignment)
+            lanes = tuple(Lane(lane.key, spec_from_wire(lane.spec), group, tuple(lane.ranks))
+                          for lane, group in zip(assignment.classes, self.groups))
+            return Route(None, {}, None, lanes)
         return Route(self.group_for(assignment), assignment.ipc_peers, self.owners_group)
+
+    def _group_for(self, assignment: Assignment, settings: RegisterReply) -> SyncGroup | None:
+        """A sharded version's groups: one per class, this rank (the only owner) rank 0 of each."""
+        if not assignment.classes:
+            return super()._group_for(assignment, settings)
+        parts = [lane.part for lane in assignment.classes]
+        current = self.group
+        if (current is not None and current.generation == assignment.generation and not self.group_broken
+                and [g.part for g in self.groups] == parts and self.owners_group is None):
+            return current
+        if current is not None and current.name == settings.group_name and assignment.generation < current.generation:
+            raise CkptEngineError(f"version {assignment.version} belongs to sync group generation "
+                                  f"{assignment.generation}, superseded by {current.generation}")
+        self._close_groups()
+        store = open_store(settings.store_host, settings.store_port, timeout_s=settings.connect_timeout_s)
+        for lane in assignment.classes:
+            self.groups.append(self._sync_group(store, settings, assignment, lane.part, 0, 1 + len(lane.ranks)))
+        return self.group
 
     def _assist(self, assignment: Assignment, step: int) -> None:
         """Ranks > 0: take part in every bucket's gather, in the order rank 0 reads them."""
@@ -357,7 +384,7 @@ def done_fields(result: TransferResult, publisher: Publisher, held: float) -> di
                 buckets=result.buckets, tensors=result.tensors, tensors_skipped=result.tensors_skipped,
                 bytes_skipped=result.bytes_skipped, stages=stages,
                 receivers=[ack.model_dump() for ack in result.receivers], cache_versions=publisher.cache.versions(),
-                cache_bytes=publisher.cache.bytes_held, absent_ranks=result.absent_ranks)
+                cache_bytes=publisher.cache.bytes_held, absent_ranks=result.absent_ranks, classes=result.classes)
 
 
 def evict(agent: Agent, publisher: Publisher, version: int) -> None:

@@ -56,6 +56,41 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+# Sharded delivery (plan/shards.py): what a receiver keeps of each tensor it names, [dim, start, length] slices.
+MAX_SPEC_TENSORS = 1 << 16
+MAX_CLASSES = 256  # receiver classes of one version (TP ranks x pipeline stages)
+TensorName = Annotated[str, Field(min_length=1, max_length=512)]
+WireSlice = Annotated[list[Annotated[int, Field(ge=0, le=MAX_ID), BeforeValidator(_not_bool)]],
+                      Field(min_length=3, max_length=3)]
+WireShardSpec = Annotated[dict[TensorName, Annotated[list[WireSlice], Field(min_length=1, max_length=4096)]],
+                          Field(max_length=MAX_SPEC_TENSORS)]
+# A class's sync group within a generation (transport/group.py ``part``)
+ClassPart = Annotated[str, Field(max_length=32, pattern=r"^(class-[0-9]{1,4}/)?$")]
+
+
+class ClassLane(BaseModel):
+    """Send of a sharded version: one class of receivers with identical specs, on a sync group of its own
+    (``part``): the trainer is rank 0, the class's receivers ranks 1.. in the order of ``ranks`` (their ranks in
+    the version's quorum, which the trainer's report uses)."""
+
+    model_config = ConfigDict(extra="ignore")
+    key: str = Field(max_length=64)
+    part: ClassPart
+    spec: WireShardSpec = Field(default_factory=dict)
+    ranks: list[Annotated[int, Field(ge=1, le=MAX_RANKS)]] = Field(min_length=1, max_length=MAX_RANKS)
+
+
+class ClassDone(BaseModel):
+    """One class's outcome in a trainer's ``done`` report of a sharded version."""
+
+    model_config = ConfigDict(extra="ignore")
+    key: str = Field(max_length=64)
+    ok: bool
+    reason: str | None = Field(None, max_length=20000)
+    version_digest: str | None = Field(None, max_length=64)  # over exactly the class's pieces
+    bytes: Count = 0
+
+
 class Register(_Body):
     role: Role
     rank: int = Field(0, ge=0, le=1 << 20)
@@ -94,6 +129,8 @@ class Register(_Body):
     framework: Literal["verl"] | None = None
     # Receivers: their own staging policy (receive/staging.py), over the deployment's
     staging: Staging | None = None
+    # Receivers: the slices of tensors they keep (tensor-parallel ranks); None: every tensor whole
+    shard_spec: WireShardSpec | None = None
 
 
 class RegisterReply(_Body):
@@ -168,6 +205,10 @@ class Assignment(_Body):
     # send: cached versions the trainer ranks must not evict to make room (what receivers serve: a repair or a
     # catch-up re-sends them), newest first
     keep: list[int] = Field(default_factory=list, max_length=MAX_KEPT)
+    # A sharded version (receivers declared shard specs): receive: the class's sync group (``rank`` and
+    # ``world_size`` are the class group's); send: every class (the trainer sends each only its pieces)
+    part: ClassPart = ""
+    classes: list[ClassLane] = Field(default_factory=list, max_length=MAX_CLASSES)
     # Not on the wire: the agent id this assignment was polled under. After a daemon restart the agent has a
     # new id, and what the old daemon assigned will not be served (the new one marked it failed).
     _received_as: str | None = PrivateAttr(default=None)
@@ -238,6 +279,8 @@ class Report(_Body):
     # Receivers: where the version was held (``shared``: read where the sender holds it) and why
     staging: Literal["device", "host", "stream", "shared"] | None = None
     staging_why: str | None = Field(None, max_length=2000)
+    # Trainers, of a sharded version: each class's outcome and digest (``version_digest``: the whole version's)
+    classes: list[ClassDone] = Field(default_factory=list, max_length=MAX_CLASSES)
 
 
 class Unregister(_Body):

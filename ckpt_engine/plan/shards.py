@@ -204,3 +204,68 @@ def class_tensors(named: NamedTensors, cls: ReceiverClass) -> NamedTensors:
 def cut_view(tensor: torch.Tensor, part: Slice | None) -> torch.Tensor:
     """``part`` of ``tensor`` as a view (strided for a column range)."""
     return tensor if part is None else tensor.narrow(part.dim, part.start, part.length)
+
+
+# On the control plane a spec is {tensor name: [[dim, start, length], ...]} (msgpack/JSON, never pickle).
+WireSpec = dict[str, list[list[int]]]
+
+
+def spec_to_wire(spec: ShardSpec) -> WireSpec:
+    return {name: [[s.dim, s.start, s.length] for s in sorted(slices)] for name, slices in spec.items()}
+
+
+def spec_from_wire(wire: Mapping[str, Iterable[Iterable[int]]]) -> dict[str, tuple[Slice, ...]]:
+    """A spec from its wire form; a ConfigError for a slice that is not three ints (dim, start, length)."""
+    out: dict[str, tuple[Slice, ...]] = {}
+    for name, slices in wire.items():
+        parts = []
+        for triple in slices:
+            values = list(triple)
+            if len(values) != 3:
+                raise ConfigError(f"shard spec: a slice of {name!r} is [dim, start, length], got {values!r}")
+            parts.append(Slice(*values))
+        out[name] = tuple(sorted(parts))
+    return out
+
+
+def split_piece_name(name: str) -> tuple[str, Slice | None]:
+    """(tensor, slice) of a wire tensor's name (``qkv.weight@0:128:64``); a whole tensor's name, (name, None).
+    For a receiver's loader: where each piece goes in the full tensor."""
+    tensor, mark, rest = name.rpartition(PIECE_MARK)
+    if not mark:
+        return name, None
+    try:
+        dim, start, length = (int(v) for v in rest.split(":"))
+        return tensor, Slice(dim, start, length)
+    except (ValueError, ConfigError):
+        return name, None  # an @ in a tensor's own name: not a piece
+
+
+def local_range(spec: ShardSpec, tensor: str, part: Slice | None) -> Slice | None:
+    """Where ``part`` of ``tensor`` sits in a receiver's local shard of it, when the local shard is its slices
+    concatenated along their dim, in order (a tensor-parallel rank's weight; for a checkpoint tensor stored
+    fused, its rank's range of each part); None for a tensor kept whole. A ConfigError for a slice the spec
+    does not list."""
+    if part is None:
+        return None
+    offset = 0
+    for mine in sorted(spec.get(tensor) or ()):
+        if mine == part:
+            return Slice(part.dim, offset, part.length)
+        offset += mine.length
+    raise ConfigError(f"{tensor}: slice {part} is not in this receiver's shard spec")
+
+
+def resolve_aliases(spec: ShardSpec, aliases: Mapping[str, str]) -> dict[str, tuple[Slice, ...]]:
+    """``spec`` over canonical names: a receiver names tensors as its engine does, and a tied name (an alias,
+    e.g. ``lm_head.weight`` of ``embed_tokens.weight``) carries its canonical tensor's bytes, so it gets the
+    canonical tensor's slices. A ConfigError when a tied name and its canonical ask for different slices."""
+    out = {name: tuple(sorted(slices)) for name, slices in spec.items() if name not in aliases}
+    for alias, canonical in aliases.items():
+        slices = spec.get(alias)
+        if slices is None:
+            continue
+        mine = tuple(sorted(slices))
+        if out.setdefault(canonical, mine) != mine:
+            raise ConfigError(f"shard spec: {alias!r} is tied to {canonical!r} but asks for other slices")
+    return out

@@ -26,6 +26,7 @@ from ckpt_engine.plan.owners import Owners, Share, owners_by_group, plan_owners,
 from ckpt_engine.plan.sparse import Manifest
 from ckpt_engine.plan.tensors import NamedTensors, specs_of
 from ckpt_engine.send.cache import VersionCache
+from ckpt_engine.send.classes import ClassSenders, Lane
 from ckpt_engine.send.sender import Sender, Transfer, TransferResult, WireHook
 from ckpt_engine.transport.group import SyncGroup
 from ckpt_engine.transport.same_host import IpcHub
@@ -47,6 +48,8 @@ class Route:
     group: SyncGroup | None
     ipc_peers: Mapping[str, int]
     owners_group: SyncGroup | None = None
+    # a sharded version: every class of receivers on its own group (send/classes.py); then ``group`` is None
+    lanes: tuple[Lane, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,8 @@ class Publisher:
         self._sender_options = dict(digest_algo=digest_algo, ack_timeout_s=ack_timeout_s, wire_hook=wire_hook,
                                     on_stage=on_stage, timeout_s=timeout_s, manifests=self.manifests)
         self.sender: Sender | None = None
+        self.classes = ClassSenders(self.device, bucket_size=bucket_size, alignment=alignment,
+                                    options=self._sender_options)
         self._layout: Layout | None = None
         self._layout_key: list[tuple] = []
         self._changes = ChangeTracker(self.device.digest_algo, bucket_size, alignment)
@@ -114,7 +119,8 @@ class Publisher:
                 step: int | None = None, sparse: bool = False, sparse_base: int | None = None,
                 source_version: int | None = None, agree: Agree | None = None,
                 route: Callable[[], Route] | None = None, ownership: Ownership | None = None,
-                expected_digest: str | None = None, keep: Iterable[int] | None = None) -> Transfer:
+                expected_digest: str | None = None, keep: Iterable[int] | None = None,
+                sharded: bool = False) -> Transfer:
         """Start sending ``version``; the returned transfer's ``params_released`` says when the tensors are no
         longer read (the training loop may go on) and ``result()`` how it ended.
 
@@ -127,7 +133,9 @@ class Publisher:
           ``sparse``, only tensors changed since the previous cached version are gathered and stored (``agree``
           makes every trainer rank take the same decision); with ``sparse_base``, only tensors changed since
           that version (which every receiver holds) are sent;
-        - ``mode="bypass_cpu"``: send straight from ``named``, read until ``params_released``.
+        - ``mode="bypass_cpu"``: send straight from ``named``, read until ``params_released``;
+        - ``sharded``: the route sends each class of receivers only its pieces (``Route.lanes``), cut from the
+          cached version (cached mode only; the snapshot completes before the classes are sent).
 
         Cached versions return after the snapshot, bypass_cpu ones once every bucket has been read (the rest of
         the send goes on in the background either way). ``route()`` gives where to send (called where the send
@@ -148,9 +156,12 @@ class Publisher:
                                   f"mode is cached, not {mode}")
             transfer = Transfer(version, "cached")
             transfer.params_released.set()
-            return self._in_background(transfer, lambda: self._sender(route).send_cached(
-                self.cache, source_version, as_version=version, expected_digest=expected_digest, inline=True))
+            return self._in_background(transfer, lambda: self._send_cached(
+                route, source_version, as_version=version, expected_digest=expected_digest))
         named = _named(version, named)
+        if sharded and mode != "cached":
+            raise ConfigError(f"version {version}: a sharded version is cut from the cache, so its mode is cached, "
+                              f"not {mode}")
         layout = self.layout_for(named)
         owners = mine.of(layout)
         sender = mine.rank < mine.ranks  # a rank beyond the owners only takes part in the gathers
@@ -170,7 +181,7 @@ class Publisher:
                 live.params_released.wait()
                 live.gathered_bytes = cursor.gathered_bytes
                 return live
-            if overlaps_snapshot(mode, delta=delta is not None, sparse_base=sparse_base is not None,
+            if not sharded and overlaps_snapshot(mode, delta=delta is not None, sparse_base=sparse_base is not None,
                                  owner_ranks=owners.ranks, gathers=named.gathers,
                                  host_wire=self.device.comm_device.type == "cpu",
                                  device_copy=self.device.kind != "cpu", wanted=self.overlap_snapshot):
@@ -185,12 +196,17 @@ class Publisher:
             send = lambda: self._sender(route).send_sparse(self.cache, version, sparse_base, inline=True,
                                                            bucket_size=self.bucket_size, alignment=self.alignment)
         else:
-            send = lambda: self._sender(route).send_cached(self.cache, version, inline=True)
+            send = lambda: self._send_cached(route, version)
         return self._in_background(transfer, send)
 
     def abort_before_start(self, version: int, reason: str, route: Callable[[], Route] | None = None) -> None:
         """Tell receivers waiting for ``version`` that it will not come (e.g. its snapshot failed)."""
-        self._sender(route).abort_before_start(version, reason)
+        where = route() if route is not None else None
+        if where is not None and where.lanes:
+            for lane in where.lanes:
+                self.classes.abort(lane, version, reason)
+            return
+        self._sender(lambda: where).abort_before_start(version, reason)
 
     def attach(self, group: SyncGroup | None, ipc_peers: Mapping[str, int] | None = None,
                owners_group: SyncGroup | None = None) -> None:
@@ -224,6 +240,7 @@ class Publisher:
         self.manifests.clear()
 
     def close(self) -> None:
+        self.classes.close()
         if self.sender is not None:
             self.sender.close()
         if self.hub is not None:
@@ -295,9 +312,22 @@ class Publisher:
                                         finished_at=time.perf_counter()))
         return transfer
 
-    def _sender(self, route: Callable[[], Route] | None) -> Sender:
-        if route is not None:
-            where = route()
+    def _send_cached(self, route: Callable[[], Route] | None, version: int, *, as_version: int | None = None,
+                     expected_digest: str | None = None) -> Transfer:
+        """A cached version (or a re-send of one) to the route's receivers: to each class its pieces when the
+        route has classes, else the whole version on the route's group and to its colocated receivers."""
+        where = route() if route is not None else None
+        if where is not None and where.lanes:
+            return self.classes.send(self.cache, version, where.lanes, as_version=as_version,
+                                     expected_digest=expected_digest)
+        return self._sender(lambda: where).send_cached(  # type: ignore[arg-type,return-value]
+            self.cache, version, as_version=as_version, expected_digest=expected_digest, inline=True)
+
+    def _sender(self, route: Callable[[], Route | None] | None) -> Sender:
+        where = route() if route is not None else None
+        if where is not None:
+            if where.lanes:
+                raise ConfigError("a sharded version is sent from the cache, class by class")
             self.attach(where.group, where.ipc_peers, where.owners_group)
         if self.sender is None:
             raise CkptEngineError("no sync group attached to this publisher yet")

@@ -128,7 +128,7 @@ class Sender:
 
     def send_live(self, version: int, layout: Layout, tensors: TensorsOrProvider, *,
                   aliases: Mapping[str, str] | None = None, step: int | None = None, check: bool = True,
-                  owners: Owners | None = None) -> Transfer:
+                  owners: Owners | None = None, inline: bool = False) -> Transfer:
         """Send live tensors without a host copy; read them until ``params_released`` is set. With ``owners``,
         only this rank's buckets are read (``tensors`` is asked for those alone, in order).
         ``check=False`` skips re-checking tensors against the layout (for callers that planned it from them)."""
@@ -136,7 +136,7 @@ class Sender:
             check_matches_layout(layout, tensors)
         transfer = Transfer(version, "bypass_cpu")
         source = LiveSource(version, layout, tensors, aliases or {}, step, transfer.params_released, owners)
-        return self._start(source, transfer, contextlib.ExitStack())
+        return self._start(source, transfer, contextlib.ExitStack(), inline)
 
     def _lease(self, hold: contextlib.ExitStack, cache: VersionCache, version: int, label: int) -> CachedVersion:
         """``version`` from the cache for the transfer's lifetime; when this rank does not hold it, the other

@@ -164,14 +164,19 @@ def check_identity(cached: CachedVersion, algo: DigestAlgo, device: torch.device
                         f"cached copy was sent as {identity.version_digest}")
     if identity.algo != algo:
         raise StaleCopy(f"version {version} was digested with {identity.algo}, this sender uses {algo}")
-    scratch = None if cached.is_whole else torch.empty(cached.layout.max_bucket_bytes, dtype=torch.uint8)
-    read = cached.bucket if cached.is_whole else (lambda b: cached.fill(b, scratch))  # type: ignore[arg-type]
-    digests = layout_digests(cached.layout, lambda b: read(b.index), algo, device)
+    digests = cached_digests(cached, algo, device)
     recorded = dict(zip(identity.names, identity.digests))
     changed = [slot.name for slot, digest in zip(cached.layout.slots, digests) if recorded.get(slot.name) != digest]
     if changed:
         raise StaleCopy(f"owner rank {rank}'s cached copy of version {version} no longer matches what was sent: "
                         f"{len(changed)} tensor(s) changed ({', '.join(changed[:5])}); dropped from the cache")
+
+
+def cached_digests(cached: CachedVersion, algo: DigestAlgo, device: torch.device) -> list[int]:
+    """Per-tensor digests of this rank's cached bytes of a version, in its layout's order."""
+    scratch = None if cached.is_whole else torch.empty(cached.layout.max_bucket_bytes, dtype=torch.uint8)
+    read = cached.bucket if cached.is_whole else (lambda b: cached.fill(b, scratch))  # type: ignore[arg-type]
+    return layout_digests(cached.layout, lambda b: read(b.index), algo, device)
 
 
 class SparseCacheSource:

@@ -36,6 +36,8 @@ class TransferResult:
     base_version: int | None = None  # sparse: the version the receivers held
     absent_ranks: list[int] = field(default_factory=list)  # receivers that never joined the rendezvous
     version_bytes: int = 0  # of the whole version on the wire (every owner's share), once all were sent
+    # a sharded version: each class's outcome (key, ok, reason, version_digest of its pieces, bytes)
+    classes: list[dict] = field(default_factory=list)
 
     @property
     def committed_ranks(self) -> list[int]:

@@ -67,15 +67,19 @@ def receiver_verdict(own: Report | None, expected: str | None, wire_ack: Receive
 
 def judge(quorum: Mapping[str, int], reports: Mapping[str, Report], done: Report, *,
           engines: Mapping[str, Sequence[str]], applied: Mapping[str, Report], owner_failures: Mapping[int, str],
-          transports: Mapping[str, str | None], expected: str | None, stale: str | None, need: int) -> Outcome:
-    """The version's outcome: ``need`` receivers must have committed it (see the module's rule)."""
+          transports: Mapping[str, str | None], expected: str | None, stale: str | None, need: int,
+          expected_for: Mapping[str, str | None] | None = None) -> Outcome:
+    """The version's outcome: ``need`` receivers must have committed it (see the module's rule).
+    ``expected_for``: a sharded version's digest per receiver (its class's pieces); ``expected`` is then the
+    version's identity (its full tensors), which must exist for anything to commit."""
     wire = {ack.rank: ack for ack in done.receivers}
     absent = set(done.absent_ranks)
     stages = dict(done.stages)
     entries = []
     for agent_id, rank in quorum.items():
         own = reports.get(agent_id)
-        ok, reason = receiver_verdict(own, expected, wire.get(rank))
+        mine = expected_for.get(agent_id) if expected_for is not None else expected
+        ok, reason = receiver_verdict(own, mine, wire.get(rank))
         if rank in absent:
             ok, reason = False, "it never joined the version's sync group (the trainer saw it absent)"
         entries.append({"rank": rank, "agent_id": agent_id, "transport": transports.get(agent_id), "ok": ok,

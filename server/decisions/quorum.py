@@ -95,10 +95,34 @@ def sparse_base(receivers: Sequence[Agent]) -> int | None:
     """The version every receiver of the quorum serves whole, if they all serve the same one; else None (a
     new, torn, lagging or unsettled receiver makes it a full version, and so does an engine that takes whole
     versions only)."""
-    if any(r.whole_versions for r in receivers):
+    if any(r.whole_versions for r in receivers) or sharded(receivers):
         return None
     held = {r.model.serving for r in receivers}
     return held.pop() if len(held) == 1 else None
+
+
+def sharded(receivers: Sequence[Agent]) -> bool:
+    """A version some receiver of which keeps only slices (a shard spec): each class of receivers gets only its
+    pieces, on a sync group of its own. In this release such a version has one owner (trainer rank 0 holds it
+    whole: every class is cut from it), takes no same-host path and is never sparse on the wire."""
+    return any(r.shard_spec for r in receivers)
+
+
+def sharded_problem(receivers: Sequence[Agent], source_owners: int | None, transport: str,
+                    mode: str = "cached") -> str | None:
+    """Why a sharded version cannot go (None: it can)."""
+    if not sharded(receivers):
+        return None
+    if mode != "cached":
+        return (f"receivers declared shard specs: their versions are cut from the trainer's cache, so the mode is "
+                f"cached, not {mode} (set bypass_cpu: false, or leave it out of the request)")
+    if transport == "ipc":
+        return ("transport is ipc, but receivers declared shard specs: sharded versions go on sync groups per "
+                "class (the same-host path does not carry them yet)")
+    if source_owners is not None and source_owners > 1:
+        return (f"the version is held in shares by {source_owners} trainer ranks; a sharded quorum is sent from "
+                "one rank holding it whole")
+    return None
 
 
 def owners_for(trainer: Agent, trainers: Mapping[int, Agent], source_owners: int | None, transport: str,
@@ -118,6 +142,8 @@ def transports(trainer: Agent, receivers: Sequence[Agent], owners: int, transpor
                ) -> tuple[list[Agent], str | None]:
     """Which receivers take the same-host path (shared memory / CUDA IPC), per ``transport``: none for a
     version several trainer ranks own (each sends on its own sync group); and why the version cannot go."""
+    if sharded(receivers):
+        return [], None
     if owners > 1:
         if transport == "ipc":
             return [], f"transport is ipc, but this version is owned by {owners} trainer ranks"

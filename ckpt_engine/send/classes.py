@@ -1,0 +1,168 @@
+"""Sending a sharded version: each class of receivers (plan/shards.py) gets only its pieces, on a sync group of
+its own, cut from the version as the cache holds it (so an FSDP model is gathered once, whatever the classes).
+
+The version keeps one identity, the per-tensor digests of its full tensors (computed from the cache on its
+first send, checked on every re-send like any cached version's); each class's stream carries its own digests,
+which its receivers verify before anything is applied and which the daemon compares with theirs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ckpt_engine.device import DeviceInfo
+from ckpt_engine.errors import CkptEngineError, ConfigError
+from ckpt_engine.plan.layout import plan_layout
+from ckpt_engine.plan.shards import (ReceiverClass, ShardSpec, check_spec, class_tensors, pieces_of,
+                                    resolve_aliases)
+from ckpt_engine.plan.sparse import manifest_of
+from ckpt_engine.plan.tensors import NamedTensors
+from ckpt_engine.send.cache import CachedVersion, VersionCache
+from ckpt_engine.send.sender import Sender, Transfer, TransferResult
+from ckpt_engine.send.sources import StaleCopy, cached_digests, check_identity, evict_quietly
+from ckpt_engine.transport.group import SyncGroup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One class of a sharded version: its key, what its receivers keep, its sync group (the trainer is rank 0),
+    and the ranks its receivers have in the version's quorum (group rank k is ``ranks[k - 1]``)."""
+
+    key: str
+    spec: ShardSpec
+    group: SyncGroup
+    ranks: tuple[int, ...]
+
+
+class ClassSenders:
+    """One sender per class group, kept while the group lives (it knows what its receivers hold)."""
+
+    def __init__(self, device: DeviceInfo, *, bucket_size: int, alignment: int, options: Mapping) -> None:
+        self.device, self.bucket_size, self.alignment = device, bucket_size, alignment
+        # (a class's per-tensor digests are not the version's: they never serve as sparse bases)
+        self._options = {k: v for k, v in options.items() if k != "manifests"}
+        self._senders: dict[int, Sender] = {}
+
+    def send(self, cache: VersionCache, version: int, lanes: Sequence[Lane], *, as_version: int | None = None,
+             expected_digest: str | None = None) -> Transfer:
+        """Send cached ``version`` (labelled ``as_version`` for a re-send, checked against its identity first) to
+        every class at once; returns when every class has ended."""
+        label = version if as_version is None else as_version
+        for key in [k for k, sender in self._senders.items() if not any(sender.group is l.group for l in lanes)]:
+            del self._senders[key]  # of an earlier generation (its groups were closed with it)
+        transfer = Transfer(label, "cached")
+        transfer.params_released.set()
+        with cache.lease(version) as cached:
+            transfer._finish(self._send_leased(cache, cached, label, lanes, expected_digest))
+        return transfer
+
+    def close(self) -> None:
+        for sender in self._senders.values():
+            sender.close()
+        self._senders.clear()
+
+    # ---- internals -----------------------------------------------------------------------------------
+    def _send_leased(self, cache: VersionCache, cached: CachedVersion, label: int, lanes: Sequence[Lane],
+                     expected_digest: str | None) -> TransferResult:
+        started = time.perf_counter()
+        try:
+            identity = self._identity(cache, cached, label, expected_digest)
+        except CkptEngineError as exc:
+            for lane in lanes:
+                self.abort(lane, label, str(exc))
+            return _failed(label, str(exc), started)
+        tensors = [slot.spec for slot in cached.version_layout.slots]  # type: ignore[union-attr]
+        named = NamedTensors(cached.views(), dict(cached.aliases))
+        results: dict[str, TransferResult] = {}
+        threads = [threading.Thread(target=self._send_class, args=(lane, named, tensors, label, cached.step, results),
+                                    name=f"ckpt-send-v{label}-{lane.key[:8]}", daemon=True) for lane in lanes]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()  # (each class's send is bounded by its group's timeouts)
+        return _merged(label, identity, lanes, results, started)
+
+    def _identity(self, cache: VersionCache, cached: CachedVersion, label: int, expected_digest: str | None) -> str:
+        """The version digest of the full tensors: for a re-send, the recorded one once the cached bytes are
+        checked against it; on the first send, computed from the cache and kept as the version's identity."""
+        algo = self._options.get("digest_algo") or self.device.digest_algo
+        if label != cached.version:
+            try:
+                check_identity(cached, algo, self.device.comm_device, 0, expected_digest)
+            except StaleCopy:
+                evict_quietly(cache, cached.version)
+                raise
+            return cached.identity.version_digest  # type: ignore[union-attr]
+        if cached.identity is None:
+            digests = cached_digests(cached, algo, self.device.comm_device)
+            cached.identity = manifest_of(cached.version, algo, cached.layout, digests)
+        return cached.identity.version_digest
+
+    def _send_class(self, lane: Lane, named: NamedTensors, tensors: list, label: int, step: int | None,
+                    results: dict[str, TransferResult]) -> None:
+        started = time.perf_counter()
+        try:
+            pieces = pieces_of(tensors, check_spec(resolve_aliases(lane.spec, named.aliases), tensors))
+            cls = ReceiverClass(lane.key, (), dict(lane.spec), tuple(pieces))
+            mine = class_tensors(named, cls)
+            layout = plan_layout([p.spec for p in pieces], self.bucket_size, self.alignment)
+            transfer = self._sender(lane).send_live(label, layout, mine.tensors, aliases=mine.aliases, step=step,
+                                                    check=False, inline=True)
+            result = transfer.result()
+        except ConfigError as exc:  # this class's spec does not fit the version: only its receivers fail
+            self.abort(lane, label, str(exc))
+            result = _failed(label, str(exc), started)
+        except Exception as exc:  # every failure ends the class with a reason
+            log.exception("version %d: sending class %s failed", label, lane.key)
+            result = _failed(label, f"{type(exc).__name__}: {exc}", started)
+        results[lane.key] = result
+
+    def _sender(self, lane: Lane) -> Sender:
+        sender = self._senders.get(id(lane.group))
+        if sender is None or sender.group is not lane.group:
+            sender = Sender(lane.group, device=self.device, **self._options)
+            self._senders[id(lane.group)] = sender
+        return sender
+
+    def abort(self, lane: Lane, label: int, reason: str) -> None:
+        try:
+            self._sender(lane).abort_before_start(label, reason)
+        except CkptEngineError as exc:  # its receivers then fall back on their own timeout
+            log.warning("version %d: could not tell class %s it will not come: %s", label, lane.key, exc)
+
+
+def _failed(version: int, reason: str, started: float) -> TransferResult:
+    return TransferResult(version, "cached", False, reason, None, [], 0, 0, 0,
+                          seconds={"total": time.perf_counter() - started}, finished_at=time.perf_counter())
+
+
+def _merged(version: int, identity: str, lanes: Sequence[Lane], results: Mapping[str, TransferResult],
+            started: float) -> TransferResult:
+    """One result for the version: ok when every class is; acknowledgements and absent ranks in the quorum's
+    ranks; each class's digest and bytes beside."""
+    acks, absent, classes, reasons = [], [], [], []
+    seconds: dict[str, float] = {}
+    for lane in lanes:
+        result = results.get(lane.key) or _failed(version, "the class's send did not end", started)
+        quorum_rank = lambda rank: lane.ranks[rank - 1] if 1 <= rank <= len(lane.ranks) else rank  # noqa: E731
+        acks += [ack.model_copy(update={"rank": quorum_rank(ack.rank)}) for ack in result.receivers]
+        absent += [quorum_rank(rank) for rank in result.absent_ranks]
+        classes.append({"key": lane.key, "ok": result.ok, "reason": result.reason,
+                        "version_digest": result.version_digest, "bytes": result.version_bytes or result.bytes_sent})
+        if not result.ok:
+            reasons.append(f"class {lane.key[:12]}: {result.reason}")
+        for stage, value in result.seconds.items():
+            seconds[stage] = max(seconds.get(stage, 0.0), value)
+    merged = TransferResult(version, "cached", not reasons, "; ".join(reasons) or None, identity, acks,
+                            sum(results[k].bytes_sent for k in results), sum(r.buckets for r in results.values()),
+                            sum(r.tensors for r in results.values()), seconds=seconds,
+                            finished_at=time.perf_counter(), absent_ranks=sorted(set(absent)),
+                            version_bytes=sum(c["bytes"] for c in classes), classes=classes)
+    merged.seconds["total"] = time.perf_counter() - started
+    return merged

@@ -1,0 +1,50 @@
+"""Receiver classes of a sharded version (pure): receivers that keep the same slices (the same shard spec key)
+share one stream of exactly their bytes, on a sync group of their own. The trainer is rank 0 of every class's
+group; a class's receivers are ranks 1.. in the order of their ranks in the version's quorum."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ckpt_engine.server.agents import Agent
+
+from ckpt_engine.control.messages import ClassLane
+
+
+@dataclass(frozen=True)
+class ClassPlan:
+    lanes: list[ClassLane]  # what the trainer sends, class by class
+    # receiver agent id -> (its class's key, its class group's part, its rank in that group, the group's size)
+    seats: dict[str, tuple[str, str, int, int]]
+
+    def key_of(self, agent_id: str) -> str | None:
+        seat = self.seats.get(agent_id)
+        return seat[0] if seat else None
+
+
+NO_CLASSES = ClassPlan([], {})
+
+
+def plan_lanes(receivers: Sequence[Agent], quorum: Mapping[str, int]) -> ClassPlan:
+    """The classes of a version sent to ``receivers`` (ranks in ``quorum``): none when no receiver declared a
+    shard spec (a plain version), else one per distinct spec (receivers without one form the class of whole
+    tensors), ordered by their first receiver's rank so the parts are stable while the quorum is."""
+    if not any(r.shard_spec for r in receivers):
+        return NO_CLASSES
+    grouped: dict[str, list[Agent]] = {}
+    for receiver in sorted(receivers, key=lambda r: quorum[r.agent_id]):
+        grouped.setdefault(receiver.shard_key if receiver.shard_spec else "whole", []).append(receiver)
+    lanes, seats = [], {}
+    for index, (key, members) in enumerate(grouped.items()):
+        part = f"class-{index}/"
+        lanes.append(ClassLane(key=key, part=part, spec=members[0].shard_spec or {},
+                               ranks=[quorum[m.agent_id] for m in members]))
+        for seat, member in enumerate(members, start=1):
+            seats[member.agent_id] = (key, part, seat, 1 + len(members))
+    return ClassPlan(lanes, seats)
+
+
+def expected_by_receiver(plan: ClassPlan, digests: Mapping[str, str | None]) -> dict[str, str | None]:
+    """Each receiver's expected digest: its class's, as the trainer sent it (``digests``: class key -> digest)."""
+    return {agent_id: digests.get(key) for agent_id, (key, _, _, _) in plan.seats.items()}

@@ -1,0 +1,206 @@
+"""Sharded delivery through the real daemon (real processes, gloo): two receivers that are tensor-parallel ranks
+of a transformers Llama (they declare shard specs) and one that keeps whole tensors.
+
+- every version reaches each TP rank as exactly its slices (its local shards equal the trainer's, byte for
+  byte, about half the bytes), the whole receiver as whole tensors; the daemon commits each receiver against
+  its own class's digest;
+- a byte flipped in one class's bucket fails that class's receiver only; the others verify undisturbed; the
+  next version brings it back;
+- a rollback (re-push of a cached version) reaches every class cut from the cache, checked against the
+  version's identity.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_engine.plan.shards import Slice, spec_key
+from tests.daemon_harness import start_daemon, train_until_stopped, write_config
+from tests.procs import start_processes
+from tests.test_elastic import agents_of, sync, wait_until
+from tests.tiny_lm import tiny_llama
+
+pytestmark = pytest.mark.multiproc
+TP = 2
+ROWS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight",
+        "embed_tokens.weight", "lm_head.weight")  # column-parallel in vLLM: output rows split (lm_head: tied)
+COLUMNS = ("o_proj.weight", "down_proj.weight")  # row-parallel: input columns split
+
+
+def tp_spec(shapes: dict[str, tuple[int, ...]], rank: int) -> dict[str, tuple[Slice, ...]]:
+    """TP rank ``rank`` of TP: the usual Megatron split of a Llama (norms whole)."""
+    spec = {}
+    for name, shape in shapes.items():
+        dim = 0 if name.endswith(ROWS) else 1 if name.endswith(COLUMNS) else None
+        if dim is not None:
+            size = shape[dim] // TP
+            spec[name] = (Slice(dim, rank * size, size),)
+    return spec
+
+
+def shapes_of(model) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.shape) for name, p in model.state_dict().items()}
+
+
+def class_key(rank: int) -> str:
+    return spec_key(tp_spec(shapes_of(tiny_llama(seed=0)), rank))  # (as the daemon keys what the receiver declared)
+
+
+def trainer(zmq: str, stop_file: str, corrupt: str) -> dict:
+    """Serves tiny_llama, changed after every version; flips a byte of the first bucket of the class whose key
+    starts with what ``corrupt`` says, once (the file is removed)."""
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
+
+    target = Path(corrupt)
+
+    def hook(bucket: int, buf):
+        if bucket == 0 and target.exists() and target.read_text() in threading.current_thread().name:
+            target.unlink()
+            buf = buf.clone()
+            buf[buf.numel() // 2] ^= 0xFF
+        return buf
+
+    model = tiny_llama(seed=1)
+    agent = TrainerAgent(model, zmq, poll_wait_s=0.2, wire_hook=hook).start()
+    served: dict[int, dict] = {}
+
+    def after(step: int) -> None:
+        served[agent.served[-1]] = {k: v.float().tolist() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * step)
+
+    train_until_stopped(agent, stop_file, on_version=after)
+    return {"served": served}
+
+
+def tp_receiver(zmq: str, stop_file: str, rank: int) -> dict:
+    """A TP rank: holds only its local shards (its slices, concatenated per tensor), places each piece it
+    receives where its slice sits; returns its local shards after each version it applied."""
+    import os
+    import time
+
+    from ckpt_engine.plan.shards import local_range, split_piece_name
+    from ckpt_engine.workers.rollout_agent import RolloutAgent
+
+    shapes = shapes_of(tiny_llama(seed=0))  # (an engine knows its model's shapes from its config)
+    spec = tp_spec(shapes, rank)
+    local = {}
+    for name, shape in shapes.items():
+        slices = spec.get(name)
+        local_shape = list(shape)
+        if slices:
+            local_shape[slices[0].dim] = sum(s.length for s in slices)
+        local[name] = torch.zeros(local_shape)
+    held: dict[int, dict] = {}
+    received: dict[int, list[str]] = {}
+
+    def load(payload) -> None:
+        names = []
+        for name, piece in payload.items():
+            tensor, part = split_piece_name(name)
+            where = local_range(spec, tensor, part)
+            target = local[tensor] if where is None else local[tensor].narrow(where.dim, where.start, where.length)
+            target.copy_(piece)
+            names.append(name)
+        received[payload.version] = names
+        held[payload.version] = {k: v.tolist() for k, v in local.items()}
+
+    agent = RolloutAgent(load, zmq, poll_wait_s=0.2, shard_spec=spec).start()
+    while not os.path.exists(stop_file):
+        time.sleep(0.05)
+    agent.close()
+    return {"held": held, "received": received,
+            "results": [(r.version, r.ok, r.bytes_received) for r in agent.results]}
+
+
+def whole_receiver(zmq: str, stop_file: str) -> dict:
+    import os
+    import time
+
+    from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
+    from ckpt_engine.workers.rollout_agent import RolloutAgent
+
+    model = tiny_llama(seed=3)
+    adapter = ModuleAdapter(model)
+    held: dict[int, dict] = {}
+
+    def load(payload) -> None:
+        adapter.load(payload)
+        held[payload.version] = {k: v.float().tolist() for k, v in model.state_dict().items()}
+
+    agent = RolloutAgent(load, zmq, poll_wait_s=0.2).start()
+    while not os.path.exists(stop_file):
+        time.sleep(0.05)
+    agent.close()
+    return {"held": held, "results": [(r.version, r.ok, r.bytes_received) for r in agent.results]}
+
+
+def expected_local(full: dict, rank: int) -> dict:
+    shapes = {k: tuple(torch.tensor(v).shape) for k, v in full.items()}
+    spec = tp_spec(shapes, rank)
+    out = {}
+    for name, values in full.items():
+        tensor = torch.tensor(values)
+        slices = spec.get(name)
+        out[name] = (torch.cat([tensor.narrow(s.dim, s.start, s.length) for s in slices], slices[0].dim)
+                     if slices else tensor)
+    return out
+
+
+def test_each_tp_rank_gets_only_its_slices_verified_per_class_through_the_daemon(tmp_path: Path) -> None:
+    daemon = start_daemon(write_config(tmp_path, keep_versions=4, transport="collective", min_receivers=3))
+    stop, corrupt = tmp_path / "stop", tmp_path / "corrupt"
+    procs = start_processes([(trainer, (daemon.zmq, str(stop), str(corrupt))),
+                             (tp_receiver, (daemon.zmq, str(stop), 0)), (tp_receiver, (daemon.zmq, str(stop), 1)),
+                             (whole_receiver, (daemon.zmq, str(stop)))])
+    try:
+        with daemon.client() as http:
+            wait_until(lambda: len(agents_of(http)) == 4, what="registration")
+            committed = [sync(http) for _ in range(2)]
+            assert [c["status"] for c in committed] == ["committed"] * 2, committed
+            entries = committed[-1]["receivers"]
+            whole = next(e for e in entries if e["shard_class"] == "whole")
+            sharded = [e for e in entries if e["shard_class"] != "whole"]
+            assert len(sharded) == 2 and len({e["shard_class"] for e in sharded}) == 2, entries
+            for entry in sharded:  # each TP rank: about half the bytes (norms go whole to both)
+                assert 0.45 * whole["bytes"] < entry["bytes"] < 0.55 * whole["bytes"], entries
+                assert entry["version_digest"] != whole["version_digest"]
+            corrupt.write_text(class_key(0)[:8])
+            failed = sync(http)
+            assert failed["status"] == "failed", failed
+            by_class = {e["shard_class"]: e for e in failed["receivers"]}
+            assert not by_class[class_key(0)]["ok"] and "digest" in by_class[class_key(0)]["reason"], failed
+            assert by_class[class_key(1)]["ok"] and by_class["whole"]["ok"], failed  # undisturbed
+            after = sync(http)
+            assert after["status"] == "committed", after
+            reply = http.post(f"/versions/{committed[0]['id']}/push").json()
+            assert "version" in reply, reply
+            pushed = reply["version"]
+            wait_until(lambda: http.get(f"/versions/{pushed}").json()["status"] in ("committed", "failed"),
+                       what="rollback")
+            rollback = http.get(f"/versions/{pushed}").json()
+            assert rollback["status"] == "committed", rollback
+    finally:
+        stop.touch()
+        served, rank0, rank1, whole_rx = procs.collect(120)
+    served = {int(k): v for k, v in served["served"].items()}
+    for version in (committed[0]["id"], committed[1]["id"], after["id"]):
+        full = served[version]
+        assert whole_rx["held"][version] == full
+        for rank, got in ((0, rank0), (1, rank1)):
+            want = expected_local(full, rank)
+            assert {k: torch.tensor(v) for k, v in got["held"][version].items()}.keys() == want.keys()
+            for name, tensor in want.items():
+                assert torch.equal(torch.tensor(got["held"][version][name]), tensor), (rank, version, name)
+    # the rollback: each TP rank holds its slices of the first version again, labelled as the re-push
+    for rank, got in ((0, rank0), (1, rank1)):
+        want = expected_local(served[committed[0]["id"]], rank)
+        for name, tensor in want.items():
+            assert torch.equal(torch.tensor(got["held"][rollback["id"]][name]), tensor)
+    assert failed["id"] not in rank0["held"] and failed["id"] in rank1["held"]
+    assert any("@" in name for name in rank0["received"][after["id"]])  # pieces on the wire, not whole tensors
