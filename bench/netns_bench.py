@@ -14,11 +14,14 @@ gate/up/down, embeddings, norms) of ``--mib`` float32:
 
 - ``full, R receivers``: one sync group, every receiver gets the whole model (today's delivery);
 - ``sharded, TP=R``: receiver r is TP rank r of R, its own class and its own sync group, getting only its
-  ranges (plan/shards.py ``class_tensors``); the trainer sends every class at once;
+  ranges; the trainer sends every class at once, through the path the trainer agent uses for a daemon's
+  sharded version (``Publisher.publish(..., sharded=True)`` with a lane per class: send/classes.py);
+- ``full, R receivers, K owners``: K trainer ranks, each in a namespace (and on a link) of its own, each owning
+  1/K of every version (plan/owners.py) and sending it on its own sync group with the receivers;
 - ``raw``: one broadcast of the model's bytes on the full group (the wire's own limit).
 
-Time: from the first publish to every receiver verified (cached mode, snapshot included). Goal (issue 30):
-sharded ÷ full ≤ 1/TP × 1.2.
+Time: from the first publish to every receiver verified (cached mode, snapshot included). Goals (issue 30):
+sharded ÷ full ≤ 1/TP × 1.2; 4 owners ÷ 1 owner ≤ 0.35.
 """
 
 from __future__ import annotations
@@ -127,56 +130,73 @@ def tp_spec(named: Any, rank: int, tp: int) -> dict:
     return spec
 
 
-def _group(addr: str, store: tuple[str, int], name: str, rank: int, world: int, timeout_s: float) -> Any:
+def _group(addr: str, store: tuple[str, int], name: str, rank: int, world: int, timeout_s: float,
+           part: str = "") -> Any:
     from ckpt_engine.device import detect_device
     from ckpt_engine.transport.group import SyncGroup, open_store
 
     return SyncGroup(open_store(store[0], store[1], timeout_s=timeout_s), name=name, generation=0, rank=rank,
-                     world_size=world, device=detect_device("cpu"), timeout_s=timeout_s, bind_host=addr)
+                     world_size=world, device=detect_device("cpu"), timeout_s=timeout_s, bind_host=addr, part=part)
+
+
+def _publisher_and_route(cfg: dict, store: tuple[str, int], named: Any) -> tuple[Any, Any, dict]:
+    """Owner ``cfg['owner']``'s publisher, its route, and publish's options: a lane per class (sharded), or its
+    own group with the receivers (and the owners' group, with several owners)."""
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.plan.shards import spec_key
+    from ckpt_engine.send.classes import Lane
+    from ckpt_engine.send.publisher import Ownership, Publisher, Route
+    from ckpt_engine.transport.group import owner_part
+
+    size, timeout = cfg["bucket_mib"] * MiB, cfg["timeout_s"]
+    if cfg["sharded"]:
+        tp = len(cfg["groups"])
+        lanes = tuple(Lane(spec_key(tp_spec(named, r, tp)), tp_spec(named, r, tp),
+                           _group(cfg["addr"], store, f"g{r}", 0, 2, timeout), (1,)) for r in range(tp))
+        route = Route(None, {}, None, lanes)
+        return Publisher(device=detect_device("cpu"), bucket_size=size, keep_versions=1), route, {"sharded": True}
+    owner, owners = cfg.get("owner", 0), cfg.get("owners", 1)
+    group = _group(cfg["addr"], store, "g0", 0, 1 + cfg["groups"][0], timeout, part=owner_part(owner))
+    owners_group = _group(cfg["addr"], store, "g0", owner, owners, timeout, part="owners/") if owners > 1 else None
+    route = Route(group, {}, owners_group)
+    return Publisher(group, bucket_size=size, keep_versions=1), route, {"ownership": Ownership(owner, owners)}
 
 
 def run_sender(cfg: dict) -> dict:
-    """Trainer: one publisher per group (one group for full delivery; one per class for sharded)."""
+    """A trainer rank (owner 0 hosts the store): one publisher, on the route of its scenario."""
     import torch
 
-    from ckpt_engine.plan.shards import class_tensors, plan_classes
     from ckpt_engine.plan.tensors import specs_of
-    from ckpt_engine.send.publisher import Publisher
     from ckpt_engine.transport.group import open_store
 
-    store = open_store(cfg["addr"], 0, is_master=True, timeout_s=cfg["timeout_s"])
-    print(json.dumps({"port": store.port}), flush=True)
-    named = _model(cfg["mib"], cfg["tp_max"])
-    groups = cfg["groups"]  # [receivers in each group]
-    pubs = [Publisher(_group(cfg["addr"], (cfg["addr"], store.port), f"g{g}", 0, 1 + n, cfg["timeout_s"]),
-                      bucket_size=cfg["bucket_mib"] * MiB, keep_versions=1) for g, n in enumerate(groups)]
-    specs = specs_of(named.tensors)
-    if cfg["sharded"]:
-        classes = plan_classes(specs, {f"tp{r}": tp_spec(named, r, len(groups)) for r in range(len(groups))})
-        views = [class_tensors(named, c) for c in classes]
+    if cfg.get("owner", 0) == 0:
+        master = open_store(cfg["addr"], 0, is_master=True, timeout_s=cfg["timeout_s"])
+        print(json.dumps({"port": master.port}), flush=True)
+        store = (cfg["addr"], master.port)
     else:
-        views = [named]
+        store = (cfg["store_addr"], cfg["port"])
+    named = _model(cfg["mib"], cfg["tp_max"])
+    pub, route, options = _publisher_and_route(cfg, store, named)
+    specs = specs_of(named.tensors)
     raw = torch.empty(sum(s.nbytes for s in specs), dtype=torch.uint8) if cfg["raw"] else None
     times, raw_times, sent = [], [], []
     for version in range(1, cfg["rounds"] + 2):  # the first is a warm-up
         named.tensors[next(iter(named.tensors))].add_(1.0)
         t0 = time.perf_counter()
-        transfers = [pub.publish(version, view) for pub, view in zip(pubs, views)]
-        results = [t.result(timeout_s=cfg["timeout_s"] * 4) for t in transfers]
+        result = pub.publish(version, named, route=lambda: route, **options).result(timeout_s=cfg["timeout_s"] * 4)
         elapsed = time.perf_counter() - t0
-        if not all(r.ok for r in results):
-            raise RuntimeError(f"version {version}: {[r.reason for r in results]}")
+        if not result.ok:
+            raise RuntimeError(f"version {version}: {result.reason}")
         if version > 1:
             times.append(elapsed)
-            sent.append(sum(r.bytes_sent for r in results))
+            sent.append(result.bytes_sent)
         if raw is not None:
-            group = pubs[0].sender.group  # type: ignore[union-attr]
+            group = route.group
             t0 = time.perf_counter()
             group.wait(group.broadcast(raw, src=0), "raw")
             if version > 1:
                 raw_times.append(time.perf_counter() - t0)
-    for pub in pubs:
-        pub.close()
+    pub.close()
     return {"seconds": times, "raw_seconds": raw_times, "bytes_sent": sent, "model_bytes": sum(s.nbytes for s in specs)}
 
 
@@ -184,10 +204,13 @@ def run_receiver(cfg: dict) -> dict:
     import torch
 
     from ckpt_engine.receive.collective import Receiver
+    from ckpt_engine.transport.group import owner_part
 
-    group = _group(cfg["addr"], (cfg["store_addr"], cfg["port"]), f"g{cfg['group']}", cfg["rank"],
-                   cfg["world"], cfg["timeout_s"])
-    receiver = Receiver(group, lambda payload: None)
+    store = (cfg["store_addr"], cfg["port"])
+    groups = [_group(cfg["addr"], store, f"g{cfg['group']}", cfg["rank"], cfg["world"], cfg["timeout_s"],
+                     part=owner_part(owner)) for owner in range(cfg.get("owners", 1))]  # one per owner
+    group = groups[0]
+    receiver = Receiver(groups, lambda payload: None)
     received = []
     raw = None
     for version in range(1, cfg["rounds"] + 2):
@@ -204,27 +227,32 @@ def run_receiver(cfg: dict) -> dict:
 
 
 # ---- one scenario --------------------------------------------------------------------------------------------
-def scenario(name: str, receivers: int, sharded: bool, args: dict) -> dict:
+def scenario(name: str, receivers: int, sharded: bool, args: dict, owners: int = 1) -> dict:
     groups = [1] * receivers if sharded else [receivers]
-    with cluster(1 + receivers, args["rate_mbit"]) as nodes:
+    with cluster(owners + receivers, args["rate_mbit"]) as nodes:
         base = {"mib": args["mib"], "tp_max": 4, "rounds": args["rounds"], "bucket_mib": args["bucket_mib"],
-                "timeout_s": args["timeout"], "sharded": sharded, "raw": not sharded and args["raw"]}
-        sender_ns, sender_addr = nodes[0]
-        sender = _spawn(sender_ns, "sender", base | {"addr": sender_addr, "groups": groups})
+                "timeout_s": args["timeout"], "sharded": sharded, "owners": owners,
+                "raw": not sharded and owners == 1 and args["raw"]}
+        (lead_ns, lead_addr), trainers = nodes[0], nodes[1:owners]
+        senders = [_spawn(lead_ns, "sender", base | {"addr": lead_addr, "groups": groups})]
         try:
-            port = json.loads(sender.stdout.readline())["port"]  # type: ignore[union-attr]
+            port = json.loads(senders[0].stdout.readline())["port"]  # type: ignore[union-attr]
+            where = {"store_addr": lead_addr, "port": port}
+            senders += [_spawn(ns, "sender", base | where | {"addr": addr, "groups": groups, "owner": o})
+                        for o, (ns, addr) in enumerate(trainers, start=1)]
             model_bytes = _model_bytes(args["mib"])
             procs = []
-            for r, (ns, addr) in enumerate(nodes[1:]):
+            for r, (ns, addr) in enumerate(nodes[owners:]):
                 group, rank = (r, 1) if sharded else (0, r + 1)
-                procs.append(_spawn(ns, "receiver", base | {
-                    "addr": addr, "store_addr": sender_addr, "port": port, "group": group, "rank": rank,
-                    "world": 1 + groups[group], "model_bytes": model_bytes}))
+                procs.append(_spawn(ns, "receiver", base | where | {
+                    "addr": addr, "group": group, "rank": rank, "world": 1 + groups[group],
+                    "model_bytes": model_bytes}))
             outs = [_finish(p, args["timeout"] * 8) for p in procs]
-            sent = _finish(sender, args["timeout"] * 8)
+            sent = [_finish(s, args["timeout"] * 8) for s in senders][0]  # the lead's: until every ack
         finally:
-            sender.kill()
-    return {"name": name, "receivers": receivers, "sharded": sharded, **sent,
+            for sender in senders:
+                sender.kill()
+    return {"name": name, "receivers": receivers, "sharded": sharded, "owners": owners, **sent,
             "received": [o["bytes_received"] for o in outs]}
 
 
@@ -253,7 +281,8 @@ def _finish(proc: subprocess.Popen, timeout_s: float) -> dict:
 def run(opts: dict, progress: Any = print) -> dict:
     """The suite's entry: quick runs a smaller model for fewer rounds."""
     args = {"rate_mbit": 300, "mib": 16 if opts.get("quick") else 48, "bucket_mib": 8,
-            "rounds": 2 if opts.get("quick") else 3, "tp": [2, 4], "raw": True, "timeout": 60.0} | opts.get("netns", {})
+            "rounds": 2 if opts.get("quick") else 3, "tp": [2, 4], "owners": [1, 2, 4], "raw": True,
+            "timeout": 60.0} | opts.get("netns", {})
     why = cannot_run()
     if why is not None:
         return {"skipped": why}
@@ -262,16 +291,23 @@ def run(opts: dict, progress: Any = print) -> dict:
         progress(f"  {receivers} receivers: full, then sharded")
         results.append(scenario(f"full, {receivers} receivers", receivers, False, args))
         results.append(scenario(f"sharded, TP={receivers}", receivers, True, args))
-    by = {(r["receivers"], r["sharded"]): r for r in results}
+    receivers = max(args["tp"])
+    for owners in args["owners"]:
+        if owners > 1:
+            progress(f"  {receivers} receivers, {owners} trainer ranks owning shares")
+            results.append(scenario(f"full, {receivers} receivers, {owners} owners", receivers, False, args, owners))
+    by = {(r["receivers"], r["sharded"], r["owners"]): r for r in results}
     for r in results:
         r["median_s"] = statistics.median(r["seconds"])
         if r["raw_seconds"]:
             r["raw_median_s"] = statistics.median(r["raw_seconds"])
         r["received_fraction"] = max(statistics.median(x) for x in r["received"]) / r["model_bytes"]
         if r["sharded"]:
-            full = by[(r["receivers"], False)]
-            r["over_full"] = r["median_s"] / full["median_s"]
+            r["over_full"] = r["median_s"] / by[(r["receivers"], False, 1)]["median_s"]
             r["goal"] = 1.2 / r["receivers"]
+        elif r["owners"] > 1:
+            r["over_one_owner"] = r["median_s"] / by[(r["receivers"], False, 1)]["median_s"]
+            r["goal"] = 0.35 if r["owners"] == 4 else None
     return {"args": args, "results": results}
 
 
@@ -282,24 +318,30 @@ def render(result: dict, machine: dict | None = None) -> list[str]:
     lines = [f"Links: {a['rate_mbit']} Mbit/s each way per process (tbf), one bridge; model {a['mib']} MiB float32, "
              f"buckets of {a['bucket_mib']} MiB; {a['rounds']} rounds after a warm-up; time from the first publish to "
              "every receiver verified (cached, snapshot included), median.", "",
-             "| Scenario | time s | raw broadcast s | largest receiver's bytes ÷ model | sharded ÷ full | goal |",
+             "| Scenario | time s | raw broadcast s | largest receiver's bytes ÷ model | ÷ full, 1 owner | goal |",
              "|---|---:|---:|---:|---:|---:|"]
     for r in result["results"]:
         raw = f"{r['raw_median_s']:.2f}" if "raw_median_s" in r else "—"
-        over = f"{r['over_full']:.3f}" if "over_full" in r else "—"
-        goal = f"≤ {r['goal']:.2f}" if "goal" in r else "—"
+        ratio = r.get("over_full", r.get("over_one_owner"))
+        over = f"{ratio:.3f}" if ratio is not None else "—"
+        goal = f"≤ {r['goal']:.2f}" if r.get("goal") else "—"
         lines.append(f"| {r['name']} | {r['median_s']:.2f} | {raw} | {r['received_fraction']:.3f} | {over} | {goal} |")
-    return lines + ["", "Sharded rows: each receiver is TP rank r of R and its own class (plan/shards.py); the trainer "
-                    "sends every class at once, each on its own sync group. Not yet through the daemon or an "
-                    "engine: the pieces are published and verified as versions of their own.", ""]
+    return lines + ["", "Sharded rows: each receiver is TP rank r of R and its own class; the trainer sends every "
+                    "class at once, each on its own sync group, cut from its cached version as the trainer agent does "
+                    "for a daemon's sharded version (`Publisher.publish(..., sharded=True)`, send/classes.py: the "
+                    "version's identity digest of the full tensors included). Owner rows: K trainer ranks, each on "
+                    "its own link, each sending its 1/K of every version on its own sync group with the receivers.",
+                    ""]
 
 
 def target_measurements(result: dict) -> dict[str, list[tuple[str, float, str]]]:
     """Per target: (where, value, note) for the suite's table."""
     if "skipped" in result:
         return {}
-    out: dict[str, list[tuple[str, float, str]]] = {"time": [], "bytes": []}
+    out: dict[str, list[tuple[str, float, str]]] = {"time": [], "bytes": [], "owners": []}
     for r in result["results"]:
+        if r.get("owners", 1) == 4 and not r["sharded"]:
+            out["owners"].append((f"{r['receivers']} receivers", r["over_one_owner"], ""))
         if r["sharded"]:
             tp = r["receivers"]
             out["time"].append((f"TP={tp}", r["over_full"] * tp, f"(sharded ÷ full {r['over_full']:.3f})"))
@@ -316,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket-mib", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tp", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
+    p.add_argument("--owners", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
     p.add_argument("--raw", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--json")

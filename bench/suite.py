@@ -392,6 +392,8 @@ def evaluate_targets(report: dict) -> list[dict]:
         "the same receivers, whole model vs each its TP rank's ranges; ≤ 1.2 is sharded ÷ full ≤ 1/TP × 1.2")
     add("sharded delivery: bytes a receiver gets ÷ model bytes, less 1/TP", "<=", 0.05, "", "netns", netns("bytes"),
         "Llama-style model (q/k/v, gate/up, down, embeddings split; norms whole)")
+    add("owner-sharded versions on rate-limited links: 4 owners ÷ 1 owner time", "<=", 0.35, "", "netns",
+        netns("owners"), "each trainer rank on a link of its own, full delivery")
 
     def gpu(key: str) -> Callable[[], list[tuple[str, float, str]]]:
         return lambda: gpu_bench.target_measurements(res["gpu"]).get(key, [])

@@ -34,3 +34,12 @@ def test_a_sharded_scenario_sends_each_receiver_its_share() -> None:
     model = result["model_bytes"]
     for received in result["received"]:  # half the model, and its pieces' alignment padding
         assert model // 2 <= max(received) <= model // 2 * 1.01, (received, model)
+
+
+def test_two_owners_each_send_their_share_on_their_own_link() -> None:
+    args = {"rate_mbit": 400, "mib": 1, "bucket_mib": 1, "rounds": 1, "tp": [2], "raw": False, "timeout": 30.0}
+    result = netns_bench.scenario("full, 2 receivers, 2 owners", 2, False, args, owners=2)
+    model = result["model_bytes"]
+    for received in result["received"]:  # every receiver the whole model, from both owners
+        assert model <= max(received) <= model * 1.01, (received, model)
+    assert max(result["bytes_sent"]) < 0.9 * model  # the lead sent only its share

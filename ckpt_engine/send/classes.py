@@ -108,8 +108,9 @@ class ClassSenders:
                     results: dict[str, TransferResult]) -> None:
         started = time.perf_counter()
         try:
-            pieces = pieces_of(tensors, check_spec(resolve_aliases(lane.spec, named.aliases), tensors))
-            cls = ReceiverClass(lane.key, (), dict(lane.spec), tuple(pieces))
+            spec = check_spec(resolve_aliases(lane.spec, named.aliases), tensors)
+            pieces = pieces_of(tensors, spec)
+            cls = ReceiverClass(lane.key, (), spec, tuple(pieces))
             mine = class_tensors(named, cls)
             layout = plan_layout([p.spec for p in pieces], self.bucket_size, self.alignment)
             transfer = self._sender(lane).send_live(label, layout, mine.tensors, aliases=mine.aliases, step=step,

@@ -77,3 +77,46 @@ def test_tp2_workers_load_only_their_ranges_and_generate_transformers_tokens(tmp
                 assert all("replicated" in why for why in whole.values()), whole
     finally:
         del llm
+
+
+def test_a_tp2_engine_through_the_daemon_gets_only_its_slices(tmp_path: Path, monkeypatch) -> None:
+    """The whole path: each TP worker of a real vLLM engine (worker extension, ``sharded=True``) declares the
+    slices it keeps, the daemon makes each its own class, the trainer sends each only its pieces, each worker
+    verifies its class's digest, the driver applies the version on both, and the tokens equal transformers'."""
+    from ckpt_engine.workers.adapters.vllm import ExtensionControl, start_vllm_driver
+
+    from tests.daemon_harness import start_daemon, write_config
+    from tests.engines.test_vllm import _TIMEOUTS, receivers_of, sync, wait_for
+    from tests.engines.vllm_helpers import TrainerLoop, hf_tensors
+
+    for name, value in (("VLLM_CPU_OMP_THREADS_BIND", "nobind"), ("VLLM_CPU_KVCACHE_SPACE", "1")):
+        monkeypatch.setenv(name, value)
+    daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts=_TIMEOUTS, bucket_size_mb=1))
+    state = {"tensors": hf_tensors(llama(seed=1))}
+    trainer = TrainerLoop(daemon.zmq, lambda: state["tensors"])
+    llm = make_llm(save_model(tmp_path / "model", 1), tensor_parallel_size=2, distributed_executor_backend="mp",
+                   worker_extension_cls="ckpt_engine.workers.adapters.vllm.CkptEngineWorkerExtension")
+    control = ExtensionControl(llm)
+    driver = start_vllm_driver(control, daemon.zmq, engine="vllm-tp2", sharded=True)
+    try:
+        with daemon.client() as http:
+            workers = wait_for(lambda: len(receivers_of(http)) == 2 and receivers_of(http), 60, "both TP workers")
+            assert len({w["shard_class"] for w in workers}) == 2 and all(w["sharded_tensors"] for w in workers)
+            for seed in (2, 3):
+                pushed = llama(seed=seed)
+                state["tensors"] = hf_tensors(pushed)
+                total = sum(t.numel() * t.element_size() for t in state["tensors"].tensors.values())
+                record = sync(http)
+                assert record["status"] == "committed", record
+                assert driver.wait_for_version(record["id"], 60)
+                with control.serving(timeout_s=120):
+                    assert vllm_tokens(llm) == reference_tokens(pushed)
+                entries = record["receivers"]
+                assert len({e["shard_class"] for e in entries}) == 2, entries
+                for entry in entries:  # (1 KV head: k and v replicated on both ranks; norms whole)
+                    assert entry["ok"] and entry["bytes"] < 0.6 * total, (entry, total)
+    finally:
+        driver.close()
+        trainer.close()
+        llm.llm_engine.engine_core.shutdown()
+        daemon.stop()

@@ -173,9 +173,10 @@ def default_engine_name(kind: str = "vllm") -> str:
 def start_vllm_driver(control: HttpControl | LLMControl, endpoint: str, *, engine: str | None = None,
                       token: str | None = None, worker_token: str | None = None, poll_wait_s: float = 1.0,
                       take_timeout_s: float = 60.0, credentials: str | None = None,
-                      staging: str | None = None) -> EngineDriver:
+                      staging: str | None = None, sharded: bool = False) -> EngineDriver:
     """Start the workers' receivers (through ``control``) and the driver of engine ``engine``; ``staging``:
-    the engine's staging policy (auto, device, host, stream; default: the deployment's).
+    the engine's staging policy (auto, device, host, stream; default: the deployment's); ``sharded``: each
+    worker receives only its tensor-parallel slices (the worker extension; see docs/workers.md).
 
     ``token``: the driver's rollout token (default: $CKPT_ENGINE_TOKEN, else the rollout token of the
     ``credentials`` file); ``worker_token``: the one the workers send (default: the same; a worker on another
@@ -188,7 +189,8 @@ def start_vllm_driver(control: HttpControl | LLMControl, endpoint: str, *, engin
     try:
         init_info = {"endpoint": endpoint, "engine": name, "token": worker_token or token,
                      "engine_key": driver.engine_key, "poll_wait_s": poll_wait_s, "take_timeout_s": take_timeout_s}
-        control.start_workers(init_info | ({"staging": staging} if staging is not None else {}))
+        control.start_workers(init_info | ({"staging": staging} if staging is not None else {})
+                              | ({"sharded": True} if sharded else {}))
     except BaseException:
         driver.close()  # unregistered: an engine whose workers never started is not left in /receivers
         raise

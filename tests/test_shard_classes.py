@@ -1,0 +1,125 @@
+"""Sharded delivery's pure rules as tables: the wire form of a spec, piece names back to slices, where a piece
+sits in a local shard, tied names, the daemon's classes and seats, when a sharded version cannot go, and the
+commit rule against each receiver's class digest."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from ckpt_engine.control.messages import Register, Report
+from ckpt_engine.errors import ConfigError
+from ckpt_engine.plan.shards import (Slice, local_range, resolve_aliases, spec_from_wire, spec_key, spec_to_wire,
+                                     split_piece_name)
+from ckpt_engine.server.decisions import quorum as rules
+from ckpt_engine.server.decisions.classes import expected_by_receiver, plan_lanes
+from ckpt_engine.server.decisions.commit import judge
+from tests.test_decisions import agent
+
+
+def test_a_spec_round_trips_its_wire_form_sorted() -> None:
+    spec = {"w": (Slice(0, 8, 4), Slice(0, 0, 4)), "o": (Slice(1, 2, 2),)}
+    wire = spec_to_wire(spec)
+    assert wire == {"w": [[0, 0, 4], [0, 8, 4]], "o": [[1, 2, 2]]}
+    assert spec_from_wire(wire) == {"w": (Slice(0, 0, 4), Slice(0, 8, 4)), "o": (Slice(1, 2, 2),)}
+    assert spec_key(spec_from_wire(wire)) == spec_key(spec)
+
+
+@pytest.mark.parametrize("wire", [{"w": [[0, 1]]}, {"w": [[0, 0, 0]]}, {"w": [[-1, 0, 2]]}, {"w": [[0, 1, 2, 3]]}])
+def test_a_malformed_wire_slice_is_a_config_error(wire) -> None:
+    with pytest.raises(ConfigError):
+        spec_from_wire(wire)
+
+
+@pytest.mark.parametrize("spec", [{"w": [[0, 0]]}, {"w": []}, {"w": [[True, 0, 1]]}, {"": [[0, 0, 1]]},
+                                  {"w": [[0, 0, 1 << 60]]}, {"w": [[0, "0", 1]]}])
+def test_register_refuses_malformed_specs_before_the_daemon_sees_them(spec) -> None:
+    body = dict(role="receiver", host="h", pid=1, device="cpu", shard_spec=spec)
+    with pytest.raises(ValidationError):
+        Register.model_validate(body, strict=True)
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("qkv.weight@0:128:64", ("qkv.weight", Slice(0, 128, 64))),
+    ("o.weight@1:0:8", ("o.weight", Slice(1, 0, 8))),
+    ("norm.weight", ("norm.weight", None)),
+    ("odd@name", ("odd@name", None)),  # an @ in a tensor's own name is not a piece
+    ("x@0:0:0", ("x@0:0:0", None)),  # no empty slice
+])
+def test_piece_names_split_back_into_tensor_and_slice(name, expected) -> None:
+    assert split_piece_name(name) == expected
+
+
+def test_a_piece_sits_after_the_slices_before_it_in_the_local_shard() -> None:
+    spec = {"qkv": (Slice(0, 16, 2), Slice(0, 0, 4), Slice(0, 8, 2))}  # q, k, v ranges of one rank
+    assert local_range(spec, "qkv", Slice(0, 0, 4)) == Slice(0, 0, 4)
+    assert local_range(spec, "qkv", Slice(0, 8, 2)) == Slice(0, 4, 2)
+    assert local_range(spec, "qkv", Slice(0, 16, 2)) == Slice(0, 6, 2)
+    assert local_range(spec, "norm", None) is None
+    with pytest.raises(ConfigError, match="not in this receiver's shard spec"):
+        local_range(spec, "qkv", Slice(0, 4, 4))
+
+
+def test_a_tied_name_takes_its_canonical_tensors_slices() -> None:
+    aliases = {"lm_head.weight": "embed.weight"}
+    rows = (Slice(0, 0, 8),)
+    assert resolve_aliases({"lm_head.weight": rows}, aliases) == {"embed.weight": rows}
+    assert resolve_aliases({"lm_head.weight": rows, "embed.weight": rows}, aliases) == {"embed.weight": rows}
+    with pytest.raises(ConfigError, match="tied"):
+        resolve_aliases({"lm_head.weight": rows, "embed.weight": (Slice(0, 8, 8),)}, aliases)
+
+
+def sharded(spec: dict | None):
+    receiver = agent()
+    if spec:
+        receiver.shard_spec, receiver.shard_key = spec, spec_key(spec_from_wire(spec))
+    return receiver
+
+
+def test_no_spec_no_classes_and_each_spec_its_own_class_with_group_ranks() -> None:
+    plain = [agent(), agent()]
+    assert plan_lanes(plain, {a.agent_id: r for r, a in enumerate(plain, 1)}).lanes == []
+    r0a, r1, whole, r0b = (sharded({"w": [[0, 0, 4]]}), sharded({"w": [[0, 4, 4]]}), sharded(None),
+                           sharded({"w": [[0, 0, 4]]}))
+    quorum = {r0a.agent_id: 1, r1.agent_id: 2, whole.agent_id: 3, r0b.agent_id: 4}
+    plan = plan_lanes([r0a, r1, whole, r0b], quorum)
+    assert [(lane.part, lane.ranks) for lane in plan.lanes] == [("class-0/", [1, 4]), ("class-1/", [2]),
+                                                                 ("class-2/", [3])]
+    assert plan.lanes[2].key == "whole" and plan.lanes[2].spec == {}
+    assert plan.seats[r0b.agent_id] == (r0a.shard_key, "class-0/", 2, 3)  # rank 2 of a group of 3
+    assert plan.seats[whole.agent_id] == ("whole", "class-2/", 1, 2)
+    expected = expected_by_receiver(plan, {r0a.shard_key: "d0", "whole": "dw"})
+    assert expected == {r0a.agent_id: "d0", r0b.agent_id: "d0", r1.agent_id: None, whole.agent_id: "dw"}
+
+
+@pytest.mark.parametrize("transport,source_owners,mode,problem", [
+    ("auto", None, "cached", None),
+    ("collective", 1, "cached", None),
+    ("ipc", None, "cached", "transport is ipc"),
+    ("auto", 2, "cached", "held in shares by 2 trainer ranks"),
+    ("auto", None, "bypass_cpu", "mode is cached, not bypass_cpu"),
+])
+def test_when_a_sharded_version_cannot_go(transport, source_owners, mode, problem) -> None:
+    receivers = [sharded({"w": [[0, 0, 4]]}), agent()]
+    said = rules.sharded_problem(receivers, source_owners, transport, mode)
+    assert (said is None) if problem is None else (problem in said)
+    assert rules.sharded_problem([agent()], source_owners, "ipc", "bypass_cpu") is None  # not sharded: not asked
+    assert rules.sparse_base(receivers) is None  # never sparse on the wire
+    trainer = agent("trainer")
+    assert rules.transports(trainer, receivers, 1, "auto") == ([], None)  # no same-host path for classes
+
+
+def test_each_receiver_is_judged_against_its_class_digest() -> None:
+    quorum = {"a": 1, "b": 2, "c": 3}
+    done = Report(agent_id="t", session="s" * 16, version=5, event="done", ok=True, version_digest="identity")
+    reports = {a: Report(agent_id=a, session="s" * 16, version=5, event="received", ok=True, version_digest=d)
+               for a, d in (("a", "d0"), ("b", "d1"), ("c", "d0"))}
+    outcome = judge(quorum, reports, done, engines={}, applied={}, owner_failures={}, transports={},
+                    expected="identity", stale=None, need=3, expected_for={"a": "d0", "b": "d1", "c": "d1"})
+    assert outcome.status == "failed" and outcome.committed == []
+    verdicts = {e["agent_id"]: (e["ok"], e["reason"]) for e in outcome.entries}
+    assert verdicts["a"] == (True, None) and verdicts["b"] == (True, None)
+    assert verdicts["c"][0] is False and "differs from the version's d1" in verdicts["c"][1]
+    none = judge(quorum, reports, done, engines={}, applied={}, owner_failures={}, transports={}, expected=None,
+                 stale=None, need=1, expected_for={"a": "d0", "b": "d1", "c": "d0"})
+    assert none.status == "failed"  # no identity: nothing commits
