@@ -280,7 +280,8 @@ class VersionAssembler:
     def _load(self, incoming: Incoming, digest: str) -> bool:
         header = incoming.header
         payload = VersionPayload(header.version, header.step, header.mode, digest, self._views(incoming),
-                                 sparse=header.base_version is not None, specs=self.specs(incoming))
+                                 sparse=header.base_version is not None, specs=self.specs(incoming),
+                                 aliases=dict(header.aliases))
         failure = self.call_load(incoming, payload)
         if failure is None:
             self.loaded(incoming, digest)

@@ -30,6 +30,7 @@ class VersionPayload:
     specs: Mapping[str, TensorSpec] = field(default_factory=dict)  # aliases included
     stream: Iterator[tuple[str, torch.Tensor]] | None = None
     paused_s: float | None = None  # set by a load that measured how long its engine was paused for it
+    aliases: Mapping[str, str] = field(default_factory=dict)  # tied names -> the names whose bytes they carry
 
     @property
     def streamed(self) -> bool:

@@ -55,7 +55,7 @@ def receive_streamed(assembler: VersionAssembler, incoming: Incoming, feed: Feed
         stream = _Guarded(_tensors(assembler, incoming, flow, feed, progress))
         payload = VersionPayload(header.version, header.step, header.mode, None, {},
                                  sparse=header.base_version is not None, specs=assembler.specs(incoming),
-                                 stream=stream)
+                                 stream=stream, aliases=dict(header.aliases))
         failure = assembler.call_load(incoming, payload, touched=lambda: progress.yielded > 0)
         stream.close(f"version {header.version}: the receiver stopped waiting for its load")
         if failure is None and progress.manifest is None:

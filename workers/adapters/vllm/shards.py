@@ -61,18 +61,22 @@ def checkpoint_specs(model_dir: str | Path) -> list[TensorSpec]:
     return out
 
 
-def placed_items(items: Iterable[tuple[str, torch.Tensor]], shapes: Mapping[str, tuple[int, ...]]
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+def placed_items(items: Iterable[tuple[str, torch.Tensor]], shapes: Mapping[str, tuple[int, ...]],
+                 aliases: Mapping[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """A sharded version's tensors for vLLM's ``load_weights``: each piece at its place in a tensor of the full
     checkpoint shape under the checkpoint's name (the loader reads this rank's range of it, as from a
     checkpoint file), whole tensors as they came. The rest of each full tensor is never written (on the
-    CPU its pages are never touched; on a GPU it is allocated for the time the loader holds it)."""
+    CPU its pages are never touched; on a GPU it is allocated for the time the loader holds it). ``aliases``
+    (the version's tied names): a tied name the checkpoint does not store (``lm_head.weight`` of a tied
+    embedding) takes the full shape of the tensor it is tied to."""
     for name, tensor in items:
         base, part = split_piece_name(name)
         if part is None:
             yield name, tensor
             continue
         shape = shapes.get(base)
+        if shape is None and aliases and name in aliases:
+            shape = shapes.get(split_piece_name(aliases[name])[0])
         if shape is None:
             raise ConfigError(f"a piece of {base!r}, which the checkpoint does not have")
         yield base, placed(tensor, tuple(shape), part)

@@ -114,7 +114,7 @@ def load_version(model: torch.nn.Module, payload: VersionPayload,
     from ckpt_engine.workers.adapters.vllm.shards import placed_items
 
     with _mtp_check_disabled():
-        model.load_weights(placed_items(payload.items(), shapes) if shapes else payload.items())
+        model.load_weights(placed_items(payload.items(), shapes, payload.aliases) if shapes else payload.items())
     check_every_layer_loaded(model)
 
 
