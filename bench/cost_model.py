@@ -108,6 +108,71 @@ def _staging(row: Row, bucket_bytes: float, transfer_s: float) -> tuple[str, flo
     return "stream", 2 * bucket_bytes + row.largest_bytes, transfer_s
 
 
+@dataclass(frozen=True)
+class ShardedRow:
+    """A sharded-delivery setting and what the field measured there (issue 30's figures)."""
+
+    row: Row
+    tp: int  # the inference engine's tensor-parallel size: a receiver keeps 1/tp of the bytes
+    trainer_gpus: int
+    nic_gbps: float  # per GPU (8×400G per node: 50 GB/s each)
+    field: str  # what others measured on it
+
+
+SHARDED = (
+    ShardedRow(ROWS[0], 8, 8, 50, "vLLM sharded_rdt 3.2–3.3 s (8×H100 FSDP2 → 8×H100, vLLM PR #43375); SkyRL on it "
+               "3.54 s vs 64.7 s with NCCL broadcast (SkyRL PR #2090)"),
+    ShardedRow(ROWS[1], 16, 256, 50, "MoonshotAI full broadcast 16.04 s; miles P2P RDMA 7.2 s vs 53.3 s NCCL; the "
+               "wire's floor ~2.6 s full, ~1.4 s sharded (issue 30)"),
+)
+
+
+@dataclass(frozen=True)
+class ShardedProjection:
+    receiver_bytes: float
+    egress_s: float  # the busiest trainer NIC: every class's pieces it owns
+    ingress_s: float  # one receiver's NIC: its class's pieces
+    h2d_s: float  # what the busiest owner copies host→device for a device wire
+    identity_s: float  # the version's identity digest of the full tensors (see the projection)
+    verify_tail_s: float
+    per_tensor_s: float
+    total_s: float
+
+
+def project_sharded(s: ShardedRow, owners: int, per_tensor_us: float, digest_gbps: float | None = None,
+                    bucket_bytes: float = 2 << 30) -> ShardedProjection:
+    """One sharded version: each class's pieces cross the trainer side once in all (the classes partition the
+    sharded tensors), so the busiest owner sends bytes ÷ owners and each receiver takes bytes ÷ TP.
+    ``owners == 1`` is this release (trainer rank 0 sends every class; its identity digest reads the whole
+    cached version through the device: one more host→device pass and a hash of every byte); ``owners`` =
+    every trainer GPU is the next step (each owner sends its share of every class, its share's identity hashed
+    on the device while it is snapshotted)."""
+    row = s.row
+    digest = (digest_gbps or row.hbm_gbps / 12) * GB
+    share = row.bytes / owners
+    egress, ingress = share / (s.nic_gbps * GB), row.bytes / s.tp / (s.nic_gbps * GB)
+    h2d = share / (row.pcie_gbps * GB)
+    identity = (share / (row.pcie_gbps * GB) + share / digest) if owners == 1 else share / digest
+    tail = min(bucket_bytes, row.bytes / s.tp) / digest
+    per_tensor = row.tensors * per_tensor_us * 1e-6
+    return ShardedProjection(row.bytes / s.tp, egress, ingress, h2d, identity, tail, per_tensor,
+                             total_s=h2d + identity + max(egress, ingress) + tail + per_tensor)
+
+
+def render_sharded(per_tensor_us: float, digest_gbps: float | None = None) -> list[str]:
+    lines = ["| Model, engine | field's figures | bytes per receiver | **ckpt-engine sharded, rank 0 sends (this "
+             "release)**: H2D + identity + wire | **every trainer GPU an owner (next)**: H2D + identity + wire |",
+             "|---|---|---:|---:|---:|"]
+    for s in SHARDED:
+        one = project_sharded(s, 1, per_tensor_us, digest_gbps)
+        every = project_sharded(s, s.trainer_gpus, per_tensor_us, digest_gbps)
+        cell = lambda p: (f"**{p.total_s:.2f} s**: {p.h2d_s:.2f} + {p.identity_s:.2f} + "  # noqa: E731
+                          f"{max(p.egress_s, p.ingress_s):.2f} ({'trainer NIC' if p.egress_s > p.ingress_s else 'receiver NIC'})")
+        lines.append(f"| {s.row.model}, TP{s.tp} ({s.trainer_gpus} trainer GPUs, {s.nic_gbps:.0f} GB/s NIC per GPU) "
+                     f"| {s.field} | {one.receiver_bytes / GB:,.0f} GB | {cell(one)} | {cell(every)} |")
+    return lines
+
+
 def render(per_tensor_us: float, digest_gbps: float | None = None) -> list[str]:
     lines = ["| Model, devices | bytes, tensors | MoonshotAI measured | wire GB/s (calibrated) | H2D (cached) "
              "| owner digest (bypass) | receiver verify: last bucket / all | per-tensor | **ckpt-engine cached** "
@@ -132,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="device digest GB/s per GPU (default: HBM ÷ 12, unmeasured)")
     args = parser.parse_args(argv)
     print("\n".join(render(args.per_tensor_us, args.digest_gbps)))
+    print()
+    print("\n".join(render_sharded(args.per_tensor_us, args.digest_gbps)))
     print()
     for key, text in ASSUMPTIONS.items():
         print(f"- {key}: {text}")

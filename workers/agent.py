@@ -275,10 +275,7 @@ class Agent:
                   and current.part.startswith(assignment.part))
         if usable:
             return current
-        if current is not None and current.name == settings.group_name and assignment.generation < current.generation:
-            # a version the daemon has already ended: rebuilding its old group would tear down the current one
-            raise CkptEngineError(f"version {assignment.version} belongs to sync group generation "
-                                  f"{assignment.generation}, superseded by {current.generation}")
+        self._refuse_older_generation(assignment, settings)
         self._close_groups()
         store = open_store(settings.store_host, settings.store_port, timeout_s=settings.connect_timeout_s)
         owners = [owner_rank] if owner_rank is not None else range(wanted)
@@ -289,6 +286,13 @@ class Agent:
         if with_owners:
             self.owners_group = self._sync_group(store, settings, assignment, "owners/", owner_rank, assignment.owners)
         return self.group
+
+    def _refuse_older_generation(self, assignment: Assignment, settings: RegisterReply) -> None:
+        current = self.group
+        if current is not None and current.name == settings.group_name and assignment.generation < current.generation:
+            # a version the daemon has already ended: rebuilding its old group would tear down the current one
+            raise CkptEngineError(f"version {assignment.version} belongs to sync group generation "
+                                  f"{assignment.generation}, superseded by {current.generation}")
 
     def _group_count(self, assignment: Assignment) -> int:
         return 1 if self._owner_rank(assignment) is not None else max(assignment.owners, 1)

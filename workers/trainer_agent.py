@@ -269,9 +269,7 @@ class TrainerAgent(Agent):
         if (current is not None and current.generation == assignment.generation and not self.group_broken
                 and [g.part for g in self.groups] == parts and self.owners_group is None):
             return current
-        if current is not None and current.name == settings.group_name and assignment.generation < current.generation:
-            raise CkptEngineError(f"version {assignment.version} belongs to sync group generation "
-                                  f"{assignment.generation}, superseded by {current.generation}")
+        self._refuse_older_generation(assignment, settings)
         self._close_groups()
         store = open_store(settings.store_host, settings.store_port, timeout_s=settings.connect_timeout_s)
         for lane in assignment.classes:
