@@ -267,11 +267,11 @@ class Controller:
         """How many trainer ranks own the version, which receivers take the same-host path, and why it cannot
         go (None: it can)."""
         source_owners = source.owners if source else None
-        problem = rules.sharded_problem(receivers, source_owners, self.config.transport, mode)
+        problem = rules.sharded_problem(receivers, self.config.transport, mode)
         if problem is not None:
             return 1, [], problem
-        owners = 1 if rules.sharded(receivers) else rules.owners_for(
-            trainer, self.agents.trainers(), source_owners, self.config.transport, now, self.heartbeat_s)
+        owners = rules.owners_for(trainer, self.agents.trainers(), source_owners, self.config.transport, now,
+                                  self.heartbeat_s)
         colocated, problem = rules.transports(trainer, receivers, owners, self.config.transport)
         return owners, colocated, problem
 

@@ -92,18 +92,17 @@ def test_no_spec_no_classes_and_each_spec_its_own_class_with_group_ranks() -> No
     assert expected == {r0a.agent_id: "d0", r0b.agent_id: "d0", r1.agent_id: None, whole.agent_id: "dw"}
 
 
-@pytest.mark.parametrize("transport,source_owners,mode,problem", [
-    ("auto", None, "cached", None),
-    ("collective", 1, "cached", None),
-    ("ipc", None, "cached", "transport is ipc"),
-    ("auto", 2, "cached", "held in shares by 2 trainer ranks"),
-    ("auto", None, "bypass_cpu", "mode is cached, not bypass_cpu"),
+@pytest.mark.parametrize("transport,mode,problem", [
+    ("auto", "cached", None),
+    ("collective", "cached", None),
+    ("ipc", "cached", "transport is ipc"),
+    ("auto", "bypass_cpu", "mode is cached, not bypass_cpu"),
 ])
-def test_when_a_sharded_version_cannot_go(transport, source_owners, mode, problem) -> None:
+def test_when_a_sharded_version_cannot_go(transport, mode, problem) -> None:
     receivers = [sharded({"w": [[0, 0, 4]]}), agent()]
-    said = rules.sharded_problem(receivers, source_owners, transport, mode)
+    said = rules.sharded_problem(receivers, transport, mode)
     assert (said is None) if problem is None else (problem in said)
-    assert rules.sharded_problem([agent()], source_owners, "ipc", "bypass_cpu") is None  # not sharded: not asked
+    assert rules.sharded_problem([agent()], "ipc", "bypass_cpu") is None  # not sharded: not asked
     assert rules.sparse_base(receivers) is None  # never sparse on the wire
     trainer = agent("trainer")
     assert rules.transports(trainer, receivers, 1, "auto") == ([], None)  # no same-host path for classes

@@ -204,3 +204,35 @@ def test_each_tp_rank_gets_only_its_slices_verified_per_class_through_the_daemon
             assert torch.equal(torch.tensor(got["held"][rollback["id"]][name]), tensor)
     assert failed["id"] not in rank0["held"] and failed["id"] in rank1["held"]
     assert any("@" in name for name in rank0["received"][after["id"]])  # pieces on the wire, not whole tensors
+
+
+def test_every_fsdp_rank_sends_each_class_its_share(tmp_path: Path) -> None:
+    """A 2-rank FSDP2 trainer (real fully_shard, gloo): both ranks own shares of every version, and each sends
+    every class the pieces of the tensors it owns, on its own group; the TP ranks' local shards equal the
+    trainer's gathered weights of that step."""
+    from tests.daemon_harness import free_port
+    from tests.test_fsdp_sync import fsdp_trainer
+
+    daemon = start_daemon(write_config(tmp_path, transport="collective", bucket_size_mb=0.05, min_receivers=2))
+    stop = tmp_path / "stop"
+    receivers = start_processes([(tp_receiver, (daemon.zmq, str(stop), 0)), (tp_receiver, (daemon.zmq, str(stop), 1))])
+    pushes = {3: False, 6: False}
+    try:
+        with daemon.client() as http:
+            wait_until(lambda: len(agents_of(http)) == 2, what="registration")
+            port = free_port()
+            trainer0, _ = start_processes([(fsdp_trainer, (0, port, daemon.zmq, 8, pushes)),
+                                           (fsdp_trainer, (1, port, daemon.zmq, 8, pushes))]).collect(240)
+            history = {v["step"]: v for v in http.get("/versions").json()["versions"]}
+    finally:
+        stop.touch()
+        rank0, rank1 = receivers.collect(120)
+    shapes = shapes_of(tiny_llama(seed=0))
+    for step in pushes:
+        record = history[step]
+        assert record["status"] == "committed" and record["owners"] == 2, record
+        full = {name: torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shapes[name]).tolist()
+                for name, raw in trainer0["served"][step].items()}
+        for rank, got in ((0, rank0), (1, rank1)):
+            for name, tensor in expected_local(full, rank).items():
+                assert torch.equal(torch.tensor(got["held"][record["id"]][name]), tensor), (step, rank, name)

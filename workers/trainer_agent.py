@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import msgpack
 import torch
 import torch.distributed as dist
 from ckpt_engine.workers.agent import Agent
@@ -44,7 +45,7 @@ from ckpt_engine.workers.fsdp import job_collective, sharded_tensors_of
 from torch import nn
 
 from ckpt_engine.control.client import ControlReplyError
-from ckpt_engine.control.messages import MAX_KEPT, Assignment, RegisterReply
+from ckpt_engine.control.messages import MAX_KEPT, Assignment, ClassLane, RegisterReply
 from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError, SyncTimeoutError, TrainerGroupError
 from ckpt_engine.plan.modes import MODES
@@ -54,7 +55,7 @@ from ckpt_engine.plan.shards import spec_from_wire
 from ckpt_engine.send.classes import Lane
 from ckpt_engine.send.publisher import Ownership, Publisher, Route
 from ckpt_engine.send.sender import Transfer, TransferResult, WireHook
-from ckpt_engine.transport.group import SyncGroup, open_store
+from ckpt_engine.transport.group import SyncGroup, open_store, owner_part
 
 log = logging.getLogger(__name__)
 TensorSource = Callable[[], NamedTensors]
@@ -73,6 +74,7 @@ class TrainerAgent(Agent):
         self.process_group = process_group if process_group is not None else (
             dist.group.WORLD if dist.is_available() and dist.is_initialized() else None)
         sharded = self.process_group is not None
+        self.class_owner_groups: list[SyncGroup] = []  # a sharded version of several owners: one per class
         super().__init__(endpoint, rank=dist.get_rank(self.process_group) if sharded else 0, token=token,
                          device=device, poll_wait_s=poll_wait_s, register_wait_s=register_wait_s)
         self.world_size = dist.get_world_size(self.process_group) if sharded else 1
@@ -195,15 +197,25 @@ class TrainerAgent(Agent):
         if self.world_size == 1:
             return self._next_due()
         mine = self._next_due() if self.rank == 0 else None
-        flag = torch.tensor(_encode(mine), dtype=torch.int64, device=_group_device(self.process_group))
+        lanes = _encode_lanes(mine)
+        flag = torch.tensor([*_encode(mine), len(lanes)], dtype=torch.int64, device=_group_device(self.process_group))
         try:
             with job_collective("agreeing on the next version"):
                 dist.broadcast(flag, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+                told = flag.tolist()
+                if told[-1]:  # a sharded version: every owner sends its share of every class
+                    blob = torch.frombuffer(bytearray(lanes or bytes(told[-1])), dtype=torch.uint8)
+                    blob = blob.to(_group_device(self.process_group))
+                    dist.broadcast(blob, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+                    lanes = bytes(blob.cpu().tolist())
         except TrainerGroupError as exc:
             if mine is not None:  # taken off the queue: nobody else will say why it never came
                 self._give_up(mine.version, exc)
             raise
-        return mine or _decode(flag.tolist())
+        if mine is not None:
+            return mine
+        agreed = _decode(told[:-1])
+        return agreed.model_copy(update={"classes": _decode_lanes(lanes)}) if agreed is not None and lanes else agreed
 
     def _next_due(self) -> Assignment | None:
         """The next version to serve, once the previous transfer has ended. While that one still runs (e.g. it
@@ -237,7 +249,7 @@ class TrainerAgent(Agent):
             sparse=assignment.sparse, sparse_base=assignment.sparse_base,
             agree=self._all_reduce_max if self.world_size > 1 else None,
             route=lambda: self._route(assignment), ownership=ownership, keep=assignment.keep,
-            sharded=bool(assignment.classes) and self.rank == 0)
+            sharded=bool(assignment.classes))
 
     def _global_rank(self, rank: int) -> int:
         return dist.get_global_rank(self.process_group, rank)
@@ -255,26 +267,43 @@ class TrainerAgent(Agent):
     def _route(self, assignment: Assignment) -> Route:
         if assignment.classes:  # a sharded version: every class on its own group (see _group_for)
             self.group_for(assignment)
-            lanes = tuple(Lane(lane.key, spec_from_wire(lane.spec), group, tuple(lane.ranks))
-                          for lane, group in zip(assignment.classes, self.groups))
+            owners = self.class_owner_groups or [None] * len(self.groups)
+            lanes = tuple(Lane(lane.key, spec_from_wire(lane.spec), group, tuple(lane.ranks), vote)
+                          for lane, group, vote in zip(assignment.classes, self.groups, owners))
             return Route(None, {}, None, lanes)
         return Route(self.group_for(assignment), assignment.ipc_peers, self.owners_group)
 
     def _group_for(self, assignment: Assignment, settings: RegisterReply) -> SyncGroup | None:
-        """A sharded version's groups: one per class, this rank (the only owner) rank 0 of each."""
+        """A sharded version's groups: per class, this owner rank's own with the class's receivers (rank 0 of
+        it) and, with several owners, the class's owners' group (this rank's rank in it is its owner rank)."""
         if not assignment.classes:
             return super()._group_for(assignment, settings)
-        parts = [lane.part for lane in assignment.classes]
+        mine = owner_part(self.rank)
+        parts = [lane.part + mine for lane in assignment.classes]
+        with_owners = assignment.owners > 1
         current = self.group
         if (current is not None and current.generation == assignment.generation and not self.group_broken
-                and [g.part for g in self.groups] == parts and self.owners_group is None):
+                and [g.part for g in self.groups] == parts and bool(self.class_owner_groups) == with_owners):
             return current
         self._refuse_older_generation(assignment, settings)
         self._close_groups()
         store = open_store(settings.store_host, settings.store_port, timeout_s=settings.connect_timeout_s)
-        for lane in assignment.classes:
-            self.groups.append(self._sync_group(store, settings, assignment, lane.part, 0, 1 + len(lane.ranks)))
+        for lane, part in zip(assignment.classes, parts):
+            self.groups.append(self._sync_group(store, settings, assignment, part, 0, 1 + len(lane.ranks)))
+            if with_owners:
+                self.class_owner_groups.append(self._sync_group(store, settings, assignment, lane.part + "owners/",
+                                                                self.rank, assignment.owners))
         return self.group
+
+    @property
+    def group_broken(self) -> bool:
+        return super().group_broken or any(g.broken is not None for g in self.class_owner_groups)
+
+    def _close_groups(self) -> None:
+        for group in self.class_owner_groups:
+            group.close()
+        self.class_owner_groups = []
+        super()._close_groups()
 
     def _assist(self, assignment: Assignment, step: int) -> None:
         """Ranks > 0: take part in every bucket's gather, in the order rank 0 reads them."""
@@ -427,6 +456,17 @@ def _decode(values: list[int]) -> Assignment | None:
                       sparse_base=base - 1 if base else None, source_version=source - 1 if source else None,
                       generation=generation, world_size=world_size, rank=0, owners=owners,
                       keep=[v - 1 for v in values[8:_AGREEMENT] if v])
+
+
+def _encode_lanes(assignment: Assignment | None) -> bytes:
+    """A sharded version's classes for the other trainer ranks (msgpack: never pickle between processes)."""
+    if assignment is None or not assignment.classes:
+        return b""
+    return msgpack.packb([lane.model_dump() for lane in assignment.classes], use_bin_type=True)
+
+
+def _decode_lanes(raw: bytes) -> list[ClassLane]:
+    return [ClassLane.model_validate(lane) for lane in msgpack.unpackb(raw, raw=False)]
 
 
 def _plus_one(value: int | None) -> int:

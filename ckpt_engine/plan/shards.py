@@ -196,9 +196,14 @@ def class_tensors(named: NamedTensors, cls: ReceiverClass) -> NamedTensors:
     if named.gathers:
         raise ConfigError("sharded delivery of a model whose buckets are gathered is not supported yet")
     tensors = {piece.spec.name: cut_view(named.tensors[piece.tensor], piece.part) for piece in cls.pieces}
-    aliases = {piece_name(alias, part): piece_name(canonical, part)  # tied: the same bytes, the same ranges
-               for alias, canonical in named.aliases.items() for part in cls.spec.get(canonical) or (None,)}
-    return NamedTensors(tensors, aliases)
+    return NamedTensors(tensors, class_aliases(named.aliases, cls.spec))
+
+
+def class_aliases(aliases: Mapping[str, str], spec: ShardSpec) -> dict[str, str]:
+    """A class's tied names: each tied name's piece is its canonical tensor's piece (the same bytes, the same
+    ranges)."""
+    return {piece_name(alias, part): piece_name(canonical, part)
+            for alias, canonical in aliases.items() for part in spec.get(canonical) or (None,)}
 
 
 def cut_view(tensor: torch.Tensor, part: Slice | None) -> torch.Tensor:

@@ -1,9 +1,15 @@
 """Sending a sharded version: each class of receivers (plan/shards.py) gets only its pieces, on a sync group of
 its own, cut from the version as the cache holds it (so an FSDP model is gathered once, whatever the classes).
 
+With several trainer ranks owning shares of the version (plan/owners.py), every owner sends each class the
+pieces of the tensors it owns, on its own group with the class's receivers: a class's layout is planned by
+owner groups (a bucket holds pieces of one owner's tensors), and the owners of each class vote and merge
+their digests on the class's owners' group, as for any version of several owners.
+
 The version keeps one identity, the per-tensor digests of its full tensors (computed from the cache on its
-first send, checked on every re-send like any cached version's); each class's stream carries its own digests,
-which its receivers verify before anything is applied and which the daemon compares with theirs.
+first send, every owner its share, merged on the owners' group; checked on every re-send like any cached
+version's); each class's stream carries its own digests, which its receivers verify before anything is
+applied and which the daemon compares with theirs.
 """
 
 from __future__ import annotations
@@ -16,11 +22,10 @@ from dataclasses import dataclass
 
 from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError, ConfigError
-from ckpt_engine.plan.layout import plan_layout
-from ckpt_engine.plan.shards import (ReceiverClass, ShardSpec, check_spec, class_tensors, pieces_of,
-                                    resolve_aliases)
+from ckpt_engine.plan.layout import Layout, TensorSpec, plan_layout
+from ckpt_engine.plan.owners import Owners, owners_by_group
+from ckpt_engine.plan.shards import ShardSpec, check_spec, class_aliases, cut_view, pieces_of, resolve_aliases
 from ckpt_engine.plan.sparse import manifest_of
-from ckpt_engine.plan.tensors import NamedTensors
 from ckpt_engine.send.cache import CachedVersion, VersionCache
 from ckpt_engine.send.sender import Sender, Transfer, TransferResult
 from ckpt_engine.send.sources import StaleCopy, cached_digests, check_identity, evict_quietly
@@ -31,13 +36,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Lane:
-    """One class of a sharded version: its key, what its receivers keep, its sync group (the trainer is rank 0),
-    and the ranks its receivers have in the version's quorum (group rank k is ``ranks[k - 1]``)."""
+    """One class of a sharded version: its key, what its receivers keep, this owner's sync group with them
+    (the owner is rank 0), the ranks its receivers have in the version's quorum (group rank k is
+    ``ranks[k - 1]``), and, with several owners, the class's owners' group."""
 
     key: str
     spec: ShardSpec
     group: SyncGroup
     ranks: tuple[int, ...]
+    owners_group: SyncGroup | None = None
 
 
 class ClassSenders:
@@ -51,8 +58,8 @@ class ClassSenders:
 
     def send(self, cache: VersionCache, version: int, lanes: Sequence[Lane], *, as_version: int | None = None,
              expected_digest: str | None = None) -> Transfer:
-        """Send cached ``version`` (labelled ``as_version`` for a re-send, checked against its identity first) to
-        every class at once; returns when every class has ended."""
+        """Send this rank's share of cached ``version`` (labelled ``as_version`` for a re-send, checked against
+        its identity first) to every class at once; returns when every class has ended."""
         label = version if as_version is None else as_version
         for key in [k for k, sender in self._senders.items() if not any(sender.group is l.group for l in lanes)]:
             del self._senders[key]  # of an earlier generation (its groups were closed with it)
@@ -61,6 +68,14 @@ class ClassSenders:
         with cache.lease(version) as cached:
             transfer._finish(self._send_leased(cache, cached, label, lanes, expected_digest))
         return transfer
+
+    def abort(self, lane: Lane, label: int, reason: str) -> None:
+        """Tell a class's receivers that the version will not come (with several owners, every owner calls
+        this: they vote, and the lead tells the receivers)."""
+        try:
+            self._sender(lane).abort_before_start(label, reason)
+        except CkptEngineError as exc:  # its receivers then fall back on their own timeout
+            log.warning("version %d: could not tell class %s it will not come: %s", label, lane.key, exc)
 
     def close(self) -> None:
         for sender in self._senders.values():
@@ -72,15 +87,13 @@ class ClassSenders:
                      expected_digest: str | None) -> TransferResult:
         started = time.perf_counter()
         try:
-            identity = self._identity(cache, cached, label, expected_digest)
+            identity = self._identity(cache, cached, label, expected_digest, lanes[0].owners_group)
         except CkptEngineError as exc:
             for lane in lanes:
                 self.abort(lane, label, str(exc))
             return _failed(label, str(exc), started)
-        tensors = [slot.spec for slot in cached.version_layout.slots]  # type: ignore[union-attr]
-        named = NamedTensors(cached.views(), dict(cached.aliases))
         results: dict[str, TransferResult] = {}
-        threads = [threading.Thread(target=self._send_class, args=(lane, named, tensors, label, cached.step, results),
+        threads = [threading.Thread(target=self._send_class, args=(lane, cached, label, results),
                                     name=f"ckpt-send-v{label}-{lane.key[:8]}", daemon=True) for lane in lanes]
         for thread in threads:
             thread.start()
@@ -88,33 +101,39 @@ class ClassSenders:
             thread.join()  # (each class's send is bounded by its group's timeouts)
         return _merged(label, identity, lanes, results, started)
 
-    def _identity(self, cache: VersionCache, cached: CachedVersion, label: int, expected_digest: str | None) -> str:
-        """The version digest of the full tensors: for a re-send, the recorded one once the cached bytes are
-        checked against it; on the first send, computed from the cache and kept as the version's identity."""
+    def _identity(self, cache: VersionCache, cached: CachedVersion, label: int, expected_digest: str | None,
+                  owners_group: SyncGroup | None) -> str:
+        """The version digest of the full tensors: for a re-send, the recorded one once this rank's cached bytes
+        are checked against it; on the first send, computed from the cache (every owner its share, merged on
+        the owners' group) and kept as the version's identity."""
         algo = self._options.get("digest_algo") or self.device.digest_algo
         if label != cached.version:
             try:
-                check_identity(cached, algo, self.device.comm_device, 0, expected_digest)
+                check_identity(cached, algo, self.device.comm_device, owners_group.rank if owners_group else 0,
+                               expected_digest)
             except StaleCopy:
                 evict_quietly(cache, cached.version)
                 raise
             return cached.identity.version_digest  # type: ignore[union-attr]
         if cached.identity is None:
             digests = cached_digests(cached, algo, self.device.comm_device)
-            cached.identity = manifest_of(cached.version, algo, cached.layout, digests)
+            owners = cached.owners
+            if owners is not None and owners.ranks > 1:
+                if owners_group is None:
+                    raise ConfigError(f"version {label} has {owners.ranks} owners but no owners' group to merge "
+                                      "its identity on")
+                told = owners_group.exchange_ints([label, *digests], f"version {label}: identity",
+                                                  round_id=("identity", label))
+                digests = merged_by_owner(cached.version_layout, owners, [values[1:] for values in told])
+            cached.identity = manifest_of(cached.version, algo, cached.version_layout, digests)  # type: ignore[arg-type]
         return cached.identity.version_digest
 
-    def _send_class(self, lane: Lane, named: NamedTensors, tensors: list, label: int, step: int | None,
-                    results: dict[str, TransferResult]) -> None:
+    def _send_class(self, lane: Lane, cached: CachedVersion, label: int, results: dict[str, TransferResult]) -> None:
         started = time.perf_counter()
         try:
-            spec = check_spec(resolve_aliases(lane.spec, named.aliases), tensors)
-            pieces = pieces_of(tensors, spec)
-            cls = ReceiverClass(lane.key, (), spec, tuple(pieces))
-            mine = class_tensors(named, cls)
-            layout = plan_layout([p.spec for p in pieces], self.bucket_size, self.alignment)
-            transfer = self._sender(lane).send_live(label, layout, mine.tensors, aliases=mine.aliases, step=step,
-                                                    check=False, inline=True)
+            layout, owners, tensors, aliases = self._class_plan(lane, cached)
+            transfer = self._sender(lane).send_live(label, layout, tensors, aliases=aliases, step=cached.step,
+                                                    check=False, owners=owners, inline=True)
             result = transfer.result()
         except ConfigError as exc:  # this class's spec does not fit the version: only its receivers fail
             self.abort(lane, label, str(exc))
@@ -124,18 +143,42 @@ class ClassSenders:
             result = _failed(label, f"{type(exc).__name__}: {exc}", started)
         results[lane.key] = result
 
+    def _class_plan(self, lane: Lane, cached: CachedVersion) -> tuple[Layout, Owners | None, dict, dict]:
+        """The class's layout (by owner groups with several owners), its owners, this rank's pieces as views of
+        its cached tensors, and the class's tied names."""
+        version_layout, owners = cached.version_layout, cached.owners
+        specs: list[TensorSpec] = [slot.spec for slot in version_layout.slots]  # type: ignore[union-attr]
+        spec = check_spec(resolve_aliases(lane.spec, cached.aliases), specs)
+        pieces = pieces_of(specs, spec)
+        several = owners is not None and owners.ranks > 1
+        owner_of = {slot.name: owners.of[slot.bucket] for slot in version_layout.slots} if several else {}  # type: ignore[union-attr]
+        layout = plan_layout([p.spec for p in pieces], self.bucket_size, self.alignment,
+                             groups=[owner_of[p.tensor] for p in pieces] if several else None)
+        views = cached.views()  # (with several owners: this rank's share)
+        mine = {p.spec.name: cut_view(views[p.tensor], p.part) for p in pieces if p.tensor in views}
+        return (layout, owners_by_group(layout, owners.ranks) if several else None, mine,  # type: ignore[union-attr]
+                class_aliases(cached.aliases, spec))
+
     def _sender(self, lane: Lane) -> Sender:
         sender = self._senders.get(id(lane.group))
         if sender is None or sender.group is not lane.group:
-            sender = Sender(lane.group, device=self.device, **self._options)
+            sender = Sender(lane.group, device=self.device, owners_group=lane.owners_group, **self._options)
             self._senders[id(lane.group)] = sender
         return sender
 
-    def abort(self, lane: Lane, label: int, reason: str) -> None:
-        try:
-            self._sender(lane).abort_before_start(label, reason)
-        except CkptEngineError as exc:  # its receivers then fall back on their own timeout
-            log.warning("version %d: could not tell class %s it will not come: %s", label, lane.key, exc)
+
+def merged_by_owner(layout: Layout, owners: Owners, told: Sequence[Sequence[int]]) -> list[int]:
+    """Per-tensor values of a version several ranks own, in its layout's order, from each owner's values of its
+    own tensors (in the same order)."""
+    cursors = [0] * owners.ranks
+    out = []
+    for slot in layout.slots:
+        owner = owners.of[slot.bucket]
+        if cursors[owner] >= len(told[owner]):
+            raise CkptEngineError(f"owner rank {owner} told {len(told[owner])} digests; its tensors need more")
+        out.append(told[owner][cursors[owner]])
+        cursors[owner] += 1
+    return out
 
 
 def _failed(version: int, reason: str, started: float) -> TransferResult:
@@ -161,7 +204,7 @@ def _merged(version: int, identity: str, lanes: Sequence[Lane], results: Mapping
         for stage, value in result.seconds.items():
             seconds[stage] = max(seconds.get(stage, 0.0), value)
     merged = TransferResult(version, "cached", not reasons, "; ".join(reasons) or None, identity, acks,
-                            sum(results[k].bytes_sent for k in results), sum(r.buckets for r in results.values()),
+                            sum(r.bytes_sent for r in results.values()), sum(r.buckets for r in results.values()),
                             sum(r.tensors for r in results.values()), seconds=seconds,
                             finished_at=time.perf_counter(), absent_ranks=sorted(set(absent)),
                             version_bytes=sum(c["bytes"] for c in classes), classes=classes)

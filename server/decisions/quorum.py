@@ -103,13 +103,12 @@ def sparse_base(receivers: Sequence[Agent]) -> int | None:
 
 def sharded(receivers: Sequence[Agent]) -> bool:
     """A version some receiver of which keeps only slices (a shard spec): each class of receivers gets only its
-    pieces, on a sync group of its own. In this release such a version has one owner (trainer rank 0 holds it
-    whole: every class is cut from it), takes no same-host path and is never sparse on the wire."""
+    pieces, on sync groups of its own (one per owner), cut from the trainer ranks' caches. In this release
+    such a version is cached, takes no same-host path and is never sparse on the wire."""
     return any(r.shard_spec for r in receivers)
 
 
-def sharded_problem(receivers: Sequence[Agent], source_owners: int | None, transport: str,
-                    mode: str = "cached") -> str | None:
+def sharded_problem(receivers: Sequence[Agent], transport: str, mode: str = "cached") -> str | None:
     """Why a sharded version cannot go (None: it can)."""
     if not sharded(receivers):
         return None
@@ -119,9 +118,6 @@ def sharded_problem(receivers: Sequence[Agent], source_owners: int | None, trans
     if transport == "ipc":
         return ("transport is ipc, but receivers declared shard specs: sharded versions go on sync groups per "
                 "class (the same-host path does not carry them yet)")
-    if source_owners is not None and source_owners > 1:
-        return (f"the version is held in shares by {source_owners} trainer ranks; a sharded quorum is sent from "
-                "one rank holding it whole")
     return None
 
 
