@@ -142,17 +142,16 @@ class ShardedProjection:
 def project_sharded(s: ShardedRow, owners: int, per_tensor_us: float, digest_gbps: float | None = None,
                     bucket_bytes: float = 2 << 30) -> ShardedProjection:
     """One sharded version: each class's pieces cross the trainer side once in all (the classes partition the
-    sharded tensors), so the busiest owner sends bytes ÷ owners and each receiver takes bytes ÷ TP.
-    ``owners == 1`` is this release (trainer rank 0 sends every class; its identity digest reads the whole
-    cached version through the device: one more host→device pass and a hash of every byte); ``owners`` =
-    every trainer GPU is the next step (each owner sends its share of every class, its share's identity hashed
-    on the device while it is snapshotted)."""
+    sharded tensors), so the busiest owner sends bytes ÷ owners and each receiver takes bytes ÷ TP. Each owner
+    computes the identity digest of its share from its host cache through the device (one more host→device
+    pass of its share and a hash of it). ``owners == 1``: trainer rank 0 sends every class (a job whose other
+    ranks are not all heard from); ``owners`` = every trainer GPU: the daemon's choice when all are."""
     row = s.row
     digest = (digest_gbps or row.hbm_gbps / 12) * GB
     share = row.bytes / owners
     egress, ingress = share / (s.nic_gbps * GB), row.bytes / s.tp / (s.nic_gbps * GB)
     h2d = share / (row.pcie_gbps * GB)
-    identity = (share / (row.pcie_gbps * GB) + share / digest) if owners == 1 else share / digest
+    identity = share / (row.pcie_gbps * GB) + share / digest
     tail = min(bucket_bytes, row.bytes / s.tp) / digest
     per_tensor = row.tensors * per_tensor_us * 1e-6
     return ShardedProjection(row.bytes / s.tp, egress, ingress, h2d, identity, tail, per_tensor,
@@ -160,8 +159,8 @@ def project_sharded(s: ShardedRow, owners: int, per_tensor_us: float, digest_gbp
 
 
 def render_sharded(per_tensor_us: float, digest_gbps: float | None = None) -> list[str]:
-    lines = ["| Model, engine | field's figures | bytes per receiver | **ckpt-engine sharded, rank 0 sends (this "
-             "release)**: H2D + identity + wire | **every trainer GPU an owner (next)**: H2D + identity + wire |",
+    lines = ["| Model, engine | field's figures | bytes per receiver | **ckpt-engine sharded, rank 0 sends**: H2D + "
+             "identity + wire | **ckpt-engine sharded, every trainer GPU an owner**: H2D + identity + wire |",
              "|---|---|---:|---:|---:|"]
     for s in SHARDED:
         one = project_sharded(s, 1, per_tensor_us, digest_gbps)
