@@ -9,6 +9,8 @@ digests the sender announced for it, and the trailer.
 
 from __future__ import annotations
 
+import collections
+
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +35,10 @@ __all__ = ["Feed", "Incoming", "LoadFn", "ReceiveResult", "SenderAborted", "Vers
 
 
 class Feed(Protocol):
+    # How many buckets may be on the wire at once when each lands in its own place (several owners send
+    # theirs at the same time, each on its own group); 1: one at a time.
+    parallel: int
+
     def start(self, bucket: Bucket, into: torch.Tensor) -> Callable[[], list[int]] | None:
         """Begin receiving ``bucket`` into ``into``; returns a wait that ends when the bytes are there and gives
         the sender's digests of it, or None when the bucket will not come (its owner aborted: the version
@@ -127,22 +133,35 @@ class VersionAssembler:
         if incoming.choice.mode == "stream" and incoming.shared is None:
             yield from self._streamed_flow(incoming, feed)
             return
+        # Buckets that land in a place of their own (a whole buffer) may be on the wire together: with several
+        # owners, one of each owner's, so their links run at once instead of taking turns.
+        window = max(1, getattr(feed, "parallel", 1)) if incoming.choice.mode == "device" else 1
+        on_wire: collections.deque[tuple[Bucket, Callable[[], list[int]] | None, float]] = collections.deque()
         previous: tuple[Bucket, list[int]] | None = None
         for bucket in incoming.layout.buckets:
-            t0 = time.perf_counter()
-            wait = feed.start(bucket, self.bucket_buffer(incoming, bucket))
+            on_wire.append((bucket, feed.start(bucket, self.bucket_buffer(incoming, bucket)), time.perf_counter()))
             if previous is not None:
                 yield self._checked(incoming, *previous)  # overlaps with this bucket on the wire
                 previous = None
-            if wait is None:
-                incoming.missing.append(bucket.index)
-                continue
-            expected = wait()
-            incoming.add_seconds("recv", time.perf_counter() - t0)
-            incoming.result.bytes_received += bucket.nbytes
-            previous = (bucket, expected)
+            if len(on_wire) >= window:
+                previous = self._landed(incoming, *on_wire.popleft())
+        while on_wire:
+            if previous is not None:
+                yield self._checked(incoming, *previous)
+            previous = self._landed(incoming, *on_wire.popleft())
         if previous is not None:
             yield self._checked(incoming, *previous)
+
+    def _landed(self, incoming: Incoming, bucket: Bucket, wait: Callable[[], list[int]] | None,
+                t0: float) -> tuple[Bucket, list[int]] | None:
+        """Wait for a bucket on the wire; its sender's digests (None: its owner aborted, it will not come)."""
+        if wait is None:
+            incoming.missing.append(bucket.index)
+            return None
+        expected = wait()
+        incoming.add_seconds("recv", time.perf_counter() - t0)
+        incoming.result.bytes_received += bucket.nbytes
+        return bucket, expected
 
     def _streamed_flow(self, incoming: Incoming, feed: Feed) -> Iterator[Bucket]:
         """Streamed: bucket k+1 goes on the wire while bucket k is applied, started by ``start_next`` once the

@@ -178,6 +178,7 @@ class _Feed:
 
     def __init__(self, receiver: Receiver, owners: list[int]) -> None:
         self.receiver, self.owners = receiver, owners
+        self.parallel = len(set(owners))  # one bucket of each owner on the wire at once (whole staging)
         self.aborted: dict[int, str] = {}
         self.ended = False  # the version's end was read
 
