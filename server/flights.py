@@ -82,20 +82,25 @@ class Flights:
                      self.generation, trainer.agent_id, len(remote), len(colocated))
         common = dict(version=record.id, mode=record.mode, step=record.step, generation=self.generation,
                       world_size=1 + len(remote), owners=owners)
+        # every assignment is made before any is queued: one that cannot be made leaves nothing behind
+        send = Assignment(
+            kind="send", rank=0, source_version=source.id if source else None, sparse_base=sparse_base,
+            sparse=sparse, expected_digest=source.version_digest if source else None, keep=keep,
+            ipc_peers={r.agent_id: quorum[r.agent_id] for r in colocated}, classes=classes.lanes, **common)
+        receives = []
         for receiver in remote:
             seat = classes.seats.get(receiver.agent_id)
             if seat is not None:  # its class's group: the trainer and the receivers that keep the same slices
-                receiver.pending.append(Assignment(kind="receive", part=seat[1], rank=seat[2],
-                                                   **{**common, "world_size": seat[3]}))
+                receives.append((receiver, Assignment(kind="receive", part=seat[1], rank=seat[2],
+                                                      **{**common, "world_size": seat[3]})))
             else:
-                receiver.pending.append(Assignment(kind="receive", rank=quorum[receiver.agent_id], **common))
+                receives.append((receiver, Assignment(kind="receive", rank=quorum[receiver.agent_id], **common)))
         for receiver in colocated:
-            receiver.pending.append(Assignment(kind="receive", rank=quorum[receiver.agent_id], transport="ipc",
-                                               ipc_name=trainer.ipc_name, **common))
-        trainer.pending.append(Assignment(
-            kind="send", rank=0, source_version=source.id if source else None, sparse_base=sparse_base,
-            sparse=sparse, expected_digest=source.version_digest if source else None, keep=keep,
-            ipc_peers={r.agent_id: quorum[r.agent_id] for r in colocated}, classes=classes.lanes, **common))
+            receives.append((receiver, Assignment(kind="receive", rank=quorum[receiver.agent_id], transport="ipc",
+                                                  ipc_name=trainer.ipc_name, **common)))
+        for receiver, assignment in receives:
+            receiver.pending.append(assignment)
+        trainer.pending.append(send)
         engines: dict[str, list[str]] = {}
         for receiver in receivers:
             if receiver.driven and receiver.engine is not None:
@@ -266,6 +271,10 @@ class Flights:
             self.group_dirty = True
         if done.version_digest is not None:  # then the daemon waited for every receiver's own report
             self._bench(flight, outcome.silent, "did not report its outcome of version {}")
+        for unfit in (c for c in done.classes if c.spec_unfit):  # it would fail every version: out for a while
+            members = [a for a, seat in flight.classes.seats.items() if seat[0] == unfit.key]
+            self._bench(flight, members, "its shard spec does not fit version {}: " + (unfit.reason or "")[:500]
+                        .replace("{", "(").replace("}", ")"))
         by_rank = {rank: agent_id for agent_id, rank in flight.quorum.items()}
         self._bench(flight, [by_rank[r] for r in done.absent_ranks if r in by_rank],
                     "did not join the sync group of version {}", unproven=True)

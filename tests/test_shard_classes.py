@@ -45,6 +45,9 @@ def test_register_refuses_malformed_specs_before_the_daemon_sees_them(spec) -> N
     ("norm.weight", ("norm.weight", None)),
     ("odd@name", ("odd@name", None)),  # an @ in a tensor's own name is not a piece
     ("x@0:0:0", ("x@0:0:0", None)),  # no empty slice
+    ("a@ 0:0:1", ("a@ 0:0:1", None)), ("a@+0:0:1", ("a@+0:0:1", None)), ("a@0_0:0:1", ("a@0_0:0:1", None)),
+    ("a@0:0:\u0661", ("a@0:0:\u0661", None)), ("@0:0:1", ("@0:0:1", None)), ("a@00:0:1", ("a@00:0:1", None)),
+    ("a@0:0:1 ", ("a@0:0:1 ", None)),  # only exactly what piece_name writes is a piece
 ])
 def test_piece_names_split_back_into_tensor_and_slice(name, expected) -> None:
     assert split_piece_name(name) == expected
@@ -122,3 +125,41 @@ def test_each_receiver_is_judged_against_its_class_digest() -> None:
     none = judge(quorum, reports, done, engines={}, applied={}, owner_failures={}, transports={}, expected=None,
                  stale=None, need=1, expected_for={"a": "d0", "b": "d1", "c": "d0"})
     assert none.status == "failed"  # no identity: nothing commits
+
+
+def test_more_classes_than_a_version_carries_is_a_reason_not_a_crash() -> None:
+    receivers = [sharded({"w": [[0, i, 1]]}) for i in range(257)]
+    assert "257 different shard specs" in rules.sharded_problem(receivers, "auto")
+    assert rules.sharded_problem(receivers[:255] + [agent()], "auto") is None  # 255 + whole = 256 classes
+
+
+def test_a_spec_key_is_a_cryptographic_digest_of_the_normalised_spec() -> None:
+    import hashlib
+    import json
+
+    key = spec_key({"w": (Slice(0, 4, 4), Slice(0, 0, 4))})
+    canonical = json.dumps([["w", [[0, 0, 4], [0, 4, 4]]]], separators=(",", ":")).encode()
+    assert key == hashlib.sha256(canonical).hexdigest()[:32]
+
+
+def test_a_tensor_named_like_a_piece_is_refused_for_sharded_versions_and_not_blamed_on_receivers() -> None:
+    import torch
+
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.plan.layout import plan_layout
+    from ckpt_engine.plan.tensors import specs_of
+    from ckpt_engine.send.cache import VersionCache
+    from ckpt_engine.send.classes import ClassSenders, Lane, SpecUnfit
+
+    def cached(tensors):
+        cache = VersionCache(detect_device("cpu"))
+        return cache.snapshot(1, plan_layout(specs_of(tensors), 1 << 16), tensors)
+
+    senders = ClassSenders(detect_device("cpu"), bucket_size=1 << 16, alignment=64, options={})
+    lane = Lane("k", {"a": (Slice(0, 0, 2),)}, None, (1,))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="cannot be sent sharded") as refused:
+        senders._class_plan(lane, cached({"a": torch.zeros(4), "a@0:0:1": torch.zeros(1)}))
+    assert not isinstance(refused.value, SpecUnfit)
+    with pytest.raises(SpecUnfit, match="no tensor 'b'"):
+        senders._class_plan(Lane("k", {"b": (Slice(0, 0, 2),)}, None, (1,)),  # type: ignore[arg-type]
+                            cached({"a": torch.zeros(4)}))

@@ -236,3 +236,43 @@ def test_every_fsdp_rank_sends_each_class_its_share(tmp_path: Path) -> None:
         for rank, got in ((0, rank0), (1, rank1)):
             for name, tensor in expected_local(full, rank).items():
                 assert torch.equal(torch.tensor(got["held"][record["id"]][name]), tensor), (step, rank, name)
+
+
+def bad_receiver(zmq: str, stop_file: str) -> dict:
+    """A receiver whose spec names a tensor the model does not have."""
+    import os
+    import time
+
+    from ckpt_engine.workers.rollout_agent import RolloutAgent
+
+    agent = RolloutAgent(lambda payload: None, zmq, poll_wait_s=0.2,
+                         shard_spec={"model.no_such.weight": (Slice(0, 0, 4),)}).start()
+    while not os.path.exists(stop_file):
+        time.sleep(0.05)
+    agent.close()
+    return {"results": [(r.version, r.ok, r.reason) for r in agent.results]}
+
+
+def test_a_spec_that_does_not_fit_takes_only_its_receiver_out_with_the_reason(tmp_path: Path) -> None:
+    daemon = start_daemon(write_config(tmp_path, transport="collective"))
+    stop, corrupt = tmp_path / "stop", tmp_path / "corrupt"
+    procs = start_processes([(trainer, (daemon.zmq, str(stop), str(corrupt))),
+                             (tp_receiver, (daemon.zmq, str(stop), 0)), (bad_receiver, (daemon.zmq, str(stop)))])
+    try:
+        with daemon.client() as http:
+            wait_until(lambda: len(agents_of(http)) == 3, what="registration")
+            first = sync(http)
+            assert first["status"] == "committed", first  # (min_receivers 1: the good class commits)
+            bad = next(e for e in first["receivers"] if not e["ok"])
+            assert "no tensor 'model.no_such.weight'" in bad["reason"], first
+            out = next(a for a in agents_of(http) if a["agent_id"] == bad["agent_id"])
+            assert out["state"] == "unable" and "shard spec does not fit" in out["unable"], out
+            second = sync(http)
+            assert second["status"] == "committed", second
+            assert [e["agent_id"] for e in second["receivers"]] != [bad["agent_id"]]
+            assert bad["agent_id"] not in [e["agent_id"] for e in second["receivers"]]  # out of the quorum
+            catch_ups = [v for v in http.get("/versions").json()["versions"] if v["purpose"] == "catch_up"]
+            assert len(catch_ups) <= 1, catch_ups  # not retried every version
+    finally:
+        stop.touch()
+        procs.collect(120)

@@ -89,6 +89,7 @@ class ClassDone(BaseModel):
     reason: str | None = Field(None, max_length=20000)
     version_digest: str | None = Field(None, max_length=64)  # over exactly the class's pieces
     bytes: Count = 0
+    spec_unfit: bool = False  # the class's shard spec does not fit the version (its receivers' to fix)
 
 
 class Register(_Body):

@@ -15,12 +15,13 @@ verification then apply to a class's pieces unchanged, so each receiver verifies
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
 from ckpt_engine.errors import ConfigError
 from ckpt_engine.plan.layout import TensorSpec
@@ -119,7 +120,10 @@ def pieces_of(tensors: Iterable[TensorSpec], spec: ShardSpec) -> list[Piece]:
 def spec_key(spec: ShardSpec) -> str:
     """A class's identity: the same for identical (normalised) specs, whatever their order."""
     canonical = sorted((name, [(s.dim, s.start, s.length) for s in sorted(slices)]) for name, slices in spec.items())
-    return xxhash.xxh3_64_hexdigest(json.dumps(canonical, separators=(",", ":")).encode()) if canonical else "whole"
+    # (a cryptographic digest: a receiver must not be able to make its spec's key equal another class's and so
+    # choose what that class's receivers are sent)
+    return hashlib.sha256(json.dumps(canonical, separators=(",", ":")).encode()).hexdigest()[:32] if canonical \
+        else "whole"
 
 
 @dataclass(frozen=True)
@@ -211,6 +215,8 @@ def cut_view(tensor: torch.Tensor, part: Slice | None) -> torch.Tensor:
     return tensor if part is None else tensor.narrow(part.dim, part.start, part.length)
 
 
+_PIECE_RANGE = re.compile(r"(0|[1-9][0-9]*):(0|[1-9][0-9]*):([1-9][0-9]*)", re.ASCII)  # exactly what piece_name writes
+
 # On the control plane a spec is {tensor name: [[dim, start, length], ...]} (msgpack/JSON, never pickle).
 WireSpec = dict[str, list[list[int]]]
 
@@ -237,13 +243,13 @@ def split_piece_name(name: str) -> tuple[str, Slice | None]:
     """(tensor, slice) of a wire tensor's name (``qkv.weight@0:128:64``); a whole tensor's name, (name, None).
     For a receiver's loader: where each piece goes in the full tensor."""
     tensor, mark, rest = name.rpartition(PIECE_MARK)
-    if not mark:
-        return name, None
+    numbers = _PIECE_RANGE.fullmatch(rest) if mark and tensor else None
+    if numbers is None:
+        return name, None  # an @ in a tensor's own name: not a piece (sharded versions refuse such names)
     try:
-        dim, start, length = (int(v) for v in rest.split(":"))
-        return tensor, Slice(dim, start, length)
-    except (ValueError, ConfigError):
-        return name, None  # an @ in a tensor's own name: not a piece
+        return tensor, Slice(*(int(v) for v in numbers.groups()))
+    except ConfigError:
+        return name, None
 
 
 def local_range(spec: ShardSpec, tensor: str, part: Slice | None) -> Slice | None:

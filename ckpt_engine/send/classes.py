@@ -24,7 +24,8 @@ from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError, ConfigError
 from ckpt_engine.plan.layout import Layout, TensorSpec, plan_layout
 from ckpt_engine.plan.owners import Owners, owners_by_group
-from ckpt_engine.plan.shards import ShardSpec, check_spec, class_aliases, cut_view, pieces_of, resolve_aliases
+from ckpt_engine.plan.shards import (PIECE_MARK, ShardSpec, check_spec, class_aliases, cut_view, pieces_of,
+                                     resolve_aliases)
 from ckpt_engine.plan.sparse import manifest_of
 from ckpt_engine.send.cache import CachedVersion, VersionCache
 from ckpt_engine.send.sender import Sender, Transfer, TransferResult
@@ -45,6 +46,11 @@ class Lane:
     group: SyncGroup
     ranks: tuple[int, ...]
     owners_group: SyncGroup | None = None
+
+
+class SpecUnfit(ConfigError):
+    """A class's shard spec does not fit the version (a tensor it names is not there, a slice is out of range,
+    a tied name asks for other slices than its tensor): its receivers' to fix; the other classes go on."""
 
 
 class ClassSenders:
@@ -135,9 +141,10 @@ class ClassSenders:
             transfer = self._sender(lane).send_live(label, layout, tensors, aliases=aliases, step=cached.step,
                                                     check=False, owners=owners, inline=True)
             result = transfer.result()
-        except ConfigError as exc:  # this class's spec does not fit the version: only its receivers fail
+        except ConfigError as exc:  # (a spec that does not fit the version: only this class's receivers fail)
             self.abort(lane, label, str(exc))
             result = _failed(label, str(exc), started)
+            result.classes = [{"spec_unfit": isinstance(exc, SpecUnfit)}]
         except Exception as exc:  # every failure ends the class with a reason
             log.exception("version %d: sending class %s failed", label, lane.key)
             result = _failed(label, f"{type(exc).__name__}: {exc}", started)
@@ -148,7 +155,14 @@ class ClassSenders:
         its cached tensors, and the class's tied names."""
         version_layout, owners = cached.version_layout, cached.owners
         specs: list[TensorSpec] = [slot.spec for slot in version_layout.slots]  # type: ignore[union-attr]
-        spec = check_spec(resolve_aliases(lane.spec, cached.aliases), specs)
+        marked = [name for name in [*(t.name for t in specs), *cached.aliases] if PIECE_MARK in name]
+        if marked:  # a receiver would take it for a piece of another tensor
+            raise ConfigError(f"tensor names with {PIECE_MARK!r} cannot be sent sharded (e.g. {marked[0]!r}): "
+                              "rename them (the trainer agent's name_map)")
+        try:
+            spec = check_spec(resolve_aliases(lane.spec, cached.aliases), specs)
+        except ConfigError as exc:
+            raise SpecUnfit(str(exc)) from None
         pieces = pieces_of(specs, spec)
         several = owners is not None and owners.ranks > 1
         owner_of = {slot.name: owners.of[slot.bucket] for slot in version_layout.slots} if several else {}  # type: ignore[union-attr]
@@ -197,7 +211,8 @@ def _merged(version: int, identity: str, lanes: Sequence[Lane], results: Mapping
         quorum_rank = lambda rank: lane.ranks[rank - 1] if 1 <= rank <= len(lane.ranks) else rank  # noqa: E731
         acks += [ack.model_copy(update={"rank": quorum_rank(ack.rank)}) for ack in result.receivers]
         absent += [quorum_rank(rank) for rank in result.absent_ranks]
-        classes.append({"key": lane.key, "ok": result.ok, "reason": result.reason,
+        unfit = any(c.get("spec_unfit") for c in result.classes)
+        classes.append({"key": lane.key, "ok": result.ok, "reason": result.reason, "spec_unfit": unfit,
                         "version_digest": result.version_digest, "bytes": result.version_bytes or result.bytes_sent})
         if not result.ok:
             reasons.append(f"class {lane.key[:12]}: {result.reason}")

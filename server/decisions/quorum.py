@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from ckpt_engine.server.agents import Agent
 
+from ckpt_engine.control.messages import MAX_CLASSES
+
 # (a receiver) -> the cached version a repair or catch-up would bring it, or None when the cache has none
 RepairSource = Callable[[Agent], "int | None"]
 
@@ -112,6 +114,10 @@ def sharded_problem(receivers: Sequence[Agent], transport: str, mode: str = "cac
     """Why a sharded version cannot go (None: it can)."""
     if not sharded(receivers):
         return None
+    classes = len({r.shard_key if r.shard_spec else "whole" for r in receivers})
+    if classes > MAX_CLASSES:
+        return (f"the receivers declared {classes} different shard specs; a version is sent to at most "
+                f"{MAX_CLASSES} classes (receivers with identical specs share one)")
     if mode != "cached":
         return (f"receivers declared shard specs: their versions are cut from the trainer's cache, so the mode is "
                 f"cached, not {mode} (set bypass_cpu: false, or leave it out of the request)")
