@@ -149,13 +149,16 @@ def _publisher_and_route(cfg: dict, store: tuple[str, int], named: Any) -> tuple
     from ckpt_engine.transport.group import owner_part
 
     size, timeout = cfg["bucket_mib"] * MiB, cfg["timeout_s"]
-    if cfg["sharded"]:
+    owner, owners = cfg.get("owner", 0), cfg.get("owners", 1)
+    if cfg["sharded"]:  # a lane per class: this owner's group with the class's receiver, the class's owners' group
         tp = len(cfg["groups"])
         lanes = tuple(Lane(spec_key(tp_spec(named, r, tp)), tp_spec(named, r, tp),
-                           _group(cfg["addr"], store, f"g{r}", 0, 2, timeout), (1,)) for r in range(tp))
+                           _group(cfg["addr"], store, f"g{r}", 0, 2, timeout, part=owner_part(owner)), (1,),
+                           _group(cfg["addr"], store, f"g{r}", owner, owners, timeout, part="owners/")
+                           if owners > 1 else None) for r in range(tp))
         route = Route(None, {}, None, lanes)
-        return Publisher(device=detect_device("cpu"), bucket_size=size, keep_versions=1), route, {"sharded": True}
-    owner, owners = cfg.get("owner", 0), cfg.get("owners", 1)
+        return (Publisher(device=detect_device("cpu"), bucket_size=size, keep_versions=1), route,
+                {"sharded": True, "ownership": Ownership(owner, owners)})
     group = _group(cfg["addr"], store, "g0", 0, 1 + cfg["groups"][0], timeout, part=owner_part(owner))
     owners_group = _group(cfg["addr"], store, "g0", owner, owners, timeout, part="owners/") if owners > 1 else None
     route = Route(group, {}, owners_group)
@@ -296,6 +299,10 @@ def run(opts: dict, progress: Any = print) -> dict:
         if owners > 1:
             progress(f"  {receivers} receivers, {owners} trainer ranks owning shares")
             results.append(scenario(f"full, {receivers} receivers, {owners} owners", receivers, False, args, owners))
+    if max(args["owners"]) > 1:
+        owners = max(args["owners"])
+        progress(f"  sharded, TP={receivers}, {owners} trainer ranks owning shares")
+        results.append(scenario(f"sharded, TP={receivers}, {owners} owners", receivers, True, args, owners))
     by = {(r["receivers"], r["sharded"], r["owners"]): r for r in results}
     for r in results:
         r["median_s"] = statistics.median(r["seconds"])
@@ -330,8 +337,8 @@ def render(result: dict, machine: dict | None = None) -> list[str]:
                     "class at once, each on its own sync group, cut from its cached version as the trainer agent does "
                     "for a daemon's sharded version (`Publisher.publish(..., sharded=True)`, send/classes.py: the "
                     "version's identity digest of the full tensors included). Owner rows: K trainer ranks, each on "
-                    "its own link, each sending its 1/K of every version on its own sync group with the receivers.",
-                    ""]
+                    "its own link, each sending its 1/K of every version on its own sync group with the receivers "
+                    "(sharded with K owners: each owner sends every class the pieces of the tensors it owns).", ""]
 
 
 def target_measurements(result: dict) -> dict[str, list[tuple[str, float, str]]]:
@@ -340,7 +347,7 @@ def target_measurements(result: dict) -> dict[str, list[tuple[str, float, str]]]
         return {}
     out: dict[str, list[tuple[str, float, str]]] = {"time": [], "bytes": [], "owners": []}
     for r in result["results"]:
-        if r.get("owners", 1) == 4 and not r["sharded"]:
+        if r["owners"] == 4 and not r["sharded"]:
             out["owners"].append((f"{r['receivers']} receivers", r["over_one_owner"], ""))
         if r["sharded"]:
             tp = r["receivers"]

@@ -43,3 +43,11 @@ def test_two_owners_each_send_their_share_on_their_own_link() -> None:
     for received in result["received"]:  # every receiver the whole model, from both owners
         assert model <= max(received) <= model * 1.01, (received, model)
     assert max(result["bytes_sent"]) < 0.9 * model  # the lead sent only its share
+
+
+def test_two_owners_send_each_class_their_pieces() -> None:
+    args = {"rate_mbit": 400, "mib": 1, "bucket_mib": 1, "rounds": 1, "tp": [2], "raw": False, "timeout": 30.0}
+    result = netns_bench.scenario("sharded, TP=2, 2 owners", 2, True, args, owners=2)
+    model = result["model_bytes"]
+    for received in result["received"]:  # half the model each, from both owners
+        assert model // 2 <= max(received) <= model // 2 * 1.01, (received, model)
