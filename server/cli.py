@@ -105,6 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     driver.add_argument("--staging", choices=list(STAGINGS), default=None,
                         help="where the workers hold a version before it is applied (default: the deployment's; "
                              "docs/workers.md)")
+    driver.add_argument("--sharded", action="store_true",
+                        help="each worker receives only its tensor-parallel slices (vLLM served from a local model "
+                             "directory; docs/workers.md)")
     driver.set_defaults(run=_vllm_driver)
     check = sub.add_parser("check-config", help="validate a deployment YAML and print the effective settings")
     check.add_argument("path")
@@ -158,7 +161,7 @@ def _vllm_driver(args: argparse.Namespace) -> int:
     control = HttpControl(args.vllm_url, api_key=args.vllm_api_key, pause_mode=args.pause_mode)
     try:
         driver = start_vllm_driver(control, args.endpoint, engine=args.engine, token=args.token,
-                                   credentials=args.credentials, staging=args.staging)
+                                   credentials=args.credentials, staging=args.staging, sharded=args.sharded)
     except CkptEngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         control.close()

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from ckpt_engine.workers.adapters.vllm.shards import worker_shards
 from ckpt_engine.workers.adapters.vllm.worker import (
     WorkerReceiver,
     WorkerSettings,
@@ -55,6 +56,7 @@ class CkptEngineInitInfo(WeightTransferInitInfo):
     take_timeout_s: float = 60.0
     apply_timeout_s: float = 600.0
     staging: str | None = None  # auto | device | host | stream: this engine's, over the deployment's
+    sharded: bool = False  # each worker receives only its tensor-parallel slices (docs/workers.md)
 
     def __post_init__(self) -> None:
         if not self.endpoint or not self.engine:
@@ -81,6 +83,7 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
         super().__init__(config, vllm_config, device, model)
         self.receiver: WorkerReceiver | None = None
         self._applying: int | None = None  # the version loaded in the open update
+        self._shapes: dict[str, tuple[int, ...]] | None = None  # sharded: the checkpoint's full shapes
 
     def init_transfer_engine(self, init_info: CkptEngineInitInfo) -> None:
         if self.receiver is not None:  # a new init: a new registration (e.g. another daemon)
@@ -91,7 +94,9 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
                                   host_id=init_info.host_id, poll_wait_s=init_info.poll_wait_s,
                                   take_timeout_s=init_info.take_timeout_s, apply_timeout_s=init_info.apply_timeout_s,
                                   staging=init_info.staging)  # type: ignore[arg-type]
-        self.receiver = WorkerReceiver(settings, self.device)
+        spec, self._shapes = (worker_shards(self.model, self.vllm_config.model_config.model) if init_info.sharded
+                              else (None, None))
+        self.receiver = WorkerReceiver(settings, self.device, spec)
         log.info("ckpt-engine receiver %s started for engine %s", self.receiver.agent.agent_id, init_info.engine)
 
     def start_weight_update(self) -> None:
@@ -104,7 +109,7 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
         payload = staged.take(update_info.version, update_info.timeout_s)
         self._applying = update_info.version
         try:
-            load_version(self.model, payload)
+            load_version(self.model, payload, self._shapes)
         except BaseException as exc:  # the model may hold a mix now: torn until a whole version is applied
             staged.finish(update_info.version, exc)
             self._applying = None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from ckpt_engine.workers.adapters.vllm.shards import checkpoint_specs, derive_spec
+from ckpt_engine.workers.adapters.vllm.shards import worker_shards
 from ckpt_engine.workers.adapters.vllm.worker import (
     WorkerReceiver,
     WorkerSettings,
@@ -50,9 +50,8 @@ class CkptEngineWorkerExtension:
                                       poll_wait_s=poll_wait_s, take_timeout_s=take_timeout_s)
             spec = None
             if sharded:
-                specs = checkpoint_specs(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
-                spec = derive_spec(self.model_runner.model, specs).spec  # type: ignore[attr-defined]
-                self._ckpt_engine_shapes = {t.name: t.shape for t in specs}
+                spec, self._ckpt_engine_shapes = worker_shards(self.model_runner.model,  # type: ignore[attr-defined]
+                                                               self.vllm_config.model_config.model)  # type: ignore[attr-defined]
             receiver = WorkerReceiver(settings, self.device, spec)  # type: ignore[attr-defined]
             self._ckpt_engine_receiver = receiver
         return receiver.agent.agent_id

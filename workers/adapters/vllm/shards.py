@@ -61,6 +61,14 @@ def checkpoint_specs(model_dir: str | Path) -> list[TensorSpec]:
     return out
 
 
+def worker_shards(model: torch.nn.Module, model_dir: str | Path) -> tuple[dict[str, tuple[Slice, ...]],
+                                                                        dict[str, tuple[int, ...]]]:
+    """A TP worker's shard spec (what its loaders read of each checkpoint tensor) and the checkpoint's full
+    shapes (where its pieces are placed at apply time): what ``sharded=True`` starts a worker with."""
+    specs = checkpoint_specs(model_dir)
+    return derive_spec(model, specs).spec, {t.name: t.shape for t in specs}
+
+
 def placed_items(items: Iterable[tuple[str, torch.Tensor]], shapes: Mapping[str, tuple[int, ...]],
                  aliases: Mapping[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """A sharded version's tensors for vLLM's ``load_weights``: each piece at its place in a tensor of the full
