@@ -276,3 +276,80 @@ def test_a_spec_that_does_not_fit_takes_only_its_receiver_out_with_the_reason(tm
     finally:
         stop.touch()
         procs.collect(120)
+
+
+def odd_model(version: int) -> dict[str, torch.Tensor]:
+    """A strided view, fp8, bool, a 0-dim and an empty tensor, and one larger than the bucket (64 KiB)."""
+    gen = torch.Generator().manual_seed(version)
+    return {"w": torch.randn(64, 48, generator=gen), "wt": torch.randn(48, 64, generator=gen).t(),
+            "fp8": torch.randn(32, 16, generator=gen).to(torch.float8_e4m3fn),
+            "mask": torch.rand(16, 8, generator=gen) > 0.5, "scalar": torch.tensor(float(version)),
+            "empty": torch.zeros(0, 8), "big": torch.randn(128, 256, generator=gen), "norm": torch.randn(48, generator=gen)}
+
+
+ODD_SPECS = ({"w": (Slice(0, 0, 32),), "wt": (Slice(1, 0, 24),), "fp8": (Slice(0, 16, 16),), "mask": (Slice(1, 0, 4),),
+              "big": (Slice(1, 128, 128),), "empty": (Slice(1, 0, 4),), "head": (Slice(0, 0, 32),)},
+             {"w": (Slice(0, 32, 32),), "wt": (Slice(1, 24, 24),), "fp8": (Slice(0, 0, 16),), "mask": (Slice(1, 4, 4),),
+              "big": (Slice(0, 0, 64), Slice(0, 96, 32)), "empty": (Slice(1, 4, 4),), "head": (Slice(0, 32, 32),)})
+
+
+def odd_trainer(zmq: str, stop_file: str) -> dict:
+    from ckpt_engine.plan.tensors import NamedTensors
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
+
+    current = {"version": 1}
+    agent = TrainerAgent(lambda: NamedTensors(odd_model(current["version"]), {"head": "w"}), zmq,
+                         poll_wait_s=0.2).start()
+    served: dict[int, int] = {}
+
+    def after(step: int) -> None:
+        served[agent.served[-1]] = current["version"]
+        current["version"] += 1
+
+    train_until_stopped(agent, stop_file, on_version=after)
+    return {"served": served}
+
+
+def recording_receiver(zmq: str, stop_file: str, spec) -> dict:
+    import os
+    import time
+
+    from ckpt_engine.workers.rollout_agent import RolloutAgent
+    from tests.tiny_lm import tensor_bytes
+
+    got: dict[int, dict[str, bytes]] = {}
+
+    def load(payload) -> None:
+        got[payload.version] = tensor_bytes(dict(payload.items()))
+
+    agent = RolloutAgent(load, zmq, poll_wait_s=0.2, shard_spec=spec).start()
+    while not os.path.exists(stop_file):
+        time.sleep(0.05)
+    agent.close()
+    return {"got": got}
+
+
+def test_odd_tensors_reach_each_class_as_exactly_its_pieces(tmp_path: Path) -> None:
+    from ckpt_engine.plan.shards import cut, piece_name
+    from tests.tiny_lm import tensor_bytes
+
+    daemon = start_daemon(write_config(tmp_path, keep_versions=4, transport="collective", min_receivers=3,
+                                       bucket_size_mb=0.0625))
+    stop = tmp_path / "stop"
+    procs = start_processes([(odd_trainer, (daemon.zmq, str(stop))),
+                             *[(recording_receiver, (daemon.zmq, str(stop), spec)) for spec in (*ODD_SPECS, None)]])
+    try:
+        with daemon.client() as http:
+            wait_until(lambda: len(agents_of(http)) == 4, what="registration")
+            versions = [sync(http) for _ in range(2)]
+            assert [v["status"] for v in versions] == ["committed"] * 2, versions
+    finally:
+        stop.touch()
+        served, *receivers = procs.collect(120)
+    for record in versions:
+        full = odd_model(served["served"][record["id"]])
+        full["head"] = full["w"]
+        for spec, got in zip((*ODD_SPECS, {}), receivers):
+            want = {piece_name(name, part): cut(tensor, part)
+                    for name, tensor in full.items() for part in spec.get(name) or (None,)}
+            assert got["got"][record["id"]] == tensor_bytes(want), spec
