@@ -351,8 +351,9 @@ def target_measurements(result: dict) -> dict[str, list[tuple[str, float, str]]]
             out["owners"].append((f"{r['receivers']} receivers", r["over_one_owner"], ""))
         if r["sharded"]:
             tp = r["receivers"]
-            out["time"].append((f"TP={tp}", r["over_full"] * tp, f"(sharded ÷ full {r['over_full']:.3f})"))
-            out["bytes"].append((f"TP={tp}", r["received_fraction"] - 1 / tp, f"({r['received_fraction']:.3f} of the model)"))
+            where = f"TP={tp}" + (f", {r['owners']} owners" if r["owners"] > 1 else "")
+            out["time"].append((where, r["over_full"] * tp, f"(sharded ÷ full {r['over_full']:.3f})"))
+            out["bytes"].append((where, r["received_fraction"] - 1 / tp, f"({r['received_fraction']:.3f} of the model)"))
     return out
 
 
