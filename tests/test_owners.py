@@ -720,3 +720,58 @@ def test_a_failing_owner_releases_its_live_tensors_before_it_waits_for_the_other
     assert not failing["ok"] and not slow["ok"], (failing, slow)
     assert failing["ended_s"] >= _HELD_S - 0.5, failing  # it did wait for the slow owner's vote ...
     assert failing["released_s"] < _HELD_S / 2, failing  # ... but only after letting go of the live tensors
+
+
+# ---- the lead aborting part way (found by the outside attack of issue 30) ---------------------------------------
+def lead_aborting_owner(port: int, rank: int) -> list:
+    """Version 1: the lead's (rank 0's) send fails at its second bucket; version 2 goes through."""
+    from ckpt_engine.send.publisher import Ownership, Publisher
+
+    sent = {"buckets": 0}
+
+    def hook(index: int, buf: torch.Tensor) -> torch.Tensor:
+        sent["buckets"] += 1
+        if rank == 0 and sent["buckets"] == 2:
+            raise RuntimeError("injected: the lead's device failed part way")
+        return buf
+
+    (group,), owners = _library_groups(port, rank)
+    publisher = Publisher(group, bucket_size=16 << 10, wire_hook=hook)
+    publisher.attach(group, {}, owners)
+    out = []
+    for version in (1, 2):
+        started = time.monotonic()
+        result = publisher.publish(version, _model(version), ownership=Ownership(rank, 2)).result(60)
+        out.append((result.ok, result.reason, time.monotonic() - started))
+    publisher.close()
+    return out
+
+
+@pytest.mark.parametrize("staging", ["device", "stream"])
+def test_a_lead_aborting_part_way_ends_the_version_for_every_owner_at_once(staging: str) -> None:
+    """Receivers follow the other owners' buckets after the lead's abort, so those owners reach their vote and
+    hear of it now: the version fails well within the groups' timeout, and the next one goes through."""
+    from ckpt_engine.transport.group import open_store
+    from tests.procs import run_processes
+
+    store = open_store("127.0.0.1", 0, is_master=True, timeout_s=60)
+    lead, other, got = run_processes([(lead_aborting_owner, (store.port, 0)), (lead_aborting_owner, (store.port, 1)),
+                                      (library_receiver_of, (store.port, 2, staging))], timeout_s=180)
+    assert not lead[0][0] and not other[0][0] and not got[0][0], (lead, other, got)
+    assert other[0][2] < _T / 2, other  # not the group's timeout
+    assert lead[1][0] and other[1][0] and got[1][0], (lead, other, got)
+    assert got[1][2] == {k: v.tolist() for k, v in _model(2).items()}
+
+
+def library_receiver_of(port: int, versions: int, staging: str = "device") -> list:
+    from ckpt_engine.receive.collective import Receiver
+
+    groups, _ = _library_groups(port, 2)
+    held: dict[str, torch.Tensor] = {}
+    receiver = Receiver(groups, load=lambda payload: held.update({k: v.clone() for k, v in payload.items()}),
+                        staging=staging, streams=staging == "stream")
+    out = []
+    for _ in range(versions):
+        result = receiver.receive(begin_timeout_s=_T)
+        out.append((result.ok, result.reason, {k: v.tolist() for k, v in held.items()} if result.ok else None))
+    return out

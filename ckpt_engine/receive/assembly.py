@@ -47,6 +47,10 @@ class Feed(Protocol):
     def trailer(self) -> VersionTrailer:
         """The version's end (raises SenderAborted, or ProtocolError when a bucket never came)."""
 
+    def follow_the_rest(self, layout: Layout) -> None:
+        """After the lead's abort: take the other senders' remaining buckets off the wire (nothing of them is
+        used), so they end the version now."""
+
 
 @dataclass
 class Incoming:
@@ -135,7 +139,7 @@ class VersionAssembler:
             return
         # Buckets that land in a place of their own (a whole buffer) may be on the wire together: with several
         # owners, one of each owner's, so their links run at once instead of taking turns.
-        window = max(1, getattr(feed, "parallel", 1)) if incoming.choice.mode == "device" else 1
+        window = max(1, feed.parallel) if incoming.choice.mode == "device" else 1
         on_wire: collections.deque[tuple[Bucket, Callable[[], list[int]] | None, float]] = collections.deque()
         previous: tuple[Bucket, list[int]] | None = None
         for bucket in incoming.layout.buckets:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ckpt_engine.errors import CkptEngineError, ProtocolError, StagingUnavailable
-from ckpt_engine.plan.layout import Bucket
+from ckpt_engine.plan.layout import Bucket, Layout
 from ckpt_engine.receive.assembly import Incoming, LoadFn, ReceiveResult, SenderAborted, VersionAssembler, VersionPayload
 from ckpt_engine.receive.staging import Staging
 from ckpt_engine.receive.streamed import receive_streamed
@@ -83,6 +83,7 @@ class Receiver:
                 pass
             trailer = feed.trailer()
         except SenderAborted as exc:
+            feed.follow_the_rest(incoming.layout)
             return self.assembler.finish(incoming, str(exc))
         except CkptEngineError as exc:
             return self.assembler.finish(incoming, self._desynced(exc))
@@ -179,22 +180,26 @@ class _Feed:
     def __init__(self, receiver: Receiver, owners: list[int]) -> None:
         self.receiver, self.owners = receiver, owners
         self.parallel = len(set(owners))  # one bucket of each owner on the wire at once (whole staging)
+        self.started: set[int] = set()
         self.aborted: dict[int, str] = {}
         self.ended = False  # the version's end was read
 
     def start(self, bucket: Bucket, into: torch.Tensor) -> Callable[[], list[int]] | None:
         k, owner = bucket.index, self.owners[bucket.index]
         if owner in self.aborted:
+            if owner == 0:  # (asked again, e.g. by a stream draining the rest: nothing more comes from the lead)
+                raise SenderAborted(self.aborted[0])
             return None
+        self.started.add(k)
         channel = self.receiver.channels[owner]
         frame = channel.frame(None, len(bucket.slots), f"bucket {k} header")
         if frame.kind != FrameKind.BUCKET:
             try:
                 self.receiver._payload_of(frame, FrameKind.BUCKET, "bucket", channel)
             except SenderAborted as exc:
+                self.aborted[owner] = str(exc)
                 if owner == 0:  # the lead aborted: nothing more comes on its group for this version
                     raise
-                self.aborted[owner] = str(exc)
                 return None
         if frame.a != k or frame.b != bucket.nbytes or frame.c != len(bucket.slots):
             raise ProtocolError(f"bucket {k}: frame says index {frame.a}, {frame.b} bytes, {frame.c} tensors; "
@@ -207,6 +212,23 @@ class _Feed:
             return frame.extra
 
         return wait
+
+    def follow_the_rest(self, layout: Layout) -> None:
+        """The lead aborted the version part way: the other owners still send their buckets (they hear of the
+        abort only in their vote after the last one). Take those into scratch, so they reach that vote now,
+        not at their group's timeout (best effort: a failure here leaves the groups to be rebuilt)."""
+        rest = [b for b in layout.buckets if b.index not in self.started and self.owners[b.index] != 0]
+        if not rest:
+            return
+        scratch = torch.empty(max(b.nbytes for b in rest) or 1, dtype=torch.uint8,
+                              device=self.receiver.channel._device)
+        try:
+            for bucket in rest:
+                wait = self.start(bucket, scratch[: bucket.nbytes])  # (None: that owner aborted too)
+                if wait is not None:
+                    wait()
+        except CkptEngineError as exc:
+            self.receiver._desynced(exc)
 
     def trailer(self) -> VersionTrailer:
         if 0 in self.aborted:

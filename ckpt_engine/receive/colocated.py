@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ckpt_engine.device import DeviceInfo, stream_synchronize
 from ckpt_engine.errors import CkptEngineError, ProtocolError, StagingUnavailable, SyncTimeoutError
-from ckpt_engine.plan.layout import Bucket
+from ckpt_engine.plan.layout import Bucket, Layout
 from ckpt_engine.receive.assembly import Incoming, LoadFn, ReceiveResult, SenderAborted, VersionAssembler
 from ckpt_engine.receive.streamed import receive_streamed
 from ckpt_engine.transport.messages import VersionHeader, VersionTrailer, decode
@@ -190,6 +190,8 @@ class _Feed:
     its shared slot (unless the version is read in place) and the slot released at once, so the sender can
     refill it."""
 
+    parallel = 1  # one bucket at a time through the channel
+
     def __init__(self, receiver: IpcReceiver, incoming: Incoming) -> None:
         self.receiver, self.version = receiver, incoming.header.version
         self.ended = False  # the version's end was read
@@ -209,6 +211,9 @@ class _Feed:
             stream_synchronize(receiver.device)
         receiver.channel.send({"type": "release", "seq": notice.seq})
         return lambda: notice.digests
+
+    def follow_the_rest(self, layout: Layout) -> None:
+        pass  # one sender: after its abort nothing more comes
 
     def trailer(self) -> VersionTrailer:
         message = self.receiver._next(self.receiver.timeout_s, {"end", "abort"})

@@ -22,7 +22,7 @@ import torch
 
 from ckpt_engine.errors import CkptEngineError, ProtocolError
 from ckpt_engine.plan.dtypes import dtype_from_name
-from ckpt_engine.plan.layout import Bucket, TensorSlot
+from ckpt_engine.plan.layout import Bucket, Layout, TensorSlot
 from ckpt_engine.plan.sparse import Manifest
 from ckpt_engine.plan.tensors import slot_view
 from ckpt_engine.receive.assembly import Feed, Incoming, VersionAssembler
@@ -69,10 +69,12 @@ def receive_streamed(assembler: VersionAssembler, incoming: Incoming, feed: Feed
         result.reason = refusal
     error = progress.wire_error
     if error is not None:  # nothing more of the version can be read: an abort, or the transport failed
+        if isinstance(error, SenderAborted):
+            feed.follow_the_rest(incoming.layout)  # (the lead's: the other owners still send theirs)
         reason = str(error) if isinstance(error, SenderAborted) else desynced(error)
         return assembler.finish(incoming, f"{reason}{' (the model is torn)' if result.torn else ''}")
     if not progress.trailer_read:
-        problem = _drain(flow, feed)
+        problem = _drain(flow, feed, incoming.layout)
         if problem is not None:
             return assembler.finish(incoming, f"{result.reason}; and the rest of the version: {desynced(problem)}")
     if failure is None and progress.manifest is not None:
@@ -180,7 +182,7 @@ def _typed(raw: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     return raw.view(dtype_from_name(slot.dtype)).view(slot.shape)
 
 
-def _drain(flow: Iterator[Bucket], feed: Feed) -> BaseException | None:
+def _drain(flow: Iterator[Bucket], feed: Feed, layout: Layout) -> BaseException | None:
     """Take the rest of the version off the wire (nothing of it is applied); the transport's failure, if any."""
     try:
         for _ in flow:
@@ -188,6 +190,7 @@ def _drain(flow: Iterator[Bucket], feed: Feed) -> BaseException | None:
         feed.trailer()
     except Exception as exc:  # an abort ends it too: nothing more comes
         if isinstance(exc, SenderAborted):
+            feed.follow_the_rest(layout)  # (the lead's: the other owners still send theirs)
             return None
         return exc
     return None
