@@ -259,7 +259,8 @@ class Flights:
                          torn=agent is not None and agent.model.torn is not None)
             if flight.classes.seats:
                 own = flight.reports.get(entry["agent_id"])
-                entry.update(shard_class=flight.classes.key_of(entry["agent_id"]), bytes=own.bytes if own else None)
+                entry.update(shard_class=flight.classes.key_of(entry["agent_id"]), bytes=own.bytes if own else None,
+                             received_fraction=round(own.bytes / done.bytes, 4) if own and done.bytes else None)
         # (other owners' shares: as far as their reports have come; each later report updates it)
         cached = (flight.mode == "cached" and done.cache_versions is not None and flight.version in done.cache_versions
                   and not self.book.missing_shares(flight.version))

@@ -167,8 +167,10 @@ def test_each_tp_rank_gets_only_its_slices_verified_per_class_through_the_daemon
             whole = next(e for e in entries if e["shard_class"] == "whole")
             sharded = [e for e in entries if e["shard_class"] != "whole"]
             assert len(sharded) == 2 and len({e["shard_class"] for e in sharded}) == 2, entries
+            assert whole["received_fraction"] == 1.0 and committed[-1]["bytes"] == whole["bytes"], entries
             for entry in sharded:  # each TP rank: about half the bytes (norms go whole to both)
                 assert 0.45 * whole["bytes"] < entry["bytes"] < 0.55 * whole["bytes"], entries
+                assert 0.45 < entry["received_fraction"] < 0.55, entry
                 assert entry["version_digest"] != whole["version_digest"]
             corrupt.write_text(class_key(0)[:8])
             failed = sync(http)

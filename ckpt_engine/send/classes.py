@@ -105,7 +105,7 @@ class ClassSenders:
             thread.start()
         for thread in threads:
             thread.join()  # (each class's send is bounded by its group's timeouts)
-        return _merged(label, identity, lanes, results, started)
+        return _merged(label, identity, lanes, results, started, cached.version_layout.total_bytes)  # type: ignore[union-attr]
 
     def _identity(self, cache: VersionCache, cached: CachedVersion, label: int, expected_digest: str | None,
                   owners_group: SyncGroup | None) -> str:
@@ -201,9 +201,9 @@ def _failed(version: int, reason: str, started: float) -> TransferResult:
 
 
 def _merged(version: int, identity: str, lanes: Sequence[Lane], results: Mapping[str, TransferResult],
-            started: float) -> TransferResult:
-    """One result for the version: ok when every class is; acknowledgements and absent ranks in the quorum's
-    ranks; each class's digest and bytes beside."""
+            started: float, version_bytes: int) -> TransferResult:
+    """One result for the version (of ``version_bytes``, its full tensors): ok when every class is;
+    acknowledgements and absent ranks in the quorum's ranks; each class's digest and bytes beside."""
     acks, absent, classes, reasons = [], [], [], []
     seconds: dict[str, float] = {}
     for lane in lanes:
@@ -222,6 +222,6 @@ def _merged(version: int, identity: str, lanes: Sequence[Lane], results: Mapping
                             sum(r.bytes_sent for r in results.values()), sum(r.buckets for r in results.values()),
                             sum(r.tensors for r in results.values()), seconds=seconds,
                             finished_at=time.perf_counter(), absent_ranks=sorted(set(absent)),
-                            version_bytes=sum(c["bytes"] for c in classes), classes=classes)
+                            version_bytes=version_bytes, classes=classes)
     merged.seconds["total"] = time.perf_counter() - started
     return merged
