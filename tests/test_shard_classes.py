@@ -163,3 +163,32 @@ def test_a_tensor_named_like_a_piece_is_refused_for_sharded_versions_and_not_bla
     with pytest.raises(SpecUnfit, match="no tensor 'b'"):
         senders._class_plan(Lane("k", {"b": (Slice(0, 0, 2),)}, None, (1,)),  # type: ignore[arg-type]
                             cached({"a": torch.zeros(4)}))
+
+
+def test_an_identity_of_several_owners_is_merged_in_the_versions_order() -> None:
+    from ckpt_engine.errors import CkptEngineError
+    from ckpt_engine.plan.layout import TensorSpec, plan_layout
+    from ckpt_engine.plan.owners import plan_owners
+    from ckpt_engine.send.classes import merged_by_owner
+
+    layout = plan_layout([TensorSpec(f"t{i}", "float32", (256,)) for i in range(6)], 1024)  # one tensor a bucket
+    owners = plan_owners(layout, 2)
+    told = [[], []]
+    for slot in layout.slots:
+        told[owners.of[slot.bucket]].append(100 + slot.index)  # each owner its own tensors' values, in order
+    assert merged_by_owner(layout, owners, told) == [100 + i for i in range(6)]
+    told[1].pop()
+    with pytest.raises(CkptEngineError, match="owner rank 1 told"):
+        merged_by_owner(layout, owners, told)
+
+
+def test_the_classes_reach_the_other_trainer_ranks_as_they_left_rank_0() -> None:
+    from ckpt_engine.control.messages import Assignment, ClassLane
+    from ckpt_engine.workers.trainer_agent import _decode, _decode_lanes, _encode, _encode_lanes
+
+    lanes = [ClassLane(key="k" * 32, part="class-0/", spec={"w": [[0, 0, 4]]}, ranks=[1, 3]),
+             ClassLane(key="whole", part="class-1/", spec={}, ranks=[2])]
+    sent = Assignment(kind="send", version=7, generation=3, world_size=4, owners=2, classes=lanes)
+    agreed = _decode(_encode(sent)).model_copy(update={"classes": _decode_lanes(_encode_lanes(sent))})
+    assert agreed.classes == lanes and agreed.owners == 2 and agreed.generation == 3
+    assert _encode_lanes(Assignment(kind="send", version=8)) == b""
