@@ -74,7 +74,7 @@ class Flights:
         quorum = {r.agent_id: rank for rank, r in enumerate(remote + colocated, start=1)}
         classes = plan_lanes(receivers, quorum)
         membership = (*owner_ids, f"owners={owners}", *(r.agent_id for r in remote), "|",
-                      *(r.agent_id for r in colocated), "|", *(f"{a}:{s[1]}" for a, s in classes.seats.items()))
+                      *(r.agent_id for r in colocated), "|", *(f"{a}:{s.part}" for a, s in classes.seats.items()))
         if membership != self._membership or self.group_dirty:
             self.generation += 1
             self._membership, self.group_dirty = membership, False
@@ -91,8 +91,8 @@ class Flights:
         for receiver in remote:
             seat = classes.seats.get(receiver.agent_id)
             if seat is not None:  # its class's group: the trainer and the receivers that keep the same slices
-                receives.append((receiver, Assignment(kind="receive", part=seat[1], rank=seat[2],
-                                                      **{**common, "world_size": seat[3]})))
+                receives.append((receiver, Assignment(kind="receive", part=seat.part, rank=seat.rank,
+                                                      **{**common, "world_size": seat.world_size})))
             else:
                 receives.append((receiver, Assignment(kind="receive", rank=quorum[receiver.agent_id], **common)))
         for receiver in colocated:
@@ -271,14 +271,14 @@ class Flights:
         if outcome.status != "committed" or any(not e["ok"] for e in outcome.entries):
             self.group_dirty = True
         if done.version_digest is not None:  # then the daemon waited for every receiver's own report
-            self._bench(flight, outcome.silent, "did not report its outcome of version {}")
+            self._bench(outcome.silent, f"did not report its outcome of version {flight.version}")
         for unfit in (c for c in done.classes if c.spec_unfit):  # it would fail every version: out for a while
-            members = [a for a, seat in flight.classes.seats.items() if seat[0] == unfit.key]
-            self._bench(flight, members, "its shard spec does not fit version {}: " + (unfit.reason or "")[:500]
-                        .replace("{", "(").replace("}", ")"))
+            members = [a for a, seat in flight.classes.seats.items() if seat.key == unfit.key]
+            self._bench(members, f"its shard spec does not fit version {flight.version}: "
+                                         f"{(unfit.reason or '')[:500]}")
         by_rank = {rank: agent_id for agent_id, rank in flight.quorum.items()}
-        self._bench(flight, [by_rank[r] for r in done.absent_ranks if r in by_rank],
-                    "did not join the sync group of version {}", unproven=True)
+        self._bench([by_rank[r] for r in done.absent_ranks if r in by_rank],
+                    f"did not join the sync group of version {flight.version}", unproven=True)
         for agent_id in outcome.committed:  # it took a whole version under this registration
             agent = self.agents.get(agent_id)
             if agent is not None:
@@ -294,15 +294,15 @@ class Flights:
         digests = {c.key: c.version_digest if c.ok else None for c in done.classes}
         return expected_by_receiver(flight.classes, digests)
 
-    def _bench(self, flight: InFlight, agent_ids: list[str], why: str, *, unproven: bool = False) -> None:
+    def _bench(self, agent_ids: list[str], why: str, *, unproven: bool = False) -> None:
         """Receivers that failed the version for everyone (silent about their outcome; never at its
         rendezvous, cut off or not receivers at all): out of the quorum for a while, longer each time, and
         back only through a version of their own."""
         for agent_id in agent_ids:
             agent = self.agents.get(agent_id)
             if agent is not None:
-                delay = agent.model.benched(why.format(flight.version), self.clock(), unproven=unproven)
-                log.warning("receiver %s %s; out of the quorum for %.0fs", agent_id, why.format(flight.version), delay)
+                delay = agent.model.benched(why, self.clock(), unproven=unproven)
+                log.warning("receiver %s %s; out of the quorum for %.0fs", agent_id, why, delay)
 
     def fail(self, flight: InFlight, reason: str, status: str = "failed") -> None:
         owners = [f"owner rank {rank}: {why}" for rank, why in sorted(flight.owner_failures.items())]

@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 
 from ckpt_engine.device import detect_device
-from ckpt_engine.plan.shards import Slice, class_tensors, plan_classes
-from ckpt_engine.plan.tensors import NamedTensors, specs_of
+from ckpt_engine.plan.shards import Slice, spec_key
+from ckpt_engine.plan.tensors import NamedTensors
 from ckpt_engine.receive.collective import Receiver, VersionPayload
-from ckpt_engine.send.publisher import Publisher
+from ckpt_engine.send.classes import Lane
+from ckpt_engine.send.publisher import Publisher, Route
 from ckpt_engine.transport.group import SyncGroup, open_store
 from tests.procs import run_processes
 
@@ -37,13 +38,13 @@ def group(port: int, rank: int) -> SyncGroup:
 
 
 def sender(port: int, rank: int) -> list:
-    publisher = Publisher(group(port, 0), bucket_size=256)
+    """The trainer's path of a sharded version: cached, then the class's pieces cut from the cache."""
+    publisher = Publisher(device=detect_device("cpu"), bucket_size=256)
+    route = Route(None, {}, None, (Lane(spec_key(spec(rank)), spec(rank), group(port, 0), (1,)),))
     out = []
     for version in (1, 2):
-        named = model(version)
-        (cls,) = plan_classes(specs_of(named.tensors), {f"tp{rank}": spec(rank)})
-        result = publisher.publish(version, class_tensors(named, cls)).result(timeout_s=60)
-        out.append((result.ok, result.reason, result.version_bytes, cls.nbytes))
+        result = publisher.publish(version, model(version), sharded=True, route=lambda: route).result(timeout_s=60)
+        out.append((result.ok, result.reason, result.classes))
     publisher.close()
     return out
 
@@ -53,6 +54,8 @@ def receiver(port: int, rank: int) -> dict:
 
     def load(payload: VersionPayload) -> None:  # as plain lists: tensors would not outlive this process
         got[payload.version] = {name: t.float().tolist() for name, t in payload.tensors.items()}
+        got[payload.version]["bytes"] = sum(t.numel() * t.element_size() for name, t in payload.tensors.items()
+                                            if name not in payload.aliases)
 
     results = Receiver(group(port, 1), load).serve()
     return {"ok": [r.ok for r in results], "got": got}
@@ -64,10 +67,12 @@ def test_each_class_receives_exactly_its_ranges_verified() -> None:
         sent, received = run_processes([(sender, (store.port, rank)), (receiver, (store.port, rank))],
                                        timeout_s=120)
         assert received["ok"] == [True, True]
-        for (ok, reason, wire_bytes, class_bytes), version in zip(sent, (1, 2)):
+        for (ok, reason, classes), version in zip(sent, (1, 2)):
             assert ok, reason
+            assert [c["ok"] for c in classes] == [True]
             full = model(version).tensors
             total = sum(t.numel() * t.element_size() for t in full.values())
+            class_bytes = received["got"][version].pop("bytes")
             assert class_bytes < 0.6 * total  # (the norm and the step go whole to every rank)
             pieces = {name: torch.tensor(values) for name, values in received["got"][version].items()}
             full = {name: t.float() for name, t in full.items()}

@@ -1,4 +1,4 @@
-"""Sharded delivery's pure plan (plan/shards.py): specs checked, classes formed, pieces and their bytes."""
+"""Sharded delivery's pure plan (plan/shards.py): specs checked, classes keyed, pieces and their bytes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from ckpt_engine.errors import ConfigError
 from ckpt_engine.plan.layout import TensorSpec, plan_layout
-from ckpt_engine.plan.shards import Slice, check_spec, even_split, pieces_of, plan_classes, sharded_fraction
+from ckpt_engine.plan.shards import Slice, check_spec, even_split, pieces_of, spec_key
 
 # A Llama-style layer as a checkpoint holds it (hidden 8, 4 query heads and 2 KV heads of 2, MLP 16)
 TENSORS = [
@@ -64,18 +64,21 @@ def test_slices_that_cover_a_tensor_keep_it_whole_and_order_does_not_matter() ->
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_ranks_form_one_class_each_and_receive_their_share(tp: int) -> None:
-    specs = {f"dp{d}-tp{r}": tp_spec(r, tp) for d in range(2) for r in range(tp)} | {"trainer-eval": None}
-    classes = plan_classes(TENSORS, specs)
-    assert [c.receivers for c in classes] == [(f"dp0-tp{r}", f"dp1-tp{r}") for r in range(tp)] + [("trainer-eval",)]
-    whole = classes[-1]
-    assert whole.key == "whole" and [p.tensor for p in whole.pieces] == [t.name for t in TENSORS]
+    specs = {f"dp{d}-tp{r}": check_spec(tp_spec(r, tp), TENSORS) for d in range(2) for r in range(tp)}
+    keys = {name: spec_key(spec) for name, spec in specs.items()}
+    assert all(keys[f"dp0-tp{r}"] == keys[f"dp1-tp{r}"] for r in range(tp))  # TP rank r of every replica: one class
+    assert len(set(keys.values())) == tp and spec_key({}) == "whole"
+    whole = pieces_of(TENSORS, {})
+    assert [p.tensor for p in whole] == [t.name for t in TENSORS] and all(p.part is None for p in whole)
     total = sum(t.nbytes for t in TENSORS)
     replicated = sum(t.nbytes for t in TENSORS if t.name in ("norm.weight", "step"))
-    for cls in classes[:-1]:
-        assert cls.nbytes == (total - replicated) // tp + replicated
-        assert sharded_fraction(TENSORS, cls) <= 1 / tp + replicated / total
+    for r in range(tp):
+        pieces = pieces_of(TENSORS, specs[f"dp0-tp{r}"])
+        nbytes = sum(p.nbytes for p in pieces)
+        assert nbytes == (total - replicated) // tp + replicated
+        assert nbytes / total <= 1 / tp + replicated / total
     # every rank's pieces of a row-parallel weight are its columns, contiguous on the wire
-    down = [p for p in classes[1].pieces if p.tensor == "down_proj.weight"]
+    down = [p for p in pieces_of(TENSORS, specs["dp0-tp1"]) if p.tensor == "down_proj.weight"]
     assert [(p.spec.name, p.spec.shape) for p in down] == [(f"down_proj.weight@1:{16 // tp}:{16 // tp}", (8, 16 // tp))]
 
 
@@ -91,12 +94,7 @@ def test_a_fused_checkpoint_tensor_keeps_one_range_of_each_part() -> None:
     # a checkpoint storing q, k and v fused along dim 0 (8 + 4 + 4 rows): TP rank 1 of 2 keeps rows 4-7, 10-11, 14-15
     fused = [TensorSpec("qkv_proj.weight", "bfloat16", (16, 8))]
     spec = {"qkv_proj.weight": (Slice(0, 4, 4), Slice(0, 10, 2), Slice(0, 14, 2))}
-    (cls,) = plan_classes(fused, {"tp1": spec})
-    assert [(p.spec.name, p.spec.shape) for p in cls.pieces] == [
+    pieces = pieces_of(fused, check_spec(spec, fused))
+    assert [(p.spec.name, p.spec.shape) for p in pieces] == [
         ("qkv_proj.weight@0:4:4", (4, 8)), ("qkv_proj.weight@0:10:2", (2, 8)), ("qkv_proj.weight@0:14:2", (2, 8))]
-    assert cls.nbytes == 8 * 8 * 2
-
-
-def test_a_bad_spec_names_its_receiver() -> None:
-    with pytest.raises(ConfigError, match="receiver tp9: shard spec: no tensor 'x'"):
-        plan_classes(TENSORS, {"tp0": None, "tp9": {"x": (Slice(0, 0, 1),)}})
+    assert sum(p.nbytes for p in pieces) == 8 * 8 * 2

@@ -25,7 +25,6 @@ import torch
 
 from ckpt_engine.errors import ConfigError
 from ckpt_engine.plan.layout import TensorSpec
-from ckpt_engine.plan.tensors import NamedTensors
 
 PIECE_MARK = "@"
 
@@ -126,42 +125,6 @@ def spec_key(spec: ShardSpec) -> str:
         else "whole"
 
 
-@dataclass(frozen=True)
-class ReceiverClass:
-    """Receivers that keep the same bytes: one stream of exactly those."""
-
-    key: str
-    receivers: tuple[str, ...]
-    spec: dict[str, tuple[Slice, ...]]
-    pieces: tuple[Piece, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.pieces)
-
-
-def plan_classes(tensors: list[TensorSpec], specs: Mapping[str, ShardSpec | None]) -> list[ReceiverClass]:
-    """Receivers (id -> spec; None: whole tensors) grouped by identical specs, each spec checked against the
-    version's tensors. Classes are ordered by their first receiver id, receivers within a class sorted, so every
-    process plans the same classes from the same inputs."""
-    grouped: dict[str, tuple[dict[str, tuple[Slice, ...]], list[str]]] = {}
-    for receiver in sorted(specs):
-        try:
-            normal = check_spec(specs[receiver] or {}, tensors)
-        except ConfigError as exc:
-            raise ConfigError(f"receiver {receiver}: {exc}") from None
-        grouped.setdefault(spec_key(normal), (normal, []))[1].append(receiver)
-    classes = [ReceiverClass(key, tuple(ids), normal, tuple(pieces_of(tensors, normal)))
-               for key, (normal, ids) in grouped.items()]
-    return sorted(classes, key=lambda c: c.receivers[0])
-
-
-def sharded_fraction(tensors: list[TensorSpec], cls: ReceiverClass) -> float:
-    """Bytes a class receives ÷ the version's bytes (1.0: whole tensors; 1/TP for an even tensor-parallel split)."""
-    total = sum(t.nbytes for t in tensors)
-    return cls.nbytes / total if total else 1.0
-
-
 def even_split(dim: int, length: int, parts: int, rank: int) -> Slice:
     """Rank ``rank``'s range of ``length`` elements along ``dim`` split evenly into ``parts`` (the usual
     tensor-parallel rule); a ConfigError when it does not divide."""
@@ -190,17 +153,6 @@ def placed(piece: torch.Tensor, full_shape: tuple[int, ...], part: Slice, *, res
         full.fill_(rest)
     full.narrow(part.dim, part.start, part.length).copy_(piece)
     return full
-
-
-def class_tensors(named: NamedTensors, cls: ReceiverClass) -> NamedTensors:
-    """A class's pieces of ``named`` as tensors to publish: views of the full tensors (a column range is a
-    strided view; the bucket fill packs it contiguously), so nothing is copied ahead of the send. A tied name
-    stays tied to each of its canonical tensor's pieces. Tensors assembled per bucket by gathers (a sharded
-    model) have no views to take: a ConfigError."""
-    if named.gathers:
-        raise ConfigError("sharded delivery of a model whose buckets are gathered is not supported yet")
-    tensors = {piece.spec.name: cut_view(named.tensors[piece.tensor], piece.part) for piece in cls.pieces}
-    return NamedTensors(tensors, class_aliases(named.aliases, cls.spec))
 
 
 def class_aliases(aliases: Mapping[str, str], spec: ShardSpec) -> dict[str, str]:

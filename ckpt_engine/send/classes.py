@@ -24,8 +24,8 @@ from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError, ConfigError
 from ckpt_engine.plan.layout import Layout, TensorSpec, plan_layout
 from ckpt_engine.plan.owners import Owners, owners_by_group
-from ckpt_engine.plan.shards import (PIECE_MARK, ShardSpec, check_spec, class_aliases, cut_view, pieces_of,
-                                     resolve_aliases)
+from ckpt_engine.plan.shards import (PIECE_MARK, Piece, ShardSpec, check_spec, class_aliases, cut_view,
+                                     pieces_of, resolve_aliases, spec_key)
 from ckpt_engine.plan.sparse import manifest_of
 from ckpt_engine.send.cache import CachedVersion, VersionCache
 from ckpt_engine.send.sender import Sender, Transfer, TransferResult
@@ -61,13 +61,14 @@ class ClassSenders:
         # (a class's per-tensor digests are not the version's: they never serve as sparse bases)
         self._options = {k: v for k, v in options.items() if k != "manifests"}
         self._senders: dict[int, Sender] = {}
+        self._plans: dict[tuple, _ClassPlan] = {}
 
     def send(self, cache: VersionCache, version: int, lanes: Sequence[Lane], *, as_version: int | None = None,
              expected_digest: str | None = None) -> Transfer:
         """Send this rank's share of cached ``version`` (labelled ``as_version`` for a re-send, checked against
         its identity first) to every class at once; returns when every class has ended."""
         label = version if as_version is None else as_version
-        for key in [k for k, sender in self._senders.items() if not any(sender.group is l.group for l in lanes)]:
+        for key in [k for k, sender in self._senders.items() if not any(sender.group is lane.group for lane in lanes)]:
             del self._senders[key]  # of an earlier generation (its groups were closed with it)
         transfer = Transfer(label, "cached")
         transfer.params_released.set()
@@ -153,25 +154,25 @@ class ClassSenders:
     def _class_plan(self, lane: Lane, cached: CachedVersion) -> tuple[Layout, Owners | None, dict, dict]:
         """The class's layout (by owner groups with several owners), its owners, this rank's pieces as views of
         its cached tensors, and the class's tied names."""
-        version_layout, owners = cached.version_layout, cached.owners
-        specs: list[TensorSpec] = [slot.spec for slot in version_layout.slots]  # type: ignore[union-attr]
-        marked = [name for name in [*(t.name for t in specs), *cached.aliases] if PIECE_MARK in name]
-        if marked:  # a receiver would take it for a piece of another tensor
-            raise ConfigError(f"tensor names with {PIECE_MARK!r} cannot be sent sharded (e.g. {marked[0]!r}): "
-                              "rename them (the trainer agent's name_map)")
-        try:
-            spec = check_spec(resolve_aliases(lane.spec, cached.aliases), specs)
-        except ConfigError as exc:
-            raise SpecUnfit(str(exc)) from None
-        pieces = pieces_of(specs, spec)
-        several = owners is not None and owners.ranks > 1
-        owner_of = {slot.name: owners.of[slot.bucket] for slot in version_layout.slots} if several else {}  # type: ignore[union-attr]
-        layout = plan_layout([p.spec for p in pieces], self.bucket_size, self.alignment,
-                             groups=[owner_of[p.tensor] for p in pieces] if several else None)
+        plan = self._plan_of(lane, cached)
         views = cached.views()  # (with several owners: this rank's share)
-        mine = {p.spec.name: cut_view(views[p.tensor], p.part) for p in pieces if p.tensor in views}
-        return (layout, owners_by_group(layout, owners.ranks) if several else None, mine,  # type: ignore[union-attr]
-                class_aliases(cached.aliases, spec))
+        mine = {p.spec.name: cut_view(views[p.tensor], p.part) for p in plan.pieces if p.tensor in views}
+        return plan.layout, plan.owners, mine, plan.aliases
+
+    def _plan_of(self, lane: Lane, cached: CachedVersion) -> _ClassPlan:
+        """The class's plan for versions of this layout, owners, tied names and spec: made once, not per
+        version (a class's spec is checked and its pieces laid out only when one of them changes)."""
+        version_layout, owners = cached.version_layout, cached.owners
+        key = (version_layout.digest, owners.digest if owners is not None else None,  # type: ignore[union-attr]
+               tuple(sorted(cached.aliases.items())), spec_key(lane.spec))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = _plan_class(lane.spec, version_layout, owners, cached.aliases, self.bucket_size,  # type: ignore[arg-type]
+                               self.alignment)
+            if len(self._plans) >= _PLANS_KEPT:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = plan
+        return plan
 
     def _sender(self, lane: Lane) -> Sender:
         sender = self._senders.get(id(lane.group))
@@ -179,6 +180,39 @@ class ClassSenders:
             sender = Sender(lane.group, device=self.device, owners_group=lane.owners_group, **self._options)
             self._senders[id(lane.group)] = sender
         return sender
+
+
+_PLANS_KEPT = 64  # class plans remembered (classes × layouts in use; a layout rarely changes)
+
+
+@dataclass(frozen=True)
+class _ClassPlan:
+    layout: Layout
+    owners: Owners | None
+    pieces: tuple[Piece, ...]
+    aliases: dict[str, str]
+
+
+def _plan_class(wanted: ShardSpec, version_layout: Layout, owners: Owners | None, aliases: Mapping[str, str],
+                bucket_size: int, alignment: int) -> _ClassPlan:
+    """A class's pieces of a version of ``version_layout``, laid out in buckets of one owner each; SpecUnfit when
+    the spec does not fit the version, a ConfigError when the version cannot be sent sharded at all."""
+    specs: list[TensorSpec] = [slot.spec for slot in version_layout.slots]
+    marked = [name for name in [*(t.name for t in specs), *aliases] if PIECE_MARK in name]
+    if marked:  # a receiver would take it for a piece of another tensor
+        raise ConfigError(f"tensor names with {PIECE_MARK!r} cannot be sent sharded (e.g. {marked[0]!r}): "
+                          "rename them (the trainer agent's name_map)")
+    try:
+        spec = check_spec(resolve_aliases(wanted, aliases), specs)
+    except ConfigError as exc:
+        raise SpecUnfit(str(exc)) from None
+    pieces = pieces_of(specs, spec)
+    several = owners is not None and owners.ranks > 1
+    owner_of = {slot.name: owners.of[slot.bucket] for slot in version_layout.slots} if several else {}  # type: ignore[union-attr]
+    layout = plan_layout([p.spec for p in pieces], bucket_size, alignment,
+                         groups=[owner_of[p.tensor] for p in pieces] if several else None)
+    return _ClassPlan(layout, owners_by_group(layout, owners.ranks) if several else None,  # type: ignore[union-attr]
+                      tuple(pieces), class_aliases(aliases, spec))
 
 
 def merged_by_owner(layout: Layout, owners: Owners, told: Sequence[Sequence[int]]) -> list[int]:

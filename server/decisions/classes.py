@@ -6,21 +6,31 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ckpt_engine.server.agents import Agent
 
 from ckpt_engine.control.messages import ClassLane
 
 
+class Seat(NamedTuple):
+    """A receiver's place in a sharded version: its class, its class group's part, its rank there and the
+    group's size."""
+
+    key: str
+    part: str
+    rank: int
+    world_size: int
+
+
 @dataclass(frozen=True)
 class ClassPlan:
     lanes: list[ClassLane]  # what the trainer sends, class by class
-    # receiver agent id -> (its class's key, its class group's part, its rank in that group, the group's size)
-    seats: dict[str, tuple[str, str, int, int]]
+    seats: dict[str, Seat]  # by receiver agent id
 
     def key_of(self, agent_id: str) -> str | None:
         seat = self.seats.get(agent_id)
-        return seat[0] if seat else None
+        return seat.key if seat else None
 
 
 NO_CLASSES = ClassPlan([], {})
@@ -41,10 +51,10 @@ def plan_lanes(receivers: Sequence[Agent], quorum: Mapping[str, int]) -> ClassPl
         lanes.append(ClassLane(key=key, part=part, spec=members[0].shard_spec or {},
                                ranks=[quorum[m.agent_id] for m in members]))
         for seat, member in enumerate(members, start=1):
-            seats[member.agent_id] = (key, part, seat, 1 + len(members))
+            seats[member.agent_id] = Seat(key, part, seat, 1 + len(members))
     return ClassPlan(lanes, seats)
 
 
 def expected_by_receiver(plan: ClassPlan, digests: Mapping[str, str | None]) -> dict[str, str | None]:
     """Each receiver's expected digest: its class's, as the trainer sent it (``digests``: class key -> digest)."""
-    return {agent_id: digests.get(key) for agent_id, (key, _, _, _) in plan.seats.items()}
+    return {agent_id: digests.get(seat.key) for agent_id, seat in plan.seats.items()}
