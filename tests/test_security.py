@@ -120,6 +120,15 @@ def test_tokens_and_sessions_are_compared_in_constant_time(monkeypatch: pytest.M
     assert len(calls) == 8 and all(isinstance(a, bytes) for pair in calls for a in pair)
 
 
+def test_a_made_token_never_reads_as_an_option_on_the_command_line() -> None:
+    from ckpt_engine.control.auth import new_token
+    from server.cli import _parser
+
+    tokens = [new_token() for _ in range(2000)]  # a urlsafe token started with "-" 1 time in 64: a CI run hit it
+    assert not [t for t in tokens if t.startswith("-")] and len(set(tokens)) == len(tokens)
+    assert all(_parser().parse_args(["--token", t, "status"]).token == t for t in tokens[:200])
+
+
 UNSAFE = re.compile(r"\bimport pickle\b|\bpickle\.|\bcPickle\b|\bdill\b|\bshelve\b|\bmarshal\.loads|torch\.load\b|"
                     r"(?<![.\w])eval\(|(?<![.\w])exec\(|yaml\.load\(|yaml\.unsafe_load|yaml\.Loader\b|"
                     r"_object_list\(|all_gather_object|gather_object|scatter_object|recv_object|np\.load\(")

@@ -64,8 +64,13 @@ class Credentials(BaseModel):
                 and hmac.compare_digest(given, mine.encode())}
 
 
+TOKEN_PREFIX = "cke_"
+
+
 def new_token() -> str:
-    return secrets.token_urlsafe(32)
+    # the prefix keeps a token from starting with "-" (1 in 64 urlsafe tokens did): `--token -x...` is an
+    # unknown option to every command line that takes it
+    return TOKEN_PREFIX + secrets.token_urlsafe(32)
 
 
 def credentials_path(configured: str | None = None) -> Path:
