@@ -252,8 +252,7 @@ class Controller:
         """Start a version the daemon drives, or record why it cannot (503 with the failed record)."""
         problem = self._quorum_problem(trainer, receivers, now)
         if problem is None:
-            owners, colocated, problem = self._routes(trainer, receivers, source, now,  # type: ignore[arg-type]
-                                                      record.mode)
+            owners, colocated, problem = self._routes(trainer, receivers, source, now)  # type: ignore[arg-type]
         if problem:
             failed = self.history.update(record.id, status="failed", reason=problem)
             self.metrics.version_done("failed", 0, {})
@@ -262,12 +261,12 @@ class Controller:
                      sparse_base=rules.sparse_base(receivers) if sparse and source is None else None,
                      sparse=sparse and source is None, purpose="push" if source is not None else "sync")
 
-    def _routes(self, trainer: Agent, receivers: list[Agent], source: VersionRecord | None, now: float,
-                mode: str = "cached") -> tuple[int, list[Agent], str | None]:
+    def _routes(self, trainer: Agent, receivers: list[Agent], source: VersionRecord | None,
+                now: float) -> tuple[int, list[Agent], str | None]:
         """How many trainer ranks own the version, which receivers take the same-host path, and why it cannot
         go (None: it can)."""
         source_owners = source.owners if source else None
-        problem = rules.sharded_problem(receivers, self.config.transport, mode)
+        problem = rules.sharded_problem(receivers, self.config.transport)
         if problem is not None:
             return 1, [], problem
         owners = rules.owners_for(trainer, self.agents.trainers(), source_owners, self.config.transport, now,

@@ -95,17 +95,16 @@ def test_no_spec_no_classes_and_each_spec_its_own_class_with_group_ranks() -> No
     assert expected == {r0a.agent_id: "d0", r0b.agent_id: "d0", r1.agent_id: None, whole.agent_id: "dw"}
 
 
-@pytest.mark.parametrize("transport,mode,problem", [
-    ("auto", "cached", None),
-    ("collective", "cached", None),
-    ("ipc", "cached", "transport is ipc"),
-    ("auto", "bypass_cpu", "mode is cached, not bypass_cpu"),
+@pytest.mark.parametrize("transport,problem", [
+    ("auto", None),
+    ("collective", None),
+    ("ipc", "transport is ipc"),
 ])
-def test_when_a_sharded_version_cannot_go(transport, mode, problem) -> None:
+def test_when_a_sharded_version_cannot_go(transport, problem) -> None:
     receivers = [sharded({"w": [[0, 0, 4]]}), agent()]
-    said = rules.sharded_problem(receivers, transport, mode)
+    said = rules.sharded_problem(receivers, transport)
     assert (said is None) if problem is None else (problem in said)
-    assert rules.sharded_problem([agent()], "ipc", "bypass_cpu") is None  # not sharded: not asked
+    assert rules.sharded_problem([agent()], "ipc") is None  # not sharded: not asked
     assert rules.sparse_base(receivers) is None  # never sparse on the wire
     trainer = agent("trainer")
     assert rules.transports(trainer, receivers, 1, "auto") == ([], None)  # no same-host path for classes
@@ -148,21 +147,20 @@ def test_a_tensor_named_like_a_piece_is_refused_for_sharded_versions_and_not_bla
     from ckpt_engine.device import detect_device
     from ckpt_engine.plan.layout import plan_layout
     from ckpt_engine.plan.tensors import specs_of
-    from ckpt_engine.send.cache import VersionCache
     from ckpt_engine.send.classes import ClassSenders, Lane, SpecUnfit
 
-    def cached(tensors):
-        cache = VersionCache(detect_device("cpu"))
-        return cache.snapshot(1, plan_layout(specs_of(tensors), 1 << 16), tensors)
+    def layout(tensors):
+        return plan_layout(specs_of(tensors), 1 << 16)
 
     senders = ClassSenders(detect_device("cpu"), bucket_size=1 << 16, alignment=64, options={})
     lane = Lane("k", {"a": (Slice(0, 0, 2),)}, None, (1,))  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="cannot be sent sharded") as refused:
-        senders._class_plan(lane, cached({"a": torch.zeros(4), "a@0:0:1": torch.zeros(1)}))
-    assert not isinstance(refused.value, SpecUnfit)
-    with pytest.raises(SpecUnfit, match="no tensor 'b'"):
-        senders._class_plan(Lane("k", {"b": (Slice(0, 0, 2),)}, None, (1,)),  # type: ignore[arg-type]
-                            cached({"a": torch.zeros(4)}))
+    for live in (False, True):  # (cached and bypass_cpu plan alike)
+        with pytest.raises(ConfigError, match="cannot be sent sharded") as refused:
+            senders._plan_of(lane, layout({"a": torch.zeros(4), "a@0:0:1": torch.zeros(1)}), None, {}, live=live)
+        assert not isinstance(refused.value, SpecUnfit)
+        with pytest.raises(SpecUnfit, match="no tensor 'b'"):
+            senders._plan_of(Lane("k", {"b": (Slice(0, 0, 2),)}, None, (1,)),  # type: ignore[arg-type]
+                             layout({"a": torch.zeros(4)}), None, {}, live=live)
 
 
 def test_an_identity_of_several_owners_is_merged_in_the_versions_order() -> None:

@@ -1,5 +1,6 @@
 """A class's pieces through the real send and receive path (gloo, real processes): each receiver gets exactly
-its class's bytes, verified, and can put them back at their places in the full tensors."""
+its class's bytes, verified, and can put them back at their places in the full tensors; cut from the cache,
+and with bypass_cpu from the live tensors (tensors larger than a bucket assembled whole first)."""
 
 from __future__ import annotations
 
@@ -37,14 +38,20 @@ def group(port: int, rank: int) -> SyncGroup:
                      world_size=2, device=detect_device("cpu"), timeout_s=TIMEOUT_S, bind_host=HOST)
 
 
+# (version, mode, the weights it sends): bypass_cpu sends version 1's weights again, then new ones
+VERSIONS = ((1, "cached", 1), (2, "bypass_cpu", 1), (3, "bypass_cpu", 3))
+
+
 def sender(port: int, rank: int) -> list:
-    """The trainer's path of a sharded version: cached, then the class's pieces cut from the cache."""
+    """The trainer's path of a sharded version: cached, then the class's pieces cut from the cache; bypass_cpu,
+    cut from the live tensors (buckets of 256 bytes: qkv and emb are larger)."""
     publisher = Publisher(device=detect_device("cpu"), bucket_size=256)
     route = Route(None, {}, None, (Lane(spec_key(spec(rank)), spec(rank), group(port, 0), (1,)),))
     out = []
-    for version in (1, 2):
-        result = publisher.publish(version, model(version), sharded=True, route=lambda: route).result(timeout_s=60)
-        out.append((result.ok, result.reason, result.classes))
+    for version, mode, weights in VERSIONS:
+        result = publisher.publish(version, model(weights), mode=mode, sharded=True,
+                                   route=lambda: route).result(timeout_s=60)
+        out.append((result.ok, result.reason, result.classes, result.version_digest))
     publisher.close()
     return out
 
@@ -66,11 +73,13 @@ def test_each_class_receives_exactly_its_ranges_verified() -> None:
         store = open_store(HOST, 0, is_master=True, timeout_s=10)
         sent, received = run_processes([(sender, (store.port, rank)), (receiver, (store.port, rank))],
                                        timeout_s=120)
-        assert received["ok"] == [True, True]
-        for (ok, reason, classes), version in zip(sent, (1, 2)):
+        assert received["ok"] == [True] * len(VERSIONS)
+        identities = [digest for *_, digest in sent]  # of the full tensors, cached or gathered: one for one weights
+        assert identities[0] == identities[1] != identities[2] and identities[2] is not None
+        for (ok, reason, classes, _), (version, _, weights) in zip(sent, VERSIONS):
             assert ok, reason
             assert [c["ok"] for c in classes] == [True]
-            full = model(version).tensors
+            full = model(weights).tensors
             total = sum(t.numel() * t.element_size() for t in full.values())
             class_bytes = received["got"][version].pop("bytes")
             assert class_bytes < 0.6 * total  # (the norm and the step go whole to every rank)
@@ -82,4 +91,4 @@ def test_each_class_receives_exactly_its_ranges_verified() -> None:
             assert torch.equal(pieces[f"o.weight@1:{4 * rank}:4"], full["o.weight"][:, 4 * rank:4 * rank + 4])
             assert torch.equal(pieces[f"emb.weight@0:{10 * rank}:10"], full["emb.weight"][10 * rank:10 * rank + 10])
             assert torch.equal(pieces[f"lm_head.weight@0:{10 * rank}:10"], pieces[f"emb.weight@0:{10 * rank}:10"])
-            assert torch.equal(pieces["norm.weight"], full["norm.weight"]) and int(pieces["step"]) == version
+            assert torch.equal(pieces["norm.weight"], full["norm.weight"]) and int(pieces["step"]) == weights

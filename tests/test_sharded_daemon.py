@@ -217,14 +217,15 @@ def test_each_tp_rank_gets_only_its_slices_verified_per_class_through_the_daemon
 def test_every_fsdp_rank_sends_each_class_its_share(tmp_path: Path) -> None:
     """A 2-rank FSDP2 trainer (real fully_shard, gloo): both ranks own shares of every version, and each sends
     every class the pieces of the tensors it owns, on its own group; the TP ranks' local shards equal the
-    trainer's gathered weights of that step."""
+    trainer's gathered weights of that step. The second push is bypass_cpu: cut from the buckets as they are
+    gathered (buckets of 50 KB: the embedding is gathered in pieces and put together first)."""
     from tests.daemon_harness import free_port
     from tests.test_fsdp_sync import fsdp_trainer
 
     daemon = start_daemon(write_config(tmp_path, transport="collective", bucket_size_mb=0.05, min_receivers=2))
     stop = tmp_path / "stop"
     receivers = start_processes([(tp_receiver, (daemon.zmq, str(stop), 0)), (tp_receiver, (daemon.zmq, str(stop), 1))])
-    pushes = {3: False, 6: False}
+    pushes = {3: False, 6: True}  # (step: bypass_cpu)
     try:
         with daemon.client() as http:
             wait_until(lambda: len(agents_of(http)) == 2, what="registration")
@@ -239,6 +240,7 @@ def test_every_fsdp_rank_sends_each_class_its_share(tmp_path: Path) -> None:
     for step in pushes:
         record = history[step]
         assert record["status"] == "committed" and record["owners"] == 2, record
+        assert record["mode"] == ("bypass_cpu" if pushes[step] else "cached") and record["version_digest"], record
         full = {name: torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shapes[name]).tolist()
                 for name, raw in trainer0["served"][step].items()}
         for rank, got in ((0, rank0), (1, rank1)):
@@ -349,8 +351,9 @@ def test_odd_tensors_reach_each_class_as_exactly_its_pieces(tmp_path: Path) -> N
     try:
         with daemon.client() as http:
             wait_until(lambda: len(agents_of(http)) == 4, what="registration")
-            versions = [sync(http) for _ in range(2)]
+            versions = [sync(http), http.post("/sync", json={"wait": True, "timeout_s": 60, "bypass_cpu": True}).json()]
             assert [v["status"] for v in versions] == ["committed"] * 2, versions
+            assert versions[1]["mode"] == "bypass_cpu" and not versions[1]["cached"], versions[1]
     finally:
         stop.touch()
         served, *receivers = procs.collect(120)

@@ -1,5 +1,6 @@
 """Sending a sharded version: each class of receivers (plan/shards.py) gets only its pieces, on a sync group of
-its own, cut from the version as the cache holds it (so an FSDP model is gathered once, whatever the classes).
+its own, cut from the version as the cache holds it, or, with bypass_cpu, from each owner's buckets as they are
+gathered (send/fanout.py): either way an FSDP model is gathered once, whatever the classes.
 
 With several trainer ranks owning shares of the version (plan/owners.py), every owner sends each class the
 pieces of the tensors it owns, on its own group with the class's receivers: a class's layout is planned by
@@ -7,8 +8,8 @@ owner groups (a bucket holds pieces of one owner's tensors), and the owners of e
 their digests on the class's owners' group, as for any version of several owners.
 
 The version keeps one identity, the per-tensor digests of its full tensors (computed from the cache on its
-first send, every owner its share, merged on the owners' group; checked on every re-send like any cached
-version's); each class's stream carries its own digests, which its receivers verify before anything is
+first send, or from the gathered buckets with bypass_cpu; every owner its share, merged on the owners' group;
+checked on every re-send like any cached version's); each class's stream carries its own digests, which its receivers verify before anything is
 applied and which the daemon compares with theirs.
 """
 
@@ -17,20 +18,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
-from ckpt_engine.device import DeviceInfo
+import torch
+
+from ckpt_engine.device import DeviceInfo, mark, wait_for
 from ckpt_engine.errors import CkptEngineError, ConfigError
-from ckpt_engine.plan.layout import Layout, TensorSpec, plan_layout
-from ckpt_engine.plan.owners import Owners, owners_by_group
+from ckpt_engine.plan.hashing import bucket_digests, tensor_digests
+from ckpt_engine.plan.layout import Bucket, Layout, TensorSpec, plan_layout
+from ckpt_engine.plan.modes import Mode
+from ckpt_engine.plan.owners import Owners, owners_by_group, share_of
 from ckpt_engine.plan.shards import (PIECE_MARK, Piece, ShardSpec, check_spec, class_aliases, cut_view,
                                      pieces_of, resolve_aliases, spec_key)
 from ckpt_engine.plan.sparse import manifest_of
+from ckpt_engine.plan.tensors import fill_bucket
 from ckpt_engine.send.cache import CachedVersion, VersionCache
+from ckpt_engine.send.fanout import Assembler, GatheredWindow, Tensors, ready_at
 from ckpt_engine.send.sender import Sender, Transfer, TransferResult
 from ckpt_engine.send.sources import StaleCopy, cached_digests, check_identity, evict_quietly
 from ckpt_engine.transport.group import SyncGroup
+
+Gather = Callable[[int], Tensors]  # this owner's bucket of the version's layout, gathered (in layout order)
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +77,45 @@ class ClassSenders:
         """Send this rank's share of cached ``version`` (labelled ``as_version`` for a re-send, checked against
         its identity first) to every class at once; returns when every class has ended."""
         label = version if as_version is None else as_version
-        for key in [k for k, sender in self._senders.items() if not any(sender.group is lane.group for lane in lanes)]:
-            del self._senders[key]  # of an earlier generation (its groups were closed with it)
+        self._forget_senders(lanes)
         transfer = Transfer(label, "cached")
         transfer.params_released.set()
         with cache.lease(version) as cached:
             transfer._finish(self._send_leased(cache, cached, label, lanes, expected_digest))
+        return transfer
+
+    def send_live(self, version: int, layout: Layout, owners: Owners, rank: int, gather: Gather,
+                  lanes: Sequence[Lane], *, aliases: Mapping[str, str], step: int | None) -> Transfer:
+        """bypass_cpu: this owner's buckets of ``layout`` gathered once (``gather``, in layout order), every class
+        sent its pieces cut from them while they are held (send/fanout.py). Returns once every class has read
+        them (``params_released``: the trainer may change its tensors); the sends end in the background. The
+        version's identity is hashed from the gathered tensors, as a cached copy of them would give it."""
+        started = time.perf_counter()
+        self._forget_senders(lanes)
+        transfer = Transfer(version, "bypass_cpu")
+        plans: dict[str, _ClassPlan | ConfigError] = {}
+        for lane in lanes:
+            try:
+                plans[lane.key] = self._plan_of(lane, layout, owners, aliases, live=True)
+            except ConfigError as exc:  # (raised again on the class's thread: only its receivers fail)
+                plans[lane.key] = exc
+        needs = {key: plan.sources_of(rank) if isinstance(plan, _ClassPlan) else set() for key, plan in plans.items()}
+        window = GatheredWindow(needs, WINDOW_DEPTH, float(self._options.get("timeout_s") or 60.0))
+        results: dict[str, TransferResult] = {}
+        threads = [self._start_thread(
+            f"ckpt-send-v{version}-{lane.key[:8]}", self._send_class, lane, version, results,
+            lambda lane=lane: self._start_live(lane, plans[lane.key], window, version, step),
+            lambda lane=lane: window.done(lane.key)) for lane in lanes]
+        digests: list[int] | None = None
+        try:
+            digests = self._gather_into(window, gather, layout, owners, rank)
+            window.wait_empty()
+        except Exception as exc:  # (a failed gather of the job's group is raised by the caller's cursor)
+            log.error("version %d: gathering this owner's buckets failed: %s: %s", version, type(exc).__name__, exc)
+            window.fail(f"version {version}: the trainer rank's gather failed: {type(exc).__name__}: {exc}")
+        transfer.params_released.set()
+        self._start_thread(f"ckpt-send-v{version}-end", self._finish_live, transfer, threads, results, lanes,
+                           layout, owners, digests, started)
         return transfer
 
     def abort(self, lane: Lane, label: int, reason: str) -> None:
@@ -90,6 +132,10 @@ class ClassSenders:
         self._senders.clear()
 
     # ---- internals -----------------------------------------------------------------------------------
+    def _forget_senders(self, lanes: Sequence[Lane]) -> None:
+        for key in [k for k, sender in self._senders.items() if not any(sender.group is lane.group for lane in lanes)]:
+            del self._senders[key]  # of an earlier generation (its groups were closed with it)
+
     def _send_leased(self, cache: VersionCache, cached: CachedVersion, label: int, lanes: Sequence[Lane],
                      expected_digest: str | None) -> TransferResult:
         started = time.perf_counter()
@@ -100,10 +146,9 @@ class ClassSenders:
                 self.abort(lane, label, str(exc))
             return _failed(label, str(exc), started)
         results: dict[str, TransferResult] = {}
-        threads = [threading.Thread(target=self._send_class, args=(lane, cached, label, results),
-                                    name=f"ckpt-send-v{label}-{lane.key[:8]}", daemon=True) for lane in lanes]
-        for thread in threads:
-            thread.start()
+        threads = [self._start_thread(f"ckpt-send-v{label}-{lane.key[:8]}", self._send_class, lane, label, results,
+                                      lambda lane=lane: self._start_cached(lane, cached, label))
+                   for lane in lanes]
         for thread in threads:
             thread.join()  # (each class's send is bounded by its group's timeouts)
         return _merged(label, identity, lanes, results, started, cached.version_layout.total_bytes)  # type: ignore[union-attr]
@@ -113,62 +158,130 @@ class ClassSenders:
         """The version digest of the full tensors: for a re-send, the recorded one once this rank's cached bytes
         are checked against it; on the first send, computed from the cache (every owner its share, merged on
         the owners' group) and kept as the version's identity."""
-        algo = self._options.get("digest_algo") or self.device.digest_algo
         if label != cached.version:
             try:
-                check_identity(cached, algo, self.device.comm_device, owners_group.rank if owners_group else 0,
-                               expected_digest)
+                check_identity(cached, self._algo(), self.device.comm_device,
+                               owners_group.rank if owners_group else 0, expected_digest)
             except StaleCopy:
                 evict_quietly(cache, cached.version)
                 raise
             return cached.identity.version_digest  # type: ignore[union-attr]
         if cached.identity is None:
-            digests = cached_digests(cached, algo, self.device.comm_device)
-            owners = cached.owners
-            if owners is not None and owners.ranks > 1:
-                if owners_group is None:
-                    raise ConfigError(f"version {label} has {owners.ranks} owners but no owners' group to merge "
-                                      "its identity on")
-                told = owners_group.exchange_ints([label, *digests], f"version {label}: identity",
-                                                  round_id=("identity", label))
-                digests = merged_by_owner(cached.version_layout, owners, [values[1:] for values in told])
-            cached.identity = manifest_of(cached.version, algo, cached.version_layout, digests)  # type: ignore[arg-type]
+            digests = cached_digests(cached, self._algo(), self.device.comm_device)
+            cached.identity = self._merged_identity(label, cached.version_layout, cached.owners, digests,  # type: ignore[arg-type]
+                                                    owners_group)
         return cached.identity.version_digest
 
-    def _send_class(self, lane: Lane, cached: CachedVersion, label: int, results: dict[str, TransferResult]) -> None:
+    def _merged_identity(self, label: int, layout: Layout, owners: Owners | None, digests: list[int],
+                         owners_group: SyncGroup | None):
+        """The version's manifest from this owner's per-tensor digests of its share, merged on the owners' group
+        with the other owners' when there are several."""
+        if owners is not None and owners.ranks > 1:
+            if owners_group is None:
+                raise ConfigError(f"version {label} has {owners.ranks} owners but no owners' group to merge its "
+                                  "identity on")
+            told = owners_group.exchange_ints([label, *digests], f"version {label}: identity",
+                                              round_id=("identity", label))
+            digests = merged_by_owner(layout, owners, [values[1:] for values in told])
+        return manifest_of(label, self._algo(), layout, digests)
+
+    def _algo(self):
+        return self._options.get("digest_algo") or self.device.digest_algo
+
+    @staticmethod
+    def _start_thread(name: str, target: Callable, *args) -> threading.Thread:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def _send_class(self, lane: Lane, label: int, results: dict[str, TransferResult], start: Callable[[], Transfer],
+                    on_end: Callable[[], None] | None = None) -> None:
+        """One class's send, started by ``start``, to its end; every failure ends the class with a reason."""
         started = time.perf_counter()
         try:
-            layout, owners, tensors, aliases = self._class_plan(lane, cached)
-            transfer = self._sender(lane).send_live(label, layout, tensors, aliases=aliases, step=cached.step,
-                                                    check=False, owners=owners, inline=True)
-            result = transfer.result()
+            result = start().result()
         except ConfigError as exc:  # (a spec that does not fit the version: only this class's receivers fail)
             self.abort(lane, label, str(exc))
             result = _failed(label, str(exc), started)
             result.classes = [{"spec_unfit": isinstance(exc, SpecUnfit)}]
-        except Exception as exc:  # every failure ends the class with a reason
+        except Exception as exc:
             log.exception("version %d: sending class %s failed", label, lane.key)
             result = _failed(label, f"{type(exc).__name__}: {exc}", started)
+        finally:
+            if on_end is not None:
+                on_end()
         results[lane.key] = result
 
-    def _class_plan(self, lane: Lane, cached: CachedVersion) -> tuple[Layout, Owners | None, dict, dict]:
-        """The class's layout (by owner groups with several owners), its owners, this rank's pieces as views of
-        its cached tensors, and the class's tied names."""
-        plan = self._plan_of(lane, cached)
+    def _start_cached(self, lane: Lane, cached: CachedVersion, label: int) -> Transfer:
+        """The class's pieces as views of this rank's cached tensors, sent on this thread."""
+        plan = self._plan_of(lane, cached.version_layout, cached.owners, cached.aliases)  # type: ignore[arg-type]
         views = cached.views()  # (with several owners: this rank's share)
         mine = {p.spec.name: cut_view(views[p.tensor], p.part) for p in plan.pieces if p.tensor in views}
-        return plan.layout, plan.owners, mine, plan.aliases
+        return self._sender(lane).send_live(label, plan.layout, mine, aliases=plan.aliases, step=cached.step,
+                                            check=False, owners=plan.owners, inline=True)
 
-    def _plan_of(self, lane: Lane, cached: CachedVersion) -> _ClassPlan:
+    def _start_live(self, lane: Lane, plan: _ClassPlan | ConfigError, window: GatheredWindow, label: int,
+                    step: int | None) -> Transfer:
+        """The class's pieces cut from the gathered buckets in ``window`` as its send asks for them; once all
+        are in its send buffers the class lets go of the window."""
+        if isinstance(plan, ConfigError):
+            raise plan
+
+        def provide(bucket: Bucket) -> Tensors:
+            tensors, point = window.take(lane.key, plan.sources[bucket.index])
+            wait_for(self.device, point, host=False)  # (the gather's device work before this send's copies)
+            pieces = [plan.by_name[slot.name] for slot in bucket.slots]
+            return {p.spec.name: cut_view(tensors[p.tensor], p.part) for p in pieces}
+
+        transfer = self._sender(lane).send_live(label, plan.layout, provide, aliases=plan.aliases, step=step,
+                                                check=False, owners=plan.owners)
+        transfer.params_released.wait()  # (set when every bucket is filled, or when the send ends)
+        window.done(lane.key)
+        return transfer
+
+    def _gather_into(self, window: GatheredWindow, gather: Gather, layout: Layout, owners: Owners,
+                     rank: int) -> list[int]:
+        """This owner's buckets gathered in order into ``window``, each hashed on the way: returns the per-tensor
+        digests of its share, as a cached copy of it would give them."""
+        share = share_of(layout, owners, rank)
+        scratch = torch.empty(max(share.layout.max_bucket_bytes, 1), dtype=torch.uint8, device=self.device.comm_device)
+        assembler, parts = Assembler(), []
+        for local, index in enumerate(share.wire):
+            tensors = gather(index)
+            bucket = share.layout.buckets[local]
+            fill_bucket(scratch, bucket.slots, tensors, bucket.nbytes)
+            parts.append(bucket_digests(bucket, scratch, self._algo(), share.layout.digest))
+            window.put(index, assembler.take(layout.buckets[index], tensors), mark(self.device))
+        return tensor_digests(share.layout, torch.cat(parts).cpu().tolist() if parts else [])
+
+    def _finish_live(self, transfer: Transfer, threads: Sequence[threading.Thread], results: dict[str, TransferResult],
+                     lanes: Sequence[Lane], layout: Layout, owners: Owners, digests: list[int] | None,
+                     started: float) -> None:
+        """When every class has ended: the version's identity merged across its owners (only when every class
+        was sent: then every owner takes part), and one result."""
+        label, identity = transfer.version, None
+        try:
+            for thread in threads:
+                thread.join()  # (each class's send is bounded by its group's timeouts)
+            if digests is not None and len(results) == len(lanes) and all(r.ok for r in results.values()):
+                several = owners if owners.ranks > 1 else None
+                identity = self._merged_identity(label, layout, several, digests, lanes[0].owners_group).version_digest
+            result = _merged(label, identity, lanes, results, started, layout.total_bytes, "bypass_cpu")
+        except Exception as exc:  # the transfer ends with why, whatever failed
+            log.exception("version %d: ending the classes' sends failed", label)
+            result = _failed(label, f"{type(exc).__name__}: {exc}", started, "bypass_cpu")
+        transfer._finish(result)
+
+    def _plan_of(self, lane: Lane, version_layout: Layout, owners: Owners | None, aliases: Mapping[str, str],
+                 *, live: bool = False) -> _ClassPlan:
         """The class's plan for versions of this layout, owners, tied names and spec: made once, not per
         version (a class's spec is checked and its pieces laid out only when one of them changes)."""
-        version_layout, owners = cached.version_layout, cached.owners
         key = (version_layout.digest, owners.digest if owners is not None else None,  # type: ignore[union-attr]
-               tuple(sorted(cached.aliases.items())), spec_key(lane.spec))
+               tuple(sorted(aliases.items())), spec_key(lane.spec), live)
         plan = self._plans.get(key)
         if plan is None:
-            plan = _plan_class(lane.spec, version_layout, owners, cached.aliases, self.bucket_size,  # type: ignore[arg-type]
-                               self.alignment)
+            plan = _plan_class(lane.spec, version_layout, owners, aliases, self.bucket_size, self.alignment,
+                               live=live)
             if len(self._plans) >= _PLANS_KEPT:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[key] = plan
@@ -182,6 +295,8 @@ class ClassSenders:
         return sender
 
 
+WINDOW_DEPTH = 2  # gathered buckets an owner holds for its classes: one being read, the next one gathered
+
 _PLANS_KEPT = 64  # class plans remembered (classes × layouts in use; a layout rarely changes)
 
 
@@ -191,12 +306,21 @@ class _ClassPlan:
     owners: Owners | None
     pieces: tuple[Piece, ...]
     aliases: dict[str, str]
+    # bypass_cpu: per bucket of the class's layout, the bucket of the version's layout its pieces are cut from
+    sources: tuple[int, ...] = ()
+    by_name: Mapping[str, Piece] = field(default_factory=dict)  # the pieces by wire name
+
+    def sources_of(self, rank: int) -> set[int]:
+        """The version's buckets whose pieces this class takes from owner ``rank``."""
+        return {source for bucket, source in enumerate(self.sources)
+                if (self.owners.of[bucket] if self.owners is not None else 0) == rank}
 
 
 def _plan_class(wanted: ShardSpec, version_layout: Layout, owners: Owners | None, aliases: Mapping[str, str],
-                bucket_size: int, alignment: int) -> _ClassPlan:
-    """A class's pieces of a version of ``version_layout``, laid out in buckets of one owner each; SpecUnfit when
-    the spec does not fit the version, a ConfigError when the version cannot be sent sharded at all."""
+                bucket_size: int, alignment: int, *, live: bool = False) -> _ClassPlan:
+    """A class's pieces of a version of ``version_layout``, laid out in buckets of one owner each (``live``: of
+    one bucket of the version each, the gathered one its pieces are cut from); SpecUnfit when the spec does
+    not fit the version, a ConfigError when the version cannot be sent sharded at all."""
     specs: list[TensorSpec] = [slot.spec for slot in version_layout.slots]
     marked = [name for name in [*(t.name for t in specs), *aliases] if PIECE_MARK in name]
     if marked:  # a receiver would take it for a piece of another tensor
@@ -208,11 +332,23 @@ def _plan_class(wanted: ShardSpec, version_layout: Layout, owners: Owners | None
         raise SpecUnfit(str(exc)) from None
     pieces = pieces_of(specs, spec)
     several = owners is not None and owners.ranks > 1
-    owner_of = {slot.name: owners.of[slot.bucket] for slot in version_layout.slots} if several else {}  # type: ignore[union-attr]
-    layout = plan_layout([p.spec for p in pieces], bucket_size, alignment,
-                         groups=[owner_of[p.tensor] for p in pieces] if several else None)
-    return _ClassPlan(layout, owners_by_group(layout, owners.ranks) if several else None,  # type: ignore[union-attr]
-                      tuple(pieces), class_aliases(aliases, spec))
+    if live:
+        ready = ready_at(version_layout)
+        groups: list[int] | None = [ready[p.tensor] for p in pieces]
+    elif several:
+        owner_of = {slot.name: owners.of[slot.bucket] for slot in version_layout.slots}  # type: ignore[union-attr]
+        groups = [owner_of[p.tensor] for p in pieces]
+    else:
+        groups = None
+    layout = plan_layout([p.spec for p in pieces], bucket_size, alignment, groups=groups)
+    sources: tuple[int, ...] = ()
+    class_owners = owners_by_group(layout, owners.ranks) if several and not live else None  # type: ignore[union-attr]
+    if live:
+        sources = tuple(layout.groups[b.slots[0].index] if b.slots else 0 for b in layout.buckets)  # type: ignore[index]
+        if several:
+            class_owners = Owners(owners.ranks, tuple(owners.of[source] for source in sources))  # type: ignore[union-attr]
+    return _ClassPlan(layout, class_owners, tuple(pieces), class_aliases(aliases, spec), sources,
+                      {p.spec.name: p for p in pieces})
 
 
 def merged_by_owner(layout: Layout, owners: Owners, told: Sequence[Sequence[int]]) -> list[int]:
@@ -229,15 +365,16 @@ def merged_by_owner(layout: Layout, owners: Owners, told: Sequence[Sequence[int]
     return out
 
 
-def _failed(version: int, reason: str, started: float) -> TransferResult:
-    return TransferResult(version, "cached", False, reason, None, [], 0, 0, 0,
+def _failed(version: int, reason: str, started: float, mode: Mode = "cached") -> TransferResult:
+    return TransferResult(version, mode, False, reason, None, [], 0, 0, 0,
                           seconds={"total": time.perf_counter() - started}, finished_at=time.perf_counter())
 
 
-def _merged(version: int, identity: str, lanes: Sequence[Lane], results: Mapping[str, TransferResult],
-            started: float, version_bytes: int) -> TransferResult:
-    """One result for the version (of ``version_bytes``, its full tensors): ok when every class is;
-    acknowledgements and absent ranks in the quorum's ranks; each class's digest and bytes beside."""
+def _merged(version: int, identity: str | None, lanes: Sequence[Lane], results: Mapping[str, TransferResult],
+            started: float, version_bytes: int, mode: Mode = "cached") -> TransferResult:
+    """One result for the version (of ``version_bytes``, its full tensors): ok when every class is and its
+    identity is known; acknowledgements and absent ranks in the quorum's ranks; each class's digest and bytes
+    beside."""
     acks, absent, classes, reasons = [], [], [], []
     seconds: dict[str, float] = {}
     for lane in lanes:
@@ -252,7 +389,9 @@ def _merged(version: int, identity: str, lanes: Sequence[Lane], results: Mapping
             reasons.append(f"class {lane.key[:12]}: {result.reason}")
         for stage, value in result.seconds.items():
             seconds[stage] = max(seconds.get(stage, 0.0), value)
-    merged = TransferResult(version, "cached", not reasons, "; ".join(reasons) or None, identity, acks,
+    if identity is None and not reasons:
+        reasons.append("the version's identity is not known (its owners did not all hash it)")
+    merged = TransferResult(version, mode, not reasons, "; ".join(reasons) or None, identity, acks,
                             sum(r.bytes_sent for r in results.values()), sum(r.buckets for r in results.values()),
                             sum(r.tensors for r in results.values()), seconds=seconds,
                             finished_at=time.perf_counter(), absent_ranks=sorted(set(absent)),

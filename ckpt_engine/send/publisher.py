@@ -135,7 +135,8 @@ class Publisher:
           that version (which every receiver holds) are sent;
         - ``mode="bypass_cpu"``: send straight from ``named``, read until ``params_released``;
         - ``sharded``: the route sends each class of receivers only its pieces (``Route.lanes``), cut from the
-          cached version (cached mode only; the snapshot completes before the classes are sent).
+          cached version (the snapshot completes before the classes are sent) or, with bypass_cpu, from this
+          rank's buckets as they are gathered (send/fanout.py); never against a ``sparse_base``.
 
         Cached versions return after the snapshot, bypass_cpu ones once every bucket has been read (the rest of
         the send goes on in the background either way). ``route()`` gives where to send (called where the send
@@ -159,9 +160,9 @@ class Publisher:
             return self._in_background(transfer, lambda: self._send_cached(
                 route, source_version, as_version=version, expected_digest=expected_digest))
         named = _named(version, named)
-        if sharded and mode != "cached":
-            raise ConfigError(f"version {version}: a sharded version is cut from the cache, so its mode is cached, "
-                              f"not {mode}")
+        if sharded and sparse_base is not None:
+            raise ConfigError(f"version {version}: a sharded version is not sent sparse (its classes keep no "
+                              "manifests of their pieces to be a base)")
         layout = self.layout_for(named)
         owners = mine.of(layout)
         sender = mine.rank < mine.ranks  # a rank beyond the owners only takes part in the gathers
@@ -175,6 +176,10 @@ class Publisher:
             if not sender:
                 return self._gather_only(version, mode, cursor)
             share = share_of(stored, stored_owners, mine.rank)
+            if mode == "bypass_cpu" and sharded:  # each class cut from this rank's buckets as they are gathered
+                return self.classes.send_live(version, layout, owners, mine.rank,
+                                              lambda index: cursor.through(index, mine.rank), _lanes(version, route),
+                                              aliases=named.aliases, step=step)
             if mode == "bypass_cpu":  # returns once every bucket of this rank has been read from the live tensors
                 live = self._sender(route).send_live(version, layout, cursor.provider(mine.rank), aliases=named.aliases,
                                                      step=step, check=False, owners=owners)
@@ -410,6 +415,14 @@ class GatherCursor:
         except TrainerGroupError as exc:
             self._broken = exc
             raise
+def _lanes(version: int, route: Callable[[], Route] | None) -> tuple[Lane, ...]:
+    """A sharded version's classes, from its route (asked on the caller's thread: bypass_cpu)."""
+    where = route() if route is not None else None
+    if where is None or not where.lanes:
+        raise ConfigError(f"version {version} is sharded but its route has no classes of receivers")
+    return where.lanes
+
+
 def check_version(version: object) -> int:
     """A version id is an int within the wire's range (the daemon issues 1, 2, ...)."""
     if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= MAX_VERSION:

@@ -105,12 +105,13 @@ def sparse_base(receivers: Sequence[Agent]) -> int | None:
 
 def sharded(receivers: Sequence[Agent]) -> bool:
     """A version some receiver of which keeps only slices (a shard spec): each class of receivers gets only its
-    pieces, on sync groups of its own (one per owner), cut from the trainer ranks' caches. In this release
-    such a version is cached, takes no same-host path and is never sparse on the wire."""
+    pieces, on sync groups of its own (one per owner), cut from the trainer ranks' caches or, with bypass_cpu,
+    from their buckets as they are gathered. In this release such a version takes no same-host path and is
+    never sparse on the wire."""
     return any(r.shard_spec for r in receivers)
 
 
-def sharded_problem(receivers: Sequence[Agent], transport: str, mode: str = "cached") -> str | None:
+def sharded_problem(receivers: Sequence[Agent], transport: str) -> str | None:
     """Why a sharded version cannot go (None: it can)."""
     if not sharded(receivers):
         return None
@@ -118,9 +119,6 @@ def sharded_problem(receivers: Sequence[Agent], transport: str, mode: str = "cac
     if classes > MAX_CLASSES:
         return (f"the receivers declared {classes} different shard specs; a version is sent to at most "
                 f"{MAX_CLASSES} classes (receivers with identical specs share one)")
-    if mode != "cached":
-        return (f"receivers declared shard specs: their versions are cut from the trainer's cache, so the mode is "
-                f"cached, not {mode} (set bypass_cpu: false, or leave it out of the request)")
     if transport == "ipc":
         return ("transport is ipc, but receivers declared shard specs: sharded versions go on sync groups per "
                 "class (the same-host path does not carry them yet)")
