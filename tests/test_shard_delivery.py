@@ -19,11 +19,14 @@ HOST = "127.0.0.1"
 TIMEOUT_S = 20.0
 
 
-def model(version: int) -> NamedTensors:
+def model(version: int, o_from: int | None = None) -> NamedTensors:
+    """Weights of seed ``version``; ``o_from``: only o.weight from that seed instead."""
     gen = torch.Generator().manual_seed(version)
     tensors = {"qkv.weight": torch.randn(12, 8, generator=gen), "o.weight": torch.randn(8, 8, generator=gen),
                "emb.weight": torch.randn(20, 8, generator=gen).to(torch.bfloat16),
                "norm.weight": torch.randn(8, generator=gen), "step": torch.tensor(version)}
+    if o_from is not None:
+        tensors["o.weight"] = model(o_from).tensors["o.weight"]
     return NamedTensors(tensors, {"lm_head.weight": "emb.weight"})
 
 
@@ -38,8 +41,10 @@ def group(port: int, rank: int) -> SyncGroup:
                      world_size=2, device=detect_device("cpu"), timeout_s=TIMEOUT_S, bind_host=HOST)
 
 
-# (version, mode, the weights it sends): bypass_cpu sends version 1's weights again, then new ones
-VERSIONS = ((1, "cached", 1), (2, "bypass_cpu", 1), (3, "bypass_cpu", 3))
+# (version, mode, the weights it sends (seed, o.weight's seed), sparse base): bypass_cpu sends version 1's weights
+# again, then new ones; version 5 changes only o.weight and goes sparse against 4; version 6 is 5 in full
+VERSIONS = ((1, "cached", (1, None), None), (2, "bypass_cpu", (1, None), None), (3, "bypass_cpu", (3, None), None),
+            (4, "cached", (4, None), None), (5, "cached", (4, 5), 4), (6, "cached", (4, 5), None))
 
 
 def sender(port: int, rank: int) -> list:
@@ -48,8 +53,8 @@ def sender(port: int, rank: int) -> list:
     publisher = Publisher(device=detect_device("cpu"), bucket_size=256)
     route = Route(None, {}, None, (Lane(spec_key(spec(rank)), spec(rank), group(port, 0), (1,)),))
     out = []
-    for version, mode, weights in VERSIONS:
-        result = publisher.publish(version, model(weights), mode=mode, sharded=True,
+    for version, mode, weights, base in VERSIONS:
+        result = publisher.publish(version, model(*weights), mode=mode, sharded=True, sparse_base=base,
                                    route=lambda: route).result(timeout_s=60)
         out.append((result.ok, result.reason, result.classes, result.version_digest))
     publisher.close()
@@ -76,14 +81,22 @@ def test_each_class_receives_exactly_its_ranges_verified() -> None:
         assert received["ok"] == [True] * len(VERSIONS)
         identities = [digest for *_, digest in sent]  # of the full tensors, cached or gathered: one for one weights
         assert identities[0] == identities[1] != identities[2] and identities[2] is not None
-        for (ok, reason, classes, _), (version, _, weights) in zip(sent, VERSIONS):
+        assert identities[4] == identities[5]
+        class_digests = [classes[0]["version_digest"] for _, _, classes, _ in sent]
+        assert class_digests[4] == class_digests[5] != class_digests[3]  # sparse or whole: the class's digest
+        sparse = received["got"][5]
+        assert set(sparse) - {"bytes"} == {f"o.weight@1:{4 * rank}:4"}  # only the piece that changed came
+        whole_of = {}
+        for (ok, reason, classes, _), (version, _, weights, base) in zip(sent, VERSIONS):
             assert ok, reason
             assert [c["ok"] for c in classes] == [True]
-            full = model(weights).tensors
+            full = model(*weights).tensors
             total = sum(t.numel() * t.element_size() for t in full.values())
             class_bytes = received["got"][version].pop("bytes")
             assert class_bytes < 0.6 * total  # (the norm and the step go whole to every rank)
-            pieces = {name: torch.tensor(values) for name, values in received["got"][version].items()}
+            pieces = {**whole_of.get(base, {}),
+                      **{name: torch.tensor(values) for name, values in received["got"][version].items()}}
+            whole_of[version] = pieces
             full = {name: t.float() for name, t in full.items()}
             q, kv = spec(rank)["qkv.weight"]
             assert torch.equal(pieces[f"qkv.weight@0:{q.start}:4"], full["qkv.weight"][q.start:q.end])
@@ -91,4 +104,4 @@ def test_each_class_receives_exactly_its_ranges_verified() -> None:
             assert torch.equal(pieces[f"o.weight@1:{4 * rank}:4"], full["o.weight"][:, 4 * rank:4 * rank + 4])
             assert torch.equal(pieces[f"emb.weight@0:{10 * rank}:10"], full["emb.weight"][10 * rank:10 * rank + 10])
             assert torch.equal(pieces[f"lm_head.weight@0:{10 * rank}:10"], pieces[f"emb.weight@0:{10 * rank}:10"])
-            assert torch.equal(pieces["norm.weight"], full["norm.weight"]) and int(pieces["step"]) == weights
+            assert torch.equal(pieces["norm.weight"], full["norm.weight"]) and int(pieces["step"]) == weights[0]

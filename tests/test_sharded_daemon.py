@@ -217,25 +217,29 @@ def test_each_tp_rank_gets_only_its_slices_verified_per_class_through_the_daemon
 def test_every_fsdp_rank_sends_each_class_its_share(tmp_path: Path) -> None:
     """A 2-rank FSDP2 trainer (real fully_shard, gloo): both ranks own shares of every version, and each sends
     every class the pieces of the tensors it owns, on its own group; the TP ranks' local shards equal the
-    trainer's gathered weights of that step. The second push is bypass_cpu: cut from the buckets as they are
-    gathered (buckets of 50 KB: the embedding is gathered in pieces and put together first)."""
+    trainer's gathered weights of that step. Only the first layer trains: the second push is sparse (each
+    class gets its pieces that changed, each owner those of its tensors); the third is bypass_cpu, cut from the
+    buckets as they are gathered (buckets of 50 KB: the embedding is gathered in pieces and put together)."""
     from tests.daemon_harness import free_port
     from tests.test_fsdp_sync import fsdp_trainer
 
-    daemon = start_daemon(write_config(tmp_path, transport="collective", bucket_size_mb=0.05, min_receivers=2))
+    daemon = start_daemon(write_config(tmp_path, transport="collective", bucket_size_mb=0.05, min_receivers=2,
+                                       sparse=True))
     stop = tmp_path / "stop"
     receivers = start_processes([(tp_receiver, (daemon.zmq, str(stop), 0)), (tp_receiver, (daemon.zmq, str(stop), 1))])
-    pushes = {3: False, 6: True}  # (step: bypass_cpu)
+    pushes = {3: False, 5: False, 7: True}  # (step: bypass_cpu)
     try:
         with daemon.client() as http:
             wait_until(lambda: len(agents_of(http)) == 2, what="registration")
             port = free_port()
-            trainer0, _ = start_processes([(fsdp_trainer, (0, port, daemon.zmq, 8, pushes)),
-                                           (fsdp_trainer, (1, port, daemon.zmq, 8, pushes))]).collect(240)
+            trainer0, _ = start_processes([(fsdp_trainer, (0, port, daemon.zmq, 8, pushes, True)),
+                                           (fsdp_trainer, (1, port, daemon.zmq, 8, pushes, True))]).collect(240)
             history = {v["step"]: v for v in http.get("/versions").json()["versions"]}
     finally:
         stop.touch()
         rank0, rank1 = receivers.collect(120)
+    sent = {step: sorted(e["bytes"] for e in history[step]["receivers"]) for step in pushes}
+    assert all(0 < a < 0.5 * b for a, b in zip(sent[5], sent[3])), sent  # sparse: the first layer's pieces
     shapes = shapes_of(tiny_llama(seed=0))
     for step in pushes:
         record = history[step]

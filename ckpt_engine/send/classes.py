@@ -28,15 +28,15 @@ from ckpt_engine.errors import CkptEngineError, ConfigError
 from ckpt_engine.plan.hashing import bucket_digests, tensor_digests
 from ckpt_engine.plan.layout import Bucket, Layout, TensorSpec, plan_layout
 from ckpt_engine.plan.modes import Mode
-from ckpt_engine.plan.owners import Owners, owners_by_group, share_of
+from ckpt_engine.plan.owners import Owners, owners_by_group, share_of, single_owner
 from ckpt_engine.plan.shards import (PIECE_MARK, Piece, ShardSpec, check_spec, class_aliases, cut_view,
                                      pieces_of, resolve_aliases, spec_key)
-from ckpt_engine.plan.sparse import manifest_of
+from ckpt_engine.plan.sparse import Manifest, manifest_of
 from ckpt_engine.plan.tensors import fill_bucket
 from ckpt_engine.send.cache import CachedVersion, VersionCache
 from ckpt_engine.send.fanout import Assembler, GatheredWindow, Tensors, ready_at
 from ckpt_engine.send.sender import Sender, Transfer, TransferResult
-from ckpt_engine.send.sources import StaleCopy, cached_digests, check_identity, evict_quietly
+from ckpt_engine.send.sources import PiecesChangesSource, StaleCopy, cached_digests, check_identity, evict_quietly
 from ckpt_engine.transport.group import SyncGroup
 
 Gather = Callable[[int], Tensors]  # this owner's bucket of the version's layout, gathered (in layout order)
@@ -67,21 +67,27 @@ class ClassSenders:
 
     def __init__(self, device: DeviceInfo, *, bucket_size: int, alignment: int, options: Mapping) -> None:
         self.device, self.bucket_size, self.alignment = device, bucket_size, alignment
-        # (a class's per-tensor digests are not the version's: they never serve as sparse bases)
+        # (a class's per-piece digests are not the version's: each class keeps its own, below)
         self._options = {k: v for k, v in options.items() if k != "manifests"}
         self._senders: dict[int, Sender] = {}
         self._plans: dict[tuple, _ClassPlan] = {}
+        # per class key, its pieces' digests of recently sent versions: the bases of its sparse versions
+        # (they outlive the class's sync groups: a receiver joining regroups every class)
+        self._manifests: dict[str, dict[int, Manifest]] = {}
 
     def send(self, cache: VersionCache, version: int, lanes: Sequence[Lane], *, as_version: int | None = None,
-             expected_digest: str | None = None) -> Transfer:
+             expected_digest: str | None = None, sparse_base: int | None = None) -> Transfer:
         """Send this rank's share of cached ``version`` (labelled ``as_version`` for a re-send, checked against
-        its identity first) to every class at once; returns when every class has ended."""
+        its identity first) to every class at once; returns when every class has ended. ``sparse_base``: a
+        version every receiver holds; each class then gets only its pieces that changed since (whole when the
+        class's digests of that version are not known here)."""
         label = version if as_version is None else as_version
         self._forget_senders(lanes)
         transfer = Transfer(label, "cached")
         transfer.params_released.set()
         with cache.lease(version) as cached:
-            transfer._finish(self._send_leased(cache, cached, label, lanes, expected_digest))
+            transfer._finish(self._send_leased(cache, cached, label, lanes, expected_digest,
+                                               sparse_base if as_version is None else None))
         return transfer
 
     def send_live(self, version: int, layout: Layout, owners: Owners, rank: int, gather: Gather,
@@ -137,7 +143,7 @@ class ClassSenders:
             del self._senders[key]  # of an earlier generation (its groups were closed with it)
 
     def _send_leased(self, cache: VersionCache, cached: CachedVersion, label: int, lanes: Sequence[Lane],
-                     expected_digest: str | None) -> TransferResult:
+                     expected_digest: str | None, sparse_base: int | None) -> TransferResult:
         started = time.perf_counter()
         try:
             identity = self._identity(cache, cached, label, expected_digest, lanes[0].owners_group)
@@ -147,7 +153,7 @@ class ClassSenders:
             return _failed(label, str(exc), started)
         results: dict[str, TransferResult] = {}
         threads = [self._start_thread(f"ckpt-send-v{label}-{lane.key[:8]}", self._send_class, lane, label, results,
-                                      lambda lane=lane: self._start_cached(lane, cached, label))
+                                      lambda lane=lane: self._start_cached(lane, cached, label, sparse_base))
                    for lane in lanes]
         for thread in threads:
             thread.join()  # (each class's send is bounded by its group's timeouts)
@@ -212,13 +218,20 @@ class ClassSenders:
                 on_end()
         results[lane.key] = result
 
-    def _start_cached(self, lane: Lane, cached: CachedVersion, label: int) -> Transfer:
-        """The class's pieces as views of this rank's cached tensors, sent on this thread."""
+    def _start_cached(self, lane: Lane, cached: CachedVersion, label: int, sparse_base: int | None) -> Transfer:
+        """The class's pieces as views of this rank's cached tensors, sent on this thread (with ``sparse_base``:
+        those that changed since that version, against the class's digests of it)."""
         plan = self._plan_of(lane, cached.version_layout, cached.owners, cached.aliases)  # type: ignore[arg-type]
         views = cached.views()  # (with several owners: this rank's share)
         mine = {p.spec.name: cut_view(views[p.tensor], p.part) for p in plan.pieces if p.tensor in views}
-        return self._sender(lane).send_live(label, plan.layout, mine, aliases=plan.aliases, step=cached.step,
-                                            check=False, owners=plan.owners, inline=True)
+        sender = self._sender(lane)
+        if sparse_base is not None:
+            source = PiecesChangesSource(label, cached.step, plan.aliases, plan.layout,
+                                         plan.owners or single_owner(plan.layout), mine,
+                                         sender.manifests.get(sparse_base), self.bucket_size, self.alignment)
+            return sender.send_changes(source, inline=True)
+        return sender.send_live(label, plan.layout, mine, aliases=plan.aliases, step=cached.step,
+                                check=False, owners=plan.owners, inline=True)
 
     def _start_live(self, lane: Lane, plan: _ClassPlan | ConfigError, window: GatheredWindow, label: int,
                     step: int | None) -> Transfer:
@@ -287,16 +300,23 @@ class ClassSenders:
             self._plans[key] = plan
         return plan
 
+    def _class_manifests(self, key: str) -> dict[int, Manifest]:
+        if key not in self._manifests and len(self._manifests) >= _CLASSES_REMEMBERED:
+            self._manifests.pop(next(iter(self._manifests)))  # (the class seen longest ago)
+        return self._manifests.setdefault(key, {})
+
     def _sender(self, lane: Lane) -> Sender:
         sender = self._senders.get(id(lane.group))
         if sender is None or sender.group is not lane.group:
-            sender = Sender(lane.group, device=self.device, owners_group=lane.owners_group, **self._options)
+            sender = Sender(lane.group, device=self.device, owners_group=lane.owners_group,
+                            manifests=self._class_manifests(lane.key), **self._options)
             self._senders[id(lane.group)] = sender
         return sender
 
 
 WINDOW_DEPTH = 2  # gathered buckets an owner holds for its classes: one being read, the next one gathered
 
+_CLASSES_REMEMBERED = 512  # classes whose digests are kept (a deployment has at most 256 at once)
 _PLANS_KEPT = 64  # class plans remembered (classes × layouts in use; a layout rarely changes)
 
 

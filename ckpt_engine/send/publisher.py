@@ -136,7 +136,8 @@ class Publisher:
         - ``mode="bypass_cpu"``: send straight from ``named``, read until ``params_released``;
         - ``sharded``: the route sends each class of receivers only its pieces (``Route.lanes``), cut from the
           cached version (the snapshot completes before the classes are sent) or, with bypass_cpu, from this
-          rank's buckets as they are gathered (send/fanout.py); never against a ``sparse_base``.
+          rank's buckets as they are gathered (send/fanout.py); with ``sparse_base``, each class gets the
+          pieces that changed since that version (against its own digests of it).
 
         Cached versions return after the snapshot, bypass_cpu ones once every bucket has been read (the rest of
         the send goes on in the background either way). ``route()`` gives where to send (called where the send
@@ -160,9 +161,6 @@ class Publisher:
             return self._in_background(transfer, lambda: self._send_cached(
                 route, source_version, as_version=version, expected_digest=expected_digest))
         named = _named(version, named)
-        if sharded and sparse_base is not None:
-            raise ConfigError(f"version {version}: a sharded version is not sent sparse (its classes keep no "
-                              "manifests of their pieces to be a base)")
         layout = self.layout_for(named)
         owners = mine.of(layout)
         sender = mine.rank < mine.ranks  # a rank beyond the owners only takes part in the gathers
@@ -197,11 +195,11 @@ class Publisher:
         transfer = Transfer(version, "cached")
         transfer.params_released.set()
         transfer.gathered_bytes = cursor.gathered_bytes
-        if sparse_base is not None:
+        if sparse_base is not None and not sharded:
             send = lambda: self._sender(route).send_sparse(self.cache, version, sparse_base, inline=True,
                                                            bucket_size=self.bucket_size, alignment=self.alignment)
         else:
-            send = lambda: self._send_cached(route, version)
+            send = lambda: self._send_cached(route, version, sparse_base=sparse_base)
         return self._in_background(transfer, send)
 
     def abort_before_start(self, version: int, reason: str, route: Callable[[], Route] | None = None) -> None:
@@ -318,13 +316,14 @@ class Publisher:
         return transfer
 
     def _send_cached(self, route: Callable[[], Route] | None, version: int, *, as_version: int | None = None,
-                     expected_digest: str | None = None) -> Transfer:
+                     expected_digest: str | None = None, sparse_base: int | None = None) -> Transfer:
         """A cached version (or a re-send of one) to the route's receivers: to each class its pieces when the
-        route has classes, else the whole version on the route's group and to its colocated receivers."""
+        route has classes (``sparse_base``: those that changed since), else the whole version on the route's
+        group and to its colocated receivers."""
         where = route() if route is not None else None
         if where is not None and where.lanes:
             return self.classes.send(self.cache, version, where.lanes, as_version=as_version,
-                                     expected_digest=expected_digest)
+                                     expected_digest=expected_digest, sparse_base=sparse_base)
         return self._sender(lambda: where).send_cached(  # type: ignore[arg-type,return-value]
             self.cache, version, as_version=as_version, expected_digest=expected_digest, inline=True)
 

@@ -30,8 +30,8 @@ from ckpt_engine.plan.tensors import TensorsOrProvider, check_matches_layout, fo
 from ckpt_engine.send.cache import CachedVersion, VersionCache
 from ckpt_engine.send.outlets import CollectiveOutlet, IpcOutlet, LayoutSent, Outlet
 from ckpt_engine.send.owners_vote import Aborted, NotReady, OwnersVote
-from ckpt_engine.send.sources import (CacheSource, LiveSource, Source, SparseCacheSource, StaleCopy, check_identity,
-                                      evict_quietly, record_identity)
+from ckpt_engine.send.sources import (CacheSource, LiveSource, PiecesChangesSource, Source, SparseCacheSource,
+                                      StaleCopy, check_identity, evict_quietly, record_identity)
 from ckpt_engine.send.transfer import Transfer, TransferResult
 from ckpt_engine.transport.framing import Channel, Frame, FrameKind
 from ckpt_engine.transport.group import SyncGroup
@@ -125,6 +125,12 @@ class Sender:
         transfer = Transfer(version, "cached")
         transfer.params_released.set()
         return self._start(source, transfer, hold, inline)
+
+    def send_changes(self, source: PiecesChangesSource, *, inline: bool = False) -> Transfer:
+        """Send a class's pieces as the changes against what its receivers hold (send/classes.py)."""
+        transfer = Transfer(source.version, "cached")
+        transfer.params_released.set()
+        return self._start(source, transfer, contextlib.ExitStack(), inline)
 
     def send_live(self, version: int, layout: Layout, tensors: TensorsOrProvider, *,
                   aliases: Mapping[str, str] | None = None, step: int | None = None, check: bool = True,

@@ -14,9 +14,9 @@ import xxhash
 from ckpt_engine.device import DeviceInfo, DigestAlgo, wait_for
 from ckpt_engine.errors import CkptEngineError, ProtocolError
 from ckpt_engine.plan.hashing import layout_digests
-from ckpt_engine.plan.layout import Layout
+from ckpt_engine.plan.layout import Bucket, Layout
 from ckpt_engine.plan.modes import Mode
-from ckpt_engine.plan.owners import Owners, single_owner
+from ckpt_engine.plan.owners import Owners, share_of, single_owner
 from ckpt_engine.plan.sparse import Manifest, SparsePlan, manifest_of, plan_sparse, wire_manifest
 from ckpt_engine.plan.tensors import BucketTensors, TensorsOrProvider, fill_bucket, provider_of
 from ckpt_engine.send.cache import CachedVersion, VersionCache
@@ -179,30 +179,20 @@ def cached_digests(cached: CachedVersion, algo: DigestAlgo, device: torch.device
     return layout_digests(cached.layout, lambda b: read(b.index), algo, device)
 
 
-class SparseCacheSource:
-    """cached and sparse: only tensors whose digest differs from the base version's are sent, laid out in
-    their own buckets; the header tells receivers the base and the whole model's digest."""
+class ChangesSource:
+    """What every sparse source shares: the version's full manifest (``full``, set by ``prepare``/``plan``),
+    what changed against ``base`` (a manifest the receivers hold), the header that tells them so."""
 
     mode: Mode = "cached"
 
-    def __init__(self, cached: CachedVersion, base: Manifest | None, bucket_size: int, alignment: int,
-                 on_host_wire: bool, parent: Manifest | None = None) -> None:
-        """``parent``: the manifest of the version a delta ``cached`` shares its unchanged tensors with, when
-        known; then only the delta's own tensors are digested."""
-        self.cached, self.base, self.parent = cached, base, parent
-        self.version, self.aliases, self.step = cached.version, cached.aliases, cached.step
-        self.layout, self.owners = cached.version_layout, cached.owners  # type: ignore[assignment]
-        self.bucket_size, self.alignment = bucket_size, alignment
+    def __init__(self, version: int, step: int | None, aliases: Mapping[str, str], layout: Layout, owners: Owners,
+                 base: Manifest | None, bucket_size: int, alignment: int) -> None:
+        self.version, self.step, self.aliases = version, step, aliases
+        self.layout, self.owners = layout, owners  # the full version's, until ``plan`` makes them the changes'
+        self.base, self.bucket_size, self.alignment = base, bucket_size, alignment
         self.full: Manifest | None = None
         self.plan_: SparsePlan | None = None
         self._algo = ""
-        self._on_host_wire = on_host_wire
-        self._own_wire = False  # the changes are exactly the delta's own buffer, already in wire layout
-
-    @property
-    def needs_slot(self) -> bool:
-        in_place = self._own_wire if self.plan_ is not None else self.cached.is_whole
-        return not (self._on_host_wire and in_place)
 
     @property
     def skipped(self) -> int:
@@ -223,27 +213,11 @@ class SparseCacheSource:
         return {"base_version": self.base_version, "full_layout_digest": self.full.layout_digest,
                 "full_version_digest": self.full.version_digest, "skipped": self.plan_.skipped}
 
-    def prepare(self, algo: DigestAlgo, device: torch.device, rank: int) -> list[int]:
-        """Digest what this rank caches of the version (only a delta's own tensors when its parent's digests
-        are known and the version is this rank's alone). With several owners, returns (tensor index in the
-        version, digest) pairs of this rank's share, for every owner to build the same manifest."""
-        cached, parent, self._algo = self.cached, self.parent, algo
-        if (self.owners.ranks == 1 and not cached.is_whole and parent is not None and parent.algo == algo
-                and parent.layout_digest == cached.layout.digest):
-            # Per-tensor digests do not depend on the layout, so the delta's own buckets give the changed ones.
-            own = cached.own_layout
-            changed = dict(zip(cached.changed, layout_digests(own, lambda b: cached.buffer[b.flat_offset:], algo,
-                                                              device)))
-            self.full = parent.updated(self.version, changed)
-            return []
-        scratch = None if cached.is_whole else torch.empty(cached.layout.max_bucket_bytes, dtype=torch.uint8)
-        read = cached.bucket if cached.is_whole else (lambda b: cached.fill(b, scratch))  # type: ignore[arg-type]
-        digests = layout_digests(cached.layout, lambda b: read(b.index), algo, device)
-        if self.owners.ranks == 1:
-            self.full = manifest_of(self.version, algo, cached.layout, digests)
-            return []
+    def told(self, digests: list[int], layout: Layout) -> list[int]:
+        """This owner's word for the others: its base and (tensor index in the version, digest) of each tensor of
+        ``layout`` (its share) with ``digests``."""
         position = {slot.name: slot.index for slot in self.layout.slots}
-        return [_base_word(self.base), *(value for slot, digest in zip(cached.layout.slots, digests)
+        return [_base_word(self.base), *(value for slot, digest in zip(layout.slots, digests)
                                          for value in (position[slot.name], digest))]
 
     def plan(self, told: list[list[int]] | None) -> None:
@@ -266,13 +240,61 @@ class SparseCacheSource:
                                  alignment=self.alignment, owners=self.owners)
         if self.plan_ is not None:
             self.layout, self.owners = self.plan_.layout, self.plan_.owners
-            self._own_wire = (self.owners.ranks == 1 and not self.cached.is_whole
-                              and self.plan_.layout.digest == self.cached.own_layout.digest)
 
     def manifest(self, version: int, algo: str, wire_digests: list[int]) -> Manifest:
         if self.plan_ is None or self.full is None:
             return wire_manifest(version, algo, self.layout, wire_digests)
         return self.full
+
+    def all_filled(self) -> None:
+        pass
+
+
+class SparseCacheSource(ChangesSource):
+    """cached and sparse: only tensors whose digest differs from the base version's are sent, laid out in
+    their own buckets; the header tells receivers the base and the whole model's digest."""
+
+    def __init__(self, cached: CachedVersion, base: Manifest | None, bucket_size: int, alignment: int,
+                 on_host_wire: bool, parent: Manifest | None = None) -> None:
+        """``parent``: the manifest of the version a delta ``cached`` shares its unchanged tensors with, when
+        known; then only the delta's own tensors are digested."""
+        super().__init__(cached.version, cached.step, cached.aliases, cached.version_layout, cached.owners,  # type: ignore[arg-type]
+                         base, bucket_size, alignment)
+        self.cached, self.parent = cached, parent
+        self._on_host_wire = on_host_wire
+        self._own_wire = False  # the changes are exactly the delta's own buffer, already in wire layout
+
+    @property
+    def needs_slot(self) -> bool:
+        in_place = self._own_wire if self.plan_ is not None else self.cached.is_whole
+        return not (self._on_host_wire and in_place)
+
+    def prepare(self, algo: DigestAlgo, device: torch.device, rank: int) -> list[int]:
+        """Digest what this rank caches of the version (only a delta's own tensors when its parent's digests
+        are known and the version is this rank's alone). With several owners, returns (tensor index in the
+        version, digest) pairs of this rank's share, for every owner to build the same manifest."""
+        cached, parent, self._algo = self.cached, self.parent, algo
+        if (self.owners.ranks == 1 and not cached.is_whole and parent is not None and parent.algo == algo
+                and parent.layout_digest == cached.layout.digest):
+            # Per-tensor digests do not depend on the layout, so the delta's own buckets give the changed ones.
+            own = cached.own_layout
+            changed = dict(zip(cached.changed, layout_digests(own, lambda b: cached.buffer[b.flat_offset:], algo,
+                                                              device)))
+            self.full = parent.updated(self.version, changed)
+            return []
+        scratch = None if cached.is_whole else torch.empty(cached.layout.max_bucket_bytes, dtype=torch.uint8)
+        read = cached.bucket if cached.is_whole else (lambda b: cached.fill(b, scratch))  # type: ignore[arg-type]
+        digests = layout_digests(cached.layout, lambda b: read(b.index), algo, device)
+        if self.owners.ranks == 1:
+            self.full = manifest_of(self.version, algo, cached.layout, digests)
+            return []
+        return self.told(digests, cached.layout)
+
+    def plan(self, told: list[list[int]] | None) -> None:
+        super().plan(told)
+        if self.plan_ is not None:
+            self._own_wire = (self.owners.ranks == 1 and not self.cached.is_whole
+                              and self.plan_.layout.digest == self.cached.own_layout.digest)
 
     def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:
         bucket = self.layout.buckets[index]
@@ -286,8 +308,39 @@ class SparseCacheSource:
         fill_bucket(_need(slot), bucket.slots, self.cached.views(), bucket.nbytes)
         return slot[: bucket.nbytes]  # type: ignore[index]
 
-    def all_filled(self) -> None:
-        pass
+
+class PiecesChangesSource(ChangesSource):
+    """A class's pieces of a sharded version (send/classes.py) as the changes against the version its receivers
+    hold: every piece this owner sends is digested (``base``: the class's manifest of that version, per piece),
+    those whose digest differs go on the wire, cut from the cache."""
+
+    needs_slot = True
+
+    def __init__(self, version: int, step: int | None, aliases: Mapping[str, str], layout: Layout, owners: Owners,
+                 pieces: Mapping[str, torch.Tensor], base: Manifest | None, bucket_size: int, alignment: int) -> None:
+        """``layout``/``owners``: the class's; ``pieces``: this owner's pieces as views of its cached tensors."""
+        super().__init__(version, step, aliases, layout, owners, base, bucket_size, alignment)
+        self._pieces = pieces
+
+    def prepare(self, algo: DigestAlgo, device: torch.device, rank: int) -> list[int]:
+        self._algo = algo
+        share = share_of(self.layout, self.owners, rank).layout
+        scratch = torch.empty(max(share.max_bucket_bytes, 1), dtype=torch.uint8)
+
+        def read(bucket: Bucket) -> torch.Tensor:
+            fill_bucket(scratch, bucket.slots, self._pieces, bucket.nbytes)
+            return scratch
+
+        digests = layout_digests(share, read, algo, device)
+        if self.owners.ranks == 1:
+            self.full = manifest_of(self.version, algo, self.layout, digests)
+            return []
+        return self.told(digests, share)
+
+    def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:
+        bucket = self.layout.buckets[index]
+        fill_bucket(_need(slot), bucket.slots, self._pieces, bucket.nbytes)
+        return slot[: bucket.nbytes]  # type: ignore[index]
 
 
 def record_identity(source: Source, manifest: Manifest) -> None:

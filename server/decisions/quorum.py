@@ -96,8 +96,8 @@ def quorum_problem(trainer: Agent | None, receivers: Sequence[Agent], everyone: 
 def sparse_base(receivers: Sequence[Agent]) -> int | None:
     """The version every receiver of the quorum serves whole, if they all serve the same one; else None (a
     new, torn, lagging or unsettled receiver makes it a full version, and so does an engine that takes whole
-    versions only)."""
-    if any(r.whole_versions for r in receivers) or sharded(receivers):
+    versions only). Of a sharded version, each class then gets the pieces that changed since."""
+    if any(r.whole_versions for r in receivers):
         return None
     held = {r.model.serving for r in receivers}
     return held.pop() if len(held) == 1 else None
@@ -106,8 +106,7 @@ def sparse_base(receivers: Sequence[Agent]) -> int | None:
 def sharded(receivers: Sequence[Agent]) -> bool:
     """A version some receiver of which keeps only slices (a shard spec): each class of receivers gets only its
     pieces, on sync groups of its own (one per owner), cut from the trainer ranks' caches or, with bypass_cpu,
-    from their buckets as they are gathered. In this release such a version takes no same-host path and is
-    never sparse on the wire."""
+    from their buckets as they are gathered. In this release such a version takes no same-host path."""
     return any(r.shard_spec for r in receivers)
 
 
