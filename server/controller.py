@@ -266,7 +266,7 @@ class Controller:
         """How many trainer ranks own the version, which receivers take the same-host path, and why it cannot
         go (None: it can)."""
         source_owners = source.owners if source else None
-        problem = rules.sharded_problem(receivers, self.config.transport)
+        problem = rules.sharded_problem(receivers)
         if problem is not None:
             return 1, [], problem
         owners = rules.owners_for(trainer, self.agents.trainers(), source_owners, self.config.transport, now,

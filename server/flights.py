@@ -72,7 +72,7 @@ class Flights:
         owner_ids = [trainers[r].agent_id for r in range(owners) if r in trainers] if owners > 1 else [trainer.agent_id]
         # (with another number of owners the receivers join other groups: a new generation, fresh store keys)
         quorum = {r.agent_id: rank for rank, r in enumerate(remote + colocated, start=1)}
-        classes = plan_lanes(receivers, quorum)
+        classes = plan_lanes(receivers, quorum, {r.agent_id for r in colocated})
         membership = (*owner_ids, f"owners={owners}", *(r.agent_id for r in remote), "|",
                       *(r.agent_id for r in colocated), "|", *(f"{a}:{s.part}" for a, s in classes.seats.items()))
         if membership != self._membership or self.group_dirty:
@@ -109,7 +109,7 @@ class Flights:
                                 classes=classes)
         self.history.update(record.id, purpose=purpose, owners=owners, receivers=[
             {"rank": r, "agent_id": a, "transport": "ipc" if any(c.agent_id == a for c in colocated) else "collective",
-             **({"shard_class": classes.key_of(a)} if classes.seats else {})}
+             **({"shard_class": classes.key_of(a)} if classes.keys else {})}
             for a, r in quorum.items()])
         self.metrics.in_flight.set(1)
 
@@ -257,7 +257,7 @@ class Flights:
             entry.update(engine=agent.engine if agent else None,
                          serving_after=agent.model.serving if agent else None,
                          torn=agent is not None and agent.model.torn is not None)
-            if flight.classes.seats:
+            if flight.classes.keys:
                 own = flight.reports.get(entry["agent_id"])
                 entry.update(shard_class=flight.classes.key_of(entry["agent_id"]), bytes=own.bytes if own else None,
                              received_fraction=round(own.bytes / done.bytes, 4) if own and done.bytes else None)
@@ -273,7 +273,7 @@ class Flights:
         if done.version_digest is not None:  # then the daemon waited for every receiver's own report
             self._bench(outcome.silent, f"did not report its outcome of version {flight.version}")
         for unfit in (c for c in done.classes if c.spec_unfit):  # it would fail every version: out for a while
-            members = [a for a, seat in flight.classes.seats.items() if seat.key == unfit.key]
+            members = [a for a, key in flight.classes.keys.items() if key == unfit.key]
             self._bench(members, f"its shard spec does not fit version {flight.version}: "
                                          f"{(unfit.reason or '')[:500]}")
         by_rank = {rank: agent_id for agent_id, rank in flight.quorum.items()}
@@ -289,7 +289,7 @@ class Flights:
     def _class_digests(flight: InFlight, done: Report) -> dict[str, str | None] | None:
         """A sharded version's receivers each verify their class's pieces: the digest to compare is their
         class's, as the trainer sent it (None for a class it did not send whole)."""
-        if not flight.classes.seats:
+        if not flight.classes.keys:
             return None
         digests = {c.key: c.version_digest if c.ok else None for c in done.classes}
         return expected_by_receiver(flight.classes, digests)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from ckpt_engine.control.messages import Register, Report
+from ckpt_engine.control.messages import ClassLane, Register, Report
 from ckpt_engine.errors import ConfigError
 from ckpt_engine.plan.shards import (Slice, local_range, resolve_aliases, spec_from_wire, spec_key, spec_to_wire,
                                      split_piece_name)
@@ -95,21 +95,31 @@ def test_no_spec_no_classes_and_each_spec_its_own_class_with_group_ranks() -> No
     assert expected == {r0a.agent_id: "d0", r0b.agent_id: "d0", r1.agent_id: None, whole.agent_id: "dw"}
 
 
-@pytest.mark.parametrize("transport,problem", [
-    ("auto", None),
-    ("collective", None),
-    ("ipc", "transport is ipc"),
-])
-def test_when_a_sharded_version_cannot_go(transport, problem) -> None:
-    receivers = [sharded({"w": [[0, 0, 4]]}), agent()]
-    said = rules.sharded_problem(receivers, transport)
-    assert (said is None) if problem is None else (problem in said)
-    assert rules.sharded_problem([agent()], "ipc") is None  # not sharded: not asked
+def test_colocated_receivers_have_no_seat_in_their_classs_group_and_a_class_of_them_only_none() -> None:
+    r0_here, r0_far, r1_here = sharded({"w": [[0, 0, 4]]}), sharded({"w": [[0, 0, 4]]}), sharded({"w": [[0, 4, 4]]})
+    quorum = {r0_far.agent_id: 1, r0_here.agent_id: 2, r1_here.agent_id: 3}
+    plan = plan_lanes([r0_here, r0_far, r1_here], quorum, {r0_here.agent_id, r1_here.agent_id})
+    assert [(lane.ranks, lane.ipc_peers) for lane in plan.lanes] == [([1], {r0_here.agent_id: 2}),
+                                                                     ([], {r1_here.agent_id: 3})]
+    assert plan.seats == {r0_far.agent_id: (r0_far.shard_key, "class-0/", 1, 2)}  # the group: trainer + r0_far
+    assert plan.key_of(r1_here.agent_id) == r1_here.shard_key  # judged against its class's digest all the same
+    assert expected_by_receiver(plan, {r0_far.shard_key: "d0", r1_here.shard_key: "d1"}) == {
+        r0_far.agent_id: "d0", r0_here.agent_id: "d0", r1_here.agent_id: "d1"}
+    with pytest.raises(ValidationError, match="no receivers"):
+        ClassLane(key="k", part="class-0/")
+
+
+@pytest.mark.parametrize("transport,colocated", [("auto", 1), ("collective", 0), ("ipc", 0)])
+def test_a_sharded_version_goes_by_the_same_rules_of_transport(transport, colocated) -> None:
+    receivers = [sharded({"w": [[0, 0, 4]]}), agent(host_id="elsewhere")]
+    assert rules.sharded_problem(receivers) is None
     for receiver in receivers:
         receiver.model.serving = 4
     assert rules.sparse_base(receivers) == 4  # each class gets the pieces that changed since
     trainer = agent("trainer")
-    assert rules.transports(trainer, receivers, 1, "auto") == ([], None)  # no same-host path for classes
+    here, problem = rules.transports(trainer, receivers, 1, transport)
+    assert len(here) == colocated and (problem is None) == (transport != "ipc")  # (ipc: the far one cannot)
+    assert rules.transports(trainer, receivers, 2, "auto") == ([], None)  # several owners: sync groups only
 
 
 def test_each_receiver_is_judged_against_its_class_digest() -> None:
@@ -130,8 +140,8 @@ def test_each_receiver_is_judged_against_its_class_digest() -> None:
 
 def test_more_classes_than_a_version_carries_is_a_reason_not_a_crash() -> None:
     receivers = [sharded({"w": [[0, i, 1]]}) for i in range(257)]
-    assert "257 different shard specs" in rules.sharded_problem(receivers, "auto")
-    assert rules.sharded_problem(receivers[:255] + [agent()], "auto") is None  # 255 + whole = 256 classes
+    assert "257 different shard specs" in rules.sharded_problem(receivers)
+    assert rules.sharded_problem(receivers[:255] + [agent()]) is None  # 255 + whole = 256 classes
 
 
 def test_a_spec_key_is_a_cryptographic_digest_of_the_normalised_spec() -> None:

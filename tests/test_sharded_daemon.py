@@ -84,9 +84,10 @@ def trainer(zmq: str, stop_file: str, corrupt: str) -> dict:
     return {"served": served}
 
 
-def tp_receiver(zmq: str, stop_file: str, rank: int) -> dict:
+def tp_receiver(zmq: str, stop_file: str, rank: int, host_id: str | None = None) -> dict:
     """A TP rank: holds only its local shards (its slices, concatenated per tensor), places each piece it
-    receives where its slice sits; returns its local shards after each version it applied."""
+    receives where its slice sits; returns its local shards after each version it applied. ``host_id``: says
+    it is on another host (never colocated with the trainer)."""
     import os
     import time
 
@@ -116,7 +117,7 @@ def tp_receiver(zmq: str, stop_file: str, rank: int) -> dict:
         received[payload.version] = names
         held[payload.version] = {k: v.tolist() for k, v in local.items()}
 
-    agent = RolloutAgent(load, zmq, poll_wait_s=0.2, shard_spec=spec).start()
+    agent = RolloutAgent(load, zmq, poll_wait_s=0.2, shard_spec=spec, host_id=host_id).start()
     while not os.path.exists(stop_file):
         time.sleep(0.05)
     agent.close()
@@ -212,6 +213,36 @@ def test_each_tp_rank_gets_only_its_slices_verified_per_class_through_the_daemon
             assert torch.equal(torch.tensor(got["held"][rollback["id"]][name]), tensor)
     assert failed["id"] not in rank0["held"] and failed["id"] in rank1["held"]
     assert any("@" in name for name in rank0["received"][after["id"]])  # pieces on the wire, not whole tensors
+
+
+def test_colocated_receivers_take_their_class_through_shared_slots_of_its_own(tmp_path: Path) -> None:
+    """transport auto: TP rank 0 has a colocated and a remote receiver (one class: shared slots and a group),
+    TP rank 1 only a colocated one (a class with no group). Cached, bypass_cpu and sparse versions reach each
+    as exactly its slices."""
+    daemon = start_daemon(write_config(tmp_path, transport="auto", min_receivers=3, keep_versions=4))
+    stop, corrupt = tmp_path / "stop", tmp_path / "corrupt"
+    procs = start_processes([(trainer, (daemon.zmq, str(stop), str(corrupt))),
+                             (tp_receiver, (daemon.zmq, str(stop), 0)),
+                             (tp_receiver, (daemon.zmq, str(stop), 0, "another-host")),
+                             (tp_receiver, (daemon.zmq, str(stop), 1))])
+    try:
+        with daemon.client() as http:
+            wait_until(lambda: len(agents_of(http)) == 4, what="registration")
+            versions = [sync(http), http.post("/sync", json={"wait": True, "timeout_s": 60, "bypass_cpu": True}).json(),
+                        http.post("/sync", json={"wait": True, "timeout_s": 60, "sparse": True}).json()]
+            assert [v["status"] for v in versions] == ["committed"] * 3, versions
+    finally:
+        stop.touch()
+        served, colocated0, remote0, colocated1 = procs.collect(120)
+    by_agent = {e["agent_id"]: e for e in versions[0]["receivers"]}
+    assert sorted(e["transport"] for e in by_agent.values()) == ["collective", "ipc", "ipc"], by_agent
+    assert {e["shard_class"] for e in by_agent.values() if e["transport"] == "ipc"} == {class_key(0), class_key(1)}
+    served = {int(k): v for k, v in served["served"].items()}
+    for record in versions:
+        full = served[record["id"]]
+        for rank, got in ((0, colocated0), (0, remote0), (1, colocated1)):
+            for name, tensor in expected_local(full, rank).items():
+                assert torch.equal(torch.tensor(got["held"][record["id"]][name]), tensor), (record["id"], rank, name)
 
 
 def test_every_fsdp_rank_sends_each_class_its_share(tmp_path: Path) -> None:

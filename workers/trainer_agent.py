@@ -75,6 +75,7 @@ class TrainerAgent(Agent):
             dist.group.WORLD if dist.is_available() and dist.is_initialized() else None)
         sharded = self.process_group is not None
         self.class_owner_groups: list[SyncGroup] = []  # a sharded version of several owners: one per class
+        self.class_groups: list[SyncGroup | None] = []  # a sharded version: per class (None: all colocated)
         super().__init__(endpoint, rank=dist.get_rank(self.process_group) if sharded else 0, token=token,
                          device=device, poll_wait_s=poll_wait_s, register_wait_s=register_wait_s)
         self.world_size = dist.get_world_size(self.process_group) if sharded else 1
@@ -267,29 +268,34 @@ class TrainerAgent(Agent):
     def _route(self, assignment: Assignment) -> Route:
         if assignment.classes:  # a sharded version: every class on its own group (see _group_for)
             self.group_for(assignment)
-            owners = self.class_owner_groups or [None] * len(self.groups)
-            lanes = tuple(Lane(lane.key, spec_from_wire(lane.spec), group, tuple(lane.ranks), vote)
-                          for lane, group, vote in zip(assignment.classes, self.groups, owners))
+            owners = self.class_owner_groups or [None] * len(assignment.classes)
+            lanes = tuple(Lane(lane.key, spec_from_wire(lane.spec), group, tuple(lane.ranks), vote, lane.ipc_peers)
+                          for lane, group, vote in zip(assignment.classes, self.class_groups, owners))
             return Route(None, {}, None, lanes)
         return Route(self.group_for(assignment), assignment.ipc_peers, self.owners_group)
 
     def _group_for(self, assignment: Assignment, settings: RegisterReply) -> SyncGroup | None:
         """A sharded version's groups: per class, this owner rank's own with the class's receivers (rank 0 of
-        it) and, with several owners, the class's owners' group (this rank's rank in it is its owner rank)."""
+        it; none for a class of colocated receivers only) and, with several owners, the class's owners' group
+        (this rank's rank in it is its owner rank)."""
         if not assignment.classes:
             return super()._group_for(assignment, settings)
         mine = owner_part(self.rank)
-        parts = [lane.part + mine for lane in assignment.classes]
+        parts = [lane.part + mine if lane.ranks else None for lane in assignment.classes]
         with_owners = assignment.owners > 1
         current = self.group
         if (current is not None and current.generation == assignment.generation and not self.group_broken
-                and [g.part for g in self.groups] == parts and bool(self.class_owner_groups) == with_owners):
+                and [g.part if g else None for g in self.class_groups] == parts
+                and bool(self.class_owner_groups) == with_owners):
             return current
         self._refuse_older_generation(assignment, settings)
         self._close_groups()
         store = open_store(settings.store_host, settings.store_port, timeout_s=settings.connect_timeout_s)
         for lane, part in zip(assignment.classes, parts):
-            self.groups.append(self._sync_group(store, settings, assignment, part, 0, 1 + len(lane.ranks)))
+            group = None if part is None else self._sync_group(store, settings, assignment, part, 0,
+                                                               1 + len(lane.ranks))
+            self.class_groups.append(group)
+            self.groups += [group] if group is not None else []
             if with_owners:
                 self.class_owner_groups.append(self._sync_group(store, settings, assignment, lane.part + "owners/",
                                                                 self.rank, assignment.owners))
@@ -302,7 +308,7 @@ class TrainerAgent(Agent):
     def _close_groups(self) -> None:
         for group in self.class_owner_groups:
             group.close()
-        self.class_owner_groups = []
+        self.class_owner_groups, self.class_groups = [], []
         super()._close_groups()
 
     def _assist(self, assignment: Assignment, step: int) -> None:

@@ -11,7 +11,7 @@ import json
 from typing import Annotated, Any, Literal
 
 import msgpack
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from ckpt_engine.control.auth import TOKEN_MAX_LENGTH
 from ckpt_engine.errors import ProtocolError
@@ -71,13 +71,22 @@ ClassPart = Annotated[str, Field(max_length=32, pattern=r"^(class-[0-9]{1,4}/)?$
 class ClassLane(BaseModel):
     """Send of a sharded version: one class of receivers with identical specs, on a sync group of its own
     (``part``): the trainer is rank 0, the class's receivers ranks 1.. in the order of ``ranks`` (their ranks in
-    the version's quorum, which the trainer's report uses)."""
+    the version's quorum, which the trainer's report uses); its colocated receivers (``ipc_peers``: agent id ->
+    quorum rank) take the same-host path instead. A class of colocated receivers only has no group."""
 
     model_config = ConfigDict(extra="ignore")
     key: str = Field(max_length=64)
     part: ClassPart
     spec: WireShardSpec = Field(default_factory=dict)
-    ranks: list[Annotated[int, Field(ge=1, le=MAX_RANKS)]] = Field(min_length=1, max_length=MAX_RANKS)
+    ranks: list[Annotated[int, Field(ge=1, le=MAX_RANKS)]] = Field(default_factory=list, max_length=MAX_RANKS)
+    ipc_peers: dict[Annotated[str, Field(max_length=64)], Annotated[int, Field(ge=1, le=MAX_RANKS)]] = Field(
+        default_factory=dict, max_length=MAX_RANKS)
+
+    @model_validator(mode="after")
+    def _has_receivers(self) -> ClassLane:
+        if not self.ranks and not self.ipc_peers:
+            raise ValueError(f"class {self.key[:12]} has no receivers")
+        return self
 
 
 class ClassDone(BaseModel):

@@ -38,6 +38,7 @@ from ckpt_engine.send.fanout import Assembler, GatheredWindow, Tensors, ready_at
 from ckpt_engine.send.sender import Sender, Transfer, TransferResult
 from ckpt_engine.send.sources import PiecesChangesSource, StaleCopy, cached_digests, check_identity, evict_quietly
 from ckpt_engine.transport.group import SyncGroup
+from ckpt_engine.transport.same_host import IpcHub
 
 Gather = Callable[[int], Tensors]  # this owner's bucket of the version's layout, gathered (in layout order)
 
@@ -47,14 +48,16 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Lane:
     """One class of a sharded version: its key, what its receivers keep, this owner's sync group with them
-    (the owner is rank 0), the ranks its receivers have in the version's quorum (group rank k is
-    ``ranks[k - 1]``), and, with several owners, the class's owners' group."""
+    (the owner is rank 0; None when all of them are colocated), the ranks its receivers have in the version's
+    quorum (group rank k is ``ranks[k - 1]``), with several owners the class's owners' group, and its colocated
+    receivers (agent id -> quorum rank), which read its pieces from shared slots of the class's own."""
 
     key: str
     spec: ShardSpec
-    group: SyncGroup
+    group: SyncGroup | None
     ranks: tuple[int, ...]
     owners_group: SyncGroup | None = None
+    ipc_peers: Mapping[str, int] = field(default_factory=dict)
 
 
 class SpecUnfit(ConfigError):
@@ -65,11 +68,13 @@ class SpecUnfit(ConfigError):
 class ClassSenders:
     """One sender per class group, kept while the group lives (it knows what its receivers hold)."""
 
-    def __init__(self, device: DeviceInfo, *, bucket_size: int, alignment: int, options: Mapping) -> None:
-        self.device, self.bucket_size, self.alignment = device, bucket_size, alignment
+    def __init__(self, device: DeviceInfo, *, bucket_size: int, alignment: int, options: Mapping,
+                 hub: IpcHub | None = None) -> None:
+        """``hub``: where colocated receivers of a class connect (the publisher's)."""
+        self.device, self.bucket_size, self.alignment, self.hub = device, bucket_size, alignment, hub
         # (a class's per-piece digests are not the version's: each class keeps its own, below)
         self._options = {k: v for k, v in options.items() if k != "manifests"}
-        self._senders: dict[int, Sender] = {}
+        self._senders: dict[str, Sender] = {}  # by class key
         self._plans: dict[tuple, _ClassPlan] = {}
         # per class key, its pieces' digests of recently sent versions: the bases of its sparse versions
         # (they outlive the class's sync groups: a receiver joining regroups every class)
@@ -139,8 +144,13 @@ class ClassSenders:
 
     # ---- internals -----------------------------------------------------------------------------------
     def _forget_senders(self, lanes: Sequence[Lane]) -> None:
-        for key in [k for k, sender in self._senders.items() if not any(sender.group is lane.group for lane in lanes)]:
-            del self._senders[key]  # of an earlier generation (its groups were closed with it)
+        """Senders of classes no longer sent, or of an earlier generation (their groups were closed with it),
+        are dropped; so are the hub's slots of classes gone."""
+        current = {lane.key: lane for lane in lanes}
+        for key in [k for k, sender in self._senders.items() if not _serves(sender, current.get(k))]:
+            del self._senders[key]
+        if self.hub is not None:
+            self.hub.keep_slot_sets({lane.key for lane in lanes if lane.ipc_peers})
 
     def _send_leased(self, cache: VersionCache, cached: CachedVersion, label: int, lanes: Sequence[Lane],
                      expected_digest: str | None, sparse_base: int | None) -> TransferResult:
@@ -306,12 +316,22 @@ class ClassSenders:
         return self._manifests.setdefault(key, {})
 
     def _sender(self, lane: Lane) -> Sender:
-        sender = self._senders.get(id(lane.group))
-        if sender is None or sender.group is not lane.group:
+        sender = self._senders.get(lane.key)
+        if not _serves(sender, lane):
+            if lane.ipc_peers and self.hub is None:
+                raise ConfigError(f"class {lane.key[:12]} has colocated receivers but this trainer serves no "
+                                  "same-host hub")
             sender = Sender(lane.group, device=self.device, owners_group=lane.owners_group,
+                            hub=self.hub if lane.ipc_peers else None, ipc_peers=lane.ipc_peers, slots_key=lane.key,
                             manifests=self._class_manifests(lane.key), **self._options)
-            self._senders[id(lane.group)] = sender
-        return sender
+            self._senders[lane.key] = sender
+        return sender  # type: ignore[return-value]
+
+
+def _serves(sender: Sender | None, lane: Lane | None) -> bool:
+    """Whether ``sender`` sends to ``lane``'s receivers as they are now (its group, its colocated ones)."""
+    return (sender is not None and lane is not None and sender.group is lane.group
+            and sender.ipc_peers == dict(lane.ipc_peers) and sender.owners_group is lane.owners_group)
 
 
 WINDOW_DEPTH = 2  # gathered buckets an owner holds for its classes: one being read, the next one gathered

@@ -124,12 +124,14 @@ class IpcOutlet:
     is dropped and reported; the others go on."""
 
     def __init__(self, hub: IpcHub, peers: list[IpcPeer], missing: dict[str, str], timeout_s: float, *,
-                 in_place: SharedSlot | None = None) -> None:
+                 in_place: SharedSlot | None = None, slots_key: str = "") -> None:
         """``in_place``: the version already sits in a shareable buffer (the cache) in wire layout; receivers
-        map that buffer once and read every bucket where it is, so nothing is copied on either side."""
+        map that buffer once and read every bucket where it is, so nothing is copied on either side.
+        ``slots_key``: the hub's slots this stream uses (a class of a sharded version: its own)."""
         self.hub, self.peers, self.timeout_s = hub, peers, timeout_s
         self.missing = missing  # agent id -> why it is not part of this version
         self.in_place = in_place
+        self.slots_key = slots_key
 
     def begin(self, version: int, layout_digest: str, full: Callable[[], bytes], slim: bytes, proto: int) -> None:
         for peer in self._live():
@@ -151,7 +153,7 @@ class IpcOutlet:
 
     def bucket(self, k: int, bucket: Bucket, buf: torch.Tensor, digests: torch.Tensor, slot_index: int) -> None:
         if self.in_place is None:
-            target = self.hub.slots[slot_index].tensor
+            target = self.hub.slot_set(self.slots_key).slots[slot_index].tensor
             if bucket.nbytes and buf.data_ptr() != target.data_ptr():
                 target[: bucket.nbytes].copy_(buf)
                 stream_synchronize(self.hub.device)  # receivers read the slot as soon as they are told
@@ -208,12 +210,13 @@ class IpcOutlet:
             peer.channel.send({"type": "map_buffer", "buffer": buffer.describe()}, [buffer.fd] if buffer.fd else None)
             self._expect(peer, "mapped")
             peer.mapped_buffers.add(buffer.index)
-        if buffer is None and peer.mapped_generation != self.hub.slots_generation:
-            slots = self.hub.slots
-            peer.channel.send({"type": "map", "generation": self.hub.slots_generation,
+        slot_set = self.hub.slot_set(self.slots_key) if buffer is None else None
+        if slot_set is not None and peer.mapped_generation != slot_set.generation:
+            slots = slot_set.slots
+            peer.channel.send({"type": "map", "generation": slot_set.generation,
                                "slots": [s.describe() for s in slots]}, [s.fd for s in slots if s.fd is not None])
             self._expect(peer, "mapped")
-            peer.mapped_generation = self.hub.slots_generation
+            peer.mapped_generation = slot_set.generation
         peer.channel.send({"type": "begin", "header": header, "buffer": buffer.index if buffer else None})
 
     def _refuse(self, peer: IpcPeer, version: int, proto: int) -> None:

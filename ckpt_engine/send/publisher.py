@@ -106,7 +106,7 @@ class Publisher:
                                     on_stage=on_stage, timeout_s=timeout_s, manifests=self.manifests)
         self.sender: Sender | None = None
         self.classes = ClassSenders(self.device, bucket_size=bucket_size, alignment=alignment,
-                                    options=self._sender_options)
+                                    options=self._sender_options, hub=self.hub)
         self._layout: Layout | None = None
         self._layout_key: list[tuple] = []
         self._changes = ChangeTracker(self.device.digest_algo, bucket_size, alignment)

@@ -63,9 +63,11 @@ class Sender:
                  ipc_peers: Mapping[str, int] | None = None, digest_algo: DigestAlgo | None = None,
                  ack_timeout_s: float | None = None, wire_hook: WireHook | None = None,
                  on_stage: Callable[[int, str], None] | None = None, timeout_s: float = 60.0,
-                 manifests: dict[int, Manifest] | None = None, owners_group: SyncGroup | None = None) -> None:
+                 manifests: dict[int, Manifest] | None = None, owners_group: SyncGroup | None = None,
+                 slots_key: str = "") -> None:
         """``owners_group``: the trainer ranks that own shares of this sender's versions (this rank is
-        ``owners_group.rank``; rank 0 leads); None: this rank sends every bucket itself."""
+        ``owners_group.rank``; rank 0 leads); None: this rank sends every bucket itself. ``slots_key``: the
+        hub's shared slots its colocated receivers read (a class of a sharded version: its own)."""
         if group is None and not ipc_peers:
             raise ConfigError("a sender needs a sync group, colocated receivers, or both")
         if owners_group is not None and ipc_peers:
@@ -83,7 +85,7 @@ class Sender:
         self.device: DeviceInfo = group.device if group is not None else device  # type: ignore[assignment]
         if self.device is None:
             raise ConfigError("a sender without a sync group needs a device")
-        self.hub, self.ipc_peers = hub, dict(ipc_peers or {})
+        self.hub, self.ipc_peers, self.slots_key = hub, dict(ipc_peers or {}), slots_key
         self.timeout_s = group.timeout_s if group is not None else timeout_s
         self.digest_algo: DigestAlgo = digest_algo or self.device.digest_algo
         self.ack_timeout_s = ack_timeout_s if ack_timeout_s is not None else 2 * self.timeout_s
@@ -219,7 +221,8 @@ class Sender:
         if self.ipc_peers and self.hub is not None:
             peers, missing = self.hub.peers(self.ipc_peers, self.timeout_s)
             in_place = source.segment if isinstance(source, CacheSource) else None
-            outlets.append(IpcOutlet(self.hub, peers, missing, self.timeout_s, in_place=in_place))
+            outlets.append(IpcOutlet(self.hub, peers, missing, self.timeout_s, in_place=in_place,
+                                     slots_key=self.slots_key))
         return outlets
 
     def _run(self, source: Source) -> TransferResult:
@@ -390,7 +393,7 @@ class Sender:
         if self.hub is not None and self.ipc_peers:
             # Colocated receivers read the send slots themselves (fills land in shared memory directly) unless
             # the version sits in a shareable cache buffer they read in place.
-            shared = self.hub.ensure_slots(need)
+            shared = self.hub.ensure_slots(need, self.slots_key)
             return [] if isinstance(source, CacheSource) and source.segment is not None else shared
         if not source.needs_slot:
             return []

@@ -12,6 +12,7 @@ receiving them through a collective.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import select
@@ -213,15 +214,25 @@ def _open_cuda_handle(description: dict[str, Any], nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index)).set_(storage, 0, (nbytes,))
 
 
+@dataclass
+class SlotSet:
+    """Two shared slots one stream of buckets alternates between; ``generation`` (unique in its hub) tells a
+    peer whether what it mapped is still them."""
+
+    slots: list[SharedSlot]
+    generation: int
+
+
 class IpcHub:
     """Sender side: listens on an abstract Unix socket; colocated receivers connect and introduce themselves.
-    Owns the two shared slots (created once, grown only when a bucket no longer fits)."""
+    Owns the shared slots: two per stream (``key``: "" for a whole version, a class's key for each class of a
+    sharded version, sent at once), created once, grown only when a bucket no longer fits."""
 
     def __init__(self, name: str, device: DeviceInfo) -> None:
         self.name = name
         self.device = device
-        self.slots: list[SharedSlot] = []
-        self.slots_generation = 0
+        self._slot_sets: dict[str, SlotSet] = {}
+        self._generations = itertools.count(1)
         self._peers: dict[str, IpcPeer] = {}
         self._changed = threading.Condition()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -230,13 +241,33 @@ class IpcHub:
         self._closed = False
         threading.Thread(target=self._accept_loop, name="ckpt-ipc-accept", daemon=True).start()
 
-    def ensure_slots(self, nbytes: int) -> list[torch.Tensor]:
-        if not self.slots or self.slots[0].nbytes < nbytes:
-            for slot in self.slots:
+    def ensure_slots(self, nbytes: int, key: str = "") -> list[torch.Tensor]:
+        current = self._slot_sets.get(key)
+        if current is None or current.slots[0].nbytes < nbytes:
+            for slot in current.slots if current is not None else []:
                 slot.close()
-            self.slots = [create_slot(i, max(nbytes, 1), self.device) for i in range(2)]
-            self.slots_generation += 1
-        return [slot.tensor for slot in self.slots]
+            current = self._slot_sets[key] = SlotSet([create_slot(i, max(nbytes, 1), self.device) for i in range(2)],
+                                                     next(self._generations))
+        return [slot.tensor for slot in current.slots]
+
+    def slot_set(self, key: str = "") -> SlotSet:
+        found = self._slot_sets.get(key)
+        if found is None:
+            raise CkptEngineError(f"no shared slots for stream {key[:12]!r} yet")
+        return found
+
+    @property
+    def slots(self) -> list[SharedSlot]:
+        """The slots of whole versions (none yet: empty)."""
+        found = self._slot_sets.get("")
+        return found.slots if found is not None else []
+
+    def keep_slot_sets(self, keys: set[str]) -> None:
+        """Free the slots of classes no longer sent (whole versions' stay): a deployment whose receivers come
+        and go would otherwise keep two buckets of shared memory for every class it ever had."""
+        for key in [k for k in self._slot_sets if k and k not in keys]:
+            for slot in self._slot_sets.pop(key).slots:
+                slot.close()
 
     def peers(self, wanted: dict[str, int], timeout_s: float) -> tuple[list[IpcPeer], dict[str, str]]:
         """The connected peers among ``wanted`` (agent id -> rank), waiting up to ``timeout_s`` for the rest;
@@ -282,8 +313,10 @@ class IpcHub:
             for peer in self._peers.values():
                 peer.channel.close()
             self._peers.clear()
-        for slot in self.slots:
-            slot.close()
+        for slot_set in self._slot_sets.values():
+            for slot in slot_set.slots:
+                slot.close()
+        self._slot_sets.clear()
 
     def _accept_loop(self) -> None:
         while not self._closed:

@@ -1,10 +1,11 @@
 """Receiver classes of a sharded version (pure): receivers that keep the same slices (the same shard spec key)
 share one stream of exactly their bytes, on a sync group of their own. The trainer is rank 0 of every class's
-group; a class's receivers are ranks 1.. in the order of their ranks in the version's quorum."""
+group; a class's receivers are ranks 1.. in the order of their ranks in the version's quorum. Receivers on the
+trainer's host take the same-host path instead, each class through shared slots of its own."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -26,35 +27,39 @@ class Seat(NamedTuple):
 @dataclass(frozen=True)
 class ClassPlan:
     lanes: list[ClassLane]  # what the trainer sends, class by class
-    seats: dict[str, Seat]  # by receiver agent id
+    seats: dict[str, Seat]  # by receiver agent id: the receivers on their class's group
+    keys: dict[str, str]  # by receiver agent id: its class's key (also the colocated receivers')
 
     def key_of(self, agent_id: str) -> str | None:
-        seat = self.seats.get(agent_id)
-        return seat.key if seat else None
+        return self.keys.get(agent_id)
 
 
-NO_CLASSES = ClassPlan([], {})
+NO_CLASSES = ClassPlan([], {}, {})
 
 
-def plan_lanes(receivers: Sequence[Agent], quorum: Mapping[str, int]) -> ClassPlan:
+def plan_lanes(receivers: Sequence[Agent], quorum: Mapping[str, int], colocated: Collection[str] = ()) -> ClassPlan:
     """The classes of a version sent to ``receivers`` (ranks in ``quorum``): none when no receiver declared a
     shard spec (a plain version), else one per distinct spec (receivers without one form the class of whole
-    tensors), ordered by their first receiver's rank so the parts are stable while the quorum is."""
+    tensors), ordered by their first receiver's rank so the parts are stable while the quorum is. The
+    ``colocated`` receivers (agent ids) take the same-host path: they have no seat in their class's group."""
     if not any(r.shard_spec for r in receivers):
         return NO_CLASSES
     grouped: dict[str, list[Agent]] = {}
     for receiver in sorted(receivers, key=lambda r: quorum[r.agent_id]):
         grouped.setdefault(receiver.shard_key if receiver.shard_spec else "whole", []).append(receiver)
-    lanes, seats = [], {}
+    lanes, seats, keys = [], {}, {}
     for index, (key, members) in enumerate(grouped.items()):
         part = f"class-{index}/"
+        remote = [m for m in members if m.agent_id not in colocated]
         lanes.append(ClassLane(key=key, part=part, spec=members[0].shard_spec or {},
-                               ranks=[quorum[m.agent_id] for m in members]))
-        for seat, member in enumerate(members, start=1):
-            seats[member.agent_id] = Seat(key, part, seat, 1 + len(members))
-    return ClassPlan(lanes, seats)
+                               ranks=[quorum[m.agent_id] for m in remote],
+                               ipc_peers={m.agent_id: quorum[m.agent_id] for m in members if m not in remote}))
+        for seat, member in enumerate(remote, start=1):
+            seats[member.agent_id] = Seat(key, part, seat, 1 + len(remote))
+        keys.update({m.agent_id: key for m in members})
+    return ClassPlan(lanes, seats, keys)
 
 
 def expected_by_receiver(plan: ClassPlan, digests: Mapping[str, str | None]) -> dict[str, str | None]:
     """Each receiver's expected digest: its class's, as the trainer sent it (``digests``: class key -> digest)."""
-    return {agent_id: digests.get(seat.key) for agent_id, seat in plan.seats.items()}
+    return {agent_id: digests.get(key) for agent_id, key in plan.keys.items()}

@@ -106,11 +106,12 @@ def sparse_base(receivers: Sequence[Agent]) -> int | None:
 def sharded(receivers: Sequence[Agent]) -> bool:
     """A version some receiver of which keeps only slices (a shard spec): each class of receivers gets only its
     pieces, on sync groups of its own (one per owner), cut from the trainer ranks' caches or, with bypass_cpu,
-    from their buckets as they are gathered. In this release such a version takes no same-host path."""
+    from their buckets as they are gathered; colocated receivers take the same-host path, each class through
+    shared slots of its own."""
     return any(r.shard_spec for r in receivers)
 
 
-def sharded_problem(receivers: Sequence[Agent], transport: str) -> str | None:
+def sharded_problem(receivers: Sequence[Agent]) -> str | None:
     """Why a sharded version cannot go (None: it can)."""
     if not sharded(receivers):
         return None
@@ -118,9 +119,6 @@ def sharded_problem(receivers: Sequence[Agent], transport: str) -> str | None:
     if classes > MAX_CLASSES:
         return (f"the receivers declared {classes} different shard specs; a version is sent to at most "
                 f"{MAX_CLASSES} classes (receivers with identical specs share one)")
-    if transport == "ipc":
-        return ("transport is ipc, but receivers declared shard specs: sharded versions go on sync groups per "
-                "class (the same-host path does not carry them yet)")
     return None
 
 
@@ -140,9 +138,8 @@ def owners_for(trainer: Agent, trainers: Mapping[int, Agent], source_owners: int
 def transports(trainer: Agent, receivers: Sequence[Agent], owners: int, transport: str
                ) -> tuple[list[Agent], str | None]:
     """Which receivers take the same-host path (shared memory / CUDA IPC), per ``transport``: none for a
-    version several trainer ranks own (each sends on its own sync group); and why the version cannot go."""
-    if sharded(receivers):
-        return [], None
+    version several trainer ranks own (each sends on its own sync group); and why the version cannot go. Of a
+    sharded version, each class's colocated receivers take it through shared slots of their own."""
     if owners > 1:
         if transport == "ipc":
             return [], f"transport is ipc, but this version is owned by {owners} trainer ranks"
