@@ -166,13 +166,12 @@ def test_a_tensor_named_like_a_piece_is_refused_for_sharded_versions_and_not_bla
 
     senders = ClassSenders(detect_device("cpu"), bucket_size=1 << 16, alignment=64, options={})
     lane = Lane("k", {"a": (Slice(0, 0, 2),)}, None, (1,))  # type: ignore[arg-type]
-    for live in (False, True):  # (cached and bypass_cpu plan alike)
-        with pytest.raises(ConfigError, match="cannot be sent sharded") as refused:
-            senders._plan_of(lane, layout({"a": torch.zeros(4), "a@0:0:1": torch.zeros(1)}), None, {}, live=live)
-        assert not isinstance(refused.value, SpecUnfit)
-        with pytest.raises(SpecUnfit, match="no tensor 'b'"):
-            senders._plan_of(Lane("k", {"b": (Slice(0, 0, 2),)}, None, (1,)),  # type: ignore[arg-type]
-                             layout({"a": torch.zeros(4)}), None, {}, live=live)
+    with pytest.raises(ConfigError, match="cannot be sent sharded") as refused:
+        senders._plan_of(lane, layout({"a": torch.zeros(4), "a@0:0:1": torch.zeros(1)}), None, {})
+    assert not isinstance(refused.value, SpecUnfit)
+    with pytest.raises(SpecUnfit, match="no tensor 'b'"):
+        senders._plan_of(Lane("k", {"b": (Slice(0, 0, 2),)}, None, (1,)),  # type: ignore[arg-type]
+                         layout({"a": torch.zeros(4)}), None, {})
 
 
 def test_an_identity_of_several_owners_is_merged_in_the_versions_order() -> None:

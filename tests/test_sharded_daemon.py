@@ -215,36 +215,6 @@ def test_each_tp_rank_gets_only_its_slices_verified_per_class_through_the_daemon
     assert any("@" in name for name in rank0["received"][after["id"]])  # pieces on the wire, not whole tensors
 
 
-def test_colocated_receivers_take_their_class_through_shared_slots_of_its_own(tmp_path: Path) -> None:
-    """transport auto: TP rank 0 has a colocated and a remote receiver (one class: shared slots and a group),
-    TP rank 1 only a colocated one (a class with no group). Cached, bypass_cpu and sparse versions reach each
-    as exactly its slices."""
-    daemon = start_daemon(write_config(tmp_path, transport="auto", min_receivers=3, keep_versions=4))
-    stop, corrupt = tmp_path / "stop", tmp_path / "corrupt"
-    procs = start_processes([(trainer, (daemon.zmq, str(stop), str(corrupt))),
-                             (tp_receiver, (daemon.zmq, str(stop), 0)),
-                             (tp_receiver, (daemon.zmq, str(stop), 0, "another-host")),
-                             (tp_receiver, (daemon.zmq, str(stop), 1))])
-    try:
-        with daemon.client() as http:
-            wait_until(lambda: len(agents_of(http)) == 4, what="registration")
-            versions = [sync(http), http.post("/sync", json={"wait": True, "timeout_s": 60, "bypass_cpu": True}).json(),
-                        http.post("/sync", json={"wait": True, "timeout_s": 60, "sparse": True}).json()]
-            assert [v["status"] for v in versions] == ["committed"] * 3, versions
-    finally:
-        stop.touch()
-        served, colocated0, remote0, colocated1 = procs.collect(120)
-    by_agent = {e["agent_id"]: e for e in versions[0]["receivers"]}
-    assert sorted(e["transport"] for e in by_agent.values()) == ["collective", "ipc", "ipc"], by_agent
-    assert {e["shard_class"] for e in by_agent.values() if e["transport"] == "ipc"} == {class_key(0), class_key(1)}
-    served = {int(k): v for k, v in served["served"].items()}
-    for record in versions:
-        full = served[record["id"]]
-        for rank, got in ((0, colocated0), (0, remote0), (1, colocated1)):
-            for name, tensor in expected_local(full, rank).items():
-                assert torch.equal(torch.tensor(got["held"][record["id"]][name]), tensor), (record["id"], rank, name)
-
-
 def test_every_fsdp_rank_sends_each_class_its_share(tmp_path: Path) -> None:
     """A 2-rank FSDP2 trainer (real fully_shard, gloo): both ranks own shares of every version, and each sends
     every class the pieces of the tensors it owns, on its own group; the TP ranks' local shards equal the
@@ -324,11 +294,12 @@ def test_a_spec_that_does_not_fit_takes_only_its_receiver_out_with_the_reason(tm
 
 
 def odd_model(version: int) -> dict[str, torch.Tensor]:
-    """A strided view, fp8, bool, a 0-dim and an empty tensor, and one larger than the bucket (64 KiB)."""
-    gen = torch.Generator().manual_seed(version)
+    """A strided view, fp8, bool, a 0-dim and an empty tensor, and one larger than the bucket (64 KiB); the
+    fp8 and bool ones never change (a sparse version leaves them out)."""
+    gen, fixed = torch.Generator().manual_seed(version), torch.Generator().manual_seed(0)
     return {"w": torch.randn(64, 48, generator=gen), "wt": torch.randn(48, 64, generator=gen).t(),
-            "fp8": torch.randn(32, 16, generator=gen).to(torch.float8_e4m3fn),
-            "mask": torch.rand(16, 8, generator=gen) > 0.5, "scalar": torch.tensor(float(version)),
+            "fp8": torch.randn(32, 16, generator=fixed).to(torch.float8_e4m3fn),
+            "mask": torch.rand(16, 8, generator=fixed) > 0.5, "scalar": torch.tensor(float(version)),
             "empty": torch.zeros(0, 8), "big": torch.randn(128, 256, generator=gen), "norm": torch.randn(48, generator=gen)}
 
 
@@ -355,7 +326,7 @@ def odd_trainer(zmq: str, stop_file: str) -> dict:
     return {"served": served}
 
 
-def recording_receiver(zmq: str, stop_file: str, spec) -> dict:
+def recording_receiver(zmq: str, stop_file: str, spec, host_id: str | None = None) -> dict:
     import os
     import time
 
@@ -367,7 +338,7 @@ def recording_receiver(zmq: str, stop_file: str, spec) -> dict:
     def load(payload) -> None:
         got[payload.version] = tensor_bytes(dict(payload.items()))
 
-    agent = RolloutAgent(load, zmq, poll_wait_s=0.2, shard_spec=spec).start()
+    agent = RolloutAgent(load, zmq, poll_wait_s=0.2, shard_spec=spec, host_id=host_id).start()
     while not os.path.exists(stop_file):
         time.sleep(0.05)
     agent.close()
@@ -375,27 +346,38 @@ def recording_receiver(zmq: str, stop_file: str, spec) -> dict:
 
 
 def test_odd_tensors_reach_each_class_as_exactly_its_pieces(tmp_path: Path) -> None:
+    """Cached, bypass_cpu and sparse versions of odd tensors, transport auto: the first class has a receiver on
+    the trainer's host (shared slots of the class's own) and one elsewhere (the class's group), the second only
+    one on the host (no group at all), the whole receiver is elsewhere."""
     from ckpt_engine.plan.shards import cut, piece_name
     from tests.tiny_lm import tensor_bytes
 
-    daemon = start_daemon(write_config(tmp_path, keep_versions=4, transport="collective", min_receivers=3,
+    daemon = start_daemon(write_config(tmp_path, keep_versions=4, transport="auto", min_receivers=4,
                                        bucket_size_mb=0.0625))
     stop = tmp_path / "stop"
+    places = ((ODD_SPECS[0], None), (ODD_SPECS[0], "another-host"), (ODD_SPECS[1], None), (None, "another-host"))
     procs = start_processes([(odd_trainer, (daemon.zmq, str(stop))),
-                             *[(recording_receiver, (daemon.zmq, str(stop), spec)) for spec in (*ODD_SPECS, None)]])
+                             *[(recording_receiver, (daemon.zmq, str(stop), spec, host)) for spec, host in places]])
     try:
         with daemon.client() as http:
-            wait_until(lambda: len(agents_of(http)) == 4, what="registration")
-            versions = [sync(http), http.post("/sync", json={"wait": True, "timeout_s": 60, "bypass_cpu": True}).json()]
-            assert [v["status"] for v in versions] == ["committed"] * 2, versions
+            wait_until(lambda: len(agents_of(http)) == 5, what="registration")
+            versions = [sync(http), http.post("/sync", json={"wait": True, "timeout_s": 60, "bypass_cpu": True}).json(),
+                        http.post("/sync", json={"wait": True, "timeout_s": 60, "sparse": True}).json()]
+            assert [v["status"] for v in versions] == ["committed"] * 3, versions
             assert versions[1]["mode"] == "bypass_cpu" and not versions[1]["cached"], versions[1]
     finally:
         stop.touch()
         served, *receivers = procs.collect(120)
+    transports = [e["transport"] for e in sorted(versions[0]["receivers"], key=lambda e: e["rank"])]
+    assert sorted(transports) == ["collective", "collective", "ipc", "ipc"], versions[0]["receivers"]
+    held: list[dict] = [{} for _ in receivers]
     for record in versions:
         full = odd_model(served["served"][record["id"]])
         full["head"] = full["w"]
-        for spec, got in zip((*ODD_SPECS, {}), receivers):
+        for (spec, _), got, holds in zip(places, receivers, held):
             want = {piece_name(name, part): cut(tensor, part)
-                    for name, tensor in full.items() for part in spec.get(name) or (None,)}
-            assert got["got"][record["id"]] == tensor_bytes(want), spec
+                    for name, tensor in full.items() for part in (spec or {}).get(name) or (None,)}
+            holds.update(got["got"][record["id"]])  # (a sparse version brings what changed)
+            assert holds == tensor_bytes(want), (record["id"], spec)
+    for got in receivers:  # the sparse version: not the tensors that did not change
+        assert not [name for name in got["got"][versions[2]["id"]] if name.startswith(("fp8", "mask"))]

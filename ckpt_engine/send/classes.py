@@ -28,7 +28,7 @@ from ckpt_engine.errors import CkptEngineError, ConfigError
 from ckpt_engine.plan.hashing import bucket_digests, tensor_digests
 from ckpt_engine.plan.layout import Bucket, Layout, TensorSpec, plan_layout
 from ckpt_engine.plan.modes import Mode
-from ckpt_engine.plan.owners import Owners, owners_by_group, share_of, single_owner
+from ckpt_engine.plan.owners import Owners, share_of, single_owner
 from ckpt_engine.plan.shards import (PIECE_MARK, Piece, ShardSpec, check_spec, class_aliases, cut_view,
                                      pieces_of, resolve_aliases, spec_key)
 from ckpt_engine.plan.sparse import Manifest, manifest_of
@@ -107,7 +107,7 @@ class ClassSenders:
         plans: dict[str, _ClassPlan | ConfigError] = {}
         for lane in lanes:
             try:
-                plans[lane.key] = self._plan_of(lane, layout, owners, aliases, live=True)
+                plans[lane.key] = self._plan_of(lane, layout, owners, aliases)
             except ConfigError as exc:  # (raised again on the class's thread: only its receivers fail)
                 plans[lane.key] = exc
         needs = {key: plan.sources_of(rank) if isinstance(plan, _ClassPlan) else set() for key, plan in plans.items()}
@@ -295,16 +295,15 @@ class ClassSenders:
             result = _failed(label, f"{type(exc).__name__}: {exc}", started, "bypass_cpu")
         transfer._finish(result)
 
-    def _plan_of(self, lane: Lane, version_layout: Layout, owners: Owners | None, aliases: Mapping[str, str],
-                 *, live: bool = False) -> _ClassPlan:
+    def _plan_of(self, lane: Lane, version_layout: Layout, owners: Owners | None,
+                 aliases: Mapping[str, str]) -> _ClassPlan:
         """The class's plan for versions of this layout, owners, tied names and spec: made once, not per
         version (a class's spec is checked and its pieces laid out only when one of them changes)."""
         key = (version_layout.digest, owners.digest if owners is not None else None,  # type: ignore[union-attr]
-               tuple(sorted(aliases.items())), spec_key(lane.spec), live)
+               tuple(sorted(aliases.items())), spec_key(lane.spec))
         plan = self._plans.get(key)
         if plan is None:
-            plan = _plan_class(lane.spec, version_layout, owners, aliases, self.bucket_size, self.alignment,
-                               live=live)
+            plan = _plan_class(lane.spec, version_layout, owners, aliases, self.bucket_size, self.alignment)
             if len(self._plans) >= _PLANS_KEPT:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[key] = plan
@@ -346,7 +345,7 @@ class _ClassPlan:
     owners: Owners | None
     pieces: tuple[Piece, ...]
     aliases: dict[str, str]
-    # bypass_cpu: per bucket of the class's layout, the bucket of the version's layout its pieces are cut from
+    # per bucket of the class's layout, the bucket of the version's layout its pieces are cut from
     sources: tuple[int, ...] = ()
     by_name: Mapping[str, Piece] = field(default_factory=dict)  # the pieces by wire name
 
@@ -357,10 +356,11 @@ class _ClassPlan:
 
 
 def _plan_class(wanted: ShardSpec, version_layout: Layout, owners: Owners | None, aliases: Mapping[str, str],
-                bucket_size: int, alignment: int, *, live: bool = False) -> _ClassPlan:
-    """A class's pieces of a version of ``version_layout``, laid out in buckets of one owner each (``live``: of
-    one bucket of the version each, the gathered one its pieces are cut from); SpecUnfit when the spec does
-    not fit the version, a ConfigError when the version cannot be sent sharded at all."""
+                bucket_size: int, alignment: int) -> _ClassPlan:
+    """A class's pieces of a version of ``version_layout``, laid out so that each bucket holds pieces of one
+    bucket of the version (``sources``; so of one owner): cut from the cache or from that bucket as it is
+    gathered (bypass_cpu), the class's layout is the same, and so are its digests, a sparse version's base.
+    SpecUnfit when the spec does not fit the version, a ConfigError when it cannot be sent sharded at all."""
     specs: list[TensorSpec] = [slot.spec for slot in version_layout.slots]
     marked = [name for name in [*(t.name for t in specs), *aliases] if PIECE_MARK in name]
     if marked:  # a receiver would take it for a piece of another tensor
@@ -371,22 +371,11 @@ def _plan_class(wanted: ShardSpec, version_layout: Layout, owners: Owners | None
     except ConfigError as exc:
         raise SpecUnfit(str(exc)) from None
     pieces = pieces_of(specs, spec)
+    ready = ready_at(version_layout)
+    layout = plan_layout([p.spec for p in pieces], bucket_size, alignment, groups=[ready[p.tensor] for p in pieces])
+    sources = tuple(layout.groups[b.slots[0].index] if b.slots else 0 for b in layout.buckets)  # type: ignore[index]
     several = owners is not None and owners.ranks > 1
-    if live:
-        ready = ready_at(version_layout)
-        groups: list[int] | None = [ready[p.tensor] for p in pieces]
-    elif several:
-        owner_of = {slot.name: owners.of[slot.bucket] for slot in version_layout.slots}  # type: ignore[union-attr]
-        groups = [owner_of[p.tensor] for p in pieces]
-    else:
-        groups = None
-    layout = plan_layout([p.spec for p in pieces], bucket_size, alignment, groups=groups)
-    sources: tuple[int, ...] = ()
-    class_owners = owners_by_group(layout, owners.ranks) if several and not live else None  # type: ignore[union-attr]
-    if live:
-        sources = tuple(layout.groups[b.slots[0].index] if b.slots else 0 for b in layout.buckets)  # type: ignore[index]
-        if several:
-            class_owners = Owners(owners.ranks, tuple(owners.of[source] for source in sources))  # type: ignore[union-attr]
+    class_owners = Owners(owners.ranks, tuple(owners.of[s] for s in sources)) if several else None  # type: ignore[union-attr]
     return _ClassPlan(layout, class_owners, tuple(pieces), class_aliases(aliases, spec), sources,
                       {p.spec.name: p for p in pieces})
 
