@@ -20,7 +20,7 @@ gate/up/down, embeddings, norms) of ``--mib`` float32:
   1/K of every version (plan/owners.py) and sending it on its own sync group with the receivers;
 - ``raw``: one broadcast of the model's bytes on the full group (the wire's own limit).
 
-Time: from the first publish to every receiver verified (cached mode, snapshot included). Goals (issue 30):
+Time: from the first publish to every receiver verified (cached mode, snapshot included; one bypass_cpu row). Goals (issue 30):
 sharded ÷ full ≤ 1/TP × 1.2; 4 owners ÷ 1 owner ≤ 0.35.
 """
 
@@ -186,7 +186,8 @@ def run_sender(cfg: dict) -> dict:
     for version in range(1, cfg["rounds"] + 2):  # the first is a warm-up
         named.tensors[next(iter(named.tensors))].add_(1.0)
         t0 = time.perf_counter()
-        result = pub.publish(version, named, route=lambda: route, **options).result(timeout_s=cfg["timeout_s"] * 4)
+        result = pub.publish(version, named, route=lambda: route, mode=cfg.get("mode", "cached"),
+                             **options).result(timeout_s=cfg["timeout_s"] * 4)
         elapsed = time.perf_counter() - t0
         if not result.ok:
             raise RuntimeError(f"version {version}: {result.reason}")
@@ -230,12 +231,12 @@ def run_receiver(cfg: dict) -> dict:
 
 
 # ---- one scenario --------------------------------------------------------------------------------------------
-def scenario(name: str, receivers: int, sharded: bool, args: dict, owners: int = 1) -> dict:
+def scenario(name: str, receivers: int, sharded: bool, args: dict, owners: int = 1, mode: str = "cached") -> dict:
     groups = [1] * receivers if sharded else [receivers]
     with cluster(owners + receivers, args["rate_mbit"]) as nodes:
         base = {"mib": args["mib"], "tp_max": 4, "rounds": args["rounds"], "bucket_mib": args["bucket_mib"],
-                "timeout_s": args["timeout"], "sharded": sharded, "owners": owners,
-                "raw": not sharded and owners == 1 and args["raw"]}
+                "timeout_s": args["timeout"], "sharded": sharded, "owners": owners, "mode": mode,
+                "raw": not sharded and owners == 1 and args["raw"] and mode == "cached"}
         (lead_ns, lead_addr), trainers = nodes[0], nodes[1:owners]
         senders = [_spawn(lead_ns, "sender", base | {"addr": lead_addr, "groups": groups})]
         try:
@@ -255,7 +256,7 @@ def scenario(name: str, receivers: int, sharded: bool, args: dict, owners: int =
         finally:
             for sender in senders:
                 sender.kill()
-    return {"name": name, "receivers": receivers, "sharded": sharded, "owners": owners, **sent,
+    return {"name": name, "receivers": receivers, "sharded": sharded, "owners": owners, "mode": mode, **sent,
             "received": [o["bytes_received"] for o in outs]}
 
 
@@ -295,6 +296,8 @@ def run(opts: dict, progress: Any = print) -> dict:
         results.append(scenario(f"full, {receivers} receivers", receivers, False, args))
         results.append(scenario(f"sharded, TP={receivers}", receivers, True, args))
     receivers = max(args["tp"])
+    progress(f"  sharded, TP={receivers}, bypass_cpu (cut from the live tensors: no snapshot)")
+    results.append(scenario(f"sharded, TP={receivers}, bypass_cpu", receivers, True, args, mode="bypass_cpu"))
     for owners in args["owners"]:
         if owners > 1:
             progress(f"  {receivers} receivers, {owners} trainer ranks owning shares")
@@ -303,7 +306,7 @@ def run(opts: dict, progress: Any = print) -> dict:
         owners = max(args["owners"])
         progress(f"  sharded, TP={receivers}, {owners} trainer ranks owning shares")
         results.append(scenario(f"sharded, TP={receivers}, {owners} owners", receivers, True, args, owners))
-    by = {(r["receivers"], r["sharded"], r["owners"]): r for r in results}
+    by = {(r["receivers"], r["sharded"], r["owners"]): r for r in results if r.get("mode", "cached") == "cached"}
     for r in results:
         r["median_s"] = statistics.median(r["seconds"])
         if r["raw_seconds"]:
@@ -324,7 +327,7 @@ def render(result: dict, machine: dict | None = None) -> list[str]:
     a = result["args"]
     lines = [f"Links: {a['rate_mbit']} Mbit/s each way per process (tbf), one bridge; model {a['mib']} MiB float32, "
              f"buckets of {a['bucket_mib']} MiB; {a['rounds']} rounds after a warm-up; time from the first publish to "
-             "every receiver verified (cached, snapshot included), median.", "",
+             "every receiver verified (cached: snapshot included), median.", "",
              "| Scenario | time s | raw broadcast s | largest receiver's bytes ÷ model | ÷ full, 1 owner | goal |",
              "|---|---:|---:|---:|---:|---:|"]
     for r in result["results"]:
@@ -338,7 +341,9 @@ def render(result: dict, machine: dict | None = None) -> list[str]:
                     "for a daemon's sharded version (`Publisher.publish(..., sharded=True)`, send/classes.py: the "
                     "version's identity digest of the full tensors included). Owner rows: K trainer ranks, each on "
                     "its own link, each sending its 1/K of every version on its own sync group with the receivers "
-                    "(sharded with K owners: each owner sends every class the pieces of the tensors it owns).", ""]
+                    "(sharded with K owners: each owner sends every class the pieces of the tensors it owns). The "
+                    "bypass_cpu row: no cache, every class cut from the live tensors as each bucket is read "
+                    "(send/fanout.py), the identity hashed on the way.", ""]
 
 
 def target_measurements(result: dict) -> dict[str, list[tuple[str, float, str]]]:
@@ -349,7 +354,7 @@ def target_measurements(result: dict) -> dict[str, list[tuple[str, float, str]]]
     for r in result["results"]:
         if r["owners"] == 4 and not r["sharded"]:
             out["owners"].append((f"{r['receivers']} receivers", r["over_one_owner"], ""))
-        if r["sharded"]:
+        if r["sharded"] and r.get("mode", "cached") == "cached":
             tp = r["receivers"]
             where = f"TP={tp}" + (f", {r['owners']} owners" if r["owners"] > 1 else "")
             out["time"].append((where, r["over_full"] * tp, f"(sharded ÷ full {r['over_full']:.3f})"))
