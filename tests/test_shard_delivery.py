@@ -44,7 +44,8 @@ def group(port: int, rank: int) -> SyncGroup:
 # (version, mode, the weights it sends (seed, o.weight's seed), sparse base): bypass_cpu sends version 1's weights
 # again, then new ones; version 5 changes only o.weight and goes sparse against 4; version 6 is 5 in full
 VERSIONS = ((1, "cached", (1, None), None), (2, "bypass_cpu", (1, None), None), (3, "bypass_cpu", (3, None), None),
-            (4, "cached", (4, None), None), (5, "cached", (4, 5), 4), (6, "cached", (4, 5), None))
+            (4, "cached", (4, None), None), (5, "cached", (4, 5), 4), (6, "cached", (4, 5), None),
+            (7, "cached", (4, 5), 6))  # nothing changed: no piece goes, the version still commits
 
 
 def sender(port: int, rank: int) -> list:
@@ -83,7 +84,8 @@ def test_each_class_receives_exactly_its_ranges_verified() -> None:
         assert identities[0] == identities[1] != identities[2] and identities[2] is not None
         assert identities[4] == identities[5]
         class_digests = [classes[0]["version_digest"] for _, _, classes, _ in sent]
-        assert class_digests[4] == class_digests[5] != class_digests[3]  # sparse or whole: the class's digest
+        assert class_digests[4] == class_digests[5] == class_digests[6] != class_digests[3]  # sparse or whole
+        assert set(received["got"][7]) == {"bytes"} and received["got"][7]["bytes"] == 0
         sparse = received["got"][5]
         assert set(sparse) - {"bytes"} == {f"o.weight@1:{4 * rank}:4"}  # only the piece that changed came
         whole_of = {}

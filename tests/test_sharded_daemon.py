@@ -241,6 +241,9 @@ def test_every_fsdp_rank_sends_each_class_its_share(tmp_path: Path) -> None:
         rank0, rank1 = receivers.collect(120)
     sent = {step: sorted(e["bytes"] for e in history[step]["receivers"]) for step in pushes}
     assert all(0 < a < 0.5 * b for a, b in zip(sent[5], sent[3])), sent  # sparse: the first layer's pieces
+    sparse, full = history[5], history[3]  # the record counts the unchanged tensors, as for any sparse version
+    assert sparse["tensors_skipped"] > 0 and sparse["bytes"] + sparse["bytes_skipped"] == full["bytes"], sparse
+    assert sparse["tensors_sent"] + sparse["tensors_skipped"] == full["tensors_sent"], (sparse, full)
     shapes = shapes_of(tiny_llama(seed=0))
     for step in pushes:
         record = history[step]

@@ -348,6 +348,8 @@ class VersionAssembler:
     def _views(self, incoming: Incoming) -> dict[str, torch.Tensor]:
         """Named views into the whole buffer holding the version; built once per (layout, buffer) and reused."""
         layout = incoming.layout
+        if not layout.slots:  # a sparse version where nothing changed: no bucket, nothing staged
+            return {}
         staging = incoming.shared if incoming.shared is not None else (
             self.buffers.host if incoming.choice.mode == "host" else self.buffers.whole)
         key = (layout.digest, staging.data_ptr())  # type: ignore[union-attr]

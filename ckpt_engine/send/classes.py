@@ -79,6 +79,7 @@ class ClassSenders:
         # per class key, its pieces' digests of recently sent versions: the bases of its sparse versions
         # (they outlive the class's sync groups: a receiver joining regroups every class)
         self._manifests: dict[str, dict[int, Manifest]] = {}
+        self._identities: dict[int, Manifest] = {}  # the identities of recent versions, by version
 
     def send(self, cache: VersionCache, version: int, lanes: Sequence[Lane], *, as_version: int | None = None,
              expected_digest: str | None = None, sparse_base: int | None = None) -> Transfer:
@@ -167,7 +168,10 @@ class ClassSenders:
                    for lane in lanes]
         for thread in threads:
             thread.join()  # (each class's send is bounded by its group's timeouts)
-        return _merged(label, identity, lanes, results, started, cached.version_layout.total_bytes)  # type: ignore[union-attr]
+        merged = _merged(label, identity, lanes, results, started, cached.version_layout)  # type: ignore[arg-type]
+        if sparse_base is not None and results and all(r.base_version == sparse_base for r in results.values()):
+            _count_skipped(merged, cached.identity, self._identities.get(sparse_base), cached.version_layout)  # type: ignore[arg-type]
+        return merged
 
     def _identity(self, cache: VersionCache, cached: CachedVersion, label: int, expected_digest: str | None,
                   owners_group: SyncGroup | None) -> str:
@@ -199,7 +203,11 @@ class ClassSenders:
             told = owners_group.exchange_ints([label, *digests], f"version {label}: identity",
                                               round_id=("identity", label))
             digests = merged_by_owner(layout, owners, [values[1:] for values in told])
-        return manifest_of(label, self._algo(), layout, digests)
+        manifest = manifest_of(label, self._algo(), layout, digests)
+        self._identities[label] = manifest  # (what a later sparse version's record counts as unchanged against)
+        for old in sorted(self._identities)[:-_IDENTITIES_KEPT]:
+            del self._identities[old]
+        return manifest
 
     def _algo(self):
         return self._options.get("digest_algo") or self.device.digest_algo
@@ -289,7 +297,7 @@ class ClassSenders:
             if digests is not None and len(results) == len(lanes) and all(r.ok for r in results.values()):
                 several = owners if owners.ranks > 1 else None
                 identity = self._merged_identity(label, layout, several, digests, lanes[0].owners_group).version_digest
-            result = _merged(label, identity, lanes, results, started, layout.total_bytes, "bypass_cpu")
+            result = _merged(label, identity, lanes, results, started, layout, "bypass_cpu")
         except Exception as exc:  # the transfer ends with why, whatever failed
             log.exception("version %d: ending the classes' sends failed", label)
             result = _failed(label, f"{type(exc).__name__}: {exc}", started, "bypass_cpu")
@@ -335,6 +343,7 @@ def _serves(sender: Sender | None, lane: Lane | None) -> bool:
 
 WINDOW_DEPTH = 2  # gathered buckets an owner holds for its classes: one being read, the next one gathered
 
+_IDENTITIES_KEPT = 8
 _CLASSES_REMEMBERED = 512  # classes whose digests are kept (a deployment has at most 256 at once)
 _PLANS_KEPT = 64  # class plans remembered (classes × layouts in use; a layout rarely changes)
 
@@ -399,11 +408,24 @@ def _failed(version: int, reason: str, started: float, mode: Mode = "cached") ->
                           seconds={"total": time.perf_counter() - started}, finished_at=time.perf_counter())
 
 
+def _count_skipped(result: TransferResult, identity: Manifest | None, base: Manifest | None, layout: Layout) -> None:
+    """A sharded version every class of which went sparse: its record counts, as for any sparse version, the
+    tensors unchanged since the base (by the two identities), and its bytes as those of the changed ones."""
+    if identity is None or base is None or base.names != identity.names:
+        return
+    sizes = {slot.name: slot.nbytes for slot in layout.slots}
+    same = [name for name, old, new in zip(base.names, base.digests, identity.digests) if old == new]
+    result.base_version = base.version
+    result.tensors_skipped, result.bytes_skipped = len(same), sum(sizes[name] for name in same)
+    result.version_bytes -= result.bytes_skipped
+    result.tensors -= result.tensors_skipped
+
+
 def _merged(version: int, identity: str | None, lanes: Sequence[Lane], results: Mapping[str, TransferResult],
-            started: float, version_bytes: int, mode: Mode = "cached") -> TransferResult:
-    """One result for the version (of ``version_bytes``, its full tensors): ok when every class is and its
-    identity is known; acknowledgements and absent ranks in the quorum's ranks; each class's digest and bytes
-    beside."""
+            started: float, layout: Layout, mode: Mode = "cached") -> TransferResult:
+    """One result for the version (of ``layout``'s full tensors: its bytes and tensors): ok when every class is
+    and its identity is known; acknowledgements and absent ranks in the quorum's ranks; each class's digest and
+    bytes beside."""
     acks, absent, classes, reasons = [], [], [], []
     seconds: dict[str, float] = {}
     for lane in lanes:
@@ -422,8 +444,7 @@ def _merged(version: int, identity: str | None, lanes: Sequence[Lane], results: 
         reasons.append("the version's identity is not known (its owners did not all hash it)")
     merged = TransferResult(version, mode, not reasons, "; ".join(reasons) or None, identity, acks,
                             sum(r.bytes_sent for r in results.values()), sum(r.buckets for r in results.values()),
-                            sum(r.tensors for r in results.values()), seconds=seconds,
-                            finished_at=time.perf_counter(), absent_ranks=sorted(set(absent)),
-                            version_bytes=version_bytes, classes=classes)
+                            layout.num_tensors, seconds=seconds, finished_at=time.perf_counter(),
+                            absent_ranks=sorted(set(absent)), version_bytes=layout.total_bytes, classes=classes)
     merged.seconds["total"] = time.perf_counter() - started
     return merged
