@@ -288,11 +288,10 @@ class Flights:
     @staticmethod
     def _class_digests(flight: InFlight, done: Report) -> dict[str, str | None] | None:
         """A sharded version's receivers each verify their class's pieces: the digest to compare is their
-        class's, as the trainer sent it (None for a class it did not send whole)."""
+        class's, as the trainer sent it (see expected_by_receiver)."""
         if not flight.classes.keys:
             return None
-        digests = {c.key: c.version_digest if c.ok else None for c in done.classes}
-        return expected_by_receiver(flight.classes, digests)
+        return expected_by_receiver(flight.classes, done.classes)
 
     def _bench(self, agent_ids: list[str], why: str, *, unproven: bool = False) -> None:
         """Receivers that failed the version for everyone (silent about their outcome; never at its

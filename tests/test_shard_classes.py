@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from ckpt_engine.control.messages import ClassLane, Register, Report
+from ckpt_engine.control.messages import ClassDone, ClassLane, Register, Report
 from ckpt_engine.errors import ConfigError
 from ckpt_engine.plan.shards import (Slice, local_range, resolve_aliases, spec_from_wire, spec_key, spec_to_wire,
                                      split_piece_name)
@@ -91,7 +91,10 @@ def test_no_spec_no_classes_and_each_spec_its_own_class_with_group_ranks() -> No
     assert plan.lanes[2].key == "whole" and plan.lanes[2].spec == {}
     assert plan.seats[r0b.agent_id] == (r0a.shard_key, "class-0/", 2, 3)  # rank 2 of a group of 3
     assert plan.seats[whole.agent_id] == ("whole", "class-2/", 1, 2)
-    expected = expected_by_receiver(plan, {r0a.shard_key: "d0", "whole": "dw"})
+    done = [ClassDone(key=r0a.shard_key, ok=False, reason="rank 2: colocated receiver dropped", version_digest="d0"),
+            ClassDone(key=r1.shard_key, ok=False, reason="the send failed part way"),
+            ClassDone(key="whole", ok=True, version_digest="dw")]
+    expected = expected_by_receiver(plan, done)  # (a class's failure for one receiver: the others verified d0)
     assert expected == {r0a.agent_id: "d0", r0b.agent_id: "d0", r1.agent_id: None, whole.agent_id: "dw"}
 
 
@@ -103,8 +106,10 @@ def test_colocated_receivers_have_no_seat_in_their_classs_group_and_a_class_of_t
                                                                      ([], {r1_here.agent_id: 3})]
     assert plan.seats == {r0_far.agent_id: (r0_far.shard_key, "class-0/", 1, 2)}  # the group: trainer + r0_far
     assert plan.key_of(r1_here.agent_id) == r1_here.shard_key  # judged against its class's digest all the same
-    assert expected_by_receiver(plan, {r0_far.shard_key: "d0", r1_here.shard_key: "d1"}) == {
-        r0_far.agent_id: "d0", r0_here.agent_id: "d0", r1_here.agent_id: "d1"}
+    done = [ClassDone(key=r0_far.shard_key, ok=True, version_digest="d0"),
+            ClassDone(key=r1_here.shard_key, ok=True, version_digest="d1")]
+    assert expected_by_receiver(plan, done) == {r0_far.agent_id: "d0", r0_here.agent_id: "d0",
+                                                r1_here.agent_id: "d1"}
     with pytest.raises(ValidationError, match="no receivers"):
         ClassLane(key="k", part="class-0/")
 

@@ -57,7 +57,8 @@ def sender(port: int, rank: int) -> list:
     for version, mode, weights, base in VERSIONS:
         result = publisher.publish(version, model(*weights), mode=mode, sharded=True, sparse_base=base,
                                    route=lambda: route).result(timeout_s=60)
-        out.append((result.ok, result.reason, result.classes, result.version_digest))
+        out.append((result.ok, result.reason, result.classes, result.version_digest,
+                    (result.version_bytes, result.tensors, result.tensors_skipped)))
     publisher.close()
     return out
 
@@ -80,16 +81,18 @@ def test_each_class_receives_exactly_its_ranges_verified() -> None:
         sent, received = run_processes([(sender, (store.port, rank)), (receiver, (store.port, rank))],
                                        timeout_s=120)
         assert received["ok"] == [True] * len(VERSIONS)
-        identities = [digest for *_, digest in sent]  # of the full tensors, cached or gathered: one for one weights
+        identities = [digest for *_, digest, _ in sent]  # of the full tensors, cached or gathered: one for one weights
         assert identities[0] == identities[1] != identities[2] and identities[2] is not None
         assert identities[4] == identities[5]
-        class_digests = [classes[0]["version_digest"] for _, _, classes, _ in sent]
+        class_digests = [classes[0]["version_digest"] for _, _, classes, _, _ in sent]
+        counts = [count for *_, count in sent]  # the record's: bytes and tensors sent, tensors left out
+        assert counts[4] == (8 * 8 * 4, 1, 4) and counts[6] == (0, 0, 5), counts  # o.weight only; nothing
         assert class_digests[4] == class_digests[5] == class_digests[6] != class_digests[3]  # sparse or whole
         assert set(received["got"][7]) == {"bytes"} and received["got"][7]["bytes"] == 0
         sparse = received["got"][5]
         assert set(sparse) - {"bytes"} == {f"o.weight@1:{4 * rank}:4"}  # only the piece that changed came
         whole_of = {}
-        for (ok, reason, classes, _), (version, _, weights, base) in zip(sent, VERSIONS):
+        for (ok, reason, classes, _, _), (version, _, weights, base) in zip(sent, VERSIONS):
             assert ok, reason
             assert [c["ok"] for c in classes] == [True]
             full = model(*weights).tensors

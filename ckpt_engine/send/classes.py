@@ -289,12 +289,14 @@ class ClassSenders:
                      lanes: Sequence[Lane], layout: Layout, owners: Owners, digests: list[int] | None,
                      started: float) -> None:
         """When every class has ended: the version's identity merged across its owners (only when every class
-        was sent: then every owner takes part), and one result."""
+        went out whole: its owners voted so, each the same, so every owner takes part, whatever each class's
+        receivers then made of it), and one result."""
         label, identity = transfer.version, None
         try:
             for thread in threads:
                 thread.join()  # (each class's send is bounded by its group's timeouts)
-            if digests is not None and len(results) == len(lanes) and all(r.ok for r in results.values()):
+            sent = len(results) == len(lanes) and all(r.version_digest is not None for r in results.values())
+            if digests is not None and sent:
                 several = owners if owners.ranks > 1 else None
                 identity = self._merged_identity(label, layout, several, digests, lanes[0].owners_group).version_digest
             result = _merged(label, identity, lanes, results, started, layout, "bypass_cpu")
@@ -414,10 +416,10 @@ def _count_skipped(result: TransferResult, identity: Manifest | None, base: Mani
     if identity is None or base is None or base.names != identity.names:
         return
     sizes = {slot.name: slot.nbytes for slot in layout.slots}
-    same = [name for name, old, new in zip(base.names, base.digests, identity.digests) if old == new]
+    same = {name for name, old, new in zip(base.names, base.digests, identity.digests) if old == new}
     result.base_version = base.version
     result.tensors_skipped, result.bytes_skipped = len(same), sum(sizes[name] for name in same)
-    result.version_bytes -= result.bytes_skipped
+    result.version_bytes = sum(nbytes for name, nbytes in sizes.items() if name not in same)  # (no padding)
     result.tensors -= result.tensors_skipped
 
 

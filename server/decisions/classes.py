@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from ckpt_engine.server.agents import Agent
 
-from ckpt_engine.control.messages import ClassLane
+from ckpt_engine.control.messages import ClassDone, ClassLane
 
 
 class Seat(NamedTuple):
@@ -60,6 +60,9 @@ def plan_lanes(receivers: Sequence[Agent], quorum: Mapping[str, int], colocated:
     return ClassPlan(lanes, seats, keys)
 
 
-def expected_by_receiver(plan: ClassPlan, digests: Mapping[str, str | None]) -> dict[str, str | None]:
-    """Each receiver's expected digest: its class's, as the trainer sent it (``digests``: class key -> digest)."""
+def expected_by_receiver(plan: ClassPlan, classes: Sequence[ClassDone]) -> dict[str, str | None]:
+    """Each receiver's expected digest: its class's, as the trainer sent it. A class the trainer sent whole has
+    its digest also when the class's send failed for some of its receivers (one dropped, one that did not
+    acknowledge): the others verified those very bytes. None where it never got that far."""
+    digests = {c.key: c.version_digest for c in classes}
     return {agent_id: digests.get(key) for agent_id, key in plan.keys.items()}
