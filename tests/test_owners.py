@@ -24,7 +24,7 @@ from ckpt_engine.plan.layout import TensorSpec, plan_layout
 from ckpt_engine.plan.owners import Owners, owners_by_group, plan_owners, share_of
 from ckpt_engine.plan.sparse import manifest_of, plan_sparse
 from tests.daemon_harness import ROOT, free_port, start_daemon, write_config
-from tests.procs import start_processes
+from tests.procs import run_processes, start_processes
 from tests.test_elastic import agents_of, wait_until
 from tests.test_fsdp_sync import transformers_receiver
 from tests.tiny_lm import sharded_tiny_llama, tensor_bytes, tiny_llama
@@ -775,3 +775,45 @@ def library_receiver_of(port: int, versions: int, staging: str = "device") -> li
         result = receiver.receive(begin_timeout_s=_T)
         out.append((result.ok, result.reason, {k: v.tolist() for k, v in held.items()} if result.ok else None))
     return out
+
+
+def _bypass_rank(rank: int, port: int, sharded: bool) -> str:
+    """Trainer rank ``rank`` of 2 publishing a bypass_cpu version; rank 1 cannot reach its receivers."""
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.errors import CkptEngineError, SyncTimeoutError
+    from ckpt_engine.send.publisher import Ownership, Publisher, Route
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=20))
+
+    def agree(vector: list[int]) -> list[int]:
+        reduced = torch.tensor(vector)
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+        return reduced.tolist()
+
+    def route() -> Route:
+        if rank == 1:
+            raise SyncTimeoutError("sync group rendezvous: rank(s) [1] never joined")
+        return Route(None, {}, None)  # (never used: the ranks agree not to send)
+
+    publisher = Publisher(device=detect_device("cpu"), bucket_size=1 << 12)
+    try:
+        publisher.publish(1, {"w": torch.zeros(4096)}, mode="bypass_cpu", route=route, agree=agree,
+                          ownership=Ownership(rank, 2), sharded=sharded)
+    except CkptEngineError as exc:
+        return str(exc)
+    finally:
+        publisher.close()
+        dist.destroy_process_group()
+    return "sent"
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_bypass_ranks_agree_on_their_routes_before_any_gather(sharded: bool) -> None:
+    """Found by the outside attack: with a receiver gone, trainer rank 1's rendezvous failed and it went on to
+    the gathers while rank 0 was still in its own (and its retry): rank 1's gather timed out, ending training.
+    Now no rank gathers a bypass_cpu version unless every one reached its receivers."""
+    port = free_port()
+    said = run_processes([(_bypass_rank, (0, port, sharded)), (_bypass_rank, (1, port, sharded))], timeout_s=60)
+    assert "another trainer rank could not reach its receivers" in said[0], said
+    assert "never joined" in said[1], said

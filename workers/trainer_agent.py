@@ -313,7 +313,12 @@ class TrainerAgent(Agent):
 
     def _assist(self, assignment: Assignment, step: int) -> None:
         """Ranks > 0: take part in every bucket's gather, in the order rank 0 reads them."""
-        self.gathered[assignment.version] = self._publish(assignment, step).gathered_bytes
+        try:
+            self.gathered[assignment.version] = self._publish(assignment, step).gathered_bytes
+        except TrainerGroupError:
+            raise
+        except CkptEngineError as exc:  # the owners agreed not to send it (bypass_cpu): nothing to gather
+            log.warning("version %d: %s", assignment.version, exc)
 
     # ---- serving on rank 0 ---------------------------------------------------------------------------
     def _serve(self, assignment: Assignment, step: int, started: float) -> None:

@@ -289,13 +289,14 @@ class ClassSenders:
                      lanes: Sequence[Lane], layout: Layout, owners: Owners, digests: list[int] | None,
                      started: float) -> None:
         """When every class has ended: the version's identity merged across its owners (only when every class
-        went out whole: its owners voted so, each the same, so every owner takes part, whatever each class's
-        receivers then made of it), and one result."""
+        went out whole, but those whose spec does not fit: every owner knows the same, so every one takes
+        part, whatever each class's receivers then made of it), and one result."""
         label, identity = transfer.version, None
         try:
             for thread in threads:
                 thread.join()  # (each class's send is bounded by its group's timeouts)
-            sent = len(results) == len(lanes) and all(r.version_digest is not None for r in results.values())
+            went = [r for r in results.values() if not any(c.get("spec_unfit") for c in r.classes)]
+            sent = len(results) == len(lanes) and bool(went) and all(r.version_digest is not None for r in went)
             if digests is not None and sent:
                 several = owners if owners.ranks > 1 else None
                 identity = self._merged_identity(label, layout, several, digests, lanes[0].owners_group).version_digest

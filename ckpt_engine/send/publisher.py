@@ -169,6 +169,8 @@ class Publisher:
         if delta is not None:
             stored = delta[1]
             stored_owners = owners_by_group(stored, owners.ranks) if owners.ranks > 1 else single_owner(stored)
+        if mode == "bypass_cpu":  # found (or failed) on every rank before any gather: see _bypass_route
+            route = _bypass_route(version, route if sender else None, agree)
         cursor = GatherCursor(named, stored, stored_owners, mine.global_rank)
         try:
             if not sender:
@@ -414,6 +416,26 @@ class GatherCursor:
         except TrainerGroupError as exc:
             self._broken = exc
             raise
+def _bypass_route(version: int, route: Callable[[], Route] | None, agree: Agree | None) -> Callable[[], Route | None]:
+    """bypass_cpu reads the live tensors as it sends them, so its route (a rendezvous with the receivers, up to
+    its timeout) comes before any gather. With several trainer ranks, they then agree whether every one found
+    its own: when one did not, none sends and none gathers (a rank still in, or failed at, its rendezvous would
+    otherwise leave the others waiting in a gather past the job's collective timeout, which ends training)."""
+    where: Route | None = None
+    failure: Exception | None = None
+    if route is not None:
+        try:
+            where = route()
+        except Exception as exc:  # (raised below, once every rank knows)
+            failure = exc
+    if agree is not None and agree([int(failure is not None)])[0] and failure is None:
+        failure = CkptEngineError(f"version {version}: another trainer rank could not reach its receivers "
+                                  "(see its log); no rank sends this version")
+    if failure is not None:
+        raise failure
+    return lambda: where
+
+
 def _lanes(version: int, route: Callable[[], Route] | None) -> tuple[Lane, ...]:
     """A sharded version's classes, from its route (asked on the caller's thread: bypass_cpu)."""
     where = route() if route is not None else None
