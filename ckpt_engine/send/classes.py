@@ -3,8 +3,8 @@ its own, cut from the version as the cache holds it, or, with bypass_cpu, from e
 gathered (send/fanout.py): either way an FSDP model is gathered once, whatever the classes.
 
 With several trainer ranks owning shares of the version (plan/owners.py), every owner sends each class the
-pieces of the tensors it owns, on its own group with the class's receivers: a class's layout is planned by
-owner groups (a bucket holds pieces of one owner's tensors), and the owners of each class vote and merge
+pieces of the tensors it owns, on its own group with the class's receivers: each bucket of a class's layout
+holds pieces of one bucket of the version (so of one owner's tensors), and the owners of each class vote and merge
 their digests on the class's owners' group, as for any version of several owners.
 
 The version keeps one identity, the per-tensor digests of its full tensors (computed from the cache on its
@@ -193,7 +193,7 @@ class ClassSenders:
         return cached.identity.version_digest
 
     def _merged_identity(self, label: int, layout: Layout, owners: Owners | None, digests: list[int],
-                         owners_group: SyncGroup | None):
+                         owners_group: SyncGroup | None) -> Manifest:
         """The version's manifest from this owner's per-tensor digests of its share, merged on the owners' group
         with the other owners' when there are several."""
         if owners is not None and owners.ranks > 1:
@@ -357,9 +357,8 @@ class _ClassPlan:
     owners: Owners | None
     pieces: tuple[Piece, ...]
     aliases: dict[str, str]
-    # per bucket of the class's layout, the bucket of the version's layout its pieces are cut from
-    sources: tuple[int, ...] = ()
-    by_name: Mapping[str, Piece] = field(default_factory=dict)  # the pieces by wire name
+    sources: tuple[int, ...]  # per bucket of the class's layout, the bucket of the version's its pieces are cut from
+    by_name: Mapping[str, Piece]  # the pieces by wire name
 
     def sources_of(self, rank: int) -> set[int]:
         """The version's buckets whose pieces this class takes from owner ``rank``."""

@@ -416,6 +416,8 @@ class GatherCursor:
         except TrainerGroupError as exc:
             self._broken = exc
             raise
+
+
 def _bypass_route(version: int, route: Callable[[], Route] | None, agree: Agree | None) -> Callable[[], Route | None]:
     """bypass_cpu reads the live tensors as it sends them, so its route (a rendezvous with the receivers, up to
     its timeout) comes before any gather. With several trainer ranks, they then agree whether every one found

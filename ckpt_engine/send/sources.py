@@ -213,11 +213,14 @@ class ChangesSource:
         return {"base_version": self.base_version, "full_layout_digest": self.full.layout_digest,
                 "full_version_digest": self.full.version_digest, "skipped": self.plan_.skipped}
 
-    def told(self, digests: list[int], layout: Layout) -> list[int]:
-        """This owner's word for the others: its base and (tensor index in the version, digest) of each tensor of
-        ``layout`` (its share) with ``digests``."""
+    def told(self, algo: str, share: Layout, digests: list[int]) -> list[int]:
+        """From this owner's ``digests`` of the tensors of ``share``: alone, the version's manifest; with other
+        owners, its word for them: its base and (tensor index in the version, digest) of each of its tensors."""
+        if self.owners.ranks == 1:
+            self.full = manifest_of(self.version, algo, share, digests)
+            return []
         position = {slot.name: slot.index for slot in self.layout.slots}
-        return [_base_word(self.base), *(value for slot, digest in zip(layout.slots, digests)
+        return [_base_word(self.base), *(value for slot, digest in zip(share.slots, digests)
                                          for value in (position[slot.name], digest))]
 
     def plan(self, told: list[list[int]] | None) -> None:
@@ -284,11 +287,7 @@ class SparseCacheSource(ChangesSource):
             return []
         scratch = None if cached.is_whole else torch.empty(cached.layout.max_bucket_bytes, dtype=torch.uint8)
         read = cached.bucket if cached.is_whole else (lambda b: cached.fill(b, scratch))  # type: ignore[arg-type]
-        digests = layout_digests(cached.layout, lambda b: read(b.index), algo, device)
-        if self.owners.ranks == 1:
-            self.full = manifest_of(self.version, algo, cached.layout, digests)
-            return []
-        return self.told(digests, cached.layout)
+        return self.told(algo, cached.layout, layout_digests(cached.layout, lambda b: read(b.index), algo, device))
 
     def plan(self, told: list[list[int]] | None) -> None:
         super().plan(told)
@@ -331,11 +330,7 @@ class PiecesChangesSource(ChangesSource):
             fill_bucket(scratch, bucket.slots, self._pieces, bucket.nbytes)
             return scratch
 
-        digests = layout_digests(share, read, algo, device)
-        if self.owners.ranks == 1:
-            self.full = manifest_of(self.version, algo, self.layout, digests)
-            return []
-        return self.told(digests, share)
+        return self.told(algo, share, layout_digests(share, read, algo, device))
 
     def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:
         bucket = self.layout.buckets[index]

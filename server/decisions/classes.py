@@ -53,7 +53,7 @@ def plan_lanes(receivers: Sequence[Agent], quorum: Mapping[str, int], colocated:
         remote = [m for m in members if m.agent_id not in colocated]
         lanes.append(ClassLane(key=key, part=part, spec=members[0].shard_spec or {},
                                ranks=[quorum[m.agent_id] for m in remote],
-                               ipc_peers={m.agent_id: quorum[m.agent_id] for m in members if m not in remote}))
+                               ipc_peers={m.agent_id: quorum[m.agent_id] for m in members if m.agent_id in colocated}))
         for seat, member in enumerate(remote, start=1):
             seats[member.agent_id] = Seat(key, part, seat, 1 + len(remote))
         keys.update({m.agent_id: key for m in members})
