@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from ckpt_engine.ranks import QuorumRank
+
 
 class CkptEngineError(Exception):
     """Base class of every error raised on purpose by ckpt-engine."""
@@ -29,6 +33,20 @@ class ProtocolError(CkptEngineError):
 
 class SyncTimeoutError(CkptEngineError, TimeoutError):
     """A wait on a peer (rendezvous, collective, acknowledgement) ran past its timeout."""
+
+
+class ReceiversAbsent(SyncTimeoutError):
+    """Receivers of a version never joined its rendezvous: ``ranks`` are their ranks in the version's quorum
+    (converted from the failed group's own ranks where the group is known)."""
+
+    def __init__(self, message: str, ranks: Iterable[QuorumRank] = ()) -> None:
+        super().__init__(message)
+        self.ranks: tuple[QuorumRank, ...] = tuple(ranks)
+
+
+def absent_receivers(exc: BaseException) -> list[QuorumRank]:
+    """The quorum ranks a failure names as never having joined (none for any other failure)."""
+    return list(exc.ranks) if isinstance(exc, ReceiversAbsent) else []
 
 
 class TrainerGroupError(CkptEngineError):

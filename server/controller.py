@@ -250,6 +250,7 @@ class Controller:
     def _start(self, record: VersionRecord, trainer: Agent | None, receivers: list[Agent], now: float, *,
                sparse: bool = False, source: VersionRecord | None = None) -> None:
         """Start a version the daemon drives, or record why it cannot (503 with the failed record)."""
+        receivers = rules.within_class_limit(receivers)
         problem = self._quorum_problem(trainer, receivers, now)
         if problem is None:
             owners, colocated, problem = self._routes(trainer, receivers, source, now)  # type: ignore[arg-type]
@@ -266,9 +267,6 @@ class Controller:
         """How many trainer ranks own the version, which receivers take the same-host path, and why it cannot
         go (None: it can)."""
         source_owners = source.owners if source else None
-        problem = rules.sharded_problem(receivers)
-        if problem is not None:
-            return 1, [], problem
         owners = rules.owners_for(trainer, self.agents.trainers(), source_owners, self.config.transport, now,
                                   self.heartbeat_s)
         colocated, problem = rules.transports(trainer, receivers, owners, self.config.transport)
@@ -390,7 +388,7 @@ class Controller:
         source = self.history.get(plan.source) if plan is not None else None
         if plan is None or source is None or not rules.heard(trainer, now, self.heartbeat_s):
             return
-        receivers = list(plan.receivers)
+        receivers = rules.within_class_limit(plan.receivers)
         owners, colocated, problem = self._routes(trainer, receivers, source, now)
         if problem:
             return

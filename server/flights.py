@@ -46,6 +46,7 @@ class InFlight:
     reports: dict[str, Report] = field(default_factory=dict)  # receivers' own outcomes, by agent id
     applied: dict[str, Report] = field(default_factory=dict)  # drivers' outcomes, by engine
     apply_sent: set[str] = field(default_factory=set)
+    engines_failed: set[str] = field(default_factory=set)  # a worker failed it: its driver is never asked
     done: Report | None = None  # the trainer's
     done_at: float = 0.0
     owner_failures: dict[int, str] = field(default_factory=dict)  # other owner ranks' own failures, by rank
@@ -157,6 +158,8 @@ class Flights:
             if message.group_broken:
                 self.group_dirty = True
             flight.reports.setdefault(agent.agent_id, message)
+            if not message.ok:
+                self._engine_fails_together(flight, agent, message)
             self.maybe_finish(flight)
         elif flight is None:
             self._late_outcome(agent, message)
@@ -169,7 +172,8 @@ class Flights:
             return
         agent.model.staged_version(message.version)
         engine = agent.engine
-        if engine is None or engine not in flight.engines or engine in flight.apply_sent:
+        if (engine is None or engine not in flight.engines or engine in flight.apply_sent
+                or engine in flight.engines_failed):
             return
         members = [self.agents.get(a) for a in flight.engines[engine]]
         if all(m is not None and m.model.staged == flight.version for m in members):
@@ -205,6 +209,22 @@ class Flights:
             flight.applied[driver.engine] = message
             self.maybe_finish(flight)
 
+    def _engine_fails_together(self, flight: InFlight, agent: Agent, message: Report) -> None:
+        """A driven worker that failed the version fails its whole engine: the other workers drop what they
+        staged now (not at their take timeout), and its driver is never asked to apply it."""
+        engine = agent.engine
+        if (not agent.driven or engine is None or engine not in flight.engines or engine in flight.apply_sent
+                or engine in flight.engines_failed):
+            return
+        flight.engines_failed.add(engine)
+        why = f"worker {agent.agent_id} of engine {engine} failed it: {message.reason or 'failed'}"[:2000]
+        for member_id in flight.engines[engine]:
+            member = self.agents.get(member_id)
+            if member is None or member_id == agent.agent_id or member_id in flight.reports:
+                continue
+            member.model.unstaged()
+            member.pending.append(Assignment(kind="discard", version=flight.version, reason=why))
+
     def tear(self, agents: list[Agent], reason: str) -> None:
         for agent in agents:
             agent.model.tore(reason)
@@ -231,7 +251,9 @@ class Flights:
         if flight.done is None or self.current is not flight:
             return
         if flight.done.version_digest is not None:  # without it nothing can commit: no need to hear receivers
-            waiting = [a for a in flight.quorum if a not in flight.reports and self.agents.get(a) is not None]
+            absent = set(flight.done.absent_ranks)  # (they never joined: they received nothing to report on)
+            waiting = [a for a, rank in flight.quorum.items()
+                       if a not in flight.reports and rank not in absent and self.agents.get(a) is not None]
             # and the drivers told to apply: what their engines serve afterwards goes into the record
             waiting += [e for e in flight.apply_sent if e not in flight.applied and self.agents.driver(e) is not None]
             if waiting and self.clock() - flight.done_at < self.config.timeouts.ack_s:

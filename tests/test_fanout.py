@@ -82,3 +82,22 @@ def test_a_class_waits_for_its_bucket_and_a_failure_ends_every_wait() -> None:
         window.put(1, {"t": torch.zeros(1)})
     with pytest.raises(SyncTimeoutError):
         GatheredWindow({"x": {0}}, depth=1, timeout_s=0.05).wait_empty()  # a class that never took its bucket
+
+
+def test_a_class_ending_while_a_gather_waits_for_room_does_not_hold_that_bucket() -> None:
+    """(issue 35: a class that failed at once, its receiver killed, ended while the next bucket waited for room;
+    the bucket was then held for it for good and the trainer waited out the window's timeout)"""
+    window = GatheredWindow({"dead": {0, 1, 2}, "live": {0, 1, 2}}, depth=2, timeout_s=10)
+    window.put(0, {"t": torch.zeros(1)})
+    window.put(1, {"t": torch.ones(1)})
+    gathering = threading.Thread(target=window.put, args=(2, {"t": torch.full((1,), 2.0)}))
+    gathering.start()  # waits for room
+    window.done("dead")
+    window.take("live", 0)
+    window.take("live", 1)  # lets go of 0: room for 2, which only "live" needs now
+    gathering.join(10)
+    assert not gathering.is_alive()
+    window.take("live", 2)
+    window.done("live")
+    window.wait_empty()
+    assert window.held == 0

@@ -117,7 +117,7 @@ def test_colocated_receivers_have_no_seat_in_their_classs_group_and_a_class_of_t
 @pytest.mark.parametrize("transport,colocated", [("auto", 1), ("collective", 0), ("ipc", 0)])
 def test_a_sharded_version_goes_by_the_same_rules_of_transport(transport, colocated) -> None:
     receivers = [sharded({"w": [[0, 0, 4]]}), agent(host_id="elsewhere")]
-    assert rules.sharded_problem(receivers) is None
+    assert rules.within_class_limit(receivers) == receivers
     for receiver in receivers:
         receiver.model.serving = 4
     assert rules.sparse_base(receivers) == 4  # each class gets the pieces that changed since
@@ -143,10 +143,21 @@ def test_each_receiver_is_judged_against_its_class_digest() -> None:
     assert none.status == "failed"  # no identity: nothing commits
 
 
-def test_more_classes_than_a_version_carries_is_a_reason_not_a_crash() -> None:
-    receivers = [sharded({"w": [[0, i, 1]]}) for i in range(257)]
-    assert "257 different shard specs" in rules.sharded_problem(receivers)
-    assert rules.sharded_problem(receivers[:255] + [agent()]) is None  # 255 + whole = 256 classes
+def test_more_classes_than_a_version_carries_leave_the_newest_unproven_ones_for_later() -> None:
+    """(issue 35: 257 registrations with distinct specs made every version a 503)"""
+    proven = [sharded({"w": [[0, 1000 + i, 1]]}) for i in range(2)]
+    for receiver in proven:
+        receiver.model.serving, receiver.model.proven = 3, True
+    flood = [sharded({"w": [[0, i, 1]]}) for i in range(257)]
+    kept = rules.within_class_limit([*flood, *proven])
+    ids = [r.agent_id for r in kept]
+    assert len({r.shard_key for r in kept}) == 256 and all(r.agent_id in ids for r in proven)
+    assert ids == [r.agent_id for r in [*flood, *proven] if r.agent_id in ids]  # (in the quorum's order)
+    assert flood[-1].agent_id not in ids and flood[-2].agent_id not in ids  # the last registered wait
+    mixed = flood[:255] + [agent()]
+    assert rules.within_class_limit(mixed) == mixed  # 255 + whole = 256 classes: all go
+    same = [sharded({"w": [[0, 0, 1]]}) for _ in range(300)]
+    assert rules.within_class_limit(same) == same  # one class, whatever the receivers
 
 
 def test_a_spec_key_is_a_cryptographic_digest_of_the_normalised_spec() -> None:

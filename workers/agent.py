@@ -100,6 +100,9 @@ class Agent:
         # other owners.
         self.groups: list[SyncGroup] = []
         self.owners_group: SyncGroup | None = None
+        # (generation, part) of a rendezvous that failed, and why: not tried again in that generation (its store
+        # keys would let a second try pass the members' rendezvous and wait in the backend's connect instead)
+        self._failed_rendezvous: tuple[int, str, Exception] | None = None
         self._group_lock = threading.Lock()
         self._register_lock = threading.Lock()  # registering again: once, whichever thread notices first
         self._poll_failures = FailureLog(log, f"{self.role} agent: polling the daemon at {endpoint}")
@@ -275,16 +278,25 @@ class Agent:
                   and current.part.startswith(assignment.part))
         if usable:
             return current
+        failed = self._failed_rendezvous
+        if failed is not None and failed[:2] == (assignment.generation, assignment.part):
+            raise failed[2]
         self._refuse_older_generation(assignment, settings)
         self._close_groups()
-        store = open_store(settings.store_host, settings.store_port, timeout_s=settings.connect_timeout_s)
-        owners = [owner_rank] if owner_rank is not None else range(wanted)
-        parts = [assignment.part + owner_part(o) for o in owners]  # (a class's groups: under the class's part)
-        for part in parts:
-            self.groups.append(self._sync_group(store, settings, assignment, part, assignment.rank,
-                                                assignment.world_size))
-        if with_owners:
-            self.owners_group = self._sync_group(store, settings, assignment, "owners/", owner_rank, assignment.owners)
+        try:
+            store = open_store(settings.store_host, settings.store_port, timeout_s=settings.connect_timeout_s)
+            owners = [owner_rank] if owner_rank is not None else range(wanted)
+            parts = [assignment.part + owner_part(o) for o in owners]  # (a class's groups: under the class's part)
+            for part in parts:
+                self.groups.append(self._sync_group(store, settings, assignment, part, assignment.rank,
+                                                    assignment.world_size))
+            if with_owners:
+                self.owners_group = self._sync_group(store, settings, assignment, "owners/", owner_rank,
+                                                     assignment.owners)
+        except Exception as exc:
+            self._close_groups()
+            self._failed_rendezvous = (assignment.generation, assignment.part, exc)
+            raise
         return self.group
 
     def _refuse_older_generation(self, assignment: Assignment, settings: RegisterReply) -> None:
@@ -303,10 +315,13 @@ class Agent:
 
     def _sync_group(self, store, settings: RegisterReply, assignment: Assignment, part: str, rank: int,
                     world_size: int) -> SyncGroup:
+        # (a receiver waits for a version's first frame until the sender's next step boundary: up to the
+        # version's time limit, longer than any one collective)
+        begin_s = settings.version_timeout_s if self.role != "trainer" else None
         return SyncGroup(store, name=settings.group_name, generation=assignment.generation, rank=rank,
                          world_size=world_size, device=self.device, timeout_s=settings.collective_timeout_s,
                          connect_timeout_s=settings.connect_timeout_s, part=part,
-                         label=f"{self.role} agent {settings.agent_id}")
+                         label=f"{self.role} agent {settings.agent_id}", backend_timeout_s=begin_s)
 
     def _close_groups(self) -> None:
         for group in [*self.groups, *([self.owners_group] if self.owners_group is not None else [])]:

@@ -44,6 +44,8 @@ class StagedVersion:
         self._outcome: BaseException | None = None
         self._done = False
         self._taken_at = 0.0
+        # the newest version the engine will not take, told before this worker staged it (its engine failed it)
+        self._discarded: tuple[int, str] | None = None
 
     @property
     def staged(self) -> int | None:
@@ -56,6 +58,8 @@ class StagedVersion:
         if self.check is not None:
             self.check(payload)
         with self._cond:
+            if self._discarded is not None and self._discarded[0] == payload.version:
+                raise ApplyRefused(f"version {payload.version} was not applied: {self._discarded[1]}")
             self._payload, self._taken, self._outcome, self._done = payload, False, None, False
         try:
             self.on_staged(payload.version)
@@ -109,11 +113,16 @@ class StagedVersion:
             self._cond.notify_all()
 
     def discard(self, version: int, reason: str) -> None:
-        """The engine will not take ``version`` (its driver failed before the workers were asked): refuse it
-        now instead of after ``take_timeout_s``, so this worker can receive the next version (e.g. a repair).
-        A version the engine has taken already is left to its apply."""
+        """The engine will not take ``version`` (its driver failed, or another worker failed the version):
+        refuse it now instead of after ``take_timeout_s``, so this worker can receive the next version (e.g. a
+        repair); told before it is staged, it is refused when it is. A version the engine has taken already
+        is left to its apply."""
         with self._cond:
-            if self._payload is None or self._payload.version != version or self._taken:
+            if self._payload is None or self._payload.version != version:
+                if self._discarded is None or version >= self._discarded[0]:
+                    self._discarded = (version, reason)
+                return
+            if self._taken:
                 return
             self._outcome, self._done = ApplyRefused(f"version {version} was not applied: {reason}"), True
             self._cond.notify_all()

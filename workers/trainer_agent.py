@@ -41,21 +41,21 @@ import msgpack
 import torch
 import torch.distributed as dist
 from ckpt_engine.workers.agent import Agent
+from ckpt_engine.workers.class_groups import ClassGroups, ClassGroupsKey
 from ckpt_engine.workers.fsdp import job_collective, sharded_tensors_of
 from torch import nn
 
 from ckpt_engine.control.client import ControlReplyError
 from ckpt_engine.control.messages import MAX_KEPT, Assignment, ClassLane, RegisterReply
 from ckpt_engine.device import DeviceInfo
-from ckpt_engine.errors import CkptEngineError, SyncTimeoutError, TrainerGroupError
+from ckpt_engine.errors import CkptEngineError, ReceiversAbsent, SyncTimeoutError, TrainerGroupError, absent_receivers
 from ckpt_engine.plan.modes import MODES
 from ckpt_engine.plan.tensors import NamedTensors, NameMap
+from ckpt_engine.ranks import QuorumRank, plain_seat
 from ckpt_engine.retry import Backoff, FailureLog
-from ckpt_engine.plan.shards import spec_from_wire
-from ckpt_engine.send.classes import Lane
 from ckpt_engine.send.publisher import Ownership, Publisher, Route
 from ckpt_engine.send.sender import Transfer, TransferResult, WireHook
-from ckpt_engine.transport.group import SyncGroup, open_store, owner_part
+from ckpt_engine.transport.group import MembersAbsent, SyncGroup, open_store, owner_part
 
 log = logging.getLogger(__name__)
 TensorSource = Callable[[], NamedTensors]
@@ -74,8 +74,7 @@ class TrainerAgent(Agent):
         self.process_group = process_group if process_group is not None else (
             dist.group.WORLD if dist.is_available() and dist.is_initialized() else None)
         sharded = self.process_group is not None
-        self.class_owner_groups: list[SyncGroup] = []  # a sharded version of several owners: one per class
-        self.class_groups: list[SyncGroup | None] = []  # a sharded version: per class (None: all colocated)
+        self.class_groups: ClassGroups | None = None  # a sharded version's groups (this generation's)
         super().__init__(endpoint, rank=dist.get_rank(self.process_group) if sharded else 0, token=token,
                          device=device, poll_wait_s=poll_wait_s, register_wait_s=register_wait_s)
         self.world_size = dist.get_world_size(self.process_group) if sharded else 1
@@ -265,50 +264,62 @@ class TrainerAgent(Agent):
             dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=self.process_group)
         return reduced.tolist()
 
-    def _route(self, assignment: Assignment) -> Route:
-        if assignment.classes:  # a sharded version: every class on its own group (see _group_for)
+    def _route(self, assignment: Assignment, *, build: bool = True) -> Route:
+        """Where this rank sends ``assignment``: its groups, rendezvous first (``build=False``: only groups this
+        generation already has; none are built, e.g. to tell receivers that a version will not come)."""
+        if not build and not self._has_groups_for(assignment):
+            return Route(None, {}, None)
+        if assignment.classes:  # a sharded version: every class on its own group (see ClassGroups)
             self.group_for(assignment)
-            owners = self.class_owner_groups or [None] * len(assignment.classes)
-            lanes = tuple(Lane(lane.key, spec_from_wire(lane.spec), group, tuple(lane.ranks), vote, lane.ipc_peers)
-                          for lane, group, vote in zip(assignment.classes, self.class_groups, owners))
-            return Route(None, {}, None, lanes)
+            classes = self.class_groups
+            return Route(None, {}, None, classes.lanes(assignment.classes) if classes is not None else ())
         return Route(self.group_for(assignment), assignment.ipc_peers, self.owners_group)
+
+    def _has_groups_for(self, assignment: Assignment) -> bool:
+        if assignment.classes:
+            return self.class_groups is not None and self.class_groups.key == self._classes_key(assignment)
+        current = self.group
+        return assignment.world_size < 2 or (current is not None and current.generation == assignment.generation
+                                             and not self.group_broken)
+
+    def _classes_key(self, assignment: Assignment) -> ClassGroupsKey:
+        mine = owner_part(self.rank)
+        parts = tuple(lane.part + mine if lane.ranks else None for lane in assignment.classes)
+        several = assignment.owners > 1
+        return ClassGroupsKey(assignment.generation, parts, self.rank if several else None, assignment.owners)
 
     def _group_for(self, assignment: Assignment, settings: RegisterReply) -> SyncGroup | None:
         """A sharded version's groups: per class, this owner rank's own with the class's receivers (rank 0 of
         it; none for a class of colocated receivers only) and, with several owners, the class's owners' group
-        (this rank's rank in it is its owner rank)."""
+        (this rank's rank in it is its owner rank). All built at once; a class whose group does not form
+        is sent nothing, the others go on. A plain version's: its one group (see Agent)."""
         if not assignment.classes:
-            return super()._group_for(assignment, settings)
-        mine = owner_part(self.rank)
-        parts = [lane.part + mine if lane.ranks else None for lane in assignment.classes]
-        with_owners = assignment.owners > 1
-        current = self.group
-        if (current is not None and current.generation == assignment.generation and not self.group_broken
-                and [g.part if g else None for g in self.class_groups] == parts
-                and bool(self.class_owner_groups) == with_owners):
-            return current
+            try:
+                return super()._group_for(assignment, settings)
+            except MembersAbsent as exc:  # (the plain group of the receivers: ranks are quorum ranks)
+                raise ReceiversAbsent(str(exc), [plain_seat(r) for r in exc.absent if r >= 1]) from exc
+        key = self._classes_key(assignment)
+        if self.class_groups is not None and self.class_groups.key == key:
+            return None  # (built for this generation: a group that failed is not tried again before the next)
         self._refuse_older_generation(assignment, settings)
         self._close_groups()
-        store = open_store(settings.store_host, settings.store_port, timeout_s=settings.connect_timeout_s)
-        for lane, part in zip(assignment.classes, parts):
-            group = None if part is None else self._sync_group(store, settings, assignment, part, 0,
-                                                               1 + len(lane.ranks))
-            self.class_groups.append(group)
-            self.groups += [group] if group is not None else []
-            if with_owners:
-                self.class_owner_groups.append(self._sync_group(store, settings, assignment, lane.part + "owners/",
-                                                                self.rank, assignment.owners))
-        return self.group
+
+        def build(part: str, rank: int, size: int) -> SyncGroup:
+            store = open_store(settings.store_host, settings.store_port, timeout_s=settings.connect_timeout_s)
+            return self._sync_group(store, settings, assignment, part, rank, size)
+
+        self.class_groups = ClassGroups(key, assignment.classes, build)
+        self.groups = [g for g in self.class_groups.groups if g is not None]
+        return None
 
     @property
     def group_broken(self) -> bool:
-        return super().group_broken or any(g.broken is not None for g in self.class_owner_groups)
+        return super().group_broken or (self.class_groups is not None and self.class_groups.broken)
 
     def _close_groups(self) -> None:
-        for group in self.class_owner_groups:
-            group.close()
-        self.class_owner_groups, self.class_groups = [], []
+        if self.class_groups is not None:
+            self.class_groups.close()
+            self.class_groups = None
         super()._close_groups()
 
     def _assist(self, assignment: Assignment, step: int) -> None:
@@ -335,8 +346,8 @@ class TrainerAgent(Agent):
         except Exception as exc:  # every failure ends the version with a reason in history
             log.exception("version %d failed on the trainer", version)
             reason = f"{type(exc).__name__}: {exc}"
+            self._report_failure(version, reason, absent_receivers(exc))  # the report first: nothing waits on it
             self._abort_before_start(assignment, reason)  # nothing went on the wire: release the receivers
-            self._report_failure(version, reason, list(getattr(exc, "absent_ranks", [])))
         else:
             self.gathered[version] = transfer.gathered_bytes
             self._track(version, lambda: transfer, time.perf_counter() - started)
@@ -350,8 +361,11 @@ class TrainerAgent(Agent):
         self.flush_reports(_REPORT_BEFORE_EXIT_S)
 
     def _abort_before_start(self, assignment: Assignment, reason: str) -> None:
+        """Tell the receivers on the groups this rank has that the version will not come: no rendezvous here
+        (the report of why must not wait behind one)."""
         try:
-            self._publisher().abort_before_start(assignment.version, reason, lambda: self._route(assignment))
+            self._publisher().abort_before_start(assignment.version, reason,
+                                                 lambda: self._route(assignment, build=False))
         except CkptEngineError as exc:  # receivers then fall back on their own timeout
             log.warning("could not tell receivers that version %d is abandoned: %s", assignment.version, exc)
 
@@ -370,7 +384,7 @@ class TrainerAgent(Agent):
             transfer = start()
         except Exception as exc:  # every failure ends the version with a reason in history
             log.exception("version %d failed on the trainer", version)
-            self._report_failure(version, f"{type(exc).__name__}: {exc}", list(getattr(exc, "absent_ranks", [])))
+            self._report_failure(version, f"{type(exc).__name__}: {exc}", absent_receivers(exc))
             return
         self._current = transfer
         transfer.on_done(lambda result: self._report_result(result, held))
@@ -393,7 +407,7 @@ class TrainerAgent(Agent):
             return
         self.report(result.version, "done", **fields, group_broken=self.group_broken)
 
-    def _report_failure(self, version: int, reason: str, absent_ranks: list[int] | None = None) -> None:
+    def _report_failure(self, version: int, reason: str, absent_ranks: list[QuorumRank] | None = None) -> None:
         publisher = self.publisher
         self.report(version, "done", ok=False, reason=reason,
                     cache_versions=publisher.cache.versions() if publisher else None,

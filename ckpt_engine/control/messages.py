@@ -8,6 +8,7 @@ Never pickle; frames over ``max_bytes`` are refused before parsing.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 import msgpack
@@ -16,6 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
 from ckpt_engine.control.auth import TOKEN_MAX_LENGTH
 from ckpt_engine.errors import ProtocolError
 from ckpt_engine.plan.modes import Mode, Staging
+from ckpt_engine.ranks import QuorumRank
 
 Role = Literal["trainer", "receiver", "driver"]
 # A version's lifecycle in the daemon: requested -> snapshotting -> transferring -> verifying -> one of TERMINAL.
@@ -33,6 +35,14 @@ def _not_bool(value: object) -> object:
     if isinstance(value, bool):
         raise ValueError("expected an integer, got a boolean")
     return value
+
+
+def plain_int(value: object) -> object:
+    """An integer, or text (an HTTP path or query value) that is only ASCII digits with an optional minus:
+    pydantic's lax mode would also read ' 1', '1.0' and '1_0' as numbers."""
+    if isinstance(value, str) and not re.fullmatch(r"-?[0-9]+", value, flags=re.ASCII):
+        raise ValueError("expected an integer in decimal digits")
+    return _not_bool(value)
 
 
 # (the validator after the bounds: it still runs first, and the bounds stay minimum/maximum in the JSON schema)
@@ -78,8 +88,8 @@ class ClassLane(BaseModel):
     key: str = Field(max_length=64)
     part: ClassPart
     spec: WireShardSpec = Field(default_factory=dict)
-    ranks: list[Annotated[int, Field(ge=1, le=MAX_RANKS)]] = Field(default_factory=list, max_length=MAX_RANKS)
-    ipc_peers: dict[Annotated[str, Field(max_length=64)], Annotated[int, Field(ge=1, le=MAX_RANKS)]] = Field(
+    ranks: list[Annotated[QuorumRank, Field(ge=1, le=MAX_RANKS)]] = Field(default_factory=list, max_length=MAX_RANKS)
+    ipc_peers: dict[Annotated[str, Field(max_length=64)], Annotated[QuorumRank, Field(ge=1, le=MAX_RANKS)]] = Field(
         default_factory=dict, max_length=MAX_RANKS)
 
     @model_validator(mode="after")
@@ -277,8 +287,9 @@ class Report(_Body):
     cache_versions: list[WireInt] | None = Field(None, max_length=MAX_LISTED_VERSIONS)
     cache_bytes: Count | None = None
     group_broken: bool = False
-    # Trainers: ranks of the sync group that never joined its rendezvous (they are benched, not the others)
-    absent_ranks: list[Annotated[int, Field(ge=1, le=MAX_RANKS)]] = Field(default_factory=list, max_length=MAX_RANKS)
+    # Trainers: quorum ranks of the receivers that never joined the rendezvous (they are benched, not the others)
+    absent_ranks: list[Annotated[QuorumRank, Field(ge=1, le=MAX_RANKS)]] = Field(default_factory=list,
+                                                                                 max_length=MAX_RANKS)
     # Receivers and drivers: the model was changed part way and holds no whole version (a failed apply);
     # ``serving``: the version the model holds whole after this event (None: none, or unknown).
     torn: bool = False
@@ -308,7 +319,8 @@ class SyncRequest(BaseModel):
     """A request for a new version: the body of ``POST /sync`` and of the ZMQ ``sync`` message alike. An unknown
     key is refused (a typo such as ``"bypass": true`` must not quietly become a cached version)."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra=_NOT_SPARSE_AND_BYPASS)
+    # strict: "1" and 1.0 are no step, "yes" no bool (JSON bodies and frames carry typed values)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_NOT_SPARSE_AND_BYPASS)
     step: Step | None = Field(None, description="trainer step this version belongs to")
     bypass_cpu: bool | None = Field(None, description="override the deployment's bypass_cpu for this version")
     sparse: bool | None = Field(None, description="send only tensors changed since the version every receiver "
@@ -337,10 +349,11 @@ VersionId = WireInt
 class VersionsQuery(BaseModel):
     """Reading the history: ``GET /versions`` (its query) and the ZMQ ``versions`` message, one model for both."""
 
-    limit: Annotated[int, Field(ge=1, le=1000), BeforeValidator(_not_bool)] = 50
+    # (a query string's values are text: digits only, so limit=1.0 is refused as /versions/1.0 is)
+    limit: Annotated[int, Field(ge=1, le=1000), BeforeValidator(plain_int)] = 50
     status: VersionStatus | None = None
     before: Annotated[int, Field(ge=1, le=MAX_ID, description="only versions with a smaller id"),
-                      BeforeValidator(_not_bool)] | None = None
+                      BeforeValidator(plain_int)] | None = None
 
 
 class LatestQuery(BaseModel):

@@ -24,20 +24,31 @@ from dataclasses import dataclass, field
 import torch
 
 from ckpt_engine.device import DeviceInfo, mark, wait_for
-from ckpt_engine.errors import CkptEngineError, ConfigError
+from ckpt_engine.errors import CkptEngineError, ConfigError, ProtocolError, ReceiversAbsent
 from ckpt_engine.plan.hashing import bucket_digests, tensor_digests
 from ckpt_engine.plan.layout import Bucket, Layout, TensorSpec, plan_layout
 from ckpt_engine.plan.modes import Mode
 from ckpt_engine.plan.owners import Owners, share_of, single_owner
-from ckpt_engine.plan.shards import (PIECE_MARK, Piece, ShardSpec, check_spec, class_aliases, cut_view,
-                                     pieces_of, resolve_aliases, spec_key)
+from ckpt_engine.plan.shards import (
+    PIECE_MARK,
+    Piece,
+    ShardSpec,
+    check_spec,
+    class_aliases,
+    cut_view,
+    pieces_of,
+    resolve_aliases,
+    spec_key,
+)
 from ckpt_engine.plan.sparse import Manifest, manifest_of
 from ckpt_engine.plan.tensors import fill_bucket
+from ckpt_engine.ranks import GroupRank, QuorumRank
 from ckpt_engine.send.cache import CachedVersion, VersionCache
 from ckpt_engine.send.fanout import Assembler, GatheredWindow, Tensors, ready_at
+from ckpt_engine.send.owners_vote import OwnersVote
 from ckpt_engine.send.sender import Sender, Transfer, TransferResult
 from ckpt_engine.send.sources import PiecesChangesSource, StaleCopy, cached_digests, check_identity, evict_quietly
-from ckpt_engine.transport.group import SyncGroup
+from ckpt_engine.transport.group import SyncGroup, absent_of
 from ckpt_engine.transport.same_host import IpcHub
 
 Gather = Callable[[int], Tensors]  # this owner's bucket of the version's layout, gathered (in layout order)
@@ -48,16 +59,29 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Lane:
     """One class of a sharded version: its key, what its receivers keep, this owner's sync group with them
-    (the owner is rank 0; None when all of them are colocated), the ranks its receivers have in the version's
-    quorum (group rank k is ``ranks[k - 1]``), with several owners the class's owners' group, and its colocated
-    receivers (agent id -> quorum rank), which read its pieces from shared slots of the class's own."""
+    (the owner is rank 0; None when all of them are colocated, or when it did not form: ``unreachable`` says
+    why), the ranks its receivers have in the version's quorum (group rank k is ``ranks[k - 1]``), with several
+    owners the class's owners' group, and its colocated receivers (agent id -> quorum rank), which read its
+    pieces from shared slots of the class's own."""
 
     key: str
     spec: ShardSpec
     group: SyncGroup | None
-    ranks: tuple[int, ...]
+    ranks: tuple[QuorumRank, ...]
     owners_group: SyncGroup | None = None
     ipc_peers: Mapping[str, int] = field(default_factory=dict)
+    unreachable: Exception | None = None
+
+    def quorum_rank(self, rank: GroupRank) -> QuorumRank:
+        """The class group's member ``rank`` (k >= 1: the class's k-th receiver) as its quorum rank."""
+        if not 1 <= rank <= len(self.ranks):
+            raise ProtocolError(f"class {self.key[:12]} has no receiver at group rank {rank}")
+        return self.ranks[rank - 1]
+
+    def absent(self) -> list[QuorumRank]:
+        """The receivers that never joined the class's group (a failed owners' group names none)."""
+        named = absent_of(self.unreachable) if self.unreachable is not None else ()
+        return [self.quorum_rank(rank) for rank in named if 1 <= rank <= len(self.ranks)]
 
 
 class SpecUnfit(ConfigError):
@@ -132,8 +156,12 @@ class ClassSenders:
 
     def abort(self, lane: Lane, label: int, reason: str) -> None:
         """Tell a class's receivers that the version will not come (with several owners, every owner calls
-        this: they vote, and the lead tells the receivers)."""
+        this: they vote, and the lead tells the receivers). A class whose group did not form has nobody to
+        tell: only its other owners hear it, in the votes they wait in."""
         try:
+            if lane.group is None and not lane.ipc_peers:
+                OwnersVote(lane.owners_group, _nobody).stand_down(label, reason)
+                return
             self._sender(lane).abort_before_start(label, reason)
         except CkptEngineError as exc:  # its receivers then fall back on their own timeout
             log.warning("version %d: could not tell class %s it will not come: %s", label, lane.key, exc)
@@ -157,7 +185,7 @@ class ClassSenders:
                      expected_digest: str | None, sparse_base: int | None) -> TransferResult:
         started = time.perf_counter()
         try:
-            identity = self._identity(cache, cached, label, expected_digest, lanes[0].owners_group)
+            identity = self._identity(cache, cached, label, expected_digest, _owners_group(lanes))
         except CkptEngineError as exc:
             for lane in lanes:
                 self.abort(lane, label, str(exc))
@@ -190,19 +218,26 @@ class ClassSenders:
             digests = cached_digests(cached, self._algo(), self.device.comm_device)
             cached.identity = self._merged_identity(label, cached.version_layout, cached.owners, digests,  # type: ignore[arg-type]
                                                     owners_group)
+            if cached.identity is None:
+                raise CkptEngineError(f"version {label}: another owner could not hash its share")
         return cached.identity.version_digest
 
-    def _merged_identity(self, label: int, layout: Layout, owners: Owners | None, digests: list[int],
-                         owners_group: SyncGroup | None) -> Manifest:
-        """The version's manifest from this owner's per-tensor digests of its share, merged on the owners' group
-        with the other owners' when there are several."""
+    def _merged_identity(self, label: int, layout: Layout, owners: Owners | None, digests: list[int] | None,
+                         owners_group: SyncGroup | None) -> Manifest | None:
+        """The version's manifest from this owner's per-tensor digests of its share (None: it could not hash
+        it), merged on the owners' group with the other owners' when there are several; None unless every
+        owner hashed its share. Every owner takes part, whatever its classes' outcomes."""
         if owners is not None and owners.ranks > 1:
             if owners_group is None:
                 raise ConfigError(f"version {label} has {owners.ranks} owners but no owners' group to merge its "
                                   "identity on")
-            told = owners_group.exchange_ints([label, *digests], f"version {label}: identity",
-                                              round_id=("identity", label))
-            digests = merged_by_owner(layout, owners, [values[1:] for values in told])
+            told = owners_group.exchange_ints([label, int(digests is not None), *(digests or [])],
+                                              f"version {label}: identity", round_id=("identity", label))
+            if not all(len(values) > 1 and values[1] for values in told):
+                return None
+            digests = merged_by_owner(layout, owners, [values[2:] for values in told])
+        if digests is None:
+            return None
         manifest = manifest_of(label, self._algo(), layout, digests)
         self._identities[label] = manifest  # (what a later sparse version's record counts as unchanged against)
         for old in sorted(self._identities)[:-_IDENTITIES_KEPT]:
@@ -220,12 +255,15 @@ class ClassSenders:
 
     def _send_class(self, lane: Lane, label: int, results: dict[str, TransferResult], start: Callable[[], Transfer],
                     on_end: Callable[[], None] | None = None) -> None:
-        """One class's send, started by ``start``, to its end; every failure ends the class with a reason."""
+        """One class's send, started by ``start``, to its end; every failure ends the class with a reason. Its
+        receivers that never joined its group are named (by quorum rank) whatever the outcome."""
         started = time.perf_counter()
         try:
+            if lane.group is None and not lane.ipc_peers:  # its group did not form: nobody to send it to
+                raise ReceiversAbsent(f"its sync group did not form: {lane.unreachable}", lane.absent())
             result = start().result()
-        except ConfigError as exc:  # (a spec that does not fit the version: only this class's receivers fail)
-            self.abort(lane, label, str(exc))
+        except (ConfigError, ReceiversAbsent) as exc:  # (a spec that does not fit, or absent receivers: only
+            self.abort(lane, label, str(exc))          # this class's receivers fail)
             result = _failed(label, str(exc), started)
             result.classes = [{"spec_unfit": isinstance(exc, SpecUnfit)}]
         except Exception as exc:
@@ -234,6 +272,7 @@ class ClassSenders:
         finally:
             if on_end is not None:
                 on_end()
+        result.absent_ranks = lane.absent()
         results[lane.key] = result
 
     def _start_cached(self, lane: Lane, cached: CachedVersion, label: int, sparse_base: int | None) -> Transfer:
@@ -288,18 +327,16 @@ class ClassSenders:
     def _finish_live(self, transfer: Transfer, threads: Sequence[threading.Thread], results: dict[str, TransferResult],
                      lanes: Sequence[Lane], layout: Layout, owners: Owners, digests: list[int] | None,
                      started: float) -> None:
-        """When every class has ended: the version's identity merged across its owners (only when every class
-        went out whole, but those whose spec does not fit: every owner knows the same, so every one takes
-        part, whatever each class's receivers then made of it), and one result."""
+        """When every class has ended: the version's identity merged across its owners (every owner takes part,
+        whatever its classes' outcomes: a class that failed for some receivers does not make the others' copies
+        unverifiable), and one result."""
         label, identity = transfer.version, None
         try:
             for thread in threads:
                 thread.join()  # (each class's send is bounded by its group's timeouts)
-            went = [r for r in results.values() if not any(c.get("spec_unfit") for c in r.classes)]
-            sent = len(results) == len(lanes) and bool(went) and all(r.version_digest is not None for r in went)
-            if digests is not None and sent:
-                several = owners if owners.ranks > 1 else None
-                identity = self._merged_identity(label, layout, several, digests, lanes[0].owners_group).version_digest
+            several = owners if owners.ranks > 1 else None
+            manifest = self._merged_identity(label, layout, several, digests, _owners_group(lanes))
+            identity = manifest.version_digest if manifest is not None else None
             result = _merged(label, identity, lanes, results, started, layout, "bypass_cpu")
         except Exception as exc:  # the transfer ends with why, whatever failed
             log.exception("version %d: ending the classes' sends failed", label)
@@ -333,6 +370,7 @@ class ClassSenders:
                                   "same-host hub")
             sender = Sender(lane.group, device=self.device, owners_group=lane.owners_group,
                             hub=self.hub if lane.ipc_peers else None, ipc_peers=lane.ipc_peers, slots_key=lane.key,
+                            seats=lane.quorum_rank,
                             manifests=self._class_manifests(lane.key), **self._options)
             self._senders[lane.key] = sender
         return sender  # type: ignore[return-value]
@@ -405,6 +443,15 @@ def merged_by_owner(layout: Layout, owners: Owners, told: Sequence[Sequence[int]
     return out
 
 
+def _owners_group(lanes: Sequence[Lane]) -> SyncGroup | None:
+    """The owners' group a version's identity is merged on: the first class's that formed."""
+    return next((lane.owners_group for lane in lanes if lane.owners_group is not None), None)
+
+
+def _nobody(*_: object) -> None:
+    """Receivers to tell: none (a class whose group did not form)."""
+
+
 def _failed(version: int, reason: str, started: float, mode: Mode = "cached") -> TransferResult:
     return TransferResult(version, mode, False, reason, None, [], 0, 0, 0,
                           seconds={"total": time.perf_counter() - started}, finished_at=time.perf_counter())
@@ -428,13 +475,14 @@ def _merged(version: int, identity: str | None, lanes: Sequence[Lane], results: 
     """One result for the version (of ``layout``'s full tensors: its bytes and tensors): ok when every class is
     and its identity is known; acknowledgements and absent ranks in the quorum's ranks; each class's digest and
     bytes beside."""
-    acks, absent, classes, reasons = [], [], [], []
+    acks: list = []
+    absent: list[QuorumRank] = []
+    classes, reasons = [], []
     seconds: dict[str, float] = {}
     for lane in lanes:
         result = results.get(lane.key) or _failed(version, "the class's send did not end", started)
-        quorum_rank = lambda rank: lane.ranks[rank - 1] if 1 <= rank <= len(lane.ranks) else rank  # noqa: E731
-        acks += [ack.model_copy(update={"rank": quorum_rank(ack.rank)}) for ack in result.receivers]
-        absent += [quorum_rank(rank) for rank in result.absent_ranks]
+        acks += result.receivers  # (in quorum ranks: each class's outlets seat them, see Sender ``seats``)
+        absent += result.absent_ranks
         unfit = any(c.get("spec_unfit") for c in result.classes)
         classes.append({"key": lane.key, "ok": result.ok, "reason": result.reason, "spec_unfit": unfit,
                         "version_digest": result.version_digest, "bytes": result.version_bytes or result.bytes_sent})

@@ -77,10 +77,13 @@ class GatheredWindow:
 
     def put(self, index: int, tensors: Tensors, point: Any = None) -> None:
         with self._cond:
+            if not any(index in indices for indices in self._needs.values()):
+                return
+            self._wait(lambda: len(self._held) < self._depth, f"room for bucket {index} (a class is slow)")
+            # (who needs it is read after the wait: a class that ended meanwhile would hold it for good)
             holders = {key for key, indices in self._needs.items() if index in indices}
             if not holders:
                 return
-            self._wait(lambda: len(self._held) < self._depth, f"room for bucket {index} (a class is slow)")
             self._held[index] = (tensors, point, holders)
             self._cond.notify_all()
 
@@ -126,6 +129,8 @@ class GatheredWindow:
 
     def _wait(self, ready, what: str) -> None:
         if not self._cond.wait_for(lambda: self._failed is not None or ready(), self._timeout_s):
-            raise SyncTimeoutError(f"waited {self._timeout_s:.0f}s for {what}")
+            waiting = sorted(key[:12] for key, indices in self._needs.items() if indices)
+            raise SyncTimeoutError(f"waited {self._timeout_s:.0f}s for {what} (held: buckets {sorted(self._held)}; "
+                                   f"classes still to take theirs: {waiting})")
         if self._failed is not None:
             raise CkptEngineError(self._failed)

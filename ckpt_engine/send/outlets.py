@@ -15,6 +15,7 @@ import torch
 from ckpt_engine.device import stream_synchronize
 from ckpt_engine.errors import CkptEngineError, ProtocolError, SyncTimeoutError
 from ckpt_engine.plan.layout import Bucket
+from ckpt_engine.ranks import GroupRank, QuorumRank, plain_seat
 from ckpt_engine.transport.framing import Channel, Frame, FrameKind
 from ckpt_engine.transport.messages import AbortMessage, Ack, encode
 from ckpt_engine.transport.same_host import IpcHub, IpcPeer, SharedSlot
@@ -53,11 +54,17 @@ class LayoutSent:
     digest: str | None = None
 
 
-class CollectiveOutlet:
-    """The sync group: framed broadcasts (see transport/framing.py); bucket data goes out asynchronously."""
+# A receiver's rank in the sync group -> its rank in the version's quorum (what acknowledgements are reported in)
+Seats = Callable[[GroupRank], QuorumRank]
 
-    def __init__(self, channel: Channel, layout_sent: LayoutSent) -> None:
+
+class CollectiveOutlet:
+    """The sync group: framed broadcasts (see transport/framing.py); bucket data goes out asynchronously.
+    Acknowledgements come back in quorum ranks (``seats``)."""
+
+    def __init__(self, channel: Channel, layout_sent: LayoutSent, seats: Seats = plain_seat) -> None:
         self.channel = channel
+        self.seats = seats
         self._pending: list[Any] = [None, None]
         self._in_flight: list[torch.Tensor | None] = [None, None]  # keeps the sent buffer alive
         self._version = 0
@@ -99,19 +106,19 @@ class CollectiveOutlet:
         self.channel.payload(reason, len(reason), "abort reason")
 
     def acks(self, version: int, own: Ack, timeout_s: float) -> list[Ack]:
+        members = [GroupRank(rank) for rank in range(self.channel.group.world_size) if rank != self.channel.src]
         try:
             gathered = self.channel.exchange_acks(own, timeout_s)
         except CkptEngineError as exc:  # one collective for all: it cannot tell who did not answer
-            return [Ack(version=version, rank=rank, ok=False, reason=f"no acknowledgement from rank {rank}: the "
-                        f"exchange of all ranks' acknowledgements failed ({exc})")
-                    for rank in range(self.channel.group.world_size) if rank != self.channel.src]
+            return [Ack(version=version, rank=self.seats(rank), ok=False, reason=f"no acknowledgement from rank "
+                        f"{self.seats(rank)}: the exchange of all ranks' acknowledgements failed ({exc})")
+                    for rank in members]
         out = []
-        for rank, ack in enumerate(gathered):
-            if rank == self.channel.src:
-                continue
+        for rank in members:
+            ack = gathered[rank]
             if isinstance(ack, ProtocolError):
                 ack = Ack(version=version, rank=rank, ok=False, reason=f"unreadable acknowledgement: {ack}")
-            out.append(ack)
+            out.append(ack.model_copy(update={"rank": self.seats(rank)}))
         return out
 
     def release(self) -> None:

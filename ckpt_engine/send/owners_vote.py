@@ -20,7 +20,7 @@ import xxhash
 
 from ckpt_engine.errors import CkptEngineError, ConfigError, ProtocolError
 from ckpt_engine.plan.modes import MODES
-from ckpt_engine.transport.group import SyncGroup
+from ckpt_engine.transport.group import SyncGroup, absent_of
 
 if TYPE_CHECKING:
     from ckpt_engine.send.sources import Source
@@ -98,6 +98,19 @@ class OwnersVote:
             cursors[owner] += len(bucket.slots)
         return digests
 
+    def stand_down(self, version: int, reason: str) -> None:
+        """This rank will not send ``version`` at all: it says so, with its reason, in both votes the other
+        owners wait in (before the first bucket and after the last)."""
+        if self.group is None:
+            return
+        self.group.say(f"why/{version}", reason)
+        try:
+            self.vote(version, False, [], "ready")
+        except CkptEngineError as exc:
+            log.warning("version %d: the owners' ready vote failed: %s", version, exc)
+            return
+        self.failed(version, reason)
+
     def failed(self, version: int, reason: str, what: str = "sent") -> None:
         """This rank failed (between the votes, or before the first): say so in the vote the others wait in,
         with its reason (best effort)."""
@@ -140,7 +153,7 @@ class OwnersVote:
         try:
             return self.vote(source.version, ok, values, what)
         except CkptEngineError as exc:
-            absent = getattr(exc, "absent_ranks", [])
+            absent = list(absent_of(exc))
             who = f"owner rank(s) {absent} did not come" if absent else "an owner rank died, stalled or left"
             reason = f"the owners' {what} vote of version {source.version} failed ({who}): {exc}"
             self._abort_receivers(source, reason)

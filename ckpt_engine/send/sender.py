@@ -27,11 +27,21 @@ from ckpt_engine.plan.layout import Layout
 from ckpt_engine.plan.owners import Owners
 from ckpt_engine.plan.sparse import Manifest
 from ckpt_engine.plan.tensors import TensorsOrProvider, check_matches_layout, forget_fill_views
+from ckpt_engine.ranks import plain_seat
 from ckpt_engine.send.cache import CachedVersion, VersionCache
-from ckpt_engine.send.outlets import CollectiveOutlet, IpcOutlet, LayoutSent, Outlet
+from ckpt_engine.send.outlets import CollectiveOutlet, IpcOutlet, LayoutSent, Outlet, Seats
 from ckpt_engine.send.owners_vote import Aborted, NotReady, OwnersVote
-from ckpt_engine.send.sources import (CacheSource, LiveSource, PiecesChangesSource, Source, SparseCacheSource,
-                                      StaleCopy, check_identity, evict_quietly, record_identity)
+from ckpt_engine.send.sources import (
+    CacheSource,
+    LiveSource,
+    PiecesChangesSource,
+    Source,
+    SparseCacheSource,
+    StaleCopy,
+    check_identity,
+    evict_quietly,
+    record_identity,
+)
 from ckpt_engine.send.transfer import Transfer, TransferResult
 from ckpt_engine.transport.framing import Channel, Frame, FrameKind
 from ckpt_engine.transport.group import SyncGroup
@@ -64,10 +74,11 @@ class Sender:
                  ack_timeout_s: float | None = None, wire_hook: WireHook | None = None,
                  on_stage: Callable[[int, str], None] | None = None, timeout_s: float = 60.0,
                  manifests: dict[int, Manifest] | None = None, owners_group: SyncGroup | None = None,
-                 slots_key: str = "") -> None:
+                 slots_key: str = "", seats: Seats = plain_seat) -> None:
         """``owners_group``: the trainer ranks that own shares of this sender's versions (this rank is
         ``owners_group.rank``; rank 0 leads); None: this rank sends every bucket itself. ``slots_key``: the
-        hub's shared slots its colocated receivers read (a class of a sharded version: its own)."""
+        hub's shared slots its colocated receivers read (a class of a sharded version: its own). ``seats``:
+        the quorum rank of each receiver of ``group`` (what its acknowledgements are reported under)."""
         if group is None and not ipc_peers:
             raise ConfigError("a sender needs a sync group, colocated receivers, or both")
         if owners_group is not None and ipc_peers:
@@ -85,7 +96,7 @@ class Sender:
         self.device: DeviceInfo = group.device if group is not None else device  # type: ignore[assignment]
         if self.device is None:
             raise ConfigError("a sender without a sync group needs a device")
-        self.hub, self.ipc_peers, self.slots_key = hub, dict(ipc_peers or {}), slots_key
+        self.hub, self.ipc_peers, self.slots_key, self.seats = hub, dict(ipc_peers or {}), slots_key, seats
         self.timeout_s = group.timeout_s if group is not None else timeout_s
         self.digest_algo: DigestAlgo = digest_algo or self.device.digest_algo
         self.ack_timeout_s = ack_timeout_s if ack_timeout_s is not None else 2 * self.timeout_s
@@ -161,14 +172,7 @@ class Sender:
         stop waiting now instead of at their timeout. Only valid while no version is on the wire. With several
         owners every owner must call it or send the version: they vote first, and the lead aborts for all."""
         with self._busy:
-            if self.owners_group is not None:  # the two votes every owner takes part in, per version
-                self.owners_group.say(f"why/{version}", reason)
-                try:
-                    self.votes.vote(version, False, [], "ready")
-                except CkptEngineError as exc:  # the lead still tells the receivers below
-                    log.warning("version %d: the owners' ready vote failed: %s", version, exc)
-                else:
-                    self.votes.failed(version, reason)
+            self.votes.stand_down(version, reason)  # (the lead still tells the receivers below)
             if not self.lead:
                 return
             raw = encode(AbortMessage(version=version, reason=reason))
@@ -217,7 +221,7 @@ class Sender:
     def _outlets(self, source: Source | None = None) -> list[Outlet]:
         outlets: list[Outlet] = []
         if self.channel is not None:
-            outlets.append(CollectiveOutlet(self.channel, self._layout_sent))
+            outlets.append(CollectiveOutlet(self.channel, self._layout_sent, self.seats))
         if self.ipc_peers and self.hub is not None:
             peers, missing = self.hub.peers(self.ipc_peers, self.timeout_s)
             in_place = source.segment if isinstance(source, CacheSource) else None

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from ckpt_engine.errors import CkptEngineError, SyncTimeoutError
 from ckpt_engine.plan.modes import Mode
+from ckpt_engine.ranks import QuorumRank
 from ckpt_engine.transport.messages import Ack
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class TransferResult:
     tensors_skipped: int = 0  # sparse: unchanged tensors not sent
     bytes_skipped: int = 0  # sparse: their bytes
     base_version: int | None = None  # sparse: the version the receivers held
-    absent_ranks: list[int] = field(default_factory=list)  # receivers that never joined the rendezvous
+    absent_ranks: list[QuorumRank] = field(default_factory=list)  # receivers that never joined the rendezvous
     version_bytes: int = 0  # of the whole version on the wire (every owner's share), once all were sent
     # a sharded version: each class's outcome (key, ok, reason, version_digest of its pieces, bytes)
     classes: list[dict] = field(default_factory=list)

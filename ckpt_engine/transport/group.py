@@ -16,7 +16,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -24,10 +24,25 @@ import torch.distributed as dist
 
 from ckpt_engine.device import DeviceInfo, set_current
 from ckpt_engine.errors import CkptEngineError, ConfigError, GroupBrokenError, SyncTimeoutError
+from ckpt_engine.ranks import GroupRank
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _STORE_GRACE_S = 2.0  # past the store's own timeout, before a store call is given up on from outside
+
+
+class MembersAbsent(SyncTimeoutError):
+    """A group's rendezvous or exchange failed; ``absent`` are the group ranks that never came to it (the
+    daemon benches those, never the ones that came and waited)."""
+
+    def __init__(self, message: str, absent: Iterable[GroupRank] = ()) -> None:
+        super().__init__(message)
+        self.absent: tuple[GroupRank, ...] = tuple(absent)
+
+
+def absent_of(exc: BaseException) -> tuple[GroupRank, ...]:
+    """The group ranks a failure names as never having come (none for any other failure)."""
+    return exc.absent if isinstance(exc, MembersAbsent) else ()
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -127,11 +142,15 @@ class SyncGroup:
         prefix: str | None = None,
         part: str = "",
         label: str | None = None,
+        backend_timeout_s: float | None = None,
     ) -> None:
         """``part``: one of several groups of a generation (``owner-2/``, ``owners/``), under the generation's
         prefix. ``prefix`` replaces the default store prefix ``ckpt-engine/<name>/gen-<generation>/``; for
         groups whose other members follow another project's convention (an inference engine's update group).
-        ``label``: who this member is (e.g. ``rollout worker 1``), for errors that name a peer that went away."""
+        ``label``: who this member is (e.g. ``rollout worker 1``), for errors that name a peer that went away.
+        ``backend_timeout_s``: the longest any one wait may take (default ``timeout_s``, every wait's own
+        default): the backend ends an operation there whatever its waiter allows. A receiver waits for a
+        version's first frame up to the version's time limit (the sender begins at its next step boundary)."""
         if world_size < 2:
             raise ConfigError(f"a sync group needs a sender and at least one receiver, got world_size={world_size}")
         if not 0 <= rank < world_size:
@@ -153,16 +172,15 @@ class SyncGroup:
         started = time.monotonic()
         try:
             # Members of a group under another project's prefix do not follow our rendezvous: NCCL stays lazy.
-            self._pg = _construct(prefixed, rank, world_size, device, timeout_s, bind_host, own=prefix is None,
-                                  connect_s=connect_s, label=label)
+            self._pg = _construct(prefixed, rank, world_size, device, max(timeout_s, backend_timeout_s or 0.0),
+                                  bind_host, own=prefix is None, connect_s=connect_s, label=label)
         except Exception as exc:
             absent = absent_members(prefixed, world_size) if prefix is None else []
             who = f"; rank(s) {absent} never joined" if absent else ""
-            error = SyncTimeoutError(
+            raise MembersAbsent(
                 f"sync group {name!r} gen {generation}: rank {rank} could not rendezvous with "
-                f"{world_size - 1} peer(s) within {connect_s:.1f}s ({time.monotonic() - started:.1f}s){who}: {exc}")
-            error.absent_ranks = absent  # type: ignore[attr-defined]
-            raise error from exc
+                f"{world_size - 1} peer(s) within {connect_s:.1f}s ({time.monotonic() - started:.1f}s){who}: {exc}",
+                absent) from exc
         log.info("sync group %s gen %d up: rank %d/%d on %s", name, generation, rank, world_size, device.backend)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Any:
@@ -206,7 +224,7 @@ class SyncGroup:
                       round_id: tuple[str, int] | None = None) -> list[list[int]]:
         """Every rank contributes a list of int64 values (of any length); returns every rank's, in rank order.
         ``round_id`` (kind, number): each rank notes in the store that it came to this round, so that when the
-        exchange fails the error names the ranks that never came (``absent_ranks``)."""
+        exchange fails the error names the ranks that never came (``MembersAbsent``)."""
         if round_id is not None:
             self._note_present(round_id)
         device = self.device.comm_device
@@ -219,10 +237,9 @@ class SyncGroup:
             gathered = self.allgather(padded.to(device), what, timeout_s)
         except CkptEngineError as exc:
             absent = self._absent_from(round_id) if round_id is not None else []
-            if absent:
-                exc.args = (f"{exc.args[0] if exc.args else exc}; rank(s) {absent} never came to it",)
-            exc.absent_ranks = absent  # type: ignore[attr-defined]
-            raise
+            if not absent:
+                raise
+            raise MembersAbsent(f"{exc}; rank(s) {absent} never came to it", absent) from exc
         return [g[:size].cpu().tolist() for g, size in zip(gathered, sizes)]
 
     def say(self, topic: str, text: str) -> None:
@@ -253,13 +270,13 @@ class SyncGroup:
         except Exception as exc:  # noqa: BLE001 - only the error text of a failed exchange depends on it
             log.debug("sync group %s: could not note presence: %s", self.name, exc)
 
-    def _absent_from(self, round_id: tuple[str, int]) -> list[int]:
+    def _absent_from(self, round_id: tuple[str, int]) -> list[GroupRank]:
         def came(rank: int) -> bool:
             key = f"present/{round_id[0]}/{rank}"
             return self._store.check([key]) and self._store.get(key).decode() == str(round_id[1])
 
         try:
-            return bounded(lambda: [r for r in range(self.world_size) if not came(r)], _STORE_GRACE_S,
+            return bounded(lambda: [GroupRank(r) for r in range(self.world_size) if not came(r)], _STORE_GRACE_S,
                            "asking the rendezvous store who came")
         except Exception:  # noqa: BLE001 - the store itself is gone or stalled: nobody can be named
             return []
@@ -379,11 +396,12 @@ def _process_alive(pid: int) -> bool:
         return True
 
 
-def absent_members(store: dist.Store, size: int) -> list[int]:
+def absent_members(store: dist.Store, size: int) -> list[GroupRank]:
     """Ranks that never announced themselves (after a failed rendezvous): the daemon benches those, not the
     ranks that came and waited."""
     try:
-        return bounded(lambda: [r for r in range(size) if not store.check([f"{_MEMBER_KEY}{r}"])], _STORE_GRACE_S,
+        return bounded(lambda: [GroupRank(r) for r in range(size) if not store.check([f"{_MEMBER_KEY}{r}"])],
+                       _STORE_GRACE_S,
                        "asking the rendezvous store who joined")
     except Exception:  # noqa: BLE001 - the store itself is gone: nobody can be named
         return []

@@ -46,7 +46,7 @@ def plan_lanes(receivers: Sequence[Agent], quorum: Mapping[str, int], colocated:
         return NO_CLASSES
     grouped: dict[str, list[Agent]] = {}
     for receiver in sorted(receivers, key=lambda r: quorum[r.agent_id]):
-        grouped.setdefault(receiver.shard_key if receiver.shard_spec else "whole", []).append(receiver)
+        grouped.setdefault(receiver.shard_key, []).append(receiver)  # ("whole" without a spec)
     lanes, seats, keys = [], {}, {}
     for index, (key, members) in enumerate(grouped.items()):
         part = f"class-{index}/"

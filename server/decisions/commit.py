@@ -28,7 +28,7 @@ class Outcome:
     entries: list[dict]  # per quorum member, for the history
     stages: dict[str, float]
     committed: list[str]  # agent ids that committed it (they proved they hold a whole version)
-    silent: list[str]  # quorum members that never reported their own outcome
+    silent: list[str]  # quorum members that never reported their own outcome (but those absent from it)
 
 
 def expected_digest(done: Report, source_digest: str | None, source: int | None) -> tuple[str | None, str | None]:
@@ -101,7 +101,7 @@ def judge(quorum: Mapping[str, int], reports: Mapping[str, Report], done: Report
         reason = _failure_reason(done, failures, owner_failures, stale) or \
             f"{len(committed)}/{len(quorum)} receivers committed, {need} needed"
     return Outcome("committed" if ok else "failed", reason, entries, stages, committed if ok else [],
-                   [a for a in quorum if a not in reports])
+                   [a for a, rank in quorum.items() if a not in reports and rank not in absent])
 
 
 def _engines_together(engines: Mapping[str, Sequence[str]], applied: Mapping[str, Report], entries: list[dict]) -> None:

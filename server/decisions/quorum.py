@@ -111,15 +111,18 @@ def sharded(receivers: Sequence[Agent]) -> bool:
     return any(r.shard_spec for r in receivers)
 
 
-def sharded_problem(receivers: Sequence[Agent]) -> str | None:
-    """Why a sharded version cannot go (None: it can)."""
+def within_class_limit(receivers: Sequence[Agent]) -> list[Agent]:
+    """The receivers a version can carry: of a sharded version, those of at most MAX_CLASSES classes, the
+    classes of receivers that proved themselves first, then by registration. The others wait for a later
+    version: registrations that never take part (a flood of distinct specs) are benched one version each,
+    and cannot hold every version back."""
     if not sharded(receivers):
-        return None
-    classes = len({r.shard_key if r.shard_spec else "whole" for r in receivers})
-    if classes > MAX_CLASSES:
-        return (f"the receivers declared {classes} different shard specs; a version is sent to at most "
-                f"{MAX_CLASSES} classes (receivers with identical specs share one)")
-    return None
+        return list(receivers)
+    kept: set[str] = set()
+    for receiver in sorted(receivers, key=lambda r: (not r.model.whole(), r.seq)):
+        if len(kept) < MAX_CLASSES:
+            kept.add(receiver.shard_key)
+    return [r for r in receivers if r.shard_key in kept]
 
 
 def owners_for(trainer: Agent, trainers: Mapping[int, Agent], source_owners: int | None, transport: str,

@@ -58,7 +58,9 @@ FAULTS = ("kill_receiver", "kill_trainer", "kill_daemon", "stop_receiver", "stop
           # the third outside round (issue 25): the owner set of versions changes between two versions (trainer
           # rank 1 silent past its window when one is planned, in every mode), and a holder of the trainer or
           # rollout token registering with claims on live agents' places
-          "owners_change", "hostile_registrant")
+          "owners_change", "hostile_registrant",
+          # the fourth round (issue 35): a registration that polls but never joins a version's group
+          "silent_member")
 HEALTH_LIMIT_S = 1.0  # the Kubernetes probe in deploy/ times out at 1 s
 SYNC_BODIES = ({"sparse": True}, {"sparse": False}, {"sparse": False, "bypass_cpu": True})
 TIMEOUTS = {"connect_s": 8, "collective_s": 6, "ack_s": 8, "heartbeat_s": 3, "version_s": 20}
@@ -499,9 +501,54 @@ def _hostile_registrant(cluster: Cluster, trial: Trial, rng: random.Random) -> N
         rollout.close()
 
 
+def _silent_member(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
+    """A receiver registered with the rollout token that keeps polling (so it looks alive) and never joins a
+    version's group, while a version is synced. It may cost that version (a plain version has one group),
+    and must be the one benched: no receiver of the cluster is ever recorded as the absent one."""
+    import threading
+
+    from ckpt_engine.control.client import ControlClient
+
+    client = ControlClient(f"tcp://127.0.0.1:{cluster.zmq_port}", timeout_s=5, token=cluster.tokens().get("rollout"))
+    reply = client.request("register", {"role": "receiver", "host": "silent", "pid": 1, "device": "cpu"})
+    identity = {"agent_id": reply["agent_id"], "session": reply["session"]}
+    first = max(cluster.history(), default=0) + 1
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                client.request("poll", {**identity, "wait_s": 0.2})
+            except Exception:  # noqa: BLE001 - the daemon may be restarting: keep trying until told to stop
+                stop.wait(0.2)
+
+    poller = threading.Thread(target=poll, name="chaos-silent-member", daemon=True)
+    poller.start()
+    try:
+        cluster.wait_idle(LIMITS.version_s)
+        version, _ = cluster.request(trial.sync_body, conflict_wait_s=LIMITS.version_s)
+        if version is not None:
+            cluster.wait_terminal(version, LIMITS.version_s + LIMITS.margin_s)
+    finally:
+        stop.set()
+        poller.join(10)
+        try:
+            client.request("unregister", identity)
+        except Exception:  # noqa: BLE001 - it expires with its heartbeat anyway
+            pass
+        client.close()
+    for version, record in cluster.history().items():
+        for entry in (record.get("receivers") or []) if version >= first else []:
+            absent = "the trainer saw it absent" in (entry.get("reason") or "")
+            if absent and entry.get("agent_id") != identity["agent_id"]:
+                trial.violations.append(f"version {version}: receiver {entry.get('agent_id')} recorded absent "
+                                        f"while the silent member {identity['agent_id']} was the one missing")
+
+
 _SPECIAL = {"refuse_receiver": _arm, "tear_receiver": _arm, "starve_receiver": _arm, "hostile_peer": _hostile,
             "fill_disk": _fill_disk, "second_daemon": _second_daemon, "slow_control": _slow_control,
-            "owners_change": _owners_change, "hostile_registrant": _hostile_registrant}
+            "owners_change": _owners_change, "hostile_registrant": _hostile_registrant,
+            "silent_member": _silent_member}
 
 
 def _time_to_exit(cluster: Cluster, name: str) -> float:
@@ -609,9 +656,9 @@ def plan_trial(index: int, rng: random.Random, fault: str, cluster: Cluster, typ
     kind = fault.partition("_")[2]
     target = ("daemon" if kind in ("daemon", "disk", "control") else rng.choice(["trainer0", "trainer1"])
               if kind == "trainer" else "daemon" if kind == "peer" else f"receiver{rng.randrange(cluster.receivers)}")
-    if fault in ("drop_trainer", "slow_control", "owners_change", "hostile_registrant"):
+    if fault in ("drop_trainer", "slow_control", "owners_change", "hostile_registrant", "silent_member"):
         target = {"drop_trainer": "trainer0", "slow_control": "daemon",  # (trainer0 is the rank that talks to it)
-                  "owners_change": "trainer1", "hostile_registrant": "daemon"}[fault]
+                  "owners_change": "trainer1", "hostile_registrant": "daemon", "silent_member": "daemon"}[fault]
     longest = PG_TIMEOUT_S + 3 if fault == "stop_trainer" else 2.5 * TIMEOUTS["heartbeat_s"]  # past the timeouts
     stalls = {"hostile_peer": (1.0, 4.0), "hostile_registrant": (0.2, 1.0),
               "fill_disk": (0.5, 3.0 * TIMEOUTS["heartbeat_s"]),
