@@ -159,6 +159,13 @@ class HttpConfig(_Strict):
     port: Int = Field(8765, ge=0, le=65535)
     # at least 1 KiB: the API's own bodies (POST /sync) must fit
     max_body_bytes: Int = Field(64 << 10, ge=1 << 10, le=1 << 30)
+    # Slow and idle clients (server/connections.py): uvicorn itself waits for ever for a request's head
+    header_timeout_s: Float = _timeout(10.0, "a request's line and headers must arrive within this, counted from "
+                                             "the connection (or the previous response on it); then it is closed")
+    body_timeout_s: Float = _timeout(30.0, "a request's body must arrive within this, counted from its headers")
+    max_connections: Int = Field(512, ge=4, le=1 << 16, description="open HTTP connections at most (fewer where the "
+                                 "open-file limit leaves less); past it the oldest connection waiting for a request "
+                                 "is closed to make room")
 
     _host = field_validator("host")(check_bind_host)
 
@@ -167,6 +174,12 @@ class ZmqConfig(_Strict):
     endpoint: str = "tcp://127.0.0.1:8766"
     # at least 64 KiB: a trainer's report lists every receiver's acknowledgement
     max_frame_bytes: Int = Field(1 << 20, ge=64 << 10, le=1 << 30)
+    handshake_timeout_s: Float = _timeout(10.0, "a connection's ZMTP handshake must end within this "
+                                                "(ZMQ_HANDSHAKE_IVL)")
+    # each agent holds two connections (its polls and its reports): the default fits max_agents' default
+    max_peers: Int = Field(8192, ge=4, le=1 << 20, description="open ZMQ connections at most (fewer where the "
+                           "open-file limit leaves less); past it the daemon closes the connection that has sent no "
+                           "authenticated message for longest")
 
     @field_validator("endpoint")
     @classmethod

@@ -11,6 +11,7 @@ import contextlib
 import faulthandler
 import logging
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -18,6 +19,8 @@ from collections.abc import Iterator
 
 import uvicorn
 from ckpt_engine.server.authority import Authority
+from ckpt_engine.server.connections import (ClosedConnections, connection_budget, guarded_protocol, http_limits,
+                                            raise_open_files, widen_listen_queue)
 from ckpt_engine.server.controller import Controller
 from ckpt_engine.server.history import HistoryStore
 from ckpt_engine.server.http_app import create_app
@@ -37,6 +40,11 @@ class _Server(uvicorn.Server):
     """uvicorn re-raises SIGTERM/SIGINT after its own shutdown, which would kill the process before the
     in-flight version is recorded; here the signal only asks the server to stop and ``run`` returns."""
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if sockets is None:
+            widen_listen_queue([sock for server in getattr(self, "servers", []) for sock in server.sockets])
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         if threading.current_thread() is not threading.main_thread():
@@ -51,8 +59,10 @@ class _Server(uvicorn.Server):
 
 
 class Daemon:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, open_files_before: int | None = None) -> None:
         self.config = config
+        self.budget = connection_budget(config)  # within the open-file limit now (serve() raised it)
+        self._open_files_before = open_files_before
         self.authority = Authority(config)
         self.history = HistoryStore(config.store.history_path, lock_wait_s=config.store.lock_wait_s)
         stopped = self.history.interrupt_unfinished("the daemon stopped before this version's outcome was recorded; "
@@ -70,7 +80,8 @@ class Daemon:
                                      store_port=self.store.port, group_name=f"ckpt-{uuid.uuid4().hex[:8]}",
                                      engine_secret=self.authority.engine_secret())
         self.zmq = ZmqServer(self.controller, config.zmq.endpoint, max_frame_bytes=config.zmq.max_frame_bytes,
-                             authority=self.authority)
+                             authority=self.authority, max_peers=self.budget.zmq_peers,
+                             handshake_timeout_s=config.zmq.handshake_timeout_s)
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="ckpt-ticker", daemon=True)
 
@@ -78,8 +89,13 @@ class Daemon:
         self._warn_if_exposed()
         self.zmq.start()
         self._ticker.start()
+        # (h11 always, with deadlines for slow clients and a bound on connections: server/connections.py)
+        protocol = guarded_protocol(http_limits(self.config, self.budget),
+                                    ClosedConnections("HTTP", self.controller.metrics.connections_closed))
         server = _Server(uvicorn.Config(create_app(self.controller, self.config, self.authority), host=self.config.http.host,
-                                               port=self.config.http.port, log_level="warning", access_log=False))
+                                        port=self.config.http.port, log_level="warning", access_log=False,
+                                        http=protocol, backlog=self.budget.http_backlog))
+        self._log_budget()
         log.warning("ckpt-engine serving: http://%s:%d  zmq %s  rendezvous %s:%d  history %s  credentials %s",
                     self.config.http.host, self.config.http.port, self.zmq.bound_endpoint,
                     self.config.store.rendezvous_host, self.store.port, self.config.store.history_path,
@@ -89,6 +105,16 @@ class Daemon:
         finally:
             lost = self.shutdown()
         return 1 if lost else 0
+
+    def _log_budget(self) -> None:
+        budget, before = self.budget, self._open_files_before
+        raised = f" (raised from {before})" if before is not None and before != budget.open_files else ""
+        log.warning("open-file limit %s%s: at most %d HTTP connections, %d ZMQ connections", budget.open_files,
+                    raised, budget.http_connections, budget.zmq_peers)
+        if budget.zmq_peers < 2 * self.config.max_agents:  # an agent holds two (its polls, its reports)
+            log.warning("the open-file limit leaves room for %d ZMQ connections, about %d agents (max_agents is "
+                        "%d): raise the hard limit (systemd: LimitNOFILE=, docker: --ulimit nofile=)",
+                        budget.zmq_peers, budget.zmq_peers // 2, self.config.max_agents)
 
     def shutdown(self) -> int:
         """Stop; returns how many history records could not be written (their latest state is lost)."""
@@ -153,8 +179,10 @@ def serve(config: EngineConfig) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a daemon that seems stuck shows where it waits
     # A file-size limit must surface as a storage fault the daemon reports (EFBIG), not kill it.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    # Every connection costs a descriptor: the hard limit, not the soft one (often 1024), bounds them.
+    before, _ = raise_open_files()
     try:
-        daemon = Daemon(config)
+        daemon = Daemon(config, open_files_before=before)
     except CkptEngineError as exc:  # a history or store that cannot be used: say which, without a traceback
         log.error("cannot start: %s", exc)
         return 2

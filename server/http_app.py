@@ -33,20 +33,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
-from pydantic import BaseModel
+from pydantic import BaseModel, BeforeValidator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ckpt_engine import __version__
 from ckpt_engine.config import EngineConfig
-from ckpt_engine.control.messages import MAX_ID, LatestQuery, SyncRequest, VersionRef, VersionsQuery
+from ckpt_engine.control.messages import MAX_ID, LatestQuery, SyncRequest, VersionRef, VersionsQuery, plain_int
 
 # Bounded like every id on the wire: a larger path value is a 422, not an OverflowError (500) in the store.
 _MAX_WAITING = 64
 _WAIT_POLL_S = 0.05
 _EVICT_WAIT_S = 10.0
-VersionId = Annotated[int, Path(ge=-MAX_ID, le=MAX_ID, description="version id")]
+# Digits only: /versions/1.0 and /versions/%201 are a 422, not version 1.
+VersionId = Annotated[int, Path(ge=-MAX_ID, le=MAX_ID, description="version id"), BeforeValidator(plain_int)]
 
 
 def _error(status: int, error: str, detail: Any, record: dict | None = None,

@@ -34,6 +34,9 @@ class Metrics:
                                     registry=self.registry)
         self.refused = Counter("ckpt_engine_refused", "control-plane requests refused, by reason", ["reason"],
                                registry=self.registry)
+        self.connections_closed = Counter("ckpt_engine_connections_closed", "HTTP and ZMQ connections the daemon "
+                                          "closed to protect itself (slow or idle clients, over the connection "
+                                          "limit), by plane and reason", ["plane", "reason"], registry=self.registry)
 
     def watch_receivers(self, rows: Callable[[], list[ReceiverRow]]) -> None:
         """Per-receiver gauges, read from ``rows`` at each scrape (nothing to keep in step between scrapes)."""

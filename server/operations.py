@@ -1,9 +1,9 @@
 """Every operation of the daemon, once: the model of its request, which roles may call it, and what it does.
 Each plane parses a request into that model once (the ZMQ server from a frame, strictly: a typed frame's
-"1" is not a number; the HTTP routes through FastAPI from a body, query or path) and hands the parsed request
-to ``run``, which hands it on to the controller: no dump and re-parse on the way. Both planes check the same
-roles and give the same answers. (How a caller waits for a version to end differs by plane: ZMQ parks the
-reply, HTTP waits asynchronously.)"""
+"1" is not a number; the HTTP routes through FastAPI from a body, strictly too, or a query or path, whose
+integers are digits only) and hands the parsed request to ``run``, which hands it on to the controller: no
+dump and re-parse on the way. Both planes check the same roles and give the same answers. (How a caller
+waits for a version to end differs by plane: ZMQ parks the reply, HTTP waits asynchronously.)"""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ class Operation:
     model: type[BaseModel]  # what the request is parsed into
     roles: Callable[[dict[str, Any]], frozenset[Role]]  # who may call it, given its raw body (before parsing)
     run: Callable[[Controller, Any, set[Role]], Any]  # (the controller, the parsed request, the caller's roles)
-    # A frame's values are typed (msgpack or JSON): "1" is no number and 1 no bool, except where the HTTP twin
-    # is a JSON body FastAPI parses laxly (sync): there both planes take the same values.
+    # A frame's values are typed (msgpack or JSON): "1" is no number and 1 no bool (as in POST /sync's body,
+    # whose model is strict itself; False only for a model whose HTTP twin is a query string)
     strict: bool = True
 
     def parse(self, body: dict[str, Any]) -> Any:
@@ -125,7 +125,7 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
     Operation("unregister", Unregister, _fixed("trainer", "rollout"), _unregister),
     # trainers ask from their loop (agent.push); a frame may name a framework's receivers (HTTP's SyncRequest
     # refuses them as an unknown key)
-    Operation("sync", FrameworkSyncRequest, _fixed("operator", "trainer"), _sync, strict=False),
+    Operation("sync", FrameworkSyncRequest, _fixed("operator", "trainer"), _sync),
     Operation("push", VersionRef, _fixed("operator"), _push),
     Operation("evict", VersionRef, _fixed("operator"), _evict),
     Operation("versions", VersionsQuery, _fixed(), _versions),

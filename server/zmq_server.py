@@ -7,6 +7,11 @@ on every frame); later messages of an agent name the agent id its registration r
 
 Size limits: a frame over ``max_frame_bytes`` gets an error reply; libzmq itself drops the connection of a
 peer that sends a frame over twice that (MAXMSGSIZE), so a huge frame is never buffered whole.
+
+Connections: a handshake must end within ``handshake_timeout_s`` (ZMQ_HANDSHAKE_IVL), and at most
+``max_peers`` stay open (server/zmq_peers.py closes the ones that never authenticated, or were silent
+longest, to make room). No ZMTP heartbeats: after a daemon stall (SIGSTOP, swapping) libzmq would run their
+expired timers before reading the answers waiting for it, and drop every agent's connection.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ from typing import Any
 
 import zmq
 from ckpt_engine.server.authority import Authority
+from ckpt_engine.server.connections import ClosedConnections
 from ckpt_engine.server.controller import Controller
 from ckpt_engine.server.errors import BadRequest, ControlError
 from ckpt_engine.server.history import TERMINAL
 from ckpt_engine.server.operations import OPERATIONS
+from ckpt_engine.server.zmq_peers import Peer, PeerGuard
 
 from ckpt_engine.control.auth import ANY_ROLE, Role
 from ckpt_engine.control.messages import Poll, PollReply, decode_frame, encode_frame
@@ -48,18 +55,24 @@ class _Parked:
     deadline: float
     ready: Callable[[], bool]
     answer: Callable[[], dict]
+    peer: Peer | None = None  # the connection it came on (not closed to make room while it waits)
 
 
 class ZmqServer:
-    def __init__(self, controller: Controller, endpoint: str, *, max_frame_bytes: int, authority: Authority) -> None:
+    def __init__(self, controller: Controller, endpoint: str, *, max_frame_bytes: int, authority: Authority,
+                 max_peers: int = 8192, handshake_timeout_s: float = 10.0) -> None:
         self.controller = controller
         self.endpoint = endpoint
         self.max_frame_bytes = max_frame_bytes
         self.authority = authority
+        self.max_peers = max_peers
+        self.handshake_timeout_s = handshake_timeout_s
+        self.closing = ClosedConnections("ZMQ", controller.metrics.connections_closed)
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._parked: list[_Parked] = []  # touched only by the loop thread
+        self._guard: PeerGuard | None = None  # set by the loop thread once bound
         self._thread = threading.Thread(target=self._run, name="ckpt-zmq", daemon=True)
         self.bound_endpoint: str | None = None
 
@@ -77,17 +90,23 @@ class ZmqServer:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, hard_frame_cap(self.max_frame_bytes))
+        sock.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(self.handshake_timeout_s * 1000)))
         if self.endpoint.startswith("tcp://["):  # libzmq binds IPv6 addresses only when asked to
             sock.setsockopt(zmq.IPV6, 1)
+        guard = PeerGuard(ctx, self.max_peers, self.closing)
         try:
+            guard.attach(sock)
             sock.bind(self.endpoint)
             self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        except zmq.ZMQError as exc:
+            guard.bound(self.bound_endpoint)
+        except (zmq.ZMQError, RuntimeError) as exc:
             self._error = exc
             self._ready.set()
+            guard.detach(sock)
             sock.close()
             ctx.term()
             return
+        self._guard = guard
         self._ready.set()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -97,21 +116,23 @@ class ZmqServer:
                     self._drain(sock)
                 self._serve_parked(sock)
         finally:
+            guard.detach(sock)
             sock.close()
             ctx.term()
 
     def _drain(self, sock: zmq.Socket) -> None:
         while True:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            frames = [part.bytes for part in parts]
             try:
-                self._handle(sock, frames)
+                self._handle(sock, frames, self._guard.peer(_source_fd(parts[-1])) if self._guard else None)
             except Exception:  # never let one request kill the loop
                 log.exception("ZMQ request handling failed")
 
-    def _handle(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+    def _handle(self, sock: zmq.Socket, frames: list[bytes], peer: Peer | None = None) -> None:
         if len(frames) < 2:
             log.warning("dropping a ZMQ message without an envelope (%d frame(s))", len(frames))
             return
@@ -129,8 +150,11 @@ class ZmqServer:
             return
         request_id = message.get("id")
         try:
-            result = self._dispatch(message, envelope, encoding)
+            result = self._dispatch(message, envelope, encoding, peer)
             if isinstance(result, _Parked):
+                result.peer = peer
+                if peer is not None:
+                    peer.parked += 1
                 self._parked.append(result)
                 return
             reply = {"id": request_id, "ok": True, "body": result}
@@ -145,7 +169,8 @@ class ZmqServer:
             reply = {"id": request_id, "ok": False, "error": "internal error", "detail": f"{type(exc).__name__}: {exc}"}
         self._reply(sock, envelope, encoding, reply)
 
-    def _dispatch(self, message: dict, envelope: list[bytes], encoding: str) -> dict | _Parked:
+    def _dispatch(self, message: dict, envelope: list[bytes], encoding: str,
+                  peer: Peer | None = None) -> dict | _Parked:
         kind, body = message.get("type"), message.get("body", {})
         if not isinstance(kind, str):
             raise ProtocolError("frame has no 'type'")
@@ -158,8 +183,10 @@ class ZmqServer:
         token = in_body if in_body is not None else message.get("token")
         if operation is None:
             self.authority.require(token, ANY_ROLE, "any request")
+            PeerGuard.spoke(peer)
             raise BadRequest(f"unknown message type {kind!r}")
         roles = self.authority.require(token, operation.roles(body), f"{kind!r}")
+        PeerGuard.spoke(peer)  # (a peer without a token is the first to be closed when connections run short)
         request = operation.parse(body)
         result = operation.run(self.controller, request, roles)
         if kind == "poll":  # answered when there is work, or parked until there is (or its wait ends)
@@ -208,10 +235,13 @@ class ZmqServer:
                                 {"id": parked.request_id, "ok": True, "body": parked.answer()})
                 else:
                     keep.append(parked)
+                    continue
             except Exception as exc:  # one parked request must never end the loop that serves every other
                 log.exception("answering a parked request failed")
                 self._reply(sock, parked.envelope, parked.encoding, {"id": parked.request_id, "ok": False,
                             "error": "internal error", "detail": f"{type(exc).__name__}: {exc}"})
+            if parked.peer is not None:
+                parked.peer.parked -= 1
         self._parked = keep
 
     def _reply(self, sock: zmq.Socket, envelope: list[bytes], encoding: str, reply: dict) -> None:
@@ -225,3 +255,11 @@ class ZmqServer:
             sock.send_multipart([*envelope, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("could not reply to a ZMQ peer: %s", exc)
+
+
+def _source_fd(frame: zmq.Frame) -> int | None:
+    """The descriptor of the connection a message came on (libzmq's ZMQ_SRCFD)."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return None

@@ -17,10 +17,12 @@ RUNNING: list[DaemonProcess] = []  # stopped by the autouse fixture in conftest.
 _PORT_TRIES = 3  # free_port() only finds a port free: another process may take it before the daemon binds it
 
 
-def start_daemon(config_path: Path, env: dict[str, str] | None = None, timeout_s: float = 30) -> DaemonProcess:
+def start_daemon(config_path: Path, env: dict[str, str] | None = None, timeout_s: float = 30,
+                 spawner: launch.Spawner | None = None) -> DaemonProcess:
+    """``spawner``: how the daemon's process is started (default: forked from the tests' fork server)."""
     for attempt in range(_PORT_TRIES):
         try:
-            daemon = launch.start_daemon(config_path, env=env, timeout_s=timeout_s, spawner=forked_daemon)
+            daemon = launch.start_daemon(config_path, env=env, timeout_s=timeout_s, spawner=spawner or forked_daemon)
             break
         except RuntimeError as exc:
             if "address already in use" not in str(exc).lower() or attempt == _PORT_TRIES - 1:

@@ -298,10 +298,11 @@ def test_a_failed_snapshot_releases_the_receivers_at_once(tmp_path: Path, stop_f
     assert [ok for _, ok, _ in results[1]["results"]] == [False, True]
 
 
-@pytest.mark.parametrize("body", [{"wait": 1, "timeout_s": 2}, {"wait": "true", "timeout_s": "2"}])
+@pytest.mark.parametrize("body", [{"wait": True, "timeout_s": 2}, {"wait": True, "timeout_s": 2.0}])
 def test_one_sync_body_waits_the_same_over_zmq_and_http(tmp_path: Path, body: dict) -> None:
-    """The request model parses both planes' bodies alike (lax: 1 and "true" are true), and what it parsed
-    decides how long each waits (found by the outside review of issue 16: ZMQ read the raw body)."""
+    """The request model parses both planes' bodies alike (strictly: 1 and "true" are no bool there, see
+    tests/test_strict_types.py), and what it parsed decides how long each waits (found by the outside review
+    of issue 16: ZMQ read the raw body)."""
     import time
 
     from tests.raw_agent import RawAgent
