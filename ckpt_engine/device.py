@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 DeviceKind = Literal["cuda", "npu", "cpu"]
 Backend = Literal["nccl", "hccl", "gloo"]
 IpcKind = Literal["cuda_ipc", "npu_ipc", "shm"]
-DigestAlgo = Literal["xxh3-64", "torch-mix64"]
+DigestAlgo = Literal["xxh3-64", "torch-block64"]
 
 _BACKEND_FOR: dict[str, Backend] = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 _IPC_FOR: dict[str, IpcKind] = {"cuda": "cuda_ipc", "npu": "npu_ipc", "cpu": "shm"}
@@ -72,7 +72,7 @@ class DeviceInfo:
     @property
     def digest_algo(self) -> DigestAlgo:
         """xxhash over host bytes on CPU; torch ops on the device elsewhere (no copy to host)."""
-        return "xxh3-64" if self.comm_device.type == "cpu" else "torch-mix64"
+        return "xxh3-64" if self.comm_device.type == "cpu" else "torch-block64"
 
 
 def detect_device(

@@ -20,7 +20,7 @@ def test_host_tensors_hashed_in_place_equal_the_bucketed_digests() -> None:
     strided = dict(tensors, a=tensors["a"].t().contiguous().t())  # not contiguous: goes through a bucket
     assert not strided["a"].is_contiguous()
     assert ShardDigester("xxh3-64", 1024, 256).digests(NamedTensors(strided), layout) == in_place
-    mix = ShardDigester("torch-mix64", 1024, 256)
+    mix = ShardDigester("torch-block64", 1024, 256)
     assert len(mix.digests(NamedTensors(tensors), layout)) == 4
 
 

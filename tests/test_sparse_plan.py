@@ -28,7 +28,7 @@ def test_full_sync_when_the_base_does_not_fit(base_change: str) -> None:
     new = manifest_of(2, "xxh3-64", layout, list(range(10)))
     base = {"none": None,
             "layout": manifest_of(1, "xxh3-64", full_layout(11), list(range(11))),
-            "algo": manifest_of(1, "torch-mix64", layout, list(range(10)))}[base_change]
+            "algo": manifest_of(1, "torch-block64", layout, list(range(10)))}[base_change]
     assert plan_sparse(layout, new, base, bucket_size=256, alignment=256) is None
 
 

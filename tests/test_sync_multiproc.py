@@ -109,7 +109,7 @@ def receiver(rank: int, sync_port: int, seed: int) -> dict:
     return {"results": results, "states": states, "loaded": loaded}
 
 
-@pytest.mark.parametrize("algo", ["xxh3-64", "torch-mix64"])
+@pytest.mark.parametrize("algo", ["xxh3-64", "torch-block64"])
 def test_two_receivers_bit_identical_in_both_modes(algo: str) -> None:
     sync_store = open_store(HOST, 0, is_master=True, timeout_s=TIMEOUT_S)
     default_port = free_port()

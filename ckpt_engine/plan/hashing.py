@@ -3,10 +3,12 @@
 Two algorithms, named in every manifest so a receiver recomputes the one its sender used:
 
 - ``xxh3-64``: xxhash over host bytes (CPU buffers, zero-copy).
-- ``torch-mix64``: computed with torch integer ops wherever the bucket lives (CUDA/NPU, also CPU), one host
-  sync per bucket. Each 8-byte word is mixed with its position before a splitmix64 finaliser and the results
-  are summed per tensor, so the digest depends on every byte and on byte order (unlike an XOR/sum of
-  elements such as ``torch.hash_tensor``).
+- ``torch-block64``: computed with torch integer ops wherever the bucket lives (CUDA/NPU, also CPU), one host
+  sync per bucket. A tensor's bytes are rows of 32 words; each word is XORed with its column's constant and
+  passed through the splitmix64 finaliser, summed per row, and the rows are summed per tensor weighted by
+  powers of an odd constant, so the digest depends on every byte and on byte order (unlike an XOR/sum of
+  elements such as ``torch.hash_tensor``). Every row is independent: the whole bucket is one fused read
+  (torch.compile), which runs at memory speed (see the section below).
 
 Both fold the dtype and shape into a per-tensor seed, so equal bytes under another dtype or shape differ.
 Digests are signed int64 values so they can travel through any collective backend.
@@ -15,11 +17,12 @@ Digests are signed int64 values so they can travel through any collective backen
 from __future__ import annotations
 
 import array
-import bisect
+import contextlib
 import ctypes
 import logging
 import os
 import struct
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,17 +32,21 @@ import xxhash
 
 from ckpt_engine.device import DigestAlgo
 from ckpt_engine.errors import ProtocolError
-from ckpt_engine.plan.layout import Bucket, Layout, TensorSlot
+from ckpt_engine.plan.layout import Bucket, Layout, TensorSlot, align_up
 
 log = logging.getLogger(__name__)
-ALGORITHMS: tuple[str, ...] = ("xxh3-64", "torch-mix64")
+ALGORITHMS: tuple[str, ...] = ("xxh3-64", "torch-block64")
+# Algorithms of earlier releases that this one no longer computes: a header naming one is refused with why.
+RETIRED: dict[str, str] = {
+    "torch-mix64": "the device digest of ckpt-engine releases before torch-block64 (issue 36): the peer that "
+                   "computed it runs an older ckpt-engine; upgrade it (both sides must run a release with "
+                   "torch-block64)",
+}
 
 _MASK64 = (1 << 64) - 1
 _C1 = 0xBF58476D1CE4E5B9
 _C2 = 0x94D049BB133111EB
 _GOLDEN = 0x9E3779B97F4A7C15
-# Words per chunk of the device digest: bounds temporaries to a few times 32 MiB whatever the bucket size.
-_CHUNK_WORDS = 4 << 20
 
 
 def to_signed64(value: int) -> int:
@@ -52,6 +59,9 @@ def _signed(constant: int) -> int:
 
 
 def check_algo(algo: str) -> DigestAlgo:
+    if algo in RETIRED:
+        raise ProtocolError(f"digest algorithm {algo!r} is no longer supported: {RETIRED[algo]}; this side knows "
+                            f"{', '.join(ALGORITHMS)}")
     if algo not in ALGORITHMS:
         raise ProtocolError(f"unknown digest algorithm {algo!r}; known: {', '.join(ALGORITHMS)}")
     return algo  # type: ignore[return-value]
@@ -115,45 +125,32 @@ def xxh3_digest(dtype: str, shape: Sequence[int], data: torch.Tensor) -> int:
     return to_signed64(xxhash.xxh3_64_intdigest(host_buffer(data), header_seed(dtype, shape) & _MASK64))
 
 
-# ---- torch-mix64 ----------------------------------------------------------------------------------------
+# ---- torch-block64 ----------------------------------------------------------------------------------------
 #
-# Per tensor j (start word s, full words f, seed): acc = sum over its words k of mix(word ^ mix(k*G + seed)), the
-# last word masked to the tensor's bytes; digest = mix(acc ^ mix(nbytes*G + seed)). Written with the word's
-# index i in the bucket, k*G + seed = i*G + off with off = seed - s*G, so one precomputed i*G serves every
-# tensor. Full words are mixed chunk by chunk and summed per tensor by prefix sums (no atomics: one big tensor
-# would otherwise make every word add into the same accumulator); partial last words are mixed separately.
+# A tensor's (or a piece's) bytes, zero-padded to a multiple of 256, are rows of ROW_WORDS = 32 int64 words;
+# b is a row's index within the tensor.
+#   level 1, per row:    r_b = sum_c mix(w[b, c] ^ P[c])           (P[c] = mix(c*G + salt): a constant per column)
+#   level 2, per tensor: S = sum_b r_b * K^b                         (K odd; every sum and product wraps mod 2^64)
+#   digest = mix(S ^ mix(nbytes*G + seed))                           (seed: slot_seed; mix: splitmix64's finaliser)
+# Rows are independent, so a bucket's rows spread over the whole chip: level 1 is one fused read of the bucket
+# (torch.compile) and everything after it touches one value per 256 bytes. Level 2 needs no per-row tensor id:
+# row a of the bucket is weighted by K^a, one prefix sum serves every tensor, and a tensor's range sum is
+# multiplied by K^-(its first row) (K is odd, so invertible mod 2^64). A tensor's last row, where its bytes end
+# inside it, is read again through a masked gather (bytes past the tensor count as zero, whatever the buffer holds
+# there) and that value replaces the row's level-1 value. This needs every slot offset and the bucket's size to be
+# multiples of 256 (the default alignment); buckets of layouts with a smaller alignment take a slower path that
+# first copies each tensor into a zero-padded scratch (see _build_plan).
 
-
-@dataclass(frozen=True)
-class _Chunk:
-    """Words [start, start + nwords) of a bucket and the tensors whose full words lie in them."""
-
-    start: int
-    nwords: int
-    single: torch.Tensor | None  # int64 [1]: off + start*G when one tensor's full words fill the chunk
-    slot: int  # that tensor's index in the bucket (single chunks)
-    run_offs: torch.Tensor | None  # int64 [runs]: off + start*G of each run of words (gaps: 0, never summed)
-    run_lengths: torch.Tensor | None  # int64 [runs], summing to nwords
-    slots: torch.Tensor | None  # int64 [m]: the tensors with full words here
-    first: torch.Tensor | None  # int64 [m]: first word of each, relative to the chunk
-    last: torch.Tensor | None  # int64 [m]: last word of each (inclusive), relative to the chunk
-
-
-@dataclass(frozen=True)
-class _BucketPlan:
-    """Index tensors of the device digest, built once per (layout, bucket, device, chunk size)."""
-
-    n: int
-    chunks: tuple[_Chunk, ...]
-    tails: torch.Tensor  # int64 [n]: mix(nbytes*G + seed) per tensor
-    partial_slots: torch.Tensor  # int64 [p]: tensors whose last word is partial
-    partial_words: torch.Tensor  # int64 [p]: that word's index in the bucket
-    partial_masks: torch.Tensor  # int64 [p]: its valid bytes
-    partial_offs: torch.Tensor  # int64 [p]: off of those tensors
-
-
-_plan_cache: dict[tuple[str, int, str, int], _BucketPlan] = {}
-_positions_cache: dict[tuple[str, int], torch.Tensor] = {}
+ROW_WORDS = 32
+ROW_BYTES = ROW_WORDS * 8
+_ROW_SALT = 0x243F6A8885A308D3  # pi's first hex digits
+_K = 0xD1342543DE82EF95  # the row weights' base: odd, 5 mod 8 (its powers cycle only after 2^62 rows)
+_K_INV = pow(_K, -1, 1 << 64)
+# Rows per step of the eager level 1 (two reused [rows, 32] int64 temporaries): 32 MiB each on an accelerator
+# (few launches), 4 MiB on the CPU (in cache, yet enough work per op for its threads).
+_CHUNK_ROWS = 1 << 17
+_HOST_CHUNK_ROWS = 1 << 14
+KERNEL_ENV = "CKPT_ENGINE_DIGEST_KERNEL"
 
 
 def _mix_int(z: int) -> int:
@@ -166,70 +163,7 @@ def _mix_int(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def _bucket_plan(bucket: Bucket, device: torch.device, layout_digest: str) -> _BucketPlan:
-    key = (layout_digest, bucket.index, str(device), _CHUNK_WORDS)
-    plan = _plan_cache.get(key)
-    if plan is None:
-        if len(_plan_cache) > 4096:
-            _plan_cache.clear()
-        plan = _plan_cache[key] = _build_plan(bucket, device)
-    return plan
-
-
-def _build_plan(bucket: Bucket, device: torch.device) -> _BucketPlan:
-    slots = bucket.slots
-    starts = [s.offset // 8 for s in slots]
-    full = [s.nbytes // 8 for s in slots]
-    seeds = [slot_seed(s) & _MASK64 for s in slots]
-    offs = [(seed - start * _GOLDEN) & _MASK64 for seed, start in zip(seeds, starts)]
-    chunks = tuple(_plan_chunk(c0, min(c0 + _CHUNK_WORDS, bucket.nbytes // 8), starts, full, offs, device)
-                   for c0 in range(0, bucket.nbytes // 8, _CHUNK_WORDS))
-    partial = [j for j, s in enumerate(slots) if s.nbytes % 8]
-
-    def tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor([to_signed64(v) for v in values], dtype=torch.int64).to(device)
-
-    return _BucketPlan(
-        n=len(slots), chunks=tuple(c for c in chunks if c is not None),
-        tails=tensor([_mix_int(s.nbytes * _GOLDEN + seed) for s, seed in zip(slots, seeds)]),
-        partial_slots=tensor(partial), partial_words=tensor([starts[j] + full[j] for j in partial]),
-        partial_masks=tensor([(1 << (8 * (slots[j].nbytes % 8))) - 1 for j in partial]),
-        partial_offs=tensor([offs[j] for j in partial]))
-
-
-def _plan_chunk(c0: int, c1: int, starts: list[int], full: list[int], offs: list[int],
-                device: torch.device) -> _Chunk | None:
-    """The tensors whose full words meet words [c0, c1); None when there are none (padding only)."""
-    first = bisect.bisect_right(starts, c0) - 1  # the last tensor starting at or before c0 may reach into it
-    inside = [j for j in range(max(first, 0), bisect.bisect_left(starts, c1))
-              if full[j] and starts[j] + full[j] > c0]
-    if not inside:
-        return None
-    shift = c0 * _GOLDEN  # positions come chunk-relative: off + c0*G makes them absolute
-
-    def signed(values: list[int]) -> torch.Tensor:
-        return torch.tensor([to_signed64(v) for v in values], dtype=torch.int64).to(device)
-
-    j = inside[0]
-    if len(inside) == 1 and starts[j] <= c0 and starts[j] + full[j] >= c1:
-        return _Chunk(c0, c1 - c0, signed([offs[j] + shift]), j, None, None, None, None, None)
-    run_offs, run_lengths, cursor = [], [], c0
-    lo, hi = [], []
-    for j in inside:
-        a, b = max(starts[j], c0), min(starts[j] + full[j], c1)
-        if a > cursor:  # padding, partial words or empty tensors in between
-            run_offs.append(0)
-            run_lengths.append(a - cursor)
-        run_offs.append(offs[j] + shift)
-        run_lengths.append(b - a)
-        lo.append(a - c0)
-        hi.append(b - 1 - c0)
-        cursor = b
-    if cursor < c1:
-        run_offs.append(0)
-        run_lengths.append(c1 - cursor)
-    return _Chunk(c0, c1 - c0, None, -1, signed(run_offs), signed(run_lengths), signed(inside), signed(lo),
-                  signed(hi))
+_COLUMNS = tuple(_mix_int(c * _GOLDEN + _ROW_SALT) for c in range(ROW_WORDS))
 
 
 def _lsr(z: torch.Tensor, shift: int) -> torch.Tensor:
@@ -246,119 +180,319 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ _lsr(z, 31)
 
 
-def _mix_(z: torch.Tensor) -> torch.Tensor:
-    """:func:`_mix` in place (fewer temporaries on big chunks)."""
-    for shift, factor in ((30, _C1), (27, _C2), (31, None)):
-        shifted = z >> shift
-        shifted &= (1 << (64 - shift)) - 1
-        z ^= shifted
-        if factor is not None:
-            z *= _signed(factor)
-    return z
+def row_sums(words: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Level 1: int64 words [rows * 32] (rows of 256 bytes) -> int64 [rows], r = sum_c mix(w[c] ^ P[c])."""
+    return _mix(words.view(-1, ROW_WORDS) ^ columns).sum(dim=1)
 
 
-def _positions(device: torch.device) -> torch.Tensor:
-    """i*G for i in [0, chunk words): the position term of every word, shared by all buckets on a device."""
-    key = (str(device), _CHUNK_WORDS)
-    positions = _positions_cache.get(key)
-    if positions is None:
-        positions = torch.arange(_CHUNK_WORDS, dtype=torch.int64, device=device) * _signed(_GOLDEN)
-        _positions_cache[key] = positions
-    return positions
+def _row_sums_into(words: torch.Tensor, columns: torch.Tensor, out: torch.Tensor, chunk_rows: int) -> None:
+    """:func:`row_sums` of words [rows * 32] into ``out`` [rows] with eager torch ops, ``chunk_rows`` rows at a
+    time through two reused temporaries (the same arithmetic, in place)."""
+    rows = out.numel()
+    if rows == 0:
+        return
+    grid = words.view(rows, ROW_WORDS)
+    step = min(rows, chunk_rows)
+    z_buf = torch.empty(step, ROW_WORDS, dtype=torch.int64, device=words.device)
+    t_buf = torch.empty_like(z_buf)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        z = torch.bitwise_xor(grid[r0:r1], columns, out=z_buf[: r1 - r0])
+        t = t_buf[: r1 - r0]
+        for shift, factor in ((30, _C1), (27, _C2), (31, None)):
+            torch.bitwise_right_shift(z, shift, out=t)
+            t &= (1 << (64 - shift)) - 1
+            z ^= t
+            if factor is not None:
+                z *= _signed(factor)
+        torch.sum(z, dim=1, out=out[r0:r1])
 
 
-# One fused CUDA kernel for the per-word mixing (jiterator, compiled at first use by NVRTC); the same
-# arithmetic as the eager ops below, in unsigned 64-bit. Where it cannot be built the eager ops run.
-_FUSED_SOURCE = """
-template <typename T> T ckpt_mix64_word(T word, T position, T offset) {
-  unsigned long long z = (unsigned long long)position + (unsigned long long)offset;
-  z ^= z >> 30; z *= 0xBF58476D1CE4E5B9ull; z ^= z >> 27; z *= 0x94D049BB133111EBull; z ^= z >> 31;
-  z ^= (unsigned long long)word;
-  z ^= z >> 30; z *= 0xBF58476D1CE4E5B9ull; z ^= z >> 27; z *= 0x94D049BB133111EBull; z ^= z >> 31;
-  return (T)z;
-}
-"""
-_fused: dict[str, Any] = {}  # "fn": the jitted function, "failed": why it could not be used
+def fix_rows(sums: torch.Tensor, words: torch.Tensor, columns: torch.Tensor, partial_rows: torch.Tensor,
+             partial_words: torch.Tensor, partial_masks: torch.Tensor) -> torch.Tensor:
+    """``sums`` with the rows that are not all their tensor's bytes recomputed from those bytes alone (a masked
+    gather of their words)."""
+    return sums.index_put((partial_rows,), row_sums((words[partial_words] & partial_masks).view(-1), columns))
+
+
+def combine(sums: torch.Tensor, powers: torch.Tensor, firsts: torch.Tensor, ends: torch.Tensor,
+            unshift: torch.Tensor, tails: torch.Tensor) -> torch.Tensor:
+    """Level 2 and the finish for every tensor of a bucket at once, from ``sums`` int64 [rows] (level 1 of the
+    bucket's rows) and ``powers`` (K^a for those rows); per tensor its first row, one past its last, K^-first
+    and its tail: S = (prefix[end] - prefix[first]) * K^-first over the prefix sums of sums[a] * K^a."""
+    prefix = torch.nn.functional.pad(torch.cumsum(sums * powers, 0), (1, 0))
+    return _mix(((prefix[ends] - prefix[firsts]) * unshift) ^ tails)
+
+
+def digest_rows(words: torch.Tensor, columns: torch.Tensor, powers: torch.Tensor, partial_rows: torch.Tensor,
+                partial_words: torch.Tensor, partial_masks: torch.Tensor, firsts: torch.Tensor, ends: torch.Tensor,
+                unshift: torch.Tensor, tails: torch.Tensor) -> torch.Tensor:
+    """The digests of a bucket's tensors from its words (all of it, whole rows): what torch.compile turns into one
+    fused read of the words plus a few small kernels on one value per row. Eager, it is the definition the
+    chunked eager path (:func:`block64_bucket_digests`) and the compiled one are checked against."""
+    sums = fix_rows(row_sums(words, columns), words, columns, partial_rows, partial_words, partial_masks)
+    return combine(sums, powers, firsts, ends, unshift, tails)
+
+
+# ---- which implementation runs ----
+
+_kernel_lock = threading.Lock()
+_compiled: dict[str, Any] = {}  # device type -> compiled digest_rows, or None where it could not be used
+_compile_failures: dict[str, str] = {}  # device type -> why
+_warned_env: list[str] = []
+
+
+def _kernel_choice() -> str:
+    """"eager", "compiled" or "" (the default: compiled on CUDA, eager elsewhere) from CKPT_ENGINE_DIGEST_KERNEL."""
+    value = os.environ.get(KERNEL_ENV, "").strip().lower()
+    if value in ("", "eager", "compiled"):
+        return value
+    if value not in _warned_env:
+        _warned_env.append(value)
+        log.warning("%s=%r is neither 'eager' nor 'compiled': using the default", KERNEL_ENV, value)
+    return ""
 
 
 def device_digest_kernel(device: torch.device) -> str:
-    """Which implementation mixes words on ``device``: "fused" (one CUDA kernel) or "eager" (torch ops)."""
-    return "fused" if _fused_fn(device) is not None else "eager"
+    """Which implementation digests buckets on ``device``: "compiled" (torch.compile of :func:`digest_rows`:
+    one fused read of the bucket and a few small kernels, one call per bucket) or "eager" (torch ops; level 1 in
+    several passes over bounded chunks). The default is compiled on CUDA, where it compiles and agrees with the
+    eager ops on a probe, else eager (with a warning); eager elsewhere. CKPT_ENGINE_DIGEST_KERNEL=eager|compiled
+    forces one (compiled where it cannot be built: an error). Both give the same digests."""
+    return "compiled" if _compiled_fn(device) is not None else "eager"
 
 
-def _fused_fn(device: torch.device) -> Any | None:
-    if device.type != "cuda" or "failed" in _fused or os.environ.get("CKPT_ENGINE_DIGEST_KERNEL") == "eager":
+def warm_up(device: torch.device) -> threading.Thread | None:
+    """Build the compiled digest for ``device`` now, on a thread of its own, where a version would otherwise pay
+    for it (seconds to tens of seconds with an empty compile cache, inside its first bucket and against the
+    collectives' timeouts); the first digest waits for it. None where the eager ops run (nothing to build)."""
+    if _kernel_choice() == "eager" or (_kernel_choice() == "" and device.type != "cuda") or device.type in _compiled:
         return None
-    if "fn" not in _fused:
-        try:
-            from torch.cuda.jiterator import _create_jit_fn
-
-            fn = _create_jit_fn(_FUSED_SOURCE)
-            probe = torch.tensor([1, -2, 3], dtype=torch.int64, device=device)
-            if not torch.equal(fn(probe, probe, probe).cpu(), _mixed_eager(probe, probe, probe).cpu()):
-                raise RuntimeError("fused kernel disagrees with the eager ops")
-            _fused["fn"] = fn
-        except Exception as exc:  # no NVRTC, an old torch, ...: correct either way, only slower
-            _fused["failed"] = f"{type(exc).__name__}: {exc}"
-            log.warning("device digest: fused CUDA kernel unavailable (%s); using torch ops", _fused["failed"])
-            return None
-    return _fused["fn"]
+    thread = threading.Thread(target=device_digest_kernel, args=(device,), name="ckpt-digest-compile", daemon=True)
+    thread.start()
+    return thread
 
 
-def _mixed_eager(words: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    z = _mix_(positions + offsets)
-    z ^= words
-    return _mix_(z)
+def compile_failure(device: torch.device) -> str | None:
+    """Why the compiled digest is not used on ``device``'s type (None: it compiled, or was never tried)."""
+    return _compile_failures.get(device.type)
 
 
-def _mixed(words: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """mix(word ^ mix(position + offset)) per word (offsets broadcast)."""
-    fused = _fused_fn(words.device)
-    return fused(words, positions, offsets) if fused is not None else _mixed_eager(words, positions, offsets)
+def _compiled_fn(device: torch.device) -> Any | None:
+    choice = _kernel_choice()
+    if choice == "eager" or (choice == "" and device.type != "cuda"):
+        return None
+    kind = device.type
+    if kind not in _compiled:
+        with _kernel_lock:
+            if kind not in _compiled:
+                _compiled[kind] = _compile(device)
+    fn = _compiled[kind]
+    if fn is None and choice == "compiled":
+        raise RuntimeError(f"{KERNEL_ENV}=compiled, but the compiled device digest is unavailable on {kind}: "
+                           f"{_compile_failures.get(kind)}")
+    return fn
 
 
-def mix64_bucket_digests(bucket: Bucket, buf: torch.Tensor, layout_digest: str) -> torch.Tensor:
-    """torch-mix64 digests of every tensor in ``bucket``, read from ``buf`` (its uint8 bytes), on buf's device.
+def _plain() -> contextlib.ExitStack:
+    """The autograd state every compiled call runs in, whatever the caller's (no_grad, inference_mode or
+    neither): torch.compile guards on it, so one state means one graph. Tables and plans are made in it too, so
+    they are never inference tensors (another guard)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.no_grad())
+    return stack
 
-    ``layout_digest`` keys the cached index tensors. Returns int64 [len(bucket.slots)] on buf's device;
-    no host sync happens here.
-    """
+
+def _normal(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself, or where it is an inference tensor (made under inference_mode, as an engine's buffers
+    may be) a plain tensor over the same memory: the compiled function then sees one kind of input."""
+    if not tensor.is_inference():
+        return tensor
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
+def _compile(device: torch.device) -> Any | None:
+    """torch.compile of digest_rows with dynamic shapes (one graph serves every bucket), checked once against the
+    eager ops on probes; None, with a warning, where it cannot be built or disagrees (correct either way, only
+    slower)."""
+    try:
+        fn = torch.compile(digest_rows, dynamic=True)
+        with _plain():
+            _check_compiled(fn, device)
+        return fn
+    except Exception as exc:  # no compiler, an old torch, an unsupported backend ...
+        _compile_failures[device.type] = f"{type(exc).__name__}: {exc}"
+        log.warning("device digest: torch.compile unavailable on %s (%s); using eager torch ops", device.type,
+                    _compile_failures[device.type])
+        return None
+
+
+def _check_compiled(fn: Any, device: torch.device) -> None:
+    """Run the compiled function on random probes of the shapes buckets give it (which also builds, up front,
+    what it needs for them) and compare with the eager ops."""
+    gen = torch.Generator().manual_seed(36)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randint(-(1 << 63), (1 << 63) - 1, shape, dtype=torch.int64, generator=gen).to(device)
+
+    def index(high: int, *shape: int) -> torch.Tensor:
+        return torch.randint(0, high, shape, generator=gen).to(device)
+
+    for rows, partial, n in ((67, 3, 5), (2, 2, 2), (40, 7, 3)):  # (first: no two sizes alike)
+        firsts = index(rows, n)
+        # distinct partial rows but the last, which repeats the first (as plans pad): the same value written twice
+        fixed = torch.randperm(rows, generator=gen)[: partial - 1]
+        fixed = torch.cat([fixed, fixed[:1]]).to(device)
+        words, masks = index(rows * ROW_WORDS, partial, ROW_WORDS), rand(partial, ROW_WORDS)
+        words[-1], masks[-1] = words[0], masks[0]
+        args = (rand(rows * ROW_WORDS), _columns(device), _powers(device, rows)[:rows], fixed, words, masks, firsts,
+                (firsts + index(3, n)).clamp(max=rows), rand(n), rand(n))
+        if not torch.equal(fn(*args).cpu(), digest_rows(*args).cpu()):
+            raise RuntimeError(f"the compiled digest disagrees with the eager torch ops ({rows} rows)")
+
+
+# ---- per-device tables and per-bucket plans ----
+
+_columns_cache: dict[str, torch.Tensor] = {}
+_powers_cache: dict[str, torch.Tensor] = {}
+
+
+def _columns(device: torch.device) -> torch.Tensor:
+    """P: int64 [32] on ``device``."""
+    key = str(device)
+    columns = _columns_cache.get(key)
+    if columns is None:
+        with _plain():
+            columns = torch.tensor([to_signed64(p) for p in _COLUMNS], dtype=torch.int64, device=device)
+        _columns_cache[key] = columns
+    return columns
+
+
+def _powers(device: torch.device, rows: int) -> torch.Tensor:
+    """K^a mod 2^64 for a in [0, rows) at least: the row weights, shared by every bucket on a device, grown by
+    doubling (each step multiplies the table so far by one power of K)."""
+    key = str(device)
+    table = _powers_cache.get(key)
+    if table is None or table.numel() < rows:
+        size = max(1024, 1 << max(rows - 1, 0).bit_length())
+        with _plain():
+            table = torch.ones(1, dtype=torch.int64, device=device)
+            while table.numel() < size:
+                table = torch.cat([table, table * to_signed64(pow(_K, table.numel(), 1 << 64))])
+        _powers_cache[key] = table
+    return table
+
+
+@dataclass(frozen=True)
+class _BucketPlan:
+    """What the device digest of one bucket needs, built once per (layout, bucket, device)."""
+
+    n: int  # tensors (pieces)
+    rows: int  # rows of 256 bytes read: the bucket's, or the scratch's (copies)
+    partial: int  # rows that are not all their tensor's bytes (a tensor's last row, where it ends inside it)
+    # Those rows, their words' indices and the tensor's bytes in each word; padded to at least 2 entries by
+    # repeating one (or, with none, row 0 read whole), so that torch.compile makes no graph of its own for 0 or 1
+    partial_rows: torch.Tensor  # int64 [max(partial, 2)]
+    partial_words: torch.Tensor  # int64 [max(partial, 2), 32]
+    partial_masks: torch.Tensor  # int64 [max(partial, 2), 32]
+    # Per tensor, and one dummy entry after them (rows 0 to 0), for the same reason
+    firsts: torch.Tensor  # int64 [n + 1]: each tensor's first row
+    ends: torch.Tensor  # int64 [n + 1]: one past its last row
+    unshift: torch.Tensor  # int64 [n + 1]: K^-first
+    tails: torch.Tensor  # int64 [n + 1]: mix(nbytes*G + seed)
+    copies: tuple[tuple[int, int, int], ...] | None  # slow path: (bucket offset, nbytes, scratch offset)
+
+
+_plan_cache: dict[tuple[str, int, str], _BucketPlan] = {}
+
+
+def _bucket_plan(bucket: Bucket, device: torch.device, layout_digest: str) -> _BucketPlan:
+    key = (layout_digest, bucket.index, str(device))
+    plan = _plan_cache.get(key)
+    if plan is None:
+        if len(_plan_cache) > 4096:
+            _plan_cache.clear()
+        with _plain():
+            plan = _plan_cache[key] = _build_plan(bucket, device)
+    return plan
+
+
+def _build_plan(bucket: Bucket, device: torch.device) -> _BucketPlan:
+    slots = bucket.slots
+    sizes = [s.nbytes for s in slots]
+    copies: tuple[tuple[int, int, int], ...] | None = None
+    if bucket.nbytes % ROW_BYTES == 0 and all(s.offset % ROW_BYTES == 0 for s in slots):
+        offsets, nbytes = [s.offset for s in slots], bucket.nbytes
+    else:
+        # Slow path, only for layouts planned with an alignment below 256 (config `alignment`): a tensor may
+        # start inside a row, so each is first copied into a zero-padded scratch at a row boundary, one copy per
+        # tensor in a Python loop: correct, not fast.
+        offsets, cursor, moves = [], 0, []
+        for slot in slots:
+            offsets.append(cursor)
+            moves.append((slot.offset, slot.nbytes, cursor))
+            cursor = align_up(cursor + slot.nbytes, ROW_BYTES)
+        copies, nbytes = tuple(moves), cursor
+    rows = nbytes // ROW_BYTES
+    firsts = [o // ROW_BYTES for o in offsets]
+    ends = [f + -(-n // ROW_BYTES) for f, n in zip(firsts, sizes)]
+    seeds = [slot_seed(s) & _MASK64 for s in slots]
+    partial = [j for j, n in enumerate(sizes) if n % ROW_BYTES]
+    # the partial rows' words and how many of each word's bytes are the tensor's (with no partial row: row 0,
+    # whole, which changes nothing)
+    last = torch.tensor([ends[j] - 1 for j in partial] or [0], dtype=torch.int64)
+    stop = torch.tensor([offsets[j] + sizes[j] for j in partial] or [1 << 62], dtype=torch.int64)
+    last, stop = last.repeat(2)[: max(len(partial), 2)], stop.repeat(2)[: max(len(partial), 2)]
+    words = last[:, None] * ROW_WORDS + torch.arange(ROW_WORDS, dtype=torch.int64)
+    valid = (stop[:, None] - words * 8).clamp(0, 8)
+    masks = torch.where(valid == 8, torch.full_like(valid, -1),
+                        torch.bitwise_left_shift(torch.ones_like(valid), valid * 8) - 1)
+
+    def signed(values: list[int]) -> torch.Tensor:
+        return torch.tensor([to_signed64(v) for v in values], dtype=torch.int64).to(device)
+
+    return _BucketPlan(
+        n=len(slots), rows=rows, partial=len(partial), partial_rows=last.to(device),
+        partial_words=words.clamp(max=max(rows * ROW_WORDS - 1, 0)).to(device), partial_masks=masks.to(device),
+        firsts=signed([*firsts, 0]), ends=signed([*ends, 0]),
+        unshift=signed([*(pow(_K_INV, f, 1 << 64) for f in firsts), 0]),
+        tails=signed([*(_mix_int(n * _GOLDEN + seed) for n, seed in zip(sizes, seeds)), 0]), copies=copies)
+
+
+def block64_bucket_digests(bucket: Bucket, buf: torch.Tensor, layout_digest: str) -> torch.Tensor:
+    """torch-block64 digests of every tensor (piece) in ``bucket``, read from ``buf`` (its uint8 bytes), on buf's
+    device. ``layout_digest`` keys the cached plan. Returns int64 [len(bucket.slots)] on buf's device. No host
+    sync happens here, and no Python loop per tensor (but on the slow path of layouts aligned below 256); the
+    compiled form is one call per bucket."""
     device = buf.device
     if not bucket.slots:
         return torch.empty(0, dtype=torch.int64, device=device)
     plan = _bucket_plan(bucket, device, layout_digest)
-    words = buf[: bucket.nbytes].view(torch.int64)
-    positions = _positions(device)
-    acc = torch.zeros(plan.n, dtype=torch.int64, device=device)
-    for chunk in plan.chunks:
-        mixed = _mixed(words[chunk.start : chunk.start + chunk.nwords], positions[: chunk.nwords],
-                       chunk.single if chunk.single is not None else _run_offsets(chunk))
-        if chunk.single is not None:
-            acc.narrow(0, chunk.slot, 1).add_(mixed.sum())
-        else:
-            acc.index_add_(0, chunk.slots, _range_sums(mixed, chunk))  # type: ignore[arg-type]
-    if plan.partial_slots.numel():
-        last = words[plan.partial_words] & plan.partial_masks
-        position = _mix(plan.partial_words * _signed(_GOLDEN) + plan.partial_offs)
-        acc.index_add_(0, plan.partial_slots, _mix(last ^ position))
-    return _mix(acc ^ plan.tails)
-
-
-def _run_offsets(chunk: _Chunk) -> torch.Tensor:
-    return torch.repeat_interleave(chunk.run_offs, chunk.run_lengths, output_size=chunk.nwords)  # type: ignore[arg-type]
-
-
-def _range_sums(mixed: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
-    """Sum of ``mixed`` over each tensor's word range in the chunk, from one prefix sum (wrapping int64)."""
-    prefix = mixed.cumsum(0)
-    before = prefix[(chunk.first - 1).clamp(min=0)]  # type: ignore[operator]
-    return prefix[chunk.last] - torch.where(chunk.first > 0, before, torch.zeros_like(before))  # type: ignore[index]
+    data = buf[: bucket.nbytes]
+    if plan.copies is not None:
+        scratch = torch.zeros(plan.rows * ROW_BYTES, dtype=torch.uint8, device=device)
+        for src, size, dst in plan.copies:
+            scratch[dst : dst + size].copy_(data[src : src + size])
+        data = scratch
+    words, columns, powers = data.view(torch.int64), _columns(device), _powers(device, plan.rows)[: plan.rows]
+    compiled = _compiled_fn(device) if plan.rows > 1 else None  # (a bucket of one row: no graph of its own)
+    if compiled is not None:
+        with _plain():
+            return compiled(_normal(words), columns, powers, plan.partial_rows, plan.partial_words,
+                            plan.partial_masks, plan.firsts, plan.ends, plan.unshift, plan.tails)[: plan.n]
+    sums = torch.empty(plan.rows, dtype=torch.int64, device=device)
+    _row_sums_into(words, columns, sums, _HOST_CHUNK_ROWS if device.type == "cpu" else _CHUNK_ROWS)
+    if plan.partial:
+        sums = fix_rows(sums, words, columns, plan.partial_rows, plan.partial_words, plan.partial_masks)
+    return combine(sums, powers, plan.firsts, plan.ends, plan.unshift, plan.tails)[: plan.n]
 
 
 def bucket_digests(bucket: Bucket, buf: torch.Tensor, algo: DigestAlgo, layout_digest: str) -> torch.Tensor:
     """Digests of the tensors of ``bucket`` read from ``buf``: int64 [n] on the CPU (xxh3) or buf's device."""
-    if algo == "torch-mix64":
-        return mix64_bucket_digests(bucket, buf, layout_digest)
+    if algo == "torch-block64":
+        return block64_bucket_digests(bucket, buf, layout_digest)
     if buf.device.type != "cpu":
         buf = buf.cpu()  # a device receiver of a host-hashing sender: correct, not fast
     view = host_buffer(buf[: bucket.nbytes])
@@ -371,12 +505,12 @@ def bucket_digests(bucket: Bucket, buf: torch.Tensor, algo: DigestAlgo, layout_d
 def layout_digests(layout: Layout, read: Callable[[Bucket], torch.Tensor], algo: DigestAlgo,
                    device: torch.device | None = None) -> list[int]:
     """Per-tensor digests of every tensor of ``layout``, whose buckets' bytes ``read(bucket)`` returns (it may
-    reuse one scratch buffer: each bucket is digested before the next is read). torch-mix64 runs on
+    reuse one scratch buffer: each bucket is digested before the next is read). torch-block64 runs on
     ``device`` when given; one host sync in all."""
     parts = []
     for bucket in layout.buckets:
         data = read(bucket)
-        if algo == "torch-mix64" and device is not None and data.device != device:
+        if algo == "torch-block64" and device is not None and data.device != device:
             data = data.to(device, non_blocking=True)
         parts.append(bucket_digests(bucket, data, algo, layout.digest))
     return tensor_digests(layout, torch.cat(parts).cpu().tolist() if parts else [])
@@ -406,21 +540,17 @@ def version_digest(algo: str, layout_digest: str, digests: Sequence[int]) -> str
     return hasher.hexdigest()
 
 
-def reference_mix64_digest(dtype: str, shape: Sequence[int], data: bytes, *, seed: int | None = None) -> int:
-    """Plain-Python torch-mix64 of one tensor (or, with a piece's ``seed``, one piece), for cross-checking the
-    vectorised version in tests."""
-
-    def mix(z: int) -> int:
-        z ^= z >> 30
-        z = (z * _C1) & _MASK64
-        z ^= z >> 27
-        z = (z * _C2) & _MASK64
-        return z ^ (z >> 31)
-
+def reference_block64_digest(dtype: str, shape: Sequence[int], data: bytes, *, seed: int | None = None) -> int:
+    """Plain-Python torch-block64 of one tensor (or, with a piece's ``seed``, one piece), straight from the
+    definition, for cross-checking the vectorised version in tests."""
     seed = (header_seed(dtype, shape) if seed is None else seed) & _MASK64
-    acc = 0
-    padded = data + b"\0" * (-len(data) % 8)
-    for i in range(len(padded) // 8):
-        word = int.from_bytes(padded[i * 8 : i * 8 + 8], "little")
-        acc = (acc + mix(word ^ mix((i * _GOLDEN + seed) & _MASK64))) & _MASK64
-    return to_signed64(mix(acc ^ mix((len(data) * _GOLDEN + seed) & _MASK64)))
+    padded = data + b"\0" * (-len(data) % ROW_BYTES)
+    total, weight = 0, 1
+    for row in range(len(padded) // ROW_BYTES):
+        row_sum = 0
+        for column in range(ROW_WORDS):
+            at = row * ROW_BYTES + column * 8
+            row_sum += _mix_int(int.from_bytes(padded[at : at + 8], "little") ^ _COLUMNS[column])
+        total = (total + (row_sum & _MASK64) * weight) & _MASK64
+        weight = weight * _K & _MASK64
+    return to_signed64(_mix_int(total ^ _mix_int(len(data) * _GOLDEN + seed)))

@@ -21,7 +21,7 @@ import torch
 
 from ckpt_engine.device import DeviceInfo, synchronize
 from ckpt_engine.errors import ApplyRefused, ProtocolError
-from ckpt_engine.plan.hashing import bucket_digests, check_algo, version_digest
+from ckpt_engine.plan.hashing import bucket_digests, check_algo, version_digest, warm_up
 from ckpt_engine.plan.layout import Bucket, Layout, TensorSpec
 from ckpt_engine.plan.sparse import Manifest, wire_manifest
 from ckpt_engine.plan.tensors import slot_view
@@ -88,6 +88,7 @@ class VersionAssembler:
         self.committed: VersionPayload | None = None
         self.manifest: Manifest | None = None  # per-tensor digests of the committed version (sparse bases)
         self.buffers = StagingBuffers(device)
+        warm_up(device.comm_device)  # (the device digest's compile, before the first version needs it)
         self._layouts: dict[str, Layout] = {}
         self._view_cache: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
 

@@ -1,8 +1,9 @@
-"""torch-mix64 on CUDA equals the CPU computation (and the plain-Python reference) on random buckets of every
-wire dtype, through both implementations (the fused kernel and torch ops), across chunk edges."""
+"""torch-block64 on CUDA equals the CPU computation (and the plain-Python reference) on random buckets of every
+wire dtype, through both implementations (torch.compile of the digest, and eager torch ops across chunk edges)."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -38,13 +39,24 @@ def random_tensors(seed: int, count: int, max_elems: int) -> dict[str, torch.Ten
 
 
 def digests(tensors: dict[str, torch.Tensor], device: str, bucket_size: int) -> list[int]:
+    """On "cpu" always with the eager ops (the fixture's choice is for CUDA; the CPU's compiled form is checked by
+    tests/test_hashing.py)."""
     specs = [TensorSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()]
     layout = plan_layout(specs, bucket_size=bucket_size)
     out: list[int] = []
-    for bucket in layout.buckets:
-        buf = torch.full((bucket.nbytes,), 0xA5, dtype=torch.uint8)  # padding is not zero: it must not count
-        fill_bucket(buf, bucket.slots, tensors, bucket.nbytes)
-        out += hashing.bucket_digests(bucket, buf.to(device), "torch-mix64", layout.digest).cpu().tolist()
+    chosen = os.environ.get(hashing.KERNEL_ENV)
+    if device == "cpu":
+        os.environ[hashing.KERNEL_ENV] = "eager"
+    try:
+        for bucket in layout.buckets:
+            buf = torch.full((bucket.nbytes,), 0xA5, dtype=torch.uint8)  # padding is not zero: it must not count
+            fill_bucket(buf, bucket.slots, tensors, bucket.nbytes)
+            out += hashing.bucket_digests(bucket, buf.to(device), "torch-block64", layout.digest).cpu().tolist()
+    finally:
+        if chosen is None:
+            os.environ.pop(hashing.KERNEL_ENV, None)
+        else:
+            os.environ[hashing.KERNEL_ENV] = chosen
     return out
 
 
@@ -52,31 +64,37 @@ def _raw(tensor: torch.Tensor) -> bytes:
     return bytes(tensor.reshape(-1).view(torch.uint8).tolist()) if tensor.numel() else b""
 
 
-@pytest.fixture(params=["fused", "eager"])
+@pytest.fixture(params=["compiled", "eager"])
 def kernel(request, monkeypatch) -> str:
-    """Each test runs with the fused CUDA kernel and with plain torch ops."""
-    if request.param == "eager":
-        monkeypatch.setenv("CKPT_ENGINE_DIGEST_KERNEL", "eager")
+    """Each test runs with the compiled digest (the default on CUDA: Triton) and with plain torch ops."""
+    monkeypatch.setenv(hashing.KERNEL_ENV, request.param)
     used = hashing.device_digest_kernel(torch.device("cuda"))
     if used != request.param:
-        pytest.fail(f"asked for the {request.param} digest kernel, got {used}: {hashing._fused.get('failed')}")
+        pytest.fail(f"asked for the {request.param} digest kernel, got {used}: "
+                    f"{hashing.compile_failure(torch.device('cuda'))}")
     return used
 
 
-@pytest.mark.parametrize("chunk_words", [7, 4 << 20])
-def test_cuda_digests_equal_cpu_on_every_dtype(kernel: str, chunk_words: int, monkeypatch) -> None:
-    monkeypatch.setattr(hashing, "_CHUNK_WORDS", chunk_words)
+def test_the_default_on_cuda_is_the_compiled_digest(monkeypatch) -> None:
+    monkeypatch.delenv(hashing.KERNEL_ENV, raising=False)
+    assert hashing.device_digest_kernel(torch.device("cuda")) == "compiled", \
+        hashing.compile_failure(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("chunk_rows", [7, 1 << 17])
+def test_cuda_digests_equal_cpu_on_every_dtype(kernel: str, chunk_rows: int, monkeypatch) -> None:
+    monkeypatch.setattr(hashing, "_CHUNK_ROWS", chunk_rows)
     for seed in range(4):
         tensors = random_tensors(seed, 3 * len(DTYPES), 300)
         cpu = digests(tensors, "cpu", bucket_size=1 << 12)
         assert digests(tensors, "cuda", bucket_size=1 << 12) == cpu, (kernel, seed)
-        reference = [hashing.reference_mix64_digest(name.split(".")[1], tuple(t.shape), _raw(t))
+        reference = [hashing.reference_block64_digest(name.split(".")[1], tuple(t.shape), _raw(t))
                      for name, t in tensors.items()]
         assert cpu == reference
 
 
 def test_cuda_digests_equal_cpu_on_a_multi_chunk_bucket(kernel: str) -> None:
-    """A 72 MiB bucket: one tensor over several 32 MiB chunks, then 3,000 small ones sharing the last chunk."""
+    """A 72 MiB bucket: one tensor over several 32 MiB eager chunks, then 3,000 small ones sharing the last."""
     gen = torch.Generator().manual_seed(11)
     tensors = {"big": torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, generator=gen).view(torch.bfloat16)}
     tensors |= {f"s{i}": torch.randn(1 + i % 700, generator=gen) for i in range(3000)}

@@ -71,7 +71,7 @@ def nccl_receiver(port: int, world: int, rank: int) -> list:
     return out
 
 
-@pytest.mark.parametrize("algo", ["torch-mix64", "xxh3-64"])
+@pytest.mark.parametrize("algo", ["torch-block64", "xxh3-64"])
 def test_nccl_sync_group_of_a_sender_and_receivers(algo: str) -> None:
     world = min(cuda_count(), 1 + MAX_RECEIVERS)
     store = open_store("127.0.0.1", 0, is_master=True, timeout_s=60)
