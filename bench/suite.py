@@ -23,8 +23,11 @@ Sections (each in its own module, run in this order; ``--only`` / ``--skip`` pic
 - ``netns``         (bench/netns_bench.py): trainer and receivers in network namespaces of their own, on
                     rate-limited veth links (tc): full vs sharded delivery at TP 2 and 4, and the raw broadcast
                     (root only; skipped saying why elsewhere).
+- ``digest``        (bench/digest_bench.py): the device digest's code (torch-block64, eager and compiled) on CPU
+                    tensors, 256 MiB in 1, 100 and 4,000 tensors, beside a memcpy of the same bytes.
 - ``gpu``           (bench/gpu_bench.py): the CUDA data paths against their raw copies (snapshot, bypass fill,
-                    device digest vs PCIe, CUDA IPC, NCCL); says so and measures nothing without CUDA.
+                    device digest vs PCIe and the read floor, CUDA IPC, NCCL); says so and measures nothing
+                    without CUDA.
 
 It writes the markdown report (default docs/benchmarks.md), PNG plots next to it (bench-*.png) and, with
 ``--json``, every measured figure. Every number in the report comes from the run. ``--quick`` takes about
@@ -48,6 +51,7 @@ from ckpt_engine.bench import (
     control_plane,
     curves,
     daemon_e2e,
+    digest_bench,
     gpu_bench,
     ipc_bench,
     load_bench,
@@ -96,6 +100,7 @@ SECTIONS: list[tuple[str, str, Any]] = [
     ("sparse", "Sparse sync vs full sync", _SparseSection),
     ("load", "Load: mixed reads while versions run", load_bench),
     ("netns", "Network-bound cluster: full vs sharded delivery on rate-limited links", netns_bench),
+    ("digest", "Device digest on the CPU (torch-block64)", digest_bench),
     ("gpu", "GPU data paths (CUDA)", gpu_bench),
 ]
 SECTION_NAMES = [s[0] for s in SECTIONS]
@@ -398,12 +403,19 @@ def evaluate_targets(report: dict) -> list[dict]:
     def gpu(key: str) -> Callable[[], list[tuple[str, float, str]]]:
         return lambda: gpu_bench.target_measurements(res["gpu"]).get(key, [])
 
-    add("GPU: cached snapshot (device → pinned) throughput ÷ one pinned copy_", ">=", gpu_bench.GOAL_COPY, "", "gpu",
-        gpu("snapshot"), "pinned copy_ time / VersionCache.snapshot time, same bytes")
-    add("GPU: bypass_cpu fill (D2D) throughput ÷ one device copy_", ">=", gpu_bench.GOAL_COPY, "", "gpu", gpu("fill"),
-        "device copy_ time / fill of every bucket into the send slots")
+    add("GPU: cached snapshot (device → pinned) throughput ÷ one pinned copy_", ">=", gpu_bench.GOAL_SNAPSHOT, "",
+        "gpu", gpu("snapshot"), "pinned copy_ time / VersionCache.snapshot time, same bytes, 100 and 4,000 tensors")
+    add("GPU: bypass_cpu fill (D2D) throughput ÷ one device copy_", ">=", gpu_bench.GOAL_FILL, "", "gpu", gpu("fill"),
+        "device copy_ time / fill of every bucket into the send slots, 100 and 4,000 tensors")
+    add("CPU: device digest time per byte, 4,000 tensors ÷ 1 tensor (same bytes)", "<=",
+        digest_bench.GOAL_TENSOR_GROWTH, "", "digest", lambda: digest_bench.target_measurements(res["digest"]),
+        "torch-block64 (eager and compiled) of 256 MiB in 4,000 tensors vs in 1: no growth beyond the bytes")
+    add("GPU: device digest throughput, 500 large and 20,000 small tensors", ">=", gpu_bench.GOAL_DIGEST_GBPS,
+        " GB/s", "gpu", gpu("digest_gbps"), "torch-block64 of every bucket (one call per bucket), model bytes / time")
+    add("GPU: device digest throughput ÷ read floor, 500 and 20,000 tensors", ">=", gpu_bench.GOAL_DIGEST_OVER_READ,
+        "", "gpu", gpu("digest_read"), "int64 read-and-reduce time / digest time, same bytes")
     add("GPU: device digest throughput ÷ PCIe rate", ">=", gpu_bench.GOAL_DIGEST_OVER_PCIE, "×", "gpu",
-        gpu("digest"), "torch-mix64 GB/s / the faster pinned copy direction's GB/s")
+        gpu("digest"), "torch-block64 GB/s / the faster pinned copy direction's GB/s")
     add("GPU: CUDA IPC path throughput ÷ one device copy_", ">=", gpu_bench.GOAL_COPY, "", "gpu", gpu("ipc"),
         "device copy_ time / time until the colocated receiver verified and acknowledged")
     return targets

@@ -363,10 +363,19 @@ def key_figures(result: dict[str, Any] | None) -> list[str]:
     lines = [f"- digest kernel: {result.get('kernel')}"]
     for c in result.get("local", []):
         v = c["variants"]
+        r = c.get("ratios", {})
+        ratio = lambda key: f"{r[key]['value']:.3f}" if key in r else "?"  # noqa: E731
         lines.append(f"- {c['name']}: PCIe {c['pcie_gbps']:.1f} GB/s (best of D2H/H2D), device copy "
                      f"{v['d2d_copy']['gbps']['median']:.0f} GB/s, digest {v['digest']['gbps']['median']:.0f} GB/s, "
-                     f"snapshot {v['snapshot']['gbps']['median']:.1f} GB/s, bypass fill "
-                     f"{v['fill']['gbps']['median']:.0f} GB/s")
+                     f"snapshot {v['snapshot']['gbps']['median']:.1f} GB/s (÷ pinned copy {ratio('snapshot_vs_d2h')}, "
+                     f"goal ≥ 0.8), bypass fill {v['fill']['gbps']['median']:.0f} GB/s (÷ device copy "
+                     f"{ratio('fill_vs_d2d')}, goal ≥ 0.5)")
+    for c in result.get("digest", []):  # issue 36: the device digest at memory speed
+        v, r = c["variants"], c.get("ratios", {})
+        read = r.get("digest_vs_read", {}).get("value")
+        lines.append(f"- device digest, {c['name']}: {v['digest']['gbps']['median']:.0f} GB/s (goal ≥ 1,000), "
+                     f"÷ read floor {read if read is None else f'{read:.2f}'} (goal ≥ 0.25; read floor "
+                     f"{v['read']['gbps']['median']:.0f} GB/s)")
     for kind in ("ipc", "nccl"):
         p = result.get(kind) or {}
         if "variants" not in p:

@@ -242,11 +242,11 @@ def _simulate_async_copies() -> None:
     threading.Thread(target=copier, daemon=True).start()
     real_fill = cache_module.fill_bucket
 
-    def queued_fill(buf, slots, tensors, nbytes, base=0) -> None:
+    def queued_fill(buf, slots, tensors, nbytes, base=0, *, staging=None) -> None:
         source = {name: t.clone() for name, t in tensors.items()}  # the device tensors stay as they were
         event = _CopyEvent()
         queued.append(event)
-        copies.put((lambda: real_fill(buf, slots, source, nbytes, base), event))
+        copies.put((lambda: real_fill(buf, slots, source, nbytes, base, staging=staging), event))
 
     cuda_on_gloo = DeviceInfo("cuda", 0, "gloo", True, "none")  # type: ignore[arg-type]
     cache_module.fill_bucket = queued_fill
@@ -273,3 +273,106 @@ def test_a_host_read_of_the_cache_waits_for_each_buckets_device_copy() -> None:
                                      timeout_s=120)
     assert sender == [(True, None)] * 3
     assert receiver["loaded"] == {1: 6.0, 2: 7.0, 3: 8.0}  # w5 = version + 5: every byte landed before it left
+
+
+# ---- live reads: the send fills its slots from the live tensors while the snapshot holds the loop ------------
+# A GPU trainer's send fills device slots (CUDA IPC, NCCL): while the snapshot still holds the training loop it
+# reads the live tensors (device to device) instead of waiting for each bucket's device→host copy and copying it
+# back. Run here with host slots (a cache that colocated receivers cannot map): the same code.
+def _colocated(name: str, received: list) -> threading.Thread:
+    from ckpt_engine.receive.colocated import IpcReceiver
+
+    def serve() -> None:
+        rx = IpcReceiver(name, "rx", 1, lambda p: received.append({k: v.clone() for k, v in p.tensors.items()}),
+                         device=detect_device("cpu"), timeout_s=TIMEOUT_S)
+        while (result := rx.receive(TIMEOUT_S)) is not None:
+            received.append(result.ok)
+        rx.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def _live_setup(hook):
+    import uuid
+
+    from ckpt_engine.send.sender import Sender
+    from ckpt_engine.transport.same_host import IpcHub
+
+    cpu = detect_device("cpu")
+    name = f"ckpt-test-live-{uuid.uuid4().hex[:8]}"
+    hub = IpcHub(name, cpu)
+    sender = Sender(None, device=cpu, hub=hub, ipc_peers={"rx": 1}, timeout_s=TIMEOUT_S, wire_hook=hook)
+    return VersionCache(cpu, keep_versions=2, shareable=False), hub, sender, name
+
+
+def test_the_send_reads_the_live_tensors_while_the_snapshot_holds_the_loop() -> None:
+    """Every bucket is on the wire before the snapshot copied more than bucket 0: read from the live tensors."""
+    tensors = _tensors(1.0)
+    layout = plan_layout(specs_of(tensors), BUCKET)
+    last_out = threading.Event()
+    cache, hub, sender, name = _live_setup(lambda k, buf: (last_out.set() if k == 2 else None, buf)[1])
+    received: list = []
+    receiver = _colocated(name, received)
+    cached = cache.begin(1, layout)
+    transfer = sender.send_cached(cache, 1, filling=cached)
+    went_on = []
+
+    def provide(bucket: Bucket) -> dict[str, torch.Tensor]:
+        if bucket.index == 1:
+            went_on.append(last_out.wait(TIMEOUT_S))  # the send read every bucket meanwhile
+        return tensors
+
+    cache.fill(cached, provide, live=tensors)
+    result = transfer.result(TIMEOUT_S)
+    cache.unlease(cached)
+    hub.close()
+    receiver.join(TIMEOUT_S)
+    assert went_on == [True] and result.ok, result.reason
+    assert cached.live is not None and cached.live.reads == 3
+    assert received[1] is True and all(torch.equal(received[0][k], v) for k, v in tensors.items())
+    assert cache.versions() == [1] and torch.equal(cache.get(1).tensor("w4"), tensors["w4"])
+
+
+def test_once_the_loop_goes_on_the_send_reads_the_cache() -> None:
+    """Bucket 0 is read live; the snapshot ends and the loop changes the tensors while bucket 0 is on the wire:
+    the later buckets come from the cache, so the receiver gets the version as snapshotted, whole."""
+    tensors = _tensors(1.0)
+    snapshotted = {k: v.clone() for k, v in tensors.items()}
+    layout = plan_layout(specs_of(tensors), BUCKET)
+    loop_went_on = threading.Event()
+    cache, hub, sender, name = _live_setup(lambda k, buf: (loop_went_on.wait(TIMEOUT_S) if k == 0 else None, buf)[1])
+    received: list = []
+    receiver = _colocated(name, received)
+    cached = cache.begin(1, layout)
+    transfer = sender.send_cached(cache, 1, filling=cached)
+    read_live = threading.Event()
+
+    def provide(bucket: Bucket) -> dict[str, torch.Tensor]:
+        if bucket.index == 0:  # the send's first bucket is read from the live tensors before the snapshot ends
+            read_live.set() if _wait_until(lambda: cached.live is not None and cached.live.reads == 1) else None
+        return tensors
+
+    cache.fill(cached, provide, live=tensors)
+    for tensor in tensors.values():
+        tensor.add_(100.0)  # the training loop's next step
+    loop_went_on.set()
+    result = transfer.result(TIMEOUT_S)
+    cache.unlease(cached)
+    hub.close()
+    receiver.join(TIMEOUT_S)
+    assert read_live.is_set() and result.ok, result.reason
+    assert cached.live.reads == 1  # type: ignore[union-attr]
+    assert received[1] is True and all(torch.equal(received[0][k], v) for k, v in snapshotted.items())
+
+
+def _wait_until(condition, timeout_s: float = TIMEOUT_S) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import operator
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -190,67 +191,206 @@ def check_matches_layout(layout: Layout, tensors: Mapping[str, torch.Tensor]) ->
             )
 
 
+# A slot of at least this many bytes is copied on its own: one copy of it runs at the full rate, where the
+# batched kernel would cost more than the launch it saves.
+DIRECT_BYTES = 4 << 20
+# A device→host fill (the cached snapshot of device tensors) packs the tensors below STAGED_DIRECT_BYTES into a
+# device staging buffer of at most STAGING_BYTES (``staging_bytes``), then moves each packed span over PCIe in one
+# copy. A larger tensor crosses on its own: its copy outlasts the host's work to queue the next one, so copies run
+# back to back at the PCIe rate, where packing it would add a device pass.
+STAGED_DIRECT_BYTES = 1 << 20
+STAGING_BYTES = 16 << 20
+# dtypes torch's batched copy kernel (``_foreach_copy_``'s fast path on CUDA) is built for; a tensor of another
+# dtype (uint16/32/64, float8_e8m0fnu) is copied on its own, on every device (the same path everywhere).
+_BATCHED_DTYPES = frozenset({
+    "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+    "float8_e5m2fnuz", "complex64", "complex128", "int64", "int32", "int16", "int8", "uint8", "bool"})
+
+
+def staging_bytes(max_bucket_bytes: int) -> int:
+    """The size of the device staging buffer a device→host fill of buckets up to ``max_bucket_bytes`` uses."""
+    return max(1, min(max_bucket_bytes, STAGING_BYTES))
+
+
 def fill_bucket(buf: torch.Tensor, slots: tuple[TensorSlot, ...], tensors: Mapping[str, torch.Tensor],
-                bucket_nbytes: int, base: int = 0) -> None:
+                bucket_nbytes: int, base: int = 0, *, staging: torch.Tensor | None = None) -> None:
     """Copy each slot's tensor into ``buf[base : base + bucket_nbytes]`` with zeroed padding, so every fill puts
-    identical bytes on the wire. The typed views of the slots and of the padding are made once per (buffer,
-    bucket) and reused, and the copies go in one call for the whole bucket (``torch._foreach_copy_``): what
-    costs per tensor is only torch's own copy. Sources of any strides, offsets or device are copied as they
-    are (a device -> host snapshot is asynchronous)."""
+    identical bytes on the wire, in a few kernels whatever the tensor count: the tensors of one dtype below
+    DIRECT_BYTES in one ``torch._foreach_copy_`` (one batched kernel per ~64 tensors on CUDA: its fast path
+    wants one dtype and matching strides), larger tensors and the pieces of chunked ones each in one copy.
+    ``staging`` (a uint8 buffer on the sources' device, e.g. the GPU while ``buf`` is pinned host memory): the
+    tensors below STAGED_DIRECT_BYTES are packed there first, span by span, and each span crosses to ``buf`` in
+    one copy, instead of one device→host copy per tensor; larger ones go straight to ``buf``. It is used only
+    when the bucket's sources are on its device. The typed views of the slots, the padding and the spans are made
+    once per (buffer, bucket, staging) and reused. Sources of any strides, offsets or device are copied as they
+    are (conjugate and negative views as their values); every copy is queued on the current stream (a device→host
+    fill is asynchronous: the caller synchronises)."""
     if bucket_nbytes == 0:
         return
-    targets, gaps, names = _fill_views(buf, slots, bucket_nbytes, base)
-    sources = list(map(tensors.__getitem__, names))
-    if slots and (slots[0].parts > 1 or slots[-1].parts > 1):  # (a chunked tensor's piece opens or ends a bucket)
-        sources = [piece_of(source, slot) for source, slot in zip(sources, slots)]
-    torch._foreach_copy_(targets, _plain(sources), non_blocking=True)
-    if gaps:
-        torch._foreach_zero_(gaps)
+    if staging is not None and (not slots or tensors[slots[0].name].device != staging.device):
+        staging = None
+    plan = _fill_plan(buf, slots, bucket_nbytes, base, staging)
+    for span in plan.spans:
+        for get, single, targets, complex_ in span.batches:
+            sources = get(tensors)
+            torch._foreach_copy_(targets, _plain((sources,) if single else sources, complex_), non_blocking=True)
+        if span.gaps:
+            torch._foreach_zero_(span.gaps)
+        if span.staged is not None:
+            span.dest.copy_(span.staged, non_blocking=True)  # type: ignore[union-attr]
+    for name, slot, target in plan.direct:
+        source = piece_of(tensors[name], slot)
+        if source.is_conj() or source.is_neg():
+            source = source.resolve_conj().resolve_neg()
+        target.copy_(source, non_blocking=True)
 
 
-def _plain(sources: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Conjugate or negative views' values as plain values (copies into the bucket take them as stored);
-    checked with C-level calls only: this runs for every tensor of every version."""
-    if any(map(torch.Tensor.is_conj, sources)) or any(map(torch.Tensor.is_neg, sources)):
+def _plain(sources, complex_: bool):
+    """Conjugate or negative views' values as plain values (a batched device copy takes them as stored); checked
+    with C-level calls only, as this runs for every tensor of every version: the conjugate bit only for complex
+    dtypes (only their views carry it), the negative bit (e.g. ``.imag`` of a conjugate view) for every one."""
+    if any(map(torch.Tensor.is_neg, sources)) or (complex_ and any(map(torch.Tensor.is_conj, sources))):
         return [t.resolve_conj().resolve_neg() for t in sources]
     return sources
 
 
-# (id of the slots tuple, buffer address, size, base) -> (slots, slot views, padding views); the slots tuple is
-# held so its id is not reused while the entry lives. The views keep their buffer alive: a few entries only.
-_FILL_VIEWS: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
+@dataclass
+class _Span:
+    """Bytes of a bucket filled together: per dtype, (getter of the sources, one source only, target views, complex
+    dtype), the padding views to zero, and, when staged, the staging bytes and where in the buffer they go."""
+
+    batches: list[tuple[Callable[[Mapping[str, torch.Tensor]], object], bool, list[torch.Tensor], bool]]
+    gaps: list[torch.Tensor]
+    staged: torch.Tensor | None = None
+    dest: torch.Tensor | None = None
+
+
+@dataclass
+class _FillPlan:
+    slots: tuple[TensorSlot, ...]  # held so its id (part of the key) is not reused while the plan lives
+    spans: list[_Span]
+    direct: list[tuple[str, TensorSlot, torch.Tensor]]  # (name, slot, its target view in the buffer)
+
+
+# (id of the slots tuple, buffer address, size, device, base, staging address, staging size) -> plan; the views
+# keep their buffers alive: a few entries only.
+_FILL_VIEWS: collections.OrderedDict[tuple, _FillPlan] = collections.OrderedDict()
 _FILL_VIEWS_KEPT = 64
 _FILL_VIEWS_LOCK = threading.Lock()  # the training thread snapshots while send threads fill
 
 
 def forget_fill_views(buffer: torch.Tensor) -> None:
-    """Drop the views kept into ``buffer``, which its owner is freeing: they would keep its memory alive."""
+    """Drop the views kept into ``buffer`` (filled, or staged through), which its owner is freeing: they would
+    keep its memory alive."""
     ptr = buffer.data_ptr()
     with _FILL_VIEWS_LOCK:
-        for key in [k for k in _FILL_VIEWS if k[1] == ptr]:
+        for key in [k for k in _FILL_VIEWS if k[1] == ptr or k[5] == ptr]:
             del _FILL_VIEWS[key]
 
 
-def _fill_views(buf: torch.Tensor, slots: tuple[TensorSlot, ...], nbytes: int,
-                base: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[str]]:
-    key = (id(slots), buf.data_ptr(), buf.numel(), str(buf.device), base)
+def _fill_plan(buf: torch.Tensor, slots: tuple[TensorSlot, ...], nbytes: int, base: int,
+               staging: torch.Tensor | None) -> _FillPlan:
+    key = (id(slots), buf.data_ptr(), buf.numel(), str(buf.device), base,
+           None if staging is None else staging.data_ptr(), None if staging is None else staging.numel())
     with _FILL_VIEWS_LOCK:
         found = _FILL_VIEWS.get(key)
-        if found is not None and found[0] is slots:
+        if found is not None and found.slots is slots:
             _FILL_VIEWS.move_to_end(key)
-            return found[1], found[2], found[3]
-    out = buf[base : base + nbytes]
-    targets = [slot_view(out, slot) for slot in slots]
-    gaps, cursor = [], 0
-    for slot in slots:
-        if slot.offset > cursor:
-            gaps.append(out[cursor : slot.offset])
-        cursor = slot.offset + slot.nbytes
-    if nbytes > cursor:
-        gaps.append(out[cursor:nbytes])
-    names = [slot.name for slot in slots]
+            return found
+    plan = _plan_fill(buf[base : base + nbytes], slots, nbytes, staging)
     with _FILL_VIEWS_LOCK:
-        _FILL_VIEWS[key] = (slots, targets, gaps, names)
+        _FILL_VIEWS[key] = plan
         while len(_FILL_VIEWS) > _FILL_VIEWS_KEPT:
             _FILL_VIEWS.popitem(last=False)
-    return targets, gaps, names
+    return plan
+
+
+def _plan_fill(out: torch.Tensor, slots: tuple[TensorSlot, ...], nbytes: int,
+               staging: torch.Tensor | None) -> _FillPlan:
+    """Which slots are copied on their own, and the spans of the rest (with their padding), for ``out`` (the
+    bucket's bytes)."""
+    if staging is not None and staging.numel() < 2 * _STAGE_ALIGN:
+        staging = None  # too small to hold a span: every tensor is copied to the buffer itself
+    limit = DIRECT_BYTES if staging is None else min(STAGED_DIRECT_BYTES, staging.numel() - _STAGE_ALIGN)
+    direct = [slot for slot in slots if slot.parts > 1 or slot.nbytes >= limit or slot.dtype not in _BATCHED_DTYPES]
+    direct_views = [(slot.name, slot, slot_view(out, slot)) for slot in direct if slot.nbytes]
+    batched = {id(slot) for slot in direct}
+    # Every byte not under a direct slot, in order: (start, end, slot or None for padding).
+    pieces: list[tuple[int, int, TensorSlot | None]] = []
+    cursor = 0
+    for slot in slots:
+        if slot.offset > cursor:
+            pieces.append((cursor, slot.offset, None))
+        if id(slot) not in batched and slot.nbytes:
+            pieces.append((slot.offset, slot.offset + slot.nbytes, slot))
+        cursor = max(cursor, slot.offset + slot.nbytes)
+    if nbytes > cursor:
+        pieces.append((cursor, nbytes, None))
+    if staging is None:
+        return _FillPlan(slots, [_span(out, pieces, 0)], direct_views)
+    return _FillPlan(slots, [_staged_span(out, staging, run) for run in _windows(pieces, staging.numel())],
+                     direct_views)
+
+
+# A staged span keeps its bytes' offsets modulo this (a span's byte x sits at x - x0 + x0 % _STAGE_ALIGN for its
+# first byte x0): typed views stay aligned as in the buffer, and device copies keep their wide loads.
+_STAGE_ALIGN = 256
+
+
+def _origin(start: int) -> int:
+    """Where in the bucket a span whose first byte is ``start`` begins in the staging buffer's frame."""
+    return start - start % _STAGE_ALIGN
+
+
+def _windows(pieces: list[tuple[int, int, TensorSlot | None]], size: int
+             ) -> list[list[tuple[int, int, TensorSlot | None]]]:
+    """``pieces`` cut into runs of adjacent pieces that fit ``size`` bytes of staging each, counted from the run's
+    :func:`_origin` (padding may be cut; a slot never is: each is at most ``size - _STAGE_ALIGN`` bytes)."""
+    runs: list[list[tuple[int, int, TensorSlot | None]]] = []
+    run: list[tuple[int, int, TensorSlot | None]] = []
+    for start, end, slot in pieces:
+        while start < end:
+            if run and start != run[-1][1]:  # a direct slot lies between: a new run
+                runs.append(run)
+                run = []
+            room = _origin(run[0][0] if run else start) + size - start  # bytes this run can still take
+            if end - start <= room:
+                run.append((start, end, slot))
+                start = end
+            elif slot is None and room > 0:  # padding: what fits, the rest opens the next run
+                run.append((start, start + room, None))
+                start += room
+                runs.append(run)
+                run = []
+            else:  # a slot that does not fit: it opens the next run
+                runs.append(run)
+                run = []
+    if run:
+        runs.append(run)
+    return runs
+
+
+def _span(out: torch.Tensor, pieces: list[tuple[int, int, TensorSlot | None]], origin: int) -> _Span:
+    """The batches and padding of ``pieces``, as views of ``out`` whose byte 0 is the pieces' byte ``origin``."""
+    by_dtype: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
+    gaps = []
+    for start, end, slot in pieces:
+        if slot is None:
+            gaps.append(out[start - origin : end - origin])
+            continue
+        names, targets = by_dtype.setdefault(slot.dtype, ([], []))
+        names.append(slot.name)
+        targets.append(slot_view(out, slot, -origin))
+    batches = [(operator.itemgetter(*names), len(names) == 1, targets, dtype.startswith("complex"))
+               for dtype, (names, targets) in by_dtype.items()]
+    return _Span(batches, gaps)  # type: ignore[arg-type]
+
+
+def _staged_span(out: torch.Tensor, staging: torch.Tensor, run: list[tuple[int, int, TensorSlot | None]]) -> _Span:
+    first, last = run[0][0], run[-1][1]
+    if all(slot is None for _, _, slot in run):  # padding only: zeroed where it is
+        return _span(out, run, 0)
+    origin = _origin(first)
+    span = _span(staging, run, origin)
+    span.staged, span.dest = staging[first - origin : last - origin], out[first:last]
+    return span

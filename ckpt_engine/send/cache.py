@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ckpt_engine.device import DeviceInfo, host_empty, mark, stream_synchronize
+from ckpt_engine.device import DeviceInfo, host_empty, mark, stream_synchronize, wait_for
 from ckpt_engine.errors import CacheError, ConfigError, LayoutMismatchError
 from ckpt_engine.plan.layout import Layout
 from ckpt_engine.plan.owners import Owners, Share, single_owner
@@ -33,8 +33,9 @@ from ckpt_engine.plan.tensors import (
     forget_fill_views,
     provider_of,
     slot_view,
+    staging_bytes,
 )
-from ckpt_engine.send.filling import FillProgress
+from ckpt_engine.send.filling import FillProgress, LiveReads
 from ckpt_engine.transport.same_host import SharedSlot, create_slot
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ class CachedVersion:
     # While its snapshot runs: how far it got (a send may read the filled buckets meanwhile). Listed in the cache
     # (for re-sends, sparse bases, repairs) only once whole.
     filling: FillProgress | None = field(default=None, repr=False)
+    # While its snapshot holds the training loop: the live tensors, which its send may read instead (filling.py).
+    live: LiveReads | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.own_layout is None:
@@ -148,12 +151,19 @@ class CachedVersion:
 class VersionCache:
     """Keeps the newest ``keep_versions`` versions; thread-safe."""
 
-    def __init__(self, device: DeviceInfo, keep_versions: int = 2, *, shareable: bool = False) -> None:
+    def __init__(self, device: DeviceInfo, keep_versions: int = 2, *, shareable: bool = False,
+                 staged: bool | None = None) -> None:
         """``shareable``: host buffers are memfd segments that colocated receivers can map (CPU only), so a
-        cached version reaches them without any copy."""
+        cached version reaches them without any copy. ``staged``: a snapshot packs the small tensors of a bucket
+        in a staging buffer on the device (at most ``STAGING_BYTES``, kept) and copies each packed span to the
+        host at once, instead of one device→host copy per tensor (plan/tensors.py ``fill_bucket``); None: where
+        the device is an accelerator (True on CPU runs the same path with a host staging buffer, for tests)."""
         if keep_versions < 1:
             raise ConfigError(f"keep_versions must be >= 1, got {keep_versions}")
         self.device = device
+        self.staged = device.kind != "cpu" if staged is None else staged
+        self._staging: torch.Tensor | None = None
+        self._staging_lock = threading.Lock()  # one snapshot at a time packs through the staging buffer
         self.shareable = shareable and device.comm_device.type == "cpu"
         self._shared: dict[int, SharedSlot] = {}  # buffer data_ptr -> its segment
         self.keep_versions = keep_versions
@@ -213,10 +223,14 @@ class VersionCache:
             self._filling.add(version)
         return cached
 
-    def fill(self, cached: CachedVersion, tensors: TensorsOrProvider) -> None:
+    def fill(self, cached: CachedVersion, tensors: TensorsOrProvider,
+             live: Mapping[str, torch.Tensor] | None = None) -> None:
         """Copy ``tensors`` into a version from :meth:`begin`, bucket by bucket, saying each one filled; then list
         it. Returns once every copy is done (the caller may change its tensors again). On failure the version is
-        dropped (its buffer is reused once nothing leases it) and the error raised."""
+        dropped (its buffer is reused once nothing leases it) and the error raised. ``live``: the version's
+        tensors by name (those ``tensors`` provides, not gathered), lent to its send meanwhile (``cached.live``):
+        it may fill its device slots from them instead of from the cache, until this returns; before it does, it
+        takes them back and waits for the send's reads it had queued."""
         progress = cached.filling
         with self._lock:
             waiting = progress is not None and cached.version in self._filling
@@ -224,18 +238,24 @@ class VersionCache:
             raise CacheError(f"version {cached.version} is not waiting to be filled")
         provide = provider_of(tensors)
         started = time.perf_counter()
+        if live is not None:
+            cached.live = LiveReads(live, mark(self.device))  # the send's reads come after the loop's work so far
         try:
-            for position, bucket in enumerate(cached.layout.buckets):
-                fill_bucket(cached.buffer, bucket.slots, provide(bucket), bucket.nbytes, bucket.flat_offset)
-                progress.filled(position, mark(self.device))  # type: ignore[union-attr]
-            # This thread's copies only: the whole device would include a send's transfers running meanwhile.
-            stream_synchronize(self.device)
+            with self._staging_for(cached.layout) as staging:
+                for position, bucket in enumerate(cached.layout.buckets):
+                    fill_bucket(cached.buffer, bucket.slots, provide(bucket), bucket.nbytes, bucket.flat_offset,
+                                staging=staging)
+                    progress.filled(position, mark(self.device))  # type: ignore[union-attr]
+                # This thread's copies only: the whole device would include a send's transfers running meanwhile.
+                stream_synchronize(self.device)
         except BaseException as exc:
+            self._end_live(cached)
             progress.failed(f"{type(exc).__name__}: {exc}")
             with self._lock:
                 self._filling.discard(cached.version)
                 self._retire(cached)
             raise
+        self._end_live(cached)
         cached.snapshot_seconds = time.perf_counter() - started
         cached.filling = None  # every copy landed: readers from now on have nothing to wait for
         with self._lock:
@@ -339,13 +359,37 @@ class VersionCache:
     def _fill_delta(self, buffer: torch.Tensor, layout: Layout, tensors: TensorsOrProvider) -> None:
         provide = provider_of(tensors)
         try:
-            for bucket in layout.buckets:
-                fill_bucket(buffer, bucket.slots, provide(bucket), bucket.nbytes, bucket.flat_offset)
-            stream_synchronize(self.device)
+            with self._staging_for(layout) as staging:
+                for bucket in layout.buckets:
+                    fill_bucket(buffer, bucket.slots, provide(bucket), bucket.nbytes, bucket.flat_offset,
+                                staging=staging)
+                stream_synchronize(self.device)
         except BaseException:
             with self._lock:
                 self._pool.append(buffer)  # nothing refers to it yet: straight back to the pool
             raise
+
+    def _end_live(self, cached: CachedVersion) -> None:
+        """Take the live tensors back from the send and wait for its reads of them (device to device, queued on
+        its stream: short) before the training loop may change them."""
+        if cached.live is not None:
+            wait_for(self.device, cached.live.end(), host=True)
+
+    @contextlib.contextmanager
+    def _staging_for(self, layout: Layout) -> Iterator[torch.Tensor | None]:
+        """The staging buffer a snapshot of ``layout`` packs through (None: not staged), held by one snapshot at
+        a time until its copies are done (the caller synchronises its stream before it lets go)."""
+        if not self.staged or not layout.buckets:
+            yield None
+            return
+        need = staging_bytes(layout.max_bucket_bytes)
+        with self._staging_lock:
+            if self._staging is None or self._staging.numel() < need:
+                if self._staging is not None:
+                    forget_fill_views(self._staging)
+                self._staging = None
+                self._staging = torch.empty(need, dtype=torch.uint8, device=self.device.torch_device)
+            yield self._staging
 
     def _hold(self, cached: CachedVersion) -> None:
         """Count ``cached`` among the readers of its buffers (under the lock)."""

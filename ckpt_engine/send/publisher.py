@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from ckpt_engine.device import DeviceInfo, DigestAlgo
-from ckpt_engine.errors import CacheError, CkptEngineError, ConfigError, TrainerGroupError
+from ckpt_engine.errors import CacheError, CkptEngineError, ConfigError, TrainerGroupError, absent_receivers
 from ckpt_engine.plan.changes import ChangeTracker
+from ckpt_engine.plan.hashing import warm_up
 from ckpt_engine.plan.layout import DEFAULT_ALIGNMENT, Bucket, Layout, plan_layout
 from ckpt_engine.plan.modes import Mode, check_mode, check_sparse, overlaps_snapshot
 from ckpt_engine.plan.owners import Owners, Share, owners_by_group, plan_owners, share_of, single_owner
@@ -110,6 +111,7 @@ class Publisher:
         self._layout: Layout | None = None
         self._layout_key: list[tuple] = []
         self._changes = ChangeTracker(self.device.digest_algo, bucket_size, alignment)
+        warm_up(self.device.comm_device)  # (the device digest's compile, before the first version needs it)
         if group is not None:
             self.attach(group)
 
@@ -211,6 +213,8 @@ class Publisher:
             for lane in where.lanes:
                 self.classes.abort(lane, version, reason)
             return
+        if where is not None and where.group is None and not where.ipc_peers:
+            return  # (no group formed for it: nobody is waiting on one)
         self._sender(lambda: where).abort_before_start(version, reason)
 
     def attach(self, group: SyncGroup | None, ipc_peers: Mapping[str, int] | None = None,
@@ -298,8 +302,11 @@ class Publisher:
                 self.cache.unlease(cached)
 
         self._in_background(transfer, send)
+        # Tensors held whole (no gathers) are lent to the send while the snapshot holds the loop: it fills device
+        # slots from them instead of waiting for each bucket's device→host copy (send/filling.py LiveReads).
+        live = named.tensors if type(named).bucket_tensors is NamedTensors.bucket_tensors else None
         try:
-            self.cache.fill(cached, cursor.provider(share.rank, share))
+            self.cache.fill(cached, cursor.provider(share.rank, share), live=live)
         except TrainerGroupError:
             raise
         except Exception as exc:
@@ -351,7 +358,7 @@ class Publisher:
                 log.exception("version %d could not be sent", transfer.version)
                 result = TransferResult(transfer.version, transfer.mode, False, f"{type(exc).__name__}: {exc}", None,
                                         [], 0, 0, 0, finished_at=time.perf_counter(),
-                                        absent_ranks=list(getattr(exc, "absent_ranks", [])))
+                                        absent_ranks=absent_receivers(exc))
             transfer._finish(result)
 
         threading.Thread(target=run, name=f"ckpt-send-v{transfer.version}", daemon=True).start()

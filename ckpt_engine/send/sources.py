@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 import xxhash
 
-from ckpt_engine.device import DeviceInfo, DigestAlgo, wait_for
+from ckpt_engine.device import DeviceInfo, DigestAlgo, mark, wait_for
 from ckpt_engine.errors import CkptEngineError, ProtocolError
 from ckpt_engine.plan.hashing import layout_digests
 from ckpt_engine.plan.layout import Bucket, Layout
@@ -20,6 +20,7 @@ from ckpt_engine.plan.owners import Owners, share_of, single_owner
 from ckpt_engine.plan.sparse import Manifest, SparsePlan, manifest_of, plan_sparse, wire_manifest
 from ckpt_engine.plan.tensors import BucketTensors, TensorsOrProvider, fill_bucket, provider_of
 from ckpt_engine.send.cache import CachedVersion, VersionCache
+from ckpt_engine.send.filling import LiveReads, SnapshotFailed
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,9 @@ class LiveSource(FullSource):
 
 class CacheSource(FullSource):
     """cached: bucket bytes are read from the version cache (copied to the device when the wire needs it;
-    assembled from its own and its parent's bytes for a delta version)."""
+    assembled from its own and its parent's bytes for a delta version); while the version's snapshot still holds
+    the training loop, a bucket bound for a device slot is filled from the live tensors instead (device to
+    device: it does not wait for the bucket's device→host copy, nor copy it back)."""
 
     mode: Mode = "cached"
 
@@ -119,6 +122,8 @@ class CacheSource(FullSource):
         self.layout, self.owners = cached.version_layout, cached.owners  # type: ignore[assignment]
         self.aliases, self.step = cached.aliases, cached.step
         self.version = cached.version if as_version is None else as_version
+        self._after_ready = False  # this send's stream waits for the loop's work before its first live read
+        self.live_buckets = 0  # buckets filled from the live tensors
 
     def prepare(self, algo: DigestAlgo, device: torch.device, rank: int) -> list[int]:
         if self.as_version is not None:
@@ -132,6 +137,11 @@ class CacheSource(FullSource):
 
     def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:
         local = self.cached.local_index(index)
+        live = self.cached.live
+        if live is not None and slot is not None and self.as_version is None:
+            filled = self._from_live(live, local, slot)
+            if filled is not None:
+                return filled
         filling = self.cached.filling
         if filling is not None:
             # Read in place (a host wire, colocated receivers) or staged in a host slot, the bytes are read by the
@@ -141,6 +151,25 @@ class CacheSource(FullSource):
         if not self.cached.is_whole:
             return self.cached.fill(local, _need(slot))
         return _placed(self.cached.bucket(local), _need(slot) if self.needs_slot else slot)
+
+    def _from_live(self, live: LiveReads, local: int, slot: torch.Tensor) -> torch.Tensor | None:
+        """Bucket ``local`` filled into ``slot`` from the live tensors while the snapshot holds the loop, or None
+        (the loop went on, or the tensors are not on the slot's device: read the cache)."""
+        bucket = self.cached.layout.buckets[local]
+        with live.reading() as tensors:
+            if tensors is None or (bucket.slots and tensors[bucket.slots[0].name].device != slot.device):
+                return None
+            if not self._after_ready:
+                wait_for(self._device, live.ready, host=False)
+                self._after_ready = True
+            fill_bucket(slot, bucket.slots, tensors, bucket.nbytes)
+            live.read(mark(self._device))
+        self.live_buckets += 1
+        filling = self.cached.filling
+        error = filling.error if filling is not None else None
+        if error is not None:  # the version would go out but never be cached: it fails, as from the cache
+            raise SnapshotFailed(f"the snapshot of version {self.cached.version} failed: {error}")
+        return slot[: bucket.nbytes]
 
     def all_filled(self) -> None:
         pass
