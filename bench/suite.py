@@ -411,7 +411,8 @@ def evaluate_targets(report: dict) -> list[dict]:
         digest_bench.GOAL_TENSOR_GROWTH, "", "digest", lambda: digest_bench.target_measurements(res["digest"]),
         "torch-block64 (eager and compiled) of 256 MiB in 4,000 tensors vs in 1: no growth beyond the bytes")
     add("GPU: device digest throughput, 500 large and 20,000 small tensors", ">=", gpu_bench.GOAL_DIGEST_GBPS,
-        " GB/s", "gpu", gpu("digest_gbps"), "torch-block64 of every bucket (one call per bucket), model bytes / time")
+        " GB/s", "gpu", gpu("digest_gbps"), "torch-block64 of every bucket (one call per bucket) at the default 512 MiB "
+        "buckets, model bytes / time")
     add("GPU: device digest throughput ÷ read floor, 500 and 20,000 tensors", ">=", gpu_bench.GOAL_DIGEST_OVER_READ,
         "", "gpu", gpu("digest_read"), "int64 read-and-reduce time / digest time, same bytes")
     add("GPU: device digest throughput ÷ PCIe rate", ">=", gpu_bench.GOAL_DIGEST_OVER_PCIE, "×", "gpu",

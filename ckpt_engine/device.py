@@ -141,6 +141,14 @@ def comm_empty(nbytes: int, info: DeviceInfo) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=info.comm_device)
 
 
+def collect_shared(info: DeviceInfo) -> None:
+    """Free the device memory this process shared by IPC, freed here and since let go by every process that
+    mapped it: torch keeps such blocks (its IPC "limbo") until asked or until it shares again, so slots replaced
+    by larger ones would otherwise stay allocated. A no-op off CUDA."""
+    if info.comm_device.type == "cuda":
+        torch.cuda.ipc_collect()
+
+
 def synchronize(info: DeviceInfo) -> None:
     """Wait for queued device work (copies) on this device to finish; a no-op on CPU. The device is named:
     the calling thread's current device may be another one."""

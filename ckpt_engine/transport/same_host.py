@@ -20,14 +20,17 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import torch
 
-from ckpt_engine.device import DeviceInfo
+from ckpt_engine.device import DeviceInfo, collect_shared
 from ckpt_engine.errors import CkptEngineError, ProtocolError, SyncTimeoutError
+from ckpt_engine.ranks import QuorumRank
+from ckpt_engine.plan.tensors import forget_fill_views
 
 log = logging.getLogger(__name__)
 IPC_PROTO = 2  # 2: takes versions with chunked tensors (an older receiver says 1, or nothing)
@@ -146,6 +149,9 @@ class SharedSlot:
         return {"index": self.index, "nbytes": self.nbytes, "kind": "memfd", "cuda_handle": None}
 
     def close(self) -> None:
+        """Let the slot go: the views fills keep into it would otherwise keep its memory (this process's mapping,
+        or its device allocation) for as long as they are cached."""
+        forget_fill_views(self.tensor)
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -269,9 +275,10 @@ class IpcHub:
             for slot in self._slot_sets.pop(key).slots:
                 slot.close()
 
-    def peers(self, wanted: dict[str, int], timeout_s: float) -> tuple[list[IpcPeer], dict[str, str]]:
-        """The connected peers among ``wanted`` (agent id -> rank), waiting up to ``timeout_s`` for the rest;
-        returns them and the reasons for those still missing."""
+    def peers(self, wanted: Mapping[str, int], timeout_s: float
+              ) -> tuple[list[IpcPeer], dict[str, tuple[QuorumRank, str]]]:
+        """The connected peers among ``wanted`` (agent id -> quorum rank), waiting up to ``timeout_s`` for the
+        rest; returns them and, for those still missing, their rank and why."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while True:
@@ -283,18 +290,20 @@ class IpcHub:
             found = [self._peers[a] for a in wanted if a in self._peers]
             for peer in found:
                 peer.rank, peer.in_use = wanted[peer.agent_id], True
-        missing = {a: f"colocated receiver {a} did not connect within {timeout_s:.0f}s" for a in wanted
-                   if a not in {p.agent_id for p in found}}
+        missing = {a: (QuorumRank(rank), f"colocated receiver {a} did not connect within {timeout_s:.0f}s")
+                   for a, rank in wanted.items() if a not in {p.agent_id for p in found}}
         return found, missing
 
     def release(self, peers: list[IpcPeer]) -> None:
         """A version is over with these peers; close the channels of those replaced by a reconnect meanwhile
-        (kept open until now so what they already sent, such as their acknowledgement, is still read)."""
+        (kept open until now so what they already sent, such as their acknowledgement, is still read). Slots
+        replaced by larger ones are freed here once the receivers that mapped them have mapped the new ones."""
         with self._changed:
             for peer in peers:
                 peer.in_use = False
                 if self._peers.get(peer.agent_id) is not peer:
                     peer.channel.close()
+        collect_shared(self.device)
 
     def forget(self, peer: IpcPeer) -> None:
         peer.channel.close()
