@@ -112,6 +112,10 @@ class StatusOut(_Out):
     storage: dict[str, Any]
     torn: list[str]
     unable: list[str]
+    newcomers_held_for_s: float = Field(0.0, description="receivers that never proved themselves join no regular "
+                                        "version for this long: a newcomer never joined one (server/decisions/"
+                                        "newcomers.py)")
+    newcomers_held_because: str | None = None
     config: dict[str, Any]
     version: str
 

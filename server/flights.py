@@ -20,6 +20,7 @@ from ckpt_engine.server.agents import Agent, AgentRegistry
 from ckpt_engine.server.cache_book import CacheBook
 from ckpt_engine.server.decisions.classes import NO_CLASSES, ClassPlan, expected_by_receiver, plan_lanes
 from ckpt_engine.server.decisions.commit import expected_digest, judge, staging_entry
+from ckpt_engine.server.decisions.newcomers import NewcomerGate
 from ckpt_engine.server.decisions.policy import PLAIN, SyncPolicy
 from ckpt_engine.server.history import HistoryStore, VersionRecord
 from ckpt_engine.server.metrics import Metrics
@@ -58,6 +59,7 @@ class Flights:
                  book: CacheBook, clock: Callable[[], float], on_end: Callable[[], None]) -> None:
         self.config, self.history, self.metrics, self.agents, self.book = config, history, metrics, agents, book
         self.clock, self.on_end = clock, on_end
+        self.gate = NewcomerGate()  # newcomers' admission to regular versions (decisions/newcomers.py)
         self.current: InFlight | None = None
         self.generation = 0
         self.group_dirty = False  # the sync group must be rebuilt for the next version
@@ -119,11 +121,16 @@ class Flights:
         """A version a framework drives on its own groups: nothing is assigned, its named workers report."""
         purpose = "push" if record.source_version else "sync"
         quorum = {r.agent_id: rank for rank, r in enumerate(receivers, start=1)}
+        # workers that declared shard specs get their classes' pieces (the framework sends each class its own,
+        # grouped as here): each is judged by its class's digest
+        classes = plan_lanes(receivers, quorum)
         self.current = InFlight(record.id, record.mode, trainer.agent_id, quorum, {}, purpose, self.clock(),
-                                policy=policy, limit_s=limit_s)
+                                policy=policy, limit_s=limit_s, classes=classes)
         self.metrics.in_flight.set(1)
         return self.history.update(record.id, purpose=purpose, owners=owners, receivers=[
-            {"rank": rank, "agent_id": agent_id, "transport": "collective"} for agent_id, rank in quorum.items()])
+            {"rank": rank, "agent_id": agent_id, "transport": "collective",
+             **({"shard_class": classes.key_of(agent_id)} if classes.keys else {})}
+            for agent_id, rank in quorum.items()])
 
     # ---- reports -------------------------------------------------------------------------------------
     def trainer_event(self, flight: InFlight, message: Report) -> None:
@@ -299,11 +306,18 @@ class Flights:
             self._bench(members, f"its shard spec does not fit version {flight.version}: "
                                          f"{(unfit.reason or '')[:500]}")
         by_rank = {rank: agent_id for agent_id, rank in flight.quorum.items()}
-        self._bench([by_rank[r] for r in done.absent_ranks if r in by_rank],
-                    f"did not join the sync group of version {flight.version}", unproven=True)
+        absent = [by_rank[r] for r in done.absent_ranks if r in by_rank]
+        newcomers = [a for a in absent if (agent := self.agents.get(a)) is not None and not agent.model.proven]
+        if newcomers and flight.purpose not in ("catch_up", "repair"):  # (a version of their own costs nobody)
+            delay = self.gate.missed(self.clock(), f"receiver(s) {newcomers} never joined version {flight.version}")
+            log.warning("newcomers wait %.0fs before joining regular versions: %s never joined version %d",
+                        delay, newcomers, flight.version)
+        self._bench(absent, f"did not join the sync group of version {flight.version}", unproven=True)
         for agent_id in outcome.committed:  # it took a whole version under this registration
             agent = self.agents.get(agent_id)
             if agent is not None:
+                if not agent.model.proven:
+                    self.gate.proved()
                 agent.model.proved()
         self._end(flight, outcome.status, done.bytes, outcome.stages)
 

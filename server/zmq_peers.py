@@ -6,8 +6,9 @@ for ever), until ``accept()`` fails with EMFILE for the whole process.
 descriptor, and its end) from a thread of its own, so it acts within milliseconds even while the server's loop
 is busy. Past ``limit`` open connections it closes, to make room:
 
-1. connections that never sent an authenticated message (a token the daemon accepts), oldest first: an
-   attacker without a token can hold only these, and a legitimate client's new connection speaks at once;
+1. connections that never sent an authenticated message (a token the daemon accepts), oldest first, once they
+   had ``NEW_CONNECTION_GRACE_S`` to speak: an attacker without a token can hold only these, and a legitimate
+   client's new connection speaks at once;
 2. then those whose last authenticated message is oldest, except ones with a request parked at the daemon
    (a poll or a ``sync`` with ``wait``, whose reply would be lost).
 
@@ -33,6 +34,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger(__name__)
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+NEW_CONNECTION_GRACE_S = 2.0  # a client's first message comes within this of its connection, on a loaded host too
 _names = itertools.count()
 
 
@@ -154,8 +156,11 @@ class PeerGuard:
         excess = len(self._peers) - self.limit
         # Never authenticated, oldest first: as many as needed and a few more (a flood is then dealt with in
         # batches, not one sort of every connection per connection); then, if that was not enough, only as
-        # many as needed of those silent longest that wait for no reply.
-        strangers = sorted((p for p in self._peers.values() if p.last is None and p.parked <= 0),
+        # many as needed of those silent longest that wait for no reply. A connection accepted moments ago has
+        # had no time to speak: it is no stranger yet (else idle authenticated ones would lock every newcomer out).
+        settled = time.monotonic() - NEW_CONNECTION_GRACE_S
+        strangers = sorted((p for p in self._peers.values()
+                            if p.last is None and p.parked <= 0 and p.accepted <= settled),
                            key=lambda p: p.accepted)[:excess + self.limit // 16]
         for peer in strangers:
             self._close(peer, "over_limit_unauthenticated")
@@ -165,6 +170,12 @@ class PeerGuard:
                            key=lambda p: p.last or 0.0)
             for peer in known[:excess]:
                 self._close(peer, "over_limit")
+            excess -= len(known[:excess])
+        if excess > self.limit // 8:  # a flood faster than the grace: the hard bound holds whatever the rate
+            young = sorted((p for p in self._peers.values() if p.last is None and p.parked <= 0),
+                           key=lambda p: p.accepted)
+            for peer in young[: excess - self.limit // 8]:
+                self._close(peer, "over_limit_unauthenticated")
 
     def _close(self, peer: Peer, reason: str) -> None:
         self._peers.pop(peer.fd, None)

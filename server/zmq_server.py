@@ -56,6 +56,7 @@ class _Parked:
     ready: Callable[[], bool]
     answer: Callable[[], dict]
     peer: Peer | None = None  # the connection it came on (not closed to make room while it waits)
+    agent_id: str | None = None  # a poll: its agent's (one parked poll per agent)
 
 
 class ZmqServer:
@@ -220,8 +221,12 @@ class ZmqServer:
             except (ControlError, ProtocolError):  # (the agent left or was replaced while its poll waited)
                 return PollReply().model_dump()
 
-        return _Parked(envelope, message.get("id"), encoding, time.monotonic() + request.wait_s,
-                       lambda: self.controller.has_pending(agent_id), answer)
+        now = time.monotonic()
+        for earlier in self._parked:  # one parked poll per agent: its older ones are answered now (empty), so
+            if earlier.agent_id == agent_id:  # polls parked on many connections cannot pin them all
+                earlier.deadline = now
+        return _Parked(envelope, message.get("id"), encoding, now + request.wait_s,
+                       lambda: self.controller.has_pending(agent_id), answer, agent_id=agent_id)
 
     def _serve_parked(self, sock: zmq.Socket) -> None:
         if not self._parked:

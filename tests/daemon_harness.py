@@ -9,9 +9,29 @@ from pathlib import Path
 
 from ckpt_engine.server import launch
 from ckpt_engine.server.launch import REPO as ROOT  # noqa: F401 - tests start processes there
-from ckpt_engine.server.launch import DaemonProcess, free_port, write_config  # noqa: F401
+from ckpt_engine.server.launch import TEST_TIMEOUTS, DaemonProcess, free_port, write_config  # noqa: F401
 
 RUNNING: list[DaemonProcess] = []  # stopped by the autouse fixture in conftest.py, whatever a test did
+
+
+def timeouts(**changed: float) -> dict[str, float]:
+    """The daemon's timeouts for a test: launch.TEST_TIMEOUTS (what write_config sets without ``timeouts=``:
+    bounds far above the work, met on a loaded machine), but for the ones the test is about (``changed``):
+    mostly one it waits out on purpose, short so that the test stays quick. Only those: every other wait keeps
+    its generous bound, so that nothing a starved process does meanwhile races against the one waited out."""
+    unknown = set(changed) - set(launch.TEST_TIMEOUTS)
+    if unknown:
+        raise ValueError(f"unknown timeouts {sorted(unknown)}")
+    chosen = {**launch.TEST_TIMEOUTS, **changed}
+    if "version_s" not in changed:  # (a part of a version may not take longer than the version)
+        chosen["version_s"] = max(chosen["version_s"], chosen["connect_s"], chosen["collective_s"], chosen["ack_s"])
+    return chosen
+
+
+def silent_after(heartbeat_s: float, poll_wait_s: float) -> float:
+    """How long after its last poll the daemon leaves an agent out of new versions' quorums (server/agents.py
+    silence_window: its poll's wait and half a heartbeat); it is dropped after ``heartbeat_s``."""
+    return poll_wait_s + heartbeat_s / 2
 
 
 _PORT_TRIES = 3  # free_port() only finds a port free: another process may take it before the daemon binds it

@@ -20,6 +20,7 @@ from ckpt_engine.server.connections import RESERVED_FDS, connection_budget
 
 from ckpt_engine.config import EngineConfig
 from ckpt_engine.control.client import ControlClient, ControlReplyError
+from ckpt_engine.errors import CkptEngineError
 from tests.daemon_harness import DaemonProcess, ForkedProcess, free_port, start_daemon, write_config
 
 HOST = "127.0.0.1"
@@ -274,3 +275,30 @@ def test_the_daemon_raises_its_soft_open_file_limit_to_the_hard_one() -> None:
     assert before == 64 and now == soft_now and now > 64, out
     if hard != resource.RLIM_INFINITY:
         assert now == hard
+
+
+@pytest.mark.multiproc
+def test_idle_authenticated_connections_do_not_lock_newcomers_out(daemon: DaemonProcess) -> None:
+    """(the outside attack: a rollout-token holder's idle connections, each of which had sent one valid request,
+    filled the ZMQ budget; every new connection was closed as 'unauthenticated' before it could speak, so no
+    agent could register)"""
+    budget = connection_budget(EngineConfig(), NOFILE)
+    token = daemon.tokens()["rollout"]
+    idle = []
+    try:
+        for _ in range(budget.zmq_peers + 4):  # each speaks once (authenticated), then stays open and silent
+            client = ControlClient(daemon.zmq, timeout_s=SETTLE_S, token=token)
+            try:
+                client.request("versions", {})
+            except CkptEngineError:  # (closed to make room while the flood is opened: what follows must hold)
+                pass
+            idle.append(client)
+        newcomer = ControlClient(daemon.zmq, timeout_s=SETTLE_S, token=token)
+        try:  # a new client is not closed before it could speak: an idle one makes room
+            reply = newcomer.request("register", {"role": "receiver", "host": "h", "pid": 1, "device": "cpu"})
+            assert reply["agent_id"]
+        finally:
+            newcomer.close()
+    finally:
+        for client in idle:
+            client.close()

@@ -47,6 +47,13 @@ class Daemon:
                                       received=assignment.key()), agent["roles"])
         return assignment
 
+    def work(self, agent: dict):
+        """The next assignment that is not an eviction (the daemon asks the trainer ranks to drop a failed
+        version from their caches when it ends)."""
+        while (assignment := self.poll(agent)) is not None and assignment.kind == "evict":
+            pass
+        return assignment
+
     def report(self, agent: dict, version: int, event: str, **fields) -> None:
         self.ctl.report(Report(agent_id=agent["agent_id"], session=agent["session"], version=version, event=event,
                                **fields), agent["roles"])
@@ -112,7 +119,7 @@ def test_a_torn_receiver_is_repaired_with_what_it_served_and_failed_versions_do_
     first = d.committed(trainer, [rx])
     for _ in range(2):  # two refused versions: it keeps serving the first
         version = d.ctl.request_sync(SyncRequest()).id
-        assert d.poll(trainer).keep == [first]
+        assert d.work(trainer).keep == [first]
         d.poll(rx)
         d.report(trainer, version, "done", ok=True, version_digest="e", cache_versions=[first, version])
         d.report(rx, version, "received", ok=False, reason="refused", serving=first)
@@ -124,8 +131,8 @@ def test_a_torn_receiver_is_repaired_with_what_it_served_and_failed_versions_do_
     assert d.state(rx)["state"] == "torn" and d.ctl.status()["torn"] == [rx["agent_id"]]
     d.tick()
     repair = d.ctl.flights.current
-    assert repair.purpose == "repair" and d.poll(trainer).source_version == first
-    assert d.poll(trainer) is None  # (acknowledged)
+    assert repair.purpose == "repair" and d.work(trainer).source_version == first
+    assert d.work(trainer) is None  # (acknowledged)
 
 
 def test_a_silent_receiver_is_benched_and_one_absent_from_the_rendezvous_loses_its_proof() -> None:

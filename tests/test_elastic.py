@@ -105,8 +105,8 @@ def test_cadence_and_rollback_to_n_minus_2(tmp_path: Path) -> None:
 
 
 def test_join_leave_and_kill9_mid_transfer(tmp_path: Path) -> None:
-    daemon = start_daemon(write_config(tmp_path, timeouts={"connect_s": 10, "collective_s": 10, "ack_s": 20,
-                                                            "heartbeat_s": 3, "version_s": 60}))
+    # (the killed receiver's outcome is never said: the version waits for it until its heartbeat expires)
+    daemon = start_daemon(write_config(tmp_path))
     stop_all, stop_first = tmp_path / "stop", tmp_path / "stop-first"
     marker = tmp_path / "loading"
     trainer = start_processes([(changing_trainer, (daemon.zmq, str(stop_all)))])
@@ -145,7 +145,7 @@ def test_join_leave_and_kill9_mid_transfer(tmp_path: Path) -> None:
             record = client.get(f"/versions/{version}").json()
             assert record["status"] == "committed", record  # the survivor committed (min_receivers 1)
             assert sum(r["ok"] for r in record["receivers"]) == 1 and "committed by 1 of 2" in record["reason"]
-            assert time.monotonic() - started < 40  # bounded by the configured timeouts
+            assert time.monotonic() - started < 55  # bounded by the configured timeouts (heartbeat, ack: 10 s, 30 s)
             wait_until(lambda: len(agents_of(client)) == 2, timeout_s=30, what="dead receiver dropped")
             after = sync(client)
             assert after.get("status") == "committed" and len(after["receivers"]) == 1, after

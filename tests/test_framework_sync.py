@@ -11,11 +11,14 @@ from pathlib import Path
 import pytest
 
 from ckpt_engine.control.client import ControlClient, ControlReplyError
-from tests.daemon_harness import start_daemon, write_config
+from tests.daemon_harness import silent_after, start_daemon, timeouts, write_config
 from tests.raw_agent import RawAgent
+from tests.test_elastic import wait_until
 
 pytestmark = pytest.mark.multiproc
-_QUICK = {"connect_s": 4, "collective_s": 4, "ack_s": 3, "heartbeat_s": 30, "version_s": 60}
+# the agents here are the test's own (RawAgent): they are heard only when the test polls with them, so a heartbeat
+# they meet whatever the test does in between; a version waits 3 s for a worker's missing outcome
+_QUICK = timeouts(ack_s=3, heartbeat_s=30)
 
 
 @pytest.fixture
@@ -84,8 +87,10 @@ def test_the_daemon_does_not_start_a_framework_job_s_versions_and_refuses_hostil
             _open(trainer, [other])
         with pytest.raises(ControlReplyError, match="twice"):
             _open(trainer, [workers[0], workers[0]])
-        with pytest.raises(ControlReplyError, match="never sparse"):
-            _open(trainer, workers, sparse=True)
+        with pytest.raises(ControlReplyError, match="cannot be combined with bypass_cpu"):
+            _open(trainer, workers, sparse=True, knobs={"bypass_cpu": True})
+        with pytest.raises(ControlReplyError, match="keep_versions"):  # as the deployment's own YAML is checked
+            _open(trainer, workers, knobs={"keep_versions": 0})
         with pytest.raises(ControlReplyError, match="step: Input should be greater than or equal to 0"):
             _open(trainer, workers, step=-5)
         with pytest.raises(ControlReplyError, match="names the trainer agent"):  # the token alone is not enough
@@ -184,13 +189,15 @@ def test_a_framework_version_gets_the_time_limit_its_framework_asked_for(job) ->
 def test_a_restarted_job_s_rank_0_replaces_the_old_one_once_it_is_silent(tmp_path: Path) -> None:
     """verl's rank 0 registers once per process: a new one is a restarted job, and the old registration (its
     process gone, its heartbeat not yet expired) must not stay the trainer the daemon listens to."""
-    daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts={**_QUICK, "heartbeat_s": 4}))
+    heartbeat_s = 10.0  # (the workers polling below stay alive on a loaded machine too)
+    daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts=timeouts(heartbeat_s=heartbeat_s)))
     trainer = RawAgent(daemon, "trainer", framework="verl", trainer_ranks=1)
     workers = [RawAgent(daemon, "receiver", framework="verl") for _ in range(2)]
     restarted = None
     try:
         orphan = _open(trainer, workers)["id"]
-        deadline = time.monotonic() + 2.5  # past the old rank 0's 2 s window (heartbeat_s / 2), workers alive
+        # past the old rank 0's window (half a heartbeat: its polls do not wait), workers alive
+        deadline = time.monotonic() + silent_after(heartbeat_s, 0.0) + 0.5
         while time.monotonic() < deadline:
             for worker in workers:
                 worker.poll()
@@ -270,22 +277,20 @@ def test_an_agent_registered_again_after_a_daemon_restart_stays_registered(tmp_p
     again)."""
     from ckpt_engine.workers.rollout_agent import RolloutAgent
 
-    timeouts = {**_QUICK, "heartbeat_s": 3}
-    daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts=timeouts))
+    # (the heartbeat is the subject: shorter than the backoff the failed polls grow)
+    daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts=timeouts(heartbeat_s=3)))
     agent = RolloutAgent(lambda payload: None, daemon.zmq).start()
     try:
         daemon.stop()
         time.sleep(14)  # polls fail meanwhile: their backoff grows to its maximum
         daemon = start_daemon(daemon.config_path)
-        deadline = time.monotonic() + 10
-        while not daemon.client().get("/receivers").json()["agents"] and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: daemon.client().get("/receivers").json()["agents"], 30, "the agent to register again")
         seen = []
-        for _ in range(16):  # about 2.5 heartbeats
-            agents = daemon.client().get("/receivers").json()["agents"]
-            seen.append(len(agents) == 1 and agents[0]["seconds_since_seen"] < 3)
+        for _ in range(16):  # about 2.5 heartbeats: the same registration throughout, never expired again
+            seen.append([a["agent_id"] for a in daemon.client().get("/receivers").json()["agents"]])
             time.sleep(0.5)
-        assert all(seen), seen
+        assert len(seen[0]) == 1 and all(ids == seen[0] for ids in seen), seen
+        assert "missed heartbeats" not in daemon.log(), daemon.log_tail()
     finally:
         agent.close()
         daemon.stop()
@@ -298,15 +303,19 @@ def test_an_agent_replaced_while_its_poll_waits_does_not_stop_the_control_plane(
 
     daemon, trainer, workers = job
     answered: list[object] = []
-    waiting = threading.Thread(target=lambda: answered.append(trainer.poll(wait_s=3.0)), daemon=True)
+    waiting = threading.Thread(target=lambda: answered.append(trainer.poll(wait_s=10.0)), daemon=True)
+    sent = time.monotonic()
     waiting.start()
-    time.sleep(0.5)  # parked on the daemon
+    # parked on the daemon once it heard the poll (its wait is far longer than what follows takes)
+    wait_until(lambda: next(a for a in daemon.client().get("/receivers").json()["agents"]
+                            if a["agent_id"] == trainer.agent_id)["seconds_since_seen"] < time.monotonic() - sent,
+               30, "the poll to arrive")
     other = ControlClient(daemon.zmq, timeout_s=5, token=daemon.tokens()["trainer"])  # (the first is waiting)
     try:
         other.request("unregister", trainer.identity)  # it leaves while its poll waits
     finally:
         other.close()
-    waiting.join(10)
+    waiting.join(30)
     assert answered == [None]  # an empty answer, not a dead loop
     restarted = RawAgent(daemon, "trainer", framework="verl", trainer_ranks=1)  # the control plane still answers
     try:

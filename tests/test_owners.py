@@ -23,7 +23,7 @@ from ckpt_engine.errors import LayoutError, LayoutMismatchError
 from ckpt_engine.plan.layout import TensorSpec, plan_layout
 from ckpt_engine.plan.owners import Owners, owners_by_group, plan_owners, share_of
 from ckpt_engine.plan.sparse import manifest_of, plan_sparse
-from tests.daemon_harness import ROOT, free_port, start_daemon, write_config
+from tests.daemon_harness import ROOT, free_port, start_daemon, timeouts, write_config
 from tests.procs import run_processes, start_processes
 from tests.test_elastic import agents_of, wait_until
 from tests.test_fsdp_sync import transformers_receiver
@@ -234,8 +234,7 @@ def test_rollback_of_a_version_several_ranks_own(tmp_path: Path) -> None:
 
 
 def test_an_owner_killed_after_caching_makes_its_versions_unpushable_and_a_new_job_works(tmp_path: Path) -> None:
-    daemon, receivers = _cluster(tmp_path, timeouts={"connect_s": 8, "collective_s": 8, "ack_s": 10,
-                                                     "heartbeat_s": 3, "version_s": 40})
+    daemon, receivers = _cluster(tmp_path)  # (the killed rank is dropped once its heartbeat expires: 10 s)
     workdir = tmp_path / "job"
     workdir.mkdir()
     try:
@@ -337,10 +336,10 @@ def test_a_failure_of_the_job_group_in_a_sync_ends_the_loop_at_once_and_fails_th
     ``lead_dropped``: the daemon gives up on the stalled rank 0 before it wakes; the reason rank 1 gave
     is kept beside "went away"."""
     pg_timeout_s = 2.0 if lead_dropped else 3.0
+    heartbeat_s = 5 if lead_dropped else 30
+    # (the failed version ends once the rendezvous the gone rank never comes to times out: connect_s)
     daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", bucket_size_mb=0.02,
-                                       transport="collective",
-                                       timeouts={"connect_s": 8, "collective_s": 8, "ack_s": 10,
-                                                 "heartbeat_s": 5 if lead_dropped else 30, "version_s": 60}))
+                                       transport="collective", timeouts=timeouts(connect_s=8, heartbeat_s=heartbeat_s)))
     receivers = start_processes([(transformers_receiver, (daemon.zmq, 5, str(tmp_path / "rx-stop")))])
     try:
         with daemon.client() as http:
@@ -361,9 +360,9 @@ def test_a_failure_of_the_job_group_in_a_sync_ends_the_loop_at_once_and_fails_th
         receivers.collect(120)
         daemon.stop()
     # rank 1 waited in a collective rank 0 never joined: it left from step(), within the group's timeout
-    # (and the 2 s it may take to tell the daemon), not after a vote of the ranks that failed (collective_s)
+    # (and the 2 s it may take to tell the daemon), not after a vote of the ranks that failed (collective_s, 30 s)
     assert peer["where"] == "step" and peer["error"].startswith("TrainerGroupError"), peer
-    assert "process group" in peer["error"] and peer["in_step_s"] < pg_timeout_s + 4, peer
+    assert "process group" in peer["error"] and peer["in_step_s"] < pg_timeout_s + 12, peer
     # rank 0, woken, found its peer gone in the same collective: it left from step() too
     assert lead["where"] == "step" and lead["error"].startswith("TrainerGroupError"), lead
     assert "process group" in (version["reason"] or ""), version
@@ -665,7 +664,7 @@ def test_ownership_of_several_ranks_without_an_owners_group_is_refused_and_the_r
 
 
 # ---- the release order of a failing owner's send (found by the fault trials of issue 19) ------------------------
-_HELD_S = 3.0  # how long the other owner holds back its part of the vote
+_HELD_S = 5.0  # how long the other owner holds back its part of the vote (a loaded machine releases well within half)
 
 
 def releasing_owner(port: int, rank: int) -> dict:

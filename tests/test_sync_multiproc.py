@@ -178,7 +178,8 @@ def test_receiver_that_never_joins_fails_the_sender_within_timeout() -> None:
         (lonely_receiver, (store.port, timeout_s)),
     ], timeout_s=60)
     assert sender["error"] is not None and "could not rendezvous" in sender["error"]
-    assert timeout_s * 0.9 <= sender["elapsed"] <= timeout_s + 5
+    # (its own timeout, with slack for a loaded machine; not the store's 10 s)
+    assert timeout_s * 0.9 <= sender["elapsed"] < 10
     assert present["error"] is not None
 
 
@@ -208,7 +209,7 @@ def test_receiver_dying_mid_version_fails_the_version_without_hanging() -> None:
     store = open_store(HOST, 0, is_master=True, timeout_s=10)
     sender, steady = _run_with_dying_peer(store.port)
     assert not sender["ok"] and sender["reason"]
-    assert sender["elapsed"] < 5 * 3 + 10  # bounded by the collective timeouts, never a hang
+    assert sender["elapsed"] < 45  # bounded by the collective timeouts (5 s, a few of them), never a hang
     assert steady["ok"] is False and steady["broken"]
 
 

@@ -3,6 +3,7 @@ against the real daemon (and real agents where the finding needs them)."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sqlite3
@@ -19,12 +20,13 @@ from ckpt_engine.workers.rollout_agent import RolloutAgent
 
 from ckpt_engine.control.client import ControlReplyError
 from ckpt_engine.plan.tensors import NamedTensors
-from tests.daemon_harness import ROOT, TrainerLoop, start_daemon, sync_when_idle, write_config
+from tests.daemon_harness import ROOT, TrainerLoop, start_daemon, sync_when_idle, timeouts, write_config
 from tests.raw_agent import RawAgent
 from tests.test_elastic import agents_of, wait_until
 
 pytestmark = pytest.mark.multiproc
-_QUICK = {"connect_s": 4, "collective_s": 4, "ack_s": 5, "heartbeat_s": 3, "version_s": 30}
+# fakes never come to their versions' rendezvous: each such version waits it out
+_FAKES_ABSENT = timeouts(connect_s=8)
 
 
 class FakeHolder:
@@ -56,7 +58,7 @@ class FakeHolder:
 
 
 def _cluster(tmp_path: Path, **config):
-    daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts=_QUICK, **config))
+    daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts=_FAKES_ABSENT, **config))
     weights = {"w": torch.zeros(4096)}
     trainer = TrainerLoop(daemon.zmq, lambda: NamedTensors(dict(weights)))
     received: list[int] = []
@@ -66,7 +68,7 @@ def _cluster(tmp_path: Path, **config):
 
 # ---- F2: one report wedged the daemon --------------------------------------------------------------------------
 def test_a_report_with_numbers_past_what_the_history_stores_is_refused_alone(tmp_path: Path) -> None:
-    daemon = start_daemon(write_config(tmp_path, timeouts=_QUICK))
+    daemon = start_daemon(write_config(tmp_path))
     trainer, receiver = RawAgent(daemon, "trainer"), RawAgent(daemon, "receiver")
     try:
         with daemon.client() as http:
@@ -79,7 +81,7 @@ def test_a_report_with_numbers_past_what_the_history_stores_is_refused_alone(tmp
                 trainer.report(version, "done", ok=True, stages={"send": float("inf")})
             receiver.report(version, "received", ok=True, version_digest="e" * 16)
             trainer.report(version, "done", ok=True, version_digest="e" * 16, bytes=1 << 40)
-            wait_until(lambda: http.get(f"/versions/{version}").json()["status"] == "committed", 10, "the commit")
+            wait_until(lambda: http.get(f"/versions/{version}").json()["status"] == "committed", 30, "the commit")
             assert http.get("/health").json() == {"ok": True, "degraded": False, "problem": None}
     finally:
         trainer.close()
@@ -163,7 +165,7 @@ def test_a_receiver_absent_from_a_rendezvous_is_benched_and_the_others_go_on(tmp
 
 # ---- F3: a driver speaking for another engine ----------------------------------------------------------------
 def test_only_the_engine_s_driver_speaks_for_it_and_only_about_what_it_was_asked(tmp_path: Path) -> None:
-    daemon = start_daemon(write_config(tmp_path, timeouts=_QUICK))
+    daemon = start_daemon(write_config(tmp_path))
     driver = RawAgent(daemon, "driver", engine="vllm-A")
     with pytest.raises(ControlReplyError, match="registers with the key its engine's driver was issued"):
         RawAgent(daemon, "receiver", engine="vllm-A", driven=True, members=1)  # (found by the third round)
@@ -198,7 +200,7 @@ def test_only_the_engine_s_driver_speaks_for_it_and_only_about_what_it_was_asked
 
 # ---- F7: a lock on the history file held by another process ----------------------------------------------------
 def test_a_history_locked_by_another_process_degrades_it_without_freezing_the_control_plane(tmp_path: Path) -> None:
-    daemon = start_daemon(write_config(tmp_path, timeouts=_QUICK))
+    daemon = start_daemon(write_config(tmp_path))
     trainer, receiver = RawAgent(daemon, "trainer"), RawAgent(daemon, "receiver")
     outside = sqlite3.connect(tmp_path / "history.sqlite3", isolation_level=None)
     try:
@@ -213,14 +215,16 @@ def test_a_history_locked_by_another_process_degrades_it_without_freezing_the_co
             threads = [threading.Thread(target=sync) for _ in range(10)]
             for thread in threads:
                 thread.start()
-            for _ in range(5):  # the control plane keeps answering meanwhile
+            # the control plane keeps answering meanwhile (bounds far above the work, below what it was: SQLite's
+            # 10 s busy wait once per request, one behind the other)
+            for _ in range(5):
                 t0 = time.monotonic()
                 trainer.poll()
                 assert http.get("/status").status_code == 200
-                assert time.monotonic() - t0 < 3.0
+                assert time.monotonic() - t0 < 8.0
             for thread in threads:
-                thread.join(30)
-            assert time.monotonic() - started < 10.0  # (SQLite's 10 s busy wait, once per request, before)
+                thread.join(60)
+            assert time.monotonic() - started < 30.0
             assert set(replies) <= {202, 503, 409}, replies
             assert http.get("/health").json()["degraded"] in (True, False)
             outside.execute("ROLLBACK")
@@ -237,7 +241,7 @@ def test_a_history_locked_by_another_process_degrades_it_without_freezing_the_co
 def test_a_daemon_stopped_with_unwritten_history_says_so_and_never_records_it_failed(tmp_path: Path) -> None:
     import resource
 
-    config = write_config(tmp_path, timeouts=_QUICK)
+    config = write_config(tmp_path, timeouts=timeouts(ack_s=5))  # (stopping, it tries to write that long)
     daemon = start_daemon(config)
     trainer, receiver = RawAgent(daemon, "trainer"), RawAgent(daemon, "receiver")
     try:
@@ -247,7 +251,7 @@ def test_a_daemon_stopped_with_unwritten_history_says_so_and_never_records_it_fa
             resource.prlimit(daemon.proc.pid, resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
             receiver.report(version, "received", ok=True, version_digest="e" * 16)
             trainer.report(version, "done", ok=True, version_digest="e" * 16, cache_versions=[version])
-            wait_until(lambda: http.get(f"/versions/{version}").json()["status"] == "committed", 10, "the commit")
+            wait_until(lambda: http.get(f"/versions/{version}").json()["status"] == "committed", 30, "the commit")
         assert daemon.stop(signal.SIGTERM) == 1
         assert f"version {version} committed" in daemon.log_tail() and "lost" in daemon.log_tail()
     finally:
@@ -265,21 +269,23 @@ def test_a_daemon_stopped_with_unwritten_history_says_so_and_never_records_it_fa
 
 # ---- F9: agent.push every step with nobody to send to ----------------------------------------------------------
 def test_push_from_the_loop_backs_off_when_the_daemon_keeps_refusing(tmp_path: Path) -> None:
-    daemon = start_daemon(write_config(tmp_path, timeouts=_QUICK))
+    daemon = start_daemon(write_config(tmp_path))
     from ckpt_engine.workers.trainer_agent import TrainerAgent
 
     agent = TrainerAgent(lambda: NamedTensors({"w": torch.zeros(16)}), daemon.zmq, poll_wait_s=0.2).start()
     try:
         with daemon.client() as http:
             wait_until(lambda: len(agents_of(http)) == 1, 30, "registration")
-            deadline = time.monotonic() + 4
-            step = 0
-            while time.monotonic() < deadline:  # no receiver: every push is refused (503)
+            started, step = time.monotonic(), 0
+            while time.monotonic() - started < 4 or step < 200:  # no receiver: every push is refused (503)
                 step += 1
                 agent.push(step)
                 time.sleep(0.005)
+            took = time.monotonic() - started
             rows = http.get("/versions", params={"limit": 1000}).json()["versions"]
-            assert step > 200 and len(rows) <= 4, (step, len(rows))
+            # one ask, then one after each backoff delay (1 s doubling, -25 % jitter at most): 4 rows in 4 s,
+            # a few more where a loaded machine took longer over the 200 steps
+            assert len(rows) <= 2 + math.log2(took / 0.75 + 1), (step, took, len(rows))
             assert agent.problem is None or "push" not in (agent.problem or "")
     finally:
         agent.close()
@@ -288,7 +294,8 @@ def test_push_from_the_loop_backs_off_when_the_daemon_keeps_refusing(tmp_path: P
 
 # ---- F11: a receive loop that dies before its first version -------------------------------------------------
 def test_a_receive_loop_dying_before_any_version_is_named_in_that_version(tmp_path: Path) -> None:
-    daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts=_QUICK))
+    # the trainer waits out the dead receiver's acknowledgement (a collective): that one is short
+    daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts=timeouts(collective_s=5, ack_s=5)))
     trainer = TrainerLoop(daemon.zmq, lambda: NamedTensors({"w": torch.zeros(64)}))
 
     def load(payload) -> None:
@@ -300,9 +307,16 @@ def test_a_receive_loop_dying_before_any_version_is_named_in_that_version(tmp_pa
             wait_until(lambda: len(agents_of(http)) == 2, 30, "registration")
             record = sync_when_idle(http)
             assert record["status"] == "failed", record
-            assert "the receive thread died" in record["receivers"][0]["reason"], record
+
+            def named() -> dict | None:  # (its report may come after the trainer's: it is then added to the record)
+                entry = http.get(f"/versions/{record['id']}").json()["receivers"][0]
+                return entry if "the receive thread died" in (entry["reason"] or "") else None
+
+            wait_until(named, 30, "the receiver's own reason in the version's record")
             state = [a for a in agents_of(http) if a["role"] == "receiver"][0]
-            assert state["state"] == "unable", state
+            # benched: its first bench is 5 s, which a loaded machine can outlast before this line (CI did);
+            # why it was benched stays until it takes a version
+            assert state["state"] == "unable" or (state["state"] == "new" and state["unable"]), state
     finally:
         rollout.close()
         trainer.close()

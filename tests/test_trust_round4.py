@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_engine.plan.shards import spec_to_wire
-from tests.daemon_harness import start_daemon, write_config
+from tests.daemon_harness import start_daemon, timeouts, write_config
 from tests.procs import start_processes
 from tests.raw_agent import RawAgent
 from tests.test_elastic import agents_of, wait_until
@@ -26,24 +26,51 @@ from tests.test_sharded_daemon import shapes_of, tp_receiver, tp_spec, trainer, 
 from tests.tiny_lm import tiny_llama
 
 pytestmark = pytest.mark.multiproc
-CONNECT_S = 15  # the tests' rendezvous timeout (server/launch.py TEST_TIMEOUTS)
+# A member that never comes costs its version the rendezvous timeout: the tests here wait it out once each
+CONNECT_S = 15
+_ABSENT = timeouts(connect_s=CONNECT_S)
 
 
 class SilentMember:
-    """A registration with a valid spec that keeps polling (so it looks alive) and never joins a group."""
+    """A registration (with a valid spec, when given) that keeps polling (so it looks alive) and never joins a
+    group. ``announce``: it leaves its member key in each group's store prefix, as a member that came would,
+    and still never starts gloo. ``host_id``: where it claims to run (the trainer's: a colocated receiver that
+    never connects to the same-host hub)."""
 
-    def __init__(self, daemon, spec: dict) -> None:
-        self.agent = RawAgent(daemon, "receiver", shard_spec=spec)
+    def __init__(self, daemon, spec: dict | None = None, *, announce: bool = False, host_id: str | None = None) -> None:
+        self.agent = RawAgent(daemon, "receiver", **({"shard_spec": spec} if spec else {}),
+                              **({"host_id": host_id} if host_id else {}))
+        self.announce = announce
+        self._stores: list = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
 
     def _poll(self) -> None:
+        received = None
         while not self._stop.is_set():
             try:
-                self.agent.poll(wait_s=0.2)
+                got = self.agent.poll(wait_s=0.2, **({"received": received} if received else {}))
             except Exception:  # noqa: BLE001 - the daemon may be stopping
                 self._stop.wait(0.2)
+                continue
+            received = f"{got['kind']}:{got['version']}" if got else None
+            if got and got["kind"] == "receive" and self.announce and got.get("transport") != "ipc":
+                self._announce(got)
+
+    def _announce(self, assignment: dict) -> None:
+        import json
+
+        import torch.distributed as dist
+
+        from ckpt_engine.transport.group import open_store, store_prefix
+
+        reply = self.agent.reply
+        store = open_store(reply["store_host"], reply["store_port"], timeout_s=10)
+        prefixed = dist.PrefixStore(store_prefix(reply["group_name"], assignment["generation"])
+                                    + assignment.get("part", ""), store)
+        prefixed.set(f"ckpt-member/{assignment['rank']}", json.dumps({"host": "x", "pid": 1}).encode())
+        self._stores.append(store)
 
     def close(self) -> None:
         self._stop.set()
@@ -72,12 +99,13 @@ def check_only_the_absent_one_failed(http, record: dict, absent_id: str, why: st
     assert held < CONNECT_S + 15, record["stages"]  # the rendezvous timeout, not a collective's or the version's
 
 
-@pytest.mark.parametrize("mode", ["bypass_cpu", "cached"])
-def test_a_class_member_that_never_joins_costs_only_itself(tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "announce"), [("bypass_cpu", False), ("cached", False), ("bypass_cpu", True)])
+def test_a_class_member_that_never_joins_costs_only_itself(tmp_path: Path, mode: str, announce: bool) -> None:
     """bypass_cpu: every version failed, the trainer was held 15-108 s, and a healthy receiver at rank 1 of the
-    quorum was benched for the silent member's rank 1 in its class group."""
+    quorum was benched for the silent member's rank 1 in its class group. ``announce`` (the second outside
+    attack): it says it came (its member key) and never starts gloo: named by gloo's own rendezvous keys."""
     daemon = start_daemon(write_config(tmp_path, transport="collective", bypass_cpu=mode == "bypass_cpu",
-                                       min_receivers=1))
+                                       min_receivers=1, timeouts=_ABSENT))
     stop, corrupt = tmp_path / "stop", tmp_path / "corrupt"
     procs = start_processes([(trainer, (daemon.zmq, str(stop), str(corrupt))),
                              (tp_receiver, (daemon.zmq, str(stop), 0)), (whole_receiver, (daemon.zmq, str(stop)))])
@@ -87,7 +115,7 @@ def test_a_class_member_that_never_joins_costs_only_itself(tmp_path: Path, mode:
             wait_until(lambda: len(agents_of(http)) == 3, what="registration")
             if mode == "cached":
                 assert post_sync(http)["status"] == "committed"  # (a cache for the catch-ups)
-            silent = SilentMember(daemon, tp1_spec())
+            silent = SilentMember(daemon, tp1_spec(), announce=announce)
             healthy = [a["agent_id"] for a in agents_of(http) if a["role"] == "receiver"
                        and a["agent_id"] != silent.agent.agent_id]
             if mode == "bypass_cpu":  # no cache, no catch-up: it joins the next version
@@ -113,7 +141,7 @@ def test_a_tp_rank_killed_just_before_a_sync_costs_only_itself(tmp_path: Path, m
     """A class's only receiver SIGKILLed just before a sync: the others applied the version, so it commits
     (bypass_cpu recorded it failed: 'class ...: ... is gone')."""
     daemon = start_daemon(write_config(tmp_path, transport="collective", bypass_cpu=mode == "bypass_cpu",
-                                       min_receivers=1))
+                                       min_receivers=1, timeouts=_ABSENT))
     stop, corrupt = tmp_path / "stop", tmp_path / "corrupt"
     procs = start_processes([(trainer, (daemon.zmq, str(stop), str(corrupt))),
                              (tp_receiver, (daemon.zmq, str(stop), 0)), (whole_receiver, (daemon.zmq, str(stop)))])
@@ -143,7 +171,8 @@ def test_a_flood_of_silent_specs_costs_each_at_most_one_version(tmp_path: Path) 
     503 for as long as they polled; decisions keep at most MAX_CLASSES classes, proven ones first: see
     test_shard_classes). Here 12: one version pays the rendezvous timeout, the flood is benched, the next
     versions go to the real receivers only."""
-    daemon = start_daemon(write_config(tmp_path, transport="collective", bypass_cpu=True, min_receivers=1))
+    daemon = start_daemon(write_config(tmp_path, transport="collective", bypass_cpu=True, min_receivers=1,
+                                       timeouts=_ABSENT))
     stop, corrupt = tmp_path / "stop", tmp_path / "corrupt"
     procs = start_processes([(trainer, (daemon.zmq, str(stop), str(corrupt))),
                              (tp_receiver, (daemon.zmq, str(stop), 0)), (whole_receiver, (daemon.zmq, str(stop)))])
@@ -223,7 +252,9 @@ def test_one_worker_refusing_fails_its_engine_at_once(tmp_path: Path) -> None:
     'verified but not applied within 60s (is the engine's driver running?)')"""
     from tests.test_torn_repair import versions_trainer
 
-    daemon = start_daemon(write_config(tmp_path, transport="collective"))
+    # (the refused version still ends only when the refusing worker's exchange of acknowledgements times out: the
+    # other worker waits for the driver meanwhile, so that collective is waited out)
+    daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts=timeouts(collective_s=15)))
     stop, refuse = tmp_path / "stop", tmp_path / "refuse"
     procs = start_processes([(versions_trainer, (daemon.zmq, str(stop))),
                              (refusing_engine, (daemon.zmq, str(stop), str(refuse)))])
@@ -266,3 +297,99 @@ def test_the_first_sparse_version_after_a_rollback_sends_only_what_changed(tmp_p
     assert second["tensors_skipped"] > 0
     assert after["status"] == "committed" and after["tensors_skipped"] > 0, after
     assert after["bytes"] < first["bytes"], (after["bytes"], first["bytes"])
+
+
+@pytest.mark.parametrize("where", ["announcing", "colocated"])
+def test_plain_bypass_versions_survive_absent_newcomers_registering_again_and_again(tmp_path: Path,
+                                                                                      where: str) -> None:
+    """(the second outside attack) A plain version has one group: a newcomer that never joins costs that
+    version. It was never benched when it announced itself without starting gloo (healthy receivers were,
+    stuck in their gloo connect), a colocated one that never connected to the hub made the trainer's report
+    invalid (rank -1), and registering afresh before each sync failed every version. Now: it is named and
+    benched, and newcomers wait out a gate after a miss, so the next versions go to the receivers that proved
+    themselves."""
+    from tests.test_elastic import receiver as plain_receiver
+    from tests.test_torn_repair import versions_trainer
+
+    daemon = start_daemon(write_config(tmp_path, transport="auto" if where == "colocated" else "collective",
+                                       bypass_cpu=True, min_receivers=1, timeouts=_ABSENT))
+    stop = tmp_path / "stop"
+    procs = start_processes([(versions_trainer, (daemon.zmq, str(stop))),
+                             (plain_receiver, (daemon.zmq, str(stop), 5))])
+    members: list[SilentMember] = []
+    try:
+        with daemon.client() as http:
+            wait_until(lambda: len(agents_of(http)) == 2, what="registration")
+            healthy = next(a["agent_id"] for a in agents_of(http) if a["role"] == "receiver")
+            trainer_host = next(a["host_id"] for a in agents_of(http) if a["role"] == "trainer")
+            assert post_sync(http)["status"] == "committed"
+            records = []
+            for _ in range(3):  # a fresh registration before every sync
+                members.append(SilentMember(daemon, announce=where == "announcing",
+                                            host_id=trainer_host if where == "colocated" else None))
+                records.append(post_sync(http))
+            first = records[0]
+            entry = next(e for e in first["receivers"] if e["agent_id"] == members[0].agent.agent_id)
+            assert not entry["ok"] and "never joined" in entry["reason"], first
+            assert state_of(http, members[0].agent.agent_id)["state"] == "unable"
+            for record in records[1:]:  # newcomers are held back: these go to the proven receiver
+                assert record["status"] == "committed", record
+                assert [e["agent_id"] for e in record["receivers"]] == [healthy], record
+            assert state_of(http, healthy)["state"] == "serving"
+            assert http.get("/status").json()["newcomers_held_for_s"] > 0
+    finally:
+        stop.touch()
+        for member in members:
+            member.close()
+        procs.collect(120)
+
+
+# ---- the second outside attack's findings as tables -------------------------------------------------------
+def test_a_long_reason_is_cut_not_refused_and_a_class_flood_names_a_few() -> None:
+    """80 silent classes made the trainer's reason longer than a report takes: the daemon refused the report,
+    and every version ran out its time limit with nobody benched."""
+    import time as clock
+
+    from ckpt_engine.control.messages import Report
+    from ckpt_engine.plan.layout import TensorSpec, plan_layout
+    from ckpt_engine.send.classes import Lane, _failed, _merged
+
+    report = Report(agent_id="a", session="s" * 16, version=3, event="done", ok=False, reason="x" * 50_000)
+    assert len(report.reason) == 20_000 and report.reason.endswith("...")
+    lanes = [Lane(f"k{i}", {}, None, (i + 1,)) for i in range(80)]
+    results = {lane.key: _failed(3, "why " * 100, clock.perf_counter()) for lane in lanes}
+    layout = plan_layout([TensorSpec("w", "float32", (4,))], 1 << 20)
+    merged = _merged(3, "identity", lanes, results, clock.perf_counter(), layout)
+    assert merged.reason.count("class k") == 8 and "and 72 more classes failed" in merged.reason
+    assert len(merged.reason) < 20_000 and len(merged.classes) == 80
+
+
+def test_newcomers_wait_out_a_gate_after_one_missed_a_version() -> None:
+    from ckpt_engine.server.decisions.newcomers import NewcomerGate
+
+    gate = NewcomerGate()
+    assert gate.admits(0.0)
+    first = gate.missed(100.0, "receiver x never joined version 4")
+    assert not gate.admits(100.0) and gate.admits(100.0 + first + 0.01)
+    second = gate.missed(200.0, "again")
+    assert second > first and gate.public(200.0)["newcomers_held_because"] == "again"  # longer each time
+    gate.proved()
+    assert gate.missed(300.0, "after one proved itself") < second
+
+
+def test_a_discard_told_before_staging_holds_for_that_version_only() -> None:
+    """(a daemon that lost its history numbers versions afresh: an old discard must not refuse a new version)"""
+    from ckpt_engine.errors import ApplyRefused
+    from ckpt_engine.workers.staged import StagedVersion
+
+    class Payload:
+        def __init__(self, version: int) -> None:
+            self.version = version
+
+    staged = StagedVersion(on_staged=lambda v: None, take_timeout_s=0.2, apply_timeout_s=1)
+    staged.discard(5, "worker 1 failed it")
+    with pytest.raises(ApplyRefused, match="worker 1 failed it"):
+        staged.load(Payload(5))
+    time.sleep(0.3)  # past its lifetime (the take timeout): version 5 of another history is not refused for it
+    with pytest.raises(ApplyRefused, match="not applied within"):  # (nobody takes it: refused at the take timeout)
+        staged.load(Payload(5))

@@ -45,6 +45,18 @@ def plain_int(value: object) -> object:
     return _not_bool(value)
 
 
+def _clipped(limit: int):
+    def clip(value: object) -> object:
+        return value[: limit - 3] + "..." if isinstance(value, str) and len(value) > limit else value
+    return BeforeValidator(clip)
+
+
+# Why something failed, as a peer tells it: a longer text is cut, never refused (a report refused for its reason's
+# length left a version in flight until its time limit, with nobody benched: issue 35)
+Reason = Annotated[Annotated[str, Field(max_length=20000)] | None, _clipped(20000)]
+ShortReason = Annotated[Annotated[str, Field(max_length=2000)] | None, _clipped(2000)]
+
+
 # (the validator after the bounds: it still runs first, and the bounds stay minimum/maximum in the JSON schema)
 WireInt = Annotated[int, Field(ge=-MAX_ID, le=MAX_ID), BeforeValidator(_not_bool)]
 Step = Annotated[int, Field(ge=0, le=MAX_ID), BeforeValidator(_not_bool)]
@@ -105,7 +117,7 @@ class ClassDone(BaseModel):
     model_config = ConfigDict(extra="ignore")
     key: str = Field(max_length=64)
     ok: bool
-    reason: str | None = Field(None, max_length=20000)
+    reason: Reason = None
     version_digest: str | None = Field(None, max_length=64)  # over exactly the class's pieces
     bytes: Count = 0
     spec_unfit: bool = False  # the class's shard spec does not fit the version (its receivers' to fix)
@@ -197,7 +209,7 @@ class Poll(_Body):
     received: str | None = Field(None, max_length=64)
     # Receivers: why it cannot take versions now (e.g. its receive thread died before any version); it is left
     # out of the quorum for a while
-    unable: str | None = Field(None, max_length=2000)
+    unable: ShortReason = None
 
 
 class Assignment(_Body):
@@ -215,7 +227,7 @@ class Assignment(_Body):
     ipc_peers: dict[str, int] = Field(default_factory=dict)  # send: colocated receivers (agent id -> rank)
     sparse_base: int | None = None  # send: only changes since this version, which every receiver holds
     sparse: bool = False  # send: snapshot only what changed since the previous cached version (shared in cache)
-    reason: str | None = Field(None, max_length=2000)  # discard: why
+    reason: ShortReason = None  # discard: why
     # trainer ranks that own shares of the version (each sends its buckets on its own group with the
     # receivers; receivers join one group per owner); 1: the trainer's rank 0 sends everything
     owners: int = Field(1, ge=1, le=1 << 16)
@@ -257,7 +269,7 @@ class ReceiverAck(BaseModel):
     rank: int = Field(ge=0, le=MAX_RANKS)
     ok: bool
     version_digest: str | None = Field(None, max_length=64)
-    reason: str | None = Field(None, max_length=20000)
+    reason: Reason = None
     seconds: dict[StageName, Seconds] = Field(default_factory=dict, max_length=MAX_STAGES)
 
 
@@ -275,7 +287,7 @@ class Report(_Body):
     event: ReportEvent
     step: WireInt | None = None  # the training step at which the trainer served the version
     ok: bool | None = None
-    reason: str | None = Field(None, max_length=20000)
+    reason: Reason = None
     version_digest: str | None = Field(None, max_length=64)
     bytes: Count = 0
     buckets: Count = 0
@@ -296,10 +308,10 @@ class Report(_Body):
     serving: WireInt | None = None
     # Receivers: why this agent cannot take versions at all for now (e.g. staging memory); it leaves the
     # quorum for a while instead of failing every version.
-    unable: str | None = Field(None, max_length=2000)
+    unable: ShortReason = None
     # Receivers: where the version was held (``shared``: read where the sender holds it) and why
     staging: Literal["device", "host", "stream", "shared"] | None = None
-    staging_why: str | None = Field(None, max_length=2000)
+    staging_why: ShortReason = None
     # Trainers, of a sharded version: each class's outcome and digest (``version_digest``: the whole version's)
     classes: list[ClassDone] = Field(default_factory=list, max_length=MAX_CLASSES)
 
@@ -341,6 +353,10 @@ class FrameworkSyncRequest(SyncRequest):
     session: Secret | None = None
     limit_s: float | None = Field(None, gt=0, le=7 * 86400, description="how long the daemon gives this version "
                                   "before failing it (the framework's own timeouts; default timeouts.version_s)")
+    # the knobs the framework set (ckpt_engine/knobs.py KNOBS; checked there as the deployment's YAML is): the
+    # daemon settles them against its deployment, records them and answers with what the sync runs with
+    knobs: dict[Literal["bypass_cpu", "sparse", "staging", "bucket_size_mb", "keep_versions"],
+                bool | int | float | str] | None = Field(None, max_length=5)
 
 
 VersionId = WireInt

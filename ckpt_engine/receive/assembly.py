@@ -329,7 +329,11 @@ class VersionAssembler:
             result.reason = f"load failed: {type(exc).__name__}: {exc}"
             if touched():
                 result.torn = True
-                log.exception("load of version %d failed part way; the model is torn until repaired", header.version)
+                from ckpt_engine.receive.streamed import StreamFailed  # (streamed.py imports this module)
+
+                # a stream that failed its own checks says all in its message; the adapter's failures keep their stack
+                log.error("load of version %d failed part way; the model is torn until repaired: %s: %s",
+                          header.version, type(exc).__name__, exc, exc_info=not _caused_by(exc, StreamFailed))
                 self.manifest, self.committed = None, None  # the model may be partly updated: it holds no version
             return exc
         finally:
@@ -389,3 +393,14 @@ class VersionAssembler:
 
 def _ptr(buffer: torch.Tensor | None) -> int | None:
     return None if buffer is None else buffer.data_ptr()
+
+
+def _caused_by(exc: BaseException | None, kind: type[BaseException]) -> bool:
+    """Whether ``exc`` is a ``kind``, or was raised from or while handling one."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False

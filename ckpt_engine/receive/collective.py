@@ -56,7 +56,10 @@ class Receiver:
         result with ``ok=False`` and a reason; the group is then marked broken if the failure was on the wire."""
         header: VersionHeader | None = None
         try:
-            frame = self.channel.frame(None, 0, "version begin", timeout_s=begin_timeout_s)
+            # the sender rings before its first frame (maybe at its next step boundary, long after the
+            # rendezvous): waited for in the store, so the collective itself waits no longer than any other
+            self.group.await_ring(begin_timeout_s if begin_timeout_s is not None else self.group.timeout_s)
+            frame = self.channel.frame(None, 0, "version begin")
             if frame.kind == FrameKind.CLOSE:
                 self._closed_by_the_others(begin_timeout_s)
                 return None
@@ -94,6 +97,7 @@ class Receiver:
         receiver that went away (each waits at most ``timeout_s``; whatever else comes is dropped)."""
         for channel in self.channels[1:]:
             try:
+                channel.group.await_ring(min(timeout_s or 10.0, 10.0))
                 channel.frame(None, 0, "close", timeout_s=min(timeout_s or 10.0, 10.0))
             except CkptEngineError as exc:
                 log.info("owner group %s did not close cleanly: %s", channel.group.name, exc)

@@ -272,7 +272,7 @@ class ClassSenders:
         finally:
             if on_end is not None:
                 on_end()
-        result.absent_ranks = lane.absent()
+        result.absent_ranks += lane.absent()
         results[lane.key] = result
 
     def _start_cached(self, lane: Lane, cached: CachedVersion, label: int, sparse_base: int | None) -> Transfer:
@@ -383,6 +383,7 @@ def _serves(sender: Sender | None, lane: Lane | None) -> bool:
 
 
 WINDOW_DEPTH = 2  # gathered buckets an owner holds for its classes: one being read, the next one gathered
+_REASONS_LISTED = 8  # classes whose failure a version's reason names (each class's own is in its entry)
 
 _IDENTITIES_KEPT = 8
 _CLASSES_REMEMBERED = 512  # classes whose digests are kept (a deployment has at most 256 at once)
@@ -484,12 +485,14 @@ def _merged(version: int, identity: str | None, lanes: Sequence[Lane], results: 
         acks += result.receivers  # (in quorum ranks: each class's outlets seat them, see Sender ``seats``)
         absent += result.absent_ranks
         unfit = any(c.get("spec_unfit") for c in result.classes)
-        classes.append({"key": lane.key, "ok": result.ok, "reason": result.reason, "spec_unfit": unfit,
+        classes.append({"key": lane.key, "ok": result.ok, "reason": (result.reason or "")[:2000] or None, "spec_unfit": unfit,
                         "version_digest": result.version_digest, "bytes": result.version_bytes or result.bytes_sent})
         if not result.ok:
             reasons.append(f"class {lane.key[:12]}: {result.reason}")
         for stage, value in result.seconds.items():
             seconds[stage] = max(seconds.get(stage, 0.0), value)
+    if len(reasons) > _REASONS_LISTED:  # (hundreds of classes: the report stays readable and within its bounds)
+        reasons[_REASONS_LISTED:] = [f"and {len(reasons) - _REASONS_LISTED} more classes failed (see classes)"]
     if identity is None and not reasons:
         reasons.append("the version's identity is not known (its owners did not all hash it)")
     merged = TransferResult(version, mode, not reasons, "; ".join(reasons) or None, identity, acks,

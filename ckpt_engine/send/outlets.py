@@ -74,6 +74,8 @@ class CollectiveOutlet:
         self._version = version
         header = slim if self._layout_sent.digest == layout_digest else full()
         self._layout_sent.digest = None  # until the header went out whole
+        self.channel.group.ring()  # (its receivers wait for this, up to the version's limit: see SyncGroup.ring)
+        self.channel.open = True
         self.channel.frame(Frame(FrameKind.BEGIN, version, len(header), proto=proto), 0, "version begin")
         self.channel.payload(header, len(header), "version header")
         self._layout_sent.digest = layout_digest
@@ -98,10 +100,14 @@ class CollectiveOutlet:
                 self._pending[slot_index] = self._in_flight[slot_index] = None
 
     def end(self, version: int, trailer: bytes) -> None:
+        self.channel.open = False
         self.channel.frame(Frame(FrameKind.END, version, len(trailer)), 0, "version end")
         self.channel.payload(trailer, len(trailer), "version trailer")
 
     def abort(self, version: int, extra_len: int, reason: bytes) -> None:
+        if not self.channel.open:  # the first frame its receivers see of this version
+            self.channel.group.ring()
+        self.channel.open = False
         self.channel.frame(Frame(FrameKind.ABORT, version, len(reason)), extra_len, "abort")
         self.channel.payload(reason, len(reason), "abort reason")
 
@@ -130,13 +136,13 @@ class IpcOutlet:
     is reused only after every live receiver released what it held. A receiver that fails or falls silent
     is dropped and reported; the others go on."""
 
-    def __init__(self, hub: IpcHub, peers: list[IpcPeer], missing: dict[str, str], timeout_s: float, *,
-                 in_place: SharedSlot | None = None, slots_key: str = "") -> None:
+    def __init__(self, hub: IpcHub, peers: list[IpcPeer], missing: dict[str, tuple[QuorumRank, str]],
+                 timeout_s: float, *, in_place: SharedSlot | None = None, slots_key: str = "") -> None:
         """``in_place``: the version already sits in a shareable buffer (the cache) in wire layout; receivers
         map that buffer once and read every bucket where it is, so nothing is copied on either side.
         ``slots_key``: the hub's slots this stream uses (a class of a sharded version: its own)."""
         self.hub, self.peers, self.timeout_s = hub, peers, timeout_s
-        self.missing = missing  # agent id -> why it is not part of this version
+        self.missing = missing  # agent id -> (its quorum rank, why it is not part of this version)
         self.in_place = in_place
         self.slots_key = slots_key
 
@@ -191,8 +197,12 @@ class IpcOutlet:
                 out.append(Ack(version=version, rank=peer.rank, ok=False, reason=peer.dropped))
             else:
                 out.append(Ack.model_validate(peer.pending_ack))
-        out += [Ack(version=version, rank=-1, ok=False, reason=why) for why in self.missing.values()]
+        out += [Ack(version=version, rank=rank, ok=False, reason=why) for rank, why in self.missing.values()]
         return out
+
+    def absent(self) -> list[QuorumRank]:
+        """The colocated receivers that never connected to the hub for this version (they are benched)."""
+        return [rank for rank, _ in self.missing.values()]
 
     def release(self) -> None:
         self.hub.release(self.peers)

@@ -186,6 +186,7 @@ class Sender:
             if self.group is not None and self.channel is not None:
                 if self.group.broken is None:
                     try:
+                        self.group.ring()
                         self.channel.frame(Frame(FrameKind.CLOSE), 0, "close")
                     except CkptEngineError as exc:
                         log.warning("could not announce close: %s", exc)
@@ -269,6 +270,8 @@ class Sender:
                         outlet.end(source.version, trailer)
                 with timer.stage("ack"):
                     self._collect_acks(source.version, manifest.version_digest, outlets, result)
+                result.absent_ranks += [rank for outlet in outlets if isinstance(outlet, IpcOutlet)
+                                        for rank in outlet.absent()]
             else:
                 result.ok = True  # this owner's part; what the receivers made of it is the lead's to report
             self._remember(manifest)

@@ -61,6 +61,7 @@ class Channel:
         self.src = src
         self.is_src = group.rank == src
         self._device = group.device.comm_device
+        self.open = False  # the sender: a version began on it and has not ended (its frames need no ring)
 
     def frame(self, frame: Frame | None, extra_len: int, what: str, extra: torch.Tensor | None = None,
               timeout_s: float | None = None) -> Frame:

@@ -142,15 +142,11 @@ class SyncGroup:
         prefix: str | None = None,
         part: str = "",
         label: str | None = None,
-        backend_timeout_s: float | None = None,
     ) -> None:
         """``part``: one of several groups of a generation (``owner-2/``, ``owners/``), under the generation's
         prefix. ``prefix`` replaces the default store prefix ``ckpt-engine/<name>/gen-<generation>/``; for
         groups whose other members follow another project's convention (an inference engine's update group).
-        ``label``: who this member is (e.g. ``rollout worker 1``), for errors that name a peer that went away.
-        ``backend_timeout_s``: the longest any one wait may take (default ``timeout_s``, every wait's own
-        default): the backend ends an operation there whatever its waiter allows. A receiver waits for a
-        version's first frame up to the version's time limit (the sender begins at its next step boundary)."""
+        ``label``: who this member is (e.g. ``rollout worker 1``), for errors that name a peer that went away."""
         if world_size < 2:
             raise ConfigError(f"a sync group needs a sender and at least one receiver, got world_size={world_size}")
         if not 0 <= rank < world_size:
@@ -172,16 +168,36 @@ class SyncGroup:
         started = time.monotonic()
         try:
             # Members of a group under another project's prefix do not follow our rendezvous: NCCL stays lazy.
-            self._pg = _construct(prefixed, rank, world_size, device, max(timeout_s, backend_timeout_s or 0.0),
-                                  bind_host, own=prefix is None, connect_s=connect_s, label=label)
+            self._pg = _construct(prefixed, rank, world_size, device, timeout_s, bind_host, own=prefix is None,
+                                  connect_s=connect_s, label=label)
         except Exception as exc:
-            absent = absent_members(prefixed, world_size) if prefix is None else []
+            absent = absent_members(prefixed, world_size, device.backend) if prefix is None else []
             who = f"; rank(s) {absent} never joined" if absent else ""
             raise MembersAbsent(
                 f"sync group {name!r} gen {generation}: rank {rank} could not rendezvous with "
                 f"{world_size - 1} peer(s) within {connect_s:.1f}s ({time.monotonic() - started:.1f}s){who}: {exc}",
                 absent) from exc
+        self._rung = 0  # doorbells rung (the sender) or heard (a receiver) on this group: see ring()
         log.info("sync group %s gen %d up: rank %d/%d on %s", name, generation, rank, world_size, device.backend)
+
+    def ring(self) -> None:
+        """The sender is about to open a version (or abort one before it began, or close): its receivers wait
+        for this in the store, bounded by the version's time limit, not in a collective bounded by the
+        backend's timeout (the sender begins at its next step boundary, maybe minutes after the rendezvous)."""
+        key, self._rung = f"{_RING_KEY}{self._rung}", self._rung + 1
+        try:
+            bounded(lambda: self._store.set(key, b"1"), _STORE_GRACE_S + self.timeout_s, "ringing the receivers")
+        except Exception as exc:  # noqa: BLE001 - receivers then wait until their time limit: say why here
+            log.warning("sync group %s gen %d: could not ring the receivers: %s", self.name, self.generation, exc)
+
+    def await_ring(self, timeout_s: float) -> None:
+        """A receiver: wait (up to ``timeout_s``) until the sender rings for the next version's first frame."""
+        try:
+            wait_for_key(self._store, f"{_RING_KEY}{self._rung}", timeout_s)
+        except (RuntimeError, dist.DistError) as exc:
+            raise SyncTimeoutError(f"sync group {self.name!r} gen {self.generation}: the sender did not begin a "
+                                   f"version within {timeout_s:.1f}s") from exc
+        self._rung += 1
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Any:
         """Start a broadcast from ``src``; returns a work handle for :meth:`wait`."""
@@ -317,7 +333,10 @@ def _construct(
         options = gloo._Options()
         options._timeout = _td(timeout_s)
         options._devices = [gloo.create_device(hostname=bind_host) if bind_host else gloo.create_default_device()]
-        return gloo(store, rank, size, options)
+        # gloo connects within its operations' timeout: a member that announced itself and never connects
+        # must cost the rendezvous's bound, not a collective's (the attempt is left to end on its own)
+        return bounded(lambda: gloo(store, rank, size, options), connect_s + _STORE_GRACE_S,
+                       f"rank {rank} connecting gloo's full mesh")
     set_current(device)
     if device.backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
@@ -338,6 +357,10 @@ def _construct(
 
 
 _MEMBER_KEY = "ckpt-member/"
+_RING_KEY = "ckpt-ring/"
+# Where gloo's rendezvous leaves each rank's address, under the group's prefix (torch's gloo store wrapper): a
+# member that announced itself but never started gloo has none
+_GLOO_ADDRESS_KEY = "0/"
 # Read by ProcessGroupNCCL's constructor. Its default (3, SkipCleanUp) has the NCCL watchdog take the whole
 # process down when a collective fails or times out: a rollout that dies, or is slow to acknowledge, would
 # kill the trainer. 2 (CleanUpOnly) aborts the group's communicators and lets the failed wait raise, which
@@ -396,13 +419,20 @@ def _process_alive(pid: int) -> bool:
         return True
 
 
-def absent_members(store: dist.Store, size: int) -> list[GroupRank]:
-    """Ranks that never announced themselves (after a failed rendezvous): the daemon benches those, not the
-    ranks that came and waited."""
+def absent_members(store: dist.Store, size: int, backend: str = "gloo") -> list[GroupRank]:
+    """Ranks that never came (after a failed rendezvous): that never announced themselves, or, when all did,
+    that never started the backend's own rendezvous (gloo: never left their address); the daemon benches
+    those, not the ranks that came and waited."""
+    def missing(prefix: str) -> list[GroupRank]:
+        return [GroupRank(r) for r in range(size) if not store.check([f"{prefix}{r}"])]
+
+    def who() -> list[GroupRank]:
+        return missing(_MEMBER_KEY) or (missing(_GLOO_ADDRESS_KEY) if backend == "gloo" else [])
+
     try:
-        return bounded(lambda: [GroupRank(r) for r in range(size) if not store.check([f"{_MEMBER_KEY}{r}"])],
-                       _STORE_GRACE_S,
-                       "asking the rendezvous store who joined")
+        # a connection of its own: gloo's attempt may still wait on the group's (its client serves one call at once)
+        store = bounded(store.clone, _STORE_GRACE_S, "connecting to the rendezvous store again")
+        return bounded(who, _STORE_GRACE_S, "asking the rendezvous store who joined")
     except Exception:  # noqa: BLE001 - the store itself is gone: nobody can be named
         return []
 

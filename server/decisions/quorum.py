@@ -41,20 +41,23 @@ def needs_catch_up(receiver: Agent, pool: Sequence[Agent]) -> bool:
 
 
 def candidates(receivers: Sequence[Agent], drivers: Mapping[str, Agent], now: float, heartbeat_s: float, *,
-               regular: bool, repair_source: RepairSource) -> list[Agent]:
+               regular: bool, repair_source: RepairSource, admit_new: bool = True) -> list[Agent]:
     """Receivers that can be put into a quorum now (``regular``: of a regular version, which leaves out the
-    ones a catch-up can bring a version first)."""
+    ones a catch-up can bring a version first, and, unless ``admit_new``, those that never proved themselves:
+    see decisions/newcomers.py)."""
     ready = [r for r in receivers if heard(r, now, heartbeat_s) and r.model.able(now) and r.framework is None]
     whole = [r for r in ready if not r.driven or engine_ready(r, ready, drivers.get(r.engine or ""), now,
                                                               heartbeat_s)]
     if not regular:
         return whole
-    return [r for r in whole if not (needs_catch_up(r, whole) and repair_source(r) is not None)]
+    return [r for r in whole if not (needs_catch_up(r, whole) and repair_source(r) is not None)
+            and (admit_new or r.model.proven)]
 
 
 def why_out(receiver: Agent, receivers: Sequence[Agent], drivers: Mapping[str, Agent], now: float,
-            heartbeat_s: float, repair_source: RepairSource) -> str:
-    """Why a registered receiver is not in a quorum now (what an operator needs to act on)."""
+            heartbeat_s: float, repair_source: RepairSource, held_new: str | None = None) -> str:
+    """Why a registered receiver is not in a quorum now (what an operator needs to act on). ``held_new``: why
+    newcomers are held back now (None: they are not)."""
     model = receiver.model
     if not heard(receiver, now, heartbeat_s):
         return f"silent for {now - receiver.last_seen:.1f}s"
@@ -72,12 +75,14 @@ def why_out(receiver: Agent, receivers: Sequence[Agent], drivers: Mapping[str, A
         return f"engine {receiver.engine} is incomplete: {live} of {receiver.members} worker(s) heard from, driver {said}"
     if needs_catch_up(receiver, [receiver]) and repair_source(receiver) is not None:
         return "new here: it takes a version of its own from the cache first (catch-up)"
+    if held_new is not None and not model.proven:
+        return f"new here, and newcomers are held back for now: {held_new}"
     return f"not due (sync_every {receiver.sync_every})"
 
 
 def quorum_problem(trainer: Agent | None, receivers: Sequence[Agent], everyone: Sequence[Agent],
                    drivers: Mapping[str, Agent], min_receivers: int, now: float, heartbeat_s: float,
-                   repair_source: RepairSource) -> str | None:
+                   repair_source: RepairSource, held_new: str | None = None) -> str | None:
     """Why a version cannot start with these receivers (None: it can)."""
     if trainer is None:
         return "no trainer agent (role trainer, rank 0) is registered"
@@ -87,7 +92,7 @@ def quorum_problem(trainer: Agent | None, receivers: Sequence[Agent], everyone: 
     need = max(min_receivers, 1)
     if len(receivers) >= need:
         return None
-    out = [f"receiver {r.agent_id}: {why_out(r, everyone, drivers, now, heartbeat_s, repair_source)}"
+    out = [f"receiver {r.agent_id}: {why_out(r, everyone, drivers, now, heartbeat_s, repair_source, held_new)}"
            for r in everyone if r not in receivers]
     return (f"{len(receivers)} receiver(s) registered, heartbeating and able to receive, at least {need} needed "
             f"(min_receivers); " + ("; ".join(out) if out else "no receiver is registered"))

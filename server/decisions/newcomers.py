@@ -1,0 +1,38 @@
+"""Newcomers' admission (pure: the time is an argument). A registration that never proved itself joins a regular
+version directly where the cache cannot bring it one of its own first (bypass_cpu deployments, or no cached
+version yet). One that then never joins the version's rendezvous costs everyone that version, and the bench is
+per registration: registering again would start afresh. So after a version a newcomer missed, newcomers wait
+out a gate, longer each time until one proves itself; receivers that proved themselves are never held back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ckpt_engine.retry import Backoff
+
+_GATE_BACKOFF = dict(initial_s=5.0, max_s=300.0)
+
+
+@dataclass
+class NewcomerGate:
+    closed_until: float = 0.0
+    reason: str | None = None
+    backoff: Backoff = field(default_factory=lambda: Backoff(**_GATE_BACKOFF), repr=False)
+
+    def admits(self, now: float) -> bool:
+        """Whether receivers that never proved themselves may join regular versions now."""
+        return now >= self.closed_until
+
+    def missed(self, now: float, why: str) -> float:
+        """A newcomer never joined a version it was in: newcomers wait, longer each time; returns how long."""
+        delay = self.backoff.next_delay()
+        self.closed_until, self.reason = now + delay, why
+        return delay
+
+    def proved(self) -> None:
+        """A newcomer took a whole version: the gate opens at the next miss's shortest wait again."""
+        self.backoff.reset()
+
+    def public(self, now: float) -> dict:
+        return {"newcomers_held_for_s": round(max(0.0, self.closed_until - now), 3) if not self.admits(now) else 0.0,
+                "newcomers_held_because": self.reason if not self.admits(now) else None}
