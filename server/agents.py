@@ -46,6 +46,7 @@ class Agent:
     members: int | None = None  # drivers: receivers of their engine
     whole_versions: bool = False  # receivers whose engine takes no sparse version (vLLM)
     trainer_ranks: int = 1  # trainer rank 0: ranks of its job
+    keep_versions: int | None = None  # trainer rank 0 of a framework: what its caches keep (None: the deployment's)
     framework: str | None = None  # verl: the framework moves this agent's versions (messages.Register)
     staging: str | None = None  # receivers: the staging policy they asked for (None: the deployment's)
     staged_last: dict | None = None  # receivers: where their last version was held, why, and the pause

@@ -17,6 +17,7 @@ class CacheBook:
     def __init__(self, history: HistoryStore, agents: AgentRegistry, metrics: Metrics) -> None:
         self.history, self.agents, self.metrics = history, agents, metrics
         self.max_issued = history.latest().id if history.latest() else 0  # the highest id this history issued
+        self._cache_bytes: dict[str, int] = {}  # each trainer agent's report of what its share of the cache holds
 
     def known(self, versions: list[int]) -> list[int]:
         """The versions among ``versions`` this history has issued (a peer's others are its invention)."""
@@ -27,8 +28,16 @@ class CacheBook:
         if message.cache_versions is not None:
             agent.versions = self.known(message.cache_versions)
             self.update()
-        if message.cache_bytes is not None and agent.rank == 0:
-            self.metrics.cache_bytes.set(message.cache_bytes)
+        if message.cache_bytes is not None:
+            self._cache_bytes[agent.agent_id] = message.cache_bytes
+            self._show_cache_bytes()
+
+    def _show_cache_bytes(self) -> None:
+        """ckpt_engine_cache_bytes: what every trainer rank's share of the cache holds, summed (each rank owns,
+        caches and reports its own share; rank 0's alone was half of a 2-rank job's cache)."""
+        live = {agent.agent_id for agent in self.agents.trainers().values()}
+        self._cache_bytes = {k: v for k, v in self._cache_bytes.items() if k in live}  # a rank gone took its share
+        self.metrics.cache_bytes.set(sum(self._cache_bytes.values()))
 
     def update(self) -> None:
         """Tell the history which versions are whole in the caches now (a rank that restarted or went away
@@ -36,6 +45,7 @@ class CacheBook:
         lead = self.agents.trainers().get(0)
         held = list(lead.versions) if lead is not None else []
         self.history.set_cached({v for v in held if not self.missing_shares(v)})
+        self._show_cache_bytes()
 
     def missing_shares(self, version: int) -> list[int]:
         """Owner ranks of ``version`` that do not hold their share of it (now)."""
@@ -96,6 +106,39 @@ class CacheBook:
             if not any(a.kind == "evict" and a.version == version for a in trainer.pending):
                 trainer.pending.append(Assignment(kind="evict", version=version))
         return record
+
+    def trim(self, limit: int, protected: set[int]) -> list[int]:
+        """After a version ended: ask the trainer ranks to drop what no longer earns a place in their caches, so
+        a failed version never costs a committed one its place. Kept: the cached versions of the newest
+        ``limit`` committed ones (a rollback's commit counts for its source), the ones receivers may need for a
+        repair (``kept_for_repairs``) and ``protected`` (in flight, or a queued rollback's source). Dropped:
+        every other version a rank holds, so one that did not commit at once. The trainer caches hold a new
+        version beside the kept ones until this runs (send/cache.py ``external_trim``). Returns the versions
+        asked for."""
+        trainers = self.agents.trainers()
+        held = {v for trainer in trainers.values() for v in trainer.versions}
+        if not held:
+            return []
+        newest: list[int] = []  # the held sources of committed versions, newest commit first
+        before: int | None = None
+        while len(newest) < limit:
+            page = self.history.list(limit=64, status="committed", before=before)
+            for record in page:
+                source = record.source_version if record.source_version is not None else record.id
+                if source in held and source not in newest:
+                    newest.append(source)
+            # a record's source is never newer than itself: past the oldest held version nothing can be one
+            if len(page) < 64 or page[-1].id <= min(held):
+                break
+            before = page[-1].id
+        keep = set(newest[:limit]) | set(self.kept_for_repairs(limit)) | protected
+        dropped = sorted(held - keep)
+        for version in dropped:
+            for trainer in trainers.values():
+                if version in trainer.versions and not any(a.kind == "evict" and a.version == version
+                                                           for a in trainer.pending):
+                    trainer.pending.append(Assignment(kind="evict", version=version))
+        return dropped
 
     def kept_for_repairs(self, limit: int) -> list[int]:
         latest = self.history.latest(status="committed")

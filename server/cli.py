@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import os
 import sys
@@ -19,6 +20,7 @@ from ckpt_engine.control.messages import TERMINAL
 from ckpt_engine.errors import ConfigError
 from ckpt_engine.plan.modes import STAGINGS
 from ckpt_engine.server.console import printable, progress_line, status_lines, version_lines
+from ckpt_engine.server.decisions.views import receiver_name
 
 DEFAULT_URL = "http://127.0.0.1:8765"
 
@@ -109,6 +111,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="each worker receives only its tensor-parallel slices (vLLM served from a local model "
                              "directory; docs/workers.md)")
     driver.set_defaults(run=_vllm_driver)
+    health = sub.add_parser("health", help="exit 0 if the daemon answers GET /health with ok (the image's "
+                                         "HEALTHCHECK), 1 if it answers otherwise, 3 if it cannot be reached")
+    health.add_argument("--config", default=None, help="the daemon's deployment YAML: ask its http.host and "
+                                                        "http.port (default: --url)")
+    health.add_argument("--timeout", type=float, default=5.0)
+    health.set_defaults(run=_health)
     check = sub.add_parser("check-config", help="validate a deployment YAML and print the effective settings")
     check.add_argument("path")
     check.set_defaults(run=_check_config)
@@ -173,6 +181,28 @@ def _vllm_driver(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health(args: argparse.Namespace) -> int:
+    """GET /health (no token). Exit 0 when it says ok, 1 when the daemon answers otherwise (503: its periodic work
+    keeps failing, restart it), 3 when nothing answers (main() says so)."""
+    if args.config is not None:
+        args.url = health_url(load_config(args.config))
+    response = httpx.get(f"{args.url}/health", timeout=args.timeout)
+    try:
+        body = response.json()
+    except ValueError:
+        body = {"ok": False, "problem": f"non-JSON reply: {response.text[:200]}"}
+    healthy = response.status_code == 200 and isinstance(body, dict) and body.get("ok") is True
+    print(f"{args.url}: {response.status_code} {json.dumps(body)}", file=sys.stdout if healthy else sys.stderr)
+    return 0 if healthy else 1
+
+
+def health_url(config: Any) -> str:
+    """Where a process on the daemon's host reaches its HTTP API: the wildcard binds by loopback."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(config.http.host, config.http.host)
+    host = host.strip("[]")
+    return f"http://[{host}]:{config.http.port}" if ":" in host else f"http://{host}:{config.http.port}"
+
+
 def _check_config(args: argparse.Namespace) -> int:
     from ckpt_engine.server.history import HistoryError, check_history_path
 
@@ -188,8 +218,26 @@ def _check_config(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.path}: {exc}") from exc
     except ConfigError as exc:
         raise ConfigError(f"{args.path}: {exc}") from exc
-    print(config.model_dump_json(indent=2))
+    print(json.dumps(redacted(config.model_dump(mode="json")), indent=2))
     return 0
+
+
+REDACTED = "<redacted>"
+
+
+def redacted(settings: Any) -> Any:
+    """Settings as check-config prints them: every token given (in the file or from the environment) replaced by
+    ``<redacted>``, so the output can be pasted into a ticket; an unset one stays null (the daemon generates it)."""
+    if isinstance(settings, dict):
+        return {key: REDACTED if _secret(key) and value is not None else redacted(value)
+                for key, value in settings.items()}
+    if isinstance(settings, list):
+        return [redacted(value) for value in settings]
+    return settings
+
+
+def _secret(key: str) -> bool:
+    return key == "token" or key.endswith("_token")
 
 
 def _client(args: argparse.Namespace) -> httpx.Client:
@@ -342,8 +390,9 @@ def _print_record(r: dict) -> None:
              f"digest {r['version_digest']}; cached: {'yes' if r['cached'] else 'no'}"]
     if r["stages"]:
         lines.append("  stages: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["stages"].items()))
-    lines += [f"  receiver rank {rx.get('rank')}: {'ok' if rx.get('ok') else 'FAILED'} digest {rx.get('version_digest')}"
-              + (f" - {rx['reason']}" if rx.get("reason") else "") for rx in r["receivers"]]
+    lines += [f"  {receiver_name(rx.get('rank'))} (agent {rx.get('agent_id')}): {'ok' if rx.get('ok') else 'FAILED'} "
+              f"digest {rx.get('version_digest')}" + (f" - {rx['reason']}" if rx.get("reason") else "")
+              for rx in r["receivers"]]
     print("\n".join(printable(lines)))
 
 

@@ -7,9 +7,10 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ckpt_engine.server.decisions.views import receiver_rows
+from ckpt_engine.server.decisions.views import quorum_ranks, receiver_rows
 
-_TRAINER_STAGES = ("header", "fill", "digest", "broadcast", "ack")  # what the trainer's total is made of
+from ckpt_engine.control.messages import TERMINAL
+
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
@@ -32,13 +33,17 @@ def progress_line(status: Mapping[str, Any], records: Sequence[Mapping[str, Any]
                       f"{now - record['created_at']:.1f} s so far" + (f": {done}" if done else "")])[0]
 
 
-def total_seconds(record: Mapping[str, Any]) -> float:
-    stages = record["stages"]
-    return stages.get("total") or sum(v for k, v in stages.items() if k in _TRAINER_STAGES)
+def total_seconds(record: Mapping[str, Any]) -> float | None:
+    """request->commit: from the request to the version's end (its commit; for one that failed, its last
+    update), what the demo's log and the page's "total" say too; None while it is in flight."""
+    end = record.get("committed_at")
+    if end is None and record["status"] in TERMINAL:
+        end = record.get("updated_at")
+    return end - record["created_at"] if end is not None else None
 
 
 def version_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
-    lines = [f"{'id':>5} {'step':>6} {'mode':<10} {'status':<12} {'from':>5} {'MiB':>8} {'seconds':>8} {'rx':>4} "
+    lines = [f"{'id':>5} {'step':>6} {'mode':<10} {'status':<12} {'from':>5} {'MiB':>8} {'total s':>8} {'rx':>4} "
              f"{'cached':>6}  digest / reason"]
     for r in records:
         ok_rx = sum(1 for x in r["receivers"] if x.get("ok"))
@@ -46,7 +51,7 @@ def version_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
         step = r["step"] if r["step"] is not None else "-"
         lines.append(f"{r['id']:>5} {step:>6} {r['mode']:<10} {r['status']:<12} "
                      f"{source if source is not None else '-':>5} {r['bytes'] / (1 << 20):>8.2f} "
-                     f"{total_seconds(r):>8.3f} {ok_rx:>4} {'yes' if r['cached'] else 'no':>6}  "
+                     f"{_seconds(total_seconds(r)):>8} {ok_rx:>4} {'yes' if r['cached'] else 'no':>6}  "
                      f"{r['version_digest'] or ''}{'  ' + r['reason'] if r['reason'] else ''}")
     return printable(lines)
 
@@ -64,13 +69,21 @@ def status_lines(status: Mapping[str, Any], agents: Sequence[Mapping[str, Any]],
     kept = set(status.get("cache_kept_for_repairs") or ())
     cache = " ".join(f"v{v}{'*' if v in kept else ''}" for v in sorted(status["cache_versions"], reverse=True))
     lines += [f"cache: {cache or 'empty'}" + ("  (* kept for repairs)" if kept else ""), "",
-              f"{'receiver':<18} {'engine':<10} {'state':<8} {'serving':>7} {'lag':>4}  {'staging':<8} last error"]
+              f"{'agent':<18} {'receiver':<10} {'engine':<10} {'state':<8} {'serving':>7} {'lag':>4}  {'staging':<8} "
+              "last error"]
     staging = {a["agent_id"]: (a.get("last_staging") or {}).get("mode") or "-" for a in agents}
+    seats = quorum_ranks(records)  # the N of "receiver N" (reasons, ckpt-engine version) in its newest version
     for row in receiver_rows(agents, records):
-        lines.append(f"{row.agent_id:<18} {row.engine or '-':<10} {row.state:<8} "
+        seat = seats.get(row.agent_id)
+        lines.append(f"{row.agent_id:<18} {f'{seat[0]} (v{seat[1]})' if seat else '-':<10} {row.engine or '-':<10} "
+                     f"{row.state:<8} "
                      f"{'v' + str(row.serving) if row.serving is not None else '-':>7} "
                      f"{row.lag if row.lag is not None else '-':>4}  {staging[row.agent_id]:<8} {row.last_error or ''}")
     return printable(lines)
+
+
+def _seconds(seconds: float | None) -> str:
+    return f"{seconds:.3f}" if seconds is not None else "-"
 
 
 def _ms(seconds: float) -> str:

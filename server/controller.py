@@ -36,6 +36,7 @@ from ckpt_engine.config import EngineConfig
 from ckpt_engine.control.messages import (Assignment, FrameworkSyncRequest, Poll, Register, RegisterReply, Report,
                                           SyncRequest, longest_poll_wait)
 from ckpt_engine.errors import ConfigError, ProtocolError
+from ckpt_engine.knobs import settle
 from ckpt_engine.plan.modes import resolve
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class Controller:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self.book = CacheBook(history, self.agents, metrics)
-        self.flights = Flights(config, history, metrics, self.agents, self.book, clock, self._changed.notify_all)
+        self.flights = Flights(config, history, metrics, self.agents, self.book, clock, self._version_ended)
         self.registrar = Registrar(config, history, self.agents, self.book, group_name=group_name,
                                    store_host=store_host, store_port=store_port,
                                    engine_secret=engine_secret or secrets.token_bytes(32))
@@ -224,13 +225,16 @@ class Controller:
             if request.agent_id is None or request.session is None:
                 raise BadRequest("a framework's sync names the trainer agent opening it (agent_id, session)")
             opener = self._agent(request.agent_id, request.session, roles)
-            try:
-                mode, _ = resolve(request.bypass_cpu, request.sparse, default_bypass_cpu=self.config.bypass_cpu,
-                                  default_sparse=False)
+            # (an older framework agent says bypass_cpu and sparse in the request's own fields)
+            given = {**{k: v for k, v in (("bypass_cpu", request.bypass_cpu), ("sparse", request.sparse))
+                        if v is not None}, **(request.knobs or {})}
+            try:  # the one place a framework's knobs meet the deployment's (ckpt_engine/knobs.py)
+                settled = settle(given, self.config, framework=opener.framework or "framework",
+                                 where=f"engine_kwargs.{opener.framework or 'framework'}")
             except ConfigError as exc:
                 raise BadRequest(str(exc)) from None
-            self._kept = self.book.kept_for_repairs(self.config.keep_versions)
-            return self.framework.open(request, opener, mode, self._kept, self._quorum_problem)
+            self._kept = self.book.kept_for_repairs(settled.keep_versions)
+            return self.framework.open(request, opener, settled, self._kept, self._quorum_problem)
 
     def _open_slot(self) -> Agent | None:
         """Nothing in flight, the history writable, and a trainer the daemon drives: the trainer (or None)."""
@@ -321,6 +325,7 @@ class Controller:
                 "storage": storage.to_dict(),
                 "torn": [a.agent_id for a in receivers if a.model.torn is not None],
                 "unable": [a.agent_id for a in receivers if a.state(now) == "unable"],
+                **self.flights.gate.public(now),
             }
 
     # ---- the periodic work --------------------------------------------------------------------------
@@ -368,10 +373,17 @@ class Controller:
     def shutdown(self, grace_s: float) -> None:
         """Give the in-flight version ``grace_s`` to end, then end it so history is never left dangling."""
         with self._lock:
+            flight = self.flights.current
+            if flight is None:
+                log.warning("shutting down: no version in flight")
+            else:
+                log.warning("shutting down: giving version %d, in flight, up to %.0fs to end", flight.version, grace_s)
             deadline = self.clock() + grace_s
             while self.flights.current is not None and self.clock() < deadline:
                 self._changed.wait(0.2)
             if self.flights.current is not None:  # its receivers may have applied it: its outcome is unknown
+                log.warning("version %d did not end within %.0fs: recorded interrupted", self.flights.current.version,
+                            grace_s)
                 self.flights.fail(self.flights.current, "the daemon stopped before this version's outcome was "
                                   "known; receivers may hold it (they are sent a whole version again)", "interrupted")
             self.framework.cancel_queued("the daemon stopped before the framework's next sync")
@@ -400,6 +412,19 @@ class Controller:
         self._launch(record, trainer, receivers, colocated, owners, source=source, purpose=plan.purpose)
 
     # ---- internals ----------------------------------------------------------------------------------
+    def _version_ended(self) -> None:
+        """A version ended (under the lock): the trainer ranks drop what no longer earns a cache slot (a failed
+        version at once; the oldest committed one past keep_versions), then the waiters are woken."""
+        trainer = self.agents.trainer()
+        queued = self.framework.queued
+        protected = {queued.source_version} if queued is not None and queued.source_version is not None else set()
+        limit = trainer.keep_versions if trainer is not None and trainer.keep_versions else self.config.keep_versions
+        dropped = self.book.trim(limit, protected)
+        if dropped:
+            log.info("trainer caches: dropping version(s) %s (not committed, or past the newest %d committed)",
+                     dropped, limit)
+        self._changed.notify_all()
+
     def _agent(self, agent_id: str, session: str, roles: set[str]) -> Agent:
         agent = self.agents.get(agent_id, session)
         if agent is None:
@@ -430,12 +455,15 @@ class Controller:
 
     def _candidates(self, now: float, *, regular: bool = True) -> list[Agent]:
         return rules.candidates(self.agents.receivers(), self.agents.drivers(), now, self.heartbeat_s,
-                                regular=regular, repair_source=self._repair_source)
+                                regular=regular, repair_source=self._repair_source,
+                                admit_new=self.flights.gate.admits(now))
 
     def _quorum_problem(self, trainer: Agent | None, receivers: list[Agent], now: float | None = None) -> str | None:
+        now = self.clock() if now is None else now
+        gate = self.flights.gate
         return rules.quorum_problem(trainer, receivers, self.agents.receivers(), self.agents.drivers(),
-                                    self.config.min_receivers, self.clock() if now is None else now,
-                                    self.heartbeat_s, self._repair_source)
+                                    self.config.min_receivers, now, self.heartbeat_s, self._repair_source,
+                                    None if gate.admits(now) else gate.reason)
 
     def _update_gauges(self) -> None:
         receivers = self.agents.receivers()

@@ -118,8 +118,7 @@ class Daemon:
 
     def shutdown(self) -> int:
         """Stop; returns how many history records could not be written (their latest state is lost)."""
-        log.warning("shutting down: giving the in-flight version %.0fs to end", self.config.timeouts.ack_s)
-        self.controller.shutdown(grace_s=min(self.config.timeouts.ack_s, 30.0))
+        self.controller.shutdown(grace_s=min(self.config.timeouts.ack_s, 30.0))  # (it logs what it waits for)
         self._stop.set()
         self.zmq.stop()
         grace = time.monotonic() + min(self.config.timeouts.ack_s, 10.0)

@@ -6,6 +6,7 @@ the controller calls it under its lock."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from ckpt_engine.server.agents import Agent, AgentRegistry
@@ -17,8 +18,9 @@ from ckpt_engine.server.history import HistoryStore, VersionRecord
 from ckpt_engine.server.metrics import Metrics
 
 from ckpt_engine.control.messages import FrameworkSyncRequest
-from ckpt_engine.plan.modes import Mode
+from ckpt_engine.knobs import Settled
 
+log = logging.getLogger(__name__)
 QuorumProblem = Callable[[Agent | None, list[Agent]], "str | None"]
 
 
@@ -28,14 +30,15 @@ class FrameworkSyncs:
         self.history, self.metrics, self.agents, self.book, self.flights = history, metrics, agents, book, flights
         self._create, self._require_storage = create, require_storage
         self.queued: VersionRecord | None = None  # a rollback waiting for the framework's next sync
+        self._told: set[str] = set()  # knob overrides logged (once each)
 
-    def open(self, request: FrameworkSyncRequest, opener: Agent, mode: Mode, keep: list[int],
+    def open(self, request: FrameworkSyncRequest, opener: Agent, settled: Settled, keep: list[int],
              quorum_problem: QuorumProblem) -> dict:
         """This sync's version (or the queued rollback in its place): its record, with what a send assignment
         would say: ``expected_digest`` (a rollback's source as recorded) and ``keep`` (cached versions no
-        snapshot may evict: what the workers serve)."""
-        if request.sparse:
-            raise BadRequest("a framework's sync is never sparse here (its backend decides)")
+        snapshot may evict: what the workers serve); and ``knobs``, what the sync runs with (``settled``: the
+        framework's knobs over the deployment's, ckpt_engine/knobs.py), recorded in the version's ``knobs``."""
+        mode = settled.mode
         trainer = self.agents.trainer()
         if opener is trainer and not opener.framework:
             raise Conflict(f"agent {opener.agent_id} is a plain trainer: 'receivers' names the workers of a "
@@ -62,11 +65,17 @@ class FrameworkSyncs:
         if record is not None:  # its step is the framework's at delivery (verl's global_steps), as for any sync:
             record = self.history.update(record.id, step=request.step)  # given now, or with its first report
         record = record or self._create(mode=mode, step=request.step)
+        record = self.history.update(record.id, knobs=settled.record)
+        trainer.keep_versions = settled.keep_versions  # (what the daemon's trims keep: cache_book.py)
+        for line in settled.overrides:  # once per distinct override, not every sync
+            if line not in self._told:
+                self._told.add(line)
+                log.warning("version %d: %s", record.id, line)
         source = self.history.get(record.source_version) if record.source_version else None
         opened = self.flights.open(record, trainer, quorum, policy=FRAMEWORK, limit_s=request.limit_s,
                                    owners=source.owners if source is not None else trainer.trainer_ranks)
         return {**opened.to_dict(), "expected_digest": source.version_digest if source is not None else None,
-                "keep": list(keep)}
+                "keep": list(keep), "knobs": settled.to_wire()}
 
     def queue_push(self, record: VersionRecord, trainer: Agent) -> VersionRecord:
         """A rollback: recorded now, sent at the framework's next sync in place of that sync's new weights (the

@@ -62,14 +62,15 @@ CREATE TABLE IF NOT EXISTS versions (
     version_digest TEXT,
     cached INTEGER NOT NULL DEFAULT 0,
     purpose TEXT NOT NULL DEFAULT 'sync',
-    owners INTEGER NOT NULL DEFAULT 1
+    owners INTEGER NOT NULL DEFAULT 1,
+    knobs TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS versions_status ON versions(status);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 # columns added since the first release
 _ADDED_COLUMNS = {"bytes_skipped": "INTEGER NOT NULL DEFAULT 0", "purpose": "TEXT NOT NULL DEFAULT 'sync'",
-                  "owners": "INTEGER NOT NULL DEFAULT 1"}
+                  "owners": "INTEGER NOT NULL DEFAULT 1", "knobs": "TEXT NOT NULL DEFAULT '{}'"}
 _REQUIRED_COLUMNS = {"id", "step", "mode", "status", "reason", "source_version", "created_at", "updated_at"}
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 
@@ -108,6 +109,9 @@ class VersionRecord:
     cached: bool = False
     purpose: str = "sync"  # sync, push (rollback), catch_up (a receiver that joined), repair (a torn receiver)
     owners: int = 1  # trainer ranks that each hold and send a share of it (cached: complete while all hold theirs)
+    # A framework's sync (verl): each knob it ran with, where the value came from, and the deployment's value where
+    # the framework's overrode it (ckpt_engine/knobs.py); empty for the daemon's own versions
+    knobs: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         # Not dataclasses.asdict: its deep copy of every receiver entry was half of a GET /versions. One level
@@ -115,6 +119,7 @@ class VersionRecord:
         data = {name: getattr(self, name) for name in _FIELD_NAMES}
         data["stages"] = dict(self.stages)
         data["receivers"] = [dict(entry) for entry in self.receivers]
+        data["knobs"] = {name: dict(entry) for name, entry in self.knobs.items()}
         return data
 
 
@@ -433,7 +438,7 @@ class HistoryStore:
 _COLUMNS = {
     "step", "mode", "status", "reason", "source_version", "updated_at", "committed_at", "bytes", "buckets",
     "tensors_sent", "tensors_skipped", "bytes_skipped", "stages", "receivers", "version_digest", "cached", "purpose",
-    "owners",
+    "owners", "knobs",
 }
 
 
@@ -449,6 +454,7 @@ def _row_values(record: VersionRecord) -> dict[str, Any]:
     values = {key: getattr(record, key) for key in sorted(_COLUMNS)}
     values["stages"] = json.dumps(values["stages"])
     values["receivers"] = json.dumps(values["receivers"])
+    values["knobs"] = json.dumps(values["knobs"])
     values["cached"] = int(bool(values["cached"]))
     return values
 
@@ -457,6 +463,7 @@ def _record(row: sqlite3.Row) -> VersionRecord:
     data = dict(row)
     data["stages"] = json.loads(data["stages"])
     data["receivers"] = json.loads(data["receivers"])
+    data["knobs"] = json.loads(data["knobs"])
     data["cached"] = bool(data["cached"])
     return VersionRecord(**data)
 

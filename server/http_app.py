@@ -1,5 +1,6 @@
-"""HTTP control plane (FastAPI; OpenAPI at /docs). Handlers are plain functions, so FastAPI runs them in its
-thread pool and a waiting ``POST /sync`` never blocks the event loop. Errors are JSON ``{error, detail}``;
+"""HTTP control plane (FastAPI; OpenAPI at /openapi.json, drawn as a page at /docs by server/api_docs.py).
+Handlers are plain functions, so FastAPI runs them in its thread pool and a waiting ``POST /sync`` never
+blocks the event loop. Errors are JSON ``{error, detail}``;
 every status an operation can answer with is declared in the OpenAPI document (server/api_models.py)."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from http import HTTPStatus
 from typing import Annotated, Any
 
 import anyio.to_thread
+from ckpt_engine.server.api_docs import DOCS_PATH, add_api_docs
 from ckpt_engine.server.api_models import (
     AgentList,
     Health,
@@ -33,6 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
+from prometheus_client import Counter
 from pydantic import BaseModel, BeforeValidator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
@@ -66,8 +69,9 @@ class LimitsAndAuth:
     """Pure ASGI middleware: request bodies over the limit get 413; without a valid bearer token, 401. The
     roles the token grants go to the request's state, where each operation checks the ones it needs (403)."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, authority: Authority) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, authority: Authority, refused: Counter | None = None) -> None:
         self.app, self.max_body_bytes, self.authority = app, max_body_bytes, authority
+        self.refused = refused  # ckpt_engine_refused_total: a 401 counts as ZMQ's 'unauthorized' does
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -76,6 +80,8 @@ class LimitsAndAuth:
         headers = {k.decode("latin-1").lower(): v.decode(errors="replace") for k, v in scope.get("headers", [])}
         roles = self.authority.roles_of(_bearer(headers))
         if not roles and not _public(scope):
+            if self.refused is not None:
+                self.refused.labels(reason="unauthorized").inc()
             await _error(401, "unauthorized", "send 'Authorization: Bearer <token>'",
                          headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
             return
@@ -103,8 +109,10 @@ class LimitsAndAuth:
 
 
 def _public(scope: Scope) -> bool:
-    """/health, and the operator page's static files (they hold no data: the page asks for a token)."""
-    return scope["path"] == "/health" or (scope["path"] in PAGE_FILES and scope["method"] in ("GET", "HEAD"))
+    """/health, the operator page's static files (they hold no data: the page asks for a token) and the API's
+    reference (/docs: what docs/daemon.md says, no data)."""
+    return scope["path"] == "/health" or ((scope["path"] in PAGE_FILES or scope["path"] == DOCS_PATH)
+                                          and scope["method"] in ("GET", "HEAD"))
 
 
 def _bearer(headers: dict[str, str]) -> str | None:
@@ -113,9 +121,11 @@ def _bearer(headers: dict[str, str]) -> str | None:
 
 
 def create_app(controller: Controller, config: EngineConfig, authority: Authority) -> FastAPI:
-    app = FastAPI(title="ckpt-engine", version=__version__,
+    # (no Swagger UI or ReDoc: they load their assets from a CDN; /docs is drawn here, server/api_docs.py)
+    app = FastAPI(title="ckpt-engine", version=__version__, docs_url=None, redoc_url=None,
                   description="Versioned, verified weight sync from trainers to rollout engines.")
-    app.add_middleware(LimitsAndAuth, max_body_bytes=config.http.max_body_bytes, authority=authority)
+    app.add_middleware(LimitsAndAuth, max_body_bytes=config.http.max_body_bytes, authority=authority,
+                       refused=controller.metrics.refused)
     # Declares the bearer scheme in the OpenAPI document; LimitsAndAuth does the checking (also for 404s).
     auth = [] if authority.open else [Depends(HTTPBearer(auto_error=False))]
 
@@ -260,6 +270,7 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
         return Response(controller.metrics.render(), media_type="text/plain; version=0.0.4")
 
     add_page(app)
+    add_api_docs(app)
     return app
 
 

@@ -24,15 +24,16 @@ class Metrics:
                                        buckets=STAGE_BUCKETS, registry=self.registry)
         self.receivers = Gauge("ckpt_engine_receivers", "registered receivers", registry=self.registry)
         self.trainers = Gauge("ckpt_engine_trainers", "registered trainer agents", registry=self.registry)
-        self.cache_bytes = Gauge("ckpt_engine_cache_bytes", "bytes held by the trainer's version cache",
-                                 registry=self.registry)
+        self.cache_bytes = Gauge("ckpt_engine_cache_bytes", "bytes held by the trainer ranks' version caches "
+                                 "(every rank's share, summed)", registry=self.registry)
         self.in_flight = Gauge("ckpt_engine_in_flight", "1 while a version is in flight", registry=self.registry)
         self.storage_degraded = Gauge("ckpt_engine_storage_degraded",
                                       "1 while the history cannot be written (new versions refused)",
                                       registry=self.registry)
         self.torn_receivers = Gauge("ckpt_engine_torn_receivers", "receivers whose model a failed apply left torn",
                                     registry=self.registry)
-        self.refused = Counter("ckpt_engine_refused", "control-plane requests refused, by reason", ["reason"],
+        self.refused = Counter("ckpt_engine_refused", "control-plane requests refused, by reason (HTTP: 401 "
+                               "unauthorized, 403 forbidden...; ZMQ: the error replied)", ["reason"],
                                registry=self.registry)
         self.connections_closed = Counter("ckpt_engine_connections_closed", "HTTP and ZMQ connections the daemon "
                                           "closed to protect itself (slow or idle clients, over the connection "

@@ -11,7 +11,9 @@ from fastapi.responses import Response
 # path -> (file in server/page/, media type); only these paths skip the token check (LimitsAndAuth)
 PAGE_FILES = {"/": ("index.html", "text/html; charset=utf-8"),
               "/page/page.js": ("page.js", "text/javascript; charset=utf-8"),
-              "/page/page.css": ("page.css", "text/css; charset=utf-8")}
+              "/page/page.css": ("page.css", "text/css; charset=utf-8"),
+              # docs/glossary.md, shipped with the package (tests/test_glossary.py keeps the two the same)
+              "/page/glossary.md": ("glossary.md", "text/plain; charset=utf-8")}
 # The page loads only its own files and talks only to its own daemon; nothing may frame it.
 _HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
                                        "connect-src 'self'; base-uri 'none'; form-action 'none'; "

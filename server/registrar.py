@@ -46,9 +46,8 @@ class Registrar:
             raise Forbidden(f"a worker of engine {message.engine!r} registers with the key its engine's driver was "
                             "issued (engine_key in the driver's registration reply); start the driver first")
         if message.shard_spec is not None:
-            if message.role != "receiver" or message.framework is not None:
-                raise BadRequest("a shard spec is a receiver's, for versions the daemon assigns (a framework's "
-                                 "receivers take its own syncs)")
+            if message.role != "receiver":  # (a framework's receivers too: its syncs send them their classes)
+                raise BadRequest("a shard spec is a receiver's")
             try:
                 spec_from_wire(message.shard_spec)
             except ConfigError as exc:

@@ -30,16 +30,32 @@ def test_status_shows_trainer_ranks_cache_and_receivers_with_lag_and_staging() -
     assert lines[0].startswith("ckpt-engine 0.1.0  history abcdef01  ok")
     assert "  rank 0   t0  h:1  cpu  holds v5 v6" in lines
     assert "cache: v6 v5*  (* kept for repairs)" in lines
-    assert lines[-1].split() == ["r1", "e0", "serving", "v6", "1", "stream"]
+    assert lines[-1].split() == ["r1", "-", "e0", "serving", "v6", "1", "stream"]  # (in no version shown yet)
+
+
+def test_a_receiver_is_named_by_its_rank_in_the_newest_version_it_was_in() -> None:
+    """Issue 37: the page and status showed every receiver as "rank 0" (the rank it registered with), reasons
+    said "rank 2" (its rank in the version's quorum): one name, "receiver N", N from the version."""
+    older = {**RECORD, "id": 5, "status": "committed", "receivers": [{"rank": 1, "agent_id": "r1", "ok": True}]}
+    newer = {**RECORD, "id": 6, "status": "committed", "receivers": [{"rank": 2, "agent_id": "r1", "ok": True}]}
+    lines = status_lines({**STATUS, "in_flight": None}, AGENTS, [newer, older], now=101.0)
+    assert lines[-2].split()[:3] == ["agent", "receiver", "engine"]
+    assert lines[-1].split()[:3] == ["r1", "2", "(v6)"]
 
 
 def test_a_degraded_daemon_says_so_first() -> None:
     assert "DEGRADED" in status_lines({**STATUS, "degraded": True}, [], [], 0)[0]
 
 
-def test_version_lines_total_is_the_trainers_stages_without_a_total() -> None:
-    record = {**RECORD, "stages": {"header": 0.5, "fill": 0.25, "verify": 9.0}}
-    assert version_lines([record])[1].split()[6] == "0.750"
+def test_version_lines_total_is_request_to_commit() -> None:
+    """Issue 37: the total was the trainer's stages (533.7 ms for a version the log had at 2247 ms request->commit,
+    which also counts the wait for a step boundary, the rendezvous and the receivers' reports)."""
+    record = {**RECORD, "status": "committed", "committed_at": 102.247, "updated_at": 103.0,
+              "stages": {"header": 0.5, "fill": 0.25, "verify": 9.0}}
+    assert version_lines([record])[0].split()[6:8] == ["total", "s"]
+    assert version_lines([record])[1].split()[6] == "2.247"
+    assert version_lines([{**record, "status": "failed", "committed_at": None}])[1].split()[6] == "3.000"
+    assert version_lines([RECORD])[1].split()[6] == "-"  # in flight: the progress line says how long so far
 
 
 def test_what_agents_name_cannot_drive_the_terminal() -> None:
@@ -58,7 +74,7 @@ def test_the_lag_is_the_daemon_s_when_it_gives_one() -> None:
     """Found by the outside attack on issue 28: the CLI counted lag in the 50 versions it read, the page in 30,
     the metrics in 100 committed ones; GET /receivers now says it, and every view shows that."""
     far_behind = {**AGENTS[1], "serving": 1, "lag": 60}
-    assert status_lines(STATUS, [AGENTS[0], far_behind], [RECORD], now=101.0)[-1].split()[4] == "60"
+    assert status_lines(STATUS, [AGENTS[0], far_behind], [RECORD], now=101.0)[-1].split()[5] == "60"
 
 
 def test_a_watch_outlives_a_daemon_that_is_down_and_refuses_a_bad_interval() -> None:

@@ -180,12 +180,12 @@ def _judge(reports, trainer=None, *, need=1, quorum_of=("a", "b"), engines=None,
 COMMIT_CASES = [
     ("every receiver committed", {"a": report(), "b": report()}, {}, "committed", None),
     ("one of two, min_receivers 1", {"a": report(), "b": report(ok=False, reason="oom")}, {},
-     "committed", "committed by 1 of 2 receivers; rank 2: oom"),
+     "committed", "committed by 1 of 2 receivers; receiver 2: oom"),
     ("one of two, a framework needs both", {"a": report(), "b": report(ok=False, reason="oom")}, {"need": 2},
-     "failed", "rank 2: oom"),
+     "failed", "receiver 2: oom"),
     ("a digest that is not the version's", {"a": report(digest="x"), "b": report(digest="x")}, {}, "failed",
-     "rank 1: its digest x differs from the version's d; rank 2: its digest x differs from the version's d"),
-    ("silent receivers", {}, {}, "failed", "rank 1: did not report its own outcome"),
+     "receiver 1: its digest x differs from the version's d; receiver 2: its digest x differs from the version's d"),
+    ("silent receivers", {}, {}, "failed", "receiver 1: did not report its own outcome"),
     ("no digest from the trainer", {"a": report(), "b": report()}, {"expected": None}, "failed", None),
     ("a re-push whose copy changed", {"a": report(), "b": report()}, {"stale": "the copy changed"}, "failed",
      "the copy changed"),
@@ -205,7 +205,7 @@ def test_the_commit_rule(name: str, reports, options, status: str, reason_part) 
 
 def test_an_engine_fails_together_and_a_driver_failure_fails_it() -> None:
     outcome = _judge({"a": report(), "b": report(ok=False, reason="x")}, engines={"e": ["a", "b"]})
-    assert [e["ok"] for e in outcome.entries] == [False, False] and "engine e: rank 2 failed" in outcome.entries[0]["reason"]
+    assert [e["ok"] for e in outcome.entries] == [False, False] and "engine e: receiver 2 failed" in outcome.entries[0]["reason"]
     failed_apply = report(ok=False, reason="vLLM raised")
     outcome = _judge({"a": report(), "b": report()}, engines={"e": ["a", "b"]}, applied={"e": failed_apply})
     assert outcome.status == "failed" and "engine e driver: vLLM raised" in outcome.reason
@@ -219,7 +219,7 @@ def test_a_failure_reason_names_each_cause_once() -> None:
     aborted = done(ok=False, reason="owner rank(s) [1] could not prepare version 1; owner rank 1: stale")
     outcome = _judge({"a": report(ok=False, reason=f"sender aborted version 1: {aborted.reason}")}, aborted,
                      quorum_of=("a",), owners={1: "StaleCopy: stale"})
-    assert outcome.reason.count("could not prepare") == 1 and "rank 1: aborted by the sender" in outcome.reason
+    assert outcome.reason.count("could not prepare") == 1 and "receiver 1: aborted by the sender" in outcome.reason
     assert "owner rank 1: StaleCopy: stale" in outcome.reason
 
 

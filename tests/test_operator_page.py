@@ -3,7 +3,8 @@ one of which tears on an apply and is repaired: the rendered DOM shows the commi
 version repaired, the receiver's last error and state, and the stage timings. The page's own files need no
 token; its data does, and the token never appears in a URL.
 
-Set CKPT_ENGINE_PAGE_SCREENSHOT=docs/operator-page.png to refresh the README's screenshot."""
+Set CKPT_ENGINE_PAGE_SCREENSHOT=PATH to keep a screenshot of the page this test draws (the README's,
+docs/operator-page.png, is of the demo's page: `bash scripts/demo.sh --tear 3 --hold 600`)."""
 
 from __future__ import annotations
 
@@ -53,8 +54,23 @@ def test_the_page_needs_no_token_but_its_data_does(tmp_path: Path) -> None:
             assert head.status_code == 200 and head.content == b"", (path, head.headers)
             same = ("content-type", "content-length", "content-security-policy", "x-content-type-options")
             assert {h: head.headers.get(h) for h in same} == {h: got.headers.get(h) for h in same}, path
+        # issue 37: the API's reference reads in a browser with no token and fetches nothing from elsewhere (the
+        # Swagger UI at /docs was a 401 to a browser, and loaded its assets from a CDN); the data stays guarded
+        docs = anonymous.get("/docs")
+        assert docs.status_code == 200 and docs.headers["content-type"].startswith("text/html"), docs.text[:200]
+        assert "default-src 'none'" in docs.headers["content-security-policy"]
+        assert "<script" not in docs.text and "cdn" not in docs.text.lower()
+        for part in ("<code>POST /sync</code>", "<code>GET /versions/{version}</code>", 'id="schema-SyncRequest"'):
+            assert part in docs.text, part
+        assert "/openapi.json" in docs.text  # how to read the machine-readable one (with a token)
+        assert {anonymous.get(p).status_code for p in ("/openapi.json", "/redoc", "/docs/oauth2-redirect")} == {401}
+        refused = anonymous.get("/metrics")
     with daemon.client() as http:
         assert "/" not in http.get("/openapi.json").json()["paths"]
+        assert http.get("/redoc").status_code == 404  # (no ReDoc: its assets came from a CDN too)
+        # issue 37: HTTP 401s count in ckpt_engine_refused_total, as ZMQ's unauthorized replies do (docs/daemon.md)
+        assert refused.status_code == 401
+        assert _metric(http, 'ckpt_engine_refused_total{reason="unauthorized"}') >= 9
     assert daemon.stop() == 0
 
 
@@ -80,6 +96,7 @@ def test_the_page_shows_versions_the_torn_and_repaired_receiver_and_stage_timing
             assert last["status"] == "committed", last
             lags = {a["agent_id"]: "-" if a.get("lag") is None else str(a["lag"])
                     for a in http.get("/receivers").json()["agents"] if a["role"] == "receiver"}
+            records = {r["id"]: r for r in http.get("/versions").json()["versions"]}
         token = daemon.tokens()["operator"]
         tab = browser.tab()
         tab.goto(daemon.url + "/")
@@ -93,7 +110,14 @@ def test_the_page_shows_versions_the_torn_and_repaired_receiver_and_stage_timing
         else:
             assert tab.screenshot()[:8] == b"\x89PNG\r\n\x1a\n"
         assert tab.evaluate("location.href") == daemon.url + "/"  # the token went into no URL
+        docs = browser.tab()  # the API's reference, in a browser with no token: drawn, all from the daemon
+        docs.goto(daemon.url + "/docs")
+        docs.wait_for("document.querySelector('section.api-op')", what="the API reference")
+        assert docs.evaluate("document.title") == "ckpt-engine HTTP API"
+        assert docs.evaluate("performance.getEntriesByType('resource').every((e) => e.name.startsWith("
+                             f"{json.dumps(daemon.url)}))") is True
         terminal = _cli(capsys, daemon.url, token, "status")
+        one = _cli(capsys, daemon.url, token, "version", str(torn["id"]))
         watched = _cli(capsys, daemon.url, token, "versions", "--watch", "--count", "2", "--interval", "0.1")
     finally:
         stop.touch()
@@ -107,7 +131,31 @@ def test_the_page_shows_versions_the_torn_and_repaired_receiver_and_stage_timing
     stages = versions[str(last["id"])]["stages"]
     assert {"snapshot", "verify"} <= set(stages), stages  # drawn as bars, one per stage
     assert shown["legend"] and set(stages) <= set(shown["legend"])
+    # issue 37: "total" is request->commit, as the log says (it was the stages' sum: 533.7 ms for 2247 ms), and
+    # stages that overlap others are not stacked (held made bypass_cpu's stack longer than the version)
+    for version, drawn in versions.items():
+        record = records[int(version)]
+        expected = record["committed_at"] - record["created_at"]
+        assert abs(drawn["total"] - expected) < 1e-6, (drawn, record)
+        assert sum(drawn["stacked"].values()) <= expected + 1e-6, (drawn, record)
+        assert abs(sum(drawn["stacked"].values()) + drawn["other"] - expected) < 1e-6, (drawn, record)
+        assert set(drawn["stacked"]) <= {"header", "fill", "digest", "broadcast", "control", "ack"}, drawn
+        timed = {stage for stage, seconds in record["stages"].items() if seconds > 0}
+        assert set(drawn["overlapping"]) >= {"snapshot", "verify"} & timed, (drawn, record)
+        assert "request→commit" in shown["total_title"]
+    # issue 37: the page says what each stage is (the legend's and each stage's title text)
+    assert all(len(title) > 20 and "does not know" not in title for title in shown["legend_titles"].values()), shown
+    assert set(shown["legend_titles"]) >= {"snapshot", "control", "ack", "verify", "other"}, shown["legend_titles"]
     receivers = shown["receivers"]
+    # issue 37: one name for a receiver: "receiver N", N its rank in the quorum of its newest version (both
+    # receivers were "rank 0", the rank they registered with, while reasons said "rank 2")
+    newest = records[last["id"]]["receivers"]
+    assert {agent: r["receiver"] for agent, r in receivers.items()} == {
+        e["agent_id"]: f"{e['rank']} (v{last['id']})" for e in newest}, receivers
+    assert {r["engine"] for r in receivers.values()} == {"-"}
+    assert any(f"receiver {e['rank']}: " in torn["reason"] for e in torn["receivers"] if e["torn"]), torn["reason"]
+    assert {line.split(":")[0].strip() for line in one if line.startswith("  receiver ")} == {
+        f"receiver {e['rank']} (agent {e['agent_id']})" for e in torn["receivers"]}, one
     assert receivers[tearing]["state"] == "serving" and receivers[tearing]["serving"] == f"v{last['id']}"
     assert receivers[tearing]["error"].startswith(f"v{torn['id']}: ") and "injected" in receivers[tearing]["error"]
     assert {r["staging"].split()[0] for r in receivers.values()} == {"device", "stream"}, receivers
@@ -115,7 +163,8 @@ def test_the_page_shows_versions_the_torn_and_repaired_receiver_and_stage_timing
     assert shown["trainers"] == ["0"] and shown["health"] == "ok"
     # the same in the terminal: ckpt-engine status and versions --watch
     row = next(line for line in terminal if line.startswith(tearing))
-    assert row.split()[2:5] == ["serving", f"v{last['id']}", "0"] and "injected" in row, terminal
+    assert row.split()[4:7] == ["serving", f"v{last['id']}", "0"] and "injected" in row, terminal
+    assert row.split()[1:3] == receivers[tearing]["receiver"].split(), (row, receivers)
     assert "no version in flight" in terminal and "  rank 0" in "\n".join(terminal)
     assert watched.count("no version in flight") == 2 and sum(line.startswith("   id") for line in watched) == 2
 
@@ -136,7 +185,8 @@ def test_the_page_shows_no_stale_or_hostile_data_as_current(tmp_path: Path, brow
     # hostile names and the daemon's lag, drawn and read in one task (no refresh redraws in between)
     drawn = tab.evaluate(f"({_DRAW_CRAFTED})({json.dumps(json.dumps(_CRAFTED))})")
     assert drawn["widths"] and all(w is not None and 0 < w < 1e6 for w in drawn["widths"]), drawn  # (NaN: None)
-    assert drawn["staged"] == 0.5 and not any("NaN" in cell for row in drawn["versions"] for cell in row), drawn
+    assert drawn["staged"] == 0 and not any("NaN" in cell for row in drawn["versions"] for cell in row), drawn
+    assert drawn["kinds"] == ["overlapping"], drawn  # (snapshot and unknown stages: none is stacked)
     assert {row[0]: (row[6], row[8]) for row in drawn["receivers"]} == {
         "constructor": ("60", "v3: injected"), "toString": ("-", ""), "older-daemon": ("-", "")}, drawn
 
@@ -170,6 +220,12 @@ def test_the_page_shows_no_stale_or_hostile_data_as_current(tmp_path: Path, brow
                  "!document.getElementById('main').classList.contains('stale')", timeout_s=10, what="the recovery")
     assert daemon.stop() == 0  # and a daemon that is gone
     tab.wait_for(_STALE, timeout_s=10, what="the stale pill of a stopped daemon")
+
+
+def _metric(http: httpx.Client, series: str) -> float:
+    lines = [line for line in http.get("/metrics").text.splitlines() if line.startswith(series + " ")]
+    assert len(lines) == 1, series
+    return float(lines[0].split()[-1])
 
 
 def _paste(tab, token: str) -> None:
@@ -219,6 +275,7 @@ _DRAW_CRAFTED = """(raw) => {
     .map((row) => [...row.cells].map((c) => c.textContent.trim()));
   const rects = [...document.querySelectorAll('#versions rect[data-stage]')];
   return {widths: rects.map((r) => Number(r.getAttribute('width'))), versions: cells('#versions'),
+    kinds: [...new Set(rects.map((r) => r.dataset.kind))],
     receivers: cells('#receivers'), staged: stagedSeconds(records[1], stageNames(records))};
 }"""
 
@@ -226,17 +283,25 @@ _DRAW_CRAFTED = """(raw) => {
 _READ_PAGE = """(() => {
   const text = (row, i) => row.cells[i].textContent.trim();
   const versions = {}, receivers = {};
+  const drawn = (row, kind) => Object.fromEntries([...row.querySelectorAll(`rect[data-kind="${kind}"]`)]
+    .map((r) => [r.dataset.stage, Number(r.dataset.seconds)]));
   for (const row of document.querySelectorAll('#versions tbody tr')) {
     versions[row.dataset.version] = {status: row.dataset.status,
       marks: [...row.querySelectorAll('.mark')].map((m) => m.textContent),
-      stages: [...row.querySelectorAll('rect[data-stage]')].map((r) => r.dataset.stage)};
+      stages: [...row.querySelectorAll('rect[data-stage]')].map((r) => r.dataset.stage),
+      stacked: drawn(row, 'stacked'), other: drawn(row, 'other').other || 0,
+      overlapping: Object.keys(drawn(row, 'overlapping')),
+      total: Number(row.querySelector('td.total').dataset.seconds)};
   }
   for (const row of document.querySelectorAll('#receivers tbody tr')) {
-    receivers[row.dataset.agent] = {state: text(row, 4), serving: text(row, 5), lag: text(row, 6),
-      staging: text(row, 7), error: text(row, 8)};
+    receivers[row.dataset.agent] = {receiver: text(row, 1), engine: text(row, 2), state: text(row, 4),
+      serving: text(row, 5), lag: text(row, 6), staging: text(row, 7), error: text(row, 8)};
   }
   return {versions, receivers,
     legend: [...document.querySelectorAll('#legend .key')].map((k) => k.textContent),
+    legend_titles: Object.fromEntries([...document.querySelectorAll('#legend .key')]
+      .map((k) => [k.dataset.stage, k.title])),
+    total_title: document.querySelector('#versions thead th:nth-child(8)').title,
     trainers: [...document.querySelectorAll('#trainers tbody tr')].map((r) => text(r, 0)),
     health: document.getElementById('health').textContent};
 })()"""

@@ -315,13 +315,10 @@ class Agent:
 
     def _sync_group(self, store, settings: RegisterReply, assignment: Assignment, part: str, rank: int,
                     world_size: int) -> SyncGroup:
-        # (a receiver waits for a version's first frame until the sender's next step boundary: up to the
-        # version's time limit, longer than any one collective)
-        begin_s = settings.version_timeout_s if self.role != "trainer" else None
         return SyncGroup(store, name=settings.group_name, generation=assignment.generation, rank=rank,
                          world_size=world_size, device=self.device, timeout_s=settings.collective_timeout_s,
                          connect_timeout_s=settings.connect_timeout_s, part=part,
-                         label=f"{self.role} agent {settings.agent_id}", backend_timeout_s=begin_s)
+                         label=f"{self.role} agent {settings.agent_id}")
 
     def _close_groups(self) -> None:
         for group in [*self.groups, *([self.owners_group] if self.owners_group is not None else [])]:

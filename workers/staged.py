@@ -44,8 +44,9 @@ class StagedVersion:
         self._outcome: BaseException | None = None
         self._done = False
         self._taken_at = 0.0
-        # the newest version the engine will not take, told before this worker staged it (its engine failed it)
-        self._discarded: tuple[int, str] | None = None
+        # the newest version the engine will not take, told before this worker staged it (its engine failed it),
+        # and when: it holds for that version's lifetime only (a restarted daemon numbers versions afresh)
+        self._discarded: tuple[int, str, float] | None = None
 
     @property
     def staged(self) -> int | None:
@@ -58,8 +59,9 @@ class StagedVersion:
         if self.check is not None:
             self.check(payload)
         with self._cond:
-            if self._discarded is not None and self._discarded[0] == payload.version:
-                raise ApplyRefused(f"version {payload.version} was not applied: {self._discarded[1]}")
+            told = self._discarded
+            if told is not None and told[0] == payload.version and time.monotonic() - told[2] < self.take_timeout_s:
+                raise ApplyRefused(f"version {payload.version} was not applied: {told[1]}")
             self._payload, self._taken, self._outcome, self._done = payload, False, None, False
         try:
             self.on_staged(payload.version)
@@ -120,7 +122,7 @@ class StagedVersion:
         with self._cond:
             if self._payload is None or self._payload.version != version:
                 if self._discarded is None or version >= self._discarded[0]:
-                    self._discarded = (version, reason)
+                    self._discarded = (version, reason, time.monotonic())
                 return
             if self._taken:
                 return

@@ -108,7 +108,7 @@ class TrainerAgent(Agent):
                                    keep_versions=settings.keep_versions, ack_timeout_s=settings.ack_timeout_s,
                                    on_stage=self._on_stage, timeout_s=settings.collective_timeout_s,
                                    ipc_hub_name=settings.ipc_name if self.rank == 0 else None,
-                                   wire_hook=self._wire_hook)
+                                   wire_hook=self._wire_hook, external_trim=True)  # (the daemon's cache book)
 
     def versions_held(self) -> list[int]:
         return self.publisher.cache.versions() if self.publisher else []

@@ -152,14 +152,20 @@ class VersionCache:
     """Keeps the newest ``keep_versions`` versions; thread-safe."""
 
     def __init__(self, device: DeviceInfo, keep_versions: int = 2, *, shareable: bool = False,
-                 staged: bool | None = None) -> None:
+                 staged: bool | None = None, external_trim: bool = False) -> None:
         """``shareable``: host buffers are memfd segments that colocated receivers can map (CPU only), so a
         cached version reaches them without any copy. ``staged``: a snapshot packs the small tensors of a bucket
         in a staging buffer on the device (at most ``STAGING_BYTES``, kept) and copies each packed span to the
         host at once, instead of one device→host copy per tensor (plan/tensors.py ``fill_bucket``); None: where
-        the device is an accelerator (True on CPU runs the same path with a host staging buffer, for tests)."""
+        the device is an accelerator (True on CPU runs the same path with a host staging buffer, for tests).
+        ``external_trim``: whoever learns how each version ended (the daemon) evicts versions: a failed one at
+        once, the oldest committed one once a newer one committed. A new version is then held beside the
+        ``keep_versions`` others until that word comes (a version in flight, or one that failed, never takes a
+        committed one's place), and the cache makes room by itself only past ``2 × keep_versions + 1`` versions
+        (while the word is on its way)."""
         if keep_versions < 1:
             raise ConfigError(f"keep_versions must be >= 1, got {keep_versions}")
+        self.external_trim = external_trim
         self.device = device
         self.staged = device.kind != "cpu" if staged is None else staged
         self._staging: torch.Tensor | None = None
@@ -212,7 +218,7 @@ class VersionCache:
         The cache lists it only once it is whole."""
         with self._lock:
             self._check_new(version)
-            self._make_room(self.keep_versions - 1)
+            self._make_room(self._room - 1)
             buffer = self._take_buffer(layout)
             cached = CachedVersion(version, layout, step, dict(aliases or {}), time.time(), 0.0, buffer,
                                    version_layout=version_layout, owners=owners,
@@ -273,7 +279,7 @@ class VersionCache:
                 raise LayoutMismatchError(f"tensors not in version {parent}: {unknown[:3]}")
             with self._lock:
                 self._check_new(version)
-                self._make_room(self.keep_versions - 1)  # the lease keeps the parent's bytes meanwhile
+                self._make_room(self._room - 1)  # the lease keeps the parent's bytes meanwhile
                 buffer = self._take_buffer(changed)
             self._fill_delta(buffer, changed, tensors)
             names = {s.name for s in changed.slots}
@@ -400,7 +406,12 @@ class VersionCache:
     def _list(self, cached: CachedVersion) -> None:
         """Make ``cached`` (held) one of the cached versions (under the lock)."""
         self._versions[cached.version] = cached
-        self._make_room(self.keep_versions, new=cached.version)
+        self._make_room(self._room, new=cached.version)
+
+    @property
+    def _room(self) -> int:
+        """Versions the cache holds before it evicts one by itself (see ``external_trim``)."""
+        return 2 * self.keep_versions + 1 if self.external_trim else self.keep_versions
 
     def pin(self, versions: Iterable[int]) -> None:
         """Versions that must not be evicted to make room for new ones (the daemon's word: what receivers serve,

@@ -86,11 +86,13 @@ class Publisher:
         ipc_hub_name: str | None = None,
         timeout_s: float = 60.0,
         overlap_snapshot: bool | None = None,
+        external_trim: bool = False,
     ) -> None:
         """``ipc_hub_name``: serve colocated receivers through shared memory under this name (same_host.py).
         ``overlap_snapshot``: True: a cached version's send starts while its snapshot runs, each bucket as soon
         as it is cached (where plan/modes.py's overlaps_snapshot allows it); False: only after the whole
-        snapshot; None: where the snapshot is a device→host copy (GPU/NPU trainers)."""
+        snapshot; None: where the snapshot is a device→host copy (GPU/NPU trainers). ``external_trim``: the
+        daemon evicts versions from the cache as they end (cache.py ``VersionCache``)."""
         if bucket_size <= 0:
             raise ConfigError(f"bucket_size must be positive, got {bucket_size}")
         if group is None and device is None:
@@ -100,7 +102,8 @@ class Publisher:
         self.overlap_snapshot = overlap_snapshot
         self.device: DeviceInfo = group.device if group is not None else device  # type: ignore[assignment]
         # With colocated receivers the cache lives in shareable memory: cached versions reach them zero-copy.
-        self.cache = VersionCache(self.device, keep_versions, shareable=ipc_hub_name is not None)
+        self.cache = VersionCache(self.device, keep_versions, shareable=ipc_hub_name is not None,
+                                  external_trim=external_trim)
         self.hub = IpcHub(ipc_hub_name, self.device) if ipc_hub_name else None
         self.manifests: dict[int, Manifest] = {}  # per-tensor digests of recent versions: sparse bases
         self._sender_options = dict(digest_algo=digest_algo, ack_timeout_s=ack_timeout_s, wire_hook=wire_hook,

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ckpt_engine.server.decisions.views import receiver_name
+
 from ckpt_engine.control.messages import ReceiverAck, Report
 
 
@@ -96,7 +98,7 @@ def judge(quorum: Mapping[str, int], reports: Mapping[str, Report], done: Report
     failures = [e for e in entries if not e["ok"]]
     if ok:
         reason = (f"committed by {len(committed)} of {len(quorum)} receivers; "
-                  + "; ".join(f"rank {e['rank']}: {e['reason']}" for e in failures)) if failures else None
+                  + "; ".join(f"{receiver_name(e['rank'])}: {e['reason']}" for e in failures)) if failures else None
     else:
         reason = _failure_reason(done, failures, owner_failures, stale) or \
             f"{len(committed)}/{len(quorum)} receivers committed, {need} needed"
@@ -116,7 +118,7 @@ def _engines_together(engines: Mapping[str, Sequence[str]], applied: Mapping[str
         if done is not None and not done.ok:
             why = f"engine {engine} driver: {done.reason}"
         elif failed:
-            why = f"engine {engine}: rank {failed[0]['rank']} failed"
+            why = f"engine {engine}: {receiver_name(failed[0]['rank'])} failed"
         else:
             continue
         for entry in mine:
@@ -128,10 +130,11 @@ def _failure_reason(done: Report, failures: list[dict], owner_failures: Mapping[
     """Each cause once: the trainer's own (without the receivers' failures it relays: their own reports say
     them better), other owner ranks', and each receiver's (one told of the sender's abort repeats the sender's
     reason: said once, by the sender)."""
-    judged = {f"rank {e['rank']}:" for e in failures}
+    # (the library names a receiver by its sync-group rank: "rank N: ..." from a trainer is receiver N's failure)
+    judged = {prefix for e in failures for prefix in (f"rank {e['rank']}:", f"{receiver_name(e['rank'])}:")}
     trainer = [part for part in (done.reason or "").split("; ") if not done.ok and part
                and not any(part.startswith(prefix) for prefix in judged)]
     owners = [f"owner rank {rank}: {why}" for rank, why in sorted(owner_failures.items())]
-    receivers = [f"rank {e['rank']}: " + ("aborted by the sender" if done.reason and e["reason"]
+    receivers = [f"{receiver_name(e['rank'])}: " + ("aborted by the sender" if done.reason and e["reason"]
                                           and done.reason in e["reason"] else e["reason"]) for e in failures]
     return "; ".join(dict.fromkeys(filter(None, [stale, *trainer, *owners, *receivers])))

@@ -16,6 +16,26 @@ from typing import Any
 LAG_WINDOW = 100  # committed versions looked at: a receiver further behind shows this lag (it is far behind)
 
 
+def receiver_name(rank: int) -> str:
+    """How every view names a receiver of a version: ``receiver N``, N its rank in the version's quorum
+    (ckpt_engine/ranks.py QuorumRank: 1.., the history entries' ``rank``). Reasons, the log, ``ckpt-engine
+    version`` and the page say this; where a receiver is listed as an agent (GET /receivers, ``ckpt-engine
+    status``, the page's receivers), its agent id, with the N of the newest version it was in."""
+    return f"receiver {rank}"
+
+
+def quorum_ranks(versions: Sequence[Mapping[str, Any]]) -> dict[str, tuple[int, int]]:
+    """Each receiver's rank in the newest of ``versions`` (newest first) that had it in its quorum, with that
+    version's id: ``{agent_id: (rank, version)}``. The N of ``receiver N`` can change as receivers come and go."""
+    found: dict[str, tuple[int, int]] = {}
+    for record in versions:
+        for entry in record.get("receivers") or ():
+            agent, rank = entry.get("agent_id"), entry.get("rank")
+            if agent and isinstance(rank, int) and agent not in found:
+                found[agent] = (rank, record["id"])
+    return found
+
+
 @dataclass(frozen=True)
 class ReceiverRow:
     agent_id: str
@@ -64,4 +84,5 @@ def receiver_rows(agents: Sequence[Mapping[str, Any]], versions: Sequence[Mappin
             for a in agents if a.get("role") == "receiver"]
 
 
-__all__ = ["LAG_WINDOW", "ReceiverRow", "last_errors", "lag", "receiver_rows", "with_lag"]
+__all__ = ["LAG_WINDOW", "ReceiverRow", "lag", "last_errors", "quorum_ranks", "receiver_name", "receiver_rows",
+           "with_lag"]

@@ -11,12 +11,35 @@ const FETCH_TIMEOUT_MS = 5000;
 // fetch refuses to send with any other character (a word processor's dash or quote in a pasted token).
 const TOKEN_RE = /^[\x21-\x7e]{16,4096}$/;
 const VERSIONS_SHOWN = 30;
-// the trainer's stages first, in the order they happen, then the receivers' (the rest after, by name)
-const STAGE_ORDER = ["snapshot", "held", "header", "fill", "digest", "broadcast", "wire", "ack", "control", "verify", "load",
-  "apply", "pause"];
+// What each stage is (docs/daemon.md, docs/benchmarks.md): the legend's and the bars' title text.
+const STAGE_INFO = {
+  header: "the sender announces the version: its layout and every tensor's digest",
+  fill: "copying tensors into the send buckets (cached: also waiting for the snapshot to cache each bucket)",
+  digest: "computing the tensors' digests (xxh3-64 on host memory, torch integer ops on a device)",
+  broadcast: "waiting on the buckets' broadcasts: the bytes on the wire",
+  control: "per-bucket header frames and the end-of-version trailer (on gloo a header waits behind the previous " +
+    "bucket's data, so wire time lands here too)",
+  ack: "the acknowledgement round: waiting until every receiver has verified, loaded and acknowledged",
+  other: "the rest of request→commit: the wait for the trainer's step boundary, the sync group's rendezvous, a " +
+    "snapshot taken before the send, and the receivers' reports that commit the version",
+  snapshot: "cached: the training loop held for the device→host snapshot (before the send on a CPU trainer, " +
+    "overlapping it on a GPU/NPU one)",
+  held: "bypass_cpu: the training loop held until its buckets were read from the live parameters (overlaps fill, " +
+    "broadcast and control)",
+  verify: "the slowest receiver recomputing every digest (during ack)",
+  load: "the slowest receiver applying the verified version to its model (during ack)",
+};
+// The sender's stages run one after another on its send thread: stacked in this order, then "other" up to
+// request→commit. Every other stage overlaps them (the trainer held meanwhile, the receivers working during
+// ack): drawn as a line of its own under the bar, to the same scale, never added to the stack.
+const SEQUENTIAL = ["header", "fill", "digest", "broadcast", "control", "ack"];
+const OVERLAPPING = ["snapshot", "held", "verify", "load"];
+const OTHER = "other";
 const PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
   "#9c755f", "#bab0ac", "#86bcb6", "#d37295"];
-const AGGREGATES = new Set(["total"]);  // sums of the others: not stacked
+const OTHER_COLOUR = "#d5d5d5";
+const AGGREGATES = new Set(["total"]);  // sums of the others: never drawn
+const TERMINAL = new Set(["committed", "failed", "cancelled", "interrupted"]);
 
 class AuthError extends Error {}
 
@@ -80,15 +103,38 @@ function stageSeconds(record, name) {
   return typeof seconds === "number" && Number.isFinite(seconds) ? seconds : undefined;
 }
 
+function stageInfo(name) {
+  return Object.hasOwn(STAGE_INFO, name) ? STAGE_INFO[name]
+    : "a stage this page does not know: drawn apart, not added to the stack";
+}
+
+// The stages the records have, in drawing order: the sequential ones first (stacked), then the others.
 function stageNames(records) {
   const seen = new Set();
   for (const r of records) for (const name of Object.keys(r.stages || {})) if (!AGGREGATES.has(name)) seen.add(name);
-  const known = STAGE_ORDER.filter((name) => seen.has(name));
-  return known.concat([...seen].filter((name) => !STAGE_ORDER.includes(name)).sort());
+  const known = SEQUENTIAL.concat(OVERLAPPING).filter((name) => seen.has(name));
+  return known.concat([...seen].filter((name) => !known.includes(name)).sort());
 }
 
+// The sum of the stacked (sequential) stages among names.
 function stagedSeconds(record, names) {
-  return names.reduce((sum, name) => sum + (stageSeconds(record, name) || 0), 0);
+  return names.filter((name) => SEQUENTIAL.includes(name))
+    .reduce((sum, name) => sum + (stageSeconds(record, name) || 0), 0);
+}
+
+// request→commit, as the demo's log and `ckpt-engine versions` say: from the request to the version's end (its
+// commit; for one that failed, its last update). Undefined while it is in flight.
+function requestToCommit(record) {
+  const end = typeof record.committed_at === "number" ? record.committed_at
+    : TERMINAL.has(record.status) && typeof record.updated_at === "number" ? record.updated_at : undefined;
+  const seconds = end !== undefined && typeof record.created_at === "number" ? end - record.created_at : undefined;
+  return Number.isFinite(seconds) && seconds >= 0 ? seconds : undefined;
+}
+
+// The rest of request→commit that no stacked stage accounts for (0 when unknown).
+function otherSeconds(record, names) {
+  const total = requestToCommit(record);
+  return total === undefined ? 0 : Math.max(0, total - stagedSeconds(record, names));
 }
 
 // Marks of one version besides its status: torn (a receiver's failed apply tore its model), repaired by vN
@@ -107,48 +153,81 @@ function marks(record, records) {
   return out;
 }
 
+function colourOf(name, names) {
+  return name === OTHER ? OTHER_COLOUR : PALETTE[names.indexOf(name) % PALETTE.length];
+}
+
+function titled(node, text) {
+  const title = svg("title", {});
+  title.textContent = text;
+  node.append(title);
+  return node;
+}
+
+// One bar: the sequential stages stacked, then "other" up to request→commit; under it one thin line per
+// overlapping stage, from the left, to the same scale.
 function stageBar(record, names, widest) {
-  const width = 320, height = 14;
-  const bar = svg("svg", {width, height, class: "bar", role: "img"});
+  const width = 320, height = 12, lane = 5;
+  const stacked = names.filter((n) => SEQUENTIAL.includes(n) && stageSeconds(record, n));
+  const apart = names.filter((n) => !SEQUENTIAL.includes(n) && stageSeconds(record, n));
+  const bar = svg("svg", {width, height: height + 2 + lane * apart.length, class: "bar", role: "img"});
+  const scale = (seconds) => Math.max(1, (seconds / widest) * width);
   let x = 0;
-  names.forEach((name, i) => {
-    const seconds = stageSeconds(record, name);
-    if (!seconds) return;
-    const w = Math.max(1, (seconds / widest) * width);
-    const rect = svg("rect", {x, y: 0, width: w, height, fill: PALETTE[i % PALETTE.length], "data-stage": name});
-    const title = svg("title", {});
-    title.textContent = `${name} ${ms(seconds)}`;
-    rect.append(title);
-    bar.append(rect);
+  for (const name of stacked.concat(otherSeconds(record, names) > 0 ? [OTHER] : [])) {
+    const seconds = name === OTHER ? otherSeconds(record, names) : stageSeconds(record, name);
+    const w = scale(seconds);
+    bar.append(titled(svg("rect", {x, y: 0, width: w, height, fill: colourOf(name, names), "data-stage": name,
+      "data-kind": name === OTHER ? "other" : "stacked", "data-seconds": seconds}),
+    `${name} ${ms(seconds)}: ${stageInfo(name)}`));
     x += w;
+  }
+  apart.forEach((name, i) => {
+    const seconds = stageSeconds(record, name);
+    bar.append(titled(svg("rect", {x: 0, y: height + 2 + lane * i, width: scale(seconds), height: lane - 2,
+      fill: colourOf(name, names), "data-stage": name, "data-kind": "overlapping", "data-seconds": seconds}),
+    `${name} ${ms(seconds)}, beside or inside the stacked stages (not added to them): ${stageInfo(name)}`));
   });
   return bar;
 }
 
-function renderLegend(names) {
+function renderLegend(names, withOther) {
   const legend = document.getElementById("legend");
-  const swatch = (i) => {  // an SVG fill, not a style attribute: the page's CSP allows no inline styles
+  const swatch = (name, thin) => {  // an SVG fill, not a style attribute: the page's CSP allows no inline styles
     const box = svg("svg", {width: 10, height: 10});
-    box.append(svg("rect", {width: 10, height: 10, fill: PALETTE[i % PALETTE.length]}));
+    box.append(svg("rect", {y: thin ? 4 : 0, width: 10, height: thin ? 3 : 10, fill: colourOf(name, names)}));
     return box;
   };
-  legend.replaceChildren(...names.map((name, i) => el("span", {class: "key"}, swatch(i), name)));
+  const key = (name, thin) => el("span", {class: `key${thin ? " key-overlapping" : ""}`, title: stageInfo(name),
+    "data-stage": name}, swatch(name, thin), name);
+  const stacked = names.filter((n) => SEQUENTIAL.includes(n)).concat(withOther ? [OTHER] : []);
+  const apart = names.filter((n) => !SEQUENTIAL.includes(n));
+  legend.replaceChildren(el("span", {class: "legend-part"}, "stacked, one after another: "),
+    ...stacked.map((n) => key(n, false)),
+    ...(apart.length ? [el("span", {class: "legend-part"},
+      "lines under the bar, stages beside or inside those (not added): "), ...apart.map((n) => key(n, true))] : []));
 }
 
 function renderVersions(records) {
   const names = stageNames(records);
-  const widest = Math.max(1e-6, ...records.map((r) => stagedSeconds(r, names)));
-  renderLegend(names);
+  const widest = Math.max(1e-6, ...records.map((r) => Math.max(requestToCommit(r) || 0, stagedSeconds(r, names),
+    ...names.map((n) => stageSeconds(r, n) || 0))));
+  renderLegend(names, records.some((r) => otherSeconds(r, names) > 0));
   const rows = records.map((r) => {
     const extra = marks(r, records);
-    const stages = names.filter((n) => stageSeconds(r, n)).map((n) => `${n} ${ms(stageSeconds(r, n))}`).join(", ");
+    const shown = names.filter((n) => stageSeconds(r, n));
+    const other = otherSeconds(r, names);
+    const stages = shown.filter((n) => SEQUENTIAL.includes(n)).map((n) => `${n} ${ms(stageSeconds(r, n))}`)
+      .concat(other > 0 ? [`${OTHER} ${ms(other)}`] : []).join(", ");
+    const apart = shown.filter((n) => !SEQUENTIAL.includes(n)).map((n) => `${n} ${ms(stageSeconds(r, n))}`).join(", ");
+    const text = stages + (apart ? ` | overlapping: ${apart}` : "");
+    const total = requestToCommit(r);
     return el("tr", {"data-version": r.id, "data-status": r.status, class: `status-${r.status}`},
       el("td", {}, `v${r.id}`),
       el("td", {}, el("span", {class: `pill status-${r.status}`}, r.status),
         ...extra.map((m) => el("span", {class: `mark mark-${m.split(" ")[0]}`}, m))),
       el("td", {}, r.purpose), el("td", {}, r.step ?? "-"), el("td", {}, r.owners), el("td", {}, mib(r.bytes)),
-      el("td", {class: "stages", title: stages}, stageBar(r, names, widest), el("span", {class: "stage-text"}, stages)),
-      el("td", {}, ms(stageSeconds(r, "total") ?? stagedSeconds(r, names))),
+      el("td", {class: "stages", title: text}, stageBar(r, names, widest), el("span", {class: "stage-text"}, text)),
+      el("td", {class: "total", "data-seconds": total ?? ""}, total === undefined ? "-" : ms(total)),
       el("td", {class: "reason"}, r.reason || ""));
   });
   document.querySelector("#versions tbody").replaceChildren(...rows);
@@ -176,10 +255,22 @@ function staging(s) {
     .filter(Boolean).join(" ");
 }
 
+// The rule of server/decisions/views.py quorum_ranks: each receiver's rank in the newest version that had it in its
+// quorum, the N of "receiver N" in reasons and in `ckpt-engine version` (a Map, as above).
+function quorumRanks(records) {
+  const found = new Map();
+  for (const r of records) for (const e of r.receivers || []) {
+    if (e.agent_id && Number.isInteger(e.rank) && !found.has(e.agent_id)) found.set(e.agent_id, `${e.rank} (v${r.id})`);
+  }
+  return found;
+}
+
 function renderReceivers(agents, records) {
   const errors = lastErrors(records);
+  const seats = quorumRanks(records);
   const rows = agents.filter((a) => a.role === "receiver").map((a) => el("tr", {"data-agent": a.agent_id, "data-state": a.state},
-    el("td", {}, a.agent_id), el("td", {}, a.rank), el("td", {}, a.engine || ""), el("td", {}, `${a.host}:${a.pid}`),
+    el("td", {}, a.agent_id), el("td", {}, seats.get(a.agent_id) || "-"), el("td", {}, a.engine || "-"),
+    el("td", {}, `${a.host}:${a.pid}`),
     el("td", {}, el("span", {class: `pill state-${a.state}`}, a.state)),
     el("td", {}, a.serving === null ? "-" : `v${a.serving}`), el("td", {}, lag(a)),
     el("td", {}, staging(a.last_staging)),

@@ -111,7 +111,11 @@ def test_verl_syncs_are_daemon_versions_with_history_and_a_rollback_reaches_the_
         # workers served before them (the rollback's source) was never evicted to make room: with keep_versions
         # 2 it is still there to repair or roll back to; a failed one cannot be pushed.
         assert http.get("/status").json()["torn"] == []
-        if mode == "cached":
+        if mode == "cached":  # (the daemon asks the actor ranks to drop each version as it ends: a round trip)
+            deadline = time.monotonic() + 60
+            while (http.get("/status").json()["cache_versions"] != [versions[0], version]
+                   and time.monotonic() < deadline):
+                time.sleep(0.2)
             status = http.get("/status").json()
             assert status["cache_versions"] == [versions[0], version], status
             assert versions[0] in status["cache_kept_for_repairs"], status

@@ -47,6 +47,50 @@ def model_weights(global_steps: int, changing: str | None = None) -> list[tuple[
     return out
 
 
+# a small Llama as vLLM's Llama-family models load it (checkpoint names of transformers' LlamaForCausalLM): 4 query
+# heads over 2 KV heads, a vocabulary of 200 (vLLM pads it to 256: TP rank 0 keeps rows 0-127, rank 1 128-199)
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "vocab_size": 200,
+         "num_hidden_layers": 2, "tie_word_embeddings": False, "torch_dtype": "float32"}
+
+
+def llama_weights(global_steps: int) -> list[tuple[str, torch.Tensor]]:
+    """What an actor's generator yields for a sync of the LLAMA model: its full tensors, new values each step."""
+    c = LLAMA
+    hidden, width = c["hidden_size"], c["num_attention_heads"] * c["head_dim"]
+    kv = c["num_key_value_heads"] * c["head_dim"]
+    shapes = [("model.embed_tokens.weight", (c["vocab_size"], hidden))]
+    for layer in range(c["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}"
+        shapes += [(f"{prefix}.input_layernorm.weight", (hidden,)),
+                   (f"{prefix}.self_attn.q_proj.weight", (width, hidden)),
+                   (f"{prefix}.self_attn.k_proj.weight", (kv, hidden)),
+                   (f"{prefix}.self_attn.v_proj.weight", (kv, hidden)),
+                   (f"{prefix}.self_attn.o_proj.weight", (hidden, width)),
+                   (f"{prefix}.post_attention_layernorm.weight", (hidden,)),
+                   (f"{prefix}.mlp.gate_proj.weight", (c["intermediate_size"], hidden)),
+                   (f"{prefix}.mlp.up_proj.weight", (c["intermediate_size"], hidden)),
+                   (f"{prefix}.mlp.down_proj.weight", (hidden, c["intermediate_size"]))]
+    shapes += [("model.norm.weight", (hidden,)), ("lm_head.weight", (c["vocab_size"], hidden))]
+    gen = torch.Generator().manual_seed(2000 + global_steps)
+    return [(name, torch.randn(*shape, generator=gen)) for name, shape in shapes]
+
+
+def save_llama(directory) -> str:
+    """LLAMA's config.json and a safetensors checkpoint (step 0's weights) in ``directory``, as the rollout
+    loads a model: what a sharded rollout worker derives its slices from."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(LLAMA))
+    save_file(dict(llama_weights(0)), str(path / "model.safetensors"))
+    return str(path)
+
+
 def fingerprint(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, tuple[int, ...], str]]:
     """(name, dtype, shape, sha256 of the bytes) per tensor, in order: byte-exact comparison."""
     rows = []
@@ -85,6 +129,9 @@ def worker(role: str, rank: int, engine_kwargs: dict[str, Any], how: str, comman
            results: mp.Queue) -> None:
     """One actor rank or rollout worker: runs the driver's commands on its engine until told to stop."""
     try:
+        import os
+
+        os.environ["RANK"] = str(rank)  # (verl's worker groups give every worker its rank so)
         engine = _construct(role, rank, engine_kwargs, how)
         corrupt = {"bucket": None}
         side = engine.side  # (the actor's or the rollout worker's: backend.py)
@@ -106,7 +153,8 @@ def worker(role: str, rank: int, engine_kwargs: dict[str, Any], how: str, comman
                 value = engine.finalize()
             elif command == "send":
                 corrupt["bucket"] = args.get("corrupt_bucket")
-                weights = model_weights(args["global_steps"], args.get("changing"))
+                weights = (llama_weights(args["global_steps"]) if args.get("model") == "llama"
+                           else model_weights(args["global_steps"], args.get("changing")))
                 metrics = asyncio.run(engine.send_weights(iter(weights), global_steps=args["global_steps"]))
                 value = {"metrics": metrics, "sent": fingerprint(weights)}
             elif command == "receive":
@@ -135,7 +183,14 @@ async def _receive(engine, global_steps: int, stop_after: int | None = None) -> 
                 break
     except Exception as exc:  # noqa: BLE001 - what verl's adapter would see, for the test to check
         return {"raised": f"{type(exc).__name__}: {exc}", "yielded": len(got)}
-    return {"received": fingerprint(got), "version": engine.side.last_version}
+    shards = getattr(engine.side, "shards", None)
+    if shards is not None:  # sharded: the ranges this worker keeps of each full tensor it was handed
+        from ckpt_engine.plan.shards import cut, spec_to_wire
+
+        ranges = [(name, cut(tensor, shards.spec[name][0]) if name in shards.spec else tensor) for name, tensor in got]
+        return {"received": fingerprint(ranges), "shapes": [tuple(t.shape) for _, t in got],
+                "spec": spec_to_wire(shards.spec), "bytes": engine.side.last_bytes, "version": engine.side.last_version}
+    return {"received": fingerprint(got), "version": engine.side.last_version, "bytes": engine.side.last_bytes}
 
 
 class Cluster:
@@ -172,7 +227,7 @@ class Cluster:
 
     def update_weights(self, global_steps: int, corrupt: tuple[int, int] | None = None,
                        stop_after: dict[int, int] | None = None, changing: str | None = None,
-                       after_init: Callable[[], None] | None = None) -> dict[str, Any]:
+                       after_init: Callable[[], None] | None = None, model: str | None = None) -> dict[str, Any]:
         """One sync as CheckpointEngineManager.update_weights runs it. ``corrupt``: (actor rank, bucket) whose
         bytes that actor flips on the wire; ``stop_after``: rollout rank -> tensors its loader reads."""
         from ckpt_engine.workers.adapters.verl.backend import CkptEngineCheckpointEngine
@@ -190,7 +245,7 @@ class Cluster:
             return {"metadata": metadata, "inits": inits, "init_s": time.monotonic() - started}
         if after_init is not None:  # (what happens between the manager's steps: a test's fault)
             after_init()
-        sends = [{"global_steps": global_steps, "changing": changing,
+        sends = [{"global_steps": global_steps, "changing": changing, "model": model,
                   "corrupt_bucket": corrupt[1] if corrupt and corrupt[0] == r else None} for r in range(self.actors)]
         for i, (role, rank) in enumerate(self.roles):  # send and receive together, as the manager does
             receive = {"global_steps": global_steps, "stop_after": (stop_after or {}).get(rank)}

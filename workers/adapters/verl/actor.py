@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from ckpt_engine.workers.trainer_agent import evict
 
+from ckpt_engine.config import EngineConfig
 from ckpt_engine.errors import CkptEngineError, ConfigError
-from ckpt_engine.send.publisher import Ownership, Publisher
+from ckpt_engine.knobs import Settled, settle
+from ckpt_engine.send.publisher import Ownership, Publisher, Route
 from ckpt_engine.send.sender import Transfer, TransferResult, WireHook
 from ckpt_engine.transport.group import bounded, serve_store, wait_for_key
 
@@ -42,6 +44,7 @@ class VerlActor(VerlSync):
         self._server: Any = None  # the rendezvous store actor rank 0 serves during a sync
         self._publisher: Publisher | None = None
         self._wire_hook: WireHook | None = None  # fault injection for tests (the library's own hook)
+        self._overrides_logged: set[str] = set()  # actor rank 0: knob overrides logged (once each)
 
     def prepare(self) -> dict[str, Any]:
         if not self.is_master:
@@ -82,7 +85,8 @@ class VerlActor(VerlSync):
             self._agent.report(version, "snapshotting", step=step)  # verl's global_steps become the version's step
         started = time.perf_counter()
         publisher = self._publisher_for()
-        publisher.attach(self._groups[0], owners_group=self._owners_group)
+        if not self._lanes:  # (sharded: every class on its own groups, the route's lanes)
+            publisher.attach(self._groups[0], owners_group=self._owners_group)
         weights = iter(weights)
         try:
             transfer, kept = self._publish(publisher, weights, topology, step)
@@ -122,18 +126,23 @@ class VerlActor(VerlSync):
             drain(weights)
             return publisher.publish(version, source_version=topology["source_version"],
                                      ownership=Ownership(rank, actors), expected_digest=topology["expected_digest"],
-                                     keep=topology["keep"]), 0
+                                     keep=topology["keep"], route=self._route()), 0
         named, kept = collect_owned(weights, rank=rank, ranks=actors, bucket_size=self.bucket_size)
         agree = self._agree(rank, actors) if self.sparse and actors > 1 else None
         transfer = publisher.publish(version, named, mode=self.mode, step=step,  # type: ignore[arg-type]
                                      ownership=Ownership(rank, actors), sparse=self.sparse, agree=agree,
                                      sparse_base=topology["sparse_base"] if self.sparse else None,
-                                     keep=topology["keep"])
+                                     keep=topology["keep"], route=self._route(), sharded=bool(self._lanes))
         return transfer, kept  # (the kept tensors: snapshotted, or read for bypass_cpu, by now)
+
+    def _route(self) -> Callable[[], Route] | None:
+        """A sharded sync's: each class of rollout workers on its groups (None: the attached group)."""
+        lanes = self._lanes
+        return (lambda: Route(None, {}, None, lanes)) if lanes else None
 
     def _abort(self, publisher: Publisher, version: int, reason: str) -> None:
         try:
-            publisher.abort_before_start(version, reason)
+            publisher.abort_before_start(version, reason, self._route())
         except CkptEngineError as exc:  # the rollout workers then fall back on their own timeout
             log.warning("could not tell the rollout workers that version %d is abandoned: %s", version, exc)
         if self._agent is not None:
@@ -147,17 +156,19 @@ class VerlActor(VerlSync):
             if receivers is None:  # (no daemon: the cache keeps the last version every worker took)
                 sync: dict[str, Any] = {"version": self._versions,
                                         "keep": [self.last_version] if self.last_version is not None else []}
+                settled = settle(self.knobs, EngineConfig())  # (the deployment's defaults where verl sets none)
             else:
                 agent = self._daemon("trainer", 0, actors)  # (registered within the daemon bound)
                 deadline = time.monotonic() + self._daemon_s
                 # the last sync's outcome first: it goes on another connection, which a daemon that was stalled
                 # may read after this one (the last version would be superseded with its outcome on the way)
                 agent.flush_reports(max(deadline - time.monotonic(), 0.0))
-                record = agent.open_version(receivers, bypass_cpu=self.bypass_cpu, deadline=deadline,
+                record = agent.open_version(receivers, knobs=self.knobs, deadline=deadline,
                                             limit_s=min(3 * self.timeout_s + self.load_timeout_s, _MAX_WAIT_S))
                 sync = {"version": int(record["id"]), "source_version": record.get("source_version"),
                         "expected_digest": record.get("expected_digest"), "keep": record.get("keep") or []}
                 self._open = sync["version"]
+                settled = Settled.from_wire(record.get("knobs") or {})  # the daemon settled them (its YAML's)
                 if sync["source_version"] is not None and record.get("owners") != actors:
                     raise ConfigError(f"version {sync['source_version']} was cached by {record.get('owners')} actor "
                                       f"ranks, this job has {actors}: it cannot be sent again")
@@ -166,6 +177,11 @@ class VerlActor(VerlSync):
             self._abandon_open(str(exc))
             store.set(_ANNOUNCEMENT, json.dumps({"error": str(exc)}))
             raise
+        for line in settled.overrides:  # once each (the version's record says it every time)
+            if line not in self._overrides_logged:
+                self._overrides_logged.add(line)
+                log.warning("%s: %s", BACKEND, line)
+        sync["knobs"] = settled.to_wire()
         sync["drop"], self._failed = self._failed, []
         store.set(_ANNOUNCEMENT, json.dumps(sync))
         return sync
@@ -250,12 +266,23 @@ class VerlActor(VerlSync):
 
     # ---- internals -------------------------------------------------------------------------------------
     def _publisher_for(self) -> Publisher:
-        if self._publisher is None:
-            self._publisher = Publisher(device=self.device, bucket_size=self.bucket_size,
-                                        keep_versions=self.keep_versions, timeout_s=self.timeout_s,
-                                        ack_timeout_s=self.timeout_s + self.load_timeout_s,
-                                        wire_hook=self._wire_hook, on_stage=self._on_stage)
-        return self._publisher
+        """This rank's publisher, for this sync's bucket size and keep_versions (a daemon restarted with other
+        values changes them: another bucket size starts the cache afresh)."""
+        publisher = self._publisher
+        if publisher is not None and publisher.bucket_size != self.bucket_size:
+            log.warning("%s: the bucket size changed from %d to %d bytes; the cached versions %s are dropped",
+                        BACKEND, publisher.bucket_size, self.bucket_size, publisher.cache.versions())
+            publisher.forget()
+            publisher.close()
+            publisher = self._publisher = None  # (the daemon hears what the cache holds with this sync's report)
+        if publisher is None:
+            # with a daemon, it drops each version as it ends: a failed one never costs a committed one its place
+            publisher = self._publisher = Publisher(
+                device=self.device, bucket_size=self.bucket_size, keep_versions=self.keep_versions,
+                timeout_s=self.timeout_s, ack_timeout_s=self.timeout_s + self.load_timeout_s,
+                wire_hook=self._wire_hook, on_stage=self._on_stage, external_trim=self.endpoint is not None)
+        publisher.cache.keep_versions = self.keep_versions
+        return publisher
 
     def _close_store(self) -> None:
         self._server = None  # the TCPStore server stops when its last reference goes

@@ -24,8 +24,11 @@ class CkptEngineCheckpointEngine(CheckpointEngine):
     wire_format = VerlSync.wire_format
 
     def __init__(self, bucket_size: int, is_master: bool | None = None, **engine_kwargs: Any) -> None:
-        self.side: VerlActor | VerlRollout = (VerlActor(bucket_size, bool(is_master), **engine_kwargs)
-                                              if is_master is not None else VerlRollout(bucket_size, **engine_kwargs))
+        # verl always passes a bucket size; its own default (update_weights_bucket_megabytes unset) is left to the
+        # deployment, as every knob verl leaves unset (ckpt_engine/knobs.py)
+        given = None if bucket_size == _verl_default_bucket_size() else bucket_size
+        self.side: VerlActor | VerlRollout = (VerlActor(given, bool(is_master), **engine_kwargs)
+                                              if is_master is not None else VerlRollout(given, **engine_kwargs))
 
     def prepare(self) -> dict[str, Any]:
         return self.side.prepare()
@@ -50,3 +53,16 @@ class CkptEngineCheckpointEngine(CheckpointEngine):
 
     def close(self) -> None:
         self.side.close()
+
+
+def _verl_default_bucket_size() -> int | None:
+    """verl's default ``update_weights_bucket_megabytes``, in bytes as verl passes it (None: not found)."""
+    from dataclasses import MISSING, fields
+
+    try:
+        from verl.workers.config.rollout import CheckpointEngineConfig
+    except ImportError:  # (another verl: then every bucket size counts as set)
+        return None
+    default = next((f.default for f in fields(CheckpointEngineConfig) if f.name == "update_weights_bucket_megabytes"),
+                   MISSING)
+    return int(default) << 20 if isinstance(default, int) else None

@@ -50,7 +50,9 @@ class VerlAgent(Agent):
 
     def __init__(self, role: str, endpoint: str, *, rank: int = 0, credentials: str | None = None,
                  device: DeviceInfo | None = None, trainer_ranks: int | None = None,
-                 publisher: Callable[[], Publisher | None] = lambda: None, timeout_s: float = 10.0) -> None:
+                 publisher: Callable[[], Publisher | None] = lambda: None, timeout_s: float = 10.0,
+                 shard_spec: dict | None = None) -> None:
+        """``shard_spec``: a rollout worker's (wire form), when it receives only its TP rank's slices."""
         if role not in ("trainer", "receiver"):
             raise CkptEngineError(f"a verl agent is a trainer or a receiver, not {role!r}")
         self.role = role
@@ -58,6 +60,7 @@ class VerlAgent(Agent):
         self._publisher = publisher
         self.serving: int | None = None  # receivers: the version verl's loader took last
         self.credentials = credentials
+        self.shard_spec = shard_spec
         super().__init__(endpoint, rank=rank, device=device, request_timeout_s=timeout_s)
         # A sync's own requests go on a client of their own: the shared one may be held by a report retrying
         # on a daemon that is gone (up to the request timeout each), and a sync must fail within its bound.
@@ -102,7 +105,8 @@ class VerlAgent(Agent):
 
     def register_extra(self) -> dict:
         ranks = {"trainer_ranks": self.trainer_ranks} if self.role == "trainer" and self.rank == 0 else {}
-        return {"framework": FRAMEWORK, **ranks}
+        spec = {"shard_spec": self.shard_spec} if self.role == "receiver" and self.shard_spec else {}
+        return {"framework": FRAMEWORK, **ranks, **spec}
 
     def versions_held(self) -> list[int]:
         if self.role == "receiver":
@@ -126,12 +130,13 @@ class VerlAgent(Agent):
             log.warning("verl agent: ignoring a %s assignment for version %d", assignment.kind, assignment.version)
 
     # ---- the daemon's side of one verl sync --------------------------------------------------------------
-    def open_version(self, receivers: list[str], *, bypass_cpu: bool, limit_s: float,
+    def open_version(self, receivers: list[str], *, knobs: dict[str, Any], limit_s: float,
                      deadline: float) -> dict[str, Any]:
         """Actor rank 0: the daemon's version for this sync (its record: id, source_version for a queued
-        rollback, owners), by ``deadline``; ``limit_s``: how long the daemon gives it (this sync's own
-        timeouts). A daemon that restarted since this rank registered: registers again and asks once more."""
-        body = {"receivers": receivers, "bypass_cpu": bypass_cpu, "limit_s": limit_s}
+        rollback, owners, and ``knobs``: what the sync runs with, verl's ``knobs`` settled against the daemon's
+        deployment), by ``deadline``; ``limit_s``: how long the daemon gives it (this sync's own timeouts). A
+        daemon that restarted since this rank registered: registers again and asks once more."""
+        body = {"receivers": receivers, "knobs": knobs, "limit_s": limit_s}
         for attempt in (1, 2):
             opener = self.agent_id
             try:

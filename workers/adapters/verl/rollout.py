@@ -14,11 +14,15 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.errors import ApplyRefused, CkptEngineError
+from ckpt_engine.workers.adapters.vllm.shards import placed_items
+
 from ckpt_engine.device import synchronize
+from ckpt_engine.errors import ApplyRefused, CkptEngineError
+from ckpt_engine.plan.shards import spec_to_wire
 from ckpt_engine.receive.assembly import VersionAssembler, VersionPayload
 from ckpt_engine.receive.collective import Receiver, ReceiveResult
 
+from .shards import WorkerShards, tp_rank_of_this_worker, worker_shards
 from .sync import _PEER, BACKEND, VerificationFailed, VerlSync
 
 log = logging.getLogger(__name__)
@@ -29,14 +33,32 @@ class VerlRollout(VerlSync):
         super().__init__(bucket_size, None, **options)
         self._assembler: VersionAssembler | None = None
         self._handoff = _Handoff(self.load_timeout_s)
+        self.shards: WorkerShards | None = None  # sharded: this worker's TP rank's slices (shards.py)
+        self.last_bytes = 0  # what the last version brought this worker (its class's bytes, when sharded)
+        self._shards()  # (a model it cannot slice is refused as verl builds the backend)
 
     def prepare(self) -> dict[str, Any]:
+        shards = self._shards()
         # the daemon knows this worker by its agent id (build_topology passes it on)
         held = self._assembler.manifest if self._assembler is not None else None
         # (checked with the daemon: after a restart the id held is unknown there, and verl names it)
         agent_id = (self._daemon("receiver", 0).current_id(time.monotonic() + min(self._daemon_s, 5.0))
                     if self.endpoint else None)
-        return {"role": _PEER, "agent_id": agent_id, "holds": held.version if held is not None else None}
+        return {"role": _PEER, "agent_id": agent_id, "holds": held.version if held is not None else None,
+                "shard": spec_to_wire(shards.spec) if shards is not None else None}
+
+    def _shards(self) -> WorkerShards | None:
+        options = self.options
+        if options.sharded and self.shards is None:  # derived once: the model and the TP rank do not change
+            size = options.tensor_parallel_size or 1
+            self.shards = worker_shards(options.model_path or "", tp_rank_of_this_worker(size), size)
+            log.info("%s: TP rank %d of %d keeps slices of %d tensors (%d whole)", BACKEND, self.shards.tp_rank,
+                     size, len(self.shards.spec), len(self.shards.whole))
+        return self.shards
+
+    def _shard_wire(self) -> dict | None:
+        shards = self._shards()
+        return spec_to_wire(shards.spec) if shards is not None else None
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Yields the version's (name, tensor) once verified: staged, all of it after the whole version
@@ -71,11 +93,11 @@ class VerlRollout(VerlSync):
     async def _handed(self, payload: VersionPayload) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """The payload's tensors; a streamed one read off the event loop (each step receives and verifies)."""
         if not payload.streamed:
-            for name, tensor in payload.tensors.items():
+            for name, tensor in self._placed(iter(payload.tensors.items()), payload):
                 yield name, tensor
             self._settle()
             return
-        items = payload.items()
+        items = self._placed(payload.items(), payload)
         while True:
             try:
                 item = await asyncio.to_thread(_next_or_none, items)
@@ -86,6 +108,14 @@ class VerlRollout(VerlSync):
                 return
             yield item
             self._settle()  # verl's copy out of this bucket is done before the stream may let it go
+
+    def _placed(self, items: Iterator[tuple[str, torch.Tensor]],
+                payload: VersionPayload) -> Iterator[tuple[str, torch.Tensor]]:
+        """Sharded: each piece at its place in a tensor of the checkpoint's full shape, under the checkpoint's
+        name (vLLM's loaders read this rank's range of it, as from a checkpoint file; the rest is never read)."""
+        if self.shards is None:
+            return items
+        return placed_items(items, self.shards.shapes, payload.aliases)
 
     def _settle(self) -> None:
         if self.device.kind != "cpu":
@@ -99,6 +129,10 @@ class VerlRollout(VerlSync):
         except Exception as exc:  # told like any other failure: the daemon must not wait for this worker
             log.exception("version %d: receiving failed", version)
             result = ReceiveResult(version, False, f"{type(exc).__name__}: {exc}")
+        self.last_bytes = result.bytes_received if result.ok else 0
+        if result.staging is not None:  # what verl's loader was given, and why (also in the daemon's record)
+            log.info("version %d: staging %s (policy %s: %s)", version, result.staging, self.staging,
+                     result.staging_why)
         if self._agent is not None:  # said before verl goes on: the history holds it when verl's sync ends
             self._agent.received(version, result)
             self._agent.flush_reports(self._report_wait_s)
@@ -107,7 +141,10 @@ class VerlRollout(VerlSync):
     def _assembler_for(self) -> VersionAssembler:
         if self._assembler is None:  # kept across syncs: staging and the version held carry over
             self._assembler = VersionAssembler(self.device, self._handoff.load, staging=self.staging, streams=True)
-        return self._assembler
+        assembler, settled = self._assembler, self.settled  # (this sync's staging policy: verl's, or the daemon's)
+        assembler.staging, assembler.staging_share, assembler.budget = (settled.staging, settled.staging_share,
+                                                                        settled.staging_budget)
+        return assembler
 
 
 def _outcome(version: int, result: ReceiveResult | None) -> ReceiveResult:

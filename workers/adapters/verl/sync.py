@@ -31,31 +31,30 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import os
-import re
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import torch
 
+from ckpt_engine.config import EngineConfig
 from ckpt_engine.device import DeviceInfo, detect_device
 from ckpt_engine.errors import CkptEngineError, ConfigError, SyncTimeoutError
-from ckpt_engine.plan.modes import STAGINGS, Staging, check_sparse, mode_of
+from ckpt_engine.knobs import Settled, check_knobs, settle
+from ckpt_engine.plan.modes import Staging
+from ckpt_engine.plan.shards import spec_from_wire, spec_key, spec_to_wire
+from ckpt_engine.send.classes import Lane
 from ckpt_engine.send.publisher import Publisher
 from ckpt_engine.transport.group import SyncGroup, open_store, owner_part, wait_for_key
 
 from .daemon import VerlAgent
+from .options import BACKEND, MAX_WAIT_S, WHERE, VerlOptions
 
 log = logging.getLogger(__name__)
-BACKEND = "ckpt_engine"
 _MASTER, _PEER = "master", "peer"
 _ANNOUNCEMENT = "ckpt-engine/verl/version"  # on actor rank 0's store: this sync's version (or why none)
 _CHANGES = "ckpt-engine/verl/changes"  # sparse versions: each actor rank's change flags
 _DAEMON_WAIT_S = 30.0  # at most, per step of a sync that asks the daemon (registering, opening its version)
 _REPORT_WAIT_S = 30.0  # how long an outcome may take to reach the daemon (it retries with backoff meanwhile)
-_KNOWN = ("bypass_cpu", "sparse", "staging", "host", "device", "timeout_s", "load_timeout_s", "keep_versions", "group_name", "endpoint",
-          "credentials")
 
 
 class VerificationFailed(CkptEngineError):
@@ -74,45 +73,7 @@ def _node_address() -> str:
     return "127.0.0.1"
 
 
-_MAX_WAIT_S = 7 * 86400.0
-
-
-_MIN_WAIT_S = 1.0  # below this a sync cannot even rendezvous
-_MAX_KEEP = 1024  # (the daemon's own keep_versions bound)
-
-
-def _seconds(name: str, value: object) -> float:
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or not _MIN_WAIT_S <= value <= _MAX_WAIT_S):
-        raise ConfigError(f"engine_kwargs.{BACKEND}.{name} must be a number of seconds from {_MIN_WAIT_S:.0f} to "
-                          f"{_MAX_WAIT_S:.0f}, got {value!r}")
-    return float(value)
-
-
-def _check_names(host: object, group_name: object, keep_versions: object) -> None:
-    if host is not None and not (isinstance(host, str) and re.fullmatch(r"[^\s*]{1,253}", host)):
-        raise ConfigError(f"engine_kwargs.{BACKEND}.host must be a host name or address the other verl processes "
-                          f"reach actor rank 0 at, got {host!r}")
-    if not (isinstance(group_name, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", group_name)):
-        raise ConfigError(f"engine_kwargs.{BACKEND}.group_name must be 1 to 64 letters, digits, '_', '.' or '-', "
-                          f"got {group_name!r}")
-    if (isinstance(keep_versions, bool) or not isinstance(keep_versions, int)
-            or not 1 <= keep_versions <= _MAX_KEEP):
-        raise ConfigError(f"engine_kwargs.{BACKEND}.keep_versions must be an int from 1 to {_MAX_KEEP}, got "
-                          f"{keep_versions!r}")
-
-
-def _check_daemon(endpoint: object, credentials: object) -> None:
-    if endpoint is None:
-        return
-    # (a host to connect to: a bind wildcard such as * names none)
-    match = re.fullmatch(r"tcp://([^:/\s*]+|\[[0-9a-fA-F:]+\]):(\d{1,5})", endpoint) if isinstance(endpoint, str) else None
-    if match is None or not 0 < int(match.group(2)) < 65536:
-        raise ConfigError(f"engine_kwargs.{BACKEND}.endpoint must be the daemon's zmq endpoint, tcp://host:port, got "
-                          f"{endpoint!r}")
-    if credentials is not None and (not isinstance(credentials, str) or not os.path.isfile(credentials)):
-        raise ConfigError(f"engine_kwargs.{BACKEND}.credentials: {credentials!r} is not a file this process can see "
-                          "(the daemon's credentials file; each process takes its role's token from it)")
+_MAX_WAIT_S = MAX_WAIT_S
 
 
 class VerlSync:
@@ -122,60 +83,53 @@ class VerlSync:
 
     wire_format = "named_tensors"  # verl's adapters get (name, tensor) pairs
 
-    def __init__(self, bucket_size: int, is_master: bool | None = None, *, bypass_cpu: bool = False,
-                 sparse: bool = False, staging: str = "auto", host: str | None = None, device: str = "auto", timeout_s: float = 120.0,
-                 load_timeout_s: float = 600.0, keep_versions: int = 1, group_name: str = "verl",
-                 endpoint: str | None = None, credentials: str | None = None, **unknown: Any) -> None:
-        """``bucket_size`` is verl's (``update_weights_bucket_megabytes``); ``is_master`` verl gives actor ranks
-        only (True on rank 0): without it this is a rollout worker. The rest are ``engine_kwargs.ckpt_engine``:
+    def __init__(self, bucket_size: int | None, is_master: bool | None = None, **options: Any) -> None:
+        """``bucket_size``: verl's (``update_weights_bucket_megabytes``; None: verl's default, left to the
+        deployment, see backend.py); ``is_master`` verl gives actor ranks only (True on rank 0): without it this
+        is a rollout worker. ``options`` are ``engine_kwargs.ckpt_engine`` (options.py ``VerlOptions``):
         ``bypass_cpu`` (mode), ``sparse`` (send only the tensors that changed since the version every rollout
-        worker holds; cached mode), ``staging`` (how a rollout worker holds a version before verl's loader
-        gets it: auto, device, host or stream; see docs/workers.md), ``host`` (where actor rank 0 serves the rendezvous; default this node's Ray
+        worker holds; cached mode), ``staging`` (how a rollout worker holds a version before verl's loader gets
+        it: auto, device, host or stream; see docs/workers.md) and ``keep_versions`` (cached versions kept in
+        host memory on each actor rank): unset, the daemon's (or the deployment's default; ckpt_engine/knobs.py
+        decides each sync's values); ``host`` (where actor rank 0 serves the rendezvous; default this node's Ray
         address), ``device`` (auto: cuda/npu/cpu), ``timeout_s`` (every wait of the transfer),
-        ``load_timeout_s`` (how long verl's loader may take to consume a version), ``keep_versions`` (cached
-        versions kept in host memory on each actor rank), ``endpoint`` (a ckpt-engine daemon's control endpoint,
-        ``tcp://host:port``) and ``credentials`` (the daemon's credentials file as these processes see it: each
-        takes its role's token, trainer on actor ranks and rollout on rollout workers; default
-        ``$CKPT_ENGINE_TOKEN``, else ``$CKPT_ENGINE_CREDENTIALS``, else ~/.ckpt-engine/credentials.json)."""
-        if unknown:
-            raise ConfigError(f"unknown engine_kwargs.{BACKEND} option(s) {sorted(unknown)}; known: "
-                              f"{', '.join(_KNOWN)}")
-        _check_daemon(endpoint, credentials)
-        if device not in ("auto", "cpu", "cuda", "npu"):
-            raise ConfigError(f"engine_kwargs.{BACKEND}.device must be one of auto, cpu, cuda, npu; got {device!r}")
-        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
+        ``load_timeout_s`` (how long verl's loader may take to consume a version), ``endpoint`` (a ckpt-engine
+        daemon's control endpoint, ``tcp://host:port``), ``credentials`` (the daemon's credentials file as these
+        processes see it: each takes its role's token, trainer on actor ranks and rollout on rollout workers;
+        default ``$CKPT_ENGINE_TOKEN``, else ``$CKPT_ENGINE_CREDENTIALS``, else ~/.ckpt-engine/credentials.json)
+        and ``sharded`` with ``tensor_parallel_size`` and ``model_path`` (rollout workers receive only the
+        slices their TP rank keeps: shards.py)."""
+        if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(bucket_size, int)
+                                        or bucket_size <= 0):
             raise ConfigError(f"bucket_size must be a positive int, got {bucket_size!r}")
-        if not isinstance(bypass_cpu, bool):
-            raise ConfigError(f"engine_kwargs.{BACKEND}.bypass_cpu must be true or false, got {bypass_cpu!r}")
-        _check_names(host, group_name, keep_versions)
-        self.bucket_size = bucket_size
+        self.options = VerlOptions.parse(options)
+        # the knobs verl set (the rest are the daemon's, or the deployment's defaults): settled every sync
+        self.knobs: dict[str, Any] = {**self.options.knobs,
+                                      **({"bucket_size_mb": bucket_size / (1 << 20)} if bucket_size else {})}
+        check_knobs(self.knobs, WHERE)  # (the bucket size as the deployment's bucket_size_mb is checked)
         self.is_master = bool(is_master)
         self.is_actor = is_master is not None
-        self.endpoint, self.credentials = endpoint, credentials
+        self.endpoint, self.credentials = self.options.endpoint, self.options.credentials
         self._agent: VerlAgent | None = None
-        self.bypass_cpu, self.mode = bypass_cpu, mode_of(bypass_cpu)
-        if not isinstance(sparse, bool):
-            raise ConfigError(f"engine_kwargs.{BACKEND}.sparse must be true or false, got {sparse!r}")
-        try:
-            check_sparse(mode_of(bypass_cpu), sparse)
-        except ConfigError as exc:
-            raise ConfigError(f"engine_kwargs.{BACKEND}: {exc}") from None
-        self.sparse = sparse
-        if staging not in STAGINGS:
-            raise ConfigError(f"engine_kwargs.{BACKEND}.staging must be one of {', '.join(STAGINGS)}, got {staging!r}")
-        self.staging: Staging = staging  # type: ignore[assignment]
-        self.host = host
-        self.device_name = device
-        self.timeout_s = _seconds("timeout_s", timeout_s)
-        self.load_timeout_s = _seconds("load_timeout_s", load_timeout_s)
-        self.keep_versions = keep_versions
-        self.group_name = group_name
+        self._take_knobs(settle(self.knobs, EngineConfig()))  # until a sync says otherwise
+        self.host = self.options.host
+        self.device_name = self.options.device
+        self.timeout_s, self.load_timeout_s = self.options.timeout_s, self.options.load_timeout_s
+        self.group_name = self.options.group_name
         self._device: DeviceInfo | None = None
         self._store: Any = None
         self._topology: dict[str, Any] | None = None
         self._groups: list[SyncGroup] = []
         self._owners_group: SyncGroup | None = None
+        self._lanes: tuple[Lane, ...] = ()  # a sharded sync's classes (actor ranks)
         self.last_version: int | None = None
+
+    def _take_knobs(self, settled: Settled) -> None:
+        """This sync's knobs (ckpt_engine/knobs.py: verl's over the daemon's), on every rank and worker alike."""
+        self.settled = settled
+        self.bypass_cpu, self.mode, self.sparse = settled.bypass_cpu, settled.mode, settled.sparse
+        self.staging: Staging = settled.staging
+        self.bucket_size, self.keep_versions = settled.bucket_size, settled.keep_versions
 
     @property
     def _report_wait_s(self) -> float:
@@ -215,7 +169,8 @@ class VerlSync:
         held = {meta.get("holds") if isinstance(meta, dict) else None for meta in metadata[actors:]}
         common: dict[str, Any] = {"host": master["host"], "port": master["port"], "actors": actors,
                                   "rollouts": rollouts, "receivers": agent_ids if all(agent_ids) else None,
-                                  "sparse_base": held.pop() if len(held) == 1 else None}
+                                  "sparse_base": held.pop() if len(held) == 1 else None,
+                                  "classes": _classes(metadata[actors:])}
         actor_kwargs: dict[str, list] = {"role": ["actor"] * actors, "rank": list(range(actors)),
                         **{key: [value] * actors for key, value in common.items()}}
         rollout_kwargs: dict[str, list] = {"role": ["rollout"] * rollouts, "rank": list(range(rollouts)),
@@ -223,7 +178,10 @@ class VerlSync:
         return actor_kwargs, rollout_kwargs
 
     def init_process_group(self, *, role: str, rank: int, host: str, port: int, actors: int, rollouts: int,
-                           receivers: list[str] | None = None, sparse_base: int | None = None) -> None:
+                           receivers: list[str] | None = None, sparse_base: int | None = None,
+                           classes: list[dict[str, Any]] | None = None) -> None:
+        """``classes``: with sharded rollout workers, the workers with one shard spec each (build_topology):
+        every actor rank sends each class only its pieces, on a group of its own with the class's workers."""
         if role not in ("actor", "rollout"):
             raise ConfigError(f"unknown role {role!r}")
         if self.is_master != (role == "actor" and rank == 0) or self.is_actor != (role == "actor"):
@@ -236,16 +194,27 @@ class VerlSync:
         self._store = store
         sync = self._join(store, rank, receivers, actors)
         version = sync["version"]
+        try:
+            self._take_knobs(Settled.from_wire(sync["knobs"]))
+        except (KeyError, TypeError, ConfigError) as exc:
+            raise CkptEngineError(f"{BACKEND}: actor rank 0 announced no usable knobs for version {version}: "
+                                  f"{exc}") from None
         self._topology = {"role": role, "rank": rank, "version": version, "actors": actors, "rollouts": rollouts,
                           "source_version": sync.get("source_version"), "sparse_base": sparse_base,
                           "expected_digest": sync.get("expected_digest"), "keep": sync.get("keep") or []}
 
-        me = f"actor rank {rank}" if role == "actor" else f"rollout worker {rank}"
+        # (rollout worker r is rank 1 + r of every group, and so receiver 1 + r of the version: how the daemon's
+        # reasons, its page and the CLI name it)
+        me = f"actor rank {rank}" if role == "actor" else f"receiver {1 + rank} (verl rollout worker {rank})"
 
         def group(part: str, group_rank: int, size: int) -> SyncGroup:
             return SyncGroup(store, name=self.group_name, generation=version, rank=group_rank, world_size=size,
                              device=self.device, timeout_s=self.timeout_s, part=part, label=me)
 
+        self._lanes = ()
+        if classes:  # sharded: as below, per class (rollout r is its class's member k, rank k of the class's groups)
+            self._class_groups(group, role, rank, actors, classes)
+            return
         # Actor a is rank 0 of its own group; rollout r is rank 1 + r in every actor's group (in owner order,
         # which is the order every actor builds its own group before the owners group: no one waits in a circle).
         if role == "actor":
@@ -254,6 +223,26 @@ class VerlSync:
                 self._owners_group = group("owners/", rank, actors)
         else:
             self._groups = [group(owner_part(owner), 1 + rank, 1 + rollouts) for owner in range(actors)]
+
+    def _class_groups(self, group: Callable[[str, int, int], SyncGroup], role: str, rank: int, actors: int,
+                      classes: list[dict[str, Any]]) -> None:
+        """A sharded sync's groups: per class, every actor rank's group with the class's workers (the actor is rank
+        0, the class's k-th worker rank k) and, with several actor ranks, the class's owners' group. Actors build
+        theirs class by class, then the owners' groups; a worker its class's in owner order: no one waits in a
+        circle."""
+        parts = [f"class-{index}/" for index in range(len(classes))]
+        if role == "actor":
+            sends = [group(part + owner_part(rank), 0, 1 + len(c["members"])) for part, c in zip(parts, classes)]
+            owners = [group(part + "owners/", rank, actors) for part in parts] if actors > 1 else [None] * len(parts)
+            self._groups = sends + [g for g in owners if g is not None]
+            self._lanes = tuple(Lane(c["key"], spec_from_wire(c["spec"]), send, tuple(1 + m for m in c["members"]),
+                                     owners_group=owner) for c, send, owner in zip(classes, sends, owners))
+            return
+        index = next((i for i, c in enumerate(classes) if rank in c["members"]), None)
+        if index is None:
+            raise ConfigError(f"rollout worker {rank} is in none of this sync's classes")
+        seat, size = 1 + classes[index]["members"].index(rank), 1 + len(classes[index]["members"])
+        self._groups = [group(parts[index] + owner_part(owner), seat, size) for owner in range(actors)]
 
     def finalize(self) -> None:
         self._close_groups()
@@ -290,13 +279,17 @@ class VerlSync:
     def _cache_publisher(self) -> Publisher | None:
         return None
 
+    def _shard_wire(self) -> dict | None:
+        """A sharded rollout worker's spec (wire form), which it registers with the daemon."""
+        return None
+
     def _daemon(self, role: str, rank: int, ranks: int | None = None) -> VerlAgent:
         """This process's agent, registered with the daemon the first time it is needed."""
         if self._agent is None:
             self._agent = VerlAgent(role, self.endpoint or "", rank=rank, credentials=self.credentials,
                                     device=self.device,
                                     trainer_ranks=ranks, publisher=self._cache_publisher,
-                                    timeout_s=self._daemon_s).start()
+                                    timeout_s=self._daemon_s, shard_spec=self._shard_wire()).start()
         return self._agent
 
     def _open_rank_0_store(self, host: str, port: int) -> Any:
@@ -332,6 +325,21 @@ class VerlSync:
         for group in [*self._groups, *([self._owners_group] if self._owners_group is not None else [])]:
             group.close()
         self._groups, self._owners_group = [], None
+
+
+def _classes(rollouts: list[Any]) -> list[dict[str, Any]] | None:
+    """The rollout workers grouped by the shard spec each declared in prepare (in rank order of their first
+    member, as the daemon groups them: decisions/classes.py); None when none declared one (every worker takes
+    the whole version). Workers without a spec are the class of whole tensors."""
+    shards = [meta.get("shard") if isinstance(meta, dict) else None for meta in rollouts]
+    if not any(shards):
+        return None
+    grouped: dict[str, dict[str, Any]] = {}
+    for rank, shard in enumerate(shards):
+        spec = spec_from_wire(shard) if shard else {}
+        key = spec_key(spec) if spec else "whole"
+        grouped.setdefault(key, {"key": key, "spec": spec_to_wire(spec), "members": []})["members"].append(rank)
+    return list(grouped.values())
 
 
 def _step(global_steps: int | None) -> int | None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from ckpt_engine.workers.adapters.vllm.quiet import not_applied
 from ckpt_engine.workers.adapters.vllm.shards import worker_shards
 from ckpt_engine.workers.adapters.vllm.worker import (
     WorkerReceiver,
@@ -114,7 +115,9 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
             staged.finish(update_info.version, exc)
             self._applying = None
             reset_reload(self.model, self.model_config)
-            raise
+            if not isinstance(exc, Exception):
+                raise
+            raise not_applied(exc, update_info.version) from exc  # reported: vLLM logs it in one line (quiet.py)
 
     def finish_weight_update(self) -> None:
         version, self._applying = self._applying, None
@@ -124,6 +127,8 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
         except BaseException as exc:
             if version is not None:
                 staged.finish(version, exc)
+                if isinstance(exc, Exception):
+                    raise not_applied(exc, version) from exc
             raise
         if version is not None:
             staged.finish(version)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+from ckpt_engine.workers.adapters.vllm.quiet import not_applied
 from ckpt_engine.workers.adapters.vllm.shards import worker_shards
 from ckpt_engine.workers.adapters.vllm.worker import (
     WorkerReceiver,
@@ -72,7 +73,9 @@ class CkptEngineWorkerExtension:
             except BaseException as exc:  # the model may hold a mix now: torn until a whole version is applied
                 staged.finish(version, exc)
                 reset_reload(model, model_config)
-                raise
+                if not isinstance(exc, Exception):
+                    raise
+                raise not_applied(exc, version) from exc  # reported: vLLM logs it in one line (quiet.py)
         staged.finish(version)
         self._ckpt_engine_version = version
         return version

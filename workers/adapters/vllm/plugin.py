@@ -7,7 +7,10 @@ BACKEND = "ckpt_engine"
 
 
 def register() -> None:
+    from ckpt_engine.workers.adapters.vllm.quiet import install
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    install()  # vLLM's log lines every sync causes and that say nothing wrong (quiet.py)
 
     try:
         WeightTransferEngineFactory.register_engine(BACKEND, "ckpt_engine.workers.adapters.vllm.backend",

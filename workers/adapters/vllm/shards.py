@@ -154,27 +154,40 @@ def _slice(layer: torch.nn.Module, leaf: str, shard_id: object | None, tensor: T
     method = type(getattr(layer, "quant_method", None)).__name__
     if method not in ("NoneType", "UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
         return f"quantized ({method})"
-    if not isinstance(layer, (VocabParallelEmbedding, ColumnParallelLinear, RowParallelLinear)):
+    kinds = ((VocabParallelEmbedding, "vocab"), (QKVParallelLinear, "qkv"), (MergedColumnParallelLinear, "merged"),
+             (ColumnParallelLinear, "column"), (RowParallelLinear, "row"))
+    kind = next((name for cls, name in kinds if isinstance(layer, cls)), None)
+    if kind is None:
         return f"{type(layer).__name__}: replicated on every rank"
+    return layer_range(kind, layer, leaf, shard_id, tensor)
+
+
+def layer_range(kind: str, layer: object, leaf: str, shard_id: object | None, tensor: TensorSpec) -> Slice | str:
+    """This TP rank's range of checkpoint ``tensor`` for the parameter ``leaf`` of a parallel layer of ``kind``
+    (vocab, qkv, merged, column or row: vLLM's VocabParallelEmbedding / ParallelLMHead, QKVParallelLinear,
+    MergedColumnParallelLinear, ColumnParallelLinear, RowParallelLinear), read from the attributes such a layer
+    has: a live one, or one computed as its constructor computes them (verl's rollout workers, which hold no
+    vLLM model: workers/adapters/verl/shards.py). Or why it is kept whole."""
     tp_rank, tp_size = getattr(layer, "tp_rank", 0), getattr(layer, "tp_size", 1)
     if tp_size == 1:
         return "tensor parallel size 1"
-    if isinstance(layer, VocabParallelEmbedding):
+    if kind == "vocab":
         return _vocab(layer, tensor)
-    if isinstance(layer, QKVParallelLinear):
+    if kind == "qkv":
         return _qkv(layer, shard_id, tensor, tp_rank)
-    if isinstance(layer, MergedColumnParallelLinear):
-        if not isinstance(shard_id, int) or not 0 <= shard_id < len(layer.output_sizes):
+    if kind == "merged":
+        sizes = layer.output_sizes  # type: ignore[attr-defined]
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(sizes):
             return f"merged shard id {shard_id!r} unknown"
-        size = layer.output_sizes[shard_id] // tp_size
-        return _checked(tensor, layer.output_sizes[shard_id], 0, tp_rank * size, size)
-    if isinstance(layer, ColumnParallelLinear):
-        size = layer.output_size_per_partition
+        size = sizes[shard_id] // tp_size
+        return _checked(tensor, sizes[shard_id], 0, tp_rank * size, size)
+    if kind == "column":
+        size = layer.output_size_per_partition  # type: ignore[attr-defined]
         return _checked(tensor, size * tp_size, 0, tp_rank * size, size)
-    if isinstance(layer, RowParallelLinear):
+    if kind == "row":
         if leaf == "bias" or len(tensor.shape) < 2:
             return "a row-parallel bias (every rank adds it whole)"
-        size = layer.input_size_per_partition
+        size = layer.input_size_per_partition  # type: ignore[attr-defined]
         return _checked(tensor, size * tp_size, 1, tp_rank * size, size)
     return f"{type(layer).__name__}: no rule for it"
 

@@ -52,6 +52,9 @@ class WorkerReceiver:
 
     def __init__(self, settings: WorkerSettings, device: torch.device, shard_spec: ShardSpec | None = None) -> None:
         """``shard_spec``: the slices of checkpoint tensors this worker keeps (a TP rank: ``derive_spec``)."""
+        from ckpt_engine.workers.adapters.vllm.quiet import install
+
+        install()  # (also where vLLM's plugins are not loaded: the worker extension)
         self.settings = settings
         self.whole = WholeVersions()
         self.staged = StagedVersion(on_staged=self._on_staged, take_timeout_s=settings.take_timeout_s,
@@ -160,8 +163,11 @@ def end_reload(model: torch.nn.Module, model_config: Any) -> None:
 def reset_reload(model: torch.nn.Module, model_config: Any) -> None:
     """After a load that failed part way: end the reload anyway, so no layer keeps buffered weights of the
     failed version for the next one (the model is torn regardless; a whole version repairs it)."""
+    from ckpt_engine.workers.adapters.vllm.quiet import resetting
+
     try:
-        end_reload(model, model_config)
+        with resetting():  # vLLM warns for every layer the failed version had not reached: expected here
+            end_reload(model, model_config)
     except Exception as exc:  # the original failure is what gets reported
         log.warning("closing the failed reload: %s: %s", type(exc).__name__, exc)
 
