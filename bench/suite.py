@@ -588,9 +588,9 @@ def gpu_check_section(gpu: dict | None, sections: list[str]) -> list[str]:
         status = (f"The GPU figures of this report (section {number}) were measured on "
                   f"{gpu['devices']['count']} × {', '.join(sorted(set(gpu['devices']['names'])))}.")
     else:
-        status = ("**No GPU figures in this report**: it was generated without CUDA. The CUDA path (NCCL, pinned "
-                  "cache, device digests, CUDA IPC, bypass_cpu device fills) is still to be measured with the "
-                  "command below.")
+        status = ("**No GPU figures in this report**: it was generated without CUDA. The GPU runs on record, with "
+                  "the command that measured each figure, are in [gpu-runs.md](gpu-runs.md); a new one is made "
+                  "with the command below.")
     return [
         "## GPU check",
         "",
@@ -637,8 +637,8 @@ def gpu_check_section(gpu: dict | None, sections: list[str]) -> list[str]:
         'verified and acknowledged) the bytes; both sides hand them to a no-op. The table gives time, GB/s and the '
         "per-round ratio ours ÷ theirs (below 1 is faster; the issue's target is ≤ 0.9), their `update` alone, and "
         'the device digest rate. Their package is used only through its public API; nothing of it is copied into '
-        "ours. **It has not run on a GPU yet**: the CUDA-only parts were written from the 0.4.2 wheel's `ps.py` "
-        'and `worker.py` and are tested here only as a dry run and a CPU skip.',
+        "ours. It ran on an H200 on 2026-11-27 (docs/gpu-runs.md); the CUDA-only parts were written from the 0.4.2 wheel's `ps.py` "
+        'and `worker.py`; here they are tested only as a dry run and a CPU skip.',
         "",
         "To put a GPU machine's figures into this file, regenerate it with that run's results merged in: "
         "`ckpt-engine bench --merge-json OUTDIR/gpu-bench.json` (or `--from-json` of an earlier run plus "
