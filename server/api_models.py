@@ -88,6 +88,8 @@ class AgentOut(_Out):
     whole_versions: bool = Field(False, description="its engine takes whole versions only (vLLM): never sent sparse")
     joins_next: bool | None = Field(None, description="receivers: it would be in the next regular version now (not "
                                                       "waiting for a catch-up or repair, not benched, heartbeating)")
+    waits_because: str | None = Field(None, description="receivers not in the next regular version: why (silent, "
+                                                         "benched, waiting for a catch-up, a newcomer's turn ...)")
 
 
 class AgentList(_Out):

@@ -174,8 +174,16 @@ class Controller:
         with self._lock:
             now = self.clock()
             regular = {r.agent_id for r in self._candidates(now)}
-            return [{**a.public(now), **({"joins_next": a.agent_id in regular} if a.role == "receiver" else {})}
+            return [{**a.public(now), **(self._joins_next(a, regular, now) if a.role == "receiver" else {})}
                     for a in self.agents.all()]
+
+    def _joins_next(self, receiver: Agent, regular: set[str], now: float) -> dict:
+        if receiver.agent_id in regular:
+            return {"joins_next": True, "waits_because": None}
+        gate = self.flights.gate
+        why = rules.why_out(receiver, self.agents.receivers(), self.agents.drivers(), now, self.heartbeat_s,
+                            self._repair_source, None if gate.admits(now) else gate.reason)
+        return {"joins_next": False, "waits_because": why}
 
     # ---- versions -----------------------------------------------------------------------------------
     def request_sync(self, request: SyncRequest) -> VersionRecord:
@@ -456,7 +464,7 @@ class Controller:
     def _candidates(self, now: float, *, regular: bool = True) -> list[Agent]:
         return rules.candidates(self.agents.receivers(), self.agents.drivers(), now, self.heartbeat_s,
                                 regular=regular, repair_source=self._repair_source,
-                                admit_new=self.flights.gate.admits(now))
+                                admit_new=self.flights.gate.admits(now), min_receivers=self.config.min_receivers)
 
     def _quorum_problem(self, trainer: Agent | None, receivers: list[Agent], now: float | None = None) -> str | None:
         now = self.clock() if now is None else now

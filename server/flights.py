@@ -20,7 +20,7 @@ from ckpt_engine.server.agents import Agent, AgentRegistry
 from ckpt_engine.server.cache_book import CacheBook
 from ckpt_engine.server.decisions.classes import NO_CLASSES, ClassPlan, expected_by_receiver, plan_lanes
 from ckpt_engine.server.decisions.commit import expected_digest, judge, staging_entry
-from ckpt_engine.server.decisions.newcomers import NewcomerGate
+from ckpt_engine.server.decisions.newcomers import NewcomerGate, blamed_for_rendezvous
 from ckpt_engine.server.decisions.policy import PLAIN, SyncPolicy
 from ckpt_engine.server.history import HistoryStore, VersionRecord
 from ckpt_engine.server.metrics import Metrics
@@ -52,6 +52,7 @@ class InFlight:
     done_at: float = 0.0
     owner_failures: dict[int, str] = field(default_factory=dict)  # other owner ranks' own failures, by rank
     classes: ClassPlan = NO_CLASSES  # a sharded version's receiver classes (none: a plain version)
+    remote: tuple[str, ...] = ()  # receivers on the version's sync groups (not colocated)
 
 
 class Flights:
@@ -109,7 +110,7 @@ class Flights:
             if receiver.driven and receiver.engine is not None:
                 engines.setdefault(receiver.engine, []).append(receiver.agent_id)
         self.current = InFlight(record.id, record.mode, trainer.agent_id, quorum, engines, purpose, self.clock(),
-                                classes=classes)
+                                classes=classes, remote=tuple(r.agent_id for r in remote))
         self.history.update(record.id, purpose=purpose, owners=owners, receivers=[
             {"rank": r, "agent_id": a, "transport": "ipc" if any(c.agent_id == a for c in colocated) else "collective",
              **({"shard_class": classes.key_of(a)} if classes.keys else {})}
@@ -305,8 +306,7 @@ class Flights:
             members = [a for a, key in flight.classes.keys.items() if key == unfit.key]
             self._bench(members, f"its shard spec does not fit version {flight.version}: "
                                          f"{(unfit.reason or '')[:500]}")
-        by_rank = {rank: agent_id for agent_id, rank in flight.quorum.items()}
-        absent = [by_rank[r] for r in done.absent_ranks if r in by_rank]
+        absent = self._blamed_for_rendezvous(flight, done)
         newcomers = [a for a in absent if (agent := self.agents.get(a)) is not None and not agent.model.proven]
         if newcomers and flight.purpose not in ("catch_up", "repair"):  # (a version of their own costs nobody)
             delay = self.gate.missed(self.clock(), f"receiver(s) {newcomers} never joined version {flight.version}")
@@ -320,6 +320,19 @@ class Flights:
                     self.gate.proved()
                 agent.model.proved()
         self._end(flight, outcome.status, done.bytes, outcome.stages)
+
+    def _blamed_for_rendezvous(self, flight: InFlight, done: Report) -> list[str]:
+        """Whom a sync group that did not form is laid at (decisions/newcomers.py ``blamed_for_rendezvous``):
+        the receivers the trainer names absent, weighed against who proved themselves."""
+        by_rank = {rank: agent_id for agent_id, rank in flight.quorum.items()}
+        named = [by_rank[r] for r in done.absent_ranks if r in by_rank]
+        if flight.classes.keys:
+            unformed = {c.key for c in done.classes if c.rendezvous_failed}
+            members = [a for a in flight.remote if flight.classes.keys.get(a) in unformed]
+        else:
+            members = list(flight.remote) if done.rendezvous_failed else []
+        proven = {a for a in flight.quorum if (agent := self.agents.get(a)) is not None and agent.model.proven}
+        return blamed_for_rendezvous(named, members, proven)
 
     @staticmethod
     def _class_digests(flight: InFlight, done: Report) -> dict[str, str | None] | None:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from tests.daemon_harness import ROOT, free_port, start_daemon, write_config
 from tests.procs import start_processes
+from tests.test_elastic import wait_until
 from tests.tiny_lm import sharded_tiny_llama, tensor_bytes, tiny_llama
 
 pytestmark = pytest.mark.multiproc
@@ -19,7 +20,9 @@ PUSHES = {4: False, 9: True}  # step -> bypass_cpu
 
 
 def fsdp_trainer(rank: int, port: int, zmq: str, steps: int, pushes: dict[int, bool] = PUSHES,
-                 train_only_first_layer: bool = False) -> dict:
+                 train_only_first_layer: bool = False, meet: str | None = None) -> dict:
+    """``meet``: a folder; when done, the rank says so there (``idle<rank>``) and stays registered, its cache
+    held, until ``leave`` appears (the test reads the daemon's view of a live job meanwhile)."""
     from ckpt_engine.workers.trainer_agent import TrainerAgent
     from torch.distributed.tensor import DTensor
 
@@ -50,6 +53,13 @@ def fsdp_trainer(rank: int, port: int, zmq: str, steps: int, pushes: dict[int, b
                 served[step] = tensor_bytes(full)
     agent.wait_idle(60)
     held = agent.held_seconds
+    if meet is not None:
+        import time
+
+        (Path(meet) / f"idle{rank}").touch()
+        deadline = time.monotonic() + 240
+        while not (Path(meet) / "leave").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
     agent.close()
     dist.destroy_process_group()
     return {"served": served, "held": held, "gathered": agent.gathered}
@@ -98,10 +108,17 @@ def run_fsdp_job(tmp_path: Path, steps: int, pushes: dict[int, bool], train_only
 
             wait_for_agents(client, 2)
             port = free_port()
-            args = (daemon.zmq, steps, pushes, train_only_first_layer)
-            ranks = start_processes([(fsdp_trainer, (0, port, *args)), (fsdp_trainer, (1, port, *args))]).collect(240)
-            history = {v["step"]: v for v in client.get("/versions").json()["versions"]}
-            metrics = client.get("/metrics").text
+            meet = tmp_path / "meet"
+            meet.mkdir()
+            args = (daemon.zmq, steps, pushes, train_only_first_layer, str(meet))
+            job = start_processes([(fsdp_trainer, (0, port, *args)), (fsdp_trainer, (1, port, *args))])
+            try:  # (read while the job is registered: a rank that leaves takes its share of the cache with it)
+                wait_until(lambda: all((meet / f"idle{r}").exists() for r in (0, 1)), 240, "both ranks idle")
+                history = {v["step"]: v for v in client.get("/versions").json()["versions"]}
+                metrics = client.get("/metrics").text
+            finally:
+                (meet / "leave").touch()
+            ranks = job.collect(240)
     finally:
         stop_file.touch()
         rx = receivers.collect(120)
@@ -151,8 +168,8 @@ def test_fsdp2_sparse_versions_gather_only_what_changed(tmp_path: Path) -> None:
     assert ranks[0]["served"][4] != ranks[0]["served"][6]
     cache_bytes = float(next(line.split()[-1] for line in metrics.splitlines()
                              if line.startswith("ckpt_engine_cache_bytes")))
-    # rank 0's cache: its share of the first version, and of what changed since (deltas that share the rest
-    # with it): unchanged tensors are held once
-    share = ranks[0]["gathered"][first["id"]]
-    deltas = sum(ranks[0]["gathered"][r["id"]] for r in later)
-    assert cache_bytes == share + deltas < 2 * share
+    # every rank's cache, summed: its share of the first version, and of what changed since (deltas that share
+    # the rest with it): unchanged tensors are held once
+    shares = sum(rank["gathered"][first["id"]] for rank in ranks)
+    deltas = sum(rank["gathered"][r["id"]] for rank in ranks for r in later)
+    assert cache_bytes == shares + deltas < 2 * shares

@@ -393,3 +393,132 @@ def test_a_discard_told_before_staging_holds_for_that_version_only() -> None:
     time.sleep(0.3)  # past its lifetime (the take timeout): version 5 of another history is not refused for it
     with pytest.raises(ApplyRefused, match="not applied within"):  # (nobody takes it: refused at the take timeout)
         staged.load(Payload(5))
+
+
+# ---- the third outside attack (after the fixes above) ------------------------------------------------------
+class FalseAddressMember(SilentMember):
+    """A registration that, in each group it is assigned, publishes its member key and a gloo address of its own
+    under its rank (the store takes any member's word), then never starts gloo: ``garbage`` bytes, or the
+    trainer's address with the port of a socket it holds that accepts and never speaks (``listener``)."""
+
+    def __init__(self, daemon, mode: str) -> None:
+        import socket
+
+        self.mode = mode
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self._held: list = []
+        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(daemon, announce=True)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self._held.append(conn)  # accepted, never answered
+
+    def _announce(self, assignment: dict) -> None:
+        import datetime
+        import json
+
+        import torch.distributed as dist
+
+        from ckpt_engine.transport.group import open_store, store_prefix
+
+        reply = self.agent.reply
+        store = open_store(reply["store_host"], reply["store_port"], timeout_s=60)
+        self._stores.append(store)
+        prefixed = dist.PrefixStore(store_prefix(reply["group_name"], assignment["generation"])
+                                    + assignment.get("part", ""), store)
+        rank = assignment["rank"]
+        prefixed.set(f"ckpt-member/{rank}", json.dumps({"host": "x", "pid": 1}).encode())
+        if self.mode == "garbage":
+            prefixed.set(f"0/{rank}", b"garbage")
+            return
+        prefixed.wait(["0/0"], datetime.timedelta(seconds=60))
+        address = bytearray(prefixed.get("0/0"))
+        address[20:22] = self.listener.getsockname()[1].to_bytes(2, "big")  # (sockaddr_in6 at 18: its port)
+        prefixed.set(f"0/{rank}", bytes(address))
+
+    def close(self) -> None:
+        super().close()
+        self.listener.close()
+
+
+@pytest.mark.parametrize("mode", ["garbage", "listener"])
+def test_a_false_gloo_address_costs_its_publisher_not_a_proven_receiver(tmp_path: Path, mode: str) -> None:
+    """(the third outside attack) A newcomer publishing a false gloo address under its own rank made every
+    version fail (garbage: at once, nobody named) or made the proven receiver look absent (listener: it was
+    benched) while the publisher stayed new. The store cannot tell who lies, so a group that did not form is laid
+    at the receivers that never proved themselves first."""
+    from tests.test_elastic import receiver as plain_receiver
+    from tests.test_torn_repair import versions_trainer
+
+    daemon = start_daemon(write_config(tmp_path, transport="collective", bypass_cpu=True, min_receivers=1,
+                                       timeouts=timeouts(connect_s=CONNECT_S)))
+    stop = tmp_path / "stop"
+    procs = start_processes([(versions_trainer, (daemon.zmq, str(stop))),
+                             (plain_receiver, (daemon.zmq, str(stop), 6))])
+    member = None
+    try:
+        with daemon.client() as http:
+            wait_until(lambda: len(agents_of(http)) == 2, what="registration")
+            healthy = next(a["agent_id"] for a in agents_of(http) if a["role"] == "receiver")
+            assert post_sync(http)["status"] == "committed"
+            member = FalseAddressMember(daemon, mode)
+            wait_until(lambda: len(agents_of(http)) == 3, what="the attacker's registration")
+            records = [post_sync(http) for _ in range(3)]
+            attacker = state_of(http, member.agent.agent_id)
+            assert attacker["unable"] is not None, (attacker, records)  # benched (maybe out again by now)
+            mine = state_of(http, healthy)
+            assert mine["unable"] is None and mine["proven"], (mine, records)  # never benched
+            assert records[-1]["status"] == "committed", records  # the attacker is out: versions go on
+    finally:
+        stop.touch()
+        if member is not None:
+            member.close()
+        procs.collect(120)
+
+
+def test_a_group_that_did_not_form_is_laid_at_the_unproven_first() -> None:
+    from ckpt_engine.server.decisions.newcomers import blamed_for_rendezvous
+
+    proven = {"p1", "p2"}
+    assert blamed_for_rendezvous(["n1"], ["p1", "n1"], proven) == ["n1"]  # named and new: only it
+    assert blamed_for_rendezvous(["p1", "n1"], ["p1", "n1"], proven) == ["n1"]  # a proven one named beside it
+    assert blamed_for_rendezvous(["p1"], ["p1", "n1", "n2"], proven) == ["n1", "n2"]  # a false address's work
+    assert blamed_for_rendezvous([], ["p1", "n1"], proven) == ["n1"]  # nobody named: the unproven
+    assert blamed_for_rendezvous(["p1"], ["p1", "p2"], proven) == ["p1"]  # only proven ones there: whom it names
+    assert blamed_for_rendezvous([], ["p1", "p2"], proven) == []
+
+
+def test_one_newcomer_joins_a_regular_version_at_a_time_fresh_ones_first() -> None:
+    """(the third outside attack) Silent registrations whose bench ran out came back into every version beside
+    a legitimate receiver that had restarted, failing it each time, while the gate grew."""
+    from ckpt_engine.server.decisions.quorum import few_newcomers
+    from tests.test_decisions import agent
+
+    proven = agent(serving=1)
+    old_attacker, restarted, fresh = agent(proven=False), agent(proven=False), agent(proven=False)
+    old_attacker.model.unable = "did not join the sync group of version 3"  # benched before, out again
+    assert few_newcomers([proven, old_attacker, restarted, fresh], 1) == [proven, restarted]
+    assert few_newcomers([proven, old_attacker, restarted, fresh], 3) == [proven, restarted, fresh]
+    assert few_newcomers([old_attacker, restarted], 1) == [old_attacker, restarted]  # nobody proven: all join
+    workers = [agent(proven=False, engine="e", driven=True, members=2) for _ in range(2)]
+    late = agent(proven=False)
+    assert few_newcomers([proven, *workers, late], 1) == [proven, *workers]  # an engine's workers: one newcomer
+
+
+def test_an_agent_cuts_its_reasons_before_sending() -> None:
+    """(the third outside attack) A 10 MB reason made a frame the daemon drops with its connection: the agent
+    was then dropped as silent. An engine's traceback can be that long."""
+    from ckpt_engine.control.messages import clip_reasons
+
+    body = clip_reasons({"reason": "x" * 10_000_000, "unable": "u" * 5000, "receivers": [{"rank": 1, "reason": "r" * 30_000}],
+                         "classes": [{"key": "k", "reason": None}], "version": 3})
+    assert len(body["reason"]) == 20_000 and len(body["unable"]) == 2000
+    assert len(body["receivers"][0]["reason"]) == 20_000 and body["classes"] == [{"key": "k", "reason": None}]
+    assert body["version"] == 3

@@ -20,7 +20,7 @@ from typing import Any
 
 from ckpt_engine.control.auth import Role, client_token
 from ckpt_engine.control.client import ControlClient, ControlReplyError, RequestAbandoned
-from ckpt_engine.control.messages import TERMINAL, Assignment, RegisterReply, longest_poll_wait
+from ckpt_engine.control.messages import TERMINAL, Assignment, RegisterReply, clip_reasons, longest_poll_wait
 from ckpt_engine.device import DeviceInfo, detect_device
 from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.retry import Backoff, FailureLog
@@ -148,7 +148,7 @@ class Agent:
     def report(self, version: int, event: str, **fields: Any) -> None:
         """Tell the daemon about progress, without waiting: reports are delivered in order by a background
         thread; one that cannot be delivered is logged, never raised."""
-        self._reports.put({**self._identity(), "version": version, "event": event, **fields})
+        self._reports.put(clip_reasons({**self._identity(), "version": version, "event": event, **fields}))
 
     def flush_reports(self, timeout_s: float) -> bool:
         """Wait until every queued report has been delivered (or given up on); False on timeout."""
@@ -397,9 +397,9 @@ class Agent:
         polled_as = self.agent_id
         try:
             unable = self.unable_now()
-            reply = poller.request("poll", {**self._identity(), "versions": self.versions_held(),
-                                            "wait_s": self.poll_wait_s, "received": self._received,
-                                            **({"unable": unable} if unable else {})})
+            body = {**self._identity(), "versions": self.versions_held(), "wait_s": self.poll_wait_s,
+                    "received": self._received, **({"unable": unable} if unable else {})}
+            reply = poller.request("poll", clip_reasons(body))
         except ControlReplyError as exc:
             self._poll_failures.failed(exc)
             if registration_lost(exc):

@@ -51,7 +51,7 @@ from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError, ReceiversAbsent, SyncTimeoutError, TrainerGroupError, absent_receivers
 from ckpt_engine.plan.modes import MODES
 from ckpt_engine.plan.tensors import NamedTensors, NameMap
-from ckpt_engine.ranks import QuorumRank, plain_seat
+from ckpt_engine.ranks import plain_seat
 from ckpt_engine.retry import Backoff, FailureLog
 from ckpt_engine.send.publisher import Ownership, Publisher, Route
 from ckpt_engine.send.sender import Transfer, TransferResult, WireHook
@@ -346,7 +346,7 @@ class TrainerAgent(Agent):
         except Exception as exc:  # every failure ends the version with a reason in history
             log.exception("version %d failed on the trainer", version)
             reason = f"{type(exc).__name__}: {exc}"
-            self._report_failure(version, reason, absent_receivers(exc))  # the report first: nothing waits on it
+            self._report_failure(version, reason, exc)  # the report first: nothing waits on it
             self._abort_before_start(assignment, reason)  # nothing went on the wire: release the receivers
         else:
             self.gathered[version] = transfer.gathered_bytes
@@ -384,7 +384,7 @@ class TrainerAgent(Agent):
             transfer = start()
         except Exception as exc:  # every failure ends the version with a reason in history
             log.exception("version %d failed on the trainer", version)
-            self._report_failure(version, f"{type(exc).__name__}: {exc}", absent_receivers(exc))
+            self._report_failure(version, f"{type(exc).__name__}: {exc}", exc)
             return
         self._current = transfer
         transfer.on_done(lambda result: self._report_result(result, held))
@@ -407,12 +407,13 @@ class TrainerAgent(Agent):
             return
         self.report(result.version, "done", **fields, group_broken=self.group_broken)
 
-    def _report_failure(self, version: int, reason: str, absent_ranks: list[QuorumRank] | None = None) -> None:
+    def _report_failure(self, version: int, reason: str, exc: BaseException | None = None) -> None:
+        """``exc``: what failed it; a sync group that did not form is said so, with whom it names absent."""
         publisher = self.publisher
         self.report(version, "done", ok=False, reason=reason,
                     cache_versions=publisher.cache.versions() if publisher else None,
-                    group_broken=self.group_broken,
-                    absent_ranks=absent_ranks or [])
+                    group_broken=self.group_broken, absent_ranks=absent_receivers(exc) if exc else [],
+                    rendezvous_failed=isinstance(exc, ReceiversAbsent))
 
     def _evict(self, version: int) -> None:
         evict(self, self._publisher(), version)
@@ -436,7 +437,8 @@ def done_fields(result: TransferResult, publisher: Publisher, held: float) -> di
                 buckets=result.buckets, tensors=result.tensors, tensors_skipped=result.tensors_skipped,
                 bytes_skipped=result.bytes_skipped, stages=stages,
                 receivers=[ack.model_dump() for ack in result.receivers], cache_versions=publisher.cache.versions(),
-                cache_bytes=publisher.cache.bytes_held, absent_ranks=result.absent_ranks, classes=result.classes)
+                cache_bytes=publisher.cache.bytes_held, absent_ranks=result.absent_ranks, classes=result.classes,
+                rendezvous_failed=result.rendezvous_failed)
 
 
 def evict(agent: Agent, publisher: Publisher, version: int) -> None:

@@ -53,8 +53,31 @@ def _clipped(limit: int):
 
 # Why something failed, as a peer tells it: a longer text is cut, never refused (a report refused for its reason's
 # length left a version in flight until its time limit, with nobody benched: issue 35)
-Reason = Annotated[Annotated[str, Field(max_length=20000)] | None, _clipped(20000)]
-ShortReason = Annotated[Annotated[str, Field(max_length=2000)] | None, _clipped(2000)]
+Reason = Annotated[Annotated[str, Field(max_length=20000)] | None, _clipped(20000)]  # (REASON_CHARS)
+ShortReason = Annotated[Annotated[str, Field(max_length=2000)] | None, _clipped(2000)]  # (SHORT_REASON_CHARS)
+
+
+REASON_CHARS, SHORT_REASON_CHARS = 20000, 2000
+
+
+def clip_text(value: str | None, limit: int) -> str | None:
+    """``value`` cut to ``limit`` characters (marked), as the daemon would cut it."""
+    return value[: limit - 3] + "..." if value is not None and len(value) > limit else value
+
+
+def clip_reasons(body: dict[str, Any]) -> dict[str, Any]:
+    """A report or poll body with its reasons cut to what the daemon keeps, before it is sent: a reason of
+    megabytes (an engine's traceback) would make a frame the daemon drops, connection and all."""
+    out = dict(body)
+    for key, limit in (("reason", REASON_CHARS), ("unable", SHORT_REASON_CHARS), ("staging_why", SHORT_REASON_CHARS)):
+        if isinstance(out.get(key), str):
+            out[key] = clip_text(out[key], limit)
+    for key in ("receivers", "classes"):
+        if isinstance(out.get(key), list):
+            out[key] = [{**item, "reason": clip_text(item["reason"], REASON_CHARS)}
+                        if isinstance(item, dict) and isinstance(item.get("reason"), str) else item
+                        for item in out[key]]
+    return out
 
 
 # (the validator after the bounds: it still runs first, and the bounds stay minimum/maximum in the JSON schema)
@@ -121,6 +144,7 @@ class ClassDone(BaseModel):
     version_digest: str | None = Field(None, max_length=64)  # over exactly the class's pieces
     bytes: Count = 0
     spec_unfit: bool = False  # the class's shard spec does not fit the version (its receivers' to fix)
+    rendezvous_failed: bool = False  # the class's sync group did not form
 
 
 class Register(_Body):
@@ -302,6 +326,8 @@ class Report(_Body):
     # Trainers: quorum ranks of the receivers that never joined the rendezvous (they are benched, not the others)
     absent_ranks: list[Annotated[QuorumRank, Field(ge=1, le=MAX_RANKS)]] = Field(default_factory=list,
                                                                                  max_length=MAX_RANKS)
+    # Trainers: the version's sync group did not form (whether or not anyone could be named absent)
+    rendezvous_failed: bool = False
     # Receivers and drivers: the model was changed part way and holds no whole version (a failed apply);
     # ``serving``: the version the model holds whole after this event (None: none, or unknown).
     torn: bool = False

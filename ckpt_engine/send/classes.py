@@ -265,7 +265,8 @@ class ClassSenders:
         except (ConfigError, ReceiversAbsent) as exc:  # (a spec that does not fit, or absent receivers: only
             self.abort(lane, label, str(exc))          # this class's receivers fail)
             result = _failed(label, str(exc), started)
-            result.classes = [{"spec_unfit": isinstance(exc, SpecUnfit)}]
+            result.classes = [{"spec_unfit": isinstance(exc, SpecUnfit),
+                               "rendezvous_failed": isinstance(exc, ReceiversAbsent)}]
         except Exception as exc:
             log.exception("version %d: sending class %s failed", label, lane.key)
             result = _failed(label, f"{type(exc).__name__}: {exc}", started)
@@ -273,6 +274,8 @@ class ClassSenders:
             if on_end is not None:
                 on_end()
         result.absent_ranks += lane.absent()
+        if result.rendezvous_failed and not result.classes:  # (its group formed, then never carried a frame)
+            result.classes = [{"spec_unfit": False, "rendezvous_failed": True}]
         results[lane.key] = result
 
     def _start_cached(self, lane: Lane, cached: CachedVersion, label: int, sparse_base: int | None) -> Transfer:
@@ -485,7 +488,9 @@ def _merged(version: int, identity: str | None, lanes: Sequence[Lane], results: 
         acks += result.receivers  # (in quorum ranks: each class's outlets seat them, see Sender ``seats``)
         absent += result.absent_ranks
         unfit = any(c.get("spec_unfit") for c in result.classes)
-        classes.append({"key": lane.key, "ok": result.ok, "reason": (result.reason or "")[:2000] or None, "spec_unfit": unfit,
+        unformed = any(c.get("rendezvous_failed") for c in result.classes)
+        classes.append({"key": lane.key, "ok": result.ok, "reason": (result.reason or "")[:2000] or None,
+                        "spec_unfit": unfit, "rendezvous_failed": unformed,
                         "version_digest": result.version_digest, "bytes": result.version_bytes or result.bytes_sent})
         if not result.ok:
             reasons.append(f"class {lane.key[:12]}: {result.reason}")

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from ckpt_engine.device import stream_synchronize
-from ckpt_engine.errors import CkptEngineError, ProtocolError, SyncTimeoutError
+from ckpt_engine.errors import CkptEngineError, ProtocolError, ReceiversAbsent, SyncTimeoutError
 from ckpt_engine.plan.layout import Bucket
 from ckpt_engine.ranks import GroupRank, QuorumRank, plain_seat
 from ckpt_engine.transport.framing import Channel, Frame, FrameKind
@@ -74,10 +74,17 @@ class CollectiveOutlet:
         self._version = version
         header = slim if self._layout_sent.digest == layout_digest else full()
         self._layout_sent.digest = None  # until the header went out whole
-        self.channel.group.ring()  # (its receivers wait for this, up to the version's limit: see SyncGroup.ring)
+        group = self.channel.group
+        group.ring()  # (its receivers wait for this, up to the version's limit: see SyncGroup.ring)
         self.channel.open = True
-        self.channel.frame(Frame(FrameKind.BEGIN, version, len(header), proto=proto), 0, "version begin")
-        self.channel.payload(header, len(header), "version header")
+        try:
+            self.channel.frame(Frame(FrameKind.BEGIN, version, len(header), proto=proto), 0, "version begin")
+            self.channel.payload(header, len(header), "version header")
+        except CkptEngineError as exc:
+            if group.carried:
+                raise
+            # its first collective: a member's false address (the store takes its word) looks like this too
+            raise ReceiversAbsent(f"the version's sync group never carried a frame: {exc}") from exc
         self._layout_sent.digest = layout_digest
 
     def reclaim(self, slot_index: int, k: int) -> None:

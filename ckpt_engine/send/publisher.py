@@ -18,7 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from ckpt_engine.device import DeviceInfo, DigestAlgo
-from ckpt_engine.errors import CacheError, CkptEngineError, ConfigError, TrainerGroupError, absent_receivers
+from ckpt_engine.errors import (
+    CacheError,
+    CkptEngineError,
+    ConfigError,
+    ReceiversAbsent,
+    TrainerGroupError,
+    absent_receivers,
+)
 from ckpt_engine.plan.changes import ChangeTracker
 from ckpt_engine.plan.hashing import warm_up
 from ckpt_engine.plan.layout import DEFAULT_ALIGNMENT, Bucket, Layout, plan_layout
@@ -361,7 +368,8 @@ class Publisher:
                 log.exception("version %d could not be sent", transfer.version)
                 result = TransferResult(transfer.version, transfer.mode, False, f"{type(exc).__name__}: {exc}", None,
                                         [], 0, 0, 0, finished_at=time.perf_counter(),
-                                        absent_ranks=absent_receivers(exc))
+                                        absent_ranks=absent_receivers(exc),
+                                        rendezvous_failed=isinstance(exc, ReceiversAbsent))
             transfer._finish(result)
 
         threading.Thread(target=run, name=f"ckpt-send-v{transfer.version}", daemon=True).start()

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.device import DeviceInfo, DigestAlgo, comm_empty, current_stream, new_stream, on_stream, set_current
-from ckpt_engine.errors import CkptEngineError, ConfigError, ProtocolError
+from ckpt_engine.errors import CkptEngineError, ConfigError, ProtocolError, ReceiversAbsent
 from ckpt_engine.plan.hashing import bucket_digests, version_digest
 from ckpt_engine.plan.layout import Layout
 from ckpt_engine.plan.owners import Owners
@@ -278,6 +278,8 @@ class Sender:
             record_identity(source, manifest)
         except CkptEngineError as exc:  # includes Aborted: receivers were told
             result.reason = str(exc)
+            if isinstance(exc, ReceiversAbsent):  # (its group never carried a frame: see CollectiveOutlet.begin)
+                result.rendezvous_failed = True
         except Exception as exc:  # a bug must still end the transfer with a reason, never leave it pending
             log.exception("version %d: unexpected error while sending", source.version)
             result.reason = f"internal error: {type(exc).__name__}: {exc}"

@@ -36,6 +36,7 @@ class TransferResult:
     bytes_skipped: int = 0  # sparse: their bytes
     base_version: int | None = None  # sparse: the version the receivers held
     absent_ranks: list[QuorumRank] = field(default_factory=list)  # receivers that never joined the rendezvous
+    rendezvous_failed: bool = False  # the version's sync group did not form (absent_ranks: whom it names)
     version_bytes: int = 0  # of the whole version on the wire (every owner's share), once all were sent
     # a sharded version: each class's outcome (key, ok, reason, version_digest of its pieces, bytes)
     classes: list[dict] = field(default_factory=list)

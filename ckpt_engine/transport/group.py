@@ -160,6 +160,9 @@ class SyncGroup:
         self.device = device
         self.timeout_s = timeout_s
         self.broken: str | None = None
+        # A collective went through: every member really joined (the store only says they announced themselves,
+        # and takes any member's word for its address)
+        self.carried = False
         connect_s = timeout_s if connect_timeout_s is None else connect_timeout_s
         self.part = part
         prefixed = dist.PrefixStore(prefix if prefix is not None else store_prefix(name, generation) + part, store)
@@ -215,6 +218,7 @@ class SyncGroup:
         limit = self.timeout_s if timeout_s is None else timeout_s
         try:
             work.wait(_td(limit))
+            self.carried = True
         except Exception as exc:
             text = str(exc)
             gone = "".join(f"; {who}" for who in gone_members(self._store, self.world_size, self.rank))

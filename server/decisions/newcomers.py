@@ -6,6 +6,7 @@ out a gate, longer each time until one proves itself; receivers that proved them
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from ckpt_engine.retry import Backoff
@@ -36,3 +37,16 @@ class NewcomerGate:
     def public(self, now: float) -> dict:
         return {"newcomers_held_for_s": round(max(0.0, self.closed_until - now), 3) if not self.admits(now) else 0.0,
                 "newcomers_held_because": self.reason if not self.admits(now) else None}
+
+
+def blamed_for_rendezvous(named: Sequence[str], members: Sequence[str], proven: Collection[str]) -> list[str]:
+    """Who is benched for a sync group that did not form. ``named``: whom the trainer saw absent; ``members``: the
+    receivers of the groups that did not form; ``proven``: those that took a whole version under their
+    registration. The store a group forms in takes any member's word (a member can publish a false address, and
+    so make a proven peer look absent), so the unproven are suspected first: the named ones, or else every
+    unproven member; proven receivers only when no unproven one was there."""
+    named_new = [a for a in named if a not in proven]
+    if named_new:
+        return named_new
+    members_new = [a for a in members if a not in proven]
+    return members_new or list(named)

@@ -41,17 +41,40 @@ def needs_catch_up(receiver: Agent, pool: Sequence[Agent]) -> bool:
 
 
 def candidates(receivers: Sequence[Agent], drivers: Mapping[str, Agent], now: float, heartbeat_s: float, *,
-               regular: bool, repair_source: RepairSource, admit_new: bool = True) -> list[Agent]:
+               regular: bool, repair_source: RepairSource, admit_new: bool = True, min_receivers: int = 1) -> list[Agent]:
     """Receivers that can be put into a quorum now (``regular``: of a regular version, which leaves out the
-    ones a catch-up can bring a version first, and, unless ``admit_new``, those that never proved themselves:
-    see decisions/newcomers.py)."""
+    ones a catch-up can bring a version first, and, unless ``admit_new``, those that never proved themselves;
+    of those, only as many newcomers as ``few_newcomers`` lets in: see decisions/newcomers.py)."""
     ready = [r for r in receivers if heard(r, now, heartbeat_s) and r.model.able(now) and r.framework is None]
     whole = [r for r in ready if not r.driven or engine_ready(r, ready, drivers.get(r.engine or ""), now,
                                                               heartbeat_s)]
     if not regular:
         return whole
-    return [r for r in whole if not (needs_catch_up(r, whole) and repair_source(r) is not None)
-            and (admit_new or r.model.proven)]
+    regular_ones = [r for r in whole if not (needs_catch_up(r, whole) and repair_source(r) is not None)
+                    and (admit_new or r.model.proven)]
+    return few_newcomers(regular_ones, min_receivers)
+
+
+def _newcomer_unit(receiver: Agent) -> str:
+    """What joins as one: a driven engine's workers together, else the receiver alone."""
+    return f"engine {receiver.engine}" if receiver.driven and receiver.engine else receiver.agent_id
+
+
+def few_newcomers(receivers: Sequence[Agent], min_receivers: int) -> list[Agent]:
+    """``receivers`` with at most as many newcomers (receivers that have not proved themselves under their
+    registration; an engine's workers count as one) as a version needs besides the proven ones to reach
+    ``min_receivers``, and at least one: a newcomer that never joins then costs one version, not every one.
+    With no proven receiver (a fresh deployment) every newcomer joins. Fresh registrations go first, then those
+    benched before, each in registration order."""
+    proven = [r for r in receivers if r.model.proven]
+    if not proven:
+        return list(receivers)
+    order: list[str] = []
+    for r in sorted((r for r in receivers if not r.model.proven), key=lambda r: (r.model.unable is not None, r.seq)):
+        if _newcomer_unit(r) not in order:
+            order.append(_newcomer_unit(r))
+    admitted = set(order[: max(1, min_receivers - len(proven))])
+    return [r for r in receivers if r.model.proven or _newcomer_unit(r) in admitted]
 
 
 def why_out(receiver: Agent, receivers: Sequence[Agent], drivers: Mapping[str, Agent], now: float,
@@ -77,6 +100,8 @@ def why_out(receiver: Agent, receivers: Sequence[Agent], drivers: Mapping[str, A
         return "new here: it takes a version of its own from the cache first (catch-up)"
     if held_new is not None and not model.proven:
         return f"new here, and newcomers are held back for now: {held_new}"
+    if not model.proven:
+        return "new here: it joins a regular version when its turn comes (one newcomer per version)"
     return f"not due (sync_every {receiver.sync_every})"
 
 

@@ -81,6 +81,7 @@ class Trial:
     sync_body: dict
     fault_after_s: float
     stall_s: float = 0.0
+    health_limit_s: float = HEALTH_LIMIT_S  # the slowest /health a trial accepts
     in_flight: int | None = None
     in_flight_status: str = "none"  # of the version the fault hit: committed / failed / cancelled / none
     in_flight_reason: str | None = None
@@ -403,7 +404,7 @@ def _slow_control(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
                 worst = max(worst, time.monotonic() - began)
                 time.sleep(0.1)
             trial.waits.append(("slowest /health", round(worst, 3)))
-            if worst > HEALTH_LIMIT_S:
+            if worst > trial.health_limit_s:
                 trial.violations.append(f"/health took {worst:.2f}s while requests waited on the trainer")
     finally:
         cluster.signal("trainer0", signal.SIGCONT)
@@ -688,7 +689,10 @@ def warm_up(cluster: Cluster) -> float:
     raise RuntimeError("warm-up syncs did not commit")
 
 
-def run(trials: int, per_cluster: int, seed: int, workdir: Path, log=print) -> list[Trial]:
+def run(trials: int, per_cluster: int, seed: int, workdir: Path, log=print,
+        health_limit_s: float = HEALTH_LIMIT_S) -> list[Trial]:
+    """``health_limit_s``: the slowest /health accepted while requests wait on a stopped trainer (the probe's
+    1 s by default; the test suite, on shared loaded machines, allows more)."""
     rng = random.Random(seed)
     results: list[Trial] = []
     faults = [FAULTS[i % len(FAULTS)] for i in range(trials)]
@@ -705,6 +709,7 @@ def run(trials: int, per_cluster: int, seed: int, workdir: Path, log=print) -> l
             log(f"cluster {cluster_index}: {receivers} receivers, transport {transport}, sync {typical:.2f}s")
             for _ in range(min(per_cluster, trials - len(results))):
                 trial = plan_trial(len(results), rng, faults[len(results)], cluster, typical)
+                trial.health_limit_s = health_limit_s
                 run_trial(cluster, trial, rng)
                 results.append(trial)
                 log(_line(trial))
