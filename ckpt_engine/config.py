@@ -5,13 +5,14 @@ time that name the key, never surprises later."""
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import os
 import re
 import socket
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -290,8 +291,34 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> E
     return parse_config(data, source=" + ".join([str(path), *sources]))
 
 
+# The project's other CKPT_ENGINE_ variables (the CLI's and agents', the digest's, the scripts'): never overrides
+OTHER_VARIABLES = frozenset(ENV_PREFIX + name for name in (
+    "TOKEN", "CREDENTIALS", "URL", "ENDPOINT", "AGENT_ENDPOINT", "DIGEST_KERNEL", "VLLM_TRACEBACKS", "VENV",
+    "ENGINES_VENV", "TOOLS_VENV", "VERL_VENV", "TORCH", "VERL", "VLLM"))
+
+
+def _misnamed_overrides(environ: Mapping[str, str], names: Collection[str]) -> list[str]:
+    """``CKPT_ENGINE_`` variables that look like a config key's override but name none (a typo would otherwise
+    be ignored while the same typo in the YAML is refused): nested (``__``) ones, and those close to a key's
+    name. The prefix is shared with other settings (the CLI's, the scripts'), which are left alone."""
+    out = []
+    for name in environ:
+        if not name.startswith(ENV_PREFIX) or name in names or name in OTHER_VARIABLES:
+            continue
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.85)
+        if "__" in name or close:
+            out.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    return sorted(out)
+
+
 def apply_env_overrides(data: dict, environ: Mapping[str, str]) -> list[str]:
-    """Overlay environment variables that name a config key; returns the variables used."""
+    """Overlay environment variables that name a config key; returns the variables used. One that looks like an
+    override but names no key is an error, as an unknown key in the file is."""
+    names = {ENV_PREFIX + dotted.replace(".", "__").upper(): dotted for dotted in _key_paths(EngineConfig)}
+    misnamed = _misnamed_overrides(environ, names)
+    if misnamed:
+        raise ConfigError(f"environment: {', '.join(misnamed)}: no such config key (overrides are "
+                          f"{ENV_PREFIX}<KEY>, nested keys joined by __, e.g. {ENV_PREFIX}HTTP__PORT)")
     used = []
     for dotted in _key_paths(EngineConfig):
         name = ENV_PREFIX + dotted.replace(".", "__").upper()

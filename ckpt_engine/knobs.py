@@ -106,6 +106,9 @@ def settle(given: Mapping[str, Any], deployment: EngineConfig, *, framework: str
     values = {"bypass_cpu": mode == "bypass_cpu", "sparse": sparse,
               **{name: chosen.get(name, getattr(deployment, name)) for name in ("staging", "bucket_size_mb",
                                                                                 "keep_versions")}}
+    if values["bucket_size_mb"] * (1 << 20) < deployment.alignment:  # (the deployment's own check: config.py)
+        raise ConfigError(f"{where}.bucket_size_mb: {values['bucket_size_mb']} MiB is less than the deployment's "
+                          f"alignment ({deployment.alignment} B)")
     record: dict[str, dict[str, Any]] = {}
     overrides = []
     for name in KNOBS:

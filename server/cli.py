@@ -241,8 +241,14 @@ def _secret(key: str) -> bool:
 
 
 def _client(args: argparse.Namespace) -> httpx.Client:
-    from ckpt_engine.control.auth import client_token
+    from ckpt_engine.control.auth import CREDENTIALS_ENV, TOKEN_ENV, client_token, credentials_path
 
+    named = args.credentials or os.environ.get(CREDENTIALS_ENV)
+    if not (args.token or os.environ.get(TOKEN_ENV)) and named and not credentials_path(named).exists():
+        # (a missing default file just means no token: the daemon's answer says what it wants)
+        source = "--credentials" if args.credentials else f"${CREDENTIALS_ENV}"
+        raise SystemExit(f"ckpt-engine: credentials file {credentials_path(named)} ({source}) does not exist: "
+                         "give the file the daemon wrote (its log names it), or --token")
     token = client_token("operator", args.token, args.credentials)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     return httpx.Client(base_url=args.url, headers=headers, timeout=30.0)

@@ -237,12 +237,16 @@ class Controller:
             given = {**{k: v for k, v in (("bypass_cpu", request.bypass_cpu), ("sparse", request.sparse))
                         if v is not None}, **(request.knobs or {})}
             try:  # the one place a framework's knobs meet the deployment's (ckpt_engine/knobs.py)
-                settled = settle(given, self.config, framework=opener.framework or "framework",
-                                 where=f"engine_kwargs.{opener.framework or 'framework'}")
+                settled = settle(given, self.config, framework=opener.framework or "framework")
             except ConfigError as exc:
                 raise BadRequest(str(exc)) from None
             self._kept = self.book.kept_for_repairs(settled.keep_versions)
             return self.framework.open(request, opener, settled, self._kept, self._quorum_problem)
+
+    def _kept_now(self, trainer: Agent | None) -> list[int]:
+        """The cached versions kept for repairs now (docs/glossary.md): those receivers may need, that it holds."""
+        held = set(trainer.versions) if trainer else set()
+        return [v for v in self.book.kept_for_repairs(self.config.keep_versions) if v in held]
 
     def _open_slot(self) -> Agent | None:
         """Nothing in flight, the history writable, and a trainer the daemon drives: the trainer (or None)."""
@@ -326,7 +330,8 @@ class Controller:
                 "receivers": len(receivers),
                 "versions": self.history.counts(),
                 "cache_versions": trainer.versions if trainer else [],
-                "cache_kept_for_repairs": list(self._kept),
+                # what the trainer keeps for repairs now (the newest keep_versions are kept anyway)
+                "cache_kept_for_repairs": self._kept_now(trainer),
                 "started_at": self.started_at,
                 "history_id": self.history.history_id,
                 "degraded": not storage.ok,

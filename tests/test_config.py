@@ -65,3 +65,21 @@ def test_environment_overrides_nested_keys(tmp_path: Path) -> None:
 
 def test_sparse_can_be_switched_on() -> None:
     assert parse_config({"sparse": True}).sparse is True
+
+
+@pytest.mark.parametrize("variable, hint", [
+    ("CKPT_ENGINE_BYPASSCPU", "did you mean CKPT_ENGINE_BYPASS_CPU?"),
+    ("CKPT_ENGINE_AUTH__OPERATR_TOKEN", "did you mean CKPT_ENGINE_AUTH__OPERATOR_TOKEN?"),
+    ("CKPT_ENGINE_TIMEOUTS__NOPE_S", "no such config key"),
+])
+def test_an_override_naming_no_key_is_refused_as_a_typo_in_the_file_is(tmp_path: Path, variable: str,
+                                                                        hint: str) -> None:
+    """(outside attack) Typos in environment overrides were ignored while the same typo in the YAML is refused.
+    The project's other CKPT_ENGINE_ variables (the CLI's token, the scripts' venvs) are left alone."""
+    path = tmp_path / "engine.yaml"
+    path.write_text("bucket_size_mb: 4\n")
+    with pytest.raises(ConfigError, match=f"{variable}.*{hint}"):
+        load_config(path, {variable: "true"})
+    others = {"CKPT_ENGINE_TOKEN": "t" * 40, "CKPT_ENGINE_VENV": "/v", "CKPT_ENGINE_DIGEST_KERNEL": "eager",
+              "CKPT_ENGINE_CREDENTIALS": "/c", "CKPT_ENGINE_BYPASS_CPU": "true"}
+    assert load_config(path, others).bypass_cpu is True

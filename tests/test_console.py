@@ -93,3 +93,17 @@ def test_a_watch_outlives_a_daemon_that_is_down_and_refuses_a_bad_interval() -> 
         refused = subprocess.run([*cli, "versions", "--watch", "--interval", bad], capture_output=True, text=True,
                                  timeout=60, cwd=ROOT)
         assert refused.returncode == 2 and "from 0.1 to 3600" in refused.stderr, refused
+
+
+def test_a_named_credentials_file_that_does_not_exist_is_said_so(tmp_path) -> None:
+    """(outside attack) `--credentials /missing.json status` answered only the daemon's bare 401."""
+    import os
+    import subprocess
+    import sys
+
+    missing = tmp_path / "nope.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("CKPT_ENGINE_TOKEN", "CKPT_ENGINE_CREDENTIALS")}
+    done = subprocess.run([sys.executable, "-m", "ckpt_engine.server", "--url", "http://127.0.0.1:9",
+                           "--credentials", str(missing), "status"], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert done.returncode != 0 and f"credentials file {missing} (--credentials) does not exist" in done.stderr, done

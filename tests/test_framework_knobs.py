@@ -72,6 +72,8 @@ def test_unset_knobs_take_the_deployment_s_and_set_ones_win_logged_once(tmp_path
             mine = _open(trainer, workers, knobs={"bypass_cpu": False, "keep_versions": 1})
             assert mine["mode"] == "cached" and mine["knobs"]["keep_versions"] == 1
             assert len(mine["knobs"]["overrides"]) == 2, mine["knobs"]
+            # (it names where verl users set it: their engine_kwargs' ckpt_engine section; outside attack)
+            assert all("unset it in engine_kwargs.ckpt_engine " in line for line in mine["knobs"]["overrides"])
             _end(trainer, workers, mine["id"], [mine["id"]])
         record = http.get(f"/versions/{mine['id']}").json()
         assert record["knobs"]["bypass_cpu"] == {"value": False, "from": "verl", "deployment": True}
@@ -115,3 +117,15 @@ def test_a_failed_framework_version_is_dropped_and_costs_no_committed_one_its_pl
         for agent in (trainer, *workers):
             agent.close()
         daemon.stop()
+
+
+def test_a_framework_bucket_below_the_alignment_is_refused_as_the_deployment_s_would_be() -> None:
+    """(outside attack) verl's bucket_size_mb 0.0001 made 256-byte buckets; the same in the YAML is refused."""
+    import pytest
+
+    from ckpt_engine.config import EngineConfig
+    from ckpt_engine.errors import ConfigError
+    from ckpt_engine.knobs import settle
+
+    with pytest.raises(ConfigError, match=r"engine_kwargs.ckpt_engine.bucket_size_mb: .* less than the deployment"):
+        settle({"bucket_size_mb": 0.0001}, EngineConfig())

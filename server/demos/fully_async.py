@@ -462,7 +462,8 @@ def _summary(history: list[dict], latest: dict | None, finals: dict, untrained: 
 
 
 def _check_tear(history: list[dict], tear: int) -> list[str]:
-    """--tear: the version tore a receiver's model, and a later repair committed for that receiver."""
+    """--tear: the version tore a receiver's model, and a later version made it whole again: a repair from the
+    cache, or (bypass_cpu: nothing cached to repair from) the next version it took, whole."""
     record = next((r for r in history if r["id"] == tear), None)
     torn = [e for e in (record or {}).get("receivers", []) if e.get("torn")]
     if not torn:
@@ -472,8 +473,13 @@ def _check_tear(history: list[dict], tear: int) -> list[str]:
         repair = next((r for r in reversed(history) if r["purpose"] == "repair" and r["status"] == "committed"
                        and r["id"] > tear and any(e["agent_id"] == entry["agent_id"] and e["ok"]
                                                   for e in r["receivers"])), None)
-        if repair is None:
-            failures.append(f"--tear {tear}: agent {entry['agent_id']} was never repaired")
+        later = next((r for r in history if r["status"] == "committed" and r["id"] > tear
+                      and any(e["agent_id"] == entry["agent_id"] and e["ok"] for e in r["receivers"])), None)
+        if repair is None and later is None:
+            failures.append(f"--tear {tear}: agent {entry['agent_id']} was never made whole again")
+        elif repair is None and later is not None:
+            print(f"check: version {tear} tore rollout 2's model (receiver {entry['rank']}, agent "
+                  f"{entry['agent_id']}); nothing cached to repair it from, version {later['id']} made it whole")
         else:
             print(f"check: version {tear} tore rollout 2's model (receiver {entry['rank']}, agent "
                   f"{entry['agent_id']}); version {repair['id']} repaired it with a whole copy of version "
