@@ -118,7 +118,9 @@ def test_verl_syncs_are_daemon_versions_with_history_and_a_rollback_reaches_the_
                 time.sleep(0.2)
             status = http.get("/status").json()
             assert status["cache_versions"] == [versions[0], version], status
-            assert versions[0] in status["cache_kept_for_repairs"], status
+            # (kept for repairs: what receivers may need now, all of them serving the new version: that one; the
+            # older one stays as one of the keep_versions newest committed)
+            assert status["cache_kept_for_repairs"] == [version], status
             assert http.post(f"/versions/{torn['id']}/push").status_code == 409
         metrics = http.get("/metrics").text
         assert 'ckpt_engine_versions_total{outcome="committed"}' in metrics
