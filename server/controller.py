@@ -31,6 +31,7 @@ from ckpt_engine.server.history import TERMINAL, HistoryStore, StorageUnavailabl
 from ckpt_engine.server.metrics import Metrics
 from ckpt_engine.server.receivers_view import receiver_rows_of
 from ckpt_engine.server.registrar import Registrar
+from ckpt_engine.server.state_view import StateView
 
 from ckpt_engine.config import EngineConfig
 from ckpt_engine.control.messages import (Assignment, FrameworkSyncRequest, Poll, Register, RegisterReply, Report,
@@ -75,6 +76,8 @@ class Controller:
         self._tick_error: str | None = None
         self._kept: list[int] = []  # what the trainer was last told to keep in its cache for repairs
         self.started_at = time.time()
+        self.view = StateView(config, history, self.agents, self.book, self.flights, self.framework,
+                              config.timeouts.heartbeat_s, self._repair_source)
 
     @property
     def heartbeat_s(self) -> float:
@@ -169,21 +172,11 @@ class Controller:
         log.info("agent %s (%s rank %d) left", agent.agent_id, agent.role, agent.rank)
 
     def agents_public(self) -> list[dict]:
-        """Every agent as GET /receivers shows it; a receiver also with whether it joins the next version (its
-        lag is added outside the lock: server/receivers_view.py)."""
+        """Every agent as GET /receivers shows it; a receiver also with whether it joins the next version, and
+        why not (its lag is added outside the lock: server/receivers_view.py)."""
         with self._lock:
             now = self.clock()
-            regular = {r.agent_id for r in self._candidates(now)}
-            return [{**a.public(now), **(self._joins_next(a, regular, now) if a.role == "receiver" else {})}
-                    for a in self.agents.all()]
-
-    def _joins_next(self, receiver: Agent, regular: set[str], now: float) -> dict:
-        if receiver.agent_id in regular:
-            return {"joins_next": True, "waits_because": None}
-        gate = self.flights.gate
-        why = rules.why_out(receiver, self.agents.receivers(), self.agents.drivers(), now, self.heartbeat_s,
-                            self._repair_source, None if gate.admits(now) else gate.reason)
-        return {"joins_next": False, "waits_because": why}
+            return self.view.agents_public({r.agent_id for r in self._candidates(now)}, now)
 
     # ---- versions -----------------------------------------------------------------------------------
     def request_sync(self, request: SyncRequest) -> VersionRecord:
@@ -242,11 +235,6 @@ class Controller:
                 raise BadRequest(str(exc)) from None
             self._kept = self.book.kept_for_repairs(settled.keep_versions)
             return self.framework.open(request, opener, settled, self._kept, self._quorum_problem)
-
-    def _kept_now(self, trainer: Agent | None) -> list[int]:
-        """The cached versions kept for repairs now (docs/glossary.md): those receivers may need, that it holds."""
-        held = set(trainer.versions) if trainer else set()
-        return [v for v in self.book.kept_for_repairs(self.config.keep_versions) if v in held]
 
     def _open_slot(self) -> Agent | None:
         """Nothing in flight, the history writable, and a trainer the daemon drives: the trainer (or None)."""
@@ -319,27 +307,7 @@ class Controller:
 
     def status(self) -> dict:
         with self._lock:
-            flight, trainer, now = self.flights.current, self.agents.trainer(), self.clock()
-            storage = self.history.storage()
-            receivers = self.agents.receivers()
-            return {
-                "in_flight": flight.version if flight else None,
-                "queued_push": self.framework.queued.id if self.framework.queued else None,
-                "generation": self.flights.generation,
-                "trainer": trainer.agent_id if trainer else None,
-                "receivers": len(receivers),
-                "versions": self.history.counts(),
-                "cache_versions": trainer.versions if trainer else [],
-                # what the trainer keeps for repairs now (the newest keep_versions are kept anyway)
-                "cache_kept_for_repairs": self._kept_now(trainer),
-                "started_at": self.started_at,
-                "history_id": self.history.history_id,
-                "degraded": not storage.ok,
-                "storage": storage.to_dict(),
-                "torn": [a.agent_id for a in receivers if a.model.torn is not None],
-                "unable": [a.agent_id for a in receivers if a.state(now) == "unable"],
-                **self.flights.gate.public(now),
-            }
+            return self.view.status(self.clock(), self.started_at)
 
     # ---- the periodic work --------------------------------------------------------------------------
     def tick_failed(self, error: str) -> None:

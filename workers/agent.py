@@ -102,7 +102,11 @@ class Agent:
         self.owners_group: SyncGroup | None = None
         # (generation, part) of a rendezvous that failed, and why: not tried again in that generation (its store
         # keys would let a second try pass the members' rendezvous and wait in the backend's connect instead)
-        self._failed_rendezvous: tuple[int, str, Exception] | None = None
+        # (registration, generation, part, why) of the last rendezvous that failed: not tried again for that version
+        self._failed_rendezvous: tuple[str, int, str, Exception] | None = None
+        # The registration the groups were built under: a daemon that restarted hosts a new store and numbers
+        # generations afresh, so groups of an earlier registration are never reused (their store is gone)
+        self.groups_built_as: str | None = None
         self._group_lock = threading.Lock()
         self._register_lock = threading.Lock()  # registering again: once, whichever thread notices first
         self._poll_failures = FailureLog(log, f"{self.role} agent: polling the daemon at {endpoint}")
@@ -273,14 +277,15 @@ class Agent:
         wanted = self._group_count(assignment)
         owner_rank = self._owner_rank(assignment)
         with_owners = owner_rank is not None and assignment.owners > 1
-        usable = (current is not None and current.generation == assignment.generation and not self.group_broken
+        usable = (current is not None and self.groups_built_as == settings.agent_id
+                  and current.generation == assignment.generation and not self.group_broken
                   and len(self.groups) == wanted and (self.owners_group is not None) == with_owners
                   and current.part.startswith(assignment.part))
         if usable:
             return current
         failed = self._failed_rendezvous
-        if failed is not None and failed[:2] == (assignment.generation, assignment.part):
-            raise failed[2]
+        if failed is not None and failed[:3] == (settings.agent_id, assignment.generation, assignment.part):
+            raise failed[3]
         self._refuse_older_generation(assignment, settings)
         self._close_groups()
         try:
@@ -295,13 +300,15 @@ class Agent:
                                                      assignment.owners)
         except Exception as exc:
             self._close_groups()
-            self._failed_rendezvous = (assignment.generation, assignment.part, exc)
+            self._failed_rendezvous = (settings.agent_id, assignment.generation, assignment.part, exc)
             raise
+        self.groups_built_as = settings.agent_id
         return self.group
 
     def _refuse_older_generation(self, assignment: Assignment, settings: RegisterReply) -> None:
         current = self.group
-        if current is not None and current.name == settings.group_name and assignment.generation < current.generation:
+        if (current is not None and current.name == settings.group_name and self.groups_built_as == settings.agent_id
+                and assignment.generation < current.generation):
             # a version the daemon has already ended: rebuilding its old group would tear down the current one
             raise CkptEngineError(f"version {assignment.version} belongs to sync group generation "
                                   f"{assignment.generation}, superseded by {current.generation}")

@@ -32,6 +32,7 @@ class ClassGroupsKey:
     parts: tuple[str | None, ...]  # per class, its group's part (None: colocated receivers only)
     owner_rank: int | None  # this rank's rank among several owners (None: one owner)
     owners: int
+    registration: str | None = None  # the agent id they were built under (a restarted daemon: a new store)
 
 
 class ClassGroups:

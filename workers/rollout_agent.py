@@ -168,7 +168,8 @@ class RolloutAgent(Agent):
         if assignment.transport == "ipc":
             result = self._receive_colocated(assignment, settings)
         else:
-            result = self._collective_receiver(assignment, settings).receive(begin_timeout_s=settings.version_timeout_s)
+            result = self._collective_receiver(assignment, settings).receive(
+                begin_timeout_s=settings.version_timeout_s, abandon=lambda: self._will_not_come(assignment))
         if result is None:
             return ReceiveResult(assignment.version, False, "the sender closed the channel")
         if result.version is not None and result.version != assignment.version:

@@ -279,14 +279,16 @@ class TrainerAgent(Agent):
         if assignment.classes:
             return self.class_groups is not None and self.class_groups.key == self._classes_key(assignment)
         current = self.group
-        return assignment.world_size < 2 or (current is not None and current.generation == assignment.generation
+        return assignment.world_size < 2 or (current is not None and self.groups_built_as == self.agent_id
+                                             and current.generation == assignment.generation
                                              and not self.group_broken)
 
     def _classes_key(self, assignment: Assignment) -> ClassGroupsKey:
         mine = owner_part(self.rank)
         parts = tuple(lane.part + mine if lane.ranks else None for lane in assignment.classes)
         several = assignment.owners > 1
-        return ClassGroupsKey(assignment.generation, parts, self.rank if several else None, assignment.owners)
+        return ClassGroupsKey(assignment.generation, parts, self.rank if several else None, assignment.owners,
+                              self.agent_id)
 
     def _group_for(self, assignment: Assignment, settings: RegisterReply) -> SyncGroup | None:
         """A sharded version's groups: per class, this owner rank's own with the class's receivers (rank 0 of

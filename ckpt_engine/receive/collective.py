@@ -51,14 +51,18 @@ class Receiver:
     def committed(self) -> VersionPayload | None:
         return self.assembler.committed
 
-    def receive(self, begin_timeout_s: float | None = None) -> ReceiveResult | None:
+    def receive(self, begin_timeout_s: float | None = None,
+                abandon: Callable[[], str | None] | None = None) -> ReceiveResult | None:
         """Receive one version (None when the sender closed the group). Transfer failures come back as a
         result with ``ok=False`` and a reason; the group is then marked broken if the failure was on the wire."""
         header: VersionHeader | None = None
         try:
             # the sender rings before its first frame (maybe at its next step boundary, long after the
             # rendezvous): waited for in the store, so the collective itself waits no longer than any other
-            self.group.await_ring(begin_timeout_s if begin_timeout_s is not None else self.group.timeout_s)
+            why = self.group.await_ring(begin_timeout_s if begin_timeout_s is not None else self.group.timeout_s,
+                                        abandon)
+            if why is not None:  # (``abandon``: asked while no version has begun; see SyncGroup.await_ring)
+                return ReceiveResult(None, False, f"stopped waiting for the version: {why}")
             frame = self.channel.frame(None, 0, "version begin")
             if frame.kind == FrameKind.CLOSE:
                 self._closed_by_the_others(begin_timeout_s)

@@ -190,17 +190,29 @@ class SyncGroup:
         key, self._rung = f"{_RING_KEY}{self._rung}", self._rung + 1
         try:
             bounded(lambda: self._store.set(key, b"1"), _STORE_GRACE_S + self.timeout_s, "ringing the receivers")
-        except Exception as exc:  # noqa: BLE001 - receivers then wait until their time limit: say why here
-            log.warning("sync group %s gen %d: could not ring the receivers: %s", self.name, self.generation, exc)
+        except Exception as exc:  # noqa: BLE001 - its store is gone: receivers would never hear this version
+            raise self._fail(f"could not ring the receivers (its rendezvous store is unreachable): {exc}",
+                             SyncTimeoutError) from exc
 
-    def await_ring(self, timeout_s: float) -> None:
-        """A receiver: wait (up to ``timeout_s``) until the sender rings for the next version's first frame."""
-        try:
-            wait_for_key(self._store, f"{_RING_KEY}{self._rung}", timeout_s)
-        except (RuntimeError, dist.DistError) as exc:
-            raise SyncTimeoutError(f"sync group {self.name!r} gen {self.generation}: the sender did not begin a "
-                                   f"version within {timeout_s:.1f}s") from exc
+    def await_ring(self, timeout_s: float, abandon: Callable[[], str | None] | None = None) -> str | None:
+        """A receiver: wait (up to ``timeout_s``) until the sender rings for the next version's first frame;
+        None then. ``abandon()`` is asked every second: a reason it gives ends the wait (the version will not
+        come: a newer one is assigned, the daemon restarted) and is returned, the doorbell not taken."""
+        key, deadline = f"{_RING_KEY}{self._rung}", time.monotonic() + timeout_s
+        while True:
+            step = min(_RING_CHECK_S, deadline - time.monotonic()) if abandon is not None else timeout_s
+            try:
+                wait_for_key(self._store, key, max(step, 0.01))
+                break
+            except (RuntimeError, dist.DistError, SyncTimeoutError) as exc:
+                reason = abandon() if abandon is not None else None
+                if reason is not None:
+                    return reason
+                if time.monotonic() >= deadline or abandon is None or _store_gone(exc):
+                    raise SyncTimeoutError(f"sync group {self.name!r} gen {self.generation}: the sender did not "
+                                           f"begin a version within {timeout_s:.1f}s") from exc
         self._rung += 1
+        return None
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Any:
         """Start a broadcast from ``src``; returns a work handle for :meth:`wait`."""
@@ -362,6 +374,13 @@ def _construct(
 
 _MEMBER_KEY = "ckpt-member/"
 _RING_KEY = "ckpt-ring/"
+_RING_CHECK_S = 1.0  # how often a receiver waiting for the doorbell asks whether its version will still come
+
+
+def _store_gone(exc: BaseException) -> bool:
+    """A store error that is not a wait running out: the connection to the store broke (its daemon is gone)."""
+    text = str(exc).lower()
+    return not ("timeout" in text or "timed out" in text or "no answer" in text)
 # Where gloo's rendezvous leaves each rank's address, under the group's prefix (torch's gloo store wrapper): a
 # member that announced itself but never started gloo has none
 _GLOO_ADDRESS_KEY = "0/"
