@@ -10,7 +10,14 @@ import time
 import pytest
 import torch.distributed as dist
 
-from ckpt_engine.transport.group import _nccl_failures_cleanup_only, await_members, open_store, store_prefix
+from ckpt_engine.device import detect_device
+from ckpt_engine.transport.group import (
+    SyncGroup,
+    _nccl_failures_cleanup_only,
+    await_members,
+    open_store,
+    store_prefix,
+)
 from tests.procs import context as procs_context
 
 
@@ -58,6 +65,43 @@ def test_nccl_error_handling_override_is_scoped(monkeypatch, before: str | None)
     assert os.environ.get(name) == before
 
 
+def _pair(port: int, name: str, timeout_s: float) -> dict[int, SyncGroup]:
+    """A gloo sync group of 2 members, each on a thread of its own with its own store client, by rank."""
+    groups: dict[int, SyncGroup] = {}
+
+    def member(rank: int) -> None:
+        groups[rank] = SyncGroup(open_store("127.0.0.1", port, timeout_s=timeout_s), name=name, generation=0,
+                                 rank=rank, world_size=2, device=detect_device("cpu"), timeout_s=timeout_s)
+
+    joining = [threading.Thread(target=member, args=(rank,)) for rank in (0, 1)]
+    for thread in joining:
+        thread.start()
+    for thread in joining:
+        thread.join(timeout_s * 3)
+    return groups
+
+
+def test_a_receiver_waiting_for_a_version_that_will_not_come_stops_at_once() -> None:
+    """Found by the chaos run of 2026-11-27 (stop_trainer): a receiver waited for a failed version's doorbell up
+    to the version's time limit and missed the next version's rendezvous. It now asks, every second, whether
+    the version will still come (a newer one assigned, the daemon restarted)."""
+    store = open_store("127.0.0.1", 0, is_master=True, timeout_s=20)
+    groups = _pair(store.port, "ring", timeout_s=20)
+    asked: list[float] = []
+
+    def abandon() -> str | None:
+        asked.append(time.monotonic())
+        return "superseded by version 8" if len(asked) >= 2 else None
+
+    started = time.monotonic()
+    assert groups[1].await_ring(60, abandon) == "superseded by version 8"
+    assert time.monotonic() - started < 30  # (not the 60 s limit)
+    groups[0].ring()  # a version that began is seen through, whatever abandon() would say
+    assert groups[1].await_ring(60, abandon) is None
+    for group in groups.values():
+        group.close()
+
+
 def _serve_store(port_out) -> None:
     from ckpt_engine.transport.group import serve_store
 
@@ -72,9 +116,8 @@ def test_a_stalled_store_server_fails_every_store_call_within_its_bound() -> Non
     hung actor rank 0 with no end)."""
     import signal
 
-    from ckpt_engine.device import detect_device
     from ckpt_engine.errors import SyncTimeoutError
-    from ckpt_engine.transport.group import SyncGroup, wait_for_key
+    from ckpt_engine.transport.group import wait_for_key
 
     ctx = procs_context()
     ports = ctx.Queue()
@@ -83,17 +126,7 @@ def test_a_stalled_store_server_fails_every_store_call_within_its_bound() -> Non
     try:
         port = ports.get(timeout=60)
         store = open_store("127.0.0.1", port, timeout_s=2)  # connected while the server runs
-        groups: dict[int, SyncGroup] = {}
-
-        def member(rank: int) -> None:
-            groups[rank] = SyncGroup(open_store("127.0.0.1", port, timeout_s=10), name="up", generation=0,
-                                     rank=rank, world_size=2, device=detect_device("cpu"), timeout_s=10)
-
-        joining = [threading.Thread(target=member, args=(rank,)) for rank in (0, 1)]
-        for thread in joining:
-            thread.start()
-        for thread in joining:
-            thread.join(30)
+        groups = _pair(port, "up", timeout_s=10)
         os.kill(server.pid, signal.SIGSTOP)
         started = time.monotonic()  # (the fourth outside round: these blocked a sender thread)
         groups[0]._note_present(("sent", 1))  # best effort: logged, not raised
