@@ -91,7 +91,7 @@ class Controller:
                 self._gone(old, f"trainer agent {old.agent_id} was replaced by a restarted process")
             if agent.role == "trainer":
                 self.book.update()
-            self._update_gauges()
+            self.view.show_gauges(self.metrics)
             return self.registrar.reply(agent)
 
     def _gone(self, agent: Agent, reason: str) -> None:
@@ -168,7 +168,7 @@ class Controller:
         with self._lock:
             agent = self._agent(agent_id, session, roles)
             self._gone(agent, f"trainer agent {agent.agent_id} left during the version")
-            self._update_gauges()
+            self.view.show_gauges(self.metrics)
         log.info("agent %s (%s rank %d) left", agent.agent_id, agent.role, agent.rank)
 
     def agents_public(self) -> list[dict]:
@@ -349,7 +349,7 @@ class Controller:
                 self.flights.fail(flight, f"timed out in state {state.status if state else '?'} after {limit:.0f}s")
             if self.flights.current is None and not self.history.degraded:
                 self._catch_up(now)
-            self._update_gauges()
+            self.view.show_gauges(self.metrics)
 
     def shutdown(self, grace_s: float) -> None:
         """Give the in-flight version ``grace_s`` to end, then end it so history is never left dangling."""
@@ -445,12 +445,6 @@ class Controller:
         return rules.quorum_problem(trainer, receivers, self.agents.receivers(), self.agents.drivers(),
                                     self.config.min_receivers, now, self.heartbeat_s, self._repair_source,
                                     None if gate.admits(now) else gate.reason)
-
-    def _update_gauges(self) -> None:
-        receivers = self.agents.receivers()
-        self.metrics.receivers.set(len(receivers))
-        self.metrics.trainers.set(sum(1 for a in self.agents.all() if a.role == "trainer"))
-        self.metrics.torn_receivers.set(sum(1 for a in receivers if a.model.torn is not None))
 
 
 __all__ = ["FRAMEWORK", "Controller", "ROLE_OF_AGENT"]

@@ -12,6 +12,7 @@ from ckpt_engine.server.decisions import quorum as rules
 from ckpt_engine.server.flights import Flights
 from ckpt_engine.server.framework import FrameworkSyncs
 from ckpt_engine.server.history import HistoryStore
+from ckpt_engine.server.metrics import Metrics
 
 from ckpt_engine.config import EngineConfig
 
@@ -63,6 +64,13 @@ class StateView:
             "unable": [a.agent_id for a in receivers if a.state(now) == "unable"],
             **self.flights.gate.public(now),
         }
+
+    def show_gauges(self, metrics: Metrics) -> None:
+        """The agent gauges: receivers, trainer ranks, torn receivers."""
+        receivers = self.agents.receivers()
+        metrics.receivers.set(len(receivers))
+        metrics.trainers.set(sum(1 for a in self.agents.all() if a.role == "trainer"))
+        metrics.torn_receivers.set(sum(1 for a in receivers if a.model.torn is not None))
 
     def kept_now(self, trainer: Agent | None) -> list[int]:
         """The cached versions kept for repairs now (docs/glossary.md): those receivers may need, that it holds."""
