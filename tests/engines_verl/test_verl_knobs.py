@@ -26,6 +26,15 @@ BYPASS_YAML = REPO / "deploy" / "engine-bypass.yaml"
 VERL_DEFAULT_BUCKET = 2048 << 20  # what verl passes when update_weights_bucket_megabytes is left unset
 
 
+def _delivered(cluster: Cluster, http, steps: int) -> tuple[dict, int, dict]:
+    """verl's sync of ``steps`` (checked delivered to its rollouts): the sync, its version and the record."""
+    sync = cluster.update_weights(steps)
+    assert "metrics" in sync["actors"][0], sync
+    version = sync["actors"][0]["metrics"]["ckpt_engine/version"]
+    _check_delivered(sync, steps, version)
+    return sync, version, _record(http, version)
+
+
 def _record(http, version: int) -> dict:
     response = http.get(f"/versions/{version}")
     assert response.status_code == 200, response.text
@@ -50,11 +59,7 @@ def test_a_verl_job_that_sets_no_knob_takes_the_deployment_s_bypass_cpu(tmp_path
         cluster = Cluster(2, 2, {"endpoint": daemon.zmq, "_bucket_size": VERL_DEFAULT_BUCKET, "timeout_s": 60.0,
                                  "load_timeout_s": 60.0})
         for steps in (1, 2):
-            sync = cluster.update_weights(steps)
-            assert "metrics" in sync["actors"][0], sync
-            version = sync["actors"][0]["metrics"]["ckpt_engine/version"]
-            _check_delivered(sync, steps, version)
-            record = _record(http, version)
+            sync, version, record = _delivered(cluster, http, steps)
             assert record["status"] == "committed" and record["mode"] == "bypass_cpu", record
             knobs = record["knobs"]
             assert knobs["bypass_cpu"] == {"value": True, "from": "deployment"}, knobs
@@ -81,11 +86,7 @@ def test_a_knob_verl_sets_wins_and_a_failed_sync_costs_no_committed_version_its_
                                  "load_timeout_s": 60.0})
         committed = []
         for steps in (1, 2, 3):
-            sync = cluster.update_weights(steps)
-            assert "metrics" in sync["actors"][0], sync
-            version = sync["actors"][0]["metrics"]["ckpt_engine/version"]
-            _check_delivered(sync, steps, version)
-            record = _record(http, version)
+            _, version, record = _delivered(cluster, http, steps)
             assert record["status"] == "committed" and record["mode"] == "cached", record
             assert record["knobs"]["bypass_cpu"] == {"value": False, "from": "verl", "deployment": True}
             assert record["knobs"]["keep_versions"] == {"value": 3, "from": "deployment"}
