@@ -414,3 +414,50 @@ def test_slots_replaced_by_larger_ones_are_unmapped_by_the_sender() -> None:
     assert len(old) == len(new) == 2 and not old & new
     assert old <= sender["mapped"][3] and new <= sender["mapped"][6]
     assert not old & sender["mapped"][6], sender  # the old slots are no longer mapped
+
+
+def route_changing_sender(port: int, hub: str) -> list:
+    """The owners_change chaos trial's sequence: a layout over the same-host path, another layout over the
+    sync group (another route: e.g. two owners), then the first layout over the same-host path again."""
+    group = _sync_group(port, 0, 2)
+    publisher = Publisher(device=CPU, bucket_size=BUCKET_SIZE, ipc_hub_name=hub, timeout_s=20)
+    model = AwkwardModel(seed=1)
+    whole = named_tensors_of(model)
+    part = dict(list(whole.tensors.items())[:2])
+    out = []
+    for version, route, named in ((1, "ipc", whole), (2, "group", part), (3, "ipc", whole)):
+        if route == "ipc":
+            publisher.attach(None, ipc_peers={"colocated": 1})
+        else:
+            publisher.attach(group)
+        result = publisher.publish(version, named).result(60)
+        out.append((result.ok, result.reason))
+    publisher.close()
+    group.close()
+    return out
+
+
+def both_ways_receiver(port: int, hub: str) -> list:
+    """One assembler for both paths, as a rollout agent has (it knows the newest layout it was sent)."""
+    from ckpt_engine.receive.assembly import VersionAssembler
+
+    assembler = VersionAssembler(CPU, lambda p: None)
+    collective = Receiver(_sync_group(port, 1, 2), lambda p: None, assembler=assembler)  # (the sender waits)
+    ipc = IpcReceiver(hub, "colocated", 1, lambda p: None, device=CPU, timeout_s=20, assembler=assembler)
+    out = []
+    for receiver in (ipc, collective, ipc):
+        result = receiver.receive(60)
+        out.append((result.ok, result.reason) if result is not None else None)
+    ipc.close()
+    return out
+
+
+def test_a_receiver_sent_another_layout_by_another_route_is_sent_the_layout_again() -> None:
+    # Found by the chaos run (owners_change): the hub remembered the layout a colocated receiver was sent
+    # before it got versions over the sync group; back on the same-host path it was sent only the digest.
+    store = open_store("127.0.0.1", 0, is_master=True, timeout_s=20)
+    hub = f"ckpt-test-{uuid.uuid4().hex[:8]}"
+    sender, receiver = run_processes([(route_changing_sender, (store.port, hub)),
+                                      (both_ways_receiver, (store.port, hub))], timeout_s=120)
+    assert [ok for ok, _ in sender] == [True, True, True], sender
+    assert [r and r[0] for r in receiver] == [True, True, True], receiver

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -47,11 +47,20 @@ class Outlet(Protocol):
 
 @dataclass
 class LayoutSent:
-    """The layout a group's receivers were last sent: they keep it, so the next versions of that layout carry
-    only its digest (at 100k tensors the layout is megabytes of msgpack to encode and decode). Lives as long
-    as the group; None after a failed version (the next one sends the layout again)."""
+    """The layouts a sender's receivers were last sent: they keep them, so the next versions of that layout
+    carry only its digest (at 100k tensors the layout is megabytes of msgpack to encode and decode).
+    ``group``: what the sync group's receivers hold; ``peers``: each colocated receiver's, by agent id, with
+    the connection it was sent on (a receiver that connected again is a new process or object: it holds none).
+    Lives as long as the sender, i.e. as long as its route: a receiver that got versions another way in
+    between (another route, another owner count) holds another layout, and its next sender starts empty.
+    Cleared after a failed version (the next one sends the layout again)."""
 
-    digest: str | None = None
+    group: str | None = None
+    peers: dict[str, tuple[IpcPeer, str]] = field(default_factory=dict)
+
+    def forget(self) -> None:
+        self.group = None
+        self.peers.clear()
 
 
 # A receiver's rank in the sync group -> its rank in the version's quorum (what acknowledgements are reported in)
@@ -72,8 +81,8 @@ class CollectiveOutlet:
 
     def begin(self, version: int, layout_digest: str, full: Callable[[], bytes], slim: bytes, proto: int) -> None:
         self._version = version
-        header = slim if self._layout_sent.digest == layout_digest else full()
-        self._layout_sent.digest = None  # until the header went out whole
+        header = slim if self._layout_sent.group == layout_digest else full()
+        self._layout_sent.group = None  # until the header went out whole
         group = self.channel.group
         group.ring()  # (its receivers wait for this, up to the version's limit: see SyncGroup.ring)
         self.channel.open = True
@@ -85,7 +94,7 @@ class CollectiveOutlet:
                 raise
             # its first collective: a member's false address (the store takes its word) looks like this too
             raise ReceiversAbsent(f"the version's sync group never carried a frame: {exc}") from exc
-        self._layout_sent.digest = layout_digest
+        self._layout_sent.group = layout_digest
 
     def reclaim(self, slot_index: int, k: int) -> None:
         if self._pending[slot_index] is not None:
@@ -144,7 +153,8 @@ class IpcOutlet:
     is dropped and reported; the others go on."""
 
     def __init__(self, hub: IpcHub, peers: list[IpcPeer], missing: dict[str, tuple[QuorumRank, str]],
-                 timeout_s: float, *, in_place: SharedSlot | None = None, slots_key: str = "") -> None:
+                 timeout_s: float, layout_sent: LayoutSent, *, in_place: SharedSlot | None = None,
+                 slots_key: str = "") -> None:
         """``in_place``: the version already sits in a shareable buffer (the cache) in wire layout; receivers
         map that buffer once and read every bucket where it is, so nothing is copied on either side.
         ``slots_key``: the hub's slots this stream uses (a class of a sharded version: its own)."""
@@ -152,15 +162,19 @@ class IpcOutlet:
         self.missing = missing  # agent id -> (its quorum rank, why it is not part of this version)
         self.in_place = in_place
         self.slots_key = slots_key
+        self._layout_sent = layout_sent
 
     def begin(self, version: int, layout_digest: str, full: Callable[[], bytes], slim: bytes, proto: int) -> None:
         for peer in self._live():
             if peer.proto < proto:  # an older receiver: told why, and left out of this version
                 self._guard(peer, lambda p: self._refuse(p, version, proto))
                 continue
-            header = slim if peer.layout_digest == layout_digest else full()
+            held = self._layout_sent.peers
+            was = held.pop(peer.agent_id, None)  # (until the header went out whole)
+            header = slim if was is not None and was[0] is peer and was[1] == layout_digest else full()
             self._guard(peer, lambda p: self._map_and_begin(p, header))
-            peer.layout_digest = layout_digest
+            if peer.dropped is None:
+                held[peer.agent_id] = (peer, layout_digest)
 
     def reclaim(self, slot_index: int, k: int) -> None:
         if self.in_place is not None:

@@ -103,7 +103,7 @@ class Sender:
         self.wire_hook = wire_hook
         self.on_stage = on_stage  # called with (version, "transferring" | "verifying") from the send thread
         self._slots: list[torch.Tensor] = []
-        self._layout_sent = LayoutSent()  # what this group's receivers hold
+        self._layout_sent = LayoutSent()  # what this sender's receivers hold
         self._stream: Any | None = None  # the send thread's own device stream (made on first use)
         self._busy = threading.Lock()
         # Per-tensor digests of recently sent versions: the bases of sparse versions (shared across senders).
@@ -226,7 +226,7 @@ class Sender:
         if self.ipc_peers and self.hub is not None:
             peers, missing = self.hub.peers(self.ipc_peers, self.timeout_s)
             in_place = source.segment if isinstance(source, CacheSource) else None
-            outlets.append(IpcOutlet(self.hub, peers, missing, self.timeout_s, in_place=in_place,
+            outlets.append(IpcOutlet(self.hub, peers, missing, self.timeout_s, self._layout_sent, in_place=in_place,
                                      slots_key=self.slots_key))
         return outlets
 
@@ -288,7 +288,7 @@ class Sender:
             # them, which must join the trainer's gathers before its own process-group timeout), then the votes.
             source.all_filled()
             if not result.ok:  # a receiver may have dropped the version's header: the next one sends the layout
-                self._layout_sent.digest = None
+                self._layout_sent.forget()
             if not voted[0] and self.owners_group is not None:  # the other owners wait for this rank's vote
                 self.votes.failed(source.version, result.reason or "failed")
             for outlet in outlets:

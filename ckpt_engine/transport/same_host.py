@@ -364,7 +364,6 @@ class IpcPeer:
     rank: int = 0
     mapped_generation: int = 0
     mapped_buffers: set[int] = field(default_factory=set)
-    layout_digest: str | None = None  # the layout this peer was last sent
     released: int = -1
     dropped: str | None = None
     in_use: bool = False  # part of the version being sent
