@@ -71,7 +71,7 @@ class AgentOut(_Out):
     engine: str | None = None
     driven: bool = False
     members: int | None = None
-    state: Literal["registered", *STATES] = Field(  # type: ignore[valid-type]
+    state: Literal[("registered", *STATES)] = Field(  # type: ignore[valid-type]  (3.10: no star in an index)
         description="receivers (server/decisions/receivers.py): new (holds no whole version the daemon knows of: "
                     "just registered, or its outcome of a version was never heard; a catch-up brings it one), "
                     "serving (holds `serving` whole, proven), staged (verified, waiting for its engine's driver), "
