@@ -9,6 +9,7 @@ import os
 import platform
 import queue
 import statistics
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -154,6 +155,58 @@ def proc_status() -> dict[str, int]:
                 key, _, rest = line.partition(":")
                 out[key] = int(rest.split()[0]) * 1024
     return out
+
+
+class PeakSampler:
+    """Polls /proc/self/status from a thread; ``window()`` resets the maxima, ``peak()`` reads them."""
+
+    def __init__(self, interval_s: float = 0.001) -> None:
+        self.interval_s = interval_s
+        self._max: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._hwm_resettable = self._reset_hwm()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            now = proc_status()
+            with self._lock:
+                for k, v in now.items():
+                    if v > self._max.get(k, 0):
+                        self._max[k] = v
+            time.sleep(self.interval_s)
+
+    @staticmethod
+    def _reset_hwm() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return True
+        except OSError:
+            return False
+
+    def window(self) -> dict[str, int]:
+        """Start a new window; returns the current readings."""
+        now = proc_status()
+        with self._lock:
+            self._max = dict(now)
+        self._hwm_resettable = self._reset_hwm()
+        return now
+
+    def peak(self) -> dict[str, int]:
+        now = proc_status()
+        with self._lock:
+            out = {k: max(v, now.get(k, 0)) for k, v in self._max.items()}
+        if self._hwm_resettable:
+            out["VmRSS"] = max(out.get("VmRSS", 0), now.get("VmHWM", 0))
+        out["hwm_reset"] = int(self._hwm_resettable)
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(1)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -153,7 +153,7 @@ class PoolObserver:
 
 def _sampling():
     """A PeakSampler started on a settled process, and the process's memory readings then (its baseline)."""
-    from ckpt_engine.bench.receiver_memory import PeakSampler
+    from ckpt_engine.bench.common import PeakSampler
 
     gc.collect()
     sampler = PeakSampler()

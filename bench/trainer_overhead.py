@@ -54,7 +54,7 @@ def _child(rank: int, results: Any, port: int, args: dict) -> dict | None:
 
 def _trainer(group: Any, args: dict, results: Any) -> dict:
     import torch
-    from ckpt_engine.server.demos.fully_async import ModelSize, build_model, synthetic_batch
+    from ckpt_engine.demos.fully_async import ModelSize, build_model, synthetic_batch
 
     from ckpt_engine.plan.tensors import NamedTensors
     from ckpt_engine.send.publisher import Publisher

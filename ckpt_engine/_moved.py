@@ -30,6 +30,9 @@ MOVED = {
     "ckpt_engine.ipc_receiver": "ckpt_engine.receive.colocated",
     "ckpt_engine.auth": "ckpt_engine.control.auth",
     "ckpt_engine.workers.client": "ckpt_engine.control.client",
+    # the house, round 2: the knobs beside the deployment; the command line out of the daemon
+    "ckpt_engine.knobs": "ckpt_engine.config.knobs",
+    "ckpt_engine.server.cli": "ckpt_engine.cli.main",
 }
 
 

@@ -4,7 +4,6 @@ the roles it needs. ``auth.open`` grants every role to everyone (development onl
 from __future__ import annotations
 
 import hashlib
-
 import logging
 from collections.abc import Iterable
 

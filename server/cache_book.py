@@ -4,7 +4,8 @@ thread-safe by itself: the controller calls it under its lock."""
 
 from __future__ import annotations
 
-from ckpt_engine.server.agents import Agent, AgentRegistry
+from ckpt_engine.server.agents import AgentRegistry
+from ckpt_engine.server.decisions.agent_record import AgentRecord
 from ckpt_engine.server.decisions.repair import kept_for_repairs
 from ckpt_engine.server.errors import Conflict, NotFound, Unavailable
 from ckpt_engine.server.history import HistoryStore, VersionRecord
@@ -23,7 +24,7 @@ class CacheBook:
         """The versions among ``versions`` this history has issued (a peer's others are its invention)."""
         return [v for v in versions if 1 <= v <= self.max_issued]
 
-    def trainer_reported(self, agent: Agent, message: Report) -> None:
+    def trainer_reported(self, agent: AgentRecord, message: Report) -> None:
         # Only a trainer holds the cache: a receiver's report must not rewrite which versions are cached.
         if message.cache_versions is not None:
             agent.versions = self.known(message.cache_versions)

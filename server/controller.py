@@ -19,9 +19,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from ckpt_engine.server.agents import Agent, AgentRegistry
+from ckpt_engine.server.agents import AgentRegistry
 from ckpt_engine.server.cache_book import CacheBook
 from ckpt_engine.server.decisions import quorum as rules
+from ckpt_engine.server.decisions.agent_record import AgentRecord
 from ckpt_engine.server.decisions.policy import FRAMEWORK, policy_of
 from ckpt_engine.server.decisions.repair import plan_catch_up, repair_source
 from ckpt_engine.server.errors import BadRequest, Conflict, Forbidden, NotFound, Unavailable
@@ -34,10 +35,18 @@ from ckpt_engine.server.registrar import Registrar
 from ckpt_engine.server.state_view import StateView
 
 from ckpt_engine.config import EngineConfig
-from ckpt_engine.control.messages import (Assignment, FrameworkSyncRequest, Poll, Register, RegisterReply, Report,
-                                          SyncRequest, longest_poll_wait)
+from ckpt_engine.config.knobs import settle
+from ckpt_engine.control.messages import (
+    Assignment,
+    FrameworkSyncRequest,
+    Poll,
+    Register,
+    RegisterReply,
+    Report,
+    SyncRequest,
+    longest_poll_wait,
+)
 from ckpt_engine.errors import ConfigError, ProtocolError
-from ckpt_engine.knobs import settle
 from ckpt_engine.plan.modes import resolve
 
 log = logging.getLogger(__name__)
@@ -94,7 +103,7 @@ class Controller:
             self.view.show_gauges(self.metrics)
             return self.registrar.reply(agent)
 
-    def _gone(self, agent: Agent, reason: str) -> None:
+    def _gone(self, agent: AgentRecord, reason: str) -> None:
         """An agent left (unregistered, expired, replaced): its share of the caches and its version go too."""
         self.agents.remove(agent.agent_id)
         self.flights.group_dirty = True
@@ -229,14 +238,14 @@ class Controller:
             # (an older framework agent says bypass_cpu and sparse in the request's own fields)
             given = {**{k: v for k, v in (("bypass_cpu", request.bypass_cpu), ("sparse", request.sparse))
                         if v is not None}, **(request.knobs or {})}
-            try:  # the one place a framework's knobs meet the deployment's (ckpt_engine/knobs.py)
+            try:  # the one place a framework's knobs meet the deployment's (ckpt_engine/config/knobs.py)
                 settled = settle(given, self.config, framework=opener.framework or "framework")
             except ConfigError as exc:
                 raise BadRequest(str(exc)) from None
             self._kept = self.book.kept_for_repairs(settled.keep_versions)
             return self.framework.open(request, opener, settled, self._kept, self._quorum_problem)
 
-    def _open_slot(self) -> Agent | None:
+    def _open_slot(self) -> AgentRecord | None:
         """Nothing in flight, the history writable, and a trainer the daemon drives: the trainer (or None)."""
         flight = self.flights.current
         if flight is not None:
@@ -251,7 +260,7 @@ class Controller:
                            f"{trainer.framework}'s own syncs (POST /push queues a rollback for its next one)")
         return trainer
 
-    def _start(self, record: VersionRecord, trainer: Agent | None, receivers: list[Agent], now: float, *,
+    def _start(self, record: VersionRecord, trainer: AgentRecord | None, receivers: list[AgentRecord], now: float, *,
                sparse: bool = False, source: VersionRecord | None = None) -> None:
         """Start a version the daemon drives, or record why it cannot (503 with the failed record)."""
         receivers = rules.within_class_limit(receivers)
@@ -266,8 +275,8 @@ class Controller:
                      sparse_base=rules.sparse_base(receivers) if sparse and source is None else None,
                      sparse=sparse and source is None, purpose="push" if source is not None else "sync")
 
-    def _routes(self, trainer: Agent, receivers: list[Agent], source: VersionRecord | None,
-                now: float) -> tuple[int, list[Agent], str | None]:
+    def _routes(self, trainer: AgentRecord, receivers: list[AgentRecord], source: VersionRecord | None,
+                now: float) -> tuple[int, list[AgentRecord], str | None]:
         """How many trainer ranks own the version, which receivers take the same-host path, and why it cannot
         go (None: it can)."""
         source_owners = source.owners if source else None
@@ -276,7 +285,7 @@ class Controller:
         colocated, problem = rules.transports(trainer, receivers, owners, self.config.transport)
         return owners, colocated, problem
 
-    def _launch(self, record: VersionRecord, trainer: Agent, receivers: list[Agent], colocated: list[Agent],
+    def _launch(self, record: VersionRecord, trainer: AgentRecord, receivers: list[AgentRecord], colocated: list[AgentRecord],
                 owners: int, *, source: VersionRecord | None, sparse_base: int | None = None, sparse: bool = False,
                 purpose: str) -> None:
         self._kept = self.book.kept_for_repairs(self.config.keep_versions)
@@ -406,7 +415,7 @@ class Controller:
                      dropped, limit)
         self._changed.notify_all()
 
-    def _agent(self, agent_id: str, session: str, roles: set[str]) -> Agent:
+    def _agent(self, agent_id: str, session: str, roles: set[str]) -> AgentRecord:
         agent = self.agents.get(agent_id, session)
         if agent is None:
             # one answer for an unknown id and a wrong secret: a peer learns nothing about other agents
@@ -430,16 +439,16 @@ class Controller:
             raise Unavailable(f"history storage is degraded ({storage.error}); no new version until it can be "
                               "written (reads still work)")
 
-    def _repair_source(self, receiver: Agent) -> int | None:
+    def _repair_source(self, receiver: AgentRecord) -> int | None:
         latest = self.history.latest(status="committed")
         return repair_source(receiver, latest.id if latest else None, self.book.cached_source)
 
-    def _candidates(self, now: float, *, regular: bool = True) -> list[Agent]:
+    def _candidates(self, now: float, *, regular: bool = True) -> list[AgentRecord]:
         return rules.candidates(self.agents.receivers(), self.agents.drivers(), now, self.heartbeat_s,
                                 regular=regular, repair_source=self._repair_source,
                                 admit_new=self.flights.gate.admits(now), min_receivers=self.config.min_receivers)
 
-    def _quorum_problem(self, trainer: Agent | None, receivers: list[Agent], now: float | None = None) -> str | None:
+    def _quorum_problem(self, trainer: AgentRecord | None, receivers: list[AgentRecord], now: float | None = None) -> str | None:
         now = self.clock() if now is None else now
         gate = self.flights.gate
         return rules.quorum_problem(trainer, receivers, self.agents.receivers(), self.agents.drivers(),

@@ -19,8 +19,14 @@ from collections.abc import Iterator
 
 import uvicorn
 from ckpt_engine.server.authority import Authority
-from ckpt_engine.server.connections import (ClosedConnections, connection_budget, guarded_protocol, http_limits,
-                                            raise_open_files, widen_listen_queue)
+from ckpt_engine.server.connections import (
+    ClosedConnections,
+    connection_budget,
+    guarded_protocol,
+    http_limits,
+    raise_open_files,
+    widen_listen_queue,
+)
 from ckpt_engine.server.controller import Controller
 from ckpt_engine.server.history import HistoryStore
 from ckpt_engine.server.http_app import create_app

@@ -16,8 +16,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ckpt_engine.server.agents import Agent, AgentRegistry
+from ckpt_engine.server.agents import AgentRegistry
 from ckpt_engine.server.cache_book import CacheBook
+from ckpt_engine.server.decisions.agent_record import AgentRecord
 from ckpt_engine.server.decisions.classes import NO_CLASSES, ClassPlan, expected_by_receiver, plan_lanes
 from ckpt_engine.server.decisions.commit import expected_digest, judge, staging_entry
 from ckpt_engine.server.decisions.newcomers import NewcomerGate, blamed_for_rendezvous
@@ -67,7 +68,7 @@ class Flights:
         self._membership: tuple[str, ...] = ()
 
     # ---- starting ------------------------------------------------------------------------------------
-    def start(self, record: VersionRecord, trainer: Agent, receivers: list[Agent], colocated: list[Agent], *,
+    def start(self, record: VersionRecord, trainer: AgentRecord, receivers: list[AgentRecord], colocated: list[AgentRecord], *,
               source: VersionRecord | None, sparse_base: int | None, sparse: bool, purpose: str, owners: int,
               keep: list[int]) -> None:
         """A version the daemon drives: every receiver and the trainer are assigned their part."""
@@ -117,7 +118,7 @@ class Flights:
             for a, r in quorum.items()])
         self.metrics.in_flight.set(1)
 
-    def open(self, record: VersionRecord, trainer: Agent, receivers: list[Agent], *, policy: SyncPolicy,
+    def open(self, record: VersionRecord, trainer: AgentRecord, receivers: list[AgentRecord], *, policy: SyncPolicy,
              owners: int, limit_s: float | None) -> VersionRecord:
         """A version a framework drives on its own groups: nothing is assigned, its named workers report."""
         purpose = "push" if record.source_version else "sync"
@@ -146,7 +147,7 @@ class Flights:
             flight.done, flight.done_at = message, self.clock()
             self.maybe_finish(flight)
 
-    def receiver_outcome(self, agent: Agent, message: Report, flight: InFlight | None) -> None:
+    def receiver_outcome(self, agent: AgentRecord, message: Report, flight: InFlight | None) -> None:
         """A receiver's own outcome: what its model holds now, and its vote on the version."""
         model, now = agent.model, self.clock()
         if message.staging is not None:
@@ -172,7 +173,7 @@ class Flights:
         elif flight is None:
             self._late_outcome(agent, message)
 
-    def staged(self, agent: Agent, message: Report, flight: InFlight) -> None:
+    def staged(self, agent: AgentRecord, message: Report, flight: InFlight) -> None:
         """A driven receiver verified the version; once every member of its engine has, the driver applies it."""
         if not agent.driven or agent.agent_id not in flight.quorum:  # (only an engine's workers wait for a driver)
             log.warning("ignoring %s's staged report for version %d: it is not a driven worker of its quorum",
@@ -193,7 +194,7 @@ class Flights:
                                                  step=record.step if record else None))
                 flight.apply_sent.add(engine)
 
-    def applied(self, driver: Agent, message: Report, flight: InFlight | None) -> None:
+    def applied(self, driver: AgentRecord, message: Report, flight: InFlight | None) -> None:
         """A driver's outcome for its whole engine: members serve the version, or the engine is torn. Only the
         outcome of the apply the daemon asked this driver for counts."""
         if driver.engine is None or driver.applying != message.version:
@@ -217,7 +218,7 @@ class Flights:
             flight.applied[driver.engine] = message
             self.maybe_finish(flight)
 
-    def _engine_fails_together(self, flight: InFlight, agent: Agent, message: Report) -> None:
+    def _engine_fails_together(self, flight: InFlight, agent: AgentRecord, message: Report) -> None:
         """A driven worker that failed the version fails its whole engine: the other workers drop what they
         staged now (not at their take timeout), and its driver is never asked to apply it."""
         engine = agent.engine
@@ -233,12 +234,12 @@ class Flights:
             member.model.unstaged()
             member.pending.append(Assignment(kind="discard", version=flight.version, reason=why))
 
-    def tear(self, agents: list[Agent], reason: str) -> None:
+    def tear(self, agents: list[AgentRecord], reason: str) -> None:
         for agent in agents:
             agent.model.tore(reason)
             log.warning("receiver %s is torn (%s); it will be repaired from the cache", agent.agent_id, reason)
 
-    def _late_outcome(self, agent: Agent, message: Report) -> None:
+    def _late_outcome(self, agent: AgentRecord, message: Report) -> None:
         """An outcome that arrived after its version ended: correct that receiver's entry in the history."""
         record = self.history.get(message.version)
         if record is None:

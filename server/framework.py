@@ -9,19 +9,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ckpt_engine.server.agents import Agent, AgentRegistry
+from ckpt_engine.server.agents import AgentRegistry
 from ckpt_engine.server.cache_book import CacheBook
+from ckpt_engine.server.decisions.agent_record import AgentRecord
 from ckpt_engine.server.decisions.policy import FRAMEWORK
 from ckpt_engine.server.errors import BadRequest, Conflict, NotFound, Unavailable
 from ckpt_engine.server.flights import Flights, InFlight
 from ckpt_engine.server.history import HistoryStore, VersionRecord
 from ckpt_engine.server.metrics import Metrics
 
+from ckpt_engine.config.knobs import Settled
 from ckpt_engine.control.messages import FrameworkSyncRequest
-from ckpt_engine.knobs import Settled
 
 log = logging.getLogger(__name__)
-QuorumProblem = Callable[[Agent | None, list[Agent]], "str | None"]
+QuorumProblem = Callable[[AgentRecord | None, list[AgentRecord]], "str | None"]
 
 
 class FrameworkSyncs:
@@ -32,12 +33,12 @@ class FrameworkSyncs:
         self.queued: VersionRecord | None = None  # a rollback waiting for the framework's next sync
         self._told: set[str] = set()  # knob overrides logged (once each)
 
-    def open(self, request: FrameworkSyncRequest, opener: Agent, settled: Settled, keep: list[int],
+    def open(self, request: FrameworkSyncRequest, opener: AgentRecord, settled: Settled, keep: list[int],
              quorum_problem: QuorumProblem) -> dict:
         """This sync's version (or the queued rollback in its place): its record, with what a send assignment
         would say: ``expected_digest`` (a rollback's source as recorded) and ``keep`` (cached versions no
         snapshot may evict: what the workers serve); and ``knobs``, what the sync runs with (``settled``: the
-        framework's knobs over the deployment's, ckpt_engine/knobs.py), recorded in the version's ``knobs``."""
+        framework's knobs over the deployment's, ckpt_engine/config/knobs.py), recorded in the version's ``knobs``."""
         mode = settled.mode
         trainer = self.agents.trainer()
         if opener is trainer and not opener.framework:
@@ -77,7 +78,7 @@ class FrameworkSyncs:
         return {**opened.to_dict(), "expected_digest": source.version_digest if source is not None else None,
                 "keep": list(keep), "knobs": settled.to_wire()}
 
-    def queue_push(self, record: VersionRecord, trainer: Agent) -> VersionRecord:
+    def queue_push(self, record: VersionRecord, trainer: AgentRecord) -> VersionRecord:
         """A rollback: recorded now, sent at the framework's next sync in place of that sync's new weights (the
         daemon cannot start the framework's transfer). A newer push replaces one still waiting."""
         queued = self._create(mode="cached", step=record.step, source_version=record.id)
@@ -128,7 +129,7 @@ class FrameworkSyncs:
         self.metrics.version_done("failed", 0, {})
         return None
 
-    def _quorum(self, trainer: Agent, receivers: list[str]) -> list[Agent]:
+    def _quorum(self, trainer: AgentRecord, receivers: list[str]) -> list[AgentRecord]:
         if len(set(receivers)) != len(receivers):
             raise BadRequest("'receivers' names an agent twice")
         quorum = []

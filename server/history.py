@@ -110,7 +110,7 @@ class VersionRecord:
     purpose: str = "sync"  # sync, push (rollback), catch_up (a receiver that joined), repair (a torn receiver)
     owners: int = 1  # trainer ranks that each hold and send a share of it (cached: complete while all hold theirs)
     # A framework's sync (verl): each knob it ran with, where the value came from, and the deployment's value where
-    # the framework's overrode it (ckpt_engine/knobs.py); empty for the daemon's own versions
+    # the framework's overrode it (ckpt_engine/config/knobs.py); empty for the daemon's own versions
     knobs: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

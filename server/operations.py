@@ -17,8 +17,19 @@ from ckpt_engine.server.receivers_view import receivers_public
 from pydantic import BaseModel
 
 from ckpt_engine.control.auth import ANY_ROLE, Role
-from ckpt_engine.control.messages import (FrameworkSyncRequest, LatestQuery, Poll, PollReply, Register, Report,
-                                          SyncRequest, Unregister, VersionRef, VersionsQuery, parse_body)
+from ckpt_engine.control.messages import (
+    FrameworkSyncRequest,
+    LatestQuery,
+    Poll,
+    PollReply,
+    Register,
+    Report,
+    SyncRequest,
+    Unregister,
+    VersionRef,
+    VersionsQuery,
+    parse_body,
+)
 
 AGENTS: frozenset[Role] = frozenset({"trainer", "rollout"})
 

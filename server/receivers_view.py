@@ -4,12 +4,18 @@ rules being server/decisions/views.py's."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ckpt_engine.server.decisions.views import LAG_WINDOW, ReceiverRow, receiver_rows, with_lag
+from ckpt_engine.server.history import HistoryStore
 
-if TYPE_CHECKING:
-    from ckpt_engine.server.controller import Controller
+
+class Controller(Protocol):
+    """What this view reads of the controller (server/controller.py)."""
+
+    history: HistoryStore
+
+    def agents_public(self) -> list[dict]: ...
 
 
 def receivers_public(controller: Controller) -> list[dict]:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from ckpt_engine.server.agents import Agent, AgentRegistry
+
+from ckpt_engine.server.agents import AgentRegistry
 from ckpt_engine.server.cache_book import CacheBook
+from ckpt_engine.server.decisions.agent_record import AgentRecord
 from ckpt_engine.server.decisions.claims import judge_registration
 from ckpt_engine.server.errors import BadRequest, Conflict, Forbidden, Unavailable
 from ckpt_engine.server.history import HistoryStore
@@ -34,7 +36,7 @@ class Registrar:
         daemon with the same credentials (workers registering again after a restart still hold it)."""
         return hmac.new(self._engine_secret, f"engine:{engine}".encode(), hashlib.sha256).hexdigest()[:32]
 
-    def admit(self, message: Register, now: float) -> tuple[Agent, list[Agent]]:
+    def admit(self, message: Register, now: float) -> tuple[AgentRecord, list[AgentRecord]]:
         """The new agent, and the silent agents whose places it takes (for the caller to let go: a restarted
         process); Conflict naming a live agent whose place it claims (decisions/claims.py)."""
         if message.role == "driver" and message.engine is None:
@@ -76,7 +78,7 @@ class Registrar:
                  agent.host, agent.device, f" engine {agent.engine}" if agent.engine else "")
         return agent, replaced
 
-    def reply(self, agent: Agent) -> RegisterReply:
+    def reply(self, agent: AgentRecord) -> RegisterReply:
         timeouts = self.config.timeouts
         return RegisterReply(
             agent_id=agent.agent_id, session=agent.session, history_id=self.history.history_id,

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ckpt_engine.server.agents import Agent, AgentRegistry
+from ckpt_engine.server.agents import AgentRegistry
 from ckpt_engine.server.cache_book import CacheBook
 from ckpt_engine.server.decisions import quorum as rules
+from ckpt_engine.server.decisions.agent_record import AgentRecord
 from ckpt_engine.server.flights import Flights
 from ckpt_engine.server.framework import FrameworkSyncs
 from ckpt_engine.server.history import HistoryStore
@@ -28,7 +29,7 @@ class StateView:
     flights: Flights
     framework: FrameworkSyncs
     heartbeat_s: float
-    repair_source: Callable[[Agent], int | None]
+    repair_source: Callable[[AgentRecord], int | None]
 
     def agents_public(self, regular: set[str], now: float) -> list[dict]:
         """Every agent; a receiver also with whether it joins the next regular version (``regular``: those that
@@ -36,7 +37,7 @@ class StateView:
         return [{**a.public(now), **(self._joins_next(a, regular, now) if a.role == "receiver" else {})}
                 for a in self.agents.all()]
 
-    def _joins_next(self, receiver: Agent, regular: set[str], now: float) -> dict:
+    def _joins_next(self, receiver: AgentRecord, regular: set[str], now: float) -> dict:
         if receiver.agent_id in regular:
             return {"joins_next": True, "waits_because": None}
         gate = self.flights.gate
@@ -72,7 +73,7 @@ class StateView:
         metrics.trainers.set(sum(1 for a in self.agents.all() if a.role == "trainer"))
         metrics.torn_receivers.set(sum(1 for a in receivers if a.model.torn is not None))
 
-    def kept_now(self, trainer: Agent | None) -> list[int]:
+    def kept_now(self, trainer: AgentRecord | None) -> list[int]:
         """The cached versions kept for repairs now (docs/glossary.md): those receivers may need, that it holds."""
         held = set(trainer.versions) if trainer else set()
         return [v for v in self.book.kept_for_repairs(self.config.keep_versions) if v in held]

@@ -83,7 +83,7 @@ def _serve(config_path: str, env: dict[str, str], log_path: str) -> None:
     os.dup2(log, 2)
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
-    from ckpt_engine.server.cli import main
+    from ckpt_engine.cli.main import main
 
     code = main(["serve", "--config", config_path])
     sys.stdout.flush()

@@ -29,7 +29,7 @@ def _child(index: int, target: Callable[..., Any], args: tuple, results: mp.Queu
 # processes each, without paying torch's and transformers' import (seconds each on 2 cores) every time.
 _PRELOAD = ["torch", "torch.distributed", "transformers", "tests.tiny_lm", "tests.models",
             "ckpt_engine.workers.trainer_agent", "ckpt_engine.workers.rollout_agent",
-            "ckpt_engine.server.daemon", "ckpt_engine.server.cli"]
+            "ckpt_engine.server.daemon", "ckpt_engine.cli.main"]
 
 
 def context() -> mp.context.BaseContext:

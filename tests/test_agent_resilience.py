@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import yaml
-from ckpt_engine.server.trials.proxy import Proxy
+from ckpt_engine.trials.proxy import Proxy
 from ckpt_engine.workers.rollout_agent import RolloutAgent
 
 from tests.daemon_harness import TrainerLoop, start_daemon, sync_when_idle, timeouts, write_config

@@ -1,9 +1,9 @@
-"""The fault-trial invariants (server/trials/checks.py), on hand-made evidence: each check must catch what it
+"""The fault-trial invariants (trials/checks.py), on hand-made evidence: each check must catch what it
 exists for, and pass what is fine."""
 
 from __future__ import annotations
 
-from ckpt_engine.server.trials.checks import Limits, applied_violations, history_violations, read_jsonl, wait_violations
+from ckpt_engine.trials.checks import Limits, applied_violations, history_violations, read_jsonl, wait_violations
 
 LIMITS = Limits(version_s=20, trainer_exit_s=8, margin_s=5)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from ckpt_engine.server.agents import Agent
+from ckpt_engine.server.decisions.agent_record import AgentRecord
 from ckpt_engine.server.decisions.claims import judge_registration
 
 from ckpt_engine.control.messages import Register
@@ -17,9 +17,9 @@ _ids = itertools.count()
 
 
 def agent(role: str, *, rank: int = 0, engine: str | None = None, driven: bool = False, members: int | None = None,
-          trainer_ranks: int = 1, framework: str | None = None, silent_s: float = 0.0) -> Agent:
+          trainer_ranks: int = 1, framework: str | None = None, silent_s: float = 0.0) -> AgentRecord:
     n = next(_ids)
-    return Agent(f"a{n}", "s" * 48, n, role, rank, "host", 100 + n, "cpu", None, 0.0, NOW - silent_s, engine=engine,
+    return AgentRecord(f"a{n}", "s" * 48, n, role, rank, "host", 100 + n, "cpu", None, 0.0, NOW - silent_s, engine=engine,
                  driven=driven, members=members, trainer_ranks=trainer_ranks, framework=framework, poll_wait_s=1.0)
 
 
@@ -74,7 +74,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("name", "agents", "message", "refused", "replaced"), CASES, ids=[c[0] for c in CASES])
-def test_registration_claims(name: str, agents: list[Agent], message: Register, refused: bool,
+def test_registration_claims(name: str, agents: list[AgentRecord], message: Register, refused: bool,
                              replaced: list[int]) -> None:
     verdict = judge_registration(message, agents, NOW, HEARTBEAT_S)
     assert (verdict.conflict is not None) == refused, verdict

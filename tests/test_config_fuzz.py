@@ -463,7 +463,7 @@ def test_refused_mutations_stop_check_config_and_serve_at_once(tmp_path: Path) -
     for mutation in refused:
         path = mutation.write(tmp_path)
         for command in (["check-config", str(path)], ["serve", "--config", str(path)]):
-            run = subprocess.run([sys.executable, "-m", "ckpt_engine.server", *command], capture_output=True, text=True,
+            run = subprocess.run([sys.executable, "-m", "ckpt_engine.cli", *command], capture_output=True, text=True,
                                  timeout=60, cwd=ROOT)
             assert run.returncode == 2, (command, mutation, run.stdout, run.stderr)
             assert names(run.stderr, mutation.path) and run.stderr.startswith("error:"), (mutation.path, run.stderr)

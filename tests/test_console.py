@@ -85,7 +85,7 @@ def test_a_watch_outlives_a_daemon_that_is_down_and_refuses_a_bad_interval() -> 
 
     from tests.daemon_harness import ROOT, free_port
 
-    cli = [sys.executable, "-m", "ckpt_engine.server.cli", "--url", f"http://127.0.0.1:{free_port()}"]
+    cli = [sys.executable, "-m", "ckpt_engine.cli.main", "--url", f"http://127.0.0.1:{free_port()}"]
     down = subprocess.run([*cli, "status", "--watch", "--count", "2", "--interval", "0.1"], capture_output=True,
                           text=True, timeout=60, cwd=ROOT)
     assert down.returncode == 0 and down.stdout.count("daemon unreachable or refusing") == 2, down
@@ -103,7 +103,7 @@ def test_a_named_credentials_file_that_does_not_exist_is_said_so(tmp_path) -> No
 
     missing = tmp_path / "nope.json"
     env = {k: v for k, v in os.environ.items() if k not in ("CKPT_ENGINE_TOKEN", "CKPT_ENGINE_CREDENTIALS")}
-    done = subprocess.run([sys.executable, "-m", "ckpt_engine.server", "--url", "http://127.0.0.1:9",
+    done = subprocess.run([sys.executable, "-m", "ckpt_engine.cli", "--url", "http://127.0.0.1:9",
                            "--credentials", str(missing), "status"], capture_output=True, text=True, timeout=120,
                           env=env)
     assert done.returncode != 0 and f"credentials file {missing} (--credentials) does not exist" in done.stderr, done

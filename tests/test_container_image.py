@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ckpt_engine.server.cli import _parser, health_url
+from ckpt_engine.cli.main import _parser, health_url
 
-from ckpt_engine.config import ENV_PREFIX, EngineConfig, _key_paths, load_config, parse_config, parse_zmq_endpoint
+from ckpt_engine.config.deployment import ENV_PREFIX, EngineConfig, _key_paths, load_config, parse_config, parse_zmq_endpoint
 from ckpt_engine.control.auth import TOKEN_ENV
 from tests.daemon_harness import ROOT, start_daemon, write_config
 
@@ -82,7 +82,7 @@ def baked_config() -> tuple[Path, str]:
 def test_entry_point_is_the_installed_script() -> None:
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     entry = exec_form(only("ENTRYPOINT"))
-    assert entry == ["ckpt-engine"] and scripts["ckpt-engine"] == "ckpt_engine.server.cli:main"
+    assert entry == ["ckpt-engine"] and scripts["ckpt-engine"] == "ckpt_engine.cli.main:main"
 
 
 def test_cmd_and_healthcheck_parse_with_the_real_cli_and_name_the_baked_config() -> None:
@@ -203,7 +203,7 @@ def test_health_url_reaches_a_wildcard_bind_by_loopback(host: str, url: str) -> 
 @pytest.mark.multiproc
 def test_health_command_against_a_real_daemon(tmp_path: Path) -> None:
     config = write_config(tmp_path)
-    command = [sys.executable, "-m", "ckpt_engine.server", "health", "--config", str(config), "--timeout", "10"]
+    command = [sys.executable, "-m", "ckpt_engine.cli", "health", "--config", str(config), "--timeout", "10"]
     daemon = start_daemon(config)
     try:
         up = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60, cwd=ROOT)

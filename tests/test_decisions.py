@@ -7,8 +7,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from ckpt_engine.server.agents import Agent
 from ckpt_engine.server.decisions import quorum
+from ckpt_engine.server.decisions.agent_record import AgentRecord
 from ckpt_engine.server.decisions.commit import expected_digest, judge
 from ckpt_engine.server.decisions.policy import FRAMEWORK, PLAIN, policy_of
 from ckpt_engine.server.decisions.receivers import MOVES, NEW, SERVING, STAGED, TORN, UNABLE, ReceiverModel
@@ -24,9 +24,9 @@ _ids = itertools.count()
 def agent(role: str = "receiver", *, silent_s: float = 0.0, engine: str | None = None, driven: bool = False,
           members: int | None = None, framework: str | None = None, rank: int = 0, trainer_ranks: int = 1,
           host_id: str | None = "h", device: str = "cpu", serving: int | None = None, proven: bool = True,
-          whole_versions: bool = False) -> Agent:
+          whole_versions: bool = False) -> AgentRecord:
     n = next(_ids)
-    a = Agent(f"a{n}", "s" * 48, n, role, rank, "host", 100 + n, device, host_id, 0.0, NOW - silent_s, engine=engine,
+    a = AgentRecord(f"a{n}", "s" * 48, n, role, rank, "host", 100 + n, device, host_id, 0.0, NOW - silent_s, engine=engine,
               driven=driven, members=members, framework=framework, trainer_ranks=trainer_ranks, poll_wait_s=1.0,
               whole_versions=whole_versions)
     a.model.serving = a.model.last_served = serving

@@ -29,7 +29,7 @@ def test_fully_async_demo_commits_every_version_and_rollouts_match(tmp_path: Pat
     --tear a rollout's apply tears its model and the daemon repairs it; while it holds, its trainer ranks and
     rollouts stay attached, so the status, the cache and the metrics show them (the cache of both ranks)."""
     err = (tmp_path / "stderr").open("w")
-    demo = subprocess.Popen([sys.executable, "-m", "ckpt_engine.server", "demo", *SMALL, "--tear", "2", "--hold",
+    demo = subprocess.Popen([sys.executable, "-m", "ckpt_engine.cli", "demo", *SMALL, "--tear", "2", "--hold",
                              "600"], stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT)
     lines: queue.Queue[str] = queue.Queue()
     stdout = demo.stdout
@@ -99,7 +99,7 @@ def test_fully_async_demo_commits_every_version_and_rollouts_match(tmp_path: Pat
 
 
 def test_library_demo_syncs_every_version_and_receivers_match_the_trainer() -> None:
-    out = subprocess.run([sys.executable, "-m", "ckpt_engine.server", "demo-library", "--steps", "8", "--sync-every",
+    out = subprocess.run([sys.executable, "-m", "ckpt_engine.cli", "demo-library", "--steps", "8", "--sync-every",
                           "2"], capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line for line in out.stdout.splitlines() if line.split() and line.split()[0].isdigit()]

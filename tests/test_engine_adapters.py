@@ -21,7 +21,7 @@ from ckpt_engine.workers.adapters.sglang import EngineUpdateError, SGLangAdapter
 from ckpt_engine.device import detect_device
 from ckpt_engine.plan.tensors import named_tensors_of
 from ckpt_engine.receive.collective import VersionPayload
-from ckpt_engine.receive.streamed import StreamFailed
+from ckpt_engine.receive.payload import StreamFailed
 from tests.daemon_harness import ROOT, free_port
 from tests.tiny_lm import tiny_llama
 

@@ -1,4 +1,4 @@
-"""Schemathesis against the real daemon's live /openapi.json (server/trials/fuzz_http.py runs the same, longer), and
+"""Schemathesis against the real daemon's live /openapi.json (trials/fuzz_http.py runs the same, longer), and
 regression tests for what it found: 500s from ids beyond SQLite's INTEGER, undeclared statuses and content
 types, 405s without the right Allow header, a chunked body over the limit answered 400 instead of 413."""
 
@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from ckpt_engine.server.trials.fuzz_http import EXPECTED_5XX, format_summary, run_fuzz
+from ckpt_engine.trials.fuzz_http import EXPECTED_5XX, format_summary, run_fuzz
 
 from tests.daemon_harness import DaemonProcess, start_daemon, write_config
 
 pytestmark = pytest.mark.multiproc
 
 TOKEN = "fuzz-test-token-0123456789"
-CASES = 50  # per operation and phase: about 5 s here; server/trials/fuzz_http.py runs 200 (or more) the same way
+CASES = 50  # per operation and phase: about 5 s here; trials/fuzz_http.py runs 200 (or more) the same way
 OPERATIONS = {"POST /sync", "GET /versions", "GET /versions/latest", "GET /versions/{version}",
               "POST /versions/{version}/push", "DELETE /versions/{version}", "GET /receivers", "GET /status",
               "GET /health", "GET /metrics"}

@@ -351,7 +351,7 @@ def test_a_hostile_peer_with_a_rollout_token_changes_nothing_but_its_own_standin
     import threading
 
     import torch
-    from ckpt_engine.server.trials.hostile import hostile_messages
+    from ckpt_engine.trials.hostile import hostile_messages
     from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
     from ckpt_engine.workers.rollout_agent import RolloutAgent
     from ckpt_engine.workers.trainer_agent import TrainerAgent

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ckpt_engine.server.cli import REDACTED, redacted
+from ckpt_engine.cli.main import REDACTED, redacted
 
 from tests.daemon_harness import ROOT, start_daemon, write_config
 
@@ -39,7 +39,7 @@ def test_check_config_prints_no_token_from_the_file_or_the_environment(tmp_path:
     config.write_text(yaml.safe_dump({"auth": {**IN_FILE, "credentials_file": str(tmp_path / "creds.json")},
                                       "auth_token": LEGACY, "store": {"history_path": str(tmp_path / "h.sqlite3")}}))
     env = {key: value for key, value in os.environ.items() if not key.startswith("CKPT_ENGINE_")} | SECRETS
-    result = subprocess.run([sys.executable, "-m", "ckpt_engine.server", "check-config", str(config)], env=env,
+    result = subprocess.run([sys.executable, "-m", "ckpt_engine.cli", "check-config", str(config)], env=env,
                             check=False, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     for secret in [*SECRETS.values(), *IN_FILE.values(), LEGACY]:

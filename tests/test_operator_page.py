@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ckpt_engine.server.cli import main
+from ckpt_engine.cli.main import main
 from ckpt_engine.server.page_routes import PAGE_FILES
 
 from tests.browser import Browser, find_chromium

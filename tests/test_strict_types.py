@@ -43,7 +43,7 @@ LOOSE_SYNC_BODIES = [
 SYNC_BODIES = [
     {}, {"step": 1}, {"step": 0}, {"step": None}, {"bypass_cpu": True}, {"bypass_cpu": None}, {"sparse": False},
     {"wait": True, "timeout_s": 5}, {"wait": True, "timeout_s": 2.5},
-    {"step": 7, "bypass_cpu": None, "sparse": None},  # what ``ckpt-engine sync`` sends (server/cli.py)
+    {"step": 7, "bypass_cpu": None, "sparse": None},  # what ``ckpt-engine sync`` sends (cli/main.py)
 ]
 
 

@@ -317,7 +317,7 @@ def test_a_second_daemon_on_the_same_history_is_refused(tmp_path: Path) -> None:
             data = yaml.safe_load(second_config.read_text())
             data["store"]["history_path"] = str(path)
             second_config.write_text(yaml.safe_dump(data))
-            result = subprocess.run([sys.executable, "-m", "ckpt_engine.server", "serve", "--config",
+            result = subprocess.run([sys.executable, "-m", "ckpt_engine.cli", "serve", "--config",
                                      str(second_config)], capture_output=True, text=True, timeout=60, cwd=ROOT)
             assert result.returncode == 2, result.stderr
             assert "in use by another daemon" in result.stderr
@@ -383,7 +383,7 @@ def test_check_config_names_a_history_path_that_cannot_be_used(tmp_path: Path) -
     config.write_text(yaml.safe_dump(data))
     for command in ("check-config", "serve"):
         args = [str(config)] if command == "check-config" else ["--config", str(config)]
-        result = subprocess.run([sys.executable, "-m", "ckpt_engine.server", command, *args], capture_output=True,
+        result = subprocess.run([sys.executable, "-m", "ckpt_engine.cli", command, *args], capture_output=True,
                                 text=True, timeout=60, cwd=ROOT)
         assert result.returncode == 2 and "store.history_path" in result.stderr, (command, result.stderr)
         assert "Traceback" not in result.stderr

@@ -342,7 +342,7 @@ def test_check_config_and_serve_name_credentials_problems(tmp_path: Path, proble
         data["auth"].update(operator_token="A" * 32, rollout_token="A" * 32)
         config.write_text(yaml.safe_dump(data))
     for command in (["check-config", str(config)], ["serve", "--config", str(config)]):
-        result = subprocess.run([sys.executable, "-m", "ckpt_engine.server", *command], capture_output=True,
+        result = subprocess.run([sys.executable, "-m", "ckpt_engine.cli", *command], capture_output=True,
                                 text=True, timeout=60, cwd=ROOT)
         assert result.returncode == 2 and "Traceback" not in result.stderr, (command, result.stderr)
         assert "credentials" in result.stderr or "token" in result.stderr, result.stderr

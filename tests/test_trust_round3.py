@@ -119,7 +119,7 @@ def test_serve_and_check_config_refuse_a_credentials_directory_others_can_write(
     os.chmod(shared, 0o777)
     config = write_config(tmp_path, auth={"credentials_file": str(shared / "credentials.json")})
     for command in (["check-config", str(config)], ["serve", "--config", str(config)]):
-        result = subprocess.run([sys.executable, "-m", "ckpt_engine.server", *command], capture_output=True,
+        result = subprocess.run([sys.executable, "-m", "ckpt_engine.cli", *command], capture_output=True,
                                 text=True, timeout=60, cwd=ROOT)
         assert result.returncode == 2 and "Traceback" not in result.stderr, (command, result.stderr)
         assert str(shared) in result.stderr and "777" in result.stderr, result.stderr
@@ -554,7 +554,7 @@ def test_the_documented_load_example_works_for_sparse_and_whole_versions(doc: st
 
 
 def test_the_cli_can_ask_for_a_whole_version_whatever_the_deployment_says() -> None:
-    from ckpt_engine.server.cli import _parser
+    from ckpt_engine.cli.main import _parser
 
     parser = _parser()
     assert parser.parse_args(["sync", "--no-sparse"]).sparse is False
@@ -653,6 +653,6 @@ def test_serve_refuses_a_credentials_file_in_a_directory_others_can_write(tmp_pa
     write_credentials(shared / "credentials.json", Credentials(operator="o" * 32, trainer="t" * 32, rollout="r" * 32))
     os.chmod(shared, 0o777)
     config = write_config(tmp_path, auth={"credentials_file": str(shared / "credentials.json")})
-    result = subprocess.run([sys.executable, "-m", "ckpt_engine.server", "serve", "--config", str(config)],
+    result = subprocess.run([sys.executable, "-m", "ckpt_engine.cli", "serve", "--config", str(config)],
                             capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 2 and str(shared) in result.stderr and "Traceback" not in result.stderr, result.stderr

@@ -379,7 +379,7 @@ class FrameworkSyncRequest(SyncRequest):
     session: Secret | None = None
     limit_s: float | None = Field(None, gt=0, le=7 * 86400, description="how long the daemon gives this version "
                                   "before failing it (the framework's own timeouts; default timeouts.version_s)")
-    # the knobs the framework set (ckpt_engine/knobs.py KNOBS; checked there as the deployment's YAML is): the
+    # the knobs the framework set (ckpt_engine/config/knobs.py KNOBS; checked there as the deployment's YAML is): the
     # daemon settles them against its deployment, records them and answers with what the sync runs with
     knobs: dict[Literal["bypass_cpu", "sparse", "staging", "bucket_size_mb", "keep_versions"],
                 bool | int | float | str] | None = Field(None, max_length=5)

@@ -10,7 +10,6 @@ digests the sender announced for it, and the trailer.
 from __future__ import annotations
 
 import collections
-
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +25,7 @@ from ckpt_engine.plan.layout import Bucket, Layout, TensorSpec
 from ckpt_engine.plan.sparse import Manifest, wire_manifest
 from ckpt_engine.plan.tensors import slot_view
 from ckpt_engine.receive.buffers import StagingBuffers
-from ckpt_engine.receive.payload import LoadFn, ReceiveResult, SenderAborted, VersionPayload
+from ckpt_engine.receive.payload import LoadFn, ReceiveResult, SenderAborted, StreamFailed, VersionPayload
 from ckpt_engine.receive.staging import Held, Staging, StagingChoice, StagingNeeds, choose_staging
 from ckpt_engine.transport.messages import VersionHeader, VersionTrailer
 
@@ -329,8 +328,6 @@ class VersionAssembler:
             result.reason = f"load failed: {type(exc).__name__}: {exc}"
             if touched():
                 result.torn = True
-                from ckpt_engine.receive.streamed import StreamFailed  # (streamed.py imports this module)
-
                 # a stream that failed its own checks says all in its message; the adapter's failures keep their stack
                 log.error("load of version %d failed part way; the model is torn until repaired: %s: %s",
                           header.version, type(exc).__name__, exc, exc_info=not _caused_by(exc, StreamFailed))

@@ -17,7 +17,14 @@ import torch
 
 from ckpt_engine.errors import CkptEngineError, ProtocolError, StagingUnavailable
 from ckpt_engine.plan.layout import Bucket, Layout
-from ckpt_engine.receive.assembly import Incoming, LoadFn, ReceiveResult, SenderAborted, VersionAssembler, VersionPayload
+from ckpt_engine.receive.assembly import (
+    Incoming,
+    LoadFn,
+    ReceiveResult,
+    SenderAborted,
+    VersionAssembler,
+    VersionPayload,
+)
 from ckpt_engine.receive.staging import Staging
 from ckpt_engine.receive.streamed import receive_streamed
 from ckpt_engine.transport.framing import Channel, Frame, FrameKind

@@ -67,5 +67,9 @@ class ReceiveResult:
                    reason=self.reason, bad_tensors=self.bad_tensors, seconds=self.seconds)
 
 
+class StreamFailed(CkptEngineError):
+    """A streamed version failed part way (a bucket did not verify or never came, or the trailer disagreed)."""
+
+
 class SenderAborted(CkptEngineError):
     """The sender abandoned the version; nothing of it was loaded."""

@@ -20,19 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ckpt_engine.errors import CkptEngineError, ProtocolError
+from ckpt_engine.errors import ProtocolError
 from ckpt_engine.plan.dtypes import dtype_from_name
 from ckpt_engine.plan.layout import Bucket, Layout, TensorSlot
 from ckpt_engine.plan.sparse import Manifest
 from ckpt_engine.plan.tensors import slot_view
 from ckpt_engine.receive.assembly import Feed, Incoming, VersionAssembler
-from ckpt_engine.receive.payload import ReceiveResult, SenderAborted, VersionPayload
+from ckpt_engine.receive.payload import ReceiveResult, SenderAborted, StreamFailed, VersionPayload
 
 log = logging.getLogger(__name__)
-
-
-class StreamFailed(CkptEngineError):
-    """A streamed version failed part way (a bucket did not verify or never came, or the trailer disagreed)."""
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ckpt_engine.server.agents import Agent
+from ckpt_engine.server.decisions.agent_record import AgentRecord
 
 from ckpt_engine.control.messages import Register
 
@@ -33,7 +33,7 @@ class Verdict:
         return {"live_agent": self.live_agent, "retry_after_s": self.retry_after_s}
 
 
-def judge_registration(message: Register, agents: Sequence[Agent], now: float, heartbeat_s: float) -> Verdict:
+def judge_registration(message: Register, agents: Sequence[AgentRecord], now: float, heartbeat_s: float) -> Verdict:
     """The verdict on ``message`` given the registered ``agents`` (registration order)."""
     if message.role == "trainer":
         return _trainer(message, agents, now, heartbeat_s)
@@ -44,22 +44,22 @@ def judge_registration(message: Register, agents: Sequence[Agent], now: float, h
     return Verdict()
 
 
-def _live(agent: Agent, now: float, heartbeat_s: float) -> bool:
+def _live(agent: AgentRecord, now: float, heartbeat_s: float) -> bool:
     return agent.heartbeating(now, heartbeat_s)
 
 
-def _refused(why: str, holder: Agent, now: float, heartbeat_s: float) -> Verdict:
+def _refused(why: str, holder: AgentRecord, now: float, heartbeat_s: float) -> Verdict:
     window = holder.silence_window(heartbeat_s)
     silent_in = max(window - (now - holder.last_seen), 0.0)
     return Verdict(f"{why} A restarted process takes its place once it has been silent for {window:.1f}s "
                    f"(in {silent_in:.1f}s at the earliest).", holder.agent_id, round(silent_in, 3))
 
 
-def _who(agent: Agent) -> str:
+def _who(agent: AgentRecord) -> str:
     return f"agent {agent.agent_id}, pid {agent.pid} on {agent.host}"
 
 
-def _trainer(message: Register, agents: Sequence[Agent], now: float, heartbeat_s: float) -> Verdict:
+def _trainer(message: Register, agents: Sequence[AgentRecord], now: float, heartbeat_s: float) -> Verdict:
     trainers = [a for a in agents if a.role == "trainer"]
     same = [a for a in trainers if a.rank == message.rank]
     for holder in same:
@@ -80,7 +80,7 @@ def _trainer(message: Register, agents: Sequence[Agent], now: float, heartbeat_s
     return Verdict(replaces=tuple(a.agent_id for a in same))
 
 
-def _driver(message: Register, agents: Sequence[Agent], now: float, heartbeat_s: float) -> Verdict:
+def _driver(message: Register, agents: Sequence[AgentRecord], now: float, heartbeat_s: float) -> Verdict:
     engine = message.engine
     drivers = [a for a in agents if a.role == "driver" and a.engine == engine]
     for holder in drivers:
@@ -100,7 +100,7 @@ def _driver(message: Register, agents: Sequence[Agent], now: float, heartbeat_s:
     return Verdict(replaces=tuple(a.agent_id for a in drivers))
 
 
-def _engine_member(message: Register, agents: Sequence[Agent], now: float, heartbeat_s: float) -> Verdict:
+def _engine_member(message: Register, agents: Sequence[AgentRecord], now: float, heartbeat_s: float) -> Verdict:
     engine = message.engine
     members = [a for a in agents if a.role == "receiver" and a.engine == engine]
     driver = next((a for a in agents if a.role == "driver" and a.engine == engine and _live(a, now, heartbeat_s)),

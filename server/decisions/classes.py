@@ -9,7 +9,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ckpt_engine.server.agents import Agent
+from ckpt_engine.server.decisions.agent_record import AgentRecord
 
 from ckpt_engine.control.messages import ClassDone, ClassLane
 
@@ -37,14 +37,14 @@ class ClassPlan:
 NO_CLASSES = ClassPlan([], {}, {})
 
 
-def plan_lanes(receivers: Sequence[Agent], quorum: Mapping[str, int], colocated: Collection[str] = ()) -> ClassPlan:
+def plan_lanes(receivers: Sequence[AgentRecord], quorum: Mapping[str, int], colocated: Collection[str] = ()) -> ClassPlan:
     """The classes of a version sent to ``receivers`` (ranks in ``quorum``): none when no receiver declared a
     shard spec (a plain version), else one per distinct spec (receivers without one form the class of whole
     tensors), ordered by their first receiver's rank so the parts are stable while the quorum is. The
     ``colocated`` receivers (agent ids) take the same-host path: they have no seat in their class's group."""
     if not any(r.shard_spec for r in receivers):
         return NO_CLASSES
-    grouped: dict[str, list[Agent]] = {}
+    grouped: dict[str, list[AgentRecord]] = {}
     for receiver in sorted(receivers, key=lambda r: quorum[r.agent_id]):
         grouped.setdefault(receiver.shard_key, []).append(receiver)  # ("whole" without a spec)
     lanes, seats, keys = [], {}, {}

@@ -13,26 +13,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from ckpt_engine.server.agents import Agent
+from ckpt_engine.server.decisions.agent_record import AgentRecord
 
 from ckpt_engine.control.messages import MAX_CLASSES
 
 # (a receiver) -> the cached version a repair or catch-up would bring it, or None when the cache has none
-RepairSource = Callable[[Agent], "int | None"]
+RepairSource = Callable[[AgentRecord], "int | None"]
 
 
-def heard(agent: Agent, now: float, heartbeat_s: float) -> bool:
+def heard(agent: AgentRecord, now: float, heartbeat_s: float) -> bool:
     return agent.heartbeating(now, heartbeat_s)
 
 
-def engine_ready(receiver: Agent, ready: Sequence[Agent], driver: Agent | None, now: float,
+def engine_ready(receiver: AgentRecord, ready: Sequence[AgentRecord], driver: AgentRecord | None, now: float,
                  heartbeat_s: float) -> bool:
     """Every worker of the receiver's engine is ready and its driver is heard from."""
     members = [m for m in ready if m.engine == receiver.engine and m.driven]
     return driver is not None and heard(driver, now, heartbeat_s) and len(members) == receiver.members
 
 
-def needs_catch_up(receiver: Agent, pool: Sequence[Agent]) -> bool:
+def needs_catch_up(receiver: AgentRecord, pool: Sequence[AgentRecord]) -> bool:
     """It holds no whole version proven under this registration, or (a driven worker) a worker of its engine
     does not: what a newcomer says it holds is a claim until a version of its own proves it."""
     if not receiver.driven:
@@ -40,8 +40,8 @@ def needs_catch_up(receiver: Agent, pool: Sequence[Agent]) -> bool:
     return any(not m.model.whole() for m in pool if m.engine == receiver.engine and m.driven)
 
 
-def candidates(receivers: Sequence[Agent], drivers: Mapping[str, Agent], now: float, heartbeat_s: float, *,
-               regular: bool, repair_source: RepairSource, admit_new: bool = True, min_receivers: int = 1) -> list[Agent]:
+def candidates(receivers: Sequence[AgentRecord], drivers: Mapping[str, AgentRecord], now: float, heartbeat_s: float, *,
+               regular: bool, repair_source: RepairSource, admit_new: bool = True, min_receivers: int = 1) -> list[AgentRecord]:
     """Receivers that can be put into a quorum now (``regular``: of a regular version, which leaves out the
     ones a catch-up can bring a version first, and, unless ``admit_new``, those that never proved themselves;
     of those, only as many newcomers as ``few_newcomers`` lets in: see decisions/newcomers.py)."""
@@ -55,12 +55,12 @@ def candidates(receivers: Sequence[Agent], drivers: Mapping[str, Agent], now: fl
     return few_newcomers(regular_ones, min_receivers)
 
 
-def _newcomer_unit(receiver: Agent) -> str:
+def _newcomer_unit(receiver: AgentRecord) -> str:
     """What joins as one: a driven engine's workers together, else the receiver alone."""
     return f"engine {receiver.engine}" if receiver.driven and receiver.engine else receiver.agent_id
 
 
-def few_newcomers(receivers: Sequence[Agent], min_receivers: int) -> list[Agent]:
+def few_newcomers(receivers: Sequence[AgentRecord], min_receivers: int) -> list[AgentRecord]:
     """``receivers`` with at most as many newcomers (receivers that have not proved themselves under their
     registration; an engine's workers count as one) as a version needs besides the proven ones to reach
     ``min_receivers``, and at least one: a newcomer that never joins then costs one version, not every one.
@@ -77,7 +77,7 @@ def few_newcomers(receivers: Sequence[Agent], min_receivers: int) -> list[Agent]
     return [r for r in receivers if r.model.proven or _newcomer_unit(r) in admitted]
 
 
-def why_out(receiver: Agent, receivers: Sequence[Agent], drivers: Mapping[str, Agent], now: float,
+def why_out(receiver: AgentRecord, receivers: Sequence[AgentRecord], drivers: Mapping[str, AgentRecord], now: float,
             heartbeat_s: float, repair_source: RepairSource, held_new: str | None = None) -> str:
     """Why a registered receiver is not in a quorum now (what an operator needs to act on). ``held_new``: why
     newcomers are held back now (None: they are not)."""
@@ -105,8 +105,8 @@ def why_out(receiver: Agent, receivers: Sequence[Agent], drivers: Mapping[str, A
     return f"not due (sync_every {receiver.sync_every})"
 
 
-def quorum_problem(trainer: Agent | None, receivers: Sequence[Agent], everyone: Sequence[Agent],
-                   drivers: Mapping[str, Agent], min_receivers: int, now: float, heartbeat_s: float,
+def quorum_problem(trainer: AgentRecord | None, receivers: Sequence[AgentRecord], everyone: Sequence[AgentRecord],
+                   drivers: Mapping[str, AgentRecord], min_receivers: int, now: float, heartbeat_s: float,
                    repair_source: RepairSource, held_new: str | None = None) -> str | None:
     """Why a version cannot start with these receivers (None: it can)."""
     if trainer is None:
@@ -123,7 +123,7 @@ def quorum_problem(trainer: Agent | None, receivers: Sequence[Agent], everyone: 
             f"(min_receivers); " + ("; ".join(out) if out else "no receiver is registered"))
 
 
-def sparse_base(receivers: Sequence[Agent]) -> int | None:
+def sparse_base(receivers: Sequence[AgentRecord]) -> int | None:
     """The version every receiver of the quorum serves whole, if they all serve the same one; else None (a
     new, torn, lagging or unsettled receiver makes it a full version, and so does an engine that takes whole
     versions only). Of a sharded version, each class then gets the pieces that changed since."""
@@ -133,7 +133,7 @@ def sparse_base(receivers: Sequence[Agent]) -> int | None:
     return held.pop() if len(held) == 1 else None
 
 
-def sharded(receivers: Sequence[Agent]) -> bool:
+def sharded(receivers: Sequence[AgentRecord]) -> bool:
     """A version some receiver of which keeps only slices (a shard spec): each class of receivers gets only its
     pieces, on sync groups of its own (one per owner), cut from the trainer ranks' caches or, with bypass_cpu,
     from their buckets as they are gathered; colocated receivers take the same-host path, each class through
@@ -141,7 +141,7 @@ def sharded(receivers: Sequence[Agent]) -> bool:
     return any(r.shard_spec for r in receivers)
 
 
-def within_class_limit(receivers: Sequence[Agent]) -> list[Agent]:
+def within_class_limit(receivers: Sequence[AgentRecord]) -> list[AgentRecord]:
     """The receivers a version can carry: of a sharded version, those of at most MAX_CLASSES classes, the
     classes of receivers that proved themselves first, then by registration. The others wait for a later
     version: registrations that never take part (a flood of distinct specs) are benched one version each,
@@ -155,7 +155,7 @@ def within_class_limit(receivers: Sequence[Agent]) -> list[Agent]:
     return [r for r in receivers if r.shard_key in kept]
 
 
-def owners_for(trainer: Agent, trainers: Mapping[int, Agent], source_owners: int | None, transport: str,
+def owners_for(trainer: AgentRecord, trainers: Mapping[int, AgentRecord], source_owners: int | None, transport: str,
                now: float, heartbeat_s: float) -> int:
     """How many trainer ranks own shares of a version: a re-push, as many as its source had; a new one, every
     rank of the trainer job when each one's agent is heard from (else rank 0 sends everything and the others
@@ -168,8 +168,8 @@ def owners_for(trainer: Agent, trainers: Mapping[int, Agent], source_owners: int
     return ranks if all(r in trainers and heard(trainers[r], now, heartbeat_s) for r in range(ranks)) else 1
 
 
-def transports(trainer: Agent, receivers: Sequence[Agent], owners: int, transport: str
-               ) -> tuple[list[Agent], str | None]:
+def transports(trainer: AgentRecord, receivers: Sequence[AgentRecord], owners: int, transport: str
+               ) -> tuple[list[AgentRecord], str | None]:
     """Which receivers take the same-host path (shared memory / CUDA IPC), per ``transport``: none for a
     version several trainer ranks own (each sends on its own sync group); and why the version cannot go. Of a
     sharded version, each class's colocated receivers take it through shared slots of their own."""
@@ -184,7 +184,7 @@ def transports(trainer: Agent, receivers: Sequence[Agent], owners: int, transpor
     return colocated, None
 
 
-def colocatable(trainer: Agent, receiver: Agent) -> bool:
+def colocatable(trainer: AgentRecord, receiver: AgentRecord) -> bool:
     """Same kernel and network namespace, and the same kind of device where IPC exists (CPU, CUDA)."""
     kind = trainer.device.split(":")[0]
     return (trainer.host_id is not None and receiver.host_id == trainer.host_id

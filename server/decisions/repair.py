@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ckpt_engine.server.agents import Agent
+from ckpt_engine.server.decisions.agent_record import AgentRecord
 from ckpt_engine.server.decisions.quorum import needs_catch_up
 
 from ckpt_engine.control.messages import MAX_KEPT
@@ -28,11 +28,11 @@ SourceOf = Callable[[int], "int | None"]
 @dataclass(frozen=True)
 class CatchUp:
     source: int  # the cached version to re-push
-    receivers: tuple[Agent, ...]
+    receivers: tuple[AgentRecord, ...]
     purpose: str  # "repair" when one of them is torn, else "catch_up"
 
 
-def repair_source(receiver: Agent, latest_committed: int | None, cached_source: CachedSource) -> int | None:
+def repair_source(receiver: AgentRecord, latest_committed: int | None, cached_source: CachedSource) -> int | None:
     """The cached version that would bring ``receiver`` a whole model: a torn one the version it served last,
     when still cached; otherwise (and for the others) the newest committed one."""
     model = receiver.model
@@ -43,15 +43,15 @@ def repair_source(receiver: Agent, latest_committed: int | None, cached_source: 
     return cached_source(latest_committed) if latest_committed is not None else None
 
 
-def plan_catch_up(pool: Sequence[Agent], now: float, latest_committed: int | None,
+def plan_catch_up(pool: Sequence[AgentRecord], now: float, latest_committed: int | None,
                   cached_source: CachedSource) -> CatchUp | None:
     """Receivers of ``pool`` (those that can take a version now) that need one and are due, grouped by the
     version they need; the largest group is brought its version now, the others later."""
-    def due(receiver: Agent) -> bool:  # an engine's workers are due together
+    def due(receiver: AgentRecord) -> bool:  # an engine's workers are due together
         peers = [m for m in pool if receiver.driven and m.driven and m.engine == receiver.engine] or [receiver]
         return all(m.model.catch_up_due <= now for m in peers)
 
-    by_source: dict[int, list[Agent]] = {}
+    by_source: dict[int, list[AgentRecord]] = {}
     engine_source: dict[str, int | None] = {}
     for receiver in (r for r in pool if needs_catch_up(r, pool) and due(r)):
         if receiver.driven:  # one model: every worker takes the version its torn workers served last
@@ -70,7 +70,7 @@ def plan_catch_up(pool: Sequence[Agent], now: float, latest_committed: int | Non
     return CatchUp(source, tuple(receivers), purpose)
 
 
-def kept_for_repairs(receivers: Sequence[Agent], latest_committed: int | None, source_of: SourceOf, *,
+def kept_for_repairs(receivers: Sequence[AgentRecord], latest_committed: int | None, source_of: SourceOf, *,
                      limit: int = MAX_KEPT) -> list[int]:
     """Cached versions receivers may need again, newest first (at most ``limit``, and MAX_KEPT): the newest
     committed one (a catch-up sends it) and the one each proven receiver serves or served last (a repair

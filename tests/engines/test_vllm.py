@@ -370,7 +370,7 @@ def test_vllm_driver_against_a_server_without_dev_mode_says_what_to_set(tmp_path
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _up(url, server), 240, "vllm serve to start")
-        result = subprocess.run([sys.executable, "-m", "ckpt_engine.server", "--credentials",
+        result = subprocess.run([sys.executable, "-m", "ckpt_engine.cli", "--credentials",
                                  str(daemon.credentials_path), "vllm-driver", "--vllm-url", url, "--endpoint",
                                  daemon.zmq],
                                 capture_output=True, text=True, timeout=120)

@@ -38,7 +38,7 @@ from ckpt_engine.workers.adapters.push_group import Batch, PushGroup, PushSettin
 from ckpt_engine.errors import ApplyRefused, CkptEngineError, SyncTimeoutError, TornModelError
 from ckpt_engine.plan.dtypes import dtype_name
 from ckpt_engine.receive.collective import VersionPayload
-from ckpt_engine.receive.streamed import StreamFailed
+from ckpt_engine.receive.payload import StreamFailed
 
 __all__ = ["EngineUpdateError", "SGLangAdapter"]
 log = logging.getLogger(__name__)

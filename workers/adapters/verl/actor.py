@@ -18,7 +18,7 @@ from ckpt_engine.workers.trainer_agent import evict
 
 from ckpt_engine.config import EngineConfig
 from ckpt_engine.errors import CkptEngineError, ConfigError
-from ckpt_engine.knobs import Settled, settle
+from ckpt_engine.config.knobs import Settled, settle
 from ckpt_engine.send.publisher import Ownership, Publisher, Route
 from ckpt_engine.send.sender import Transfer, TransferResult, WireHook
 from ckpt_engine.transport.group import bounded, serve_store, wait_for_key

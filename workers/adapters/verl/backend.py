@@ -25,7 +25,7 @@ class CkptEngineCheckpointEngine(CheckpointEngine):
 
     def __init__(self, bucket_size: int, is_master: bool | None = None, **engine_kwargs: Any) -> None:
         # verl always passes a bucket size; its own default (update_weights_bucket_megabytes unset) is left to the
-        # deployment, as every knob verl leaves unset (ckpt_engine/knobs.py)
+        # deployment, as every knob verl leaves unset (ckpt_engine/config/knobs.py)
         given = None if bucket_size == _verl_default_bucket_size() else bucket_size
         self.side: VerlActor | VerlRollout = (VerlActor(given, bool(is_master), **engine_kwargs)
                                               if is_master is not None else VerlRollout(given, **engine_kwargs))

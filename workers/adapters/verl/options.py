@@ -3,8 +3,8 @@
 Two kinds. The knobs the deployment names too (``bypass_cpu``, ``sparse``, ``staging``, ``keep_versions``; and
 the bucket size, which verl passes as ``update_weights_bucket_megabytes``) have no default here: unset, a sync
 takes the daemon's value (its YAML), or without a daemon the deployment's default; set, verl's value wins.
-Their types and bounds are the deployment's own (ckpt_engine/config.py ``EngineConfig``, through
-ckpt_engine/knobs.py, which also decides each sync's values). The others are verl's alone (where actor rank 0
+Their types and bounds are the deployment's own (ckpt_engine/config/deployment.py ``EngineConfig``, through
+ckpt_engine/config/knobs.py, which also decides each sync's values). The others are verl's alone (where actor rank 0
 serves the rendezvous, the transfer's timeouts, the daemon's endpoint, sharded delivery), with their bounds
 here. No verl import.
 """
@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ckpt_engine.errors import ConfigError
-from ckpt_engine.knobs import check_knobs
+from ckpt_engine.config.knobs import check_knobs
 
 BACKEND = "ckpt_engine"
 WHERE = f"engine_kwargs.{BACKEND}"

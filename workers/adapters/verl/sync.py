@@ -39,7 +39,7 @@ import torch
 from ckpt_engine.config import EngineConfig
 from ckpt_engine.device import DeviceInfo, detect_device
 from ckpt_engine.errors import CkptEngineError, ConfigError, SyncTimeoutError
-from ckpt_engine.knobs import Settled, check_knobs, settle
+from ckpt_engine.config.knobs import Settled, check_knobs, settle
 from ckpt_engine.plan.modes import Staging
 from ckpt_engine.plan.shards import spec_from_wire, spec_key, spec_to_wire
 from ckpt_engine.send.classes import Lane
@@ -90,7 +90,7 @@ class VerlSync:
         ``bypass_cpu`` (mode), ``sparse`` (send only the tensors that changed since the version every rollout
         worker holds; cached mode), ``staging`` (how a rollout worker holds a version before verl's loader gets
         it: auto, device, host or stream; see docs/workers.md) and ``keep_versions`` (cached versions kept in
-        host memory on each actor rank): unset, the daemon's (or the deployment's default; ckpt_engine/knobs.py
+        host memory on each actor rank): unset, the daemon's (or the deployment's default; ckpt_engine/config/knobs.py
         decides each sync's values); ``host`` (where actor rank 0 serves the rendezvous; default this node's Ray
         address), ``device`` (auto: cuda/npu/cpu), ``timeout_s`` (every wait of the transfer),
         ``load_timeout_s`` (how long verl's loader may take to consume a version), ``endpoint`` (a ckpt-engine
@@ -125,7 +125,7 @@ class VerlSync:
         self.last_version: int | None = None
 
     def _take_knobs(self, settled: Settled) -> None:
-        """This sync's knobs (ckpt_engine/knobs.py: verl's over the daemon's), on every rank and worker alike."""
+        """This sync's knobs (ckpt_engine/config/knobs.py: verl's over the daemon's), on every rank and worker alike."""
         self.settled = settled
         self.bypass_cpu, self.mode, self.sparse = settled.bypass_cpu, settled.mode, settled.sparse
         self.staging: Staging = settled.staging

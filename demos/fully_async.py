@@ -218,7 +218,7 @@ def start_daemon(config: Path | None, workdir: Path, bypass: bool, bucket_size_m
 def _own_session(config_path: Path, env: dict[str, str], log_path: Path) -> subprocess.Popen:
     """``ckpt-engine serve`` out of the terminal's process group: Ctrl-C is the demo's, which releases its agents
     first (they unregister) and then stops the daemon."""
-    return subprocess.Popen([sys.executable, "-m", "ckpt_engine.server", "serve", "--config", str(config_path)],
+    return subprocess.Popen([sys.executable, "-m", "ckpt_engine.cli", "serve", "--config", str(config_path)],
                             stdout=log_path.open("w"), stderr=subprocess.STDOUT, cwd=REPO, env=env,
                             start_new_session=True)
 
@@ -228,7 +228,7 @@ def status_command(url: str, credentials: Path | None) -> str:
     ckpt-engine, the daemon's address and the file its operator token is in (the path: a token printed ends up in
     terminal scrollback and CI logs)."""
     script = Path(sys.executable).with_name("ckpt-engine")  # (the venv's: not resolved, a venv's python is a link)
-    cli = [str(script)] if script.exists() else [sys.executable, "-m", "ckpt_engine.server"]
+    cli = [str(script)] if script.exists() else [sys.executable, "-m", "ckpt_engine.cli"]
     return shlex.join([*cli, "--url", url, *(["--credentials", str(credentials)] if credentials else []),
                        "status", "--watch"])
 

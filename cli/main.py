@@ -28,17 +28,17 @@ DEFAULT_URL = "http://127.0.0.1:8765"
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:  # the demos parse their own options
-        from ckpt_engine.server.demos.fully_async import main as demo_main
+        from ckpt_engine.demos.fully_async import main as demo_main
 
         return demo_main(argv[1:])
     if argv[:1] == ["demo-library"]:
-        from ckpt_engine.server.demos.library import main as library_demo_main
+        from ckpt_engine.demos.library import main as library_demo_main
 
         return library_demo_main(argv[1:])
     if argv[:1] == ["bench"]:  # the benchmark suite and the fault trials parse their own options
         return _bench(argv[1:])
     if argv[:1] == ["chaos"]:
-        from ckpt_engine.server.trials.chaos import main as chaos_main
+        from ckpt_engine.trials.chaos import main as chaos_main
 
         return chaos_main(argv[1:], prog="ckpt-engine chaos")
     args = _parser().parse_args(argv)

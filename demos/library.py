@@ -2,7 +2,7 @@
 two receiver processes (rollout stand-ins holding their own copy of the model) receive, verify and load each
 version. Everything runs for real on this machine: gloo sync group over a TCP store on 127.0.0.1.
 
-Run: ``ckpt-engine demo-library`` (or ``python -m ckpt_engine.server.demos.library``).
+Run: ``ckpt-engine demo-library`` (or ``python -m ckpt_engine.demos.library``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ The daemon runs with an auth token and no agents: ``POST /sync`` then refuses wi
 version, by design, so 503 is an expected status for that operation only. Generation is deterministic
 (derandomized, fixed seed): a run with the same ``--cases`` repeats the same requests.
 
-    python -m ckpt_engine.server.trials.fuzz_http [--cases 200] [--seed 0] [--json bench/results/fuzz_http.json]
+    python -m ckpt_engine.trials.fuzz_http [--cases 200] [--seed 0] [--json bench/results/fuzz_http.json]
 
 :func:`run_fuzz` is also what tests/test_fuzz_http.py runs, with fewer cases.
 """
@@ -166,7 +166,7 @@ def format_summary(summary: FuzzSummary) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ckpt_engine.server.trials.fuzz_http", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ckpt_engine.trials.fuzz_http", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=200, help="generated cases per operation and phase")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=RESULT, help="where to write the summary")

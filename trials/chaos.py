@@ -1,8 +1,8 @@
-"""Randomized fault trials: ``ckpt-engine chaos`` (or ``python -m ckpt_engine.server.trials.chaos``).
+"""Randomized fault trials: ``ckpt-engine chaos`` (or ``python -m ckpt_engine.trials.chaos``).
 
 A cluster is the real daemon, a 2-rank FSDP2 trainer job and 2-3 rollout receivers on 127.0.0.1, each its
-own process (server/trials/procs.py); every agent reaches the daemon's ZMQ port through its own TCP proxy
-(server/trials/proxy.py), so its control connection can be cut. Each trial:
+own process (trials/procs.py); every agent reaches the daemon's ZMQ port through its own TCP proxy
+(trials/proxy.py), so its control connection can be cut. Each trial:
 
 1. requests a version (cached, sparse or bypass_cpu, at random) and, at a random point of it, injects one
    fault: kill -9 of a receiver, a trainer rank or the daemon; SIGSTOP of one of them for a random stall
@@ -13,7 +13,7 @@ own process (server/trials/procs.py); every agent reaches the daemon's ZMQ port 
    wait on a stalled trainer while /health is probed;
 2. recovers as an operator or supervisor would: restarts what was killed (the whole trainer job when a rank
    died, as torchrun does), SIGCONTs what was stalled, lets the connection back;
-3. checks the invariants (server/trials/checks.py) and that the next sync after recovery commits.
+3. checks the invariants (trials/checks.py) and that the next sync after recovery commits.
 
 Results go to ``--json`` and, with ``--report``, into docs/reliability.md.
 """
@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 import yaml
 from ckpt_engine.server.launch import REPO, free_port, start_daemon, write_config
-from ckpt_engine.server.trials.checks import (
+from ckpt_engine.trials.checks import (
     Limits,
     applied_violations,
     history_violations,
@@ -45,8 +45,8 @@ from ckpt_engine.server.trials.checks import (
     storage_violations,
     wait_violations,
 )
-from ckpt_engine.server.trials.hostile import hostile_messages
-from ckpt_engine.server.trials.proxy import Proxy
+from ckpt_engine.trials.hostile import hostile_messages
+from ckpt_engine.trials.proxy import Proxy
 
 from ckpt_engine.control.messages import TERMINAL
 
@@ -143,7 +143,7 @@ class Cluster:
 
     def _agent(self, name: str, role: str, args: dict) -> None:
         args = {**args, "workdir": str(self.workdir), "zmq": self.proxies[name].endpoint}
-        self._spawn(name, [sys.executable, "-m", "ckpt_engine.server.trials.procs", role, json.dumps(args)])
+        self._spawn(name, [sys.executable, "-m", "ckpt_engine.trials.procs", role, json.dumps(args)])
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         with (self.workdir / f"{name}.log").open("a") as log:
@@ -372,7 +372,7 @@ def _fill_disk(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
 
 def _second_daemon(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
     started = time.monotonic()
-    second = subprocess.run([sys.executable, "-m", "ckpt_engine.server", "serve", "--config", str(cluster.config)],
+    second = subprocess.run([sys.executable, "-m", "ckpt_engine.cli", "serve", "--config", str(cluster.config)],
                             capture_output=True, text=True, timeout=60, cwd=REPO)
     if second.returncode != 2 or "in use by another daemon" not in second.stderr:
         trial.violations.append(f"a second daemon on the same history exited {second.returncode}: "
@@ -800,7 +800,7 @@ def write_report(path: Path, body: str) -> None:
     path.write_text(text)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m ckpt_engine.server.trials.chaos") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m ckpt_engine.trials.chaos") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=200)
     parser.add_argument("--per-cluster", type=int, default=25, help="trials before a fresh cluster is built")

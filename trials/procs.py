@@ -1,4 +1,4 @@
-"""The processes of a fault trial, each started as ``python -m ckpt_engine.server.trials.procs ROLE JSON_ARGS`` so the
+"""The processes of a fault trial, each started as ``python -m ckpt_engine.trials.procs ROLE JSON_ARGS`` so the
 harness can kill -9, SIGSTOP and restart any of them independently.
 
 - ``trainer``: one rank of a 2-rank FSDP2 (``fully_shard``, gloo) job training a small MLP on random data
