@@ -16,7 +16,7 @@ from collections.abc import Callable
 from ckpt_engine.server.decisions.agent_record import AgentRecord
 
 from ckpt_engine.control.messages import Register
-from ckpt_engine.plan.shards import spec_from_wire, spec_key, spec_to_wire
+from ckpt_engine.plan.shards import spec_key
 
 
 class AgentRegistry:
@@ -38,8 +38,7 @@ class AgentRegistry:
         if message.role == "trainer":
             agent.ipc_name = message.ipc_name
         if message.role == "receiver" and message.shard_spec:
-            spec = spec_from_wire(message.shard_spec)  # (the registrar checked it)
-            agent.shard_spec, agent.shard_key = spec_to_wire(spec), spec_key(spec)
+            agent.shard_spec, agent.shard_key = message.shard_spec, spec_key(message.shard_spec)
         self._agents[agent.agent_id] = agent
         return agent
 

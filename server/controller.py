@@ -36,6 +36,7 @@ from ckpt_engine.server.state_view import StateView
 
 from ckpt_engine.config import EngineConfig
 from ckpt_engine.config.knobs import settle
+from ckpt_engine.control.auth import TOKEN_OF_AGENT
 from ckpt_engine.control.messages import (
     Assignment,
     FrameworkSyncRequest,
@@ -54,9 +55,6 @@ _TICK_FAILING_S = 5.0  # ticks failing this long make /health say not ok
 _EVENTS_OF = {"trainer": {"snapshotting", "transferring", "verifying", "done", "evicted"},
               "receiver": {"staged", "received"}, "driver": {"applied"}}
 # the credential an agent of each kind registers (and speaks) with
-ROLE_OF_AGENT = {"trainer": "trainer", "receiver": "rollout", "driver": "rollout"}
-
-
 class Controller:
     def __init__(self, config: EngineConfig, history: HistoryStore, metrics: Metrics, *, store_host: str,
                  store_port: int, group_name: str, clock: Callable[[], float] = time.monotonic,
@@ -420,8 +418,8 @@ class Controller:
         if agent is None:
             # one answer for an unknown id and a wrong secret: a peer learns nothing about other agents
             raise ProtocolError(f"unregistered agent {agent_id!r} (or not this agent's session): register first")
-        if ROLE_OF_AGENT[agent.role] not in roles:
-            raise Forbidden(f"agent {agent_id} is a {agent.role}: its messages need a {ROLE_OF_AGENT[agent.role]} token")
+        if TOKEN_OF_AGENT[agent.role] not in roles:
+            raise Forbidden(f"agent {agent_id} is a {agent.role}: its messages need a {TOKEN_OF_AGENT[agent.role]} token")
         self.agents.seen(agent)
         return agent
 
@@ -456,4 +454,4 @@ class Controller:
                                     None if gate.admits(now) else gate.reason)
 
 
-__all__ = ["FRAMEWORK", "Controller", "ROLE_OF_AGENT"]
+__all__ = ["FRAMEWORK", "Controller"]

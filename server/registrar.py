@@ -16,8 +16,6 @@ from ckpt_engine.server.history import HistoryStore
 
 from ckpt_engine.config import EngineConfig
 from ckpt_engine.control.messages import Register, RegisterReply
-from ckpt_engine.errors import ConfigError
-from ckpt_engine.plan.shards import spec_from_wire
 
 log = logging.getLogger(__name__)
 _NEWCOMER_SETTLE_S = 1.0  # a newcomer's catch-up waits this long: one that vanishes at once costs nothing
@@ -47,13 +45,8 @@ class Registrar:
                 (message.engine_key or "").encode(), self.engine_key(message.engine or "").encode()):
             raise Forbidden(f"a worker of engine {message.engine!r} registers with the key its engine's driver was "
                             "issued (engine_key in the driver's registration reply); start the driver first")
-        if message.shard_spec is not None:
-            if message.role != "receiver":  # (a framework's receivers too: its syncs send them their classes)
-                raise BadRequest("a shard spec is a receiver's")
-            try:
-                spec_from_wire(message.shard_spec)
-            except ConfigError as exc:
-                raise BadRequest(str(exc)) from None
+        if message.shard_spec is not None and message.role != "receiver":  # (parsed with the message)
+            raise BadRequest("a shard spec is a receiver's")  # (a framework's receivers too: its syncs send classes)
         if len(self.agents.all()) >= self.config.max_agents:
             raise Unavailable(f"{self.config.max_agents} agents are registered (max_agents); unregister some or "
                               "raise the limit")

@@ -5,15 +5,22 @@ commit rule against each receiver's class digest."""
 from __future__ import annotations
 
 import pytest
-from pydantic import ValidationError
-
-from ckpt_engine.control.messages import ClassDone, ClassLane, Register, Report
-from ckpt_engine.errors import ConfigError
-from ckpt_engine.plan.shards import (Slice, local_range, resolve_aliases, spec_from_wire, spec_key, spec_to_wire,
-                                     split_piece_name)
 from ckpt_engine.server.decisions import quorum as rules
 from ckpt_engine.server.decisions.classes import expected_by_receiver, plan_lanes
 from ckpt_engine.server.decisions.commit import judge
+from pydantic import ValidationError
+
+from ckpt_engine.control.messages import ClassDone, ClassLane, Register, Report, parse_shard_spec
+from ckpt_engine.errors import ConfigError
+from ckpt_engine.plan.shards import (
+    Slice,
+    local_range,
+    resolve_aliases,
+    spec_from_wire,
+    spec_key,
+    spec_to_wire,
+    split_piece_name,
+)
 from tests.test_decisions import agent
 
 
@@ -75,7 +82,8 @@ def test_a_tied_name_takes_its_canonical_tensors_slices() -> None:
 def sharded(spec: dict | None):
     receiver = agent()
     if spec:
-        receiver.shard_spec, receiver.shard_key = spec, spec_key(spec_from_wire(spec))
+        typed = parse_shard_spec(spec)  # (as the registration's message parses it)
+        receiver.shard_spec, receiver.shard_key = typed, spec_key(typed)
     return receiver
 
 
@@ -208,8 +216,9 @@ def test_an_identity_of_several_owners_is_merged_in_the_versions_order() -> None
 
 
 def test_the_classes_reach_the_other_trainer_ranks_as_they_left_rank_0() -> None:
-    from ckpt_engine.control.messages import Assignment, ClassLane
     from ckpt_engine.workers.trainer_agent import _decode, _decode_lanes, _encode, _encode_lanes
+
+    from ckpt_engine.control.messages import Assignment, ClassLane
 
     lanes = [ClassLane(key="k" * 32, part="class-0/", spec={"w": [[0, 0, 4]]}, ranks=[1, 3]),
              ClassLane(key="whole", part="class-1/", spec={}, ranks=[2])]

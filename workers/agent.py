@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ckpt_engine.control.auth import Role, client_token
+from ckpt_engine.control.auth import TOKEN_OF_AGENT, client_token
 from ckpt_engine.control.client import ControlClient, ControlReplyError, RequestAbandoned
 from ckpt_engine.control.messages import TERMINAL, Assignment, RegisterReply, clip_reasons, longest_poll_wait
 from ckpt_engine.device import DeviceInfo, detect_device
@@ -28,7 +28,6 @@ from ckpt_engine.transport.group import SyncGroup, open_store, owner_part
 from ckpt_engine.transport.same_host import host_identity
 
 log = logging.getLogger(__name__)
-_CREDENTIAL_OF: dict[str, Role] = {"trainer": "trainer", "receiver": "rollout", "driver": "rollout"}
 # replies after which retrying the same request cannot help
 _FINAL_ERRORS = {"bad request", "not found", "conflict", "forbidden", "unauthorized"}
 
@@ -333,7 +332,7 @@ class Agent:
         self.groups, self.owners_group = [], None
 
     def _resolve_token(self) -> str | None:
-        return client_token(_CREDENTIAL_OF[self.role], self._explicit_token)
+        return client_token(TOKEN_OF_AGENT[self.role], self._explicit_token)
 
     def _register_when_free(self) -> None:
         """Register; while the daemon says the place this agent claims (its trainer rank, its engine's worker
@@ -436,7 +435,7 @@ class Agent:
                 return True  # another thread registered again meanwhile
             token = self._resolve_token()
             if token != self.token:
-                log.warning("using the %s token found now (the credentials changed)", _CREDENTIAL_OF[self.role])
+                log.warning("using the %s token found now (the credentials changed)", TOKEN_OF_AGENT[self.role])
                 self.token = client.token = self._client.token = token
             try:
                 self._register(client)

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from ckpt_engine.control.messages import ClassLane
 from ckpt_engine.errors import CkptEngineError
-from ckpt_engine.plan.shards import spec_from_wire
 from ckpt_engine.send.classes import Lane
 from ckpt_engine.transport.group import SyncGroup
 
@@ -81,7 +80,7 @@ class ClassGroups:
 
     def lanes(self, lanes: Sequence[ClassLane]) -> tuple[Lane, ...]:
         """The route's classes: each with its groups, or with why they did not form."""
-        return tuple(Lane(lane.key, spec_from_wire(lane.spec), group, tuple(lane.ranks), owners, lane.ipc_peers,
+        return tuple(Lane(lane.key, lane.spec, group, tuple(lane.ranks), owners, lane.ipc_peers,
                           unreachable=failure)
                      for lane, group, owners, failure in zip(lanes, self.groups, self.owner_groups, self.failures))
 

@@ -18,11 +18,11 @@ from collections.abc import Callable
 
 from ckpt_engine.workers.agent import Agent, supervised
 
-from ckpt_engine.control.messages import Assignment
+from ckpt_engine.control.messages import Assignment, parse_shard_spec
 from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.plan.modes import Staging
-from ckpt_engine.plan.shards import ShardSpec, spec_from_wire, spec_to_wire
+from ckpt_engine.plan.shards import ShardSpec, spec_to_wire
 from ckpt_engine.receive.assembly import VersionAssembler
 from ckpt_engine.receive.collective import LoadFn, Receiver, ReceiveResult
 from ckpt_engine.receive.colocated import IpcReceiver
@@ -57,7 +57,7 @@ class RolloutAgent(Agent):
         self.engine, self.driven, self.members, self.engine_key = engine, driven, members, engine_key
         self.whole_versions, self.discard = whole_versions, discard
         self.load, self.staging, self.streams = load, staging, streams
-        self.shard_spec = spec_from_wire(spec_to_wire(shard_spec)) if shard_spec else None  # (checked, sorted)
+        self.shard_spec = parse_shard_spec(shard_spec) if shard_spec else None  # (checked, sorted)
         self.current_version: int | None = None
         self.results: list[ReceiveResult] = []
         self._work: queue.Queue[Assignment | None] = queue.Queue()

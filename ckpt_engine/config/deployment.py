@@ -21,7 +21,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from ckpt_engine.control.auth import DEFAULT_CREDENTIALS_FILE, Token
 from ckpt_engine.errors import ConfigError
-from ckpt_engine.plan.modes import Staging, check_sparse, mode_of
+from ckpt_engine.plan.modes import DEFAULT_STAGING, Staging, check_sparse, mode_of
 
 DAY_S = 86400.0
 _LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
@@ -241,7 +241,7 @@ class EngineConfig(_Strict):
     min_receivers: Int = Field(1, ge=1, le=1 << 16, description="receivers that must commit for a version to commit")
     max_agents: Int = Field(4096, ge=2, le=1 << 16, description="registered agents at most (each holds daemon "
                                                                   "memory; a register past it is refused)")
-    staging: Staging = Field("auto", description="where a receiver holds a version before it is applied: device "
+    staging: Staging = Field(DEFAULT_STAGING, description="where a receiver holds a version before it is applied: device "
                              "(whole, on the device), host (whole, in pinned host memory), stream (two buckets, "
                              "applied as each verifies, the engine paused for the transfer), auto (the first that "
                              "fits staging_share of free memory, per version)")

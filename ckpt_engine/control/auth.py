@@ -30,6 +30,8 @@ from ckpt_engine.errors import ConfigError
 
 Role = Literal["operator", "trainer", "rollout"]
 ROLES: tuple[Role, ...] = ("operator", "trainer", "rollout")
+# The token an agent of each kind speaks with (its messages are refused under any other)
+TOKEN_OF_AGENT: dict[str, Role] = {"trainer": "trainer", "receiver": "rollout", "driver": "rollout"}
 ANY_ROLE: frozenset[Role] = frozenset(ROLES)  # an operation any valid token may call
 DEFAULT_CREDENTIALS_FILE = "~/.ckpt-engine/credentials.json"
 CREDENTIALS_ENV = "CKPT_ENGINE_CREDENTIALS"

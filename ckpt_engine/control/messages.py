@@ -9,14 +9,27 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import msgpack
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    PrivateAttr,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 from ckpt_engine.control.auth import TOKEN_MAX_LENGTH
-from ckpt_engine.errors import ProtocolError
-from ckpt_engine.plan.modes import Mode, Staging
+from ckpt_engine.errors import ConfigError, ProtocolError
+from ckpt_engine.plan.modes import DEFAULT_STAGING, Mode, Staging
+from ckpt_engine.plan.shards import ShardSpec, Slice, spec_from_wire, spec_to_wire
 from ckpt_engine.ranks import QuorumRank
 
 Role = Literal["trainer", "receiver", "driver"]
@@ -109,6 +122,37 @@ WireSlice = Annotated[list[Annotated[int, Field(ge=0, le=MAX_ID), BeforeValidato
                       Field(min_length=3, max_length=3)]
 WireShardSpec = Annotated[dict[TensorName, Annotated[list[WireSlice], Field(min_length=1, max_length=4096)]],
                           Field(max_length=MAX_SPEC_TENSORS)]
+_WIRE_SPEC = TypeAdapter(WireShardSpec)
+
+
+def parse_shard_spec(value: Any) -> ShardSpec:
+    """The one reader of a shard spec, wherever it comes from (a message, a framework's metadata, a caller's
+    typed spec): its bounds, then its slices, checked and sorted; a ConfigError says what is wrong."""
+    if isinstance(value, Mapping) and all(isinstance(v, (tuple, list)) and all(isinstance(s, Slice) for s in v)
+                                          for v in value.values()):
+        value = spec_to_wire(value)  # a typed spec: checked by the same rules as one read from the wire
+    try:
+        return _read_spec(value)
+    except ValidationError as exc:
+        raise ConfigError(f"shard spec: {exc.errors()[0]['msg']} at {exc.errors()[0]['loc']}") from None
+
+
+def _read_spec(wire: Any) -> ShardSpec:
+    return spec_from_wire(_WIRE_SPEC.validate_python(wire, strict=True))  # (ints are ints, on every plane)
+
+
+def _parsed_spec(value: Any) -> ShardSpec:
+    if isinstance(value, dict) and all(isinstance(v, tuple) for v in value.values()):
+        return value  # already typed (parsed where it came in, e.g. a registration the daemon then plans with)
+    try:
+        return _read_spec(value)
+    except ConfigError as exc:  # (pydantic reports a ValueError with the message's own location)
+        raise ValueError(str(exc)) from None
+
+
+# A shard spec as every message carries it: parsed once, where the message is read, into the typed spec
+ShardSpecField = Annotated[ShardSpec, PlainValidator(_parsed_spec, json_schema_input_type=WireShardSpec),
+                           PlainSerializer(spec_to_wire)]
 # A class's sync group within a generation (transport/group.py ``part``)
 ClassPart = Annotated[str, Field(max_length=32, pattern=r"^(class-[0-9]{1,4}/)?$")]
 
@@ -122,7 +166,7 @@ class ClassLane(BaseModel):
     model_config = ConfigDict(extra="ignore")
     key: str = Field(max_length=64)
     part: ClassPart
-    spec: WireShardSpec = Field(default_factory=dict)
+    spec: ShardSpecField = Field(default_factory=dict)
     ranks: list[Annotated[QuorumRank, Field(ge=1, le=MAX_RANKS)]] = Field(default_factory=list, max_length=MAX_RANKS)
     ipc_peers: dict[Annotated[str, Field(max_length=64)], Annotated[QuorumRank, Field(ge=1, le=MAX_RANKS)]] = Field(
         default_factory=dict, max_length=MAX_RANKS)
@@ -186,7 +230,7 @@ class Register(_Body):
     # Receivers: their own staging policy (receive/staging.py), over the deployment's
     staging: Staging | None = None
     # Receivers: the slices of tensors they keep (tensor-parallel ranks); None: every tensor whole
-    shard_spec: WireShardSpec | None = None
+    shard_spec: ShardSpecField | None = None
 
 
 class RegisterReply(_Body):
@@ -208,7 +252,7 @@ class RegisterReply(_Body):
     version_timeout_s: float
     engine_key: str | None = None  # drivers: what their engine's workers register with (Register.engine_key)
     # receivers: the staging policy to apply (theirs if they named one, else the deployment's)
-    staging: Staging = "auto"
+    staging: Staging = DEFAULT_STAGING
     staging_share: float = 0.5
     staging_budget: int | None = None  # bytes auto staging considers free instead of measuring
 

@@ -15,6 +15,7 @@ MODES: tuple[Mode, ...] = ("cached", "bypass_cpu")
 Staging = Literal["auto", "device", "host", "stream"]
 StagingMode = Literal["device", "host", "stream"]
 STAGINGS: tuple[Staging, ...] = ("auto", "device", "host", "stream")
+DEFAULT_STAGING: Staging = "auto"  # the one default: the deployment's, the wire's and a library receiver's
 SPARSE_NEEDS_THE_CACHE = "sparse works from the host cache, so it cannot be combined with bypass_cpu"
 
 

@@ -22,6 +22,7 @@ from ckpt_engine.device import DeviceInfo, synchronize
 from ckpt_engine.errors import ApplyRefused, ProtocolError
 from ckpt_engine.plan.hashing import bucket_digests, check_algo, version_digest, warm_up
 from ckpt_engine.plan.layout import Bucket, Layout, TensorSpec
+from ckpt_engine.plan.modes import DEFAULT_STAGING
 from ckpt_engine.plan.sparse import Manifest, wire_manifest
 from ckpt_engine.plan.tensors import slot_view
 from ckpt_engine.receive.buffers import StagingBuffers
@@ -76,7 +77,7 @@ class Incoming:
 
 
 class VersionAssembler:
-    def __init__(self, device: DeviceInfo, load: LoadFn, *, verify: bool = True, staging: Staging = "device",
+    def __init__(self, device: DeviceInfo, load: LoadFn, *, verify: bool = True, staging: Staging = DEFAULT_STAGING,
                  staging_share: float = 0.5, budget: int | None = None, streams: bool = False) -> None:
         """``staging``: the policy (see staging.py); ``staging_share``: the part of free memory it may take;
         ``budget``: bytes to consider free instead of measuring; ``streams``: ``load`` can take a stream."""

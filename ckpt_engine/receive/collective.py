@@ -17,6 +17,7 @@ import torch
 
 from ckpt_engine.errors import CkptEngineError, ProtocolError, StagingUnavailable
 from ckpt_engine.plan.layout import Bucket, Layout
+from ckpt_engine.plan.modes import DEFAULT_STAGING, Staging
 from ckpt_engine.receive.assembly import (
     Incoming,
     LoadFn,
@@ -25,7 +26,6 @@ from ckpt_engine.receive.assembly import (
     VersionAssembler,
     VersionPayload,
 )
-from ckpt_engine.receive.staging import Staging
 from ckpt_engine.receive.streamed import receive_streamed
 from ckpt_engine.transport.framing import Channel, Frame, FrameKind
 from ckpt_engine.transport.group import SyncGroup
@@ -40,7 +40,7 @@ class Receiver:
     ranks own, on one group per owner (``groups[r]``: owner r's; owner 0 also sends the header and trailer)."""
 
     def __init__(self, group: SyncGroup | Sequence[SyncGroup], load: LoadFn, *, verify: bool = True,
-                 staging: Staging = "device", streams: bool = False,
+                 staging: Staging = DEFAULT_STAGING, streams: bool = False,
                  assembler: VersionAssembler | None = None) -> None:
         """``staging`` (receive/staging.py) and ``streams`` (``load`` iterates ``payload.items()``, so it can be
         given a streamed version); ``assembler``: share one across receivers of the same model (another group

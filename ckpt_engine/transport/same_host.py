@@ -29,8 +29,8 @@ import torch
 
 from ckpt_engine.device import DeviceInfo, collect_shared
 from ckpt_engine.errors import CkptEngineError, ProtocolError, SyncTimeoutError
-from ckpt_engine.ranks import QuorumRank
 from ckpt_engine.plan.tensors import forget_fill_views
+from ckpt_engine.ranks import QuorumRank
 
 log = logging.getLogger(__name__)
 IPC_PROTO = 2  # 2: takes versions with chunked tensors (an older receiver says 1, or nothing)

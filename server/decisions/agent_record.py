@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from ckpt_engine.server.decisions.receivers import ReceiverModel
 
 from ckpt_engine.control.messages import Assignment
+from ckpt_engine.plan.shards import ShardSpec
 
 
 @dataclass
@@ -44,9 +45,9 @@ class AgentRecord:
     staged_last: dict | None = None  # receivers: where their last version was held, why, and the pause
     model: ReceiverModel = field(default_factory=ReceiverModel)  # receivers: what their model holds
     applying: int | None = None  # drivers: the version they were told to apply (its outcome is theirs to say)
-    # receivers: the slices they keep (wire form, normalised) and its class key (plan/shards.py spec_key);
+    # receivers: the slices they keep (parsed with their registration) and its class key (plan/shards.py spec_key);
     # None: every tensor whole
-    shard_spec: dict | None = None
+    shard_spec: ShardSpec | None = None
     shard_key: str = "whole"
 
     def silence_window(self, heartbeat_s: float) -> float:

@@ -31,7 +31,6 @@ import logging
 from typing import Any
 
 import httpx
-import torch
 from ckpt_engine.workers.adapters.engine_http import EngineUpdateError, checked
 from ckpt_engine.workers.adapters.push_group import Batch, PushGroup, PushSettings, batches, distinct, push_while
 

@@ -17,15 +17,26 @@ import torch
 from ckpt_engine.workers.trainer_agent import evict
 
 from ckpt_engine.config import EngineConfig
-from ckpt_engine.errors import CkptEngineError, ConfigError
 from ckpt_engine.config.knobs import Settled, settle
+from ckpt_engine.errors import CkptEngineError, ConfigError
 from ckpt_engine.send.publisher import Ownership, Publisher, Route
 from ckpt_engine.send.sender import Transfer, TransferResult, WireHook
 from ckpt_engine.transport.group import bounded, serve_store, wait_for_key
 
 from .daemon import VerlAgent
 from .stream import collect_owned, drain
-from .sync import _ANNOUNCEMENT, _CHANGES, _MASTER, _MAX_WAIT_S, _PEER, BACKEND, VerificationFailed, VerlSync, _node_address, _step
+from .sync import (
+    _ANNOUNCEMENT,
+    _CHANGES,
+    _MASTER,
+    _MAX_WAIT_S,
+    _PEER,
+    BACKEND,
+    VerificationFailed,
+    VerlSync,
+    _node_address,
+    _step,
+)
 
 log = logging.getLogger(__name__)
 

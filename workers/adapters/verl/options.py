@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ckpt_engine.errors import ConfigError
 from ckpt_engine.config.knobs import check_knobs
+from ckpt_engine.errors import ConfigError
 
 BACKEND = "ckpt_engine"
 WHERE = f"engine_kwargs.{BACKEND}"

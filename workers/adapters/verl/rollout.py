@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import torch
-
 from ckpt_engine.workers.adapters.vllm.shards import placed_items
 
 from ckpt_engine.device import synchronize

@@ -37,11 +37,12 @@ from typing import Any
 import torch
 
 from ckpt_engine.config import EngineConfig
+from ckpt_engine.config.knobs import Settled, check_knobs, settle
+from ckpt_engine.control.messages import parse_shard_spec
 from ckpt_engine.device import DeviceInfo, detect_device
 from ckpt_engine.errors import CkptEngineError, ConfigError, SyncTimeoutError
-from ckpt_engine.config.knobs import Settled, check_knobs, settle
 from ckpt_engine.plan.modes import Staging
-from ckpt_engine.plan.shards import spec_from_wire, spec_key, spec_to_wire
+from ckpt_engine.plan.shards import spec_key, spec_to_wire
 from ckpt_engine.send.classes import Lane
 from ckpt_engine.send.publisher import Publisher
 from ckpt_engine.transport.group import SyncGroup, open_store, owner_part, wait_for_key
@@ -235,7 +236,7 @@ class VerlSync:
             sends = [group(part + owner_part(rank), 0, 1 + len(c["members"])) for part, c in zip(parts, classes)]
             owners = [group(part + "owners/", rank, actors) for part in parts] if actors > 1 else [None] * len(parts)
             self._groups = sends + [g for g in owners if g is not None]
-            self._lanes = tuple(Lane(c["key"], spec_from_wire(c["spec"]), send, tuple(1 + m for m in c["members"]),
+            self._lanes = tuple(Lane(c["key"], parse_shard_spec(c["spec"]), send, tuple(1 + m for m in c["members"]),
                                      owners_group=owner) for c, send, owner in zip(classes, sends, owners))
             return
         index = next((i for i, c in enumerate(classes) if rank in c["members"]), None)
@@ -336,8 +337,8 @@ def _classes(rollouts: list[Any]) -> list[dict[str, Any]] | None:
         return None
     grouped: dict[str, dict[str, Any]] = {}
     for rank, shard in enumerate(shards):
-        spec = spec_from_wire(shard) if shard else {}
-        key = spec_key(spec) if spec else "whole"
+        spec = parse_shard_spec(shard or {})
+        key = spec_key(spec)
         grouped.setdefault(key, {"key": key, "spec": spec_to_wire(spec), "members": []})["members"].append(rank)
     return list(grouped.values())
 

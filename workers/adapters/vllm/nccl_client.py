@@ -29,7 +29,6 @@ from ckpt_engine.plan.dtypes import dtype_name
 from ckpt_engine.receive.collective import VersionPayload
 
 
-
 def init_info(master_address: str, master_port: int, world_size: int) -> dict[str, Any]:
     """The worker-side init info, as ``NCCLWeightTransferInitInfo`` takes it (non-packed)."""
     return {"master_address": master_address, "master_port": master_port, "rank_offset": 1,
