@@ -342,6 +342,7 @@ def run(opts: dict, progress: Progress) -> dict:
     if missing:
         return {"skipped": missing}
     import torch
+
     from ckpt_engine.bench.common import meminfo
 
     host = meminfo().get("MemAvailable", 0)

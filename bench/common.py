@@ -16,10 +16,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from ckpt_engine.server.launch import REPO, free_port  # noqa: F401 - one launcher for every daemon
+
 HOST = "127.0.0.1"
 MiB = 1 << 20
 GiB = 1 << 30
-from ckpt_engine.server.launch import REPO, free_port  # noqa: F401 - one launcher for every daemon
 
 Progress = Callable[[str], None]
 
@@ -60,7 +61,7 @@ def cuda_devices() -> int:
 
     try:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # a broken driver: no usable GPU
+    except Exception:  # noqa: BLE001 - a broken driver: no usable GPU
         return 0
 
 
@@ -112,7 +113,7 @@ def _gpu(torch: Any) -> str | None:
     try:
         if torch.cuda.is_available():
             return torch.cuda.get_device_name(0)
-    except Exception:  # no driver: no GPU
+    except Exception:  # noqa: BLE001 - no driver: no GPU
         pass
     return None
 
@@ -218,7 +219,7 @@ def _entry(target: Callable[..., Any], rank: int, results: mp.Queue, args: tuple
     try:
         value = target(rank, results, *args)
         results.put(("result", rank, value))
-    except BaseException:  # report everything to the parent, which stops the other processes
+    except BaseException:  # noqa: BLE001 - report everything to the parent, which stops the other processes
         results.put(("error", rank, traceback.format_exc()))
 
 

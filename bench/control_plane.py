@@ -59,7 +59,7 @@ def open_loop(url: str, rate: float, duration_s: float, pick: Pick, workers: int
                     reply = request(client)
                     _ = reply.content
                     status: int | str = reply.status_code
-                except Exception as exc:  # a timeout or refused connection is a result too
+                except Exception as exc:  # noqa: BLE001 - a timeout or refused connection is a result too
                     status = f"error: {type(exc).__name__}"
                 t1 = time.perf_counter()
                 with lock:
@@ -164,7 +164,10 @@ def run(opts: dict, progress: Progress) -> dict:
 
 def render(result: dict, machine: dict) -> list[str]:
     g, a, r, u = result["get_versions"], result["post_accepted"], result["post_refused"], result["unloaded"]
-    ms = lambda x: "—" if x is None or x != x else f"{x * 1e3:.1f}"
+
+    def ms(x: float | None) -> str:
+        return "—" if x is None or x != x else f"{x * 1e3:.1f}"
+
     lines = [
         f"Daemon with 1 trainer agent (1 MiB model, loop calling `agent.step()` every ~1 ms) and 1 rollout agent; "
         f"load generator: {result['rate']:.0f} requests/s scheduled for {result['duration_s']:.0f} s "

@@ -56,8 +56,8 @@ ASSUMPTIONS = {
                "the GPU's share of host memory, else stream (two buckets + the largest tensor on the device); the "
                "engine's pause: device = the version copied on the device (HBM), host = copied in over PCIe, stream = "
                "the whole transfer",
-    "overlap": "cached: owners copy their buckets host→device in parallel (as MoonshotAI does), not overlapped with the "
-               "wire; receivers verify bucket k while bucket k+1 is on the wire, so only the last bucket's verify "
+    "overlap": "cached: owners copy their buckets host→device in parallel (as MoonshotAI does), not overlapped with "
+               "the wire; receivers verify bucket k while bucket k+1 is on the wire, so only the last bucket's verify "
                "adds (upper bound: every verify adds)",
 }
 
@@ -82,7 +82,8 @@ class Projection:
     pause_s: float  # how long the engine is paused for a version under that staging (cached mode)
 
 
-def project(row: Row, per_tensor_us: float, digest_gbps: float | None = None, bucket_bytes: float = 2 << 30) -> Projection:
+def project(row: Row, per_tensor_us: float, digest_gbps: float | None = None,
+            bucket_bytes: float = 2 << 30) -> Projection:
     digest = (digest_gbps or row.hbm_gbps / 12) * GB
     h2d = row.bytes / row.ranks / (row.pcie_gbps * GB)
     wire_gbps = row.bytes / (row.measured_s - h2d) / GB
@@ -168,7 +169,8 @@ def render_sharded(per_tensor_us: float, digest_gbps: float | None = None) -> li
         one = project_sharded(s, 1, per_tensor_us, digest_gbps)
         every = project_sharded(s, s.trainer_gpus, per_tensor_us, digest_gbps)
         cell = lambda p: (f"**{p.total_s:.2f} s**: {p.h2d_s:.2f} + {p.identity_s:.2f} + "  # noqa: E731
-                          f"{max(p.egress_s, p.ingress_s):.2f} ({'trainer NIC' if p.egress_s > p.ingress_s else 'receiver NIC'})")
+                          f"{max(p.egress_s, p.ingress_s):.2f} "
+                          f"({'trainer NIC' if p.egress_s > p.ingress_s else 'receiver NIC'})")
         lines.append(f"| {s.row.model}, TP{s.tp} ({s.trainer_gpus} trainer GPUs, {s.nic_gbps:.0f} GB/s NIC per GPU) "
                      f"| {s.field} | {one.receiver_bytes / GB:,.0f} GB | {cell(one)} | {cell(every)} |")
     return lines
@@ -191,7 +193,8 @@ def render(per_tensor_us: float, digest_gbps: float | None = None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ckpt_engine.bench.cost_model", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ckpt_engine.bench.cost_model",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--per-tensor-us", type=float, required=True,
                         help="host µs per tensor, sender + receiver (ckpt-engine bench: per-tensor cost)")
     parser.add_argument("--digest-gbps", type=float, default=None,

@@ -1,8 +1,8 @@
 """Through the daemon: ``POST /sync {"wait": true}`` → every receiver verified, timed from the HTTP request
 to the committed reply; plus the daemon/agent harness that :mod:`ckpt_engine.bench.control_plane` reuses.
 
-The daemon is the real one (``ckpt-engine serve --config deploy/engine.yaml``, started by ckpt_engine/server/launch.py) in a
-subprocess, with environment overrides: free 127.0.0.1 ports for HTTP and ZMQ, a temporary history file,
+The daemon is the real one (``ckpt-engine serve --config deploy/engine.yaml``, started by ckpt_engine/server/launch.py)
+in a subprocess, with environment overrides: free 127.0.0.1 ports for HTTP and ZMQ, a temporary history file,
 rendezvous port 0, the suite's bucket size, and ``transport: collective`` (every receiver on the gloo sync
 group, like the library variants). Agents run in their own spawned processes: one ``TrainerAgent`` serving
 a synthetic model (float32 tensors) whose loop calls ``agent.step(step)`` every millisecond, and two
@@ -41,7 +41,7 @@ def _agent_entry(kind: str, index: int, zmq: str, args: dict, stop: Any, results
     try:
         value = (_trainer_agent if kind == "trainer" else _rollout_agent)(zmq, args, stop)
         results.put(("result", f"{kind}{index}", value))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent, which reports it
         results.put(("error", f"{kind}{index}", traceback.format_exc()))
 
 
@@ -49,9 +49,9 @@ def _trainer_agent(zmq: str, args: dict, stop: Any) -> dict:
     import logging
 
     import torch
-    from ckpt_engine.workers.trainer_agent import TrainerAgent
 
     from ckpt_engine.plan.tensors import NamedTensors
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
@@ -74,6 +74,7 @@ def _rollout_agent(zmq: str, args: dict, stop: Any) -> dict:
     import logging
 
     import torch
+
     from ckpt_engine.workers.rollout_agent import RolloutAgent
 
     torch.set_num_threads(1)
@@ -149,7 +150,7 @@ def wait_for_agents(url: str, receivers: int, agents: Agents, timeout_s: float =
             if sum(a["role"] == "receiver" for a in registered) >= receivers and \
                     any(a["role"] == "trainer" for a in registered):
                 return
-        except Exception:
+        except Exception:  # noqa: BLE001 - the daemon may not answer yet: ask again
             pass
         time.sleep(0.2)
     raise RuntimeError(f"agents did not register within {timeout_s:.0f}s")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt_engine.bench.common import (
     MiB,
@@ -35,6 +35,9 @@ from ckpt_engine.bench.common import (
     run_processes,
     stats,
 )
+
+if TYPE_CHECKING:
+    from ckpt_engine.device import DigestAlgo
 
 MODEL_MIB = 256
 COUNTS = (1, 100, 4000)
@@ -58,7 +61,8 @@ def _child(rank: int, results: Any, args: dict) -> dict:
     t0 = time.perf_counter()
     try:  # compiles and checks before anything is timed
         hashing.device_digest_kernel(torch.device("cpu"))
-        variants, failure = VARIANTS, None
+        variants: tuple[str, ...] = VARIANTS
+        failure = None
     except RuntimeError as exc:  # no C++ compiler here, say: the rest is still measured
         variants, failure = tuple(v for v in VARIANTS if v != "compiled"), str(exc)
     out: dict[str, Any] = {"compile_seconds": time.perf_counter() - t0, "compile_failure": failure,
@@ -82,7 +86,7 @@ def _config(count: int, variants: tuple[str, ...], args: dict) -> dict:
     dst = torch.empty_like(flat)
     buckets = [(b, flat[b.flat_offset : b.flat_offset + b.nbytes]) for b in layout.buckets]
 
-    def digest(kernel: str, algo: str = "torch-block64") -> Callable[[], None]:
+    def digest(kernel: str, algo: DigestAlgo = "torch-block64") -> Callable[[], None]:
         def run() -> None:
             os.environ[hashing.KERNEL_ENV] = kernel
             torch.cat([hashing.bucket_digests(b, view, algo, layout.digest) for b, view in buckets])

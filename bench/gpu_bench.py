@@ -47,7 +47,6 @@ from ckpt_engine.bench.common import (
     run_processes,
     stats,
 )
-
 from ckpt_engine.config import EngineConfig
 from ckpt_engine.plan.modes import mode_of
 
@@ -143,7 +142,7 @@ def _devices() -> dict:
             "torch": torch.__version__, "cuda": torch.version.cuda}
     try:
         info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    except Exception as exc:  # no NCCL in this build
+    except Exception as exc:  # noqa: BLE001 - no NCCL in this build
         info["nccl"] = f"unavailable ({exc})"
     return info
 

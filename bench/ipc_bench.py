@@ -5,8 +5,8 @@ loopback, measured side by side in one run.
 Two processes: the sender (two publishers: one with an IPC hub and no group, one on a 2-rank gloo group) and
 one receiver process holding both a colocated receiver (in a thread) and a collective receiver. Variants run
 round-robin interleaved; memcpy (one ``copy_`` of the same bytes, one thread) is taken in the sender right
-after every operation. Standalone: ``ckpt-engine bench --only ipc --out PATH`` runs this section alone (its report goes to
-bench/results/ unless ``--out`` is given).
+after every operation. Standalone: ``ckpt-engine bench --only ipc --out PATH`` runs this section alone (its report goes
+to bench/results/ unless ``--out`` is given).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import uuid
 from typing import Any
 
 from ckpt_engine.bench.common import MiB, Progress, fmt_s, gbps, master_store, run_processes, stats, sync_group
-
 from ckpt_engine.plan.modes import mode_of
 
 VARIANTS = ("ipc_cached", "ipc_bypass", "gloo_cached", "gloo_raw")
@@ -72,11 +71,9 @@ def _sender(port: int, hub: str, args: dict, results: Any) -> dict:
     raw = torch.empty(nbytes, dtype=torch.uint8)
     src, dst = torch.empty_like(raw).random_(0, 255), torch.empty_like(raw).fill_(0)
     records: list[dict] = []
-    version = 0
     started = time.perf_counter()
-    for variant, rep in _schedule(args["repeats"], args["warmup"]):
+    for version, (variant, rep) in enumerate(_schedule(args["repeats"], args["warmup"]), start=1):
         tensors["t0"].add_(1)
-        version += 1
         t0 = time.perf_counter()
         if variant == "gloo_raw":
             group.wait(group.broadcast(raw), "raw")

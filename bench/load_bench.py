@@ -1,6 +1,6 @@
 """Load: the reliability requirement "200 requests/s of mixed reads for 60 s while syncs run: no errors, p99
-recorded; syncs unaffected", measured on the real daemon (see :mod:`ckpt_engine.bench.daemon_e2e`) with one trainer agent
-(a synthetic model of 16 MiB) and two rollout agents, each in its own process.
+recorded; syncs unaffected", measured on the real daemon (see :mod:`ckpt_engine.bench.daemon_e2e`) with one trainer
+agent (a synthetic model of 16 MiB) and two rollout agents, each in its own process.
 
 - Phase A (baseline): versions back to back (``POST /sync {"wait": true}``, the next one as soon as the reply
   comes), no other HTTP traffic; run for a fixed time before phase B and again after it, so drift of the
@@ -91,7 +91,7 @@ def _sync_once(client: Any) -> dict:
     try:
         reply = client.post("/sync", json={"wait": True, "timeout_s": SYNC_TIMEOUT_S})
         body, http = reply.json(), reply.status_code
-    except Exception as exc:  # a refused connection or a timeout is an outcome too
+    except Exception as exc:  # noqa: BLE001 - a refused connection or a timeout is an outcome too
         return {"http": f"error: {type(exc).__name__}: {exc}", "status": None, "start": start, "end": time.time()}
     record = body if "status" in body else body.get("record") or {}
     out = {"id": record.get("id"), "http": http, "status": record.get("status"), "start": start, "end": time.time(),

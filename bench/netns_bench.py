@@ -20,8 +20,8 @@ gate/up/down, embeddings, norms) of ``--mib`` float32:
   1/K of every version (plan/owners.py) and sending it on its own sync group with the receivers;
 - ``raw``: one broadcast of the model's bytes on the full group (the wire's own limit).
 
-Time: from the first publish to every receiver verified (cached mode, snapshot included; one bypass_cpu row). Goals (issue 30):
-sharded ÷ full ≤ 1/TP × 1.2; 4 owners ÷ 1 owner ≤ 0.35.
+Time: from the first publish to every receiver verified (cached mode, snapshot included; one bypass_cpu row). Goals
+(issue 30): sharded ÷ full ≤ 1/TP × 1.2; 4 owners ÷ 1 owner ≤ 0.35.
 """
 
 from __future__ import annotations
@@ -113,7 +113,8 @@ def _model(mib: int, tp_max: int) -> Any:
     from ckpt_engine.plan.tensors import NamedTensors
 
     gen = torch.Generator().manual_seed(0)
-    return NamedTensors({name: torch.randn(*shape, generator=gen) for name, shape in _model_shapes(mib, tp_max).items()})
+    return NamedTensors({name: torch.randn(*shape, generator=gen)
+                         for name, shape in _model_shapes(mib, tp_max).items()})
 
 
 def tp_spec(named: Any, rank: int, tp: int) -> dict:
@@ -217,7 +218,7 @@ def run_receiver(cfg: dict) -> dict:
     receiver = Receiver(groups, lambda payload: None)
     received = []
     raw = None
-    for version in range(1, cfg["rounds"] + 2):
+    for _ in range(1, cfg["rounds"] + 2):
         result = receiver.receive(cfg["timeout_s"] * 4)
         if result is None or not result.ok:
             raise RuntimeError(f"receive failed: {result}")
@@ -252,7 +253,8 @@ def scenario(name: str, receivers: int, sharded: bool, args: dict, owners: int =
                     "addr": addr, "group": group, "rank": rank, "world": 1 + groups[group],
                     "model_bytes": model_bytes}))
             outs = [_finish(p, args["timeout"] * 8) for p in procs]
-            sent = [_finish(s, args["timeout"] * 8) for s in senders][0]  # the lead's: until every ack
+            finished = [_finish(s, args["timeout"] * 8) for s in senders]
+            sent = finished[0]  # the lead's: until every ack
         finally:
             for sender in senders:
                 sender.kill()
@@ -358,7 +360,8 @@ def target_measurements(result: dict) -> dict[str, list[tuple[str, float, str]]]
             tp = r["receivers"]
             where = f"TP={tp}" + (f", {r['owners']} owners" if r["owners"] > 1 else "")
             out["time"].append((where, r["over_full"] * tp, f"(sharded ÷ full {r['over_full']:.3f})"))
-            out["bytes"].append((where, r["received_fraction"] - 1 / tp, f"({r['received_fraction']:.3f} of the model)"))
+            out["bytes"].append((where, r["received_fraction"] - 1 / tp,
+                                 f"({r['received_fraction']:.3f} of the model)"))
     return out
 
 

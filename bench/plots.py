@@ -7,10 +7,12 @@ from pathlib import Path
 from typing import Any
 
 MiB = 1 << 20
-COLORS = {"cached": "#1f77b4", "cached_overlap": "#aec7e8", "bypass": "#ff7f0e", "raw": "#2ca02c", "per_tensor": "#d62728",
-          "memcpy": "#9467bd", "disk_local": "#8c564b", "disk_shm": "#e377c2", "ipc_cached": "#17becf",
+COLORS = {"cached": "#1f77b4", "cached_overlap": "#aec7e8", "bypass": "#ff7f0e", "raw": "#2ca02c",
+          "per_tensor": "#d62728", "memcpy": "#9467bd", "disk_local": "#8c564b", "disk_shm": "#e377c2",
+          "ipc_cached": "#17becf",
           "ipc_bypass": "#bcbd22", "daemon_cached": "#7f7f7f", "daemon_bypass": "#aaaaaa"}
-LABELS = {"cached": "ckpt-engine e2e cached", "cached_overlap": "cached, send overlapping the snapshot", "bypass": "ckpt-engine e2e bypass_cpu", "raw": "raw broadcast",
+LABELS = {"cached": "ckpt-engine e2e cached", "cached_overlap": "cached, send overlapping the snapshot",
+          "bypass": "ckpt-engine e2e bypass_cpu", "raw": "raw broadcast",
           "per_tensor": "per-tensor broadcast loop", "memcpy": "memcpy (1 thread)",
           "disk_local": "safetensors, local disk", "disk_shm": "safetensors, /dev/shm",
           "ipc_cached": "same-host shm, cached", "ipc_bypass": "same-host shm, bypass_cpu",

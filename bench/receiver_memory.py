@@ -30,7 +30,6 @@ from ckpt_engine.bench.common import (
     stats,
     sync_group,
 )
-
 from ckpt_engine.plan.modes import MODES
 
 REPEATS = 3  # versions per transport and mode

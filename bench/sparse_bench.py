@@ -51,7 +51,7 @@ def _sender(port: int, args: dict, out: mp.Queue) -> None:
     version, cursor = 1, 0
     for item, fraction in _schedule(args["repeats"]):
         kind = item.split(":")[0]
-        changed = max(1, int(round(fraction * len(names)))) if kind == "sparse" else len(names) // 10
+        changed = max(1, round(fraction * len(names))) if kind == "sparse" else len(names) // 10
         for offset in range(changed):  # a different slice every time, as training would touch
             tensors[names[(cursor + offset) % len(names)]].add_(1e-3)
         cursor += changed

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m ckpt_engine.bench
         t0 = time.perf_counter()
         try:
             results[name] = module.run(opts, _progress)
-        except Exception:  # one failing section must not lose the others: reported in the markdown
+        except Exception:  # noqa: BLE001 - one failing section must not lose the others: reported in the markdown
             errors[name] = traceback.format_exc()
             print(f"section {name} FAILED:\n{errors[name]}", flush=True)
         timings[name] = time.perf_counter() - t0
@@ -213,7 +213,7 @@ def _write(report: dict, out_path: Path, json_path: str | None) -> int:
                     f"cores, gloo, {machine['date_utc']}")
         prefix = "bench" if out_path.stem == "benchmarks" else f"bench-{out_path.stem.removeprefix('benchmarks-')}"
         images = plots.make_all(report["results"], out_path.parent, subtitle, bars, bar_title, prefix)
-    except Exception:  # no matplotlib, say: the report still comes out, without pictures
+    except Exception:  # noqa: BLE001 - no matplotlib, say: the report still comes out, without pictures
         report["errors"]["plots"] = traceback.format_exc()
         print(f"plots FAILED:\n{report['errors']['plots']}", flush=True)
     report["images"] = images
@@ -332,7 +332,8 @@ def evaluate_targets(report: dict) -> list[dict]:
     add("speedup over a per-tensor broadcast loop at 20k tensors", ">=", 20, "×", "side_by_side",
         lambda: side_ratio("per_tensor_over_cached", biggest), "per-tensor loop time / cached time-to-verified")
     add("speedup over a safetensors round trip on local disk", ">=", 3, "×", "side_by_side",
-        lambda: side_ratio("disk_local_over_cached", every_variant), "save → every receiver loaded + copied / cached time")
+        lambda: side_ratio("disk_local_over_cached", every_variant),
+        "save → every receiver loaded + copied / cached time")
     add("speedup over a safetensors round trip on /dev/shm", ">=", 3, "×", "side_by_side",
         lambda: side_ratio("disk_shm_over_cached", every_variant), "the same with the file on tmpfs")
     add("bypass_cpu time-to-verified ÷ cached", "<=", 0.8, "", "side_by_side",
@@ -411,8 +412,8 @@ def evaluate_targets(report: dict) -> list[dict]:
         digest_bench.GOAL_TENSOR_GROWTH, "", "digest", lambda: digest_bench.target_measurements(res["digest"]),
         "torch-block64 (eager and compiled) of 256 MiB in 4,000 tensors vs in 1: no growth beyond the bytes")
     add("GPU: device digest throughput, 500 large and 20,000 small tensors", ">=", gpu_bench.GOAL_DIGEST_GBPS,
-        " GB/s", "gpu", gpu("digest_gbps"), "torch-block64 of every bucket (one call per bucket) at the default 512 MiB "
-        "buckets, model bytes / time")
+        " GB/s", "gpu", gpu("digest_gbps"), "torch-block64 of every bucket (one call per bucket) at the default "
+        "512 MiB buckets, model bytes / time")
     add("GPU: device digest throughput ÷ read floor, 500 and 20,000 tensors", ">=", gpu_bench.GOAL_DIGEST_OVER_READ,
         "", "gpu", gpu("digest_read"), "int64 read-and-reduce time / digest time, same bytes")
     add("GPU: device digest throughput ÷ PCIe rate", ">=", gpu_bench.GOAL_DIGEST_OVER_PCIE, "×", "gpu",
@@ -531,13 +532,17 @@ def render(report: dict) -> str:
         bars, _ = compare_bars(report)
         cached = head["variants"]["cached"]["seconds"]["median"]
         bypass = head["variants"]["bypass"]["seconds"]["median"]
+
+        def rel(med: float, ours: float) -> str:
+            return f"{med / ours:.2f}× faster" if med >= ours else f"{ours / med:.2f}× slower"
+
         for b in bars:
             med = b["seconds"]["median"]
-            rel = lambda ours: (f"{med / ours:.2f}× faster" if med >= ours else f"{ours / med:.2f}× slower")
             note = f" ({b['note']})" if b.get("note") else ""
             ours = b["key"] in ("cached", "bypass") or b["key"].startswith(("ipc_", "daemon_"))
             add(f"| {b['label']}{note} | {med:.3f} ({b['seconds']['min']:.3f}–{b['seconds']['max']:.3f}) | "
-                f"{b['nbytes'] / med / 1e9:.2f} | {'—' if ours else rel(cached)} | {'—' if ours else rel(bypass)} |")
+                f"{b['nbytes'] / med / 1e9:.2f} | {'—' if ours else rel(med, cached)} | "
+                f"{'—' if ours else rel(med, bypass)} |")
         add("")
         add("\"N× faster\" = the alternative's time ÷ ckpt-engine's time (\"slower\": the inverse). The raw broadcast "
             "and memcpy are the limits: ckpt-engine sends the same bytes plus digests, headers and "
@@ -637,8 +642,8 @@ def gpu_check_section(gpu: dict | None, sections: list[str]) -> list[str]:
         'verified and acknowledged) the bytes; both sides hand them to a no-op. The table gives time, GB/s and the '
         "per-round ratio ours ÷ theirs (below 1 is faster; the issue's target is ≤ 0.9), their `update` alone, and "
         'the device digest rate. Their package is used only through its public API; nothing of it is copied into '
-        "ours. It ran on an H200 on 2026-11-27 (docs/gpu-runs.md); the CUDA-only parts were written from the 0.4.2 wheel's `ps.py` "
-        'and `worker.py`; here they are tested only as a dry run and a CPU skip.',
+        "ours. It ran on an H200 on 2026-11-27 (docs/gpu-runs.md); the CUDA-only parts were written from the 0.4.2 "
+        "wheel's `ps.py` and `worker.py`; here they are tested only as a dry run and a CPU skip.",
         "",
         "To put a GPU machine's figures into this file, regenerate it with that run's results merged in: "
         "`ckpt-engine bench --merge-json OUTDIR/gpu-bench.json` (or `--from-json` of an earlier run plus "

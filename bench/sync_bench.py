@@ -45,7 +45,6 @@ from ckpt_engine.bench.common import (
     sync_group,
     usable_cores,
 )
-
 from ckpt_engine.plan.modes import mode_of
 
 GROUP_NAME = "bench"

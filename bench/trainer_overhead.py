@@ -54,8 +54,8 @@ def _child(rank: int, results: Any, port: int, args: dict) -> dict | None:
 
 def _trainer(group: Any, args: dict, results: Any) -> dict:
     import torch
-    from ckpt_engine.demos.fully_async import ModelSize, build_model, synthetic_batch
 
+    from ckpt_engine.demos.fully_async import ModelSize, build_model, synthetic_batch
     from ckpt_engine.plan.tensors import NamedTensors
     from ckpt_engine.send.publisher import Publisher
 
@@ -121,7 +121,8 @@ def run(opts: dict, progress: Progress) -> dict:
     store = master_store(args["timeout_s"])
     progress(f"  trainer: Llama {HIDDEN}/{LAYERS} layers, batch {BATCH}×{LENGTH}; synced model {args['mib']} MiB; "
              f"{args['rounds']} rounds")
-    trainer, receiver = run_processes(_child, [(store.port, args)] * 2, deadline_s=900, progress=progress, name="trainer")
+    trainer, receiver = run_processes(_child, [(store.port, args)] * 2, deadline_s=900, progress=progress,
+                                      name="trainer")
     del store
     idle, during = stats(trainer["idle"]), stats(trainer["during"])
     # Cores the sync keeps busy while it runs (the trainer's send besides its loop, and the receiver): beyond the
@@ -129,7 +130,8 @@ def run(opts: dict, progress: Progress) -> dict:
     busy = [(send + got) / seconds for send, got, seconds in
             zip(trainer["send_cpu"], receiver["cpu"], trainer["sync_seconds"])]
     return {"send_cpu": stats(trainer["send_cpu"]), "receiver_cpu": stats(receiver["cpu"]),
-            "sync_cores": stats(busy), "args": args, "raw": trainer, "idle": idle, "during": during, "held": stats(trainer["held"]),
+            "sync_cores": stats(busy), "args": args, "raw": trainer, "idle": idle, "during": during,
+            "held": stats(trainer["held"]),
             "sync_seconds": stats(trainer["sync_seconds"]), "ratio": during["median"] / idle["median"],
             "steps_per_sync": trainer["steps_per_sync"], "model_params": trainer["model_params"]}
 

@@ -13,7 +13,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-from ckpt_engine import _moved  # noqa: E402 - old module paths keep importing (with a DeprecationWarning)
+from ckpt_engine import _moved
 
 _moved.install()
 

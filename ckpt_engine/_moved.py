@@ -37,10 +37,10 @@ MOVED = {
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, fullname: str, path, target=None):  # noqa: ANN001 - importlib's signature
+    def find_spec(self, fullname: str, path, target=None):
         return importlib.util.spec_from_loader(fullname, self) if fullname in MOVED else None
 
-    def create_module(self, spec) -> ModuleType:  # noqa: ANN001
+    def create_module(self, spec) -> ModuleType:
         new = MOVED[spec.name]
         warnings.warn(f"{spec.name} moved to {new}: import it from there (the names most users need are also "
                       "importable from ckpt_engine)", DeprecationWarning, stacklevel=2)

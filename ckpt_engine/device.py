@@ -33,7 +33,7 @@ def npu_module():
         return None
     try:
         importlib.import_module("torch_npu")
-    except Exception as exc:  # a broken torch_npu must not break CPU/CUDA users
+    except Exception as exc:  # noqa: BLE001 - a broken torch_npu must not break CPU/CUDA users
         log.warning("torch_npu is installed but failed to import: %s", exc)
         return None
     module = getattr(torch, "npu", None)
@@ -95,8 +95,8 @@ def detect_device(
 def _pick_kind(device: str) -> DeviceKind:
     if device == "auto":
         for kind in ("cuda", "npu"):
-            if _available(kind):  # type: ignore[arg-type]
-                return kind  # type: ignore[return-value]
+            if _available(kind):
+                return kind
         return "cpu"
     if device not in _BACKEND_FOR:
         raise DeviceError(f"device must be one of auto, cuda, npu, cpu; got {device!r}")
@@ -206,8 +206,11 @@ def wait_for(info: DeviceInfo, point: Any | None, *, host: bool) -> None:
         return
     if host:
         point.synchronize()
-    else:
-        current_stream(info).wait_event(point)
+        return
+    stream = current_stream(info)
+    if stream is None:
+        raise RuntimeError(f"no current stream on {info.kind}")  # (only the CPU has none: returned above)
+    stream.wait_event(point)
 
 
 def set_current(info: DeviceInfo) -> None:

@@ -204,10 +204,9 @@ def health_url(config: Any) -> str:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    from ckpt_engine.server.history import HistoryError, check_history_path
-
     from ckpt_engine.control.auth import check_credentials_path, credentials_path
     from ckpt_engine.server.authority import configured_tokens
+    from ckpt_engine.server.history import HistoryError, check_history_path
 
     config = load_config(args.path)
     try:
@@ -329,7 +328,7 @@ def _push(args: argparse.Namespace) -> int:
 
 
 def _evict(args: argparse.Namespace) -> int:
-    status, body = _call(args, "DELETE", f"/versions/{args.id}")
+    status, _ = _call(args, "DELETE", f"/versions/{args.id}")
     if status >= 400:
         return 1
     print(f"version {args.id} evicted from the cache (history kept)")

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import httpx
 import torch
-from ckpt_engine.server.launch import REPO, DaemonProcess, free_port, write_config
-from ckpt_engine.server.launch import start_daemon as launch_daemon
 
 from ckpt_engine.control.messages import TERMINAL
+from ckpt_engine.server.launch import REPO, DaemonProcess, free_port, write_config
+from ckpt_engine.server.launch import start_daemon as launch_daemon
 
 DEFAULT_CONFIG = REPO / "deploy" / "engine.yaml"
 BUCKET_SIZE_MB = 4.0  # the demo's model is ~12 MiB: sent in several buckets, as a large model is in 512 MiB ones
@@ -63,8 +63,9 @@ def trainer(rank: int, port: int, url: str, zmq: str, size: ModelSize, steps: in
     attached (its trainer rank and its share of the cache on the page; a sync asked meanwhile is served) until
     ``release``."""
     import torch.distributed as dist
-    from ckpt_engine.workers.trainer_agent import TrainerAgent
     from torch.distributed.fsdp import fully_shard
+
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the demo's: it releases this process
     torch.set_num_threads(1)
@@ -151,10 +152,9 @@ def rollout(index: int, zmq: str, size: ModelSize, stop: mp.Event, check: mp.Eve
     """Generates with the version its model holds until ``stop``; once ``check`` is set, reports the digest of its
     weights (and goes on: the demo keeps it attached while it holds). ``tear``: the apply of that version fails
     half way, once (--tear)."""
-    from ckpt_engine.workers.rollout_agent import RolloutAgent
-
     from ckpt_engine.plan.tensors import named_tensors_of
     from ckpt_engine.send.publisher import version_digest_of
+    from ckpt_engine.workers.rollout_agent import RolloutAgent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the demo's: it stops this process
     torch.set_num_threads(1)

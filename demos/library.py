@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="[trainer] %(message)s")
     # The demo model is ~2 MiB: small buckets so a version spans several, on the CPU path every machine has.
-    config = (load_config(args.config) if args.config else EngineConfig()).model_copy(update={"bucket_size_mb": 1.0, "device": "cpu", "backend": "gloo"})
+    config = (load_config(args.config) if args.config else EngineConfig()).model_copy(
+        update={"bucket_size_mb": 1.0, "device": "cpu", "backend": "gloo"})
     store = open_store(HOST, 0, is_master=True, timeout_s=config.timeouts.connect_s)
     ctx = mp.get_context("spawn")
     report = ctx.Queue()
@@ -171,7 +172,8 @@ def _print_report(rows: list[dict], finals: dict[int, str]) -> int:
         failures += not row["ok"]
         print(f"{row['version']:>3} {row['step']:>4} {row['mode']:<10} {row['mb']:>6.2f} {row['buckets']:>4} "
               f"{row['tensors']:>7} {row['held_ms']:>8.1f} {row['verified_ms']:>11.1f} "
-              f"{row['receivers']:>3}/{RECEIVERS}  {row['digest']}" + ("" if row["ok"] else f"  FAILED: {row['reason']}"))
+              f"{row['receivers']:>3}/{RECEIVERS}  {row['digest']}"
+              + ("" if row["ok"] else f"  FAILED: {row['reason']}"))
     trainer_digest = rows[-1]["final"]
     same = all(finals.get(r) == trainer_digest for r in range(1, RECEIVERS + 1))
     print(f"trainer final model digest {trainer_digest}; receivers: "

@@ -227,7 +227,7 @@ def probe() -> dict[str, Any]:
                                  "capability": f"{props.major}.{props.minor}"})
         try:
             info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        except Exception as exc:  # a build without NCCL: the 2-GPU tests will say so
+        except Exception as exc:  # noqa: BLE001 - a build without NCCL: the 2-GPU tests will say so
             info["nccl"] = f"unavailable ({exc})"
     info["driver"] = _nvidia_smi("driver_version")
     return info
@@ -341,7 +341,8 @@ def render_report(report: dict[str, Any]) -> str:
         lines += ["", "Every figure with its method: [gpu-bench.md](gpu-bench.md); raw samples: gpu-bench.json.", ""]
     lines += anchor_section(report)
     lines += ["Files: env.json (machine), gpu-tests.log / gpu-tests.xml (pytest), gpu-bench.log / gpu-bench.md / "
-              "gpu-bench.json (benchmark), anchor-bench.log / anchor-bench.md / anchor-bench.json (side by side), report.json (this report as data).", ""]
+              "gpu-bench.json (benchmark), anchor-bench.log / anchor-bench.md / anchor-bench.json (side by side), "
+              "report.json (this report as data).", ""]
     return "\n".join(lines)
 
 
@@ -364,7 +365,7 @@ def key_figures(result: dict[str, Any] | None) -> list[str]:
     for c in result.get("local", []):
         v = c["variants"]
         r = c.get("ratios", {})
-        ratio = lambda key: f"{r[key]['value']:.3f}" if key in r else "?"  # noqa: E731
+        ratio = lambda key, r=r: f"{r[key]['value']:.3f}" if key in r else "?"  # noqa: E731
         lines.append(f"- {c['name']}: PCIe {c['pcie_gbps']:.1f} GB/s (best of D2H/H2D), device copy "
                      f"{v['d2d_copy']['gbps']['median']:.0f} GB/s, digest {v['digest']['gbps']['median']:.0f} GB/s, "
                      f"snapshot {v['snapshot']['gbps']['median']:.1f} GB/s (÷ pinned copy {ratio('snapshot_vs_d2h')}, "

@@ -4,10 +4,9 @@ the rest of the command line lives in cli/, which the daemon does not import).""
 import argparse
 import sys
 
-from ckpt_engine.server.daemon import serve
-
 from ckpt_engine.config import load_config
 from ckpt_engine.errors import ConfigError
+from ckpt_engine.server.daemon import serve
 
 
 def main(argv: list[str] | None = None) -> int:

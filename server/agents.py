@@ -13,10 +13,9 @@ import secrets
 import time
 from collections.abc import Callable
 
-from ckpt_engine.server.decisions.agent_record import AgentRecord
-
 from ckpt_engine.control.messages import Register
 from ckpt_engine.plan.shards import spec_key
+from ckpt_engine.server.decisions.agent_record import AgentRecord
 
 
 class AgentRegistry:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_type_hints
 
-from ckpt_engine.server.decisions.receivers import STATES
-from ckpt_engine.server.history import STATUSES, VersionRecord
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from ckpt_engine.plan.modes import Mode
+from ckpt_engine.server.decisions.receivers import STATES
+from ckpt_engine.server.history import STATUSES, VersionRecord
 
 Status = Literal[STATUSES]  # type: ignore[valid-type]  # the store's statuses, one list for both
 
@@ -36,7 +36,7 @@ class _Out(BaseModel):
 
 # One row of the version history: the store's own record, with its mode and status spelled out for the schema.
 _SPELLED_OUT = {"mode": Mode, "status": Status}
-VersionOut = create_model(
+VersionOut = create_model(  # type: ignore[call-overload]  # (fields built at import: no static signature)
     "VersionOut", __base__=_Out, __doc__="One row of the version history (``HistoryStore``).",
     **{name: (_SPELLED_OUT.get(name, hint), ...) for name, hint in get_type_hints(VersionRecord).items()},
 )
@@ -56,6 +56,9 @@ class VersionList(_Out):
     next_before: int | None = Field(None, description="pass as before= for the next (older) page; null at the end")
 
 
+_AGENT_STATES = ("registered", *STATES)
+
+
 class AgentOut(_Out):
     agent_id: str
     role: Literal["trainer", "receiver", "driver"]
@@ -71,7 +74,7 @@ class AgentOut(_Out):
     engine: str | None = None
     driven: bool = False
     members: int | None = None
-    state: Literal[("registered", *STATES)] = Field(  # type: ignore[valid-type]  (3.10: no star in an index)
+    state: Literal[_AGENT_STATES] = Field(  # type: ignore[valid-type]  # (built from STATES; 3.10: no star in an index)
         description="receivers (server/decisions/receivers.py): new (holds no whole version the daemon knows of: "
                     "just registered, or its outcome of a version was never heard; a catch-up brings it one), "
                     "serving (holds `serving` whole, proven), staged (verified, waiting for its engine's driver), "

@@ -7,10 +7,9 @@ import hashlib
 import logging
 from collections.abc import Iterable
 
-from ckpt_engine.server.errors import Forbidden, Unauthorized
-
 from ckpt_engine.config import EngineConfig
 from ckpt_engine.control.auth import ANY_ROLE, ROLES, Credentials, Role, credentials_path, daemon_credentials
+from ckpt_engine.server.errors import Forbidden, Unauthorized
 
 log = logging.getLogger(__name__)
 

@@ -4,6 +4,7 @@ thread-safe by itself: the controller calls it under its lock."""
 
 from __future__ import annotations
 
+from ckpt_engine.control.messages import Assignment, Report
 from ckpt_engine.server.agents import AgentRegistry
 from ckpt_engine.server.decisions.agent_record import AgentRecord
 from ckpt_engine.server.decisions.repair import kept_for_repairs
@@ -11,13 +12,12 @@ from ckpt_engine.server.errors import Conflict, NotFound, Unavailable
 from ckpt_engine.server.history import HistoryStore, VersionRecord
 from ckpt_engine.server.metrics import Metrics
 
-from ckpt_engine.control.messages import Assignment, Report
-
 
 class CacheBook:
     def __init__(self, history: HistoryStore, agents: AgentRegistry, metrics: Metrics) -> None:
         self.history, self.agents, self.metrics = history, agents, metrics
-        self.max_issued = history.latest().id if history.latest() else 0  # the highest id this history issued
+        latest = history.latest()
+        self.max_issued = latest.id if latest else 0  # the highest id this history issued
         self._cache_bytes: dict[str, int] = {}  # each trainer agent's report of what its share of the cache holds
 
     def known(self, versions: list[int]) -> list[int]:

@@ -7,9 +7,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ckpt_engine.server.decisions.views import quorum_ranks, receiver_rows
-
 from ckpt_engine.control.messages import TERMINAL
+from ckpt_engine.server.decisions.views import quorum_ranks, receiver_rows
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 

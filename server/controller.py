@@ -17,22 +17,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
-
-from ckpt_engine.server.agents import AgentRegistry
-from ckpt_engine.server.cache_book import CacheBook
-from ckpt_engine.server.decisions import quorum as rules
-from ckpt_engine.server.decisions.agent_record import AgentRecord
-from ckpt_engine.server.decisions.policy import FRAMEWORK, policy_of
-from ckpt_engine.server.decisions.repair import plan_catch_up, repair_source
-from ckpt_engine.server.errors import BadRequest, Conflict, Forbidden, NotFound, Unavailable
-from ckpt_engine.server.flights import Flights
-from ckpt_engine.server.framework import FrameworkSyncs
-from ckpt_engine.server.history import TERMINAL, HistoryStore, StorageUnavailable, VersionRecord
-from ckpt_engine.server.metrics import Metrics
-from ckpt_engine.server.receivers_view import receiver_rows_of
-from ckpt_engine.server.registrar import Registrar
-from ckpt_engine.server.state_view import StateView
+from collections.abc import Callable, Set
 
 from ckpt_engine.config import EngineConfig
 from ckpt_engine.config.knobs import settle
@@ -49,6 +34,21 @@ from ckpt_engine.control.messages import (
 )
 from ckpt_engine.errors import ConfigError, ProtocolError
 from ckpt_engine.plan.modes import resolve
+from ckpt_engine.server.agents import AgentRegistry
+from ckpt_engine.server.cache_book import CacheBook
+from ckpt_engine.server.decisions import quorum as rules
+from ckpt_engine.server.decisions.agent_record import AgentRecord
+from ckpt_engine.server.decisions.cadence import CatchUpPause, offer
+from ckpt_engine.server.decisions.policy import FRAMEWORK, policy_of
+from ckpt_engine.server.decisions.repair import plan_catch_up, repair_source
+from ckpt_engine.server.errors import BadRequest, Conflict, Forbidden, NotFound, Unavailable
+from ckpt_engine.server.flights import Flights
+from ckpt_engine.server.framework import FrameworkSyncs
+from ckpt_engine.server.history import TERMINAL, HistoryStore, StorageUnavailable, VersionRecord
+from ckpt_engine.server.metrics import Metrics
+from ckpt_engine.server.receivers_view import receiver_rows_of
+from ckpt_engine.server.registrar import Registrar
+from ckpt_engine.server.state_view import StateView
 
 log = logging.getLogger(__name__)
 _TICK_FAILING_S = 5.0  # ticks failing this long make /health say not ok
@@ -76,9 +76,7 @@ class Controller:
         self.framework = FrameworkSyncs(history, metrics, self.agents, self.book, self.flights, self._create,
                                         self._require_storage)
         self._last_tick = clock()
-        # a sync was refused while a catch-up or repair was in flight: no new one starts before this, so the
-        # caller's retry gets the slot (newcomers that keep failing theirs cannot starve regular versions)
-        self._sync_wanted_until = 0.0
+        self._catch_up_pause = CatchUpPause()
         self._tick_failing_since: float | None = None
         self._tick_error: str | None = None
         self._kept: list[int] = []  # what the trainer was last told to keep in its cache for repairs
@@ -114,7 +112,7 @@ class Controller:
         if flight is not None and flight.trainer == agent.agent_id:
             self.flights.fail(flight, reason)
 
-    def acknowledge(self, message: Poll, roles: set[str]) -> None:
+    def acknowledge(self, message: Poll, roles: Set[str]) -> None:
         """A poll arrived: the agent is alive, holds ``versions``, and got the assignment it names."""
         with self._lock:
             agent = self._agent(message.agent_id, message.session, roles)
@@ -133,7 +131,7 @@ class Controller:
                 log.warning("receiver %s cannot receive for now (%s); out of the quorum for %.0fs", agent.agent_id,
                             message.unable, delay)
 
-    def poll(self, message: Poll, roles: set[str]) -> Assignment | None:
+    def poll(self, message: Poll, roles: Set[str]) -> Assignment | None:
         """The agent's next assignment, if any; it stays queued until a later poll acknowledges it."""
         with self._lock:
             agent = self._agent(message.agent_id, message.session, roles)
@@ -144,7 +142,7 @@ class Controller:
             agent = self.agents.get(agent_id)
             return agent is None or bool(agent.pending)  # a vanished agent's poll is answered at once
 
-    def report(self, message: Report, roles: set[str]) -> None:
+    def report(self, message: Report, roles: Set[str]) -> None:
         with self._lock:
             agent = self._agent(message.agent_id, message.session, roles)
             if message.event not in _EVENTS_OF[agent.role]:
@@ -170,7 +168,7 @@ class Controller:
                 log.info("ignoring %s report for version %d (not in flight)", message.event, message.version)
             self._changed.notify_all()
 
-    def unregister(self, agent_id: str, session: str, roles: set[str]) -> None:
+    def unregister(self, agent_id: str, session: str, roles: Set[str]) -> None:
         """An agent leaving cleanly: gone now instead of after the heartbeat timeout."""
         with self._lock:
             agent = self._agent(agent_id, session, roles)
@@ -197,9 +195,7 @@ class Controller:
             trainer = self._open_slot()
             now = self.clock()
             receivers = self._candidates(now)
-            due = [r for r in receivers if r.offered % r.sync_every == 0]  # per-receiver cadence
-            for receiver in receivers:
-                receiver.offered += 1
+            due = offer(receivers)
             if receivers and not due:
                 record = self._create(mode=mode, step=request.step)
                 return self.history.update(record.id, status="cancelled",
@@ -227,7 +223,7 @@ class Controller:
             self._start(pushed, trainer, self._candidates(self.clock()), self.clock(), source=record)
             return pushed
 
-    def framework_sync(self, request: FrameworkSyncRequest, roles: set[str]) -> dict:
+    def framework_sync(self, request: FrameworkSyncRequest, roles: Set[str]) -> dict:
         """A framework's own sync (verl's update_weights) as a version (server/framework.py)."""
         with self._lock:
             if request.agent_id is None or request.session is None:
@@ -248,7 +244,7 @@ class Controller:
         flight = self.flights.current
         if flight is not None:
             if flight.purpose in ("catch_up", "repair"):
-                self._sync_wanted_until = self.clock() + 2 * self.config.timeouts.connect_s + 5
+                self._catch_up_pause.sync_refused(self.clock(), self.config.timeouts.connect_s)
             raise Conflict(f"version {flight.version} is in flight ({flight.purpose}); retry when it has ended",
                            {"in_flight": flight.version, "purpose": flight.purpose})
         self._require_storage()
@@ -266,9 +262,7 @@ class Controller:
         if problem is None:
             owners, colocated, problem = self._routes(trainer, receivers, source, now)  # type: ignore[arg-type]
         if problem:
-            failed = self.history.update(record.id, status="failed", reason=problem)
-            self.metrics.version_done("failed", 0, {})
-            raise Unavailable(problem, failed.to_dict())
+            raise Unavailable(problem, self.flights.fail_unstarted(record.id, problem).to_dict())
         self._launch(record, trainer, receivers, colocated, owners, source=source,  # type: ignore[arg-type]
                      sparse_base=rules.sparse_base(receivers) if sparse and source is None else None,
                      sparse=sparse and source is None, purpose="push" if source is not None else "sync")
@@ -283,9 +277,9 @@ class Controller:
         colocated, problem = rules.transports(trainer, receivers, owners, self.config.transport)
         return owners, colocated, problem
 
-    def _launch(self, record: VersionRecord, trainer: AgentRecord, receivers: list[AgentRecord], colocated: list[AgentRecord],
-                owners: int, *, source: VersionRecord | None, sparse_base: int | None = None, sparse: bool = False,
-                purpose: str) -> None:
+    def _launch(self, record: VersionRecord, trainer: AgentRecord, receivers: list[AgentRecord],
+                colocated: list[AgentRecord], owners: int, *, source: VersionRecord | None,
+                sparse_base: int | None = None, sparse: bool = False, purpose: str) -> None:
         self._kept = self.book.kept_for_repairs(self.config.keep_versions)
         self.flights.start(record, trainer, receivers, colocated, source=source, sparse_base=sparse_base,
                            sparse=sparse, owners=owners, keep=self._kept, purpose=purpose)
@@ -380,7 +374,7 @@ class Controller:
         """Receivers that hold no whole version get one from the trainer's cache, without the training loop
         (decisions/repair.py: who, and which version)."""
         trainer = self.agents.trainer()
-        if trainer is None or not policy_of(trainer.framework).catches_up or now < self._sync_wanted_until:
+        if trainer is None or not policy_of(trainer.framework).catches_up or self._catch_up_pause.holds(now):
             return
         latest = self.history.latest(status="committed")
         plan = plan_catch_up(self._candidates(now, regular=False), now, latest.id if latest else None,
@@ -413,13 +407,14 @@ class Controller:
                      dropped, limit)
         self._changed.notify_all()
 
-    def _agent(self, agent_id: str, session: str, roles: set[str]) -> AgentRecord:
+    def _agent(self, agent_id: str, session: str, roles: Set[str]) -> AgentRecord:
         agent = self.agents.get(agent_id, session)
         if agent is None:
             # one answer for an unknown id and a wrong secret: a peer learns nothing about other agents
             raise ProtocolError(f"unregistered agent {agent_id!r} (or not this agent's session): register first")
         if TOKEN_OF_AGENT[agent.role] not in roles:
-            raise Forbidden(f"agent {agent_id} is a {agent.role}: its messages need a {TOKEN_OF_AGENT[agent.role]} token")
+            raise Forbidden(f"agent {agent_id} is a {agent.role}: its messages need a "
+                            f"{TOKEN_OF_AGENT[agent.role]} token")
         self.agents.seen(agent)
         return agent
 
@@ -446,7 +441,8 @@ class Controller:
                                 regular=regular, repair_source=self._repair_source,
                                 admit_new=self.flights.gate.admits(now), min_receivers=self.config.min_receivers)
 
-    def _quorum_problem(self, trainer: AgentRecord | None, receivers: list[AgentRecord], now: float | None = None) -> str | None:
+    def _quorum_problem(self, trainer: AgentRecord | None, receivers: list[AgentRecord],
+                        now: float | None = None) -> str | None:
         now = self.clock() if now is None else now
         gate = self.flights.gate
         return rules.quorum_problem(trainer, receivers, self.agents.receivers(), self.agents.drivers(),

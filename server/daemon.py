@@ -18,6 +18,10 @@ import uuid
 from collections.abc import Iterator
 
 import uvicorn
+
+from ckpt_engine.config import EngineConfig, is_loopback, parse_zmq_endpoint
+from ckpt_engine.errors import CkptEngineError
+from ckpt_engine.retry import FailureLog
 from ckpt_engine.server.authority import Authority
 from ckpt_engine.server.connections import (
     ClosedConnections,
@@ -32,10 +36,6 @@ from ckpt_engine.server.history import HistoryStore
 from ckpt_engine.server.http_app import create_app
 from ckpt_engine.server.metrics import Metrics
 from ckpt_engine.server.zmq_server import ZmqServer
-
-from ckpt_engine.config import EngineConfig, is_loopback, parse_zmq_endpoint
-from ckpt_engine.errors import CkptEngineError
-from ckpt_engine.retry import FailureLog
 from ckpt_engine.transport.group import serve_store
 
 log = logging.getLogger("ckpt_engine.daemon")
@@ -98,7 +98,8 @@ class Daemon:
         # (h11 always, with deadlines for slow clients and a bound on connections: server/connections.py)
         protocol = guarded_protocol(http_limits(self.config, self.budget),
                                     ClosedConnections("HTTP", self.controller.metrics.connections_closed))
-        server = _Server(uvicorn.Config(create_app(self.controller, self.config, self.authority), host=self.config.http.host,
+        server = _Server(uvicorn.Config(create_app(self.controller, self.config, self.authority),
+                                        host=self.config.http.host,
                                         port=self.config.http.port, log_level="warning", access_log=False,
                                         http=protocol, backlog=self.budget.http_backlog))
         self._log_budget()
@@ -144,7 +145,7 @@ class Daemon:
                 self.controller.tick()
                 failures.succeeded()
                 self.controller.tick_succeeded()
-            except Exception as exc:  # logged once, then periodically, and /health says so: the ticker never dies
+            except Exception as exc:  # noqa: BLE001 - logged once, then periodically, /health says so: the ticker lives
                 failures.failed(f"{type(exc).__name__}: {exc}")
                 self.controller.tick_failed(f"{type(exc).__name__}: {exc}")
 
@@ -169,7 +170,7 @@ class OneLineFormatter(logging.Formatter):
     """Log records one line each: control characters of a message (peers choose the strings some messages
     carry: reasons, host names) are escaped, so no peer can forge a log line. Tracebacks stay as they are."""
 
-    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+    def formatMessage(self, record: logging.LogRecord) -> str:
         return escape_controls(super().formatMessage(record))
 
 

@@ -16,6 +16,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ckpt_engine.config import EngineConfig
+from ckpt_engine.control.messages import Assignment, Report
+from ckpt_engine.plan.modes import Mode
 from ckpt_engine.server.agents import AgentRegistry
 from ckpt_engine.server.cache_book import CacheBook
 from ckpt_engine.server.decisions.agent_record import AgentRecord
@@ -25,10 +28,6 @@ from ckpt_engine.server.decisions.newcomers import NewcomerGate, blamed_for_rend
 from ckpt_engine.server.decisions.policy import PLAIN, SyncPolicy
 from ckpt_engine.server.history import HistoryStore, VersionRecord
 from ckpt_engine.server.metrics import Metrics
-
-from ckpt_engine.config import EngineConfig
-from ckpt_engine.control.messages import Assignment, Report
-from ckpt_engine.plan.modes import Mode
 
 log = logging.getLogger(__name__)
 _ORDER = {"requested": 0, "snapshotting": 1, "transferring": 2, "verifying": 3}
@@ -68,9 +67,9 @@ class Flights:
         self._membership: tuple[str, ...] = ()
 
     # ---- starting ------------------------------------------------------------------------------------
-    def start(self, record: VersionRecord, trainer: AgentRecord, receivers: list[AgentRecord], colocated: list[AgentRecord], *,
-              source: VersionRecord | None, sparse_base: int | None, sparse: bool, purpose: str, owners: int,
-              keep: list[int]) -> None:
+    def start(self, record: VersionRecord, trainer: AgentRecord, receivers: list[AgentRecord],
+              colocated: list[AgentRecord], *, source: VersionRecord | None, sparse_base: int | None, sparse: bool,
+              purpose: str, owners: int, keep: list[int]) -> None:
         """A version the daemon drives: every receiver and the trainer are assigned their part."""
         remote = [r for r in receivers if r not in colocated]
         trainers = self.agents.trainers()
@@ -248,8 +247,7 @@ class Flights:
         for entry in entries:
             if entry.get("agent_id") == agent.agent_id and entry.get("missing_report"):
                 entry.update(ok=bool(message.ok), reason=message.reason, version_digest=message.version_digest,
-                             missing_report=False, reported_late=True, serving_after=agent.model.serving,
-                             torn=agent.model.torn is not None)
+                             missing_report=False, reported_late=True, **self._held_after(agent.agent_id))
                 self.history.update(record.id, receivers=entries)
                 return
 
@@ -284,10 +282,7 @@ class Flights:
                         expected=expected, stale=stale, expected_for=self._class_digests(flight, done),
                         need=flight.policy.need(len(flight.quorum), self.config.min_receivers))
         for entry in outcome.entries:
-            agent = self.agents.get(entry["agent_id"])
-            entry.update(engine=agent.engine if agent else None,
-                         serving_after=agent.model.serving if agent else None,
-                         torn=agent is not None and agent.model.torn is not None)
+            entry.update(self._held_after(entry["agent_id"]))
             if flight.classes.keys:
                 own = flight.reports.get(entry["agent_id"])
                 entry.update(shard_class=flight.classes.key_of(entry["agent_id"]), bytes=own.bytes if own else None,
@@ -353,6 +348,19 @@ class Flights:
                 delay = agent.model.benched(why, self.clock(), unproven=unproven)
                 log.warning("receiver %s %s; out of the quorum for %.0fs", agent_id, why, delay)
 
+    def _held_after(self, agent_id: str) -> dict:
+        """A receiver's history entry: what its model holds once the version ended (every entry says it)."""
+        agent = self.agents.get(agent_id)
+        return {"engine": agent.engine if agent else None, "serving_after": agent.model.serving if agent else None,
+                "torn": agent is not None and agent.model.torn is not None}
+
+    def fail_unstarted(self, version: int, reason: str) -> VersionRecord:
+        """A version that could not start (no quorum, no route, its rollback source gone): failed, counted,
+        and returned for the caller's answer. Nothing was assigned, so no receiver's state changes."""
+        failed = self.history.update(version, status="failed", reason=reason)
+        self.metrics.version_done("failed", 0, {})
+        return failed
+
     def fail(self, flight: InFlight, reason: str, status: str = "failed") -> None:
         owners = [f"owner rank {rank}: {why}" for rank, why in sorted(flight.owner_failures.items())]
         if owners:  # what other owner ranks already said went wrong (e.g. before the lead went away)
@@ -366,12 +374,9 @@ class Flights:
                 agent.model.lost_track()  # it may still be applying the version: unknown until it reports
         for entry in receivers:  # (what a judged version's entries say too: judge() and _finish)
             own = flight.reports.get(entry.get("agent_id", ""))
-            agent = self.agents.get(entry.get("agent_id", ""))
             entry.update(ok=False, reason=(own.reason if own and not own.ok else None) or reason,
                          missing_report=own is None, staging=staging_entry(own) if own else None,
-                         engine=agent.engine if agent else None,
-                         serving_after=agent.model.serving if agent else None,
-                         torn=agent is not None and agent.model.torn is not None)
+                         **self._held_after(entry.get("agent_id", "")))
         self.history.update(flight.version, status=status, reason=reason, receivers=receivers)
         self.group_dirty = True
         self._end(flight, "failed", 0, {})

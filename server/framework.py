@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from ckpt_engine.config.knobs import Settled
+from ckpt_engine.control.messages import FrameworkSyncRequest
 from ckpt_engine.server.agents import AgentRegistry
 from ckpt_engine.server.cache_book import CacheBook
 from ckpt_engine.server.decisions.agent_record import AgentRecord
@@ -17,9 +19,6 @@ from ckpt_engine.server.errors import BadRequest, Conflict, NotFound, Unavailabl
 from ckpt_engine.server.flights import Flights, InFlight
 from ckpt_engine.server.history import HistoryStore, VersionRecord
 from ckpt_engine.server.metrics import Metrics
-
-from ckpt_engine.config.knobs import Settled
-from ckpt_engine.control.messages import FrameworkSyncRequest
 
 log = logging.getLogger(__name__)
 QuorumProblem = Callable[[AgentRecord | None, list[AgentRecord]], "str | None"]
@@ -56,9 +55,7 @@ class FrameworkSyncs:
         quorum = self._quorum(trainer, request.receivers or [])
         problem = quorum_problem(trainer, quorum)
         if problem:  # (a queued rollback stays queued)
-            failed = self.history.update(self._create(mode=mode, step=request.step).id, status="failed",
-                                         reason=problem)
-            self.metrics.version_done("failed", 0, {})
+            failed = self.flights.fail_unstarted(self._create(mode=mode, step=request.step).id, problem)
             raise Unavailable(problem, failed.to_dict())
         if flight is not None:
             self._supersede(flight)
@@ -124,9 +121,8 @@ class FrameworkSyncs:
         source = self.history.get(queued.source_version)  # type: ignore[arg-type]
         if source is not None and source.cached and not self.book.evicting(source.id):
             return queued
-        self.history.update(queued.id, status="failed", reason=f"version {queued.source_version} is no longer in the "
-                            "trainer's cache (evicted before the framework's next sync)")
-        self.metrics.version_done("failed", 0, {})
+        self.flights.fail_unstarted(queued.id, f"version {queued.source_version} is no longer in the trainer's cache "
+                                    "(evicted before the framework's next sync)")
         return None
 
     def _quorum(self, trainer: AgentRecord, receivers: list[str]) -> list[AgentRecord]:

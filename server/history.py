@@ -13,6 +13,7 @@ life (``<history>.lock`` says who holds it).
 
 from __future__ import annotations
 
+import builtins
 import collections
 import fcntl
 import json
@@ -321,7 +322,8 @@ class HistoryStore:
 
     def list(self, *, limit: int = 50, status: str | None = None, before: int | None = None) -> list[VersionRecord]:
         """Newest first; ``before``: only ids below it (the cursor of the next page)."""
-        query, args = "SELECT * FROM versions WHERE 1=1", []
+        query = "SELECT * FROM versions WHERE 1=1"
+        args: list[Any] = []
         if status is not None:
             query += " AND status=?"
             args.append(status)
@@ -376,7 +378,7 @@ class HistoryStore:
             counts.update(unwritten.values())  # (not in the file at all yet)
         return {status: n for status, n in counts.items() if n > 0}
 
-    def close(self) -> list[VersionRecord]:
+    def close(self) -> builtins.list[VersionRecord]:
         """Write what is pending and close; returns the records that could not be written (lost)."""
         self.flush(force=True)
         lost = self.unwritten()
@@ -406,7 +408,7 @@ class HistoryStore:
         assignments = ", ".join(f"{key}=?" for key in values)
         self._db.execute(f"UPDATE versions SET {assignments} WHERE id=?", (*values.values(), record.id))
 
-    def _query(self, query: str, args: Any = ()) -> list[VersionRecord]:
+    def _query(self, query: str, args: Any = ()) -> builtins.list[VersionRecord]:
         try:
             with self._read_lock:
                 rows = self._reader.execute(query, args).fetchall()
@@ -414,7 +416,7 @@ class HistoryStore:
             raise StorageUnavailable(f"the history cannot be read: {exc}") from exc
         return [_record(row) for row in rows]
 
-    def _raw(self, query: str, args: Any = ()) -> list[tuple]:
+    def _raw(self, query: str, args: Any = ()) -> builtins.list[tuple]:
         try:
             with self._read_lock:
                 return [tuple(row) for row in self._reader.execute(query, args).fetchall()]

@@ -8,11 +8,27 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter as Tally
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Annotated, Any
+from urllib.parse import parse_qsl
 
 import anyio.to_thread
+from fastapi import Depends, FastAPI, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPBearer
+from prometheus_client import Counter
+from pydantic import BaseModel, BeforeValidator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ckpt_engine import __version__
+from ckpt_engine.config import EngineConfig
+from ckpt_engine.control.messages import MAX_ID, LatestQuery, SyncRequest, VersionRef, VersionsQuery, plain_int
 from ckpt_engine.server.api_docs import DOCS_PATH, add_api_docs
 from ckpt_engine.server.api_models import (
     AgentList,
@@ -30,20 +46,6 @@ from ckpt_engine.server.errors import ControlError, Forbidden, TooManyRequests, 
 from ckpt_engine.server.history import TERMINAL, StorageUnavailable, VersionRecord
 from ckpt_engine.server.operations import OPERATIONS, NoBody
 from ckpt_engine.server.page_routes import PAGE_FILES, add_page
-from fastapi import Depends, FastAPI, Path, Query, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
-from fastapi.security import HTTPBearer
-from prometheus_client import Counter
-from pydantic import BaseModel, BeforeValidator
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
-from starlette.types import ASGIApp, Receive, Scope, Send
-
-from ckpt_engine import __version__
-from ckpt_engine.config import EngineConfig
-from ckpt_engine.control.messages import MAX_ID, LatestQuery, SyncRequest, VersionRef, VersionsQuery, plain_int
 
 # Bounded like every id on the wire: a larger path value is a 422, not an OverflowError (500) in the store.
 _MAX_WAITING = 64
@@ -86,6 +88,11 @@ class LimitsAndAuth:
                          headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
             return
         scope.setdefault("state", {})["roles"] = roles
+        repeated = _repeated_parameters(scope.get("query_string", b""))
+        if repeated:  # (the app would read one of them, a proxy in front perhaps another)
+            await _error(422, "invalid request", [{"loc": ["query", name], "msg": "given more than once"}
+                                                  for name in repeated])(scope, receive, send)
+            return
         declared = headers.get("content-length", "0")
         # isascii: str.isdigit() is also true for digits like '²' that int() refuses
         if not (declared.isascii() and declared.isdigit()) or int(declared) > self.max_body_bytes:
@@ -106,6 +113,11 @@ class LimitsAndAuth:
 
         await self.app(scope, limited_receive, send)
 
+
+
+def _repeated_parameters(query: bytes) -> list[str]:
+    counts = Tally(name for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True))
+    return sorted(name for name, count in counts.items() if count > 1)
 
 
 def _public(scope: Scope) -> bool:

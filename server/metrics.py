@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from ckpt_engine.server.decisions.receivers import STATES
-from ckpt_engine.server.decisions.views import ReceiverRow
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from ckpt_engine.server.decisions.receivers import STATES
+from ckpt_engine.server.decisions.views import ReceiverRow
 
 STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 

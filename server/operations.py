@@ -11,9 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_engine.server.controller import Controller
-from ckpt_engine.server.errors import BadRequest, NotFound
-from ckpt_engine.server.receivers_view import receivers_public
 from pydantic import BaseModel
 
 from ckpt_engine.control.auth import ANY_ROLE, Role
@@ -30,6 +27,9 @@ from ckpt_engine.control.messages import (
     VersionsQuery,
     parse_body,
 )
+from ckpt_engine.server.controller import Controller
+from ckpt_engine.server.errors import BadRequest, NotFound
+from ckpt_engine.server.receivers_view import receivers_public
 
 AGENTS: frozenset[Role] = frozenset({"trainer", "rollout"})
 

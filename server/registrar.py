@@ -7,15 +7,14 @@ import hashlib
 import hmac
 import logging
 
+from ckpt_engine.config import EngineConfig
+from ckpt_engine.control.messages import Register, RegisterReply
 from ckpt_engine.server.agents import AgentRegistry
 from ckpt_engine.server.cache_book import CacheBook
 from ckpt_engine.server.decisions.agent_record import AgentRecord
 from ckpt_engine.server.decisions.claims import judge_registration
 from ckpt_engine.server.errors import BadRequest, Conflict, Forbidden, Unavailable
 from ckpt_engine.server.history import HistoryStore
-
-from ckpt_engine.config import EngineConfig
-from ckpt_engine.control.messages import Register, RegisterReply
 
 log = logging.getLogger(__name__)
 _NEWCOMER_SETTLE_S = 1.0  # a newcomer's catch-up waits this long: one that vanishes at once costs nothing

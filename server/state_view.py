@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ckpt_engine.config import EngineConfig
 from ckpt_engine.server.agents import AgentRegistry
 from ckpt_engine.server.cache_book import CacheBook
 from ckpt_engine.server.decisions import quorum as rules
@@ -14,8 +15,6 @@ from ckpt_engine.server.flights import Flights
 from ckpt_engine.server.framework import FrameworkSyncs
 from ckpt_engine.server.history import HistoryStore
 from ckpt_engine.server.metrics import Metrics
-
-from ckpt_engine.config import EngineConfig
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,9 @@ import time
 from dataclasses import dataclass, field
 
 import zmq
-from ckpt_engine.server.connections import ClosedConnections
 from zmq.utils.monitor import parse_monitor_message
+
+from ckpt_engine.server.connections import ClosedConnections
 
 log = logging.getLogger(__name__)
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED

@@ -19,11 +19,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
+
+from ckpt_engine.control.auth import ANY_ROLE, Role
+from ckpt_engine.control.messages import Poll, PollReply, decode_frame, encode_frame
+from ckpt_engine.errors import ProtocolError
 from ckpt_engine.server.authority import Authority
 from ckpt_engine.server.connections import ClosedConnections
 from ckpt_engine.server.controller import Controller
@@ -31,10 +35,6 @@ from ckpt_engine.server.errors import BadRequest, ControlError
 from ckpt_engine.server.history import TERMINAL
 from ckpt_engine.server.operations import OPERATIONS
 from ckpt_engine.server.zmq_peers import Peer, PeerGuard
-
-from ckpt_engine.control.auth import ANY_ROLE, Role
-from ckpt_engine.control.messages import Poll, PollReply, decode_frame, encode_frame
-from ckpt_engine.errors import ProtocolError
 
 log = logging.getLogger(__name__)
 _LOOP_POLL_MS = 20
@@ -212,7 +212,7 @@ class ZmqServer:
                        lambda: history.get(version).to_dict())  # type: ignore[union-attr]
 
     def _park_poll(self, message: dict, envelope: list[bytes], encoding: str, request: Poll,
-                   roles: set[str]) -> _Parked:
+                   roles: Set[str]) -> _Parked:
         agent_id = request.agent_id
 
         def answer() -> dict:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ckpt_engine.server import launch
-from ckpt_engine.server.launch import REPO as ROOT  # noqa: F401 - tests start processes there
+from ckpt_engine.server.launch import REPO as ROOT
 from ckpt_engine.server.launch import TEST_TIMEOUTS, DaemonProcess, free_port, write_config  # noqa: F401
 
 RUNNING: list[DaemonProcess] = []  # stopped by the autouse fixture in conftest.py, whatever a test did

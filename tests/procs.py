@@ -21,7 +21,7 @@ def _child(index: int, target: Callable[..., Any], args: tuple, results: mp.Queu
     os.environ.update(environ)
     try:
         results.put((index, "ok", target(*args)))
-    except BaseException:  # report everything, including SystemExit, to the test
+    except BaseException:  # noqa: BLE001 - report everything, including SystemExit, to the test
         results.put((index, "error", traceback.format_exc()))
 
 
@@ -103,9 +103,8 @@ def shm_files(pid: int | None = None) -> set[str]:
     sem.mp-* are the test harness's own multiprocessing semaphores."""
     proc = f"/proc/{pid or os.getpid()}"
     found = set()
-    with contextlib.suppress(OSError):
-        with open(f"{proc}/maps") as maps:
-            found |= {line.split(None, 5)[-1].strip() for line in maps if "/dev/shm/" in line}
+    with contextlib.suppress(OSError), open(f"{proc}/maps") as maps:
+        found |= {line.split(None, 5)[-1].strip() for line in maps if "/dev/shm/" in line}
     with contextlib.suppress(OSError):
         for fd in os.listdir(f"{proc}/fd"):
             with contextlib.suppress(OSError):

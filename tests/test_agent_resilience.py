@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 import yaml
+
 from ckpt_engine.trials.proxy import Proxy
 from ckpt_engine.workers.rollout_agent import RolloutAgent
-
 from tests.daemon_harness import TrainerLoop, start_daemon, sync_when_idle, timeouts, write_config
 from tests.raw_agent import RawAgent
 from tests.test_elastic import wait_until
@@ -170,10 +170,9 @@ def test_a_receiver_whose_outcome_is_unknown_gets_a_full_version(tmp_path: Path)
 def test_agents_skip_versions_superseded_before_they_started() -> None:
     """The daemon has one version in flight, so a queued older version has already ended there: serving or
     waiting for it would only make the agent miss the newer one (found by the fault trials)."""
-    from ckpt_engine.workers.trainer_agent import TrainerAgent
-
     from ckpt_engine.control.messages import Assignment
     from ckpt_engine.plan.tensors import NamedTensors
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
 
     trainer = TrainerAgent(lambda: NamedTensors({}), "tcp://127.0.0.1:9")  # never started: no daemon needed
     receiver = RolloutAgent(lambda payload: None, "tcp://127.0.0.1:9")
@@ -292,6 +291,7 @@ def _patient_agent(endpoint: str) -> RolloutAgent:
 
 def _in_process_agents(trainer_endpoint: str, receiver_endpoint: str):
     import torch
+
     from ckpt_engine.workers.trainer_agent import TrainerAgent
 
     trainer = TrainerAgent(torch.nn.Linear(64, 64), trainer_endpoint, poll_wait_s=0.2).start()

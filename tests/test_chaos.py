@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from ckpt_engine.trials.chaos import FAULTS, run, summarize
 
 pytestmark = pytest.mark.multiproc

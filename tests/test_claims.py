@@ -6,10 +6,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from ckpt_engine.server.decisions.agent_record import AgentRecord
-from ckpt_engine.server.decisions.claims import judge_registration
 
 from ckpt_engine.control.messages import Register
+from ckpt_engine.server.decisions.agent_record import AgentRecord
+from ckpt_engine.server.decisions.claims import judge_registration
 
 HEARTBEAT_S = 10.0
 NOW = 1000.0
@@ -19,8 +19,9 @@ _ids = itertools.count()
 def agent(role: str, *, rank: int = 0, engine: str | None = None, driven: bool = False, members: int | None = None,
           trainer_ranks: int = 1, framework: str | None = None, silent_s: float = 0.0) -> AgentRecord:
     n = next(_ids)
-    return AgentRecord(f"a{n}", "s" * 48, n, role, rank, "host", 100 + n, "cpu", None, 0.0, NOW - silent_s, engine=engine,
-                 driven=driven, members=members, trainer_ranks=trainer_ranks, framework=framework, poll_wait_s=1.0)
+    return AgentRecord(f"a{n}", "s" * 48, n, role, rank, "host", 100 + n, "cpu", None, 0.0, NOW - silent_s,
+                 engine=engine, driven=driven, members=members, trainer_ranks=trainer_ranks, framework=framework,
+                 poll_wait_s=1.0)
 
 
 def register(role: str, **fields) -> Register:
@@ -52,7 +53,8 @@ CASES = [
                                    agent("driver", engine="eng", members=2)],
      register("receiver", engine="eng", driven=True, members=2), False, []),
     ("a restarted worker replaces its silent old self",
-     [agent("receiver", engine="eng", driven=True, members=1, silent_s=SILENT), agent("driver", engine="eng", members=1)],
+     [agent("receiver", engine="eng", driven=True, members=1, silent_s=SILENT),
+      agent("driver", engine="eng", members=1)],
      register("receiver", engine="eng", driven=True, members=1), False, [0]),
     ("a receiver naming a driven engine without being driven",
      [agent("receiver", engine="eng", driven=True, members=1), agent("driver", engine="eng", members=1)],

@@ -213,7 +213,8 @@ def m_combo(rng: random.Random) -> Mutation:
 def m_env(rng: random.Random) -> Mutation:
     name, value, path = rng.choice([
         ("CKPT_ENGINE_HTTP__PORT", "70000", "http.port"), ("CKPT_ENGINE_HTTP__PORT", "8766", "http.port"),
-        ("CKPT_ENGINE_TIMEOUTS__ACK_S", "-1", "timeouts.ack_s"), ("CKPT_ENGINE_ZMQ__ENDPOINT", "tcp://", "zmq.endpoint"),
+        ("CKPT_ENGINE_TIMEOUTS__ACK_S", "-1", "timeouts.ack_s"),
+        ("CKPT_ENGINE_ZMQ__ENDPOINT", "tcp://", "zmq.endpoint"),
         ("CKPT_ENGINE_AUTH_TOKEN", "1234567890123456789", "auth_token"),  # digits: still a text token
         ("CKPT_ENGINE_AUTH_TOKEN", "*starts-with-a-star", "auth_token"), ("CKPT_ENGINE_SPARSE", "maybe", "sparse"),
         ("CKPT_ENGINE_KEEP_VERSIONS", "[1", "CKPT_ENGINE_KEEP_VERSIONS")])
@@ -239,8 +240,9 @@ def problems_running(config: EngineConfig) -> list[str]:
 
 def _agents_settings(config: EngineConfig) -> list[str]:
     t = config.timeouts
-    reply = RegisterReply(agent_id="a" * 12, session="s" * 48, history_id="h" * 32, heartbeat_s=t.heartbeat_s, group_name="g", store_host=config.store.
-                          rendezvous_host, store_port=config.store.rendezvous_port, bucket_size=config.bucket_size,
+    reply = RegisterReply(agent_id="a" * 12, session="s" * 48, history_id="h" * 32, heartbeat_s=t.heartbeat_s,
+                          group_name="g", store_host=config.store.rendezvous_host,
+                          store_port=config.store.rendezvous_port, bucket_size=config.bucket_size,
                           alignment=config.alignment, keep_versions=config.keep_versions, verify=config.verify,
                           connect_timeout_s=t.connect_s, collective_timeout_s=t.collective_s, ack_timeout_s=t.ack_s,
                           version_timeout_s=t.version_s)
@@ -309,7 +311,7 @@ def _buckets(config: EngineConfig) -> list[str]:
     try:
         plan_layout([TensorSpec("w", "float32", (3,)), TensorSpec("b", "float32", (5,))], config.bucket_size,
                     config.alignment)
-    except Exception as exc:  # any error here is what an agent would meet on its first version
+    except Exception as exc:  # noqa: BLE001 - any error here is what an agent would meet on its first version
         return [f"bucket plan: {exc}"]
     return []
 
@@ -323,7 +325,7 @@ def _token(config: EngineConfig) -> list[str]:
         header.encode("ascii")
     except UnicodeEncodeError:
         return ["token cannot travel in an HTTP header"]
-    scheme, _, value = header.partition(" ")
+    _scheme, _, value = header.partition(" ")
     return [] if value.strip() == token and token.isprintable() else ["token changes on its way through HTTP"]
 
 
@@ -350,9 +352,10 @@ def _ports(config: EngineConfig) -> list[str]:
 
 
 def _sizes(config: EngineConfig) -> list[str]:
-    report = Report(agent_id="a" * 12, session="s" * 48, version=1, event="done", ok=True, version_digest="d" * 32, stages={
-        "snapshot": 1.0}, receivers=[ReceiverAck(rank=r, ok=True, version_digest="d" * 32, seconds={"load": 1.0})
-                                     for r in range(64)], cache_versions=[1, 2, 3])
+    report = Report(agent_id="a" * 12, session="s" * 48, version=1, event="done", ok=True, version_digest="d" * 32,
+                    stages={"snapshot": 1.0},
+                    receivers=[ReceiverAck(rank=r, ok=True, version_digest="d" * 32, seconds={"load": 1.0})
+                               for r in range(64)], cache_versions=[1, 2, 3])
     problems = []
     if len(encode_frame({"id": 1, "type": "report", "body": report.model_dump()})) > config.zmq.max_frame_bytes:
         problems.append("a trainer's report for 64 receivers does not fit in a ZMQ frame")

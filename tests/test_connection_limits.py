@@ -16,11 +16,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ckpt_engine.server.connections import RESERVED_FDS, connection_budget
 
 from ckpt_engine.config import EngineConfig
 from ckpt_engine.control.client import ControlClient, ControlReplyError
 from ckpt_engine.errors import CkptEngineError
+from ckpt_engine.server.connections import RESERVED_FDS, connection_budget
 from tests.daemon_harness import DaemonProcess, ForkedProcess, free_port, start_daemon, write_config
 
 HOST = "127.0.0.1"

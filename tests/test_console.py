@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from ckpt_engine.server.console import progress_line, status_lines, version_lines
 
 RECORD = {"id": 7, "step": 70, "mode": "cached", "status": "transferring", "purpose": "sync", "source_version": None,

@@ -15,9 +15,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ckpt_engine.cli.main import _parser, health_url
 
-from ckpt_engine.config.deployment import ENV_PREFIX, EngineConfig, _key_paths, load_config, parse_config, parse_zmq_endpoint
+from ckpt_engine.cli.main import _parser, health_url
+from ckpt_engine.config.deployment import (
+    ENV_PREFIX,
+    EngineConfig,
+    _key_paths,
+    load_config,
+    parse_config,
+    parse_zmq_endpoint,
+)
 from ckpt_engine.control.auth import TOKEN_ENV
 from tests.daemon_harness import ROOT, start_daemon, write_config
 

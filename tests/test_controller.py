@@ -5,13 +5,13 @@ real failures elsewhere; here are the rules as the controller applies them."""
 from __future__ import annotations
 
 import pytest
+
+from ckpt_engine.config import parse_config
+from ckpt_engine.control.messages import FrameworkSyncRequest, Poll, Register, Report, SyncRequest
 from ckpt_engine.server.controller import Controller
 from ckpt_engine.server.errors import Conflict, Forbidden, NotFound, Unavailable
 from ckpt_engine.server.history import HistoryStore
 from ckpt_engine.server.metrics import Metrics
-
-from ckpt_engine.config import parse_config
-from ckpt_engine.control.messages import FrameworkSyncRequest, Poll, Register, Report, SyncRequest
 
 TRAINER, ROLLOUT = {"trainer"}, {"rollout"}
 
@@ -319,9 +319,10 @@ def test_only_a_driven_worker_of_the_quorum_stages_a_version() -> None:
 
 def test_framework_only_fields_are_refused_on_a_plain_sync_and_steps_are_counts() -> None:
     """Outside attack on issue 26: the ZMQ sync silently ignored what HTTP refuses; ``step: true`` was step 1."""
-    from ckpt_engine.server.operations import OPERATIONS
-    from ckpt_engine.server.errors import BadRequest
     from pydantic import ValidationError
+
+    from ckpt_engine.server.errors import BadRequest
+    from ckpt_engine.server.operations import OPERATIONS
 
     d = Daemon()
     plain, rx = d.register("trainer"), d.register("receiver")

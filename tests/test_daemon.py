@@ -194,7 +194,8 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> DaemonProcess:
     ("get", "/versions", {"params": {"status": "exploded"}}, 422),
     ("post", "/versions/987654/push", {}, 404),
     ("delete", "/versions/987654", {}, 404),
-    ("post", "/sync", {"content": b"{" + b" " * (70 << 10) + b"}", "headers": {"content-type": "application/json"}}, 413),
+    ("post", "/sync", {"content": b"{" + b" " * (70 << 10) + b"}",
+                       "headers": {"content-type": "application/json"}}, 413),
 ])
 def test_bad_input_gets_the_right_4xx_as_json(guarded: DaemonProcess, method: str, path: str, kwargs: dict,
                                               status: int) -> None:
@@ -253,7 +254,8 @@ def test_garbage_zmq_frames_get_error_replies_and_the_daemon_stays_up(guarded: D
         assert ask(b"\xc1\x00garbage")["error"] == "bad frame"
         assert ask(msgpack.packb([1, 2, 3]))["error"] == "bad frame"
         assert ask(msgpack.packb({"id": 1, "type": 7}))["error"] == "bad request"
-        assert ask(msgpack.packb({"id": 2, "type": "launch_missiles", "token": guarded.token}))["error"] == "bad request"
+        assert ask(msgpack.packb({"id": 2, "type": "launch_missiles",
+                                  "token": guarded.token}))["error"] == "bad request"
         assert ask(msgpack.packb({"id": 3, "type": "status"}))["error"] == "unauthorized"
         unknown = ask(msgpack.packb({"id": 4, "type": "poll", "body": {"agent_id": "nobody", "session": "s" * 32},
                                       "token": guarded.token}))
@@ -269,9 +271,8 @@ def test_garbage_zmq_frames_get_error_replies_and_the_daemon_stays_up(guarded: D
 
 
 def flaky_trainer_proc(zmq: str, stop_file: str) -> dict:
-    from ckpt_engine.workers.trainer_agent import TrainerAgent
-
     from ckpt_engine.plan.tensors import named_tensors_of
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
 
     model = AwkwardModel(seed=1)
     calls = {"n": 0}

@@ -8,10 +8,10 @@ import re
 
 import pytest
 import yaml
-from ckpt_engine.server.decisions.views import ReceiverRow
-from ckpt_engine.server.metrics import Metrics
 from prometheus_client.parser import text_string_to_metric_families
 
+from ckpt_engine.server.decisions.views import ReceiverRow
+from ckpt_engine.server.metrics import Metrics
 from tests.daemon_harness import ROOT
 
 DASHBOARD = json.loads((ROOT / "deploy" / "grafana-dashboard.json").read_text())

@@ -7,14 +7,15 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
+from ckpt_engine.control.messages import MAX_KEPT, Report
 from ckpt_engine.server.decisions import quorum
 from ckpt_engine.server.decisions.agent_record import AgentRecord
+from ckpt_engine.server.decisions.cadence import CatchUpPause, offer
 from ckpt_engine.server.decisions.commit import expected_digest, judge
 from ckpt_engine.server.decisions.policy import FRAMEWORK, PLAIN, policy_of
 from ckpt_engine.server.decisions.receivers import MOVES, NEW, SERVING, STAGED, TORN, UNABLE, ReceiverModel
 from ckpt_engine.server.decisions.repair import kept_for_repairs, plan_catch_up, repair_source
-
-from ckpt_engine.control.messages import MAX_KEPT, Report
 
 HB = 10.0
 NOW = 1000.0
@@ -26,9 +27,9 @@ def agent(role: str = "receiver", *, silent_s: float = 0.0, engine: str | None =
           host_id: str | None = "h", device: str = "cpu", serving: int | None = None, proven: bool = True,
           whole_versions: bool = False) -> AgentRecord:
     n = next(_ids)
-    a = AgentRecord(f"a{n}", "s" * 48, n, role, rank, "host", 100 + n, device, host_id, 0.0, NOW - silent_s, engine=engine,
-              driven=driven, members=members, framework=framework, trainer_ranks=trainer_ranks, poll_wait_s=1.0,
-              whole_versions=whole_versions)
+    a = AgentRecord(f"a{n}", "s" * 48, n, role, rank, "host", 100 + n, device, host_id, 0.0, NOW - silent_s,
+              engine=engine, driven=driven, members=members, framework=framework, trainer_ranks=trainer_ranks,
+              poll_wait_s=1.0, whole_versions=whole_versions)
     a.model.serving = a.model.last_served = serving
     a.model.proven = proven and serving is not None
     return a
@@ -205,7 +206,8 @@ def test_the_commit_rule(name: str, reports, options, status: str, reason_part) 
 
 def test_an_engine_fails_together_and_a_driver_failure_fails_it() -> None:
     outcome = _judge({"a": report(), "b": report(ok=False, reason="x")}, engines={"e": ["a", "b"]})
-    assert [e["ok"] for e in outcome.entries] == [False, False] and "engine e: receiver 2 failed" in outcome.entries[0]["reason"]
+    assert [e["ok"] for e in outcome.entries] == [False, False]
+    assert "engine e: receiver 2 failed" in outcome.entries[0]["reason"]
     failed_apply = report(ok=False, reason="vLLM raised")
     outcome = _judge({"a": report(), "b": report()}, engines={"e": ["a", "b"]}, applied={"e": failed_apply})
     assert outcome.status == "failed" and "engine e driver: vLLM raised" in outcome.reason
@@ -301,3 +303,26 @@ def test_plain_and_framework_policies() -> None:
     assert PLAIN.assigns and PLAIN.catches_up and not PLAIN.supersedes_open and not PLAIN.queues_rollbacks
     assert not FRAMEWORK.assigns and not FRAMEWORK.catches_up and FRAMEWORK.supersedes_open
     assert FRAMEWORK.queues_rollbacks
+
+
+# ---- cadence --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sync_every,offers,took", [(1, 4, [True, True, True, True]),
+                                                    (2, 5, [True, False, True, False, True]),
+                                                    (3, 4, [True, False, False, True])])
+def test_a_receiver_takes_every_nth_regular_version_offered(sync_every: int, offers: int, took: list[bool]) -> None:
+    receiver = agent()
+    receiver.sync_every = sync_every
+    assert [bool(offer([receiver])) for _ in range(offers)] == took
+
+
+def test_receivers_of_different_cadences_are_due_independently() -> None:
+    every, second = agent(), agent()
+    second.sync_every = 2
+    assert [[r is second for r in offer([every, second])] for _ in range(3)] == [[False, True], [False], [False, True]]
+
+
+def test_a_refused_sync_holds_catch_ups_for_two_rendezvous_bounds_and_a_margin() -> None:
+    pause = CatchUpPause()
+    assert not pause.holds(NOW)
+    pause.sync_refused(NOW, connect_s=8.0)
+    assert pause.holds(NOW + 20.9) and not pause.holds(NOW + 21.0)

@@ -27,7 +27,7 @@ def test_host_memory_without_pinning_never_crashes() -> None:
 
 @pytest.mark.parametrize("device", ["cuda", "npu"])
 def test_missing_accelerator_is_a_clear_error(device: str) -> None:
-    if device == "cuda" and torch.cuda.is_available() or device == "npu" and npu_module() is not None:
+    if (device == "cuda" and torch.cuda.is_available()) or (device == "npu" and npu_module() is not None):
         pytest.skip(f"{device} is present")
     with pytest.raises(DeviceError, match="not available"):
         detect_device(device)

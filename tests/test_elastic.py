@@ -82,7 +82,7 @@ def test_cadence_and_rollback_to_n_minus_2(tmp_path: Path) -> None:
         with daemon.client() as client:
             wait_until(lambda: len(agents_of(client)) == 3, what="registration")
             ids = {a["agent_id"]: a["sync_every"] for a in agents_of(client) if a["role"] == "receiver"}
-            every, second = [a for a, n in ids.items() if n == 1][0], [a for a, n in ids.items() if n == 2][0]
+            every, second = next(a for a, n in ids.items() if n == 1), next(a for a, n in ids.items() if n == 2)
             versions = [sync(client) for _ in range(4)]
             assert [v["status"] for v in versions] == ["committed"] * 4
             takers = [sorted(r["agent_id"] for r in v["receivers"]) for v in versions]

@@ -15,13 +15,13 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import torch
-from ckpt_engine.workers.adapters.push_group import PushGroup, PushSettings
-from ckpt_engine.workers.adapters.sglang import EngineUpdateError, SGLangAdapter
 
 from ckpt_engine.device import detect_device
 from ckpt_engine.plan.tensors import named_tensors_of
 from ckpt_engine.receive.collective import VersionPayload
 from ckpt_engine.receive.payload import StreamFailed
+from ckpt_engine.workers.adapters.push_group import PushGroup, PushSettings
+from ckpt_engine.workers.adapters.sglang import EngineUpdateError, SGLangAdapter
 from tests.daemon_harness import ROOT, free_port
 from tests.tiny_lm import tiny_llama
 
@@ -236,4 +236,5 @@ def test_the_push_group_uses_the_store_keys_sglang_s_group_waits_on() -> None:
     """Byte-exact with torch's own helper, as SGLang calls it: g/g//<device>//<key>."""
     from ckpt_engine.workers.adapters.push_group import torch_group_prefix
 
-    assert torch_group_prefix("weight_update_group", "cuda") + "/0" == "weight_update_group/weight_update_group//cuda//0"
+    assert (torch_group_prefix("weight_update_group", "cuda") + "/0"
+            == "weight_update_group/weight_update_group//cuda//0")

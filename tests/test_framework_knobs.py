@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_engine.config.knobs import settle
 from ckpt_engine.config import EngineConfig, parse_config
+from ckpt_engine.config.knobs import settle
 from tests.daemon_harness import ROOT, start_daemon, timeouts, write_config
 from tests.raw_agent import RawAgent
 from tests.test_elastic import wait_until
@@ -124,8 +124,8 @@ def test_a_framework_bucket_below_the_alignment_is_refused_as_the_deployment_s_w
     import pytest
 
     from ckpt_engine.config import EngineConfig
-    from ckpt_engine.errors import ConfigError
     from ckpt_engine.config.knobs import settle
+    from ckpt_engine.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"engine_kwargs.ckpt_engine.bucket_size_mb: .* less than the deployment"):
         settle({"bucket_size_mb": 0.0001}, EngineConfig())

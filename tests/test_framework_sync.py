@@ -95,11 +95,11 @@ def test_the_daemon_does_not_start_a_framework_job_s_versions_and_refuses_hostil
             _open(trainer, workers, step=-5)
         with pytest.raises(ControlReplyError, match="names the trainer agent"):  # the token alone is not enough
             trainer.request("sync", {"receivers": [w.agent_id for w in workers]})
-        with pytest.raises(ControlReplyError, match="not the framework trainer rank 0|forbidden|role"):
+        with pytest.raises(ControlReplyError, match=r"not the framework trainer rank 0|forbidden|role"):
             _open(impostor, workers)
-        with pytest.raises(ControlReplyError, match="invalid|at least 1"):
+        with pytest.raises(ControlReplyError, match=r"invalid|at least 1"):
             _open(trainer, [])
-        with pytest.raises(ControlReplyError, match="forbidden|not allowed|role|token"):  # a rollout token cannot
+        with pytest.raises(ControlReplyError, match=r"forbidden|not allowed|role|token"):  # a rollout token cannot
             _open(workers[0], workers)
         assert other.poll() is None and workers[0].poll() is None  # no catch-ups, no versions of their own
     finally:
@@ -220,7 +220,7 @@ def test_a_second_live_job_s_rank_0_is_refused_and_the_live_job_goes_on(job) -> 
     loop (every sync of both failed), and one ``register`` with the trainer token failed a live job's sync."""
     daemon, trainer, workers = job
     version = _open(trainer, workers)["id"]
-    with pytest.raises(ControlReplyError, match="registered and alive.*one daemon serves one verl job") as refused:
+    with pytest.raises(ControlReplyError, match=r"registered and alive.*one daemon serves one verl job") as refused:
         RawAgent(daemon, "trainer", framework="verl", trainer_ranks=1, pid=os.getpid() + 1)
     assert refused.value.error == "conflict" and trainer.agent_id in str(refused.value)
     _commit(trainer, workers, version)  # the live job's sync was not touched
@@ -237,7 +237,7 @@ def test_a_verl_job_s_rank_0_is_refused_while_a_plain_trainer_is_served(tmp_path
     daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts=_QUICK))
     plain = RawAgent(daemon, "trainer", trainer_ranks=1)
     try:
-        with pytest.raises(ControlReplyError, match="not a framework's.*registered and alive"):
+        with pytest.raises(ControlReplyError, match=r"not a framework's.*registered and alive"):
             RawAgent(daemon, "trainer", framework="verl", trainer_ranks=1)
     finally:
         plain.close()

@@ -7,9 +7,9 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
-from ckpt_engine.workers.fsdp import rows_per_rank
 from torch import nn
 
+from ckpt_engine.workers.fsdp import rows_per_rank
 from tests.daemon_harness import free_port
 from tests.procs import run_processes
 
@@ -36,12 +36,12 @@ class Odd(nn.Module):
 
 
 def gather_rank(rank: int, port: int) -> dict:
-    from ckpt_engine.workers.fsdp import ShardedTensors, sharded_tensors_of
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     from ckpt_engine.plan.layout import plan_layout
     from ckpt_engine.plan.tensors import specs_of
+    from ckpt_engine.workers.fsdp import ShardedTensors, sharded_tensors_of
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=30))

@@ -23,10 +23,10 @@ def fsdp_trainer(rank: int, port: int, zmq: str, steps: int, pushes: dict[int, b
                  train_only_first_layer: bool = False, meet: str | None = None) -> dict:
     """``meet``: a folder; when done, the rank says so there (``idle<rank>``) and stays registered, its cache
     held, until ``leave`` appears (the test reads the daemon's view of a live job meanwhile)."""
-    from ckpt_engine.workers.trainer_agent import TrainerAgent
     from torch.distributed.tensor import DTensor
 
     from ckpt_engine.plan.tensors import named_tensors_of
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
 
     model = sharded_tiny_llama(rank, port, 60)
     # frozen layers: the optimizer updates one layer only, so sparse versions change a few tensors
@@ -71,10 +71,9 @@ LOAD_DELAY_S = 0.5  # a rollout engine whose load takes a while, as real ones do
 def transformers_receiver(zmq: str, seed: int, stop_file: str) -> dict:
     import time
 
+    from ckpt_engine.plan.tensors import named_tensors_of
     from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
     from ckpt_engine.workers.rollout_agent import RolloutAgent
-
-    from ckpt_engine.plan.tensors import named_tensors_of
 
     model = tiny_llama(seed=seed).eval()
     adapter = ModuleAdapter(model)

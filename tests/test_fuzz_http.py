@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from ckpt_engine.trials.fuzz_http import EXPECTED_5XX, format_summary, run_fuzz
 
+from ckpt_engine.trials.fuzz_http import EXPECTED_5XX, format_summary, run_fuzz
 from tests.daemon_harness import DaemonProcess, start_daemon, write_config
 
 pytestmark = pytest.mark.multiproc

@@ -16,9 +16,9 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from ckpt_engine.server.zmq_server import hard_frame_cap
 
 from ckpt_engine.control.messages import MAX_ID
+from ckpt_engine.server.zmq_server import hard_frame_cap
 from tests.daemon_harness import DaemonProcess, free_port, start_daemon, write_config
 
 pytestmark = pytest.mark.multiproc
@@ -32,7 +32,8 @@ SEED = 20240611
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> DaemonProcess:
     directory = tmp_path_factory.mktemp("fuzz-zmq")
     daemon = start_daemon(write_config(directory, auth_token=TOKEN,
-                                       zmq={"endpoint": f"tcp://127.0.0.1:{free_port()}", "max_frame_bytes": MAX_FRAME}))
+                                       zmq={"endpoint": f"tcp://127.0.0.1:{free_port()}",
+                                            "max_frame_bytes": MAX_FRAME}))
     with daemon.client() as client:  # one refused version, so "history unchanged" has something to compare
         assert client.post("/sync", json={"step": 1}).status_code == 503
     yield daemon
@@ -351,11 +352,11 @@ def test_a_hostile_peer_with_a_rollout_token_changes_nothing_but_its_own_standin
     import threading
 
     import torch
+
     from ckpt_engine.trials.hostile import hostile_messages
     from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
     from ckpt_engine.workers.rollout_agent import RolloutAgent
     from ckpt_engine.workers.trainer_agent import TrainerAgent
-
     from tests.raw_agent import RawAgent
 
     daemon = start_daemon(write_config(tmp_path, transport="collective"))
@@ -390,7 +391,7 @@ def test_a_hostile_peer_with_a_rollout_token_changes_nothing_but_its_own_standin
             assert http.post("/sync", json={"wait": True, "timeout_s": 60}).json()["status"] == "committed"
             hostile = RawAgent(daemon, "receiver")  # joins once the cluster holds a version
             hostile_ids = {hostile.agent_id}
-            for round_ in range(4):
+            for _ in range(4):
                 with torch.no_grad():
                     trainer_model.weight.add_(1.0)
                 version = request_sync(http)
@@ -433,4 +434,5 @@ def test_a_hostile_peer_with_a_rollout_token_changes_nothing_but_its_own_standin
         receiver.close()
         trainer.close()
         daemon.stop()
-    assert set(answers) <= {"ok", "forbidden", "bad request", "not found", "conflict"}, answers  # conflict: a second driver
+    # conflict: a second driver
+    assert set(answers) <= {"ok", "forbidden", "bad request", "not found", "conflict"}, answers

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import re
 
-from ckpt_engine.server.page_routes import PAGE_FILES, add_page
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from ckpt_engine.server.page_routes import PAGE_FILES, add_page
 from tests.daemon_harness import ROOT
 
 GLOSSARY = ROOT / "docs" / "glossary.md"

@@ -53,7 +53,7 @@ def test_plan_takes_only_what_is_missing_and_what_that_needs(tmp_path: Path) -> 
     chosen = gpu_check.plan(["alpha-pkg>=1", "pytest>=1"], wheels)  # pytest is installed here: kept
     assert {name: path.name for name, path in chosen.items()} == {
         "alpha-pkg": "alpha_pkg-1.0-py3-none-any.whl", "beta-pkg": "beta_pkg-2.1-py3-none-any.whl"}
-    with pytest.raises(gpu_check.CheckError, match="gpu-wheels.sh"):
+    with pytest.raises(gpu_check.CheckError, match=r"gpu-wheels.sh"):
         gpu_check.plan(["epsilon-pkg"], wheels)
 
 

@@ -29,7 +29,7 @@ def _members(port: int, ranks: list[int], size: int, timeout_s: float) -> dict[i
         try:
             await_members(store, rank, size)
             outcome[rank] = None
-        except Exception as exc:  # the store's own timeout error
+        except Exception as exc:  # noqa: BLE001 - the store's own timeout error
             outcome[rank] = f"{type(exc).__name__}: {exc}"
 
     threads = [threading.Thread(target=member, args=(rank,)) for rank in ranks]
@@ -137,7 +137,7 @@ def test_a_stalled_store_server_fails_every_store_call_within_its_bound() -> Non
                      lambda: SyncGroup(store, name="stalled", generation=0, rank=1, world_size=2,
                                        device=detect_device("cpu"), timeout_s=2, connect_timeout_s=2)):
             started = time.monotonic()
-            with pytest.raises(SyncTimeoutError, match="no answer within|could not rendezvous"):
+            with pytest.raises(SyncTimeoutError, match=r"no answer within|could not rendezvous"):
                 call()
             assert time.monotonic() - started < 2 + 2 + 2 + 3  # its timeout, the grace, and absent_members'
     finally:

@@ -231,7 +231,8 @@ def test_same_digests_in_another_process() -> None:
         "print(json.dumps({a: digests_of(sample(), a) for a in ['xxh3-64', 'torch-block64']}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONHASHSEED": "123", "PATH": ""}, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+                         env={"PYTHONHASHSEED": "123", "PATH": ""},
+                         cwd=str(__import__("pathlib").Path(__file__).parents[1]))
     import json
 
     assert json.loads(out.stdout) == {a: digests_of(sample(), a) for a in ALGOS}
@@ -249,7 +250,7 @@ def test_the_retired_device_digest_is_refused_clearly() -> None:
     """torch-mix64 (before issue 36) is no longer computed: a header naming it is refused saying why, not as an
     unknown name."""
     assert check_algo("torch-block64") == "torch-block64"
-    with pytest.raises(ProtocolError, match="'torch-mix64' is no longer supported.*older ckpt-engine"):
+    with pytest.raises(ProtocolError, match=r"'torch-mix64' is no longer supported.*older ckpt-engine"):
         check_algo("torch-mix64")
     with pytest.raises(ProtocolError, match="unknown digest algorithm 'md5'"):
         check_algo("md5")
@@ -297,7 +298,7 @@ def test_compiled_equals_eager_on_the_cpu(monkeypatch) -> None:
     rng = random.Random(11)
     gen = torch.Generator().manual_seed(11)
     layouts = []
-    for trial in range(5):
+    for _ in range(5):
         sizes = [rng.choice([0, 1, 7, 256, 257, 700, 4096, 20_000]) for _ in range(rng.randint(1, 40))]
         tensors = {f"t{i}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for i, n in enumerate(sizes)}
         specs = [TensorSpec(name, "uint8", (t.numel(),)) for name, t in tensors.items()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from ckpt_engine.server.history import HistoryError, HistoryLocked, HistoryStore, check_history_path
 
 
@@ -86,7 +87,7 @@ def test_a_history_keeps_its_id_and_only_one_daemon_writes_it(tmp_path: Path) ->
     path = tmp_path / "h.sqlite3"
     store = HistoryStore(path)
     history_id = store.history_id
-    with pytest.raises(HistoryLocked, match="in use by another daemon .*pid"):
+    with pytest.raises(HistoryLocked, match=r"in use by another daemon .*pid"):
         HistoryStore(path)  # a second writer is refused, naming the first
     store.close()
     again = HistoryStore(path)
@@ -118,9 +119,9 @@ def test_a_history_path_that_cannot_be_used_is_named(tmp_path: Path, make: str) 
     else:
         (tmp_path / "file").write_text("x")
         path = tmp_path / "file" / "h.sqlite3"
-    with pytest.raises(HistoryError, match="store.history_path"):
+    with pytest.raises(HistoryError, match=r"store.history_path"):
         check_history_path(str(path))
-    with pytest.raises(HistoryError, match="store.history_path"):
+    with pytest.raises(HistoryError, match=r"store.history_path"):
         HistoryStore(path)
 
 

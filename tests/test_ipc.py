@@ -461,3 +461,47 @@ def test_a_receiver_sent_another_layout_by_another_route_is_sent_the_layout_agai
                                       (both_ways_receiver, (store.port, hub))], timeout_s=120)
     assert [ok for ok, _ in sender] == [True, True, True], sender
     assert [r and r[0] for r in receiver] == [True, True, True], receiver
+
+
+def plain_and_sharded_sender(hub: str, steps: list) -> list:
+    """One publisher sending one colocated receiver plain versions and sharded ones (the class of whole
+    tensors, or a TP rank's class), as the trainer agent routes them."""
+    from ckpt_engine.plan.shards import spec_key
+    from ckpt_engine.send.classes import Lane
+    from ckpt_engine.send.publisher import Route
+    from tests.test_shard_delivery import model, spec
+
+    peers = {"colocated": 1}
+    publisher = Publisher(device=CPU, bucket_size=256, ipc_hub_name=hub, timeout_s=20)
+    out = []
+    for version, step in enumerate(steps, start=1):
+        if step == "plain":
+            route = Route(None, dict(peers), None)
+        else:
+            key, shard = ("whole", {}) if step == "whole" else (spec_key(spec(step)), spec(step))
+            route = Route(None, {}, None, (Lane(key, shard, None, (1,), ipc_peers=dict(peers)),))
+        result = publisher.publish(version, model(1), sharded=step != "plain", route=lambda r=route: r).result(60)
+        out.append((result.ok, result.reason))
+    publisher.close()
+    return out
+
+
+def steady_receiver(hub: str, versions: int) -> list:
+    rx = IpcReceiver(hub, "colocated", 1, lambda p: None, device=CPU, timeout_s=20)
+    out = []
+    for _ in range(versions):
+        result = rx.receive(60)
+        out.append(None if result is None else (result.ok, result.reason))
+    rx.close()
+    return out
+
+
+@pytest.mark.parametrize("steps", [["whole", "plain", "whole", "plain"], ["plain", 0, "plain", 0]])
+def test_a_receiver_moving_between_plain_and_sharded_versions_is_sent_the_layout_it_lacks(steps: list) -> None:
+    # Found by the outside attack of 2026-11-28: the plain sender and the class senders each remembered what
+    # the receiver was sent last, and each sent only the digest of a layout the other had since replaced.
+    hub = f"ckpt-test-{uuid.uuid4().hex[:8]}"
+    sender, receiver = run_processes([(plain_and_sharded_sender, (hub, steps)), (steady_receiver, (hub, len(steps)))],
+                                     timeout_s=150)
+    assert [ok for ok, _ in sender] == [True] * len(steps), sender
+    assert [r and r[0] for r in receiver] == [True] * len(steps), receiver

@@ -7,11 +7,11 @@ import threading
 
 import pytest
 import torch
-from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
 
 from ckpt_engine.errors import ApplyRefused
 from ckpt_engine.plan.tensors import named_tensors_of
 from ckpt_engine.receive.collective import VersionPayload
+from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
 from tests.tiny_lm import tiny_llama
 
 PROMPT = torch.tensor([[5, 6, 7, 8]])

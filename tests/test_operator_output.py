@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ckpt_engine.cli.main import REDACTED, redacted
 
+from ckpt_engine.cli.main import REDACTED, redacted
 from tests.daemon_harness import ROOT, start_daemon, write_config
 
 SECRETS = {"CKPT_ENGINE_AUTH__OPERATOR_TOKEN": "opop-secret-from-the-env-0123",
@@ -62,10 +62,9 @@ def test_shutdown_with_nothing_in_flight_says_so(tmp_path: Path) -> None:
 
 @pytest.mark.multiproc
 def test_shutdown_with_a_version_in_flight_names_it_and_the_real_wait(tmp_path: Path) -> None:
+    from ckpt_engine.device import detect_device
     from ckpt_engine.workers.rollout_agent import RolloutAgent
     from ckpt_engine.workers.trainer_agent import TrainerAgent
-
-    from ckpt_engine.device import detect_device
     from tests.models import AwkwardModel
 
     config = write_config(tmp_path, timeouts={"connect_s": 3, "collective_s": 3, "ack_s": 2, "heartbeat_s": 5,

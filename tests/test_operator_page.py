@@ -19,7 +19,6 @@ import pytest
 
 from ckpt_engine.cli.main import main
 from ckpt_engine.server.page_routes import PAGE_FILES
-
 from tests.browser import Browser, find_chromium
 from tests.daemon_harness import ROOT, start_daemon, write_config
 from tests.procs import start_processes

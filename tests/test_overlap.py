@@ -81,7 +81,7 @@ def test_a_failed_snapshot_reaches_the_reader_at_the_first_bucket_it_did_not_fil
 
 
 def test_a_stalled_snapshot_is_waited_for_a_bounded_time() -> None:
-    with pytest.raises(SnapshotFailed, match="did not fill bucket 0 within 0.05 s"):
+    with pytest.raises(SnapshotFailed, match=r"did not fill bucket 0 within 0.05 s"):
         FillProgress(3, 2).wait(0, 0.05)
 
 

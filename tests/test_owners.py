@@ -94,11 +94,11 @@ def test_a_sparse_plan_of_several_owners_never_mixes_owners_in_a_bucket() -> Non
 def owner_trainer(rank: int, world: int, port: int, zmq: str, workdir: str, actions: dict[int, str]) -> dict:
     """A trainer rank (FSDP2 when ``world`` > 1) running until ``workdir/stop``: at step s it does
     ``actions[s]``: "push" (cached), "bypass", "train" (one optimizer step of the first layer)."""
-    from ckpt_engine.workers.trainer_agent import TrainerAgent
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     from ckpt_engine.plan.tensors import named_tensors_of
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
 
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -127,7 +127,8 @@ def owner_trainer(rank: int, world: int, port: int, zmq: str, workdir: str, acti
         else:
             version = agent.step(step)
         if version is not None:
-            full = {n: t.full_tensor() if isinstance(t, DTensor) else t for n, t in named_tensors_of(model).tensors.items()}
+            full = {n: t.full_tensor() if isinstance(t, DTensor) else t
+                    for n, t in named_tensors_of(model).tensors.items()}
             served[version] = tensor_bytes(full)
             shares[version] = agent.publisher.cache.bytes_by_version()
         time.sleep(0.01)
@@ -180,7 +181,8 @@ def test_one_two_and_four_owner_ranks_send_the_same_versions_byte_exact(tmp_path
                 workdir.mkdir()
                 before = len(_versions(http))
                 job = _job(daemon, workdir, world, {3: "push", 6: "bypass"})
-                wait_until(lambda: sum(v["status"] in ("committed", "failed") for v in _versions(http)) >= before + 2,
+                wait_until(lambda before=before: sum(v["status"] in ("committed", "failed")
+                                                     for v in _versions(http)) >= before + 2,
                            timeout_s=180, what=f"two versions from {world} rank(s)")
                 (workdir / "stop").touch()
                 trainers[world] = job.collect(120)
@@ -348,7 +350,10 @@ def test_a_failure_of_the_job_group_in_a_sync_ends_the_loop_at_once_and_fails_th
             job = start_processes([(stalling_trainer, (r, port, daemon.zmq, pg_timeout_s, point, bypass))
                                    for r in range(2)])
             wait_until(lambda: job.procs[1].exitcode is not None, timeout_s=90, what="rank 1 to leave its loop")
-            failed = lambda: _versions(http) and _versions(http)[-1]["status"] == "failed"
+
+            def failed() -> bool:
+                return bool(_versions(http)) and _versions(http)[-1]["status"] == "failed"
+
             if lead_dropped:
                 wait_until(failed, timeout_s=20, what="the daemon to give up on the stalled rank 0")
             os.kill(job.procs[0].pid, signal.SIGCONT)
@@ -433,9 +438,8 @@ def test_a_local_failure_after_a_gather_fails_only_the_version_and_training_goes
 
 # ---- any tensor, byte-exact ---------------------------------------------------------------------------------
 def views_trainer(zmq: str, workdir: str) -> dict:
-    from ckpt_engine.workers.trainer_agent import TrainerAgent
-
     from ckpt_engine.plan.tensors import NamedTensors
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
 
     base = torch.arange(4000, dtype=torch.float32)
     matrix = torch.randn(30, 40, generator=torch.Generator().manual_seed(1))
@@ -471,7 +475,8 @@ def views_receiver(zmq: str, workdir: str) -> dict:
 @pytest.mark.parametrize("mode", ["cached", "bypass_cpu"])
 def test_views_of_any_strides_and_offsets_arrive_byte_exact(tmp_path: Path, mode: str) -> None:
     daemon = start_daemon(write_config(tmp_path, transport="collective"))
-    procs = start_processes([(views_trainer, (daemon.zmq, str(tmp_path))), (views_receiver, (daemon.zmq, str(tmp_path)))])
+    procs = start_processes([(views_trainer, (daemon.zmq, str(tmp_path))),
+                             (views_receiver, (daemon.zmq, str(tmp_path)))])
     try:
         with daemon.client() as http:
             wait_until(lambda: len(agents_of(http)) == 2, what="registration")
@@ -489,11 +494,11 @@ def test_views_of_any_strides_and_offsets_arrive_byte_exact(tmp_path: Path, mode
 def test_tensors_without_dense_bytes_are_refused_up_front_by_name() -> None:
     from ckpt_engine.plan.tensors import specs_of
 
-    with pytest.raises(LayoutError, match="'s'.*sparse"):
+    with pytest.raises(LayoutError, match=r"'s'.*sparse"):
         specs_of({"w": torch.zeros(2), "s": torch.eye(3).to_sparse()})
-    with pytest.raises(LayoutError, match="'q'.*quantized"):
+    with pytest.raises(LayoutError, match=r"'q'.*quantized"):
         specs_of({"q": torch.quantize_per_tensor(torch.zeros(4), 0.1, 0, torch.qint8)})
-    with pytest.raises(LayoutError, match="'m'.*meta"):
+    with pytest.raises(LayoutError, match=r"'m'.*meta"):
         specs_of({"m": torch.empty(4, device="meta")})
 
 
@@ -615,11 +620,11 @@ def test_a_tensor_that_turns_unsendable_under_the_same_key_is_refused_by_name() 
 
     publisher = Publisher(None, device=detect_device("cpu"), bucket_size=1 << 20)
     publisher.layout_for(NamedTensors({"w": torch.eye(3)}))
-    with pytest.raises(LayoutError, match="'w'.*sparse"):
+    with pytest.raises(LayoutError, match=r"'w'.*sparse"):
         publisher.layout_for(NamedTensors({"w": torch.eye(3).to_sparse()}))  # same name, dtype and shape
-    with pytest.raises(LayoutError, match="'n'.*nested"):
+    with pytest.raises(LayoutError, match=r"'n'.*nested"):
         publisher.layout_for(NamedTensors({"n": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])}))
-    with pytest.raises(LayoutError, match="'h'.*complex32"):
+    with pytest.raises(LayoutError, match=r"'h'.*complex32"):
         publisher.layout_for(NamedTensors({"h": torch.ones(2, dtype=torch.complex32)}))
     with pytest.raises(ConfigError, match="rank -1"):
         Ownership(-1, 2)

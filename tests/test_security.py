@@ -96,11 +96,10 @@ def test_a_wildcard_bind_is_guarded_by_the_role_tokens_and_warns_loudly_when_ope
 
 
 def test_tokens_and_sessions_are_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from ckpt_engine.server.agents import AgentRegistry
-    from ckpt_engine.server.authority import Authority
-
     from ckpt_engine.config import parse_config
     from ckpt_engine.control.messages import Register
+    from ckpt_engine.server.agents import AgentRegistry
+    from ckpt_engine.server.authority import Authority
 
     calls: list[tuple[bytes, bytes]] = []
     compare_digest = hmac.compare_digest
@@ -121,8 +120,9 @@ def test_tokens_and_sessions_are_compared_in_constant_time(monkeypatch: pytest.M
 
 
 def test_a_made_token_never_reads_as_an_option_on_the_command_line() -> None:
-    from ckpt_engine.control.auth import new_token
     from server.cli import _parser
+
+    from ckpt_engine.control.auth import new_token
 
     tokens = [new_token() for _ in range(2000)]  # a urlsafe token started with "-" 1 time in 64: a CI run hit it
     assert not [t for t in tokens if t.startswith("-")] and len(set(tokens)) == len(tokens)

@@ -5,9 +5,6 @@ commit rule against each receiver's class digest."""
 from __future__ import annotations
 
 import pytest
-from ckpt_engine.server.decisions import quorum as rules
-from ckpt_engine.server.decisions.classes import expected_by_receiver, plan_lanes
-from ckpt_engine.server.decisions.commit import judge
 from pydantic import ValidationError
 
 from ckpt_engine.control.messages import ClassDone, ClassLane, Register, Report, parse_shard_spec
@@ -21,6 +18,9 @@ from ckpt_engine.plan.shards import (
     spec_to_wire,
     split_piece_name,
 )
+from ckpt_engine.server.decisions import quorum as rules
+from ckpt_engine.server.decisions.classes import expected_by_receiver, plan_lanes
+from ckpt_engine.server.decisions.commit import judge
 from tests.test_decisions import agent
 
 
@@ -216,9 +216,8 @@ def test_an_identity_of_several_owners_is_merged_in_the_versions_order() -> None
 
 
 def test_the_classes_reach_the_other_trainer_ranks_as_they_left_rank_0() -> None:
-    from ckpt_engine.workers.trainer_agent import _decode, _decode_lanes, _encode, _encode_lanes
-
     from ckpt_engine.control.messages import Assignment, ClassLane
+    from ckpt_engine.workers.trainer_agent import _decode, _decode_lanes, _encode, _encode_lanes
 
     lanes = [ClassLane(key="k" * 32, part="class-0/", spec={"w": [[0, 0, 4]]}, ranks=[1, 3]),
              ClassLane(key="whole", part="class-1/", spec={}, ranks=[2])]

@@ -305,7 +305,8 @@ def odd_model(version: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(64, 48, generator=gen), "wt": torch.randn(48, 64, generator=gen).t(),
             "fp8": torch.randn(32, 16, generator=fixed).to(torch.float8_e4m3fn),
             "mask": torch.rand(16, 8, generator=fixed) > 0.5, "scalar": torch.tensor(float(version)),
-            "empty": torch.zeros(0, 8), "big": torch.randn(128, 256, generator=gen), "norm": torch.randn(48, generator=gen)}
+            "empty": torch.zeros(0, 8), "big": torch.randn(128, 256, generator=gen),
+            "norm": torch.randn(48, generator=gen)}
 
 
 ODD_SPECS = ({"w": (Slice(0, 0, 32),), "wt": (Slice(1, 0, 24),), "fp8": (Slice(0, 16, 16),), "mask": (Slice(1, 0, 4),),

@@ -59,8 +59,10 @@ def odd_tensors(version: int) -> dict[str, torch.Tensor]:
         "stepped": base[::3], "offset": base[7:777], "transposed": matrix.t(), "column": matrix[:, 3],
         "fp8_e4m3": torch.randn(77, generator=gen).to(torch.float8_e4m3fn),
         "fp8_e5m2": torch.randn(33, 3, generator=gen).to(torch.float8_e5m2),
-        "bool": torch.rand(101, generator=gen) > 0.5, "complex": torch.randn(9, 2, dtype=torch.complex64, generator=gen),
-        "scalar": torch.tensor(float(version)), "empty": torch.empty(0, 5), "bf16": torch.randn(65, generator=gen).bfloat16(),
+        "bool": torch.rand(101, generator=gen) > 0.5,
+        "complex": torch.randn(9, 2, dtype=torch.complex64, generator=gen),
+        "scalar": torch.tensor(float(version)), "empty": torch.empty(0, 5),
+        "bf16": torch.randn(65, generator=gen).bfloat16(),
         "int64": torch.arange(17, dtype=torch.int64) * version,
         "embed": tied, "lm_head": tied,  # one tensor under two names
         "long": torch.randn(3 * BUCKET // 4 + 123, generator=gen),  # three buckets and a bit: sent in pieces
@@ -360,7 +362,6 @@ def growing_model(version: int) -> dict[str, torch.Tensor]:
 
 
 def pool_receiver(port: int) -> dict:
-    from ckpt_engine.device import detect_device
     from ckpt_engine.receive.collective import Receiver
 
     own = {name: torch.empty_like(t) for name, t in growing_model(0).items()}

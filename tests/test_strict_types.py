@@ -12,8 +12,6 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from ckpt_engine.server.http_app import VersionId
-from ckpt_engine.server.operations import OPERATIONS
 from pydantic import TypeAdapter, ValidationError
 
 from ckpt_engine.control.client import ControlClient, ControlReplyError
@@ -29,6 +27,8 @@ from ckpt_engine.control.messages import (
     parse_body,
 )
 from ckpt_engine.errors import ProtocolError
+from ckpt_engine.server.http_app import VersionId
+from ckpt_engine.server.operations import OPERATIONS
 from tests.daemon_harness import DaemonProcess, start_daemon, write_config
 
 SESSION = "s" * 32
@@ -153,6 +153,18 @@ def test_http_answers_loose_values_with_422_and_a_json_reason(daemon: DaemonProc
             assert reply.json()["error"] == "invalid request", reply.text
         history = client.get("/versions").json()["versions"]
     assert [record["id"] for record in history] == [1]  # none of them started a version
+
+
+@pytest.mark.multiproc
+def test_a_query_parameter_given_twice_is_refused_whichever_value_is_valid(daemon: DaemonProcess) -> None:
+    # Found by the outside attack of 2026-11-28: the last value won, unchecked ones included (?limit=abc&limit=2).
+    with daemon.client() as client:
+        for query in ("limit=100000&limit=1", "limit=1&limit=100000", "limit=abc&limit=2", "status=failed&status="):
+            reply = client.get(f"/versions?{query}")
+            assert reply.status_code == 422, (query, reply.text)
+            name = query.partition("=")[0]
+            assert reply.json()["detail"] == [{"loc": ["query", name], "msg": "given more than once"}], reply.text
+        assert client.get("/versions?limit=1&status=failed").status_code == 200
 
 
 @pytest.mark.multiproc

@@ -13,7 +13,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from ckpt_engine.server.launch import free_port
 
 from ckpt_engine.device import detect_device
 from ckpt_engine.errors import SyncTimeoutError
@@ -21,6 +20,7 @@ from ckpt_engine.plan.modes import mode_of
 from ckpt_engine.plan.tensors import NamedTensors, named_tensors_of
 from ckpt_engine.receive.collective import Receiver, VersionPayload
 from ckpt_engine.send.publisher import Publisher
+from ckpt_engine.server.launch import free_port
 from ckpt_engine.transport.group import SyncGroup, open_store
 from tests.models import BUCKET_SIZE, AwkwardModel, load_into, state_bytes
 from tests.procs import context as procs_context

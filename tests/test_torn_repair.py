@@ -74,7 +74,7 @@ def serve_until_stopped(adapter, agent, model, stop_file: str) -> dict:
                     if adapter.torn is not None:
                         served_while_torn.append(version or -1)
                     generated += 1
-            except Exception:  # TornModelError: it waits for the repair instead of generating
+            except Exception:  # noqa: BLE001 - TornModelError: it waits for the repair instead of generating
                 pass
             time.sleep(0.005)
 
@@ -115,7 +115,7 @@ def test_a_torn_transformers_model_is_not_served_and_is_repaired(tmp_path: Path)
             assert entry["torn"] and entry["serving_after"] is None, entry  # never shown serving it
             repair = _wait_for_repair(http)
             assert repair["source_version"] == first["id"] and repair["status"] == "committed", repair
-            receiver = [a for a in agents_of(http) if a["role"] == "receiver"][0]
+            receiver = next(a for a in agents_of(http) if a["role"] == "receiver")
             assert receiver["state"] == "serving" and receiver["serving"] == repair["id"]
     finally:
         stop.touch()
@@ -177,7 +177,7 @@ def test_a_streamed_version_failing_in_a_middle_bucket_is_never_served_and_is_re
             assert entry["torn"] and entry["serving_after"] is None, entry
             repair = _wait_for_repair(http)
             assert repair["source_version"] == committed[-1]["id"] and repair["status"] == "committed", repair
-            receiver = [a for a in agents_of(http) if a["role"] == "receiver"][0]
+            receiver = next(a for a in agents_of(http) if a["role"] == "receiver")
             assert receiver["state"] == "serving" and receiver["serving"] == repair["id"]
             assert receiver["last_staging"]["mode"] == "stream", receiver
     finally:

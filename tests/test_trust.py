@@ -68,9 +68,8 @@ def test_a_peer_claiming_huge_versions_moves_nothing(tmp_path: Path) -> None:
 # ---- 2. a receiver that cannot receive ---------------------------------------------------------------------
 def growing_trainer(zmq: str, stop_file: str) -> dict:
     """From its second version on, the trainer's model has 64 MiB more (eight 8 MiB tensors)."""
-    from ckpt_engine.workers.trainer_agent import TrainerAgent
-
     from ckpt_engine.plan.tensors import NamedTensors
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
     from tests.daemon_harness import train_until_stopped
 
     small = {"w": torch.randn(256, 256)}
@@ -134,9 +133,8 @@ def test_a_receiver_that_cannot_allocate_leaves_the_quorum_and_the_others_go_on(
 
 def test_a_receive_loop_survives_an_error_that_is_not_the_library_s(tmp_path: Path) -> None:
     """Any exception on the receive thread becomes a failed version with its reason, and the loop goes on."""
-    from ckpt_engine.workers.rollout_agent import RolloutAgent
-
     from ckpt_engine.control.messages import Assignment
+    from ckpt_engine.workers.rollout_agent import RolloutAgent
 
     daemon = start_daemon(write_config(tmp_path))
     agent = RolloutAgent(lambda payload: None, daemon.zmq, poll_wait_s=0.2).start()
@@ -209,7 +207,7 @@ def test_the_receivers_own_digests_decide_what_committed(tmp_path: Path) -> None
                 trainer.report(version, "done", ok=True, version_digest=claim, receivers=[
                     {"rank": 1, "ok": True, "version_digest": claim}])  # the trainer's relayed ack says ok
 
-                def ended() -> bool:
+                def ended(version: int = version) -> bool:
                     trainer.poll()
                     receiver.poll()  # both stay heartbeating while the daemon waits for a missing report
                     return http.get(f"/versions/{version}").json()["status"] in ("committed", "failed")
@@ -405,16 +403,15 @@ def test_versions_page_past_the_newest_thousand(tmp_path: Path) -> None:
 
 
 def test_a_tensor_the_model_does_not_have_is_refused_before_anything_changes() -> None:
-    from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
-
     from ckpt_engine.errors import ApplyRefused
     from ckpt_engine.receive.assembly import VersionPayload
+    from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
 
     model = torch.nn.Linear(4, 4)
     before = model.weight.detach().clone()
     adapter = ModuleAdapter(model)
     tensors = {"weight": torch.ones(4, 4), "bias": torch.ones(4), "extra.weight": torch.ones(2)}
-    with pytest.raises(ApplyRefused, match="extra.weight"):
+    with pytest.raises(ApplyRefused, match=r"extra.weight"):
         adapter.load(VersionPayload(3, None, "cached", "d", tensors))
     assert torch.equal(model.weight, before) and adapter.version is None
 

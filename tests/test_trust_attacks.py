@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from ckpt_engine.workers.rollout_agent import RolloutAgent
 
 from ckpt_engine.control.client import ControlReplyError
 from ckpt_engine.plan.tensors import NamedTensors
+from ckpt_engine.workers.rollout_agent import RolloutAgent
 from tests.daemon_harness import ROOT, TrainerLoop, start_daemon, sync_when_idle, timeouts, write_config
 from tests.raw_agent import RawAgent
 from tests.test_elastic import agents_of, wait_until
@@ -140,7 +140,7 @@ def test_a_fake_receiver_claiming_a_version_fails_no_one_else_s(tmp_path: Path) 
 def test_a_receiver_absent_from_a_rendezvous_is_benched_and_the_others_go_on(tmp_path: Path) -> None:
     """bypass_cpu: no cache, so no version of its own can prove a newcomer; it joins a regular version, never
     comes to its rendezvous, and that version names it; the next versions go on without it."""
-    daemon, weights, trainer, rollout, _ = _cluster(tmp_path, bypass_cpu=True)
+    daemon, _weights, trainer, rollout, _ = _cluster(tmp_path, bypass_cpu=True)
     fake = None
     try:
         with daemon.client() as http:
@@ -182,15 +182,15 @@ def test_only_the_engine_s_driver_speaks_for_it_and_only_about_what_it_was_asked
             members[0].poll()
             # it was not asked to apply anything yet: an outcome it volunteers changes nothing
             driver.report(version, "applied", ok=False, torn=True, reason="made up")
-            state = [a for a in agents_of(http) if a["role"] == "receiver"][0]
+            state = next(a for a in agents_of(http) if a["role"] == "receiver")
             assert state["torn"] is None and http.get("/status").json()["torn"] == []
             members[0].report(version, "staged")
             assert driver.poll(wait_s=2)["kind"] == "apply"
             driver.report(version, "applied", ok=True, serving=version)
-            state = [a for a in agents_of(http) if a["role"] == "receiver"][0]
+            state = next(a for a in agents_of(http) if a["role"] == "receiver")
             assert state["serving"] == version
             driver.report(version, "applied", ok=False, torn=True, reason="again")  # asked once, answered once
-            assert [a for a in agents_of(http) if a["role"] == "receiver"][0]["torn"] is None
+            assert next(a for a in agents_of(http) if a["role"] == "receiver")["torn"] is None
             trainer.close()
     finally:
         for agent in (*members, driver):
@@ -313,7 +313,7 @@ def test_a_receive_loop_dying_before_any_version_is_named_in_that_version(tmp_pa
                 return entry if "the receive thread died" in (entry["reason"] or "") else None
 
             wait_until(named, 30, "the receiver's own reason in the version's record")
-            state = [a for a in agents_of(http) if a["role"] == "receiver"][0]
+            state = next(a for a in agents_of(http) if a["role"] == "receiver")
             # benched: its first bench is 5 s, which a loaded machine can outlast before this line (CI did);
             # why it was benched stays until it takes a version
             assert state["state"] == "unable" or (state["state"] == "new" and state["unable"]), state

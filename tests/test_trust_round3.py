@@ -260,10 +260,10 @@ def test_a_poll_wait_longer_than_the_heartbeat_is_clamped_on_both_sides(tmp_path
 def sparse_owner_trainer(rank: int, port: int, zmq: str, workdir: str) -> dict:
     """A 2-rank FSDP2 job training its first layer at every step (the rest stays: sparse versions skip it),
     serving versions until ``workdir/stop``; rank 0 says what it served (full tensors' bytes)."""
-    from ckpt_engine.workers.trainer_agent import TrainerAgent
     from torch.distributed.tensor import DTensor
 
     from ckpt_engine.plan.tensors import named_tensors_of
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
     from tests.test_owners import _stopping
     from tests.tiny_lm import sharded_tiny_llama, tensor_bytes
 
@@ -445,11 +445,10 @@ def test_the_daemon_judges_a_re_push_by_the_digest_it_recorded(tmp_path: Path) -
 # ---- 8. failed versions never evict what a repair needs -------------------------------------------------------
 def refusing_then_tearing_receiver(zmq: str, stop_file: str, plan_file: str) -> dict:
     """A transformers receiver whose next applies follow ``plan_file`` (one word per version: refuse, tear, ok)."""
-    from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
-    from ckpt_engine.workers.rollout_agent import RolloutAgent
-
     from ckpt_engine.errors import ApplyRefused
     from ckpt_engine.plan.tensors import named_tensors_of
+    from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
+    from ckpt_engine.workers.rollout_agent import RolloutAgent
     from tests.tiny_lm import tensor_bytes, tiny_llama
 
     model = tiny_llama(seed=9).eval()
@@ -544,7 +543,7 @@ def test_the_documented_load_example_works_for_sparse_and_whole_versions(doc: st
     assert snippet, f"no load example in {doc}"
     model, source = tiny_llama(seed=1), tiny_llama(seed=2)
     namespace = {"torch": torch, "model": model}
-    exec(snippet.group(1), namespace)  # noqa: S102 - the documentation's own code
+    exec(snippet.group(1), namespace)
     whole = dict(source.state_dict())
     changed = {name: t for name, t in whole.items() if "layers.0." in name}
     namespace["load"](VersionPayload(2, None, "cached", "x", changed, sparse=True))

@@ -517,7 +517,8 @@ def test_an_agent_cuts_its_reasons_before_sending() -> None:
     was then dropped as silent. An engine's traceback can be that long."""
     from ckpt_engine.control.messages import clip_reasons
 
-    body = clip_reasons({"reason": "x" * 10_000_000, "unable": "u" * 5000, "receivers": [{"rank": 1, "reason": "r" * 30_000}],
+    body = clip_reasons({"reason": "x" * 10_000_000, "unable": "u" * 5000,
+                         "receivers": [{"rank": 1, "reason": "r" * 30_000}],
                          "classes": [{"key": "k", "reason": None}], "version": 3})
     assert len(body["reason"]) == 20_000 and len(body["unable"]) == 2000
     assert len(body["receivers"][0]["reason"]) == 20_000 and body["classes"] == [{"key": "k", "reason": None}]

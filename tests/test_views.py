@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from ckpt_engine.server.decisions.views import ReceiverRow, last_errors, lag, receiver_rows
+
+from ckpt_engine.server.decisions.views import ReceiverRow, lag, last_errors, receiver_rows
 
 V = [  # newest first, as GET /versions lists them
     {"id": 5, "status": "committed", "receivers": [{"agent_id": "a", "ok": True}, {"agent_id": "b", "ok": True}]},

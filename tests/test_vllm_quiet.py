@@ -7,6 +7,7 @@ import logging
 import sys
 
 import pytest
+
 from ckpt_engine.workers.adapters.vllm.quiet import (
     CORE_LOGGER,
     RELOAD_LOGGER,

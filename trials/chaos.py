@@ -36,6 +36,8 @@ from pathlib import Path
 
 import httpx
 import yaml
+
+from ckpt_engine.control.messages import TERMINAL
 from ckpt_engine.server.launch import REPO, free_port, start_daemon, write_config
 from ckpt_engine.trials.checks import (
     Limits,
@@ -47,8 +49,6 @@ from ckpt_engine.trials.checks import (
 )
 from ckpt_engine.trials.hostile import hostile_messages
 from ckpt_engine.trials.proxy import Proxy
-
-from ckpt_engine.control.messages import TERMINAL
 
 FAULTS = ("kill_receiver", "kill_trainer", "kill_daemon", "stop_receiver", "stop_trainer", "stop_daemon",
           "drop_receiver", "drop_trainer",
@@ -392,11 +392,16 @@ def _slow_control(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
     probe = httpx.Client(base_url=cluster.url, timeout=5, limits=httpx.Limits(max_keepalive_connections=0))
     pool = concurrent.futures.ThreadPoolExecutor(64)
 
-    def slow(i: int) -> int:
+    def slow(i: int) -> float:
         path = f"/versions/{cached[i % len(cached)]}" if cached else "/versions"
-        return (waiting.delete(path) if cached else waiting.get(path, params={"limit": 1000})).status_code
+        began = time.monotonic()
+        (waiting.delete(path) if cached else waiting.get(path, params={"limit": 1000})).raise_for_status()
+        return time.monotonic() - began
 
-    cluster.signal("trainer0", signal.SIGSTOP)  # evictions now wait for it
+    # Both ranks: an eviction is answered as soon as every rank that holds a share of the version confirmed
+    # it, so with one rank running the requests would not wait at all.
+    for rank in ("trainer0", "trainer1"):
+        cluster.signal(rank, signal.SIGSTOP)
     try:
         pending = [pool.submit(slow, i) for i in range(60)]
         worst, deadline = 0.0, time.monotonic() + trial.stall_s
@@ -412,15 +417,22 @@ def _slow_control(cluster: Cluster, trial: Trial, rng: random.Random) -> None:
         if worst > trial.health_limit_s:
             trial.violations.append(f"/health took {worst:.2f}s while requests waited on the trainer")
     finally:
-        cluster.signal("trainer0", signal.SIGCONT)  # (before the waiting requests are waited for)
+        for rank in ("trainer0", "trainer1"):  # (before the waiting requests are waited for)
+            cluster.signal(rank, signal.SIGCONT)
         trial.resumed_at = time.monotonic()
         probe.close()
     try:
+        waited = 0
         for future in pending:
             try:
-                future.result(timeout=60)
+                waited += future.result(timeout=60) >= min(trial.stall_s, 1.0) / 2
+            except httpx.HTTPStatusError as exc:  # (a 409 or 503 is an answer: the daemon's choice)
+                waited += exc.response.status_code in (429, 503)
             except Exception as exc:  # noqa: BLE001 - the daemon must answer; how is its choice
                 trial.violations.append(f"a waiting request got no answer: {exc}")
+        trial.notes.append(f"{waited} of {len(pending)} requests waited on the stopped trainer")
+        if cached and not waited:  # (then /health was timed while nothing waited: the trial proved nothing)
+            trial.violations.append("none of the 60 requests waited on the stopped trainer")
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         waiting.close()
@@ -605,7 +617,7 @@ def recover(cluster: Cluster, trial: Trial, fault_at: float) -> None:
             if cluster.alive(survivor) and not all(cluster.alive(t) for t in trainers):
                 # the peer waited from the stall's start; the stalled rank only runs again from SIGCONT
                 own = survivor == trial.target and trial.resumed_at is not None
-                since = trial.resumed_at if own else fault_at
+                since = trial.resumed_at if own and trial.resumed_at is not None else fault_at
                 _time_to_exit(cluster, survivor)
                 trial.waits.append((f"{survivor} exit after {'its own stall' if own else 'its peer stalled'}",
                                     round(time.monotonic() - since, 2)))
@@ -689,7 +701,7 @@ def warm_up(cluster: Cluster) -> float:
     durations: list[float] = []
     for _ in range(10):
         started = time.monotonic()
-        version, answer = cluster.request({"sparse": False})
+        version, _ = cluster.request({"sparse": False})
         record = cluster.wait_terminal(version, LIMITS.version_s) if version else None
         if record and record["status"] == "committed":
             durations.append(time.monotonic() - started)

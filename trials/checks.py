@@ -57,7 +57,7 @@ def storage_violations(applied: Iterable[dict], history: dict[int, dict]) -> lis
     """With a storage fault and nothing else wrong: a version some receiver applied is recorded committed
     (the outcome was kept in memory and written once the file could be; never rewritten failed)."""
     out = []
-    for version in sorted({e.get("version") for e in applied if isinstance(e.get("version"), int)}):
+    for version in sorted({v for e in applied if isinstance(v := e.get("version"), int)}):
         record = history.get(version)
         if record is not None and record.get("status") != "committed":
             out.append(f"version {version} was applied but is recorded {record.get('status')}: "

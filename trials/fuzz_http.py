@@ -65,7 +65,8 @@ def schemathesis_config(*, token: str | None, max_examples: int, seed: int, phas
         "phases": enabled,
         "cache": {"enabled": False},
         "operations": [{"include-path": "/sync", "include-method": "POST", "checks": {
-            "not_a_server_error": {"expected-statuses": ["2xx", "3xx", "4xx", *map(str, EXPECTED_5XX["POST /sync"])]}}}],
+            "not_a_server_error": {"expected-statuses": ["2xx", "3xx", "4xx",
+                                                         *map(str, EXPECTED_5XX["POST /sync"])]}}}],
     })
 
 
@@ -166,7 +167,8 @@ def format_summary(summary: FuzzSummary) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ckpt_engine.trials.fuzz_http", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ckpt_engine.trials.fuzz_http",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=200, help="generated cases per operation and phase")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=RESULT, help="where to write the summary")

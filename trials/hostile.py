@@ -17,8 +17,13 @@ def hostile_messages(rng: random.Random, victims: list[str], mine: dict, in_flig
     """Well-formed messages a rollout token holder could send: claims of huge or foreign versions, reports of
     every event (also the trainer's) about the version in flight, and other agents' ids with guessed sessions."""
     versions = [1, 2, MAX_ID, MAX_ID - 1, 1 << 40, *( [in_flight] if in_flight else [])]
-    digest = lambda: "".join(rng.choice("0123456789abcdef") for _ in range(16))
-    someone = lambda: {"agent_id": rng.choice(victims), "session": rng.randbytes(24).hex()}
+
+    def digest() -> str:
+        return "".join(rng.choice("0123456789abcdef") for _ in range(16))
+
+    def someone() -> dict:
+        return {"agent_id": rng.choice(victims), "session": rng.randbytes(24).hex()}
+
     choices: list[Callable[[], dict]] = [
         lambda: {"type": "register", "body": {"role": rng.choice(["receiver", "driver"]), "rank": rng.randint(0, 3),
                                               "host": "evil", "pid": 1, "device": "cpu",

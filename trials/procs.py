@@ -50,8 +50,9 @@ class EventLog:
 
 def trainer(args: dict) -> int:
     import torch.distributed as dist
-    from ckpt_engine.workers.trainer_agent import TrainerAgent
     from torch.distributed.fsdp import fully_shard
+
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
 
     workdir, rank = Path(args["workdir"]), int(args["rank"])
     log = EventLog(workdir / f"trainer{rank}.jsonl")
@@ -78,7 +79,7 @@ def trainer(args: dict) -> int:
             if version is not None:
                 log.write(event="served", version=version, step=step)
             time.sleep(0.02)
-    except Exception as exc:  # a collective that timed out because a peer died or stalled
+    except Exception as exc:  # noqa: BLE001 - a collective that timed out because a peer died or stalled
         log.write(event="exit", reason=f"{type(exc).__name__}: {exc}"[:300])
         os._exit(3)  # like a torchrun worker: the job is restarted as a whole
     agent.wait_idle(30)
@@ -149,10 +150,9 @@ class _ArmedAdapter:
 
 
 def receiver(args: dict) -> int:
-    from ckpt_engine.workers.rollout_agent import RolloutAgent
-
     from ckpt_engine.plan.tensors import named_tensors_of
     from ckpt_engine.send.publisher import version_digest_of
+    from ckpt_engine.workers.rollout_agent import RolloutAgent
 
     workdir, index = Path(args["workdir"]), int(args["index"])
     log = EventLog(workdir / f"receiver{index}.applied.jsonl")

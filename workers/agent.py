@@ -236,7 +236,8 @@ class Agent:
         """Assigned by a daemon this agent has since registered with again (it restarted): that daemon is
         gone and the new one marked the version failed, so the version will not be served."""
         settings = self.settings
-        return assignment.received_as is not None and settings is not None and assignment.received_as != settings.agent_id
+        return (assignment.received_as is not None and settings is not None
+                and assignment.received_as != settings.agent_id)
 
     def register_extra(self) -> dict[str, Any]:
         """Role-specific fields of the Register message."""

@@ -24,10 +24,9 @@ import threading
 import time
 from typing import Any, Protocol
 
-from ckpt_engine.workers.agent import Agent, supervised
-
 from ckpt_engine.control.messages import Assignment
 from ckpt_engine.errors import CkptEngineError
+from ckpt_engine.workers.agent import Agent, supervised
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +107,7 @@ class EngineDriver(Agent):
         if self.torn is None:  # a torn engine is paused already
             try:
                 control.pause()
-            except Exception as exc:  # nothing changed: the staged version times out in the workers
+            except Exception as exc:  # noqa: BLE001 - nothing changed: the staged version times out in the workers
                 log.warning("version %d not applied: pausing the engine failed: %s", version, exc)
                 self.report(version, "applied", ok=False, reason=f"pause failed: {_name(exc)}", serving=self.version)
                 return
@@ -122,7 +121,7 @@ class EngineDriver(Agent):
             self.applied.notify_all()
         try:
             control.resume()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the version is applied either way: a failed resume is logged
             log.warning("resuming the engine after version %d failed: %s", version, exc)
         self.report(version, "applied", ok=True, serving=version, stages={"pause": time.perf_counter() - paused})
         log.info("engine %s serves version %d", self.engine, version)
@@ -132,7 +131,7 @@ class EngineDriver(Agent):
         log.error("engine %s is torn (%s); it stays paused until a whole version is applied", self.engine, reason)
         try:
             self.control.abandon()
-        except Exception as closing:
+        except Exception as closing:  # noqa: BLE001 - the engine is torn either way: a failed abandon is logged
             log.info("closing the failed update: %s", closing)
         with self.applied:
             self.version, self.torn = None, reason

@@ -40,9 +40,6 @@ from collections.abc import Callable
 import msgpack
 import torch
 import torch.distributed as dist
-from ckpt_engine.workers.agent import Agent
-from ckpt_engine.workers.class_groups import ClassGroups, ClassGroupsKey
-from ckpt_engine.workers.fsdp import job_collective, sharded_tensors_of
 from torch import nn
 
 from ckpt_engine.control.client import ControlReplyError
@@ -56,6 +53,9 @@ from ckpt_engine.retry import Backoff, FailureLog
 from ckpt_engine.send.publisher import Ownership, Publisher, Route
 from ckpt_engine.send.sender import Transfer, TransferResult, WireHook
 from ckpt_engine.transport.group import MembersAbsent, SyncGroup, open_store, owner_part
+from ckpt_engine.workers.agent import Agent
+from ckpt_engine.workers.class_groups import ClassGroups, ClassGroupsKey
+from ckpt_engine.workers.fsdp import job_collective, sharded_tensors_of
 
 log = logging.getLogger(__name__)
 TensorSource = Callable[[], NamedTensors]
@@ -65,7 +65,8 @@ _REPORT_BEFORE_EXIT_S = 2.0  # a daemon that answers takes milliseconds; one tha
 class TrainerAgent(Agent):
     role = "trainer"
 
-    def __init__(self, model: nn.Module | TensorSource, endpoint: str, *, process_group: dist.ProcessGroup | None = None,
+    def __init__(self, model: nn.Module | TensorSource, endpoint: str, *,
+                 process_group: dist.ProcessGroup | None = None,
                  token: str | None = None, device: DeviceInfo | None = None, poll_wait_s: float = 1.0,
                  name_map: NameMap | None = None, include_buffers: bool = True, register_wait_s: float = 30.0,
                  wire_hook: WireHook | None = None) -> None:

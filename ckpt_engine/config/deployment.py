@@ -231,8 +231,10 @@ class AuthConfig(_Strict):
 
 class EngineConfig(_Strict):
     bypass_cpu: bool = Field(False, description="copy live params straight into the broadcast buffer (no cache)")
-    bucket_size_mb: Float = Field(512.0, gt=0, le=64 << 10, allow_inf_nan=False, description="target bucket size in MiB")
-    alignment: Int = Field(256, ge=8, le=1 << 20, description="byte alignment of tensors inside a bucket (power of two)")
+    bucket_size_mb: Float = Field(512.0, gt=0, le=64 << 10, allow_inf_nan=False,
+                                  description="target bucket size in MiB")
+    alignment: Int = Field(256, ge=8, le=1 << 20,
+                           description="byte alignment of tensors inside a bucket (power of two)")
     device: Literal["auto", "cuda", "npu", "cpu"] = "auto"
     backend: Literal["auto", "nccl", "hccl", "gloo"] = "auto"
     keep_versions: Int = Field(2, ge=1, le=1024, description="versions kept in the host cache (cached mode)")
@@ -241,8 +243,8 @@ class EngineConfig(_Strict):
     min_receivers: Int = Field(1, ge=1, le=1 << 16, description="receivers that must commit for a version to commit")
     max_agents: Int = Field(4096, ge=2, le=1 << 16, description="registered agents at most (each holds daemon "
                                                                   "memory; a register past it is refused)")
-    staging: Staging = Field(DEFAULT_STAGING, description="where a receiver holds a version before it is applied: device "
-                             "(whole, on the device), host (whole, in pinned host memory), stream (two buckets, "
+    staging: Staging = Field(DEFAULT_STAGING, description="where a receiver holds a version before it is applied: "
+                             "device (whole, on the device), host (whole, in pinned host memory), stream (two buckets, "
                              "applied as each verifies, the engine paused for the transfer), auto (the first that "
                              "fits staging_share of free memory, per version)")
     staging_share: Float = Field(0.5, gt=0, le=1, allow_inf_nan=False,
@@ -395,8 +397,8 @@ def parse_config(data: dict, source: str = "config") -> EngineConfig:
     try:
         config = EngineConfig.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors())
-        raise ConfigError(f"{source}: {problems}") from None
+        errors = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"{source}: {errors}") from None
     problems = _inconsistencies(config)
     if problems:
         raise ConfigError(f"{source}: " + "; ".join(problems))

@@ -157,7 +157,7 @@ def daemon_credentials(path: Path, fixed: Mapping[Role, str | None]) -> Credenti
         except ConfigError as exc:
             log.warning("the credentials file is not written (every role's token is configured, so the daemon "
                         "does not need it; clients take theirs from their environment): %s", exc)
-            return Credentials(**{role: fixed[role] for role in ROLES})  # type: ignore[arg-type]
+            return Credentials(**{role: fixed[role] for role in ROLES})
     if path.parent.exists():  # also when the file is there already: others could replace it at any time
         check_private_directory(path.parent, path)
     existing = read_credentials(path) or Credentials()

@@ -37,7 +37,7 @@ class ControlClient:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.token = token
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(endpoint)

@@ -25,6 +25,7 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+from pydantic.config import JsonDict
 
 from ckpt_engine.control.auth import TOKEN_MAX_LENGTH
 from ckpt_engine.errors import ConfigError, ProtocolError
@@ -393,7 +394,7 @@ class Unregister(_Body):
 
 # sparse works from the host cache, bypass_cpu skips it: a request asking for both is refused (the controller
 # also refuses one of them coming from the deployment's defaults); the schema says so too.
-_NOT_SPARSE_AND_BYPASS = {"not": {"required": ["sparse", "bypass_cpu"],
+_NOT_SPARSE_AND_BYPASS: JsonDict = {"not": {"required": ["sparse", "bypass_cpu"],
                                   "properties": {"sparse": {"const": True}, "bypass_cpu": {"const": True}}}}
 
 

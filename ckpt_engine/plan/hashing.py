@@ -523,7 +523,8 @@ def bucket_digests(bucket: Bucket, buf: torch.Tensor, algo: DigestAlgo, layout_d
         buf = buf.cpu()  # a device receiver of a host-hashing sender: correct, not fast
     view = host_buffer(buf[: bucket.nbytes])
     digest = xxhash.xxh3_64_intdigest
-    values = array.array("Q", [digest(view[start:end], seed) for start, end, seed in _xxh3_spans(bucket, layout_digest)])
+    values = array.array("Q", [digest(view[start:end], seed)
+                               for start, end, seed in _xxh3_spans(bucket, layout_digest)])
     # the unsigned digests' bytes read as int64: the signed values, with no per-tensor Python conversion
     return torch.frombuffer(values, dtype=torch.int64).clone() if values else torch.empty(0, dtype=torch.int64)
 

@@ -72,4 +72,4 @@ def check_mode(mode: object) -> Mode:
     cached version)."""
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    return mode  # type: ignore[return-value]
+    return mode

@@ -142,7 +142,6 @@ def _plan_share(layout: Layout, owners: Owners, rank: int) -> Share:
     mine = owners.buckets_of(rank)
     buckets: list[Bucket] = []
     flat = 0
-    index = 0
     specs = []
     for local, wire in enumerate(mine):
         source = layout.buckets[wire]

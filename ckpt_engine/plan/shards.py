@@ -16,6 +16,7 @@ verification then apply to a class's pieces unchanged, so each receiver verifies
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -89,7 +90,7 @@ def check_spec(spec: ShardSpec, tensors: Iterable[TensorSpec]) -> dict[str, tupl
         dim = ordered[0].dim
         if dim >= len(tensor.shape):
             raise ConfigError(f"shard spec: {name!r} has {len(tensor.shape)} dim(s), a slice is along dim {dim}")
-        for before, after in zip(ordered, ordered[1:]):
+        for before, after in itertools.pairwise(ordered):
             if after.start < before.end:
                 raise ConfigError(f"shard spec: {name!r} slices {before} and {after} overlap")
         if ordered[-1].end > tensor.shape[dim]:

@@ -7,7 +7,6 @@ import operator
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Union
 
 import torch
 
@@ -19,7 +18,7 @@ NameMap = Callable[[str], str]
 
 
 BucketTensors = Callable[[Bucket], Mapping[str, torch.Tensor]]
-TensorsOrProvider = Union[Mapping[str, torch.Tensor], BucketTensors]
+TensorsOrProvider = Mapping[str, torch.Tensor] | BucketTensors
 
 
 @dataclass
@@ -88,7 +87,7 @@ def named_tensors_of(
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     first_name: dict[int, str] = {}
-    items = list(module.named_parameters(remove_duplicate=False))
+    items: list[tuple[str, torch.Tensor]] = list(module.named_parameters(remove_duplicate=False))
     if include_buffers:
         items += persistent_buffers(module)
     for raw_name, tensor in items:
@@ -106,7 +105,7 @@ def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]
     """Buffers that belong to the state dict, with their full names, in registration order."""
     out = []
     for prefix, sub in module.named_modules(remove_duplicate=False):
-        skip = getattr(sub, "_non_persistent_buffers_set", set())
+        skip: set[str] = getattr(sub, "_non_persistent_buffers_set", set())
         for name, buf in sub.named_buffers(recurse=False):
             if buf is not None and name not in skip:
                 out.append((f"{prefix}.{name}" if prefix else name, buf))

@@ -5,8 +5,9 @@ A streamed version lands each bucket in a buffer of a small pool: a buffer is re
 to its memory (the load let go of every view into it), and another is allocated while the load still holds
 views (vLLM's layerwise reload keeps a layer's weights until the layer is complete, which may be a bucket
 later), or while the transport has not yet let go of a bucket it finished receiving (gloo's and NCCL's work
-objects release their tensors from their own threads): two in use, now and then three. Reuse, not a fresh allocation per bucket: a host allocator keeps freed buffers (glibc raises its mmap
-threshold after the first free), and fresh pages fault in on every bucket."""
+objects release their tensors from their own threads): two in use, now and then three. Reuse, not a fresh allocation per
+bucket: a host allocator keeps freed buffers (glibc raises its mmap threshold after the first free), and fresh pages
+fault in on every bucket."""
 
 from __future__ import annotations
 

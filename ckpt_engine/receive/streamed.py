@@ -85,7 +85,8 @@ class _Guarded:
     a driven engine's apply timed out on another thread), reading on raises instead of racing the drain."""
 
     def __init__(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self._tensors, self._lock, self._closed = tensors, threading.Lock(), None
+        self._tensors, self._lock = tensors, threading.Lock()
+        self._closed: str | None = None
 
     def __iter__(self) -> _Guarded:
         return self
@@ -121,8 +122,11 @@ def _tensors(assembler: VersionAssembler, incoming: Incoming, flow: Iterator[Buc
                                "aborted): nothing more of it is applied")
         if bucket is None:
             break
-        for name, tensor in _bucket_tensors(assembler, incoming, bucket,
-                                            lambda: assembler.start_next(incoming, feed, upto=bucket.index + 1)):  # noqa: B023
+
+        def prefetch(bucket: Bucket = bucket) -> None:
+            assembler.start_next(incoming, feed, upto=bucket.index + 1)
+
+        for name, tensor in _bucket_tensors(assembler, incoming, bucket, prefetch):
             progress.yielded += 1
             yield name, tensor
             # the load took this bucket's first tensor, so it let go of the bucket before: the next one goes on
@@ -184,7 +188,7 @@ def _drain(flow: Iterator[Bucket], feed: Feed, layout: Layout) -> BaseException 
         for _ in flow:
             pass
         feed.trailer()
-    except Exception as exc:  # an abort ends it too: nothing more comes
+    except Exception as exc:  # noqa: BLE001 - an abort ends it too: nothing more comes
         if isinstance(exc, SenderAborted):
             feed.follow_the_rest(layout)  # (the lead's: the other owners still send theirs)
             return None

@@ -9,8 +9,8 @@ their digests on the class's owners' group, as for any version of several owners
 
 The version keeps one identity, the per-tensor digests of its full tensors (computed from the cache on its
 first send, or from the gathered buckets with bypass_cpu; every owner its share, merged on the owners' group;
-checked on every re-send like any cached version's); each class's stream carries its own digests, which its receivers verify before anything is
-applied and which the daemon compares with theirs.
+checked on every re-send like any cached version's); each class's stream carries its own digests, which its receivers
+verify before anything is applied and which the daemon compares with theirs.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class ClassSenders:
         try:
             digests = self._gather_into(window, gather, layout, owners, rank)
             window.wait_empty()
-        except Exception as exc:  # (a failed gather of the job's group is raised by the caller's cursor)
+        except Exception as exc:  # noqa: BLE001 - a failed gather of the job's group is raised by the caller's cursor
             log.error("version %d: gathering this owner's buckets failed: %s: %s", version, type(exc).__name__, exc)
             window.fail(f"version {version}: the trainer rank's gather failed: {type(exc).__name__}: {exc}")
         transfer.params_released.set()
@@ -172,6 +172,11 @@ class ClassSenders:
         self._senders.clear()
 
     # ---- internals -----------------------------------------------------------------------------------
+    def forget_layouts(self) -> None:
+        """A plain version went out meanwhile: a receiver of a class may have been sent its layout instead."""
+        for sender in self._senders.values():
+            sender.forget_layouts()
+
     def _forget_senders(self, lanes: Sequence[Lane]) -> None:
         """Senders of classes no longer sent, or of an earlier generation (their groups were closed with it),
         are dropped; so are the hub's slots of classes gone."""
@@ -350,7 +355,7 @@ class ClassSenders:
                  aliases: Mapping[str, str]) -> _ClassPlan:
         """The class's plan for versions of this layout, owners, tied names and spec: made once, not per
         version (a class's spec is checked and its pieces laid out only when one of them changes)."""
-        key = (version_layout.digest, owners.digest if owners is not None else None,  # type: ignore[union-attr]
+        key = (version_layout.digest, owners.digest if owners is not None else None,
                tuple(sorted(aliases.items())), spec_key(lane.spec))
         plan = self._plans.get(key)
         if plan is None:

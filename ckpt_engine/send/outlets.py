@@ -172,7 +172,7 @@ class IpcOutlet:
             held = self._layout_sent.peers
             was = held.pop(peer.agent_id, None)  # (until the header went out whole)
             header = slim if was is not None and was[0] is peer and was[1] == layout_digest else full()
-            self._guard(peer, lambda p: self._map_and_begin(p, header))
+            self._guard(peer, lambda p, header=header: self._map_and_begin(p, header))
             if peer.dropped is None:
                 held[peer.agent_id] = (peer, layout_digest)
 

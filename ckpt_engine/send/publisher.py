@@ -189,6 +189,7 @@ class Publisher:
                 return self._gather_only(version, mode, cursor)
             share = share_of(stored, stored_owners, mine.rank)
             if mode == "bypass_cpu" and sharded:  # each class cut from this rank's buckets as they are gathered
+                self._sending_sharded()
                 return self.classes.send_live(version, layout, owners, mine.rank,
                                               lambda index: cursor.through(index, mine.rank), _lanes(version, route),
                                               aliases=named.aliases, step=step)
@@ -210,10 +211,12 @@ class Publisher:
         transfer.params_released.set()
         transfer.gathered_bytes = cursor.gathered_bytes
         if sparse_base is not None and not sharded:
-            send = lambda: self._sender(route).send_sparse(self.cache, version, sparse_base, inline=True,
-                                                           bucket_size=self.bucket_size, alignment=self.alignment)
+            def send() -> Transfer:
+                return self._sender(route).send_sparse(self.cache, version, sparse_base, inline=True,
+                                                       bucket_size=self.bucket_size, alignment=self.alignment)
         else:
-            send = lambda: self._send_cached(route, version, sparse_base=sparse_base)
+            def send() -> Transfer:
+                return self._send_cached(route, version, sparse_base=sparse_base)
         return self._in_background(transfer, send)
 
     def abort_before_start(self, version: int, reason: str, route: Callable[[], Route] | None = None) -> None:
@@ -319,7 +322,7 @@ class Publisher:
             self.cache.fill(cached, cursor.provider(share.rank, share), live=live)
         except TrainerGroupError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - logged: the version's send stops there, the training loop goes on
             log.error("version %d: the snapshot failed part way (%s: %s); its send stops there", version,
                       type(exc).__name__, exc)
         finally:
@@ -341,9 +344,10 @@ class Publisher:
         group and to its colocated receivers."""
         where = route() if route is not None else None
         if where is not None and where.lanes:
+            self._sending_sharded()
             return self.classes.send(self.cache, version, where.lanes, as_version=as_version,
                                      expected_digest=expected_digest, sparse_base=sparse_base)
-        return self._sender(lambda: where).send_cached(  # type: ignore[arg-type,return-value]
+        return self._sender(lambda: where).send_cached(
             self.cache, version, as_version=as_version, expected_digest=expected_digest, inline=True)
 
     def _sender(self, route: Callable[[], Route | None] | None) -> Sender:
@@ -354,7 +358,15 @@ class Publisher:
             self.attach(where.group, where.ipc_peers, where.owners_group)
         if self.sender is None:
             raise CkptEngineError("no sync group attached to this publisher yet")
+        self.classes.forget_layouts()  # (see _sending_sharded)
         return self.sender
+
+    def _sending_sharded(self) -> None:
+        """A receiver holds the layout it was sent last, by whichever sender: one without a shard spec is in
+        the plain sender's route for plain versions and in the class of whole tensors for sharded ones. So a
+        version of one kind makes the other kind's senders forget what their receivers hold."""
+        if self.sender is not None:
+            self.sender.forget_layouts()
 
     @staticmethod
     def _in_background(transfer: Transfer, send: Callable[[], Transfer]) -> Transfer:
@@ -446,7 +458,7 @@ def _bypass_route(version: int, route: Callable[[], Route] | None, agree: Agree 
     if route is not None:
         try:
             where = route()
-        except Exception as exc:  # (raised below, once every rank knows)
+        except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
             failure = exc
     if agree is not None and agree([int(failure is not None)])[0] and failure is None:
         failure = CkptEngineError(f"version {version}: another trainer rank could not reach its receivers "

@@ -109,6 +109,10 @@ class Sender:
         # Per-tensor digests of recently sent versions: the bases of sparse versions (shared across senders).
         self.manifests: dict[int, Manifest] = manifests if manifests is not None else {}
 
+    def forget_layouts(self) -> None:
+        """Its receivers may have been sent other layouts by another sender since (the next header is whole)."""
+        self._layout_sent.forget()
+
     def send_cached(self, cache: VersionCache, version: int, *, as_version: int | None = None,
                     expected_digest: str | None = None, inline: bool = False,
                     filling: CachedVersion | None = None) -> Transfer:
@@ -118,7 +122,8 @@ class Sender:
         ``filling``: the version, begun in the cache and leased by the caller, while its snapshot still runs:
         each bucket goes out once it is filled."""
         hold = contextlib.ExitStack()
-        cached = filling if filling is not None else self._lease(hold, cache, version, as_version if as_version is not None else version)
+        cached = filling if filling is not None else self._lease(hold, cache, version,
+                                                                 as_version if as_version is not None else version)
         drop = lambda: evict_quietly(cache, version)  # noqa: E731
         source = CacheSource(cached, self.device, as_version, cache.shared_segment(cached), expected_digest, drop,
                              fill_timeout_s=self.timeout_s)
@@ -357,7 +362,7 @@ class Sender:
                     values = bucket_digests(bucket, buf, self.digest_algo, layout.digest).cpu()
                 if self.wire_hook is not None:
                     buf = self.wire_hook(k, buf)
-            except Exception as exc:  # anything that stops us preparing a bucket aborts the version for all
+            except Exception as exc:  # noqa: BLE001 - anything that stops preparing a bucket aborts the version for all
                 source.all_filled()  # nothing more is read: the training loop goes on while receivers are told
                 self._abort(source.version, outlets, len(bucket.slots), f"bucket {k} could not be prepared: {exc}")
             if position == len(mine) - 1:

@@ -56,7 +56,7 @@ class Source(Protocol):
 class FullSource:
     """What every full source shares: nothing to prepare, the wire digest is the version digest."""
 
-    header_extra: dict = {}
+    header_extra: dict = {}  # noqa: RUF012 - read only: spread into the header, never mutated
     skipped = 0
     skipped_bytes = 0
     base_version: int | None = None
@@ -119,7 +119,7 @@ class CacheSource(FullSource):
         self.needs_slot = not (device.comm_device.type == "cpu" and cached.is_whole)
         # the cache buffer's shareable segment: colocated receivers read it in place
         self.segment = segment if not self.needs_slot else None
-        self.layout, self.owners = cached.version_layout, cached.owners  # type: ignore[assignment]
+        self.layout, self.owners = cached.version_layout, cached.owners
         self.aliases, self.step = cached.aliases, cached.step
         self.version = cached.version if as_version is None else as_version
         self._after_ready = False  # this send's stream waits for the loop's work before its first live read

@@ -189,8 +189,9 @@ class SyncGroup:
         backend's timeout (the sender begins at its next step boundary, maybe minutes after the rendezvous)."""
         key, self._rung = f"{_RING_KEY}{self._rung}", self._rung + 1
         try:
-            bounded(lambda: self._store.set(key, b"1"), _STORE_GRACE_S + self.timeout_s, "ringing the receivers")
-        except Exception as exc:  # noqa: BLE001 - its store is gone: receivers would never hear this version
+            bounded(lambda: self._store.set(key, b"1"),  # type: ignore[arg-type]  # (the stub says str; bytes are taken)
+                    _STORE_GRACE_S + self.timeout_s, "ringing the receivers")
+        except Exception as exc:
             raise self._fail(f"could not ring the receivers (its rendezvous store is unreachable): {exc}",
                              SyncTimeoutError) from exc
 
@@ -278,7 +279,8 @@ class SyncGroup:
         """Leave ``text`` for the other members under ``topic`` (best effort, bounded), e.g. why this rank voted
         no: the vote itself carries only a flag."""
         try:
-            bounded(lambda: self._store.set(f"said/{topic}/{self.rank}", text[:2000].encode(errors="replace")),
+            bounded(lambda: self._store.set(f"said/{topic}/{self.rank}",
+                                            text[:2000].encode(errors="replace")),  # type: ignore[arg-type]
                     _STORE_GRACE_S, "leaving a note")
         except Exception as exc:  # noqa: BLE001 - only the text of an error depends on it
             log.debug("sync group %s: could not leave a note: %s", self.name, exc)
@@ -321,7 +323,7 @@ class SyncGroup:
         if pg is not None:
             try:
                 pg.abort() if self.broken != "closed" else pg.shutdown()
-            except Exception as exc:  # shutting down a half-dead group must not raise over the real error
+            except Exception as exc:  # noqa: BLE001 - closing a half-dead group must not raise over the real error
                 log.debug("sync group %s shutdown: %s", self.name, exc)
 
     def _check_usable(self) -> None:
@@ -346,7 +348,7 @@ def _construct(
                 f"rank {rank} announcing itself in the rendezvous store")
     if device.backend == "gloo":
         gloo = dist.ProcessGroupGloo
-        options = gloo._Options()
+        options = gloo._Options()  # type: ignore[attr-defined]  # (private: not in torch's stubs)
         options._timeout = _td(timeout_s)
         options._devices = [gloo.create_device(hostname=bind_host) if bind_host else gloo.create_default_device()]
         # gloo connects within its operations' timeout: a member that announced itself and never connects
@@ -397,7 +399,7 @@ def await_members(store: dist.Store, rank: int, size: int, label: str | None = N
     its communicator lazily, inside the first collective, where a missing peer blocks the caller with no
     timeout at all."""
     me = {"host": socket.gethostname(), "pid": os.getpid(), "label": label}
-    store.set(f"{_MEMBER_KEY}{rank}", json.dumps(me).encode())
+    store.set(f"{_MEMBER_KEY}{rank}", json.dumps(me).encode())  # type: ignore[arg-type]  # (the stub says str)
     store.wait([f"{_MEMBER_KEY}{r}" for r in range(size)])
 
 
@@ -454,7 +456,8 @@ def absent_members(store: dist.Store, size: int, backend: str = "gloo") -> list[
 
     try:
         # a connection of its own: gloo's attempt may still wait on the group's (its client serves one call at once)
-        store = bounded(store.clone, _STORE_GRACE_S, "connecting to the rendezvous store again")
+        store = bounded(store.clone, _STORE_GRACE_S,  # type: ignore[attr-defined]  # (not in torch's stubs)
+                        "connecting to the rendezvous store again")
         return bounded(who, _STORE_GRACE_S, "asking the rendezvous store who joined")
     except Exception:  # noqa: BLE001 - the store itself is gone: nobody can be named
         return []

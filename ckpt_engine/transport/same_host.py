@@ -42,7 +42,8 @@ def host_identity() -> str:
     """Equal for processes that can reach each other's abstract sockets and share memory: same kernel boot
     and same network namespace."""
     try:
-        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot = handle.read().strip()
         netns = os.stat("/proc/self/ns/net").st_ino
     except OSError:
         return f"{socket.gethostname()}:unknown"
@@ -93,7 +94,9 @@ class FramedSocket:
         return message, fds
 
     def _read(self, size: int, deadline: float, with_fds: bool) -> tuple[bytes, list[int]]:
-        chunks, got, fds = [], 0, []
+        chunks: list[bytes] = []
+        fds: list[int] = []
+        got = 0
         while got < size:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not select.select([self.sock], [], [], remaining)[0]:
@@ -217,7 +220,7 @@ def _open_cuda_handle(description: dict[str, Any], nbytes: int) -> torch.Tensor:
     storage = torch.UntypedStorage._new_shared_cuda(index, *handle[1:])
     if storage.nbytes() < nbytes:
         raise ProtocolError(f"CUDA slot of {storage.nbytes()} bytes announced as {nbytes}")
-    return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index)).set_(storage, 0, (nbytes,))
+    return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index)).set_(storage, 0, (nbytes,))  # type: ignore[call-overload]
 
 
 @dataclass

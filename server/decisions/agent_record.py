@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ckpt_engine.server.decisions.receivers import ReceiverModel
-
 from ckpt_engine.control.messages import Assignment
 from ckpt_engine.plan.shards import ShardSpec
+from ckpt_engine.server.decisions.receivers import ReceiverModel
 
 
 @dataclass
@@ -67,7 +66,8 @@ class AgentRecord:
             "state": "registered", "serving": None, "staged": None, "torn": None, "proven": False, "unable": None,
             "unable_for_s": None}
         return {"agent_id": self.agent_id, "role": self.role, "rank": self.rank, "host": self.host, "pid": self.pid,
-                "device": self.device, "host_id": self.host_id, "versions": self.versions, "sync_every": self.sync_every,
+                "device": self.device, "host_id": self.host_id, "versions": self.versions,
+                "sync_every": self.sync_every,
                 "registered_at": self.registered_at, "seconds_since_seen": round(now - self.last_seen, 3),
                 "engine": self.engine, "driven": self.driven, "members": self.members,
                 "whole_versions": self.whole_versions, "framework": self.framework, "staging": self.staging,

@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ckpt_engine.server.decisions.agent_record import AgentRecord
-
 from ckpt_engine.control.messages import Register
+from ckpt_engine.server.decisions.agent_record import AgentRecord
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,8 @@ def _trainer(message: Register, agents: Sequence[AgentRecord], now: float, heart
         return Verdict(f"trainer rank {message.rank} is not a rank of the registered trainer job, which has "
                        f"{lead.trainer_ranks} rank(s) ({_who(lead)})", lead.agent_id, None)
     if message.rank > 0 and lead is not None and (message.framework or None) != (lead.framework or None):
-        return Verdict(f"trainer rank {message.rank} says it is {'of ' + message.framework if message.framework else 'not of a framework'}"
+        return Verdict(f"trainer rank {message.rank} says it is "
+                       f"{'of ' + message.framework if message.framework else 'not of a framework'}"
                        f", but the registered job's rank 0 ({_who(lead)}) is "
                        f"{'of ' + lead.framework if lead.framework else 'not of a framework'}", lead.agent_id, None)
     return Verdict(replaces=tuple(a.agent_id for a in same))

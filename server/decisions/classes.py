@@ -9,9 +9,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ckpt_engine.server.decisions.agent_record import AgentRecord
-
 from ckpt_engine.control.messages import ClassDone, ClassLane
+from ckpt_engine.server.decisions.agent_record import AgentRecord
 
 
 class Seat(NamedTuple):
@@ -37,7 +36,8 @@ class ClassPlan:
 NO_CLASSES = ClassPlan([], {}, {})
 
 
-def plan_lanes(receivers: Sequence[AgentRecord], quorum: Mapping[str, int], colocated: Collection[str] = ()) -> ClassPlan:
+def plan_lanes(receivers: Sequence[AgentRecord], quorum: Mapping[str, int],
+               colocated: Collection[str] = ()) -> ClassPlan:
     """The classes of a version sent to ``receivers`` (ranks in ``quorum``): none when no receiver declared a
     shard spec (a plain version), else one per distinct spec (receivers without one form the class of whole
     tensors), ordered by their first receiver's rank so the parts are stable while the quorum is. The

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-
-from ckpt_engine.server.decisions.views import receiver_name
+from typing import Any
 
 from ckpt_engine.control.messages import ReceiverAck, Report
+from ckpt_engine.server.decisions.views import receiver_name
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def judge(quorum: Mapping[str, int], reports: Mapping[str, Report], done: Report
     wire = {ack.rank: ack for ack in done.receivers}
     absent = set(done.absent_ranks)
     stages = dict(done.stages)
-    entries = []
+    entries: list[dict[str, Any]] = []
     for agent_id, rank in quorum.items():
         own = reports.get(agent_id)
         mine = expected_for.get(agent_id) if expected_for is not None else expected

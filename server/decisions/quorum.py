@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from ckpt_engine.server.decisions.agent_record import AgentRecord
-
 from ckpt_engine.control.messages import MAX_CLASSES
+from ckpt_engine.server.decisions.agent_record import AgentRecord
 
 # (a receiver) -> the cached version a repair or catch-up would bring it, or None when the cache has none
 RepairSource = Callable[[AgentRecord], "int | None"]
@@ -41,7 +40,8 @@ def needs_catch_up(receiver: AgentRecord, pool: Sequence[AgentRecord]) -> bool:
 
 
 def candidates(receivers: Sequence[AgentRecord], drivers: Mapping[str, AgentRecord], now: float, heartbeat_s: float, *,
-               regular: bool, repair_source: RepairSource, admit_new: bool = True, min_receivers: int = 1) -> list[AgentRecord]:
+               regular: bool, repair_source: RepairSource, admit_new: bool = True,
+               min_receivers: int = 1) -> list[AgentRecord]:
     """Receivers that can be put into a quorum now (``regular``: of a regular version, which leaves out the
     ones a catch-up can bring a version first, and, unless ``admit_new``, those that never proved themselves;
     of those, only as many newcomers as ``few_newcomers`` lets in: see decisions/newcomers.py)."""
@@ -95,7 +95,8 @@ def why_out(receiver: AgentRecord, receivers: Sequence[AgentRecord], drivers: Ma
     if receiver.driven and not engine_ready(receiver, ready, driver, now, heartbeat_s):
         live = sum(1 for m in receivers if m.engine == receiver.engine and m.driven and heard(m, now, heartbeat_s))
         said = "missing" if driver is None else "silent" if not heard(driver, now, heartbeat_s) else "alive"
-        return f"engine {receiver.engine} is incomplete: {live} of {receiver.members} worker(s) heard from, driver {said}"
+        return (f"engine {receiver.engine} is incomplete: {live} of {receiver.members} worker(s) heard from, "
+                f"driver {said}")
     if needs_catch_up(receiver, [receiver]) and repair_source(receiver) is not None:
         return "new here: it takes a version of its own from the cache first (catch-up)"
     if held_new is not None and not model.proven:

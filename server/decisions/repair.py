@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ckpt_engine.control.messages import MAX_KEPT
 from ckpt_engine.server.decisions.agent_record import AgentRecord
 from ckpt_engine.server.decisions.quorum import needs_catch_up
-
-from ckpt_engine.control.messages import MAX_KEPT
 
 # version id -> the cached version holding its bytes (itself, or a re-push's source), or None when not cached
 CachedSource = Callable[[int], "int | None"]

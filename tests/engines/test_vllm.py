@@ -26,9 +26,8 @@ import torch
 
 pytest.importorskip("vllm", reason="the engine tests run in scripts/test-engines.sh's environment")
 
-from ckpt_engine.workers.adapters.vllm import ExtensionControl, HttpControl, LLMControl, start_vllm_driver
-
 from ckpt_engine.errors import TornModelError
+from ckpt_engine.workers.adapters.vllm import ExtensionControl, HttpControl, LLMControl, start_vllm_driver
 from tests.daemon_harness import free_port, start_daemon, write_config
 from tests.engines.vllm_helpers import (
     PROMPT,

@@ -12,15 +12,16 @@ import torch
 
 pytest.importorskip("vllm", reason="the engine tests run in scripts/test-engines.sh's environment")
 
+from vllm.config.weight_transfer import WeightTransferConfig
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
 from ckpt_engine.workers.adapters.vllm.backend import (
     CkptEngineInitInfo,
     CkptEngineUpdateInfo,
     CkptEngineWeightTransferEngine,
 )
 from ckpt_engine.workers.adapters.vllm.plugin import register
-from vllm.config.weight_transfer import WeightTransferConfig
-from vllm.distributed.weight_transfer.base import WeightTransferEngine
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 
 def parameters(function) -> list[str]:

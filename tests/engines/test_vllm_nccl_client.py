@@ -14,9 +14,8 @@ import torch
 
 pytest.importorskip("vllm", reason="the engine tests run in scripts/test-engines.sh's environment")
 
-from ckpt_engine.workers.adapters.vllm.nccl_client import VLLMWeightTransferClient, init_info, update_info
-
 from ckpt_engine.errors import ConfigError
+from ckpt_engine.workers.adapters.vllm.nccl_client import VLLMWeightTransferClient, init_info, update_info
 
 
 def test_init_and_update_infos_are_what_vllm_parses() -> None:
@@ -50,7 +49,7 @@ def test_connect_starts_the_workers_with_vllms_init_info(monkeypatch: pytest.Mon
     posted: list[tuple[str, object]] = []
 
     class Recording(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("content-length") or 0))
             posted.append((self.path, json.loads(body) if body else None))
             self.send_response(200)

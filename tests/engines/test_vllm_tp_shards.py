@@ -10,7 +10,6 @@ the whole model (counted).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -84,7 +83,6 @@ def test_a_tp2_engine_through_the_daemon_gets_only_its_slices(tmp_path: Path, mo
     slices it keeps, the daemon makes each its own class, the trainer sends each only its pieces, each worker
     verifies its class's digest, the driver applies the version on both, and the tokens equal transformers'."""
     from ckpt_engine.workers.adapters.vllm import ExtensionControl, start_vllm_driver
-
     from tests.daemon_harness import start_daemon, write_config
     from tests.engines.test_vllm import _TIMEOUTS, receivers_of, sync, wait_for
     from tests.engines.vllm_helpers import TrainerLoop, hf_tensors

@@ -21,9 +21,8 @@ import torch
 
 pytest.importorskip("vllm", reason="the engine tests run in scripts/test-engines.sh's environment")
 
-from ckpt_engine.workers.adapters.vllm import LLMControl, start_vllm_driver
-
 from ckpt_engine.plan.tensors import NamedTensors
+from ckpt_engine.workers.adapters.vllm import LLMControl, start_vllm_driver
 from tests.daemon_harness import start_daemon, write_config
 from tests.engines.test_vllm import _TIMEOUTS, receivers_of, sync, wait_for
 from tests.engines.vllm_helpers import (

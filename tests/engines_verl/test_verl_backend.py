@@ -36,9 +36,8 @@ def test_the_entry_point_registers_the_backend_at_import_verl() -> None:
 
 
 def test_unknown_engine_kwargs_are_refused_by_name() -> None:
-    from ckpt_engine.workers.adapters.verl.sync import VerlSync
-
     from ckpt_engine.errors import ConfigError
+    from ckpt_engine.workers.adapters.verl.sync import VerlSync
 
     with pytest.raises(ConfigError, match="bypass_cpus"):
         VerlSync(BUCKET_SIZE, bypass_cpus=True)
@@ -139,6 +138,7 @@ def test_a_streamed_rollout_yields_each_verified_bucket_and_a_bad_middle_bucket_
 def test_a_streamed_share_is_the_planned_one_for_any_sizes() -> None:
     """Each rank keeps exactly the tensors of the buckets plan_owners gives it, learnt as the tensors come."""
     import torch
+
     from ckpt_engine.workers.adapters.verl.stream import collect_owned
 
     gen = torch.Generator().manual_seed(5)
@@ -160,9 +160,8 @@ def test_a_streamed_share_is_the_planned_one_for_any_sizes() -> None:
 
 
 def test_build_topology_checks_what_verl_hands_it() -> None:
-    from ckpt_engine.workers.adapters.verl.sync import VerlSync
-
     from ckpt_engine.errors import ConfigError
+    from ckpt_engine.workers.adapters.verl.sync import VerlSync
 
     master = {"role": "master", "host": "127.0.0.1", "port": 1}
     actor, rollout = VerlSync.build_topology(2, 3, [master, {"role": "peer"}] + [{"role": "peer"}] * 3)

@@ -16,11 +16,9 @@ import pytest
 pytest.importorskip("verl", reason="the verl tests run in scripts/test-verl.sh's environment")
 
 from ckpt_engine.server.launch import start_daemon, write_config
-
-from tests.raw_agent import RawAgent
-
 from tests.engines_verl.test_verl_backend import _check_delivered, _first_bucket_of
 from tests.engines_verl.verl_harness import Cluster, fingerprint, model_weights
+from tests.raw_agent import RawAgent
 
 pytestmark = pytest.mark.multiproc
 
@@ -88,7 +86,8 @@ def test_verl_syncs_are_daemon_versions_with_history_and_a_rollback_reaches_the_
         sync = cluster.update_weights(8, corrupt=(1, bucket))
         assert all("raised" in r and tensor in r["raised"] for r in sync["rollouts"]), sync["rollouts"]
         # (the text docs/workers.md quotes)
-        assert "was not delivered by actor rank 0: rank 1: digest mismatch in 1 tensor(s)" in sync["actors"][0]["raised"]
+        assert ("was not delivered by actor rank 0: rank 1: digest mismatch in 1 tensor(s)"
+                in sync["actors"][0]["raised"])
         failed = http.get("/versions", params={"limit": 1}).json()["versions"][0]
         assert failed["status"] == "failed" and failed["step"] == 8 and tensor in failed["reason"], failed
 

@@ -17,7 +17,6 @@ import pytest
 pytest.importorskip("verl", reason="the verl tests run in scripts/test-verl.sh's environment")
 
 from ckpt_engine.server.launch import REPO, start_daemon, write_config
-
 from tests.engines_verl.test_verl_backend import _check_delivered, _first_bucket_of
 from tests.engines_verl.verl_harness import BUCKET_SIZE, Cluster, fingerprint, model_weights
 
@@ -59,7 +58,7 @@ def test_a_verl_job_that_sets_no_knob_takes_the_deployment_s_bypass_cpu(tmp_path
         cluster = Cluster(2, 2, {"endpoint": daemon.zmq, "_bucket_size": VERL_DEFAULT_BUCKET, "timeout_s": 60.0,
                                  "load_timeout_s": 60.0})
         for steps in (1, 2):
-            sync, version, record = _delivered(cluster, http, steps)
+            sync, _version, record = _delivered(cluster, http, steps)
             assert record["status"] == "committed" and record["mode"] == "bypass_cpu", record
             knobs = record["knobs"]
             assert knobs["bypass_cpu"] == {"value": True, "from": "deployment"}, knobs

@@ -15,7 +15,6 @@ pytest.importorskip("verl", reason="the verl tests run in scripts/test-verl.sh's
 
 from ckpt_engine.plan.shards import Slice, cut, spec_from_wire
 from ckpt_engine.server.launch import start_daemon, write_config
-
 from tests.engines_verl.verl_harness import LLAMA, Cluster, fingerprint, llama_weights, save_llama
 
 pytestmark = pytest.mark.multiproc

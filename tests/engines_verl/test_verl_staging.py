@@ -16,7 +16,6 @@ pytest.importorskip("verl", reason="the verl tests run in scripts/test-verl.sh's
 from ckpt_engine.plan.layout import plan_layout
 from ckpt_engine.plan.tensors import spec_of
 from ckpt_engine.server.launch import start_daemon, write_config
-
 from tests.engines_verl.test_verl_backend import _check_delivered
 from tests.engines_verl.verl_harness import BUCKET_SIZE, Cluster, model_weights
 

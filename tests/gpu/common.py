@@ -22,7 +22,7 @@ def cuda_count() -> int:
     """Visible CUDA devices (0 without a driver, a CUDA build or a device); does not create a context."""
     try:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # a broken driver install: no usable GPU
+    except Exception:  # noqa: BLE001 - a broken driver install: no usable GPU
         return 0
 
 

@@ -220,4 +220,4 @@ def test_two_trainer_ranks_as_owners_of_one_version() -> None:
         assert v["ok"] and w["ok"] and ok, (v["reason"], w["reason"], reason)
         assert state == v["state"]
     assert lead["versions"][0]["digest"] == lead["versions"][1]["digest"]  # cached == bypass_cpu
-    assert 0 < lead["versions"][2]["cache_bytes"] and 0 < other["versions"][2]["cache_bytes"]
+    assert lead["versions"][2]["cache_bytes"] > 0 and other["versions"][2]["cache_bytes"] > 0

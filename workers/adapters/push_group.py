@@ -55,13 +55,15 @@ class PushGroup:
         self.settings = settings
         self.device = device or detect_device(backend="gloo" if settings.backend == "gloo" else "auto")
         # rank 0 hosts the store, as in SGLang's own rendezvous (torch's tcp:// handler, is_master for rank 0)
-        self._store = open_store(settings.master_address, settings.master_port, is_master=True,
-                                 timeout_s=settings.timeout_s)
+        store = open_store(settings.master_address, settings.master_port, is_master=True, timeout_s=settings.timeout_s)
+        self._store: torch.distributed.TCPStore | None = store
         self.group: SyncGroup | None = None
 
     def join(self) -> None:
         """Rendezvous with the engine's workers (blocks until they join or the timeout passes)."""
         s = self.settings
+        if self._store is None:
+            raise CkptEngineError("this push group was closed: make a new one to join again")
         self.group = SyncGroup(self._store, name=s.group_name, generation=0, rank=0, world_size=s.world_size,
                                device=self.device, timeout_s=s.timeout_s,
                                prefix=torch_group_prefix(s.group_name, self.device.comm_device.type))

@@ -27,17 +27,18 @@ nothing: generation continues and the version is refused.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
 import httpx
-from ckpt_engine.workers.adapters.engine_http import EngineUpdateError, checked
-from ckpt_engine.workers.adapters.push_group import Batch, PushGroup, PushSettings, batches, distinct, push_while
 
 from ckpt_engine.errors import ApplyRefused, CkptEngineError, SyncTimeoutError, TornModelError
 from ckpt_engine.plan.dtypes import dtype_name
 from ckpt_engine.receive.collective import VersionPayload
 from ckpt_engine.receive.payload import StreamFailed
+from ckpt_engine.workers.adapters.engine_http import EngineUpdateError, checked
+from ckpt_engine.workers.adapters.push_group import Batch, PushGroup, PushSettings, batches, distinct, push_while
 
 __all__ = ["EngineUpdateError", "SGLangAdapter"]
 log = logging.getLogger(__name__)
@@ -79,11 +80,11 @@ class SGLangAdapter:
             opened = True
             for batch, last in batches(distinct(payload.items()), self.push.chunk_bytes):
                 update = _update(batch, self.push.group_name, last, payload.version)
-                push_while(lambda: self.post("/update_weights_from_distributed", update),  # noqa: B023 - awaited here
-                           lambda: self.group.broadcast(t for _, t in batch), self.push.timeout_s)  # noqa: B023
+                push_while(functools.partial(self.post, "/update_weights_from_distributed", update),
+                           functools.partial(self.group.broadcast, (t for _, t in batch)), self.push.timeout_s)
                 done += 1
             self.post("/end_weight_update", {})
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - _failed closes the session and raises why
             self._failed(payload.version, exc, opened, done)
         self.version, self.torn = payload.version, None
         self.post("/continue_generation", {})

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from ckpt_engine.workers.trainer_agent import evict
 
 from ckpt_engine.config import EngineConfig
 from ckpt_engine.config.knobs import Settled, settle
@@ -22,6 +21,7 @@ from ckpt_engine.errors import CkptEngineError, ConfigError
 from ckpt_engine.send.publisher import Ownership, Publisher, Route
 from ckpt_engine.send.sender import Transfer, TransferResult, WireHook
 from ckpt_engine.transport.group import bounded, serve_store, wait_for_key
+from ckpt_engine.workers.trainer_agent import evict
 
 from .daemon import VerlAgent
 from .stream import collect_owned, drain
@@ -140,7 +140,7 @@ class VerlActor(VerlSync):
                                      keep=topology["keep"], route=self._route()), 0
         named, kept = collect_owned(weights, rank=rank, ranks=actors, bucket_size=self.bucket_size)
         agree = self._agree(rank, actors) if self.sparse and actors > 1 else None
-        transfer = publisher.publish(version, named, mode=self.mode, step=step,  # type: ignore[arg-type]
+        transfer = publisher.publish(version, named, mode=self.mode, step=step,
                                      ownership=Ownership(rank, actors), sparse=self.sparse, agree=agree,
                                      sparse_base=topology["sparse_base"] if self.sparse else None,
                                      keep=topology["keep"], route=self._route(), sharded=bool(self._lanes))

@@ -17,10 +17,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ckpt_engine.workers.agent import Agent, registration_lost
-from ckpt_engine.workers.rollout_agent import received_fields
-from ckpt_engine.workers.trainer_agent import done_fields, evict
-
 from ckpt_engine.control.auth import client_token
 from ckpt_engine.control.client import ControlClient, ControlReplyError
 from ckpt_engine.control.messages import Assignment
@@ -30,6 +26,9 @@ from ckpt_engine.receive.collective import ReceiveResult
 from ckpt_engine.retry import Backoff
 from ckpt_engine.send.publisher import Publisher
 from ckpt_engine.send.sender import TransferResult
+from ckpt_engine.workers.agent import Agent, registration_lost
+from ckpt_engine.workers.rollout_agent import received_fields
+from ckpt_engine.workers.trainer_agent import done_fields, evict
 
 log = logging.getLogger(__name__)
 FRAMEWORK = "verl"

@@ -1,7 +1,7 @@
 """A rollout worker's side of verl's contract: it receives the sync's version on a thread of its own (from
 every actor rank's group), verifies it, and yields it to verl's loader through the async generator (staged:
-the whole version once verified; streamed: each bucket once verified); its own outcome is told to the daemon from the receiving thread, whatever verl does with the
-generator."""
+the whole version once verified; streamed: each bucket once verified); its own outcome is told to the daemon from the
+receiving thread, whatever verl does with the generator."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import torch
-from ckpt_engine.workers.adapters.vllm.shards import placed_items
 
 from ckpt_engine.device import synchronize
 from ckpt_engine.errors import ApplyRefused, CkptEngineError
 from ckpt_engine.plan.shards import spec_to_wire
 from ckpt_engine.receive.assembly import VersionAssembler, VersionPayload
 from ckpt_engine.receive.collective import Receiver, ReceiveResult
+from ckpt_engine.workers.adapters.vllm.shards import placed_items
 
 from .shards import WorkerShards, tp_rank_of_this_worker, worker_shards
 from .sync import _PEER, BACKEND, VerificationFailed, VerlSync

@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from ckpt_engine.workers.adapters.vllm.shards import checkpoint_specs, layer_range
-
 from ckpt_engine.errors import ConfigError
 from ckpt_engine.plan.layout import TensorSpec
 from ckpt_engine.plan.shards import Slice
+from ckpt_engine.workers.adapters.vllm.shards import checkpoint_specs, layer_range
 
 # Architectures whose vLLM model uses these layers for these checkpoint names (vllm/model_executor/models/
 # llama.py, and qwen2.py, qwen3.py, mistral through llama.py)

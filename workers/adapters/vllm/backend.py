@@ -20,6 +20,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from vllm.config.weight_transfer import WeightTransferConfig
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+
+from ckpt_engine.errors import CkptEngineError
+from ckpt_engine.plan.modes import STAGINGS
 from ckpt_engine.workers.adapters.vllm.quiet import not_applied
 from ckpt_engine.workers.adapters.vllm.shards import worker_shards
 from ckpt_engine.workers.adapters.vllm.worker import (
@@ -31,11 +36,6 @@ from ckpt_engine.workers.adapters.vllm.worker import (
     members_of,
     reset_reload,
 )
-from vllm.config.weight_transfer import WeightTransferConfig
-from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
-
-from ckpt_engine.errors import CkptEngineError
-from ckpt_engine.plan.modes import STAGINGS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -23,11 +23,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-from ckpt_engine.workers.adapters.engine_http import EngineUpdateError, checked
-from ckpt_engine.workers.driver import EngineDriver
 
 from ckpt_engine.errors import TornModelError
 from ckpt_engine.retry import Backoff
+from ckpt_engine.workers.adapters.engine_http import EngineUpdateError, checked
+from ckpt_engine.workers.driver import EngineDriver
 
 log = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.workers.adapters.vllm.quiet import not_applied
 from ckpt_engine.workers.adapters.vllm.shards import worker_shards
 from ckpt_engine.workers.adapters.vllm.worker import (
@@ -29,8 +30,6 @@ from ckpt_engine.workers.adapters.vllm.worker import (
     members_of,
     reset_reload,
 )
-
-from ckpt_engine.errors import CkptEngineError
 
 
 class CkptEngineWorkerExtension:
@@ -54,7 +53,7 @@ class CkptEngineWorkerExtension:
                 spec, self._ckpt_engine_shapes = worker_shards(self.model_runner.model,  # type: ignore[attr-defined]
                                                                self.vllm_config.model_config.model)  # type: ignore[attr-defined]
             receiver = WorkerReceiver(settings, self.device, spec)  # type: ignore[attr-defined]
-            self._ckpt_engine_receiver = receiver
+            self._ckpt_engine_receiver: WorkerReceiver | None = receiver
         return receiver.agent.agent_id
 
     def ckpt_engine_apply(self, version: int, timeout_s: float = 60.0) -> int:

@@ -17,16 +17,17 @@ It needs vLLM and CUDA in the bridge's own process (vLLM's communicator is NCCL)
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from ckpt_engine.workers.adapters.push_group import Batch, batches, distinct
-from ckpt_engine.workers.adapters.vllm.control import HttpControl
 
 from ckpt_engine.errors import ConfigError, SyncTimeoutError
 from ckpt_engine.plan.dtypes import dtype_name
 from ckpt_engine.receive.collective import VersionPayload
+from ckpt_engine.workers.adapters.push_group import Batch, batches, distinct
+from ckpt_engine.workers.adapters.vllm.control import HttpControl
 
 
 def init_info(master_address: str, master_port: int, world_size: int) -> dict[str, Any]:
@@ -73,7 +74,8 @@ class VLLMWeightTransferClient:
             control.start()
             for batch, _ in batches(distinct(payload.items()), self.chunk_bytes):
                 info = update_info(batch)
-                _while(lambda: control.update(info), lambda: self._broadcast(batch), self.timeout_s)
+                _while(functools.partial(control.update, info), functools.partial(self._broadcast, batch),
+                       self.timeout_s)
             control.finish(str(payload.version))
             self.version = payload.version
         finally:

