@@ -123,7 +123,7 @@ def _local_child(rank: int, results: Any, args: dict) -> dict:
 
     torch.cuda.set_device(0)
     device = detect_device("cuda", index=0)
-    out = {"devices": _devices(), "kernel": device_digest_kernel(device.torch_device), "configs": []}
+    out: dict[str, Any] = {"devices": _devices(), "kernel": device_digest_kernel(device.torch_device), "configs": []}
     for mib_total, count in args["local"]:
         results.put(("progress", 0, f"  local: {mib_total} MiB in {count:,} tensors"))
         out["configs"].append(_local_config(mib_total, count, device, args, out["kernel"] == "compiled"))
@@ -420,7 +420,8 @@ def _pair_summary(kind: str, sender: dict) -> dict:
     by = {v: [r for r in records if r["variant"] == v] for v in PAIR_VARIANTS[kind]}
     variants = {}
     for v, recs in by.items():
-        entry = {"seconds": stats(r["seconds"] for r in recs), "samples": [r["seconds"] for r in recs]}
+        entry: dict[str, Any] = {"seconds": stats(r["seconds"] for r in recs),
+                                 "samples": [r["seconds"] for r in recs]}
         entry["gbps"] = gbps(sender["bytes"], entry["seconds"])
         if recs and recs[0]["held"] is not None:
             entry["held"] = stats(r["held"] for r in recs)

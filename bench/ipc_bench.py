@@ -49,7 +49,10 @@ def _child(rank: int, results: Any, port: int, hub: str, args: dict) -> dict | N
     import torch
 
     torch.set_num_threads(1)
-    return _sender(port, hub, args, results) if rank == 0 else _receivers(port, hub, args)
+    if rank == 0:
+        return _sender(port, hub, args, results)
+    _receivers(port, hub, args)
+    return None
 
 
 def _sender(port: int, hub: str, args: dict, results: Any) -> dict:

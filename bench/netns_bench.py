@@ -145,6 +145,7 @@ def _publisher_and_route(cfg: dict, store: tuple[str, int], named: Any) -> tuple
     own group with the receivers (and the owners' group, with several owners)."""
     from ckpt_engine.device import detect_device
     from ckpt_engine.plan.shards import spec_key
+    from ckpt_engine.ranks import QuorumRank
     from ckpt_engine.send.classes import Lane
     from ckpt_engine.send.publisher import Ownership, Publisher, Route
     from ckpt_engine.transport.group import owner_part
@@ -154,7 +155,7 @@ def _publisher_and_route(cfg: dict, store: tuple[str, int], named: Any) -> tuple
     if cfg["sharded"]:  # a lane per class: this owner's group with the class's receiver, the class's owners' group
         tp = len(cfg["groups"])
         lanes = tuple(Lane(spec_key(tp_spec(named, r, tp)), tp_spec(named, r, tp),
-                           _group(cfg["addr"], store, f"g{r}", 0, 2, timeout, part=owner_part(owner)), (1,),
+                           _group(cfg["addr"], store, f"g{r}", 0, 2, timeout, part=owner_part(owner)), (QuorumRank(1),),
                            _group(cfg["addr"], store, f"g{r}", owner, owners, timeout, part="owners/")
                            if owners > 1 else None) for r in range(tp))
         route = Route(None, {}, None, lanes)

@@ -31,11 +31,12 @@ from ckpt_engine.bench.common import (
     run_processes,
     stats,
 )
+from ckpt_engine.plan.modes import Mode
 
 GROUP_NAME = "bench-owners"
 RANKS = (1, 2, 4)
 RECEIVERS = 2
-MODES = ("cached", "bypass_cpu")
+MODES: tuple[Mode, ...] = ("cached", "bypass_cpu")
 
 
 def _groups(rank: int, ranks: int, port: int, timeout_s: float) -> tuple[list[Any], Any]:
@@ -75,7 +76,7 @@ def _child(rank: int, results: Any, ranks: int, port: int, args: dict) -> dict:
     return _owner(rank, ranks, groups[0], owners_group, args, results)
 
 
-def _schedule(args: dict) -> list[tuple[int, str]]:
+def _schedule(args: dict) -> list[tuple[int, Mode]]:
     """(round, mode) in order; round -1 is the warm-up; the mode order alternates every round."""
     steps = [(-1, m) for m in MODES]
     for r in range(args["repeats"]):

@@ -47,7 +47,8 @@ def _child(rank: int, results: Any, port: int, hub: str, args: dict) -> dict | N
 
     torch.set_num_threads(1)
     if rank == 0:
-        return _sender(port, hub, args, results)
+        _sender(port, hub, args, results)
+        return None
     return _receiver(rank, port, hub, args)
 
 
@@ -92,6 +93,7 @@ def _receiver(rank: int, port: int, hub: str, args: dict) -> dict:
         for name, tensor in payload.tensors.items():
             own[name].copy_(tensor)
 
+    receiver: Receiver | IpcReceiver
     if rank == 1:
         receiver = Receiver(sync_group(1, 2, port, args["timeout_s"], "mem-bench"), load)
     else:
@@ -110,10 +112,10 @@ def _receiver(rank: int, port: int, hub: str, args: dict) -> dict:
             if result is None or not result.ok:
                 raise RuntimeError(f"rank {rank}: {mode} receive failed: {result}")
             versions.append({"mode": mode, "before": before, "peak": peak, "after": after})
-    if rank == 1:
-        expect_close(receiver)
-    else:
+    if isinstance(receiver, IpcReceiver):
         receiver.close()
+    else:
+        expect_close(receiver)
     sampler.close()
     return {"transport": "collective" if rank == 1 else "ipc", "baseline": baseline, "versions": versions}
 

@@ -49,8 +49,9 @@ from ckpt_engine.bench.common import (
     stats,
     sync_group,
 )
+from ckpt_engine.plan.modes import StagingMode
 
-STAGINGS = ("device", "host", "stream")
+STAGINGS: tuple[StagingMode, ...] = ("device", "host", "stream")
 MEMORY_VARIANTS = (*STAGINGS, "stream-drop")  # stream-drop: a stream receiver whose load lets go of each tensor
 LABELS = {"stream-drop": "stream, load lets go of each tensor"}
 MEMORY_VERSIONS = 3  # versions of the model per memory run (after the tiny one)
@@ -111,7 +112,15 @@ def _copy_load(own: dict, marks: dict, drop: bool = False):
     return load
 
 
-def _receiver(group, staging: str, load):
+def _staging_of(key: str) -> StagingMode:
+    """The staging a variant key names ("stream-drop": stream)."""
+    for staging in STAGINGS:
+        if key.partition("-")[0] == staging:
+            return staging
+    raise ValueError(f"variant {key!r} names no staging of {STAGINGS}")
+
+
+def _receiver(group, staging: StagingMode, load):
     from ckpt_engine.receive.assembly import VersionAssembler
     from ckpt_engine.receive.collective import Receiver
 
@@ -195,7 +204,7 @@ def _memory_child(rank: int, results: Any, port: int, args: dict) -> dict | None
         return None
 
     key = MEMORY_VARIANTS[rank - 1]
-    staging = key.partition("-")[0]
+    staging = _staging_of(key)
     own = _make([*args["specs"], TINY])
     group = sync_group(rank, world, port, args["timeout_s"], name)
     receiver, assembler = _receiver(group, staging, _copy_load(own, {}, drop=key.endswith("-drop")))
@@ -306,7 +315,7 @@ def _trainer_row(tx: dict, bucket: int) -> dict:
 # ---- 3. time per staging --------------------------------------------------------------------------------------
 
 
-def schedule(repeats: int, warmup: int) -> list[tuple[int, str]]:
+def schedule(repeats: int, warmup: int) -> list[tuple[int, StagingMode]]:
     """(round, variant key) in order; a round < 0 is a warm-up. The order rotates every round."""
     keys = list(STAGINGS)
     steps = []

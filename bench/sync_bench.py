@@ -206,6 +206,8 @@ def _sender(group: Any, world: int, configs: list[ModelConfig], schedule: list[S
                 raw_buf = flat.view(torch.uint8) if flat is not None else \
                     torch.empty(layout.total_bytes, dtype=torch.uint8).random_(0, 256)
             if "memcpy" in config.variants:
+                if raw_buf is None:
+                    raise RuntimeError("the memcpy variant needs the raw buffer")
                 copy_dst = torch.empty_like(raw_buf).fill_(0)
             current = step.config
         # A new version every time: change one tensor slightly (outside the timed region).
@@ -252,6 +254,8 @@ def _sender(group: Any, world: int, configs: list[ModelConfig], schedule: list[S
             barrier(group)
             record.update(seconds=seconds, confirmed=time.perf_counter() - t0)
         elif step.variant == "memcpy":
+            if copy_dst is None or raw_buf is None:
+                raise RuntimeError("the memcpy variant runs without its buffers")
             t0 = time.perf_counter()
             copy_dst.copy_(raw_buf)
             record.update(seconds=time.perf_counter() - t0)
@@ -401,13 +405,13 @@ def aggregate(configs: list[ModelConfig], sender: dict, receivers: list[dict], c
                 keys = sorted({k for r in recs for k in r["stages"]})
                 entry["sender_stages_median"] = {k: statistics.median(r["stages"].get(k, 0.0) for r in recs)
                                                  for k in keys}
-            rx = rx_by_cv.get((c, v), [])
-            rx_stages = [r["seconds"] for r in rx if isinstance(r.get("seconds"), dict)]
+            rx_records = rx_by_cv.get((c, v), [])
+            rx_stages = [r["seconds"] for r in rx_records if isinstance(r.get("seconds"), dict)]
             if rx_stages:
                 keys = sorted({k for s in rx_stages for k in s})
                 entry["receiver_stages_median"] = {k: statistics.median(s.get(k, 0.0) for s in rx_stages)
                                                    for k in keys}
-            loads = [r["load"] for r in rx if "load" in r]
+            loads = [r["load"] for r in rx_records if "load" in r]
             if loads:
                 entry["receiver_load"] = stats(loads)
             row["variants"][v] = entry

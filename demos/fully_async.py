@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import multiprocessing as mp
+import multiprocessing.synchronize
 import queue
 import shlex
 import signal
@@ -58,7 +59,7 @@ def synthetic_batch(size: ModelSize, gen: torch.Generator, batch: int = 8, lengt
 
 
 def trainer(rank: int, port: int, url: str, zmq: str, size: ModelSize, steps: int, sync_every: int,
-            bypass: bool | None, trained: mp.Queue, release: mp.Event) -> dict:
+            bypass: bool | None, trained: mp.Queue, release: multiprocessing.synchronize.Event) -> dict:
     """Trains ``steps`` steps, pushing a version every ``sync_every``; then says so on ``trained`` and stays
     attached (its trainer rank and its share of the cache on the page; a sync asked meanwhile is served) until
     ``release``."""
@@ -147,7 +148,8 @@ def _wait_quiet(url: str, timeout_s: float = QUIET_WAIT_S) -> None:
         time.sleep(0.1)
 
 
-def rollout(index: int, zmq: str, size: ModelSize, stop: mp.Event, check: mp.Event, report: mp.Queue,
+def rollout(index: int, zmq: str, size: ModelSize, stop: multiprocessing.synchronize.Event,
+            check: multiprocessing.synchronize.Event, report: mp.Queue,
             tear: int | None) -> None:
     """Generates with the version its model holds until ``stop``; once ``check`` is set, reports the digest of its
     weights (and goes on: the demo keeps it attached while it holds). ``tear``: the apply of that version fails
@@ -377,7 +379,7 @@ def _run(args: argparse.Namespace, size: ModelSize, daemon: DaemonProcess) -> in
     return code
 
 
-def _get(url: str, path: str, **params: object) -> httpx.Response:
+def _get(url: str, path: str, **params: str | int | float | bool | None) -> httpx.Response:
     """A read of the daemon's API with the operator's token from the demo daemon's credentials file."""
     from ckpt_engine.control.auth import client_token
 
@@ -475,15 +477,15 @@ def _check_tear(history: list[dict], tear: int) -> list[str]:
                                                   for e in r["receivers"])), None)
         later = next((r for r in history if r["status"] == "committed" and r["id"] > tear
                       and any(e["agent_id"] == entry["agent_id"] and e["ok"] for e in r["receivers"])), None)
-        if repair is None and later is None:
-            failures.append(f"--tear {tear}: agent {entry['agent_id']} was never made whole again")
-        elif repair is None and later is not None:
-            print(f"check: version {tear} tore rollout 2's model (receiver {entry['rank']}, agent "
-                  f"{entry['agent_id']}); nothing cached to repair it from, version {later['id']} made it whole")
-        else:
+        if repair is not None:
             print(f"check: version {tear} tore rollout 2's model (receiver {entry['rank']}, agent "
                   f"{entry['agent_id']}); version {repair['id']} repaired it with a whole copy of version "
                   f"{repair['source_version']}")
+        elif later is not None:
+            print(f"check: version {tear} tore rollout 2's model (receiver {entry['rank']}, agent "
+                  f"{entry['agent_id']}); nothing cached to repair it from, version {later['id']} made it whole")
+        else:
+            failures.append(f"--tear {tear}: agent {entry['agent_id']} was never made whole again")
     return failures
 
 

@@ -11,8 +11,8 @@ if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get 
   apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } \
     || echo "test.sh: could not install chromium; the operator page test will be skipped" >&2
 fi
-# Lint first (pyproject's [tool.ruff]); mypy joins once its remaining errors are fixed (scripts/lint.sh runs both)
-"$VENV/bin/ruff" check .
+# Lint first: ruff and mypy (scripts/lint.sh)
+VENV="$VENV" bash "$ROOT/scripts/lint.sh"
 set +e
 "$VENV/bin/python" -m pytest "$@"
 rc=$?

@@ -18,6 +18,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Set
+from typing import Any
 
 from ckpt_engine.config import EngineConfig
 from ckpt_engine.config.knobs import settle
@@ -230,8 +231,9 @@ class Controller:
                 raise BadRequest("a framework's sync names the trainer agent opening it (agent_id, session)")
             opener = self._agent(request.agent_id, request.session, roles)
             # (an older framework agent says bypass_cpu and sparse in the request's own fields)
-            given = {**{k: v for k, v in (("bypass_cpu", request.bypass_cpu), ("sparse", request.sparse))
-                        if v is not None}, **(request.knobs or {})}
+            given: dict[str, Any] = {k: v for k, v in (("bypass_cpu", request.bypass_cpu), ("sparse", request.sparse))
+                                     if v is not None}
+            given.update((k, v) for k, v in (request.knobs or {}).items())
             try:  # the one place a framework's knobs meet the deployment's (ckpt_engine/config/knobs.py)
                 settled = settle(given, self.config, framework=opener.framework or "framework")
             except ConfigError as exc:

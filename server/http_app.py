@@ -24,10 +24,11 @@ from prometheus_client import Counter
 from pydantic import BaseModel, BeforeValidator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ckpt_engine import __version__
 from ckpt_engine.config import EngineConfig
+from ckpt_engine.control.auth import Role
 from ckpt_engine.control.messages import MAX_ID, LatestQuery, SyncRequest, VersionRef, VersionsQuery, plain_int
 from ckpt_engine.server.api_docs import DOCS_PATH, add_api_docs
 from ckpt_engine.server.api_models import (
@@ -101,7 +102,7 @@ class LimitsAndAuth:
             return
         seen = 0
 
-        async def limited_receive() -> dict:
+        async def limited_receive() -> Message:
             # A chunked body has no Content-Length: count it as it arrives. An HTTPException (not a plain one)
             # because FastAPI turns any other error while reading a body into a 400.
             nonlocal seen
@@ -145,7 +146,7 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
         """The operation of server/operations.py with the request FastAPI parsed, as the ZMQ plane calls it:
         the roles the token holds must include one it allows."""
         operation = OPERATIONS[name]
-        roles = getattr(request.state, "roles", set())
+        roles: set[Role] = getattr(request.state, "roles", set())
         allowed = operation.roles({})
         if not roles & allowed:
             raise Forbidden(f"{name} needs a token of role {' or '.join(sorted(allowed))}; this one is "
@@ -295,7 +296,7 @@ def _allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
     matched = [route for route in app.routes if isinstance(route, APIRoute) and route.include_in_schema
                and route.matches(scope)[0] != Match.NONE]
     literal = [route for route in matched if not route.param_convertors]  # /versions/latest, not /versions/{version}
-    return sorted({method for route in (literal or matched) for method in route.methods})
+    return sorted({method for route in (literal or matched) for method in route.methods or ()})
 
 
 def _error_name(status: int) -> str:

@@ -120,8 +120,7 @@ def test_tokens_and_sessions_are_compared_in_constant_time(monkeypatch: pytest.M
 
 
 def test_a_made_token_never_reads_as_an_option_on_the_command_line() -> None:
-    from server.cli import _parser
-
+    from ckpt_engine.cli.main import _parser
     from ckpt_engine.control.auth import new_token
 
     tokens = [new_token() for _ in range(2000)]  # a urlsafe token started with "-" 1 time in 64: a CI run hit it
@@ -134,7 +133,7 @@ UNSAFE = re.compile(r"\bimport pickle\b|\bpickle\.|\bcPickle\b|\bdill\b|\bshelve
                     r"_object_list\(|all_gather_object|gather_object|scatter_object|recv_object|np\.load\(")
 
 
-@pytest.mark.parametrize("package", ["ckpt_engine", "server", "workers"])
+@pytest.mark.parametrize("package", ["ckpt_engine", "server", "workers", "cli", "trials", "demos"])
 def test_no_code_runs_from_untrusted_bytes(package: str) -> None:
     """Every network or IPC decoder is msgpack/JSON into typed models: no pickle (torch.load, object
     collectives), no eval/exec, no unsafe YAML."""

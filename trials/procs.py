@@ -33,7 +33,7 @@ from torch import nn
 WIDTH, DEPTH = 256, 6
 
 
-def build_model(seed: int) -> nn.Module:
+def build_model(seed: int) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
 

@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt_engine.control.auth import TOKEN_OF_AGENT, client_token
 from ckpt_engine.control.client import ControlClient, ControlReplyError, RequestAbandoned
@@ -26,6 +26,9 @@ from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.retry import Backoff, FailureLog
 from ckpt_engine.transport.group import SyncGroup, open_store, owner_part
 from ckpt_engine.transport.same_host import host_identity
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 log = logging.getLogger(__name__)
 # replies after which retrying the same request cannot help
@@ -125,7 +128,7 @@ class Agent:
                 return f"{failures.what}: {failures.last_error} (for {failures.failing_for_s:.0f}s)"
         return None
 
-    def start(self) -> Agent:
+    def start(self) -> Self:
         self._register_when_free()
         self._reporter.start()
         self.on_registered()
@@ -295,7 +298,7 @@ class Agent:
             for part in parts:
                 self.groups.append(self._sync_group(store, settings, assignment, part, assignment.rank,
                                                     assignment.world_size))
-            if with_owners:
+            if with_owners and owner_rank is not None:
                 self.owners_group = self._sync_group(store, settings, assignment, "owners/", owner_rank,
                                                      assignment.owners)
         except Exception as exc:

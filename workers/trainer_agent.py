@@ -202,12 +202,12 @@ class TrainerAgent(Agent):
         flag = torch.tensor([*_encode(mine), len(lanes)], dtype=torch.int64, device=_group_device(self.process_group))
         try:
             with job_collective("agreeing on the next version"):
-                dist.broadcast(flag, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+                dist.broadcast(flag, src=self._global_rank(0), group=self.process_group)
                 told = flag.tolist()
                 if told[-1]:  # a sharded version: every owner sends its share of every class
                     blob = torch.frombuffer(bytearray(lanes or bytes(told[-1])), dtype=torch.uint8)
                     blob = blob.to(_group_device(self.process_group))
-                    dist.broadcast(blob, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+                    dist.broadcast(blob, src=self._global_rank(0), group=self.process_group)
                     lanes = bytes(blob.cpu().tolist())
         except TrainerGroupError as exc:
             if mine is not None:  # taken off the queue: nobody else will say why it never came
@@ -253,6 +253,8 @@ class TrainerAgent(Agent):
             sharded=bool(assignment.classes))
 
     def _global_rank(self, rank: int) -> int:
+        if self.process_group is None:  # only asked with several trainer ranks, which have a group
+            raise CkptEngineError("a trainer rank's global rank needs its process group, and this trainer has none")
         return dist.get_global_rank(self.process_group, rank)
 
     def _owner_rank(self, assignment: Assignment) -> int | None:

@@ -95,6 +95,13 @@ class CachedVersion:
         return local
 
     @property
+    def _own(self) -> Layout:
+        """``own_layout``, which ``__post_init__`` always sets (the whole layout unless a delta)."""
+        if self.own_layout is None:
+            raise CacheError(f"version {self.version} has no own layout")
+        return self.own_layout
+
+    @property
     def is_whole(self) -> bool:
         """All bytes in one buffer in wire layout (buckets can be read in place)."""
         return self.parent is None
@@ -102,17 +109,17 @@ class CachedVersion:
     @property
     def changed(self) -> tuple[str, ...]:
         """Tensors stored by this version itself (all of them unless it is a delta)."""
-        return tuple(slot.name for slot in self.own_layout.slots)  # type: ignore[union-attr]
+        return tuple(slot.name for slot in self._own.slots)
 
     @property
     def nbytes(self) -> int:
         """Bytes this version stores itself."""
-        return self.own_layout.total_bytes  # type: ignore[union-attr]
+        return self._own.total_bytes
 
     @property
     def shared_bytes(self) -> int:
         """Bytes of tensors a delta shares with earlier versions instead of storing them again."""
-        return self.layout.total_bytes - sum(slot.nbytes for slot in self.own_layout.slots)  # type: ignore[union-attr]
+        return self.layout.total_bytes - sum(slot.nbytes for slot in self._own.slots)
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -135,9 +142,8 @@ class CachedVersion:
     def views(self) -> dict[str, torch.Tensor]:
         """Every tensor of the version as a zero-copy view, whichever buffer holds it."""
         if self._views is None:
-            own = self.own_layout
-            views = {s.name: slot_view(self._buffer, s, own.buckets[s.bucket].flat_offset)  # type: ignore[union-attr]
-                     for s in own.slots}  # type: ignore[union-attr]
+            own = self._own
+            views = {s.name: slot_view(self._buffer, s, own.buckets[s.bucket].flat_offset) for s in own.slots}
             self._views = views | self._shared
         return self._views
 
@@ -240,7 +246,7 @@ class VersionCache:
         progress = cached.filling
         with self._lock:
             waiting = progress is not None and cached.version in self._filling
-        if not waiting:
+        if progress is None or not waiting:
             raise CacheError(f"version {cached.version} is not waiting to be filled")
         provide = provider_of(tensors)
         started = time.perf_counter()
@@ -251,7 +257,7 @@ class VersionCache:
                 for position, bucket in enumerate(cached.layout.buckets):
                     fill_bucket(cached.buffer, bucket.slots, provide(bucket), bucket.nbytes, bucket.flat_offset,
                                 staging=staging)
-                    progress.filled(position, mark(self.device))  # type: ignore[union-attr]
+                    progress.filled(position, mark(self.device))
                 # This thread's copies only: the whole device would include a send's transfers running meanwhile.
                 stream_synchronize(self.device)
         except BaseException as exc:

@@ -181,8 +181,9 @@ class Publisher:
         if delta is not None:
             stored = delta[1]
             stored_owners = owners_by_group(stored, owners.ranks) if owners.ranks > 1 else single_owner(stored)
+        routed: Callable[[], Route | None] | None = route  # bypass_cpu: found before any gather
         if mode == "bypass_cpu":  # found (or failed) on every rank before any gather: see _bypass_route
-            route = _bypass_route(version, route if sender else None, agree)
+            routed = _bypass_route(version, route if sender else None, agree)
         cursor = GatherCursor(named, stored, stored_owners, mine.global_rank)
         try:
             if not sender:
@@ -191,11 +192,11 @@ class Publisher:
             if mode == "bypass_cpu" and sharded:  # each class cut from this rank's buckets as they are gathered
                 self._sending_sharded()
                 return self.classes.send_live(version, layout, owners, mine.rank,
-                                              lambda index: cursor.through(index, mine.rank), _lanes(version, route),
+                                              lambda index: cursor.through(index, mine.rank), _lanes(version, routed),
                                               aliases=named.aliases, step=step)
             if mode == "bypass_cpu":  # returns once every bucket of this rank has been read from the live tensors
-                live = self._sender(route).send_live(version, layout, cursor.provider(mine.rank), aliases=named.aliases,
-                                                     step=step, check=False, owners=owners)
+                live = self._sender(routed).send_live(version, layout, cursor.provider(mine.rank),
+                                                      aliases=named.aliases, step=step, check=False, owners=owners)
                 live.params_released.wait()
                 live.gathered_bytes = cursor.gathered_bytes
                 return live
@@ -203,7 +204,7 @@ class Publisher:
                                  owner_ranks=owners.ranks, gathers=named.gathers,
                                  host_wire=self.device.comm_device.type == "cpu",
                                  device_copy=self.device.kind != "cpu", wanted=self.overlap_snapshot):
-                return self._send_while_snapshotting(version, named, cursor, share, step, layout, owners, route)
+                return self._send_while_snapshotting(version, named, cursor, share, step, layout, owners, routed)
             self._snapshot(version, named, cursor, share, delta, step, layout, owners)
         finally:
             cursor.drain()  # this rank's part in the remaining gathers (also after a failure part way)
@@ -212,11 +213,11 @@ class Publisher:
         transfer.gathered_bytes = cursor.gathered_bytes
         if sparse_base is not None and not sharded:
             def send() -> Transfer:
-                return self._sender(route).send_sparse(self.cache, version, sparse_base, inline=True,
-                                                       bucket_size=self.bucket_size, alignment=self.alignment)
+                return self._sender(routed).send_sparse(self.cache, version, sparse_base, inline=True,
+                                                        bucket_size=self.bucket_size, alignment=self.alignment)
         else:
             def send() -> Transfer:
-                return self._send_cached(route, version, sparse_base=sparse_base)
+                return self._send_cached(routed, version, sparse_base=sparse_base)
         return self._in_background(transfer, send)
 
     def abort_before_start(self, version: int, reason: str, route: Callable[[], Route] | None = None) -> None:
@@ -299,7 +300,7 @@ class Publisher:
 
     def _send_while_snapshotting(self, version: int, named: NamedTensors, cursor: GatherCursor, share: Share,
                                  step: int | None, layout: Layout, owners: Owners,
-                                 route: Callable[[], Route] | None) -> Transfer:
+                                 route: Callable[[], Route | None] | None) -> Transfer:
         """Snapshot ``version`` into the cache on this thread while its send, started first, sends every bucket
         as soon as it is cached; returns once the snapshot is done. A snapshot that fails part way ends the
         transfer failed (the receivers are told at the first bucket it did not fill); only a failure of the
@@ -337,7 +338,7 @@ class Publisher:
                                         finished_at=time.perf_counter()))
         return transfer
 
-    def _send_cached(self, route: Callable[[], Route] | None, version: int, *, as_version: int | None = None,
+    def _send_cached(self, route: Callable[[], Route | None] | None, version: int, *, as_version: int | None = None,
                      expected_digest: str | None = None, sparse_base: int | None = None) -> Transfer:
         """A cached version (or a re-send of one) to the route's receivers: to each class its pieces when the
         route has classes (``sparse_base``: those that changed since), else the whole version on the route's
@@ -468,7 +469,7 @@ def _bypass_route(version: int, route: Callable[[], Route] | None, agree: Agree 
     return lambda: where
 
 
-def _lanes(version: int, route: Callable[[], Route] | None) -> tuple[Lane, ...]:
+def _lanes(version: int, route: Callable[[], Route | None] | None) -> tuple[Lane, ...]:
     """A sharded version's classes, from its route (asked on the caller's thread: bypass_cpu)."""
     where = route() if route is not None else None
     if where is None or not where.lanes:

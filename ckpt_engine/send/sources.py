@@ -12,7 +12,7 @@ import torch
 import xxhash
 
 from ckpt_engine.device import DeviceInfo, DigestAlgo, mark, wait_for
-from ckpt_engine.errors import CkptEngineError, ProtocolError
+from ckpt_engine.errors import CacheError, CkptEngineError, ProtocolError
 from ckpt_engine.plan.hashing import layout_digests
 from ckpt_engine.plan.layout import Bucket, Layout
 from ckpt_engine.plan.modes import Mode
@@ -28,17 +28,42 @@ log = logging.getLogger(__name__)
 class Source(Protocol):
     """Where a version's bucket bytes come from: live tensors, the cache, or the cache's changes (sparse)."""
 
-    mode: Mode
-    layout: Layout  # what goes on the wire (after plan)
-    owners: Owners  # who sends each bucket of ``layout``
-    version: int
-    step: int | None
-    aliases: Mapping[str, str]
-    header_extra: dict
-    skipped: int
-    skipped_bytes: int
-    base_version: int | None
-    needs_slot: bool  # bucket() must be given a send slot to fill (else it returns views of the source)
+    # Read-only members: a source may hold each as a plain attribute, a class attribute or a property.
+    @property
+    def mode(self) -> Mode: ...
+
+    @property
+    def layout(self) -> Layout:
+        """What goes on the wire (after ``plan``)."""
+
+    @property
+    def owners(self) -> Owners:
+        """Who sends each bucket of ``layout``."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def step(self) -> int | None: ...
+
+    @property
+    def aliases(self) -> Mapping[str, str]: ...
+
+    @property
+    def header_extra(self) -> dict: ...
+
+    @property
+    def skipped(self) -> int: ...
+
+    @property
+    def skipped_bytes(self) -> int: ...
+
+    @property
+    def base_version(self) -> int | None: ...
+
+    @property
+    def needs_slot(self) -> bool:
+        """bucket() must be given a send slot to fill (else it returns views of the source)."""
 
     def prepare(self, algo: DigestAlgo, device: torch.device, rank: int) -> list[int]:
         """Work before the first bucket; returns what this owner tells the others (see ``plan``)."""
@@ -119,7 +144,7 @@ class CacheSource(FullSource):
         self.needs_slot = not (device.comm_device.type == "cpu" and cached.is_whole)
         # the cache buffer's shareable segment: colocated receivers read it in place
         self.segment = segment if not self.needs_slot else None
-        self.layout, self.owners = cached.version_layout, cached.owners
+        self.layout, self.owners = _version_layout(cached), _owners(cached)
         self.aliases, self.step = cached.aliases, cached.step
         self.version = cached.version if as_version is None else as_version
         self._after_ready = False  # this send's stream waits for the loop's work before its first live read
@@ -290,7 +315,7 @@ class SparseCacheSource(ChangesSource):
                  on_host_wire: bool, parent: Manifest | None = None) -> None:
         """``parent``: the manifest of the version a delta ``cached`` shares its unchanged tensors with, when
         known; then only the delta's own tensors are digested."""
-        super().__init__(cached.version, cached.step, cached.aliases, cached.version_layout, cached.owners,  # type: ignore[arg-type]
+        super().__init__(cached.version, cached.step, cached.aliases, _version_layout(cached), _owners(cached),
                          base, bucket_size, alignment)
         self.cached, self.parent = cached, parent
         self._on_host_wire = on_host_wire
@@ -309,7 +334,7 @@ class SparseCacheSource(ChangesSource):
         if (self.owners.ranks == 1 and not cached.is_whole and parent is not None and parent.algo == algo
                 and parent.layout_digest == cached.layout.digest):
             # Per-tensor digests do not depend on the layout, so the delta's own buckets give the changed ones.
-            own = cached.own_layout
+            own = _own_layout(cached)
             changed = dict(zip(cached.changed, layout_digests(own, lambda b: cached.buffer[b.flat_offset:], algo,
                                                               device)))
             self.full = parent.updated(self.version, changed)
@@ -322,7 +347,7 @@ class SparseCacheSource(ChangesSource):
         super().plan(told)
         if self.plan_ is not None:
             self._own_wire = (self.owners.ranks == 1 and not self.cached.is_whole
-                              and self.plan_.layout.digest == self.cached.own_layout.digest)
+                              and self.plan_.layout.digest == _own_layout(self.cached).digest)
 
     def bucket(self, index: int, slot: torch.Tensor | None) -> torch.Tensor:
         bucket = self.layout.buckets[index]
@@ -388,6 +413,25 @@ def _base_word(base: Manifest | None) -> int:
         return 0
     text = f"{base.version}|{base.algo}|{base.layout_digest}|{base.version_digest}"
     return (xxhash.xxh3_64_intdigest(text.encode()) >> 2) or 1
+
+
+# CachedVersion.__post_init__ fills in its optional layouts and owners: None here is a broken record.
+def _version_layout(cached: CachedVersion) -> Layout:
+    if cached.version_layout is None:
+        raise CacheError(f"cached version {cached.version} has no version layout")
+    return cached.version_layout
+
+
+def _owners(cached: CachedVersion) -> Owners:
+    if cached.owners is None:
+        raise CacheError(f"cached version {cached.version} has no owners")
+    return cached.owners
+
+
+def _own_layout(cached: CachedVersion) -> Layout:
+    if cached.own_layout is None:
+        raise CacheError(f"cached version {cached.version} has no own layout")
+    return cached.own_layout
 
 
 def _need(slot: torch.Tensor | None) -> torch.Tensor:

@@ -116,7 +116,9 @@ def _engine_member(message: Register, agents: Sequence[AgentRecord], now: float,
     if loose:
         return Verdict(f"engine {engine!r} has receivers that are not driven ({_who(loose[0])})", loose[0].agent_id,
                        None)
-    said = [(driver, driver.members)] if driver is not None and driver.members is not None else []
+    said: list[tuple[AgentRecord, int | None]] = []
+    if driver is not None and driver.members is not None:
+        said.append((driver, driver.members))
     said += [(m, m.members) for m in members if m.driven and _live(m, now, heartbeat_s)]
     for holder, count in said:
         if count != message.members:

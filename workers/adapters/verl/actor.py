@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 class VerlActor(VerlSync):
-    def __init__(self, bucket_size: int, is_master: bool = False, **options: Any) -> None:
+    def __init__(self, bucket_size: int | None, is_master: bool = False, **options: Any) -> None:
         super().__init__(bucket_size, is_master, **options)
         self._open: int | None = None  # actor rank 0: the daemon's version of this sync, until it is sent
         # actor rank 0: versions that failed, for every rank to drop from its cache (a failed version must not

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt_engine.control.auth import client_token
 from ckpt_engine.control.client import ControlClient, ControlReplyError
@@ -29,6 +29,9 @@ from ckpt_engine.send.sender import TransferResult
 from ckpt_engine.workers.agent import Agent, registration_lost
 from ckpt_engine.workers.rollout_agent import received_fields
 from ckpt_engine.workers.trainer_agent import done_fields, evict
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 log = logging.getLogger(__name__)
 FRAMEWORK = "verl"
@@ -65,7 +68,7 @@ class VerlAgent(Agent):
         # on a daemon that is gone (up to the request timeout each), and a sync must fail within its bound.
         self._sync_client = ControlClient(endpoint, timeout_s=timeout_s, token=self.token)
 
-    def start(self) -> VerlAgent:
+    def start(self) -> Self:
         """Registers (retrying for up to the request timeout while the daemon says a previous run's rank 0 is
         still alive: a job restarted at once), then starts polling."""
         deadline = time.monotonic() + self.request_timeout_s

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 class VerlRollout(VerlSync):
-    def __init__(self, bucket_size: int, **options: Any) -> None:
+    def __init__(self, bucket_size: int | None, **options: Any) -> None:
         super().__init__(bucket_size, None, **options)
         self._assembler: VersionAssembler | None = None
         self._handoff = _Handoff(self.load_timeout_s)

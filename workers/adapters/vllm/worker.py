@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -24,6 +24,12 @@ from ckpt_engine.workers.rollout_agent import RolloutAgent
 from ckpt_engine.workers.staged import StagedVersion
 
 log = logging.getLogger(__name__)
+
+
+class _LoadsWeights(Protocol):
+    """A vLLM model: an ``nn.Module`` with vLLM's ``load_weights`` (which torch's stubs cannot know of)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any: ...
 
 
 class IncompleteVersion(CkptEngineError):
@@ -118,7 +124,8 @@ def load_version(model: torch.nn.Module, payload: VersionPayload,
     from ckpt_engine.workers.adapters.vllm.shards import placed_items
 
     with _mtp_check_disabled():
-        model.load_weights(placed_items(payload.items(), shapes, payload.aliases) if shapes else payload.items())
+        items = placed_items(payload.items(), shapes, payload.aliases) if shapes else payload.items()
+        cast(_LoadsWeights, model).load_weights(items)
     check_every_layer_loaded(model)
 
 
