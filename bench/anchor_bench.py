@@ -329,7 +329,8 @@ def _worker(ps_rank: int, index: int, port: int, hub: str, args: dict, schedule:
 
 def plan(opts: dict, gpus: int, gpu_bytes: int, host_bytes: int) -> dict:
     """What would run: the path and the (scaled) sizes."""
-    sizes = scaled_sizes(QUICK_SIZES if opts.get("quick") else FULL_SIZES, gpu_bytes, host_bytes)
+    sizes = scaled_sizes(opts.get("sizes") or (QUICK_SIZES if opts.get("quick") else FULL_SIZES), gpu_bytes,
+                         host_bytes)
     return {"path": "broadcast (cuda:0 → cuda:1)" if gpus >= 2 else "colocated (CUDA IPC on cuda:0)",
             "gpus": min(gpus, 2), "sizes": sizes}
 
@@ -415,9 +416,21 @@ def render(result: dict) -> list[str]:
     return lines + [""]
 
 
+def _sizes(text: str) -> tuple[tuple[int, int], ...]:
+    try:
+        sizes = tuple((int(gib), int(count)) for gib, count in (part.split("x") for part in text.split(",")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected GiBxTENSORS[,GiBxTENSORS...], e.g. 16x500") from None
+    if any(gib < 1 or count < 1 for gib, count in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes and counts must be positive")
+    return sizes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="anchor_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 GiB sizes only")
+    parser.add_argument("--sizes", type=_sizes, default=None,
+                        help="models as GiBxTENSORS, comma-separated (e.g. 16x500,16x20000); default the full set")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--bucket-size-mib", type=int, default=256)
@@ -425,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="markdown table")
     parser.add_argument("--json", default=None, help="raw results")
     ns = parser.parse_args(argv)
-    opts = {"quick": ns.quick, "repeats": ns.repeats, "warmup": ns.warmup, "bucket_size": ns.bucket_size_mib * MiB,
+    opts = {"sizes": ns.sizes, "quick": ns.quick, "repeats": ns.repeats, "warmup": ns.warmup,
+            "bucket_size": ns.bucket_size_mib * MiB,
             "timeout_s": ns.timeout_s}
     result = run(opts, lambda text: print(text, file=sys.stderr, flush=True))
     text = "\n".join(["## Side by side with MoonshotAI's checkpoint-engine", "", *render(result)])

@@ -3,7 +3,9 @@ stages, a dry run, and a real run without CUDA (it says so, the GPU tests skip, 
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -160,3 +162,23 @@ def test_anchor_table_has_time_rate_and_ratio_per_round() -> None:
     assert "**0.75**" in text and "**0.50**" in text
     assert "device digest torch-block64 (compiled) 900.0 GB/s (goal ≥ 1,000 GB/s)" in text
     assert "not measured (no CUDA" in "\n".join(ab.render(ab.run({}, print)))
+
+
+def test_anchor_sizes_are_read_as_gib_x_tensors_and_bad_ones_refused() -> None:
+    ab = _anchor_bench()
+    assert ab._sizes("16x500,4x20000") == ((16, 500), (4, 20000))
+    for bad in ("16x", "16", "0x500", "16x-1", "ax500"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            ab._sizes(bad)
+
+
+@pytest.mark.parametrize("odd", [False, True])
+def test_fill_parts_runs_on_the_cpu_and_times_every_part(odd: bool) -> None:
+    """The diagnostic the GPU runs (docs/gpu-runs.md): here only its structure (the CPU's figures mean nothing)."""
+    cmd = [sys.executable, "-m", "ckpt_engine.bench.fill_parts", "--device", "cpu", "--mib", "1", "--count", "40",
+           "--rounds", "1", *(["--odd"] if odd else [])]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert lines[0]["tensors"] == 40 and (lines[0]["padding_views"] > 0) == odd
+    assert {line["form"] for line in lines[1:]} == {"fill", "foreach_copy_only", "foreach_zero_gaps_only",
+                                                    "zero_whole_slots", "d2d_copy", "fill_host_queue_only"}

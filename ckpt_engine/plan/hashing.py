@@ -133,17 +133,16 @@ def xxh3_digest(dtype: str, shape: Sequence[int], data: torch.Tensor) -> int:
 #   level 2, per tensor: S = sum_b r_b * K^b                         (K odd; every sum and product wraps mod 2^64)
 #   digest = mix(S ^ mix(nbytes*G + seed))                           (seed: slot_seed; mix: splitmix64's finaliser)
 # Rows are independent, so a bucket's rows spread over the whole chip. A bucket is digested in three steps, one
-# compiled graph (torch.compile of digest_rows, one call per bucket):
+# call per bucket (compiled: ``_CompiledSteps``, steps 1 and 3 as two graphs, step 2 eager):
 #   1. weighted row sums: r_a * K^a for every row a of the bucket: one fused read of the bucket;
 #   2. their prefix sums (torch.cumsum), on one value per 256 bytes;
 #   3. the finish, on one value per tensor: S = (prefix[end] - prefix[first]) * K^-first (K is odd, so invertible
 #      mod 2^64), plus the correction of the tensor's last row where its bytes end inside it (that row is read
 #      again through a masked gather: bytes past the tensor count as zero, whatever the buffer holds there); the
 #      correction is gathered per tensor, not scattered into the row sums.
-# On an H200 (2026-11-27, bench/digest_parts.py) this graph digests 1 GiB in 512 MiB buckets at 1,853 GB/s and
-# 256 MiB in 64 MiB buckets at 399 GB/s: a call costs ~0.13 ms besides the read, so larger buckets go faster. The
-# earlier form of the same digest (the partial rows written back into the row sums with index_put, the prefix
-# padded) ran at 38 GB/s in one graph; the three steps compiled as two graphs around an eager scan, at 196 GB/s.
+# On an H200 (2026-11-28, bench/digest_parts.py, docs/gpu-runs.md): 396 GB/s on 1 GiB in 512 MiB buckets. The
+# three steps in one graph ran at 43 GB/s whatever the bucket (inductor's scan); step 1 alone reaches 2,944 GB/s
+# when first compiled at a bucket's size (410 GB/s when first compiled at the 16 MiB probe).
 # Every slot offset and the bucket's size must be multiples of 256 (the default alignment); buckets of layouts
 # with a smaller alignment take a slower path that first copies each tensor into a zero-padded scratch (see
 # _build_plan).
@@ -332,12 +331,27 @@ def _normal(tensor: torch.Tensor) -> torch.Tensor:
         tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
 
 
+class _CompiledSteps:
+    """:func:`digest_rows` as two compiled graphs around torch's own prefix sum: step 1 (the one read of the
+    bucket) and step 3 compiled with dynamic shapes, step 2 eager. In one graph (as first shipped), inductor
+    lowered the prefix sum over every row of the bucket as a scan that runs at ~43 GB/s on an H200 whatever the
+    bucket (2026-11-28, docs/gpu-runs.md); torch.cumsum alone runs at memory speed."""
+
+    def __init__(self) -> None:
+        self.level1 = torch.compile(weighted_row_sums, dynamic=True)
+        self.finish = torch.compile(finish, dynamic=True)
+
+    def __call__(self, words: torch.Tensor, columns: torch.Tensor, powers: torch.Tensor,
+                 *rest: torch.Tensor) -> torch.Tensor:
+        weighted = self.level1(words, columns, powers)
+        return self.finish(prefix_sums(weighted), weighted, words, columns, powers, *rest)
+
+
 def _compile(device: torch.device) -> Any | None:
-    """torch.compile of digest_rows with dynamic shapes (one graph serves every bucket), checked once against the
-    eager ops on probes; None, with a warning, where it cannot be built or disagrees (correct either way, only
-    slower)."""
+    """The compiled digest (``_CompiledSteps``), checked once against the eager ops on probes; None, with a
+    warning, where it cannot be built or disagrees (correct either way, only slower)."""
     try:
-        fn = torch.compile(digest_rows, dynamic=True)
+        fn = _CompiledSteps()
         with _plain():
             _check_compiled(fn, device)
         return fn
@@ -359,7 +373,10 @@ def _check_compiled(fn: Any, device: torch.device) -> None:
     def index(high: int, *shape: int) -> torch.Tensor:
         return torch.randint(0, high, shape, generator=gen).to(device)
 
-    for rows, partial, n in ((67, 3, 5), (2, 2, 2), (40, 7, 3)):  # (first: no two sizes alike)
+    # The first probe's sizes are the hints inductor tunes the dynamic-shape kernels for: on an accelerator a
+    # bucket's worth of rows (16 MiB), not a toy. (First of all: no two sizes alike.)
+    first_rows = 1 << 16 if device.type != "cpu" else 67
+    for rows, partial, n in ((first_rows, 3, 5), (2, 2, 2), (40, 7, 3)):
         firsts = index(rows, n)
         # distinct partial rows but the last, which repeats the first (as plans pad): the same value written twice
         fixed = torch.randperm(rows, generator=gen)[: partial - 1]
