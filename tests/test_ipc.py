@@ -90,10 +90,11 @@ def test_colocated_and_collective_receivers_get_identical_versions() -> None:
 
 def old_minimal_sender(hub_name: str) -> dict:
     """An older sender speaking the IPC protocol by hand, without any optional field."""
+    from ckpt_engine.codec import encode
     from ckpt_engine.plan.hashing import bucket_digests, version_digest
     from ckpt_engine.plan.layout import plan_layout
     from ckpt_engine.plan.tensors import fill_bucket, specs_of
-    from ckpt_engine.transport.messages import LayoutMessage, VersionHeader, VersionTrailer, encode
+    from ckpt_engine.transport.messages import LayoutMessage, VersionHeader, VersionTrailer
 
     tensors = {"a": torch.arange(6.0), "b": torch.ones(2, 3, dtype=torch.bfloat16)}
     layout = plan_layout(specs_of(tensors), bucket_size=64)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from ckpt_engine.codec import decode, encode
 from ckpt_engine.errors import LayoutMismatchError, ProtocolError
 from ckpt_engine.plan.layout import TensorSpec, plan_layout
-from ckpt_engine.transport.messages import Ack, LayoutMessage, VersionHeader, decode, encode
+from ckpt_engine.transport.messages import Ack, LayoutMessage, VersionHeader
 
 
 def layout():

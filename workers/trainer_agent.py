@@ -37,16 +37,15 @@ import threading
 import time
 from collections.abc import Callable
 
-import msgpack
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ckpt_engine.codec import decode, encode
 from ckpt_engine.control.client import ControlReplyError
-from ckpt_engine.control.messages import MAX_KEPT, Assignment, ClassLane, RegisterReply
+from ckpt_engine.control.messages import Assignment, RegisterReply
 from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError, ReceiversAbsent, SyncTimeoutError, TrainerGroupError, absent_receivers
-from ckpt_engine.plan.modes import MODES
 from ckpt_engine.plan.tensors import NamedTensors, NameMap
 from ckpt_engine.ranks import plain_seat
 from ckpt_engine.retry import Backoff, FailureLog
@@ -193,30 +192,30 @@ class TrainerAgent(Agent):
 
     # ---- agreement between trainer ranks -------------------------------------------------------------
     def _agree(self) -> Assignment | None:
-        """Rank 0 decides whether a version is due at this boundary and tells the others (one broadcast of
-        what every rank needs to take its part: the version, how to send it, and the groups to send it on)."""
+        """Rank 0 decides whether a version is due at this boundary and tells the others the whole assignment
+        (the version, how to send it, the groups and classes to send it on) in the one wire form
+        (``ckpt_engine.codec``): its length, then, when one is due, its bytes."""
         if self.world_size == 1:
             return self._next_due()
         mine = self._next_due() if self.rank == 0 else None
-        lanes = _encode_lanes(mine)
-        flag = torch.tensor([*_encode(mine), len(lanes)], dtype=torch.int64, device=_group_device(self.process_group))
+        raw = encode(mine) if mine is not None else b""
+        device = _group_device(self.process_group)
         try:
             with job_collective("agreeing on the next version"):
-                dist.broadcast(flag, src=self._global_rank(0), group=self.process_group)
-                told = flag.tolist()
-                if told[-1]:  # a sharded version: every owner sends its share of every class
-                    blob = torch.frombuffer(bytearray(lanes or bytes(told[-1])), dtype=torch.uint8)
-                    blob = blob.to(_group_device(self.process_group))
+                length = torch.tensor([len(raw)], dtype=torch.int64, device=device)
+                dist.broadcast(length, src=self._global_rank(0), group=self.process_group)
+                size = int(length.item())
+                if size:
+                    blob = torch.frombuffer(bytearray(raw or bytes(size)), dtype=torch.uint8).to(device)
                     dist.broadcast(blob, src=self._global_rank(0), group=self.process_group)
-                    lanes = bytes(blob.cpu().tolist())
+                    raw = blob.cpu().numpy().tobytes()
         except TrainerGroupError as exc:
             if mine is not None:  # taken off the queue: nobody else will say why it never came
                 self._give_up(mine.version, exc)
             raise
-        if mine is not None:
+        if mine is not None or not size:
             return mine
-        agreed = _decode(told[:-1])
-        return agreed.model_copy(update={"classes": _decode_lanes(lanes)}) if agreed is not None and lanes else agreed
+        return decode(Assignment, raw)
 
     def _next_due(self) -> Assignment | None:
         """The next version to serve, once the previous transfer has ended. While that one still runs (e.g. it
@@ -463,43 +462,3 @@ def _group_device(group: dist.ProcessGroup | None) -> torch.device:
     if backend == "hccl":
         return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
     return torch.device("cpu")
-
-
-# What rank 0 tells the other ranks at a boundary (int64): version, mode (index in MODES + 1; 0: nothing due),
-# sparse, sparse_base + 1, source_version + 1 (0: None), sync-group generation and size, owners, then the
-# versions every rank's cache keeps for repairs (+ 1 each; 0: none).
-_AGREEMENT = 8 + MAX_KEPT
-
-
-def _encode(assignment: Assignment | None) -> list[int]:
-    if assignment is None:
-        return [0] * _AGREEMENT
-    keep = [v + 1 for v in assignment.keep[:MAX_KEPT]]
-    return [assignment.version, MODES.index(assignment.mode) + 1, int(assignment.sparse),
-            _plus_one(assignment.sparse_base), _plus_one(assignment.source_version), assignment.generation,
-            assignment.world_size, assignment.owners, *keep, *[0] * (MAX_KEPT - len(keep))]
-
-
-def _decode(values: list[int]) -> Assignment | None:
-    version, mode, sparse, base, source, generation, world_size, owners = values[:8]
-    if mode == 0:
-        return None
-    return Assignment(kind="send", version=version, mode=MODES[mode - 1], sparse=bool(sparse),
-                      sparse_base=base - 1 if base else None, source_version=source - 1 if source else None,
-                      generation=generation, world_size=world_size, rank=0, owners=owners,
-                      keep=[v - 1 for v in values[8:_AGREEMENT] if v])
-
-
-def _encode_lanes(assignment: Assignment | None) -> bytes:
-    """A sharded version's classes for the other trainer ranks (msgpack: never pickle between processes)."""
-    if assignment is None or not assignment.classes:
-        return b""
-    return msgpack.packb([lane.model_dump() for lane in assignment.classes], use_bin_type=True)
-
-
-def _decode_lanes(raw: bytes) -> list[ClassLane]:
-    return [ClassLane.model_validate(lane) for lane in msgpack.unpackb(raw, raw=False)]
-
-
-def _plus_one(value: int | None) -> int:
-    return 0 if value is None else value + 1

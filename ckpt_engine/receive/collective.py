@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ckpt_engine.codec import decode
 from ckpt_engine.errors import CkptEngineError, ProtocolError, StagingUnavailable
 from ckpt_engine.plan.layout import Bucket, Layout
 from ckpt_engine.plan.modes import DEFAULT_STAGING, Staging
@@ -29,7 +30,7 @@ from ckpt_engine.receive.assembly import (
 from ckpt_engine.receive.streamed import receive_streamed
 from ckpt_engine.transport.framing import Channel, Frame, FrameKind
 from ckpt_engine.transport.group import SyncGroup
-from ckpt_engine.transport.messages import AbortMessage, VersionHeader, VersionTrailer, decode
+from ckpt_engine.transport.messages import AbortMessage, VersionHeader, VersionTrailer
 
 log = logging.getLogger(__name__)
 __all__ = ["LoadFn", "ReceiveResult", "Receiver", "VersionPayload"]

@@ -13,12 +13,13 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ckpt_engine.codec import decode
 from ckpt_engine.device import DeviceInfo, stream_synchronize
 from ckpt_engine.errors import CkptEngineError, ProtocolError, StagingUnavailable, SyncTimeoutError
 from ckpt_engine.plan.layout import Bucket, Layout
 from ckpt_engine.receive.assembly import Incoming, LoadFn, ReceiveResult, SenderAborted, VersionAssembler
 from ckpt_engine.receive.streamed import receive_streamed
-from ckpt_engine.transport.messages import VersionHeader, VersionTrailer, decode
+from ckpt_engine.transport.messages import VersionHeader, VersionTrailer
 from ckpt_engine.transport.same_host import IPC_PROTO, FramedSocket, PeerGone, abstract_address, map_slot
 
 log = logging.getLogger(__name__)

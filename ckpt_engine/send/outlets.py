@@ -12,12 +12,13 @@ from typing import Any, Protocol
 
 import torch
 
+from ckpt_engine.codec import encode
 from ckpt_engine.device import stream_synchronize
 from ckpt_engine.errors import CkptEngineError, ProtocolError, ReceiversAbsent, SyncTimeoutError
 from ckpt_engine.plan.layout import Bucket
 from ckpt_engine.ranks import GroupRank, QuorumRank, plain_seat
 from ckpt_engine.transport.framing import Channel, Frame, FrameKind
-from ckpt_engine.transport.messages import AbortMessage, Ack, encode
+from ckpt_engine.transport.messages import AbortMessage, Ack
 from ckpt_engine.transport.same_host import IpcHub, IpcPeer, SharedSlot
 
 log = logging.getLogger(__name__)

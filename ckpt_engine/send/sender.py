@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ckpt_engine.codec import encode
 from ckpt_engine.device import DeviceInfo, DigestAlgo, comm_empty, current_stream, new_stream, on_stream, set_current
 from ckpt_engine.errors import CkptEngineError, ConfigError, ProtocolError, ReceiversAbsent
 from ckpt_engine.plan.hashing import bucket_digests, version_digest
@@ -53,7 +54,6 @@ from ckpt_engine.transport.messages import (
     LayoutMessage,
     VersionHeader,
     VersionTrailer,
-    encode,
 )
 from ckpt_engine.transport.same_host import IpcHub
 

@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
+from ckpt_engine.codec import decode, encode
 from ckpt_engine.errors import ProtocolError
 from ckpt_engine.plan.hashing import host_buffer
 from ckpt_engine.transport.group import SyncGroup
-from ckpt_engine.transport.messages import PROTO_VERSION, SUPPORTED_PROTOS, Ack, decode, encode
+from ckpt_engine.transport.messages import PROTO_VERSION, SUPPORTED_PROTOS, Ack
 
 MAGIC = 0x434B5054  # "CKPT"
 CONTROL_LEN = 8

@@ -6,10 +6,7 @@ optional with a safe default, and required fields are only ever added with a new
 
 from __future__ import annotations
 
-from typing import TypeVar
-
-import msgpack
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from ckpt_engine.errors import ProtocolError
 from ckpt_engine.plan.layout import Layout, TensorSpec, check_same_layout, plan_layout
@@ -20,7 +17,6 @@ PROTO_VERSION = 1
 # that cannot put pieces together refuses it at the first frame ("protocol 2 is not supported").
 PROTO_CHUNKED = 2
 SUPPORTED_PROTOS = (PROTO_VERSION, PROTO_CHUNKED)
-MAX_MESSAGE_BYTES = 64 << 20
 
 
 
@@ -109,26 +105,3 @@ class Ack(_Message):
     reason: str | None = None
     bad_tensors: list[str] = Field(default_factory=list)
     seconds: dict[str, float] = Field(default_factory=dict)
-
-
-M = TypeVar("M", bound=_Message)
-
-
-def encode(message: _Message) -> bytes:
-    return msgpack.packb(message.model_dump(mode="json"), use_bin_type=True)
-
-
-def decode(kind: type[M], raw: bytes) -> M:
-    """Parse a message; anything malformed, truncated or oversized is a ProtocolError."""
-    if len(raw) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"{kind.__name__} of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    try:
-        data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise ProtocolError(f"undecodable {kind.__name__}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ProtocolError(f"{kind.__name__} must be a map, got {type(data).__name__}")
-    try:
-        return kind.model_validate(data)
-    except ValidationError as exc:
-        raise ProtocolError(f"invalid {kind.__name__}: {exc.errors()[0]}") from exc

@@ -7,7 +7,6 @@ expected digest, the versions to keep, the failed ones to drop)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -15,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ckpt_engine.codec import decode, encode
 from ckpt_engine.config import EngineConfig
 from ckpt_engine.config.knobs import Settled, settle
 from ckpt_engine.errors import CkptEngineError, ConfigError
@@ -32,6 +32,8 @@ from .sync import (
     _MAX_WAIT_S,
     _PEER,
     BACKEND,
+    ChangeFlags,
+    SyncAnnouncement,
     VerificationFailed,
     VerlSync,
     _node_address,
@@ -67,11 +69,11 @@ class VerlActor(VerlSync):
         self._versions += 1
         return {"role": _MASTER, "host": host, "port": int(self._server.port)}
 
-    def _join(self, store: Any, rank: int, receivers: list[str] | None, actors: int) -> dict[str, Any]:
+    def _join(self, store: Any, rank: int, receivers: list[str] | None, actors: int) -> SyncAnnouncement:
         if self.endpoint and not self.is_master:  # (rank 0 registers as it announces)
             self._daemon("trainer", rank, actors)
         sync = self._announce(store, receivers, actors) if self.is_master else self._announced(store)
-        self._drop(sync.get("drop", []))
+        self._drop(sync.drop)
         return sync
 
     def _store_for(self, host: str, port: int) -> Any:
@@ -160,13 +162,13 @@ class VerlActor(VerlSync):
             self._agent.abandoned(version, reason)
             self._open = None
 
-    def _announce(self, store: Any, receivers: list[str] | None, actors: int) -> dict[str, Any]:
+    def _announce(self, store: Any, receivers: list[str] | None, actors: int) -> SyncAnnouncement:
         """Actor rank 0: this sync's version, from the daemon when there is one, told to every rank and worker
         on the store (with the reason when there is none, so everyone fails this sync alike)."""
         try:
             if receivers is None:  # (no daemon: the cache keeps the last version every worker took)
-                sync: dict[str, Any] = {"version": self._versions,
-                                        "keep": [self.last_version] if self.last_version is not None else []}
+                fields: dict[str, Any] = {"version": self._versions,
+                                          "keep": [self.last_version] if self.last_version is not None else []}
                 settled = settle(self.knobs, EngineConfig())  # (the deployment's defaults where verl sets none)
             else:
                 agent = self._daemon("trainer", 0, actors)  # (registered within the daemon bound)
@@ -176,25 +178,25 @@ class VerlActor(VerlSync):
                 agent.flush_reports(max(deadline - time.monotonic(), 0.0))
                 record = agent.open_version(receivers, knobs=self.knobs, deadline=deadline,
                                             limit_s=min(3 * self.timeout_s + self.load_timeout_s, _MAX_WAIT_S))
-                sync = {"version": int(record["id"]), "source_version": record.get("source_version"),
-                        "expected_digest": record.get("expected_digest"), "keep": record.get("keep") or []}
-                self._open = sync["version"]
+                fields = {"version": int(record["id"]), "source_version": record.get("source_version"),
+                          "expected_digest": record.get("expected_digest"), "keep": record.get("keep") or []}
+                self._open = fields["version"]
                 settled = Settled.from_wire(record.get("knobs") or {})  # the daemon settled them (its YAML's)
-                if sync["source_version"] is not None and record.get("owners") != actors:
-                    raise ConfigError(f"version {sync['source_version']} was cached by {record.get('owners')} actor "
-                                      f"ranks, this job has {actors}: it cannot be sent again")
+                if fields["source_version"] is not None and record.get("owners") != actors:
+                    raise ConfigError(f"version {fields['source_version']} was cached by {record.get('owners')} "
+                                      f"actor ranks, this job has {actors}: it cannot be sent again")
                 self._judge_unjudged(agent, deadline)
         except CkptEngineError as exc:
             self._abandon_open(str(exc))
-            store.set(_ANNOUNCEMENT, json.dumps({"error": str(exc)}))
+            store.set(_ANNOUNCEMENT, encode(SyncAnnouncement(error=str(exc))))
             raise
         for line in settled.overrides:  # once each (the version's record says it every time)
             if line not in self._overrides_logged:
                 self._overrides_logged.add(line)
                 log.warning("%s: %s", BACKEND, line)
-        sync["knobs"] = settled.to_wire()
-        sync["drop"], self._failed = self._failed, []
-        store.set(_ANNOUNCEMENT, json.dumps(sync))
+        sync = SyncAnnouncement(**fields, knobs=settled.to_wire(), drop=self._failed)
+        self._failed = []
+        store.set(_ANNOUNCEMENT, encode(sync))
         return sync
 
     def _judge_unjudged(self, agent: VerlAgent, deadline: float) -> None:
@@ -217,12 +219,12 @@ class VerlActor(VerlSync):
         store = self._store
 
         def agree(vector: list[int]) -> list[int]:
-            bounded(lambda: store.set(f"{_CHANGES}/{rank}", json.dumps(vector)), self.timeout_s,
+            bounded(lambda: store.set(f"{_CHANGES}/{rank}", encode(ChangeFlags(flags=vector))), self.timeout_s,
                     "publishing this rank's change flags")
             merged = list(vector)
             for other in range(actors):
                 if other != rank:
-                    theirs = json.loads(wait_for_key(store, f"{_CHANGES}/{other}", self.timeout_s))
+                    theirs = decode(ChangeFlags, wait_for_key(store, f"{_CHANGES}/{other}", self.timeout_s)).flags
                     if len(theirs) != len(merged):
                         raise CkptEngineError(f"actor rank {other} planned {len(theirs)} change flags, this rank "
                                               f"{len(merged)}: the ranks' generators yielded different tensors")

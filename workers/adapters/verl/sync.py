@@ -29,18 +29,19 @@ worker's, and backend.py verl's class, which opens the side verl asks for.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
+from ckpt_engine.codec import decode
 from ckpt_engine.config import EngineConfig
 from ckpt_engine.config.knobs import Settled, check_knobs, settle
-from ckpt_engine.control.messages import parse_shard_spec
+from ckpt_engine.control.messages import MAX_KEPT, parse_shard_spec
 from ckpt_engine.device import DeviceInfo, detect_device
-from ckpt_engine.errors import CkptEngineError, ConfigError, SyncTimeoutError
+from ckpt_engine.errors import CkptEngineError, ConfigError, ProtocolError, SyncTimeoutError
 from ckpt_engine.plan.modes import Staging
 from ckpt_engine.plan.shards import spec_key, spec_to_wire
 from ckpt_engine.send.classes import Lane
@@ -53,6 +54,28 @@ from .options import BACKEND, MAX_WAIT_S, WHERE, VerlOptions
 log = logging.getLogger(__name__)
 _MASTER, _PEER = "master", "peer"
 _ANNOUNCEMENT = "ckpt-engine/verl/version"  # on actor rank 0's store: this sync's version (or why none)
+
+
+class SyncAnnouncement(BaseModel):
+    """What actor rank 0 tells every actor rank and rollout worker about one sync, on its store, in the one wire
+    form (``ckpt_engine.codec``): the version and how to send it, or why there is none (``error``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    version: int | None = None
+    source_version: int | None = None  # a rollback: the cached version sent again under ``version``
+    expected_digest: str | None = Field(None, max_length=64)
+    keep: list[int] = Field(default_factory=list, max_length=MAX_KEPT)
+    knobs: dict[str, Any] = Field(default_factory=dict)  # Settled.to_wire(): what every rank runs this sync with
+    drop: list[int] = Field(default_factory=list, max_length=1 << 16)  # versions every cache drops (failed)
+    error: str | None = None
+
+
+class ChangeFlags(BaseModel):
+    """A sparse version: one actor rank's change flag per planned tensor, for the others to merge (on the store)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    flags: list[int] = Field(max_length=1 << 24)
+
 _CHANGES = "ckpt-engine/verl/changes"  # sparse versions: each actor rank's change flags
 _DAEMON_WAIT_S = 30.0  # at most, per step of a sync that asks the daemon (registering, opening its version)
 _REPORT_WAIT_S = 30.0  # how long an outcome may take to reach the daemon (it retries with backoff meanwhile)
@@ -194,15 +217,17 @@ class VerlSync:
         store = self._store_for(host, port)
         self._store = store
         sync = self._join(store, rank, receivers, actors)
-        version = sync["version"]
+        version = sync.version
+        if version is None:  # (an announcement without one carries its error: _announced raised it)
+            raise CkptEngineError(f"{BACKEND}: actor rank 0 announced no version for this sync")
         try:
-            self._take_knobs(Settled.from_wire(sync["knobs"]))
+            self._take_knobs(Settled.from_wire(sync.knobs))
         except (KeyError, TypeError, ConfigError) as exc:
             raise CkptEngineError(f"{BACKEND}: actor rank 0 announced no usable knobs for version {version}: "
                                   f"{exc}") from None
         self._topology = {"role": role, "rank": rank, "version": version, "actors": actors, "rollouts": rollouts,
-                          "source_version": sync.get("source_version"), "sparse_base": sparse_base,
-                          "expected_digest": sync.get("expected_digest"), "keep": sync.get("keep") or []}
+                          "source_version": sync.source_version, "sparse_base": sparse_base,
+                          "expected_digest": sync.expected_digest, "keep": sync.keep}
 
         # (rollout worker r is rank 1 + r of every group, and so receiver 1 + r of the version: how the daemon's
         # reasons, its page and the CLI name it)
@@ -270,7 +295,7 @@ class VerlSync:
         raise CkptEngineError(f"{BACKEND}: this is an actor rank; only a rollout worker receives weights")
         yield  # (an async generator, as verl's contract has it)
 
-    def _join(self, store: Any, rank: int, receivers: list[str] | None, actors: int) -> dict[str, Any]:
+    def _join(self, store: Any, rank: int, receivers: list[str] | None, actors: int) -> SyncAnnouncement:
         """This side's part of init_process_group: the sync's announcement (the version and what goes with it)."""
         return self._announced(store)
 
@@ -300,16 +325,21 @@ class VerlSync:
             raise CkptEngineError(f"{BACKEND}: actor rank 0's rendezvous store for this sync did not answer (is "
                                   f"actor rank 0 alive?): {exc}") from exc
 
-    def _announced(self, store: Any) -> dict[str, Any]:
+    def _announced(self, store: Any) -> SyncAnnouncement:
         # rank 0 may take its daemon bound (registering, then opening the version) on top of the rendezvous
         wait_s = self.timeout_s + (2 * self._daemon_s + 5.0 if self.endpoint else 0.0)
         try:
-            sync = json.loads(wait_for_key(store, _ANNOUNCEMENT, wait_s))
-        except (RuntimeError, ValueError, SyncTimeoutError) as exc:
+            raw = wait_for_key(store, _ANNOUNCEMENT, wait_s)
+        except (RuntimeError, SyncTimeoutError) as exc:
             raise CkptEngineError(f"{BACKEND}: actor rank 0 did not announce this sync's version within "
                                   f"{wait_s:.0f}s (is it alive?): {exc}") from exc
-        if "error" in sync:
-            raise CkptEngineError(f"{BACKEND}: no version for this sync: {sync['error']}")
+        try:
+            sync = decode(SyncAnnouncement, raw)
+        except ProtocolError as exc:
+            raise CkptEngineError(f"{BACKEND}: actor rank 0's announcement of this sync is unreadable "
+                                  f"(another ckpt-engine version?): {exc}") from exc
+        if sync.error is not None or sync.version is None:
+            raise CkptEngineError(f"{BACKEND}: no version for this sync: {sync.error or 'none announced'}")
         return sync
 
     # ---- internals -------------------------------------------------------------------------------------
