@@ -41,18 +41,19 @@ from ckpt_engine.server.decisions import quorum as rules
 from ckpt_engine.server.decisions.agent_record import AgentRecord
 from ckpt_engine.server.decisions.cadence import CatchUpPause, offer
 from ckpt_engine.server.decisions.policy import FRAMEWORK, policy_of
-from ckpt_engine.server.decisions.repair import plan_catch_up, repair_source
+from ckpt_engine.server.decisions.repair import plan_catch_up
+from ckpt_engine.server.decisions.tick_health import TickHealth
 from ckpt_engine.server.errors import BadRequest, Conflict, Forbidden, NotFound, Unavailable
 from ckpt_engine.server.flights import Flights
 from ckpt_engine.server.framework import FrameworkSyncs
-from ckpt_engine.server.history import TERMINAL, HistoryStore, StorageUnavailable, VersionRecord
+from ckpt_engine.server.history import HistoryStore, StorageUnavailable, VersionRecord
 from ckpt_engine.server.metrics import Metrics
+from ckpt_engine.server.quorum_view import QuorumView
 from ckpt_engine.server.receivers_view import receiver_rows_of
 from ckpt_engine.server.registrar import Registrar
 from ckpt_engine.server.state_view import StateView
 
 log = logging.getLogger(__name__)
-_TICK_FAILING_S = 5.0  # ticks failing this long make /health say not ok
 _EVENTS_OF = {"trainer": {"snapshotting", "transferring", "verifying", "done", "evicted"},
               "receiver": {"staged", "received"}, "driver": {"applied"}}
 # the credential an agent of each kind registers (and speaks) with
@@ -78,12 +79,12 @@ class Controller:
                                         self._require_storage)
         self._last_tick = clock()
         self._catch_up_pause = CatchUpPause()
-        self._tick_failing_since: float | None = None
-        self._tick_error: str | None = None
+        self.tick_health = TickHealth()  # the daemon's ticker says how its calls of tick() went
         self._kept: list[int] = []  # what the trainer was last told to keep in its cache for repairs
         self.started_at = time.time()
+        self.quorum = QuorumView(config, history, self.agents, self.book, self.flights)
         self.view = StateView(config, history, self.agents, self.book, self.flights, self.framework,
-                              config.timeouts.heartbeat_s, self._repair_source)
+                              config.timeouts.heartbeat_s, self.quorum.repair_source)
 
     @property
     def heartbeat_s(self) -> float:
@@ -182,7 +183,7 @@ class Controller:
         why not (its lag is added outside the lock: server/receivers_view.py)."""
         with self._lock:
             now = self.clock()
-            return self.view.agents_public({r.agent_id for r in self._candidates(now)}, now)
+            return self.view.agents_public({r.agent_id for r in self.quorum.candidates(now)}, now)
 
     # ---- versions -----------------------------------------------------------------------------------
     def request_sync(self, request: SyncRequest) -> VersionRecord:
@@ -195,7 +196,7 @@ class Controller:
         with self._lock:
             trainer = self._open_slot()
             now = self.clock()
-            receivers = self._candidates(now)
+            receivers = self.quorum.candidates(now)
             due = offer(receivers)
             if receivers and not due:
                 record = self._create(mode=mode, step=request.step)
@@ -221,7 +222,7 @@ class Controller:
                 return self.framework.queue_push(record, trainer)
             trainer = self._open_slot()
             pushed = self._create(mode="cached", step=record.step, source_version=version)
-            self._start(pushed, trainer, self._candidates(self.clock()), self.clock(), source=record)
+            self._start(pushed, trainer, self.quorum.candidates(self.clock()), self.clock(), source=record)
             return pushed
 
     def framework_sync(self, request: FrameworkSyncRequest, roles: Set[str]) -> dict:
@@ -239,7 +240,8 @@ class Controller:
             except ConfigError as exc:
                 raise BadRequest(str(exc)) from None
             self._kept = self.book.kept_for_repairs(settled.keep_versions)
-            return self.framework.open(request, opener, settled, self._kept, self._quorum_problem)
+            return self.framework.open(request, opener, settled, self._kept,
+                                       lambda trainer, quorum: self.quorum.problem(trainer, quorum, self.clock()))
 
     def _open_slot(self) -> AgentRecord | None:
         """Nothing in flight, the history writable, and a trainer the daemon drives: the trainer (or None)."""
@@ -260,24 +262,14 @@ class Controller:
                sparse: bool = False, source: VersionRecord | None = None) -> None:
         """Start a version the daemon drives, or record why it cannot (503 with the failed record)."""
         receivers = rules.within_class_limit(receivers)
-        problem = self._quorum_problem(trainer, receivers, now)
+        problem = self.quorum.problem(trainer, receivers, now)
         if problem is None:
-            owners, colocated, problem = self._routes(trainer, receivers, source, now)  # type: ignore[arg-type]
+            owners, colocated, problem = self.quorum.routes(trainer, receivers, source, now)  # type: ignore[arg-type]
         if problem:
             raise Unavailable(problem, self.flights.fail_unstarted(record.id, problem).to_dict())
         self._launch(record, trainer, receivers, colocated, owners, source=source,  # type: ignore[arg-type]
                      sparse_base=rules.sparse_base(receivers) if sparse and source is None else None,
                      sparse=sparse and source is None, purpose="push" if source is not None else "sync")
-
-    def _routes(self, trainer: AgentRecord, receivers: list[AgentRecord], source: VersionRecord | None,
-                now: float) -> tuple[int, list[AgentRecord], str | None]:
-        """How many trainer ranks own the version, which receivers take the same-host path, and why it cannot
-        go (None: it can)."""
-        source_owners = source.owners if source else None
-        owners = rules.owners_for(trainer, self.agents.trainers(), source_owners, self.config.transport, now,
-                                  self.heartbeat_s)
-        colocated, problem = rules.transports(trainer, receivers, owners, self.config.transport)
-        return owners, colocated, problem
 
     def _launch(self, record: VersionRecord, trainer: AgentRecord, receivers: list[AgentRecord],
                 colocated: list[AgentRecord], owners: int, *, source: VersionRecord | None,
@@ -294,40 +286,11 @@ class Controller:
             sending = self.history.get(flight.version) if flight is not None and flight.purpose == "push" else None
             return self.book.ask_evict(version, sending)
 
-    def evicted(self, version: int) -> VersionRecord | None:
-        """The record once the trainer no longer caches ``version``, else None."""
-        record = self.history.get(version)
-        if record is None:
-            raise NotFound(f"version {version} is unknown")
-        return None if record.cached else record
-
-    def terminal(self, version: int) -> VersionRecord | None:
-        """The record once ``version`` has ended, else None."""
-        record = self.history.get(version)
-        if record is None:
-            raise NotFound(f"version {version} is unknown")
-        return record if record.status in TERMINAL else None
-
     def status(self) -> dict:
         with self._lock:
             return self.view.status(self.clock(), self.started_at)
 
     # ---- the periodic work --------------------------------------------------------------------------
-    def tick_failed(self, error: str) -> None:
-        if self._tick_failing_since is None:
-            self._tick_failing_since = self.clock()
-        self._tick_error = error
-
-    def tick_succeeded(self) -> None:
-        self._tick_failing_since, self._tick_error = None, None
-
-    def tick_problem(self) -> str | None:
-        """Why the periodic work (expiry, timeouts, repairs) has kept failing for a while, if it has."""
-        since = self._tick_failing_since
-        if since is None or self.clock() - since < _TICK_FAILING_S:
-            return None
-        return f"the controller's periodic work has failed for {self.clock() - since:.0f}s: {self._tick_error}"
-
     def tick(self) -> None:
         """Expire silent agents, end versions past their time limit, write what storage still owes, and bring
         a version to receivers that hold none (called periodically)."""
@@ -379,13 +342,13 @@ class Controller:
         if trainer is None or not policy_of(trainer.framework).catches_up or self._catch_up_pause.holds(now):
             return
         latest = self.history.latest(status="committed")
-        plan = plan_catch_up(self._candidates(now, regular=False), now, latest.id if latest else None,
+        plan = plan_catch_up(self.quorum.candidates(now, regular=False), now, latest.id if latest else None,
                              self.book.cached_source)
         source = self.history.get(plan.source) if plan is not None else None
         if plan is None or source is None or not rules.heard(trainer, now, self.heartbeat_s):
             return
         receivers = rules.within_class_limit(plan.receivers)
-        owners, colocated, problem = self._routes(trainer, receivers, source, now)
+        owners, colocated, problem = self.quorum.routes(trainer, receivers, source, now)
         if problem:
             return
         try:
@@ -433,23 +396,6 @@ class Controller:
         if not storage.ok and not self.history.flush():  # a retry at most once per backoff: no stall per request
             raise Unavailable(f"history storage is degraded ({storage.error}); no new version until it can be "
                               "written (reads still work)")
-
-    def _repair_source(self, receiver: AgentRecord) -> int | None:
-        latest = self.history.latest(status="committed")
-        return repair_source(receiver, latest.id if latest else None, self.book.cached_source)
-
-    def _candidates(self, now: float, *, regular: bool = True) -> list[AgentRecord]:
-        return rules.candidates(self.agents.receivers(), self.agents.drivers(), now, self.heartbeat_s,
-                                regular=regular, repair_source=self._repair_source,
-                                admit_new=self.flights.gate.admits(now), min_receivers=self.config.min_receivers)
-
-    def _quorum_problem(self, trainer: AgentRecord | None, receivers: list[AgentRecord],
-                        now: float | None = None) -> str | None:
-        now = self.clock() if now is None else now
-        gate = self.flights.gate
-        return rules.quorum_problem(trainer, receivers, self.agents.receivers(), self.agents.drivers(),
-                                    self.config.min_receivers, now, self.heartbeat_s, self._repair_source,
-                                    None if gate.admits(now) else gate.reason)
 
 
 __all__ = ["FRAMEWORK", "Controller"]

@@ -144,10 +144,10 @@ class Daemon:
             try:
                 self.controller.tick()
                 failures.succeeded()
-                self.controller.tick_succeeded()
+                self.controller.tick_health.succeeded()
             except Exception as exc:  # noqa: BLE001 - logged once, then periodically, /health says so: the ticker lives
                 failures.failed(f"{type(exc).__name__}: {exc}")
-                self.controller.tick_failed(f"{type(exc).__name__}: {exc}")
+                self.controller.tick_health.failed(f"{type(exc).__name__}: {exc}", self.controller.clock())
 
     def _warn_if_exposed(self) -> None:
         exposed = self.exposed_binds(self.config)

@@ -205,7 +205,8 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
         if not body.wait:
             return JSONResponse({"version": version, "status_url": str(request.url_for("version", version=version))},
                                 status_code=202)
-        final = await wait_for(lambda: controller.terminal(version), body.timeout_s or config.timeouts.version_s)
+        final = await wait_for(lambda: _ended(controller.history.get(version)),
+                               body.timeout_s or config.timeouts.version_s)
         final = final or controller.history.get(version)
         return JSONResponse(final.to_dict(), status_code=200 if final.status == "committed" else  # type: ignore[union-attr]
                             (504 if final.status not in TERMINAL else 502))  # type: ignore[union-attr]
@@ -247,7 +248,7 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
         if waiting.locked():
             raise TooManyRequests(f"{_MAX_WAITING} requests are waiting already; retry later")
         await anyio.to_thread.run_sync(lambda: call("evict", request, VersionRef(version=version)))
-        record = await wait_for(lambda: controller.evicted(version), _EVICT_WAIT_S)
+        record = await wait_for(lambda: _uncached(controller.history.get(version)), _EVICT_WAIT_S)
         if record is None:
             raise Unavailable(f"the trainer did not confirm eviction of version {version} in {_EVICT_WAIT_S:.0f}s")
         return record.to_dict()
@@ -272,7 +273,7 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
              responses={503: {"model": Health, "description": "the controller's periodic work keeps failing"},
                         **error_responses(413)})
     async def health() -> Any:
-        problem = controller.tick_problem()
+        problem = controller.tick_health.problem(controller.clock())
         body = {"ok": problem is None, "degraded": controller.history.degraded, "problem": problem}
         return body if problem is None else JSONResponse(body, status_code=503)
 
@@ -285,6 +286,16 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
     add_page(app)
     add_api_docs(app)
     return app
+
+
+def _ended(record: VersionRecord | None) -> VersionRecord | None:
+    """The record once its version has ended (committed, failed, ...), else None."""
+    return record if record is not None and record.status in TERMINAL else None
+
+
+def _uncached(record: VersionRecord | None) -> VersionRecord | None:
+    """The record once the trainer no longer caches its version, else None."""
+    return record if record is not None and not record.cached else None
 
 
 def _json(body: Any) -> Response:

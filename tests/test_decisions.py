@@ -326,3 +326,17 @@ def test_a_refused_sync_holds_catch_ups_for_two_rendezvous_bounds_and_a_margin()
     assert not pause.holds(NOW)
     pause.sync_refused(NOW, connect_s=8.0)
     assert pause.holds(NOW + 20.9) and not pause.holds(NOW + 21.0)
+
+
+def test_the_periodic_work_is_unhealthy_only_after_failing_for_a_while() -> None:
+    from ckpt_engine.server.decisions.tick_health import FAILING_S, TickHealth
+
+    health = TickHealth()
+    assert health.problem(100.0) is None
+    health.failed("OSError: disk", 100.0)
+    assert health.problem(100.0 + FAILING_S / 2) is None  # one failure: logged and retried, still healthy
+    health.failed("OSError: disk again", 101.0)  # the first failure's time counts, the last error is named
+    problem = health.problem(100.0 + FAILING_S + 1)
+    assert problem is not None and "disk again" in problem and f"{FAILING_S + 1:.0f}s" in problem
+    health.succeeded()
+    assert health.problem(1000.0) is None

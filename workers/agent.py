@@ -11,28 +11,26 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import queue
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckpt_engine.control.auth import TOKEN_OF_AGENT, client_token
-from ckpt_engine.control.client import ControlClient, ControlReplyError, RequestAbandoned
+from ckpt_engine.control.client import ControlClient, ControlReplyError
 from ckpt_engine.control.messages import TERMINAL, Assignment, RegisterReply, clip_reasons, longest_poll_wait
 from ckpt_engine.device import DeviceInfo, detect_device
 from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.retry import Backoff, FailureLog
 from ckpt_engine.transport.group import SyncGroup, open_store, owner_part
 from ckpt_engine.transport.same_host import host_identity
+from ckpt_engine.workers.reports import ReportOutbox
+from ckpt_engine.workers.threads import supervised
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
 
 log = logging.getLogger(__name__)
-# replies after which retrying the same request cannot help
-_FINAL_ERRORS = {"bad request", "not found", "conflict", "forbidden", "unauthorized"}
 
 
 def registration_lost(exc: ControlReplyError) -> bool:
@@ -45,24 +43,6 @@ def registration_wait(register_wait_s: float, first_retry_after_s: float) -> flo
     enough for the daemon's first answer (when that place could be taken: a long heartbeat makes it long), with
     room to spare; bounded (an hour), since a live holder keeps pushing that answer back."""
     return max(register_wait_s, 2 * min(first_retry_after_s, 3600.0) + 5.0)
-
-
-def supervised(target: Callable[[], None], name: str, on_death: Callable[[BaseException], None] | None = None
-               ) -> threading.Thread:
-    """A daemon thread whose unexpected death is logged with its traceback and handed to ``on_death``."""
-
-    def run() -> None:
-        try:
-            target()
-        except BaseException as exc:
-            log.exception("thread %s died", name)
-            if on_death is not None:
-                try:
-                    on_death(exc)
-                except Exception:
-                    log.exception("handling the death of thread %s failed", name)
-
-    return threading.Thread(target=run, name=name, daemon=True)
 
 
 class Agent:
@@ -91,9 +71,7 @@ class Agent:
         self._client = ControlClient(endpoint, timeout_s=request_timeout_s, token=self.token)
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
-        # Reports go out from a thread of their own, in order: the training loop never waits on the daemon.
-        self._reports: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self._reporter = supervised(self._report_loop, f"ckpt-{self.role}-report")
+        self._outbox = ReportOutbox(self._client, lambda: self.settings, self._stop, role=self.role, endpoint=endpoint)
         self._received: str | None = None  # key of the last assignment got, acknowledged by the next poll
         # (agent id, assignment key) of what was handled: delivery is at least once
         self._handled: collections.deque[tuple[str, str]] = collections.deque(maxlen=64)
@@ -112,7 +90,6 @@ class Agent:
         self._group_lock = threading.Lock()
         self._register_lock = threading.Lock()  # registering again: once, whichever thread notices first
         self._poll_failures = FailureLog(log, f"{self.role} agent: polling the daemon at {endpoint}")
-        self._report_failures = FailureLog(log, f"{self.role} agent: reporting to the daemon at {endpoint}")
 
     @property
     def agent_id(self) -> str:
@@ -123,14 +100,14 @@ class Agent:
     @property
     def problem(self) -> str | None:
         """What is failing right now (polling or reporting), or None when the agent works normally."""
-        for failures in (self._poll_failures, self._report_failures):
+        for failures in (self._poll_failures, self._outbox.failures):
             if failures.last_error is not None:
                 return f"{failures.what}: {failures.last_error} (for {failures.failing_for_s:.0f}s)"
         return None
 
     def start(self) -> Self:
         self._register_when_free()
-        self._reporter.start()
+        self._outbox.start()
         self.on_registered()
         self._poller = supervised(self._poll_loop, f"ckpt-{self.role}-poll", self._poll_loop_died)
         self._poller.start()
@@ -140,9 +117,7 @@ class Agent:
         self._stop.set()
         if self._poller is not None:
             self._poller.join(self.poll_wait_s + self.request_timeout_s)
-        if self._reporter.is_alive():  # deliver what is queued (each delivery is bounded) before leaving
-            self._reports.put(None)
-            self._reporter.join(2 * self.request_timeout_s)
+        self._outbox.close(2 * self.request_timeout_s)
         if self.settings is not None:
             try:
                 self._client.request("unregister", self._identity(), timeout_s=2.0)
@@ -154,12 +129,11 @@ class Agent:
     def report(self, version: int, event: str, **fields: Any) -> None:
         """Tell the daemon about progress, without waiting: reports are delivered in order by a background
         thread; one that cannot be delivered is logged, never raised."""
-        self._reports.put(clip_reasons({**self._identity(), "version": version, "event": event, **fields}))
+        self._outbox.put(clip_reasons({**self._identity(), "version": version, "event": event, **fields}))
 
     def flush_reports(self, timeout_s: float) -> bool:
         """Wait until every queued report has been delivered (or given up on); False on timeout."""
-        with self._reports.all_tasks_done:
-            return self._reports.all_tasks_done.wait_for(lambda: self._reports.unfinished_tasks == 0, timeout_s)
+        return self._outbox.flush(timeout_s)
 
     def wait_ended(self, version: int, deadline: float) -> dict[str, Any] | None:
         """``version``'s record once the daemon has ended it (committed, failed, ...); None at ``deadline``."""
@@ -179,54 +153,6 @@ class Agent:
         if settings is None:
             raise CkptEngineError("agent is not registered")
         return {"agent_id": settings.agent_id, "session": settings.session}
-
-    def _report_loop(self) -> None:
-        while (body := self._reports.get()) is not None:
-            try:
-                self._deliver(body)
-            except Exception:  # one undeliverable report must not end the delivery of the others
-                log.exception("report %s of version %s could not be delivered", body.get("event"), body.get("version"))
-            finally:
-                self._reports.task_done()
-        self._reports.task_done()
-
-    def _deliver(self, body: dict[str, Any]) -> None:
-        # An outcome lost on the way (connection cut, reply lost, daemon busy) would leave the version hanging
-        # until its time limit: retry those, with backoff, for as long as the version may last.
-        outcome = body["event"] in ("done", "received", "applied")
-        settings = self.settings
-        deadline = time.monotonic() + (settings.version_timeout_s if outcome and settings else 0.0)
-        backoff = Backoff(initial_s=0.2, max_s=5.0)
-
-        def stale() -> bool:
-            # Registered again since (the daemon restarted): that daemon is gone, the new one knows neither
-            # this id nor its version. Waiting on it would hold back every later report.
-            current = self.settings
-            return current is not None and current.agent_id != body["agent_id"]
-
-        while True:
-            if stale():
-                log.info("report %s of version %d dropped: registered again since", body["event"], body["version"])
-                return
-            try:
-                self._client.request("report", body, abandon=stale)
-                self._report_failures.succeeded()
-                return
-            except RequestAbandoned:
-                continue
-            except ControlReplyError as exc:
-                if exc.error in _FINAL_ERRORS:  # the daemon answered: retrying the same report cannot help
-                    log.warning("report %s of version %d refused: %s", body["event"], body["version"], exc)
-                    return
-                failure: CkptEngineError = exc
-            except CkptEngineError as exc:
-                failure = exc
-            if time.monotonic() >= deadline or self._client.closed:
-                log.warning("could not report %s of version %d: %s", body["event"], body["version"], failure)
-                return
-            self._report_failures.failed(failure)
-            if backoff.wait(self._stop if not outcome else None):
-                return
 
     def versions_held(self) -> list[int]:
         return []

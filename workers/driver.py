@@ -26,7 +26,8 @@ from typing import Any, Protocol
 
 from ckpt_engine.control.messages import Assignment
 from ckpt_engine.errors import CkptEngineError
-from ckpt_engine.workers.agent import Agent, supervised
+from ckpt_engine.workers.agent import Agent
+from ckpt_engine.workers.threads import supervised
 
 log = logging.getLogger(__name__)
 

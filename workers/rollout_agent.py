@@ -24,7 +24,8 @@ from ckpt_engine.plan.shards import ShardSpec, spec_to_wire
 from ckpt_engine.receive.assembly import VersionAssembler
 from ckpt_engine.receive.collective import LoadFn, Receiver, ReceiveResult
 from ckpt_engine.receive.colocated import IpcReceiver
-from ckpt_engine.workers.agent import Agent, supervised
+from ckpt_engine.workers.agent import Agent
+from ckpt_engine.workers.threads import supervised
 
 log = logging.getLogger(__name__)
 _UNABLE_SAID_S = 10.0  # how long a dead receive loop's reason rides along with the polls

@@ -37,11 +37,9 @@ import threading
 import time
 from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from ckpt_engine.codec import decode, encode
 from ckpt_engine.control.client import ControlReplyError
 from ckpt_engine.control.messages import Assignment, RegisterReply
 from ckpt_engine.device import DeviceInfo
@@ -54,7 +52,8 @@ from ckpt_engine.send.sender import Transfer, TransferResult, WireHook
 from ckpt_engine.transport.group import MembersAbsent, SyncGroup, open_store, owner_part
 from ckpt_engine.workers.agent import Agent
 from ckpt_engine.workers.class_groups import ClassGroups, ClassGroupsKey
-from ckpt_engine.workers.fsdp import job_collective, sharded_tensors_of
+from ckpt_engine.workers.fsdp import sharded_tensors_of
+from ckpt_engine.workers.trainer_ranks import TrainerRanks
 
 log = logging.getLogger(__name__)
 TensorSource = Callable[[], NamedTensors]
@@ -73,11 +72,11 @@ class TrainerAgent(Agent):
         self._wire_hook = wire_hook
         self.process_group = process_group if process_group is not None else (
             dist.group.WORLD if dist.is_available() and dist.is_initialized() else None)
-        sharded = self.process_group is not None
+        self.ranks = TrainerRanks(self.process_group)
         self.class_groups: ClassGroups | None = None  # a sharded version's groups (this generation's)
-        super().__init__(endpoint, rank=dist.get_rank(self.process_group) if sharded else 0, token=token,
-                         device=device, poll_wait_s=poll_wait_s, register_wait_s=register_wait_s)
-        self.world_size = dist.get_world_size(self.process_group) if sharded else 1
+        super().__init__(endpoint, rank=self.ranks.rank, token=token, device=device, poll_wait_s=poll_wait_s,
+                         register_wait_s=register_wait_s)
+        self.world_size = self.ranks.size
         if isinstance(model, nn.Module):
             self._tensors: TensorSource = lambda: sharded_tensors_of(model, include_buffers=include_buffers,
                                                                     name_map=name_map)
@@ -192,30 +191,16 @@ class TrainerAgent(Agent):
 
     # ---- agreement between trainer ranks -------------------------------------------------------------
     def _agree(self) -> Assignment | None:
-        """Rank 0 decides whether a version is due at this boundary and tells the others the whole assignment
-        (the version, how to send it, the groups and classes to send it on) in the one wire form
-        (``ckpt_engine.codec``): its length, then, when one is due, its bytes."""
+        """Rank 0 decides whether a version is due at this boundary and tells the others the whole assignment."""
         if self.world_size == 1:
             return self._next_due()
         mine = self._next_due() if self.rank == 0 else None
-        raw = encode(mine) if mine is not None else b""
-        device = _group_device(self.process_group)
         try:
-            with job_collective("agreeing on the next version"):
-                length = torch.tensor([len(raw)], dtype=torch.int64, device=device)
-                dist.broadcast(length, src=self._global_rank(0), group=self.process_group)
-                size = int(length.item())
-                if size:
-                    blob = torch.frombuffer(bytearray(raw or bytes(size)), dtype=torch.uint8).to(device)
-                    dist.broadcast(blob, src=self._global_rank(0), group=self.process_group)
-                    raw = blob.cpu().numpy().tobytes()
+            return self.ranks.broadcast_assignment(mine)
         except TrainerGroupError as exc:
             if mine is not None:  # taken off the queue: nobody else will say why it never came
                 self._give_up(mine.version, exc)
             raise
-        if mine is not None or not size:
-            return mine
-        return decode(Assignment, raw)
 
     def _next_due(self) -> Assignment | None:
         """The next version to serve, once the previous transfer has ended. While that one still runs (e.g. it
@@ -238,7 +223,7 @@ class TrainerAgent(Agent):
     def _publish(self, assignment: Assignment, step: int) -> Transfer:
         """This rank's part of a version, through the publisher's one entry: the buckets it owns it stores and
         sends, the others it helps gather (every rank calls this for the same versions, in order)."""
-        ownership = Ownership(self.rank, assignment.owners, self._global_rank if self.world_size > 1 else None)
+        ownership = Ownership(self.rank, assignment.owners, self.ranks.global_rank if self.world_size > 1 else None)
         if assignment.source_version is not None:  # a re-push: every owner sends its share from its cache
             return self._publisher().publish(assignment.version, source_version=assignment.source_version,
                                              route=lambda: self._route(assignment), ownership=ownership,
@@ -247,24 +232,12 @@ class TrainerAgent(Agent):
             assignment.version, self._tensors(), mode=assignment.mode,
             step=assignment.step if assignment.step is not None else step,
             sparse=assignment.sparse, sparse_base=assignment.sparse_base,
-            agree=self._all_reduce_max if self.world_size > 1 else None,
+            agree=self.ranks.all_reduce_max if self.world_size > 1 else None,
             route=lambda: self._route(assignment), ownership=ownership, keep=assignment.keep,
             sharded=bool(assignment.classes))
 
-    def _global_rank(self, rank: int) -> int:
-        if self.process_group is None:  # only asked with several trainer ranks, which have a group
-            raise CkptEngineError("a trainer rank's global rank needs its process group, and this trainer has none")
-        return dist.get_global_rank(self.process_group, rank)
-
     def _owner_rank(self, assignment: Assignment) -> int | None:
         return self.rank  # a trainer rank sends (its own group; with several owners, also the owners' group)
-
-    def _all_reduce_max(self, vector: list[int]) -> list[int]:
-        """Sparse versions: every rank's change flags merged (one all-reduce on the trainer's group)."""
-        reduced = torch.tensor(vector, dtype=torch.int64, device=_group_device(self.process_group))
-        with job_collective("agreeing on the changed tensors"):
-            dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=self.process_group)
-        return reduced.tolist()
 
     def _route(self, assignment: Assignment, *, build: bool = True) -> Route:
         """Where this rank sends ``assignment``: its groups, rendezvous first (``build=False``: only groups this
@@ -452,13 +425,3 @@ def evict(agent: Agent, publisher: Publisher, version: int) -> None:
     except CkptEngineError as exc:
         log.warning("evict %d: %s", version, exc)
     agent.report(version, "evicted", cache_versions=publisher.cache.versions(), cache_bytes=publisher.cache.bytes_held)
-
-
-def _group_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where a tensor for a collective on the trainer's group must live (NCCL/HCCL: the current device)."""
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if backend == "hccl":
-        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
-    return torch.device("cpu")
