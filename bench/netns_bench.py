@@ -15,7 +15,7 @@ gate/up/down, embeddings, norms) of ``--mib`` float32:
 - ``full, R receivers``: one sync group, every receiver gets the whole model (today's delivery);
 - ``sharded, TP=R``: receiver r is TP rank r of R, its own class and its own sync group, getting only its
   ranges; the trainer sends every class at once, through the path the trainer agent uses for a daemon's
-  sharded version (``Publisher.publish(..., sharded=True)`` with a lane per class: send/classes.py);
+  sharded version (``Publisher.publish(..., sharded=True)`` with a lane per class: send/class_senders.py);
 - ``full, R receivers, K owners``: K trainer ranks, each in a namespace (and on a link) of its own, each owning
   1/K of every version (plan/owners.py) and sending it on its own sync group with the receivers;
 - ``raw``: one broadcast of the model's bytes on the full group (the wire's own limit).
@@ -146,7 +146,7 @@ def _publisher_and_route(cfg: dict, store: tuple[str, int], named: Any) -> tuple
     from ckpt_engine.device import detect_device
     from ckpt_engine.plan.shards import spec_key
     from ckpt_engine.ranks import QuorumRank
-    from ckpt_engine.send.classes import Lane
+    from ckpt_engine.send.class_senders import Lane
     from ckpt_engine.send.publisher import Ownership, Publisher, Route
     from ckpt_engine.transport.group import owner_part
 
@@ -341,8 +341,8 @@ def render(result: dict, machine: dict | None = None) -> list[str]:
         lines.append(f"| {r['name']} | {r['median_s']:.2f} | {raw} | {r['received_fraction']:.3f} | {over} | {goal} |")
     return lines + ["", "Sharded rows: each receiver is TP rank r of R and its own class; the trainer sends every "
                     "class at once, each on its own sync group, cut from its cached version as the trainer agent does "
-                    "for a daemon's sharded version (`Publisher.publish(..., sharded=True)`, send/classes.py: the "
-                    "version's identity digest of the full tensors included). Owner rows: K trainer ranks, each on "
+                    "for a daemon's sharded version (`Publisher.publish(..., sharded=True)`, send/class_senders.py: "
+                    "the version's identity digest of the full tensors included). Owner rows: K trainer ranks, each on "
                     "its own link, each sending its 1/K of every version on its own sync group with the receivers "
                     "(sharded with K owners: each owner sends every class the pieces of the tensors it owns). The "
                     "bypass_cpu row: no cache, every class cut from the live tensors as each bucket is read "

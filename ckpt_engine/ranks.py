@@ -1,6 +1,6 @@
 """Rank numbers, one type per space they count in. A number of one space read in another once benched a healthy
 receiver (a class group's rank 1 taken for the quorum's rank 1): convert only through the functions here or
-the class lane's own map (send/classes.py ``Lane.quorum_rank``)."""
+the class lane's own map (send/class_senders.py ``Lane.quorum_rank``)."""
 
 from __future__ import annotations
 

@@ -22,10 +22,10 @@ from ckpt_engine.plan.modes import Mode
 from ckpt_engine.server.agents import AgentRegistry
 from ckpt_engine.server.cache_book import CacheBook
 from ckpt_engine.server.decisions.agent_record import AgentRecord
-from ckpt_engine.server.decisions.classes import NO_CLASSES, ClassPlan, expected_by_receiver, plan_lanes
 from ckpt_engine.server.decisions.commit import expected_digest, judge, staging_entry
 from ckpt_engine.server.decisions.newcomers import NewcomerGate, blamed_for_rendezvous
 from ckpt_engine.server.decisions.policy import PLAIN, SyncPolicy
+from ckpt_engine.server.decisions.receiver_classes import NO_CLASSES, ClassPlan, expected_by_receiver, plan_lanes
 from ckpt_engine.server.history import HistoryStore, VersionRecord
 from ckpt_engine.server.metrics import Metrics
 

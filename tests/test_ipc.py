@@ -468,7 +468,7 @@ def plain_and_sharded_sender(hub: str, steps: list) -> list:
     """One publisher sending one colocated receiver plain versions and sharded ones (the class of whole
     tensors, or a TP rank's class), as the trainer agent routes them."""
     from ckpt_engine.plan.shards import spec_key
-    from ckpt_engine.send.classes import Lane
+    from ckpt_engine.send.class_senders import Lane
     from ckpt_engine.send.publisher import Route
     from tests.test_shard_delivery import model, spec
 

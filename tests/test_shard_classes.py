@@ -19,8 +19,8 @@ from ckpt_engine.plan.shards import (
     split_piece_name,
 )
 from ckpt_engine.server.decisions import quorum as rules
-from ckpt_engine.server.decisions.classes import expected_by_receiver, plan_lanes
 from ckpt_engine.server.decisions.commit import judge
+from ckpt_engine.server.decisions.receiver_classes import expected_by_receiver, plan_lanes
 from tests.test_decisions import agent
 
 
@@ -183,7 +183,7 @@ def test_a_tensor_named_like_a_piece_is_refused_for_sharded_versions_and_not_bla
     from ckpt_engine.device import detect_device
     from ckpt_engine.plan.layout import plan_layout
     from ckpt_engine.plan.tensors import specs_of
-    from ckpt_engine.send.classes import ClassSenders, Lane, SpecUnfit
+    from ckpt_engine.send.class_senders import ClassSenders, Lane, SpecUnfit
 
     def layout(tensors):
         return plan_layout(specs_of(tensors), 1 << 16)
@@ -202,7 +202,7 @@ def test_an_identity_of_several_owners_is_merged_in_the_versions_order() -> None
     from ckpt_engine.errors import CkptEngineError
     from ckpt_engine.plan.layout import TensorSpec, plan_layout
     from ckpt_engine.plan.owners import plan_owners
-    from ckpt_engine.send.classes import merged_by_owner
+    from ckpt_engine.send.class_senders import merged_by_owner
 
     layout = plan_layout([TensorSpec(f"t{i}", "float32", (256,)) for i in range(6)], 1024)  # one tensor a bucket
     owners = plan_owners(layout, 2)
@@ -215,13 +215,37 @@ def test_an_identity_of_several_owners_is_merged_in_the_versions_order() -> None
         merged_by_owner(layout, owners, told)
 
 
-def test_the_classes_reach_the_other_trainer_ranks_as_they_left_rank_0() -> None:
-    from ckpt_engine.control.messages import Assignment, ClassLane
-    from ckpt_engine.workers.trainer_agent import _decode, _decode_lanes, _encode, _encode_lanes
+def _agreeing_rank(rank: int, port: int) -> list:
+    """Trainer rank ``rank`` of 2 at three step boundaries: a sharded version due, nothing due, a plain one."""
+    import datetime
 
+    import torch.distributed as dist
+
+    from ckpt_engine.control.messages import Assignment, ClassLane
+    from ckpt_engine.workers.trainer_ranks import TrainerRanks
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=20))
     lanes = [ClassLane(key="k" * 32, part="class-0/", spec={"w": [[0, 0, 4]]}, ranks=[1, 3]),
              ClassLane(key="whole", part="class-1/", spec={}, ranks=[2])]
-    sent = Assignment(kind="send", version=7, generation=3, world_size=4, owners=2, classes=lanes)
-    agreed = _decode(_encode(sent)).model_copy(update={"classes": _decode_lanes(_encode_lanes(sent))})
-    assert agreed.classes == lanes and agreed.owners == 2 and agreed.generation == 3
-    assert _encode_lanes(Assignment(kind="send", version=8)) == b""
+    due = [Assignment(kind="send", version=7, generation=3, world_size=4, owners=2, keep=[5], classes=lanes), None,
+           Assignment(kind="send", version=8, mode="bypass_cpu", sparse=True, sparse_base=6)]
+    ranks = TrainerRanks(dist.group.WORLD)
+    try:
+        return [None if a is None else a.model_dump(mode="json")
+                for a in (ranks.broadcast_assignment(mine if rank == 0 else None) for mine in due)]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_assignment_reaches_the_other_trainer_ranks_as_it_left_rank_0() -> None:
+    """Rank 0's assignment, classes and all, in the one wire form (ckpt_engine.codec) over the job's own gloo
+    group: rank 1 holds what rank 0 holds, and a boundary with nothing due is nothing on both."""
+    from tests.daemon_harness import free_port
+    from tests.procs import run_processes
+
+    port = free_port()
+    told = run_processes([(_agreeing_rank, (0, port)), (_agreeing_rank, (1, port))], timeout_s=120)
+    assert told[0] == told[1]
+    assert told[1][1] is None and told[1][0]["classes"][0]["spec"] == {"w": [[0, 0, 4]]}
+    assert told[1][2]["mode"] == "bypass_cpu" and told[1][2]["sparse_base"] == 6

@@ -10,7 +10,7 @@ from ckpt_engine.device import detect_device
 from ckpt_engine.plan.shards import Slice, spec_key
 from ckpt_engine.plan.tensors import NamedTensors
 from ckpt_engine.receive.collective import Receiver, VersionPayload
-from ckpt_engine.send.classes import Lane
+from ckpt_engine.send.class_senders import Lane
 from ckpt_engine.send.publisher import Publisher, Route
 from ckpt_engine.transport.group import SyncGroup, open_store
 from tests.procs import run_processes

@@ -352,7 +352,7 @@ def test_a_long_reason_is_cut_not_refused_and_a_class_flood_names_a_few() -> Non
 
     from ckpt_engine.control.messages import Report
     from ckpt_engine.plan.layout import TensorSpec, plan_layout
-    from ckpt_engine.send.classes import Lane, _failed, _merged
+    from ckpt_engine.send.class_senders import Lane, _failed, _merged
 
     report = Report(agent_id="a", session="s" * 16, version=3, event="done", ok=False, reason="x" * 50_000)
     assert len(report.reason) == 20_000 and report.reason.endswith("...")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ckpt_engine.control.messages import ClassLane
 from ckpt_engine.errors import CkptEngineError
-from ckpt_engine.send.classes import Lane
+from ckpt_engine.send.class_senders import Lane
 from ckpt_engine.transport.group import SyncGroup
 
 # (part of the generation's store, this rank's rank in it, the group's size) -> the group, built

@@ -34,7 +34,7 @@ from ckpt_engine.plan.owners import Owners, Share, owners_by_group, plan_owners,
 from ckpt_engine.plan.sparse import Manifest
 from ckpt_engine.plan.tensors import NamedTensors, specs_of
 from ckpt_engine.send.cache import VersionCache
-from ckpt_engine.send.classes import ClassSenders, Lane
+from ckpt_engine.send.class_senders import ClassSenders, Lane
 from ckpt_engine.send.sender import Sender, Transfer, TransferResult, WireHook
 from ckpt_engine.transport.group import SyncGroup
 from ckpt_engine.transport.same_host import IpcHub
@@ -56,7 +56,7 @@ class Route:
     group: SyncGroup | None
     ipc_peers: Mapping[str, int]
     owners_group: SyncGroup | None = None
-    # a sharded version: every class of receivers on its own group (send/classes.py); then ``group`` is None
+    # a sharded version: every class of receivers on its own group (send/class_senders.py); then ``group`` is None
     lanes: tuple[Lane, ...] = ()
 
 

@@ -145,7 +145,7 @@ class Sender:
         return self._start(source, transfer, hold, inline)
 
     def send_changes(self, source: PiecesChangesSource, *, inline: bool = False) -> Transfer:
-        """Send a class's pieces as the changes against what its receivers hold (send/classes.py)."""
+        """Send a class's pieces as the changes against what its receivers hold (send/class_senders.py)."""
         transfer = Transfer(source.version, "cached")
         transfer.params_released.set()
         return self._start(source, transfer, contextlib.ExitStack(), inline)

@@ -363,7 +363,7 @@ class SparseCacheSource(ChangesSource):
 
 
 class PiecesChangesSource(ChangesSource):
-    """A class's pieces of a sharded version (send/classes.py) as the changes against the version its receivers
+    """A class's pieces of a sharded version (send/class_senders.py) as the changes against the version its receivers
     hold: every piece this owner sends is digested (``base``: the class's manifest of that version, per piece),
     those whose digest differs go on the wire, cut from the cache."""
 

@@ -44,7 +44,7 @@ from ckpt_engine.device import DeviceInfo, detect_device
 from ckpt_engine.errors import CkptEngineError, ConfigError, ProtocolError, SyncTimeoutError
 from ckpt_engine.plan.modes import Staging
 from ckpt_engine.plan.shards import spec_key, spec_to_wire
-from ckpt_engine.send.classes import Lane
+from ckpt_engine.send.class_senders import Lane
 from ckpt_engine.send.publisher import Publisher
 from ckpt_engine.transport.group import SyncGroup, open_store, owner_part, wait_for_key
 
@@ -360,7 +360,7 @@ class VerlSync:
 
 def _classes(rollouts: list[Any]) -> list[dict[str, Any]] | None:
     """The rollout workers grouped by the shard spec each declared in prepare (in rank order of their first
-    member, as the daemon groups them: decisions/classes.py); None when none declared one (every worker takes
+    member, as the daemon groups them: decisions/receiver_classes.py); None when none declared one (every worker takes
     the whole version). Workers without a spec are the class of whole tensors."""
     shards = [meta.get("shard") if isinstance(meta, dict) else None for meta in rollouts]
     if not any(shards):
