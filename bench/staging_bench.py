@@ -56,8 +56,13 @@ MEMORY_VARIANTS = (*STAGINGS, "stream-drop")  # stream-drop: a stream receiver w
 LABELS = {"stream-drop": "stream, load lets go of each tensor"}
 MEMORY_VERSIONS = 3  # versions of the model per memory run (after the tiny one)
 TINY = ("tiny", (16384,))  # one 64 KiB tensor: the version that measures the one-time cost of a first sync
-GOAL_STREAM_BUCKETS = 2.5  # receiver peak extra ÷ bucket, stream staging
-GOAL_SENDER_BUCKETS = 2.5  # trainer peak extra ÷ bucket (beyond the cache, by design a version's size)
+# A sync's memory has two parts, each with its own goal so that both hold at every bucket size: what scales
+# with the bucket (a receiver's or a trainer's peak extra beyond its process's first sync, ÷ bucket), and what a
+# process's first sync adds once whatever the bucket (~4-5 MiB: lazily imported modules, threads, gloo's own
+# buffers). Read as one figure ÷ bucket, the fixed part alone is ~1 bucket at the quick run's 4 MiB buckets.
+GOAL_STREAM_BUCKETS = 2.5  # receiver peak extra ÷ bucket, stream staging, beyond the one-time cost
+GOAL_SENDER_BUCKETS = 2.5  # trainer peak extra ÷ bucket, beyond the cache (a version's size) and the one-time cost
+GOAL_ONE_TIME_MIB = 8.0  # what a process's first sync adds once, receiver or trainer
 GOAL_STREAM_OVER_DEVICE = 1.15  # time-to-applied, stream ÷ device staging (median of the per-round ratios)
 TIME_ROUNDS = {False: 11, True: 5}  # measured rounds of the time measurement at least, by --quick
 
@@ -509,14 +514,17 @@ def run(opts: dict, progress: Progress) -> dict:
 def target_measurements(result: dict) -> dict[str, list[tuple[str, float, str]]]:
     """The suite's targets, {key: [(where, value, range)]}. Receiver memory: the plain model (no tensor larger
     than a bucket); the chunked model has a bound of its own (2 buckets + its largest tensor), in the report."""
-    out: dict[str, list[tuple[str, float, str]]] = {"stream_memory": [], "sender_memory": [], "stream_time": []}
+    out: dict[str, list[tuple[str, float, str]]] = {"stream_memory": [], "sender_memory": [], "stream_time": [],
+                                                     "one_time_memory": []}
+    buckets = f"{result['total'] // result['bucket']} buckets" if result.get("bucket") else ""
     for r in result.get("memory", []):
         if r["key"] == "stream" and r["model"] == "plain":
-            out["stream_memory"].append((f"{r['model']} model, {result['total'] // result['bucket']} buckets",
-                                         r["worst_buckets"], ""))
+            out["stream_memory"].append((f"{r['model']} model, {buckets}", r["beyond_one_time_buckets"], ""))
+            out["one_time_memory"].append(("stream receiver", r["one_time"] / MiB, ""))
     for r in result.get("trainer", []):
         where = f"{r['mode']}" + (" (beyond the cache)" if r["mode"] == "cached" else "")
-        out["sender_memory"].append((where, r["beyond_cache_buckets"], ""))
+        out["sender_memory"].append((where, r["beyond_both_buckets"], ""))
+        out["one_time_memory"].append((f"{r['mode']} trainer", r["one_time"] / MiB, ""))
     ratio = result.get("timing", {}).get("ratios", {}).get("stream_over_device")
     if ratio:
         out["stream_time"].append((f"plain model, {len(ratio['per_round'])} rounds", ratio["value"],
@@ -597,7 +605,10 @@ def render(result: dict, machine: dict) -> list[str]:
                 f"({r['beyond_one_time_buckets']:.2f} beyond the one-time cost; pool {r['pool_buckets']:.2f}, "
                 f"{r['pool']['in_use']} buffers in use at once)")
         if r["model"] == "plain":
-            goal = f"goal ≤ {GOAL_STREAM_BUCKETS:g}: {_met(r['worst_buckets'], GOAL_STREAM_BUCKETS)}"
+            goal = (f"goal ≤ {GOAL_STREAM_BUCKETS:g} beyond the one-time cost: "
+                    f"{_met(r['beyond_one_time_buckets'], GOAL_STREAM_BUCKETS)}; the one-time cost "
+                    f"{r['one_time'] / MiB:.1f} MiB, goal ≤ {GOAL_ONE_TIME_MIB:g} MiB: "
+                    f"{_met(r['one_time'] / MiB, GOAL_ONE_TIME_MIB)}")
         else:
             over = r["pool_buckets"] - bound
             goal = (f"what streaming needs by design here, 2 buckets + the chunked tensor put together = {bound:g} "
@@ -631,8 +642,11 @@ def render(result: dict, machine: dict) -> list[str]:
                          f"{r['beyond_both_buckets']:.2f} |")
         lines.append("")
         for r in tr:
-            lines.append(f"- {r['mode']}: extra beyond the cache **{r['beyond_cache_buckets']:.2f}** buckets; goal "
-                         f"≤ {GOAL_SENDER_BUCKETS:g}: {_met(r['beyond_cache_buckets'], GOAL_SENDER_BUCKETS)}.")
+            lines.append(f"- {r['mode']}: extra beyond the cache **{r['beyond_cache_buckets']:.2f}** buckets, "
+                         f"{r['beyond_both_buckets']:.2f} beyond the one-time cost too (goal ≤ "
+                         f"{GOAL_SENDER_BUCKETS:g}: {_met(r['beyond_both_buckets'], GOAL_SENDER_BUCKETS)}); the "
+                         f"one-time cost {r['one_time'] / MiB:.1f} MiB (goal ≤ {GOAL_ONE_TIME_MIB:g} MiB: "
+                         f"{_met(r['one_time'] / MiB, GOAL_ONE_TIME_MIB)}).")
         lines += [
             "",
             (f"Before tensors larger than a bucket were chunked (such a tensor had a bucket of its own), this "

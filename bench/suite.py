@@ -360,12 +360,14 @@ def evaluate_targets(report: dict) -> list[dict]:
     def staging(key: str) -> Callable[[], list[tuple[str, float, str]]]:
         return lambda: staging_bench.target_measurements(res["memory"].get("staging", {})).get(key, [])
 
-    add("receiver peak extra memory ÷ bucket, stream staging (no tensor larger than a bucket)", "<=",
-        staging_bench.GOAL_STREAM_BUCKETS, "", "memory", staging("stream_memory"),
-        "peak RSS during a version − RSS before the first, ÷ bucket size")
-    add("trainer peak extra memory ÷ bucket, largest tensor 4× the bucket (beyond the cached version)", "<=",
-        staging_bench.GOAL_SENDER_BUCKETS, "", "memory", staging("sender_memory"),
-        "peak RSS while publishing − RSS before the first version, less the host cache, ÷ bucket size")
+    add("receiver peak extra memory ÷ bucket, stream staging, beyond the one-time cost (no tensor larger than a "
+        "bucket)", "<=", staging_bench.GOAL_STREAM_BUCKETS, "", "memory", staging("stream_memory"),
+        "peak RSS during a version − RSS after the process's first (tiny) sync, ÷ bucket size")
+    add("trainer peak extra memory ÷ bucket, largest tensor 4× the bucket (beyond the cached version and the "
+        "one-time cost)", "<=", staging_bench.GOAL_SENDER_BUCKETS, "", "memory", staging("sender_memory"),
+        "peak RSS while publishing − RSS after the first (tiny) version, less the host cache, ÷ bucket size")
+    add("memory a process's first sync adds once, whatever the bucket (MiB)", "<=", staging_bench.GOAL_ONE_TIME_MIB,
+        " MiB", "memory", staging("one_time_memory"), "RSS after a first version of one 64 KiB tensor − RSS before")
     add("stream ÷ device staging time-to-applied", "<=", staging_bench.GOAL_STREAM_OVER_DEVICE, "", "memory",
         staging("stream_time"), "publish start → the receiver's result, median of the per-round ratios")
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable, Sequence
+import types
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -120,6 +121,11 @@ class Layout:
     @functools.cached_property
     def specs(self) -> tuple[TensorSpec, ...]:
         return tuple(slot.spec for slot in self.slots)
+
+    @functools.cached_property
+    def spec_of(self) -> Mapping[str, TensorSpec]:
+        """Every tensor's spec by name; read-only, as every version of this layout shares it."""
+        return types.MappingProxyType({spec.name: spec for spec in self.specs})
 
     @property
     def total_bytes(self) -> int:

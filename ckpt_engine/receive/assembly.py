@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -338,9 +338,12 @@ class VersionAssembler:
             incoming.seconds["load"] = time.perf_counter() - t0
             incoming.seconds["pause"] = payload.paused_s if payload.paused_s is not None else incoming.seconds["load"]
 
-    def specs(self, incoming: Incoming) -> dict[str, TensorSpec]:
-        """Every tensor the version carries, aliases included, as known from its header."""
-        specs = {slot.name: slot.spec for slot in incoming.layout.slots}
+    def specs(self, incoming: Incoming) -> Mapping[str, TensorSpec]:
+        """Every tensor the version carries, aliases included, as known from its header (the layout's own
+        read-only mapping where there are no aliases: built once per layout, not per version)."""
+        if not incoming.header.aliases:
+            return incoming.layout.spec_of
+        specs = dict(incoming.layout.spec_of)
         for alias, canonical in incoming.header.aliases.items():
             if canonical in specs:
                 specs[alias] = TensorSpec(alias, specs[canonical].dtype, specs[canonical].shape)
