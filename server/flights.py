@@ -23,6 +23,7 @@ from ckpt_engine.server.agents import AgentRegistry
 from ckpt_engine.server.cache_book import CacheBook
 from ckpt_engine.server.decisions.agent_record import AgentRecord
 from ckpt_engine.server.decisions.commit import expected_digest, judge, staging_entry
+from ckpt_engine.server.decisions.ending import STAGE_ORDER, Benching, advances, benchings, ready_to_judge, waiting_for
 from ckpt_engine.server.decisions.newcomers import NewcomerGate, blamed_for_rendezvous
 from ckpt_engine.server.decisions.policy import PLAIN, SyncPolicy
 from ckpt_engine.server.decisions.receiver_classes import NO_CLASSES, ClassPlan, expected_by_receiver, plan_lanes
@@ -30,7 +31,6 @@ from ckpt_engine.server.history import HistoryStore, VersionRecord
 from ckpt_engine.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
-_ORDER = {"requested": 0, "snapshotting": 1, "transferring": 2, "verifying": 3}
 
 
 @dataclass
@@ -137,9 +137,9 @@ class Flights:
     def trainer_event(self, flight: InFlight, message: Report) -> None:
         if message.group_broken:
             self.group_dirty = True
-        if message.event in _ORDER:
+        if message.event in STAGE_ORDER:
             current = self.history.get(flight.version)
-            if current and _ORDER.get(message.event, 0) > _ORDER.get(current.status, 99):
+            if current and advances(current.status, message.event):
                 step = {"step": message.step} if current.step is None and message.step is not None else {}
                 self.history.update(flight.version, status=message.event, **step)
         elif message.event == "done" and flight.done is None:
@@ -255,17 +255,15 @@ class Flights:
     def maybe_finish(self, flight: InFlight) -> None:
         """End the version once the trainer is done and every receiver of the quorum that is still registered
         has reported its own outcome (or the acknowledgement time has passed since the trainer was done)."""
-        if flight.done is None or self.current is not flight:
+        done = flight.done
+        if done is None or self.current is not flight:
             return
-        if flight.done.version_digest is not None:  # without it nothing can commit: no need to hear receivers
-            absent = set(flight.done.absent_ranks)  # (they never joined: they received nothing to report on)
-            waiting = [a for a, rank in flight.quorum.items()
-                       if a not in flight.reports and rank not in absent and self.agents.get(a) is not None]
-            # and the drivers told to apply: what their engines serve afterwards goes into the record
-            waiting += [e for e in flight.apply_sent if e not in flight.applied and self.agents.driver(e) is not None]
-            if waiting and self.clock() - flight.done_at < self.config.timeouts.ack_s:
-                return
-        self._finish(flight, flight.done)
+        waiting = waiting_for(flight.quorum, flight.reports, set(done.absent_ranks),
+                              {a for a in flight.quorum if self.agents.get(a) is not None}, flight.apply_sent,
+                              flight.applied, {e for e in flight.apply_sent if self.agents.driver(e) is not None})
+        if ready_to_judge(done.version_digest is not None, waiting, self.clock() - flight.done_at,
+                          self.config.timeouts.ack_s):
+            self._finish(flight, done)
 
     def _finish(self, flight: InFlight, done: Report) -> None:
         record = self.history.get(flight.version)
@@ -296,19 +294,17 @@ class Flights:
                             version_digest=done.version_digest, cached=cached)
         if outcome.status != "committed" or any(not e["ok"] for e in outcome.entries):
             self.group_dirty = True
-        if done.version_digest is not None:  # then the daemon waited for every receiver's own report
-            self._bench(outcome.silent, f"did not report its outcome of version {flight.version}")
-        for unfit in (c for c in done.classes if c.spec_unfit):  # it would fail every version: out for a while
-            members = [a for a, key in flight.classes.keys.items() if key == unfit.key]
-            self._bench(members, f"its shard spec does not fit version {flight.version}: "
-                                         f"{(unfit.reason or '')[:500]}")
         absent = self._blamed_for_rendezvous(flight, done)
         newcomers = [a for a in absent if (agent := self.agents.get(a)) is not None and not agent.model.proven]
         if newcomers and flight.purpose not in ("catch_up", "repair"):  # (a version of their own costs nobody)
             delay = self.gate.missed(self.clock(), f"receiver(s) {newcomers} never joined version {flight.version}")
             log.warning("newcomers wait %.0fs before joining regular versions: %s never joined version %d",
                         delay, newcomers, flight.version)
-        self._bench(absent, f"did not join the sync group of version {flight.version}", unproven=True)
+        unfit = [([a for a, key in flight.classes.keys.items() if key == c.key], c.reason or "")
+                 for c in done.classes if c.spec_unfit]
+        for bench in benchings(flight.version, heard_everyone=done.version_digest is not None,
+                               silent=outcome.silent, unfit_classes=unfit, absent=absent):
+            self._bench(bench)
         for agent_id in outcome.committed:  # it took a whole version under this registration
             agent = self.agents.get(agent_id)
             if agent is not None:
@@ -338,15 +334,12 @@ class Flights:
             return None
         return expected_by_receiver(flight.classes, done.classes)
 
-    def _bench(self, agent_ids: list[str], why: str, *, unproven: bool = False) -> None:
-        """Receivers that failed the version for everyone (silent about their outcome; never at its
-        rendezvous, cut off or not receivers at all): out of the quorum for a while, longer each time, and
-        back only through a version of their own."""
-        for agent_id in agent_ids:
+    def _bench(self, bench: Benching) -> None:
+        for agent_id in bench.agents:
             agent = self.agents.get(agent_id)
             if agent is not None:
-                delay = agent.model.benched(why, self.clock(), unproven=unproven)
-                log.warning("receiver %s %s; out of the quorum for %.0fs", agent_id, why, delay)
+                delay = agent.model.benched(bench.why, self.clock(), unproven=bench.unproven)
+                log.warning("receiver %s %s; out of the quorum for %.0fs", agent_id, bench.why, delay)
 
     def _held_after(self, agent_id: str) -> dict:
         """A receiver's history entry: what its model holds once the version ended (every entry says it)."""

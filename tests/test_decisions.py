@@ -340,3 +340,45 @@ def test_the_periodic_work_is_unhealthy_only_after_failing_for_a_while() -> None
     assert problem is not None and "disk again" in problem and f"{FAILING_S + 1:.0f}s" in problem
     health.succeeded()
     assert health.problem(1000.0) is None
+
+
+@pytest.mark.parametrize(("current", "event", "moves"), [
+    ("requested", "snapshotting", True), ("snapshotting", "transferring", True), ("verifying", "transferring", False),
+    ("transferring", "transferring", False), ("committed", "verifying", False), ("failed", "snapshotting", False),
+    ("requested", "done", False), (None, "verifying", False),
+])
+def test_a_trainer_stage_moves_a_version_forward_only(current, event, moves) -> None:
+    from ckpt_engine.server.decisions.ending import advances
+
+    assert advances(current, event) is moves
+
+
+def test_a_version_waits_on_registered_joined_receivers_and_present_drivers_only() -> None:
+    from ckpt_engine.server.decisions.ending import waiting_for
+
+    quorum = {"a": 1, "b": 2, "c": 3, "gone": 4}
+    waiting = waiting_for(quorum, reported={"a"}, absent_ranks={3}, registered={"a", "b", "c"},
+                          apply_sent=["e1", "e2", "e3"], applied={"e1"}, engines_with_driver={"e1", "e2"})
+    assert waiting == ["b", "e2"]  # c never joined, "gone" unregistered, e3's driver gone, e1 said
+
+
+@pytest.mark.parametrize(("digest", "waiting", "since", "ready"), [
+    (True, [], 0.0, True), (True, ["b"], 1.0, False), (True, ["b"], 30.0, True),
+    (False, ["b"], 0.0, True),  # nothing can commit: no receiver is waited on
+])
+def test_when_a_version_is_judged(digest, waiting, since, ready) -> None:
+    from ckpt_engine.server.decisions.ending import ready_to_judge
+
+    assert ready_to_judge(digest, waiting, since, ack_s=30.0) is ready
+
+
+def test_whom_a_versions_end_benches() -> None:
+    from ckpt_engine.server.decisions.ending import Benching, benchings
+
+    got = benchings(9, heard_everyone=True, silent=["s"], unfit_classes=[(["t1", "t2"], "x" * 900), ([], "none")],
+                    absent=["n"])
+    assert got == [Benching(("s",), "did not report its outcome of version 9"),
+                   Benching(("t1", "t2"), "its shard spec does not fit version 9: " + "x" * 500),
+                   Benching(("n",), "did not join the sync group of version 9", unproven=True)]
+    # without the trainer's digest nobody was waited on: silence is no fault
+    assert benchings(9, heard_everyone=False, silent=["s"], unfit_classes=[], absent=[]) == []
