@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import socket
 import sys
 import time
@@ -416,14 +417,23 @@ def render(result: dict) -> list[str]:
     return lines + [""]
 
 
+_SIZE = re.compile(r"([1-9][0-9]{0,3})x([1-9][0-9]{0,7})")
+_MIN_TENSOR_BYTES = 2 * COLS  # _model's smallest tensor: one bf16 row
+
+
 def _sizes(text: str) -> tuple[tuple[int, int], ...]:
-    try:
-        sizes = tuple((int(gib), int(count)) for gib, count in (part.split("x") for part in text.split(",")))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected GiBxTENSORS[,GiBxTENSORS...], e.g. 16x500") from None
-    if any(gib < 1 or count < 1 for gib, count in sizes):
-        raise argparse.ArgumentTypeError(f"{text!r}: sizes and counts must be positive")
-    return sizes
+    """``16x500,16x20000``: models of GiB x tensors, each tensor at least one 512-byte row."""
+    sizes = []
+    for part in text.split(","):
+        match = _SIZE.fullmatch(part)
+        if match is None:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected GiBxTENSORS (e.g. 16x500), comma-separated")
+        gib, count = int(match[1]), int(match[2])
+        if count > (gib << 30) // _MIN_TENSOR_BYTES:
+            raise argparse.ArgumentTypeError(f"{part!r}: {count:,} tensors of at least {_MIN_TENSOR_BYTES} bytes "
+                                             f"do not fit {gib} GiB")
+        sizes.append((gib, count))
+    return tuple(sizes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -438,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="markdown table")
     parser.add_argument("--json", default=None, help="raw results")
     ns = parser.parse_args(argv)
+    if ns.sizes and ns.quick:
+        parser.error("--sizes and --quick each choose the models: give one")
     opts = {"sizes": ns.sizes, "quick": ns.quick, "repeats": ns.repeats, "warmup": ns.warmup,
             "bucket_size": ns.bucket_size_mib * MiB,
             "timeout_s": ns.timeout_s}

@@ -7,7 +7,8 @@ The ``gpu`` section's model (``count`` float32 tensors of [rows, 64], ``mib`` Mi
 less per tensor and an odd width, so the layout pads between tensors) filled into two device send slots as the
 sender does (``fill_bucket``), beside its parts on the same bytes: the batched copies alone (one
 ``torch._foreach_copy_`` per bucket over views made beforehand), zeroing the padding views alone
-(``torch._foreach_zero_``), zeroing whole slots (one memset each), the host's time to queue a fill (no
+(``torch._foreach_zero_``; the fill itself may zero a span in one memset instead: ``memset_spans``), zeroing whole
+slots (one memset each), the host's time to queue a fill (no
 synchronisation), the same fill captured once in a CUDA graph and replayed, and one device copy of the same bytes.
 Medians of ``rounds`` after one warm-up; one JSON object per line. ``--device cpu`` checks the script here; its
 figures mean nothing for a GPU.
@@ -44,6 +45,18 @@ def _timed(fn: Callable[[], object], rounds: int, device: torch.device, *, synce
         samples.append(time.perf_counter() - start)
         _sync(device)
     return statistics.median(samples)
+
+
+def _padding_views(buf: torch.Tensor, bucket) -> list[torch.Tensor]:
+    """Views of every byte of ``bucket`` that no slot covers (what a fill zeroes)."""
+    views, cursor = [], 0
+    for slot in sorted(bucket.slots, key=lambda s: s.offset):
+        if slot.offset > cursor:
+            views.append(buf[cursor : slot.offset])
+        cursor = max(cursor, slot.offset + slot.nbytes)
+    if bucket.nbytes > cursor:
+        views.append(buf[cursor : bucket.nbytes])
+    return views
 
 
 def _model(mib: int, count: int, odd: bool, device: torch.device) -> dict[str, torch.Tensor]:
@@ -137,7 +150,11 @@ def main() -> None:
     copies: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [
         (targets, [get(tensors)] if single else list(get(tensors)))  # type: ignore[call-overload,list-item]
         for plan in plans for span in plan.spans for get, single, targets, _ in span.batches]
-    gaps = [span.gaps for plan in plans for span in plan.spans if span.gaps]
+    # The padding's views, made here from the layout: on an accelerator the fill itself may zero a span in one
+    # memset instead (plan_tensors.zero_whole_span), and its plan then holds no views to time.
+    gaps = [_padding_views(slots[b.index % 2], b) for b in layout.buckets]
+    gaps = [views for views in gaps if views]
+    memset_spans = sum(span.clear is not None for plan in plans for span in plan.spans)
 
     def copies_only() -> None:
         for targets, sources in copies:
@@ -169,6 +186,7 @@ def main() -> None:
             forms.update(gather)
     print(json.dumps({"model_mib": args.mib, "tensors": args.count, "buckets": len(layout.buckets),
                       "bytes": layout.total_bytes, "padding_views": sum(len(g) for g in gaps),
+                      "memset_spans": memset_spans,
                       "copy_batches": len(copies), "device": torch.cuda.get_device_name(device)
                       if device.type == "cuda" else device.type}), flush=True)
     for name, fn in forms.items():

@@ -167,7 +167,7 @@ def test_anchor_table_has_time_rate_and_ratio_per_round() -> None:
 def test_anchor_sizes_are_read_as_gib_x_tensors_and_bad_ones_refused() -> None:
     ab = _anchor_bench()
     assert ab._sizes("16x500,4x20000") == ((16, 500), (4, 20000))
-    for bad in ("16x", "16", "0x500", "16x-1", "ax500"):
+    for bad in ("16x", "16", "0x500", "16x-1", "ax500", "1_6x500", " 16x500", "1x100000000", "16x500,"):
         with pytest.raises(argparse.ArgumentTypeError):
             ab._sizes(bad)
 
@@ -180,5 +180,22 @@ def test_fill_parts_runs_on_the_cpu_and_times_every_part(odd: bool) -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     assert lines[0]["tensors"] == 40 and (lines[0]["padding_views"] > 0) == odd
+    assert lines[0]["memset_spans"] == 0  # never on the CPU (zero_whole_span)
     assert {line["form"] for line in lines[1:]} == {"fill", "foreach_copy_only", "foreach_zero_gaps_only",
                                                     "zero_whole_slots", "d2d_copy", "fill_host_queue_only"}
+
+
+def test_fill_parts_times_the_padding_views_also_where_the_fill_takes_one_memset(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Found by the outside attack: on a GPU the fill zeroes a span in one memset, its plan holds no views, and
+    the diagnostic reported no padding at all. The decision is forced here as a GPU makes it."""
+    sys.path.insert(0, str(REPO))
+    from ckpt_engine.bench import fill_parts
+    from ckpt_engine.plan import tensors as plan_tensors
+
+    monkeypatch.setattr(plan_tensors, "zero_whole_span", lambda device_type, gaps, span_bytes: True)
+    monkeypatch.setattr(sys, "argv", ["fill_parts", "--device", "cpu", "--mib", "1", "--count", "40", "--rounds",
+                                      "1", "--odd"])
+    fill_parts.main()
+    first = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert first["padding_views"] > 0 and first["memset_spans"] >= 1

@@ -145,3 +145,19 @@ def test_rejects_bad_settings(kwargs, match) -> None:
 def test_rejects_duplicate_names() -> None:
     with pytest.raises(LayoutError, match="appears twice"):
         plan_layout([TensorSpec("a", "float32", (1,)), TensorSpec("a", "float32", (2,))], 64)
+
+
+@pytest.mark.parametrize("alignment", [8, 16, 256])
+def test_items_wider_than_the_alignment_are_placed_on_their_own_width(alignment: int) -> None:
+    """Found by the outside attack of 2026-11-28: at alignment 8 a complex128 after an 8-byte tensor sat at offset
+    8, and its typed view (16-byte items) could not be made: the fill crashed."""
+    tensors = {"a": torch.arange(1, dtype=torch.int64), "c": torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex128),
+               "b": torch.ones(3, dtype=torch.bfloat16), "d": torch.tensor([5 + 6j], dtype=torch.complex128)}
+    layout = plan_layout(specs_of(tensors), bucket_size=1 << 20, alignment=alignment)
+    for slot in layout.slots:
+        assert slot.offset % max(alignment, torch.empty(0, dtype=tensors[slot.name].dtype).element_size()) == 0
+    bucket = layout.buckets[0]
+    buf = torch.full((bucket.nbytes,), 0xAB, dtype=torch.uint8)
+    fill_bucket(buf, bucket.slots, tensors, bucket.nbytes)
+    for slot in layout.slots:
+        assert torch.equal(slot_view(buf, slot), tensors[slot.name])

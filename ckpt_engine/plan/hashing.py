@@ -7,8 +7,8 @@ Two algorithms, named in every manifest so a receiver recomputes the one its sen
   sync per bucket. A tensor's bytes are rows of 32 words; each word is XORed with its column's constant and
   passed through the splitmix64 finaliser, summed per row, and the rows are summed per tensor weighted by
   powers of an odd constant, so the digest depends on every byte and on byte order (unlike an XOR/sum of
-  elements such as ``torch.hash_tensor``). Every row is independent: the whole bucket is one fused read
-  (torch.compile), which runs at memory speed (see the section below).
+  elements such as ``torch.hash_tensor``). Every row is independent: the bucket is read once, by one fused
+  kernel (torch.compile), then a prefix sum and a finish on one value per row (see the section below).
 
 Both fold the dtype and shape into a per-tensor seed, so equal bytes under another dtype or shape differ.
 Digests are signed int64 values so they can travel through any collective backend.
@@ -255,7 +255,7 @@ def digest_rows(words: torch.Tensor, columns: torch.Tensor, powers: torch.Tensor
 # ---- which implementation runs ----
 
 _kernel_lock = threading.Lock()
-_compiled: dict[str, Any] = {}  # device type -> compiled digest_rows, or None where it could not be used
+_compiled: dict[str, Any] = {}  # device type -> _CompiledSteps, or None where it could not be used
 _compile_failures: dict[str, str] = {}  # device type -> why
 _warned_env: list[str] = []
 
@@ -272,8 +272,8 @@ def _kernel_choice() -> str:
 
 
 def device_digest_kernel(device: torch.device) -> str:
-    """Which implementation digests buckets on ``device``: "compiled" (torch.compile of :func:`digest_rows`:
-    one fused read of the bucket and a few small kernels, one call per bucket) or "eager" (torch ops; level 1 in
+    """Which implementation digests buckets on ``device``: "compiled" (``_CompiledSteps``: steps 1 and 3 of
+    :func:`digest_rows` compiled, one fused read of the bucket, around torch's prefix sum) or "eager" (torch ops; level 1 in
     several passes over bounded chunks). The default is compiled on CUDA, where it compiles and agrees with the
     eager ops on a probe, else eager (with a warning); eager elsewhere. CKPT_ENGINE_DIGEST_KERNEL=eager|compiled
     forces one (compiled where it cannot be built: an error). Both give the same digests."""
@@ -373,8 +373,9 @@ def _check_compiled(fn: Any, device: torch.device) -> None:
     def index(high: int, *shape: int) -> torch.Tensor:
         return torch.randint(0, high, shape, generator=gen).to(device)
 
-    # The first probe's sizes are the hints inductor tunes the dynamic-shape kernels for: on an accelerator a
-    # bucket's worth of rows (16 MiB), not a toy. (First of all: no two sizes alike.)
+    # The first probe's sizes are the hints inductor tunes the dynamic-shape kernels for. 16 MiB on an
+    # accelerator is a stop-gap: step 1 tuned at it read at 410 GB/s on an H200, at a 512 MiB bucket 2,944
+    # (docs/gpu-runs.md); the deployment's bucket size is next, once measured. (First: no two sizes alike.)
     first_rows = 1 << 16 if device.type != "cpu" else 67
     for rows, partial, n in ((first_rows, 3, 5), (2, 2, 2), (40, 7, 3)):
         firsts = index(rows, n)

@@ -205,10 +205,13 @@ class Packer:
         nbytes = spec.nbytes
         if nbytes > self.bucket_size:
             return self._add_chunked(spec, nbytes)
-        if self._packed[-1] and (regroup or self._cursor + nbytes > self.bucket_size):
+        # a typed view of the slot needs its items aligned: complex128 (16 bytes) at an alignment of 8 moves up
+        start = align_up(self._cursor, max(self.alignment, itemsize(spec.dtype)))
+        if self._packed[-1] and (regroup or start + nbytes > self.bucket_size):
             self._open()
-        self._packed[-1].append((spec, self._cursor, 0, nbytes, 0, 1))
-        self._cursor = align_up(self._cursor + nbytes, self.alignment)
+            start = self._cursor
+        self._packed[-1].append((spec, start, 0, nbytes, 0, 1))
+        self._cursor = align_up(start + nbytes, self.alignment)
         return range(len(self._packed) - 1, len(self._packed))
 
     def _add_chunked(self, spec: TensorSpec, nbytes: int) -> range:
