@@ -273,10 +273,11 @@ def _kernel_choice() -> str:
 
 def device_digest_kernel(device: torch.device) -> str:
     """Which implementation digests buckets on ``device``: "compiled" (``_CompiledSteps``: steps 1 and 3 of
-    :func:`digest_rows` compiled, one fused read of the bucket, around torch's prefix sum) or "eager" (torch ops; level 1 in
-    several passes over bounded chunks). The default is compiled on CUDA, where it compiles and agrees with the
-    eager ops on a probe, else eager (with a warning); eager elsewhere. CKPT_ENGINE_DIGEST_KERNEL=eager|compiled
-    forces one (compiled where it cannot be built: an error). Both give the same digests."""
+    :func:`digest_rows` compiled, one fused read of the bucket, around torch's prefix sum) or "eager" (torch
+    ops; level 1 in several passes over bounded chunks). The default is compiled on CUDA, where it compiles and
+    agrees with the eager ops on a probe, else eager (with a warning); eager elsewhere.
+    CKPT_ENGINE_DIGEST_KERNEL=eager|compiled forces one (compiled where it cannot be built: an error). Both give
+    the same digests."""
     return "compiled" if _compiled_fn(device) is not None else "eager"
 
 
