@@ -23,7 +23,16 @@ from ckpt_engine.server.agents import AgentRegistry
 from ckpt_engine.server.cache_book import CacheBook
 from ckpt_engine.server.decisions.agent_record import AgentRecord
 from ckpt_engine.server.decisions.commit import expected_digest, judge, staging_entry
-from ckpt_engine.server.decisions.ending import STAGE_ORDER, Benching, advances, benchings, ready_to_judge, waiting_for
+from ckpt_engine.server.decisions.ending import (
+    STAGE_ORDER,
+    Benching,
+    advances,
+    benchings,
+    engine_to_apply,
+    ready_to_judge,
+    to_discard,
+    waiting_for,
+)
 from ckpt_engine.server.decisions.newcomers import NewcomerGate, blamed_for_rendezvous
 from ckpt_engine.server.decisions.policy import PLAIN, SyncPolicy
 from ckpt_engine.server.decisions.receiver_classes import NO_CLASSES, ClassPlan, expected_by_receiver, plan_lanes
@@ -180,11 +189,11 @@ class Flights:
             return
         agent.model.staged_version(message.version)
         engine = agent.engine
-        if (engine is None or engine not in flight.engines or engine in flight.apply_sent
-                or engine in flight.engines_failed):
+        if engine is None:
             return
-        members = [self.agents.get(a) for a in flight.engines[engine]]
-        if all(m is not None and m.model.staged == flight.version for m in members):
+        staged = {a: m.model.staged for a in flight.engines.get(engine, ()) if (m := self.agents.get(a))}
+        if engine_to_apply(engine, flight.engines, flight.apply_sent | flight.engines_failed, staged,
+                           flight.version):
             driver = self.agents.driver(engine)
             if driver is not None:
                 driver.applying = flight.version
@@ -221,14 +230,15 @@ class Flights:
         """A driven worker that failed the version fails its whole engine: the other workers drop what they
         staged now (not at their take timeout), and its driver is never asked to apply it."""
         engine = agent.engine
-        if (not agent.driven or engine is None or engine not in flight.engines or engine in flight.apply_sent
-                or engine in flight.engines_failed):
+        discard = to_discard(engine, flight.engines, flight.apply_sent | flight.engines_failed, agent.agent_id,
+                             flight.reports) if agent.driven else None
+        if discard is None or engine is None:
             return
         flight.engines_failed.add(engine)
         why = f"worker {agent.agent_id} of engine {engine} failed it: {message.reason or 'failed'}"[:2000]
-        for member_id in flight.engines[engine]:
+        for member_id in discard:
             member = self.agents.get(member_id)
-            if member is None or member_id == agent.agent_id or member_id in flight.reports:
+            if member is None:
                 continue
             member.model.unstaged()
             member.pending.append(Assignment(kind="discard", version=flight.version, reason=why))

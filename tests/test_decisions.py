@@ -382,3 +382,23 @@ def test_whom_a_versions_end_benches() -> None:
                    Benching(("n",), "did not join the sync group of version 9", unproven=True)]
     # without the trainer's digest nobody was waited on: silence is no fault
     assert benchings(9, heard_everyone=False, silent=["s"], unfit_classes=[], absent=[]) == []
+
+
+def test_an_engine_is_told_to_apply_once_every_worker_staged_the_version() -> None:
+    from ckpt_engine.server.decisions.ending import engine_to_apply
+
+    engines = {"e": ["w1", "w2"]}
+    assert engine_to_apply("e", engines, set(), {"w1": 4, "w2": 4}, 4)
+    assert not engine_to_apply("e", engines, set(), {"w1": 4, "w2": 3}, 4)  # w2 staged an older one
+    assert not engine_to_apply("e", engines, set(), {"w1": 4}, 4)  # w2 is gone
+    assert not engine_to_apply("e", engines, {"e"}, {"w1": 4, "w2": 4}, 4)  # told already, or failed
+    assert not engine_to_apply(None, engines, set(), {}, 4) and not engine_to_apply("x", engines, set(), {}, 4)
+
+
+def test_a_failed_worker_fails_its_engine_once() -> None:
+    from ckpt_engine.server.decisions.ending import to_discard
+
+    engines = {"e": ["w1", "w2", "w3"]}
+    assert to_discard("e", engines, set(), "w1", reported={"w1", "w3"}) == ["w2"]
+    assert to_discard("e", engines, {"e"}, "w1", reported=set()) is None  # settled: nothing anew
+    assert to_discard(None, engines, set(), "w1", reported=set()) is None

@@ -55,3 +55,24 @@ def benchings(version: int, *, heard_everyone: bool, silent: Iterable[str],
         out.append(Benching(tuple(members), f"its shard spec does not fit version {version}: {reason[:500]}"))
     out.append(Benching(tuple(absent), f"did not join the sync group of version {version}", unproven=True))
     return [b for b in out if b.agents]
+
+
+def engine_to_apply(engine: str | None, engines: Mapping[str, Iterable[str]], settled: Collection[str],
+                    staged: Mapping[str, int | None], version: int) -> bool:
+    """Whether ``engine``'s driver is told to apply ``version`` now: it is an engine of the version's quorum, not
+    yet told and not failed (``settled``), and every one of its workers staged this version (``staged``: each
+    still-registered worker's staged version; a gone worker is missing from it)."""
+    if engine is None or engine not in engines or engine in settled:
+        return False
+    members = list(engines[engine])
+    return all(staged.get(m) == version for m in members)
+
+
+def to_discard(engine: str | None, engines: Mapping[str, Iterable[str]], settled: Collection[str],
+               failed_worker: str, reported: Collection[str]) -> list[str] | None:
+    """A driven worker failed the version, so its whole engine fails it: the engine's other workers that have not
+    reported drop what they staged now (not at their take timeout). None where the engine does not fail anew:
+    not of the quorum, or already told to apply, or already failed (``settled``)."""
+    if engine is None or engine not in engines or engine in settled:
+        return None
+    return [m for m in engines[engine] if m != failed_worker and m not in reported]
