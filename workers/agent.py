@@ -75,17 +75,15 @@ class Agent:
         self._received: str | None = None  # key of the last assignment got, acknowledged by the next poll
         # (agent id, assignment key) of what was handled: delivery is at least once
         self._handled: collections.deque[tuple[str, str]] = collections.deque(maxlen=64)
-        # The sync groups of the current generation: receivers have one per trainer rank that owns shares of
-        # the versions (``groups[r]``: owner r's); a trainer rank has its own, and ``owners_group`` with the
-        # other owners.
+        # This generation's sync groups: a receiver's ``groups[r]`` is owner rank r's; a trainer rank has its own
+        # and ``owners_group`` with the other owners.
         self.groups: list[SyncGroup] = []
         self.owners_group: SyncGroup | None = None
-        # (generation, part) of a rendezvous that failed, and why: not tried again in that generation (its store
-        # keys would let a second try pass the members' rendezvous and wait in the backend's connect instead)
-        # (registration, generation, part, why) of the last rendezvous that failed: not tried again for that version
+        # (registration, generation, part, why) of the last failed rendezvous. Not tried again: its store keys
+        # would let a second try pass the rendezvous and hang in the backend's connect.
         self._failed_rendezvous: tuple[str, int, str, Exception] | None = None
-        # The registration the groups were built under: a daemon that restarted hosts a new store and numbers
-        # generations afresh, so groups of an earlier registration are never reused (their store is gone)
+        # A restarted daemon has a new store and numbers generations afresh: groups of an earlier registration
+        # are never reused.
         self.groups_built_as: str | None = None
         self._group_lock = threading.Lock()
         self._register_lock = threading.Lock()  # registering again: once, whichever thread notices first
@@ -311,9 +309,8 @@ class Agent:
         log.info("registered with %s as %s %s", self.endpoint, self.role, settings.agent_id)
 
     def _poll_loop(self) -> None:
-        # A poll whose request or reply was lost (daemon restarted, connection cut) is only noticed by its
-        # timeout. Half the heartbeat past the parked wait lets the next poll reach the daemon before it gives
-        # up on us (polls are the heartbeat), and re-registration after a restart is not delayed either.
+        # A lost poll is noticed only at its timeout. Polls are the heartbeat: half a heartbeat past the parked
+        # wait lets the next one reach the daemon before it gives up on this agent.
         heartbeat_s = self.settings.heartbeat_s if self.settings is not None else self.request_timeout_s
         poller = ControlClient(self.endpoint, timeout_s=self.poll_wait_s + min(heartbeat_s / 2, self.request_timeout_s),
                                token=self.token)
