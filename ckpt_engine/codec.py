@@ -20,20 +20,27 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def encode(message: BaseModel) -> bytes:
-    return msgpack.packb(message.model_dump(mode="json"), use_bin_type=True)
+    """The message's bytes; ProtocolError when they would exceed what a peer accepts."""
+    raw = msgpack.packb(message.model_dump(mode="json"), use_bin_type=True)
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"{type(message).__name__} of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return raw
 
 
 def decode(kind: type[M], raw: bytes) -> M:
-    """Parse a message; anything malformed, truncated or oversized is a ProtocolError."""
+    """Parse a message; anything malformed, truncated or oversized is a ProtocolError (its text bounded: what
+    failed and where, never the peer's bytes)."""
     if len(raw) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"{kind.__name__} of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
         data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise ProtocolError(f"undecodable {kind.__name__}: {exc}") from exc
+        raise ProtocolError(f"undecodable {kind.__name__}: {type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(data, dict):
         raise ProtocolError(f"{kind.__name__} must be a map, got {type(data).__name__}")
     try:
         return kind.model_validate(data)
     except ValidationError as exc:
-        raise ProtocolError(f"invalid {kind.__name__}: {exc.errors()[0]}") from exc
+        first = exc.errors(include_input=False, include_url=False)[0]
+        where = ".".join(map(str, first["loc"]))[:200]
+        raise ProtocolError(f"invalid {kind.__name__}: {where}: {first['msg'][:200]}") from None

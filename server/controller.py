@@ -79,7 +79,7 @@ class Controller:
                                         self._require_storage)
         self._last_tick = clock()
         self._catch_up_pause = CatchUpPause()
-        self.tick_health = TickHealth()  # the daemon's ticker says how its calls of tick() went
+        self.tick_health = TickHealth(clock())  # the daemon's ticker says how its calls of tick() went
         self._kept: list[int] = []  # what the trainer was last told to keep in its cache for repairs
         self.started_at = time.time()
         self.quorum = QuorumView(config, history, self.agents, self.book, self.flights)

@@ -144,7 +144,7 @@ class Daemon:
             try:
                 self.controller.tick()
                 failures.succeeded()
-                self.controller.tick_health.succeeded()
+                self.controller.tick_health.succeeded(self.controller.clock())
             except Exception as exc:  # noqa: BLE001 - logged once, then periodically, /health says so: the ticker lives
                 failures.failed(f"{type(exc).__name__}: {exc}")
                 self.controller.tick_health.failed(f"{type(exc).__name__}: {exc}", self.controller.clock())

@@ -331,15 +331,33 @@ def test_a_refused_sync_holds_catch_ups_for_two_rendezvous_bounds_and_a_margin()
 def test_the_periodic_work_is_unhealthy_only_after_failing_for_a_while() -> None:
     from ckpt_engine.server.decisions.tick_health import FAILING_S, TickHealth
 
-    health = TickHealth()
+    health = TickHealth(100.0)
     assert health.problem(100.0) is None
     health.failed("OSError: disk", 100.0)
     assert health.problem(100.0 + FAILING_S / 2) is None  # one failure: logged and retried, still healthy
-    health.failed("OSError: disk again", 101.0)  # the first failure's time counts, the last error is named
+    health.failed("OSError: disk again", 101.0)  # the time since the last success counts, the last error is named
     problem = health.problem(100.0 + FAILING_S + 1)
     assert problem is not None and "disk again" in problem and f"{FAILING_S + 1:.0f}s" in problem
-    health.succeeded()
-    assert health.problem(1000.0) is None
+    health.succeeded(200.0)
+    assert health.problem(201.0) is None
+
+
+def test_a_stuck_or_mostly_failing_periodic_work_is_unhealthy() -> None:
+    """Found by the outside attack: a tick that hung never reported a failure, and one failing 9 times in 10
+    reset the clock at every success; /health said ok to both."""
+    from ckpt_engine.server.decisions.tick_health import FAILING_S, TickHealth
+
+    stuck = TickHealth(0.0)
+    stuck.succeeded(1.0)  # then nothing: the tick hangs, or its thread is gone
+    assert "not completed" in (stuck.problem(1.0 + FAILING_S) or "")
+    flaky = TickHealth(0.0)
+    for i in range(20):  # a tick every 0.5 s, 9 of every 10 failing
+        (flaky.succeeded if i % 10 == 0 else lambda now: flaky.failed("boom", now))(i * 0.5)
+    assert "failed 18 of its last 20" in (flaky.problem(9.6) or "")  # (its last success 4.6 s ago)
+    healthy = TickHealth(0.0)
+    for i in range(20):  # one failure in 20: fine
+        (healthy.failed if i == 7 else lambda e, now: healthy.succeeded(now))("x", i * 0.5)
+    assert healthy.problem(10.0) is None
 
 
 @pytest.mark.parametrize(("current", "event", "moves"), [

@@ -161,3 +161,23 @@ def test_items_wider_than_the_alignment_are_placed_on_their_own_width(alignment:
     fill_bucket(buf, bucket.slots, tensors, bucket.nbytes)
     for slot in layout.slots:
         assert torch.equal(slot_view(buf, slot), tensors[slot.name])
+
+
+@pytest.mark.parametrize("bucket_size", [16, 24, 40, 48, 100])
+def test_every_tensor_has_its_typed_view_in_the_whole_version_buffer_at_alignment_8(bucket_size: int) -> None:
+    """Found by the second outside attack: at alignment 8 a bucket could start 8 bytes past a 16-byte boundary
+    (a complex128 opening it had no view in the whole buffer), and once buckets round to 16 bytes a chunked
+    tensor's pieces had to be multiples of 16 as well to lie end to end."""
+    gen = torch.Generator().manual_seed(bucket_size)
+    tensors = {"f": torch.randn(1, dtype=torch.float64, generator=gen),
+               "z": torch.randn(5, dtype=torch.complex128, generator=gen),
+               "m": torch.rand(3, generator=gen) > 0.5,
+               "h": torch.randn(7, generator=gen).to(torch.bfloat16),
+               "w": torch.randn(9, dtype=torch.complex64, generator=gen)}
+    layout = plan_layout(specs_of(tensors), bucket_size=bucket_size, alignment=8)
+    flat = torch.full((layout.total_bytes,), 0xCD, dtype=torch.uint8)
+    for bucket in layout.buckets:
+        assert bucket.flat_offset % 16 == 0
+        fill_bucket(flat, bucket.slots, tensors, bucket.nbytes, bucket.flat_offset)
+    for slot in layout.slots:  # (a chunked tensor's slot spans its pieces: they must lie end to end)
+        assert torch.equal(slot_view(flat, slot, layout.buckets[slot.bucket].flat_offset), tensors[slot.name])

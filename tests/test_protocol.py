@@ -64,3 +64,28 @@ def test_mode_is_validated() -> None:
     raw = msgpack.packb({"version": 1, "mode": "whatever", "digest_algo": "xxh3-64", "layout_digest": "x"})
     with pytest.raises(ProtocolError):
         decode(VersionHeader, raw)
+
+
+def test_a_payloads_specs_are_read_only_with_and_without_aliases() -> None:
+    """Found by the outside attack: the layout's shared map was read-only without aliases and a plain dict with
+    them, so a load that changed it worked on tied models only, and would have changed every later version's."""
+    import torch
+
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.plan.layout import plan_layout
+    from ckpt_engine.plan.tensors import specs_of
+    from ckpt_engine.receive.assembly import Incoming, VersionAssembler
+    from ckpt_engine.receive.payload import ReceiveResult
+    from ckpt_engine.receive.staging import StagingChoice
+
+    layout = plan_layout(specs_of({"w": torch.zeros(3), "b": torch.zeros(2)}), bucket_size=1 << 12)
+    assembler = VersionAssembler(detect_device("cpu"), lambda payload: None)
+    for aliases in ({}, {"tied": "w"}):
+        header = VersionHeader(version=1, mode="cached", digest_algo="xxh3-64", layout_digest=layout.digest,
+                               aliases=aliases)
+        incoming = Incoming(header, layout, "xxh3-64", StagingChoice("device", "test"), ReceiveResult(1, False))
+        specs = assembler.specs(incoming)
+        assert set(specs) == {"w", "b", *aliases}
+        with pytest.raises(TypeError):
+            specs["x"] = specs["w"]  # type: ignore[index]
+    assert set(layout.spec_of) == {"w", "b"}  # the layout's own map never took the alias

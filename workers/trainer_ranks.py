@@ -7,10 +7,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ckpt_engine.codec import decode, encode
+from ckpt_engine.codec import MAX_MESSAGE_BYTES, decode, encode
 from ckpt_engine.control.messages import Assignment
-from ckpt_engine.errors import CkptEngineError
+from ckpt_engine.errors import CkptEngineError, ProtocolError
 from ckpt_engine.workers.fsdp import job_collective
+
+_UNSENDABLE = -1  # the length rank 0 announces when its assignment cannot be encoded
 
 
 class TrainerRanks:
@@ -28,20 +30,30 @@ class TrainerRanks:
 
     def broadcast_assignment(self, mine: Assignment | None) -> Assignment | None:
         """Rank 0's ``mine`` (None: nothing due) on every rank, in the one wire form: its length, then, when one
-        is due, its bytes. Raises TrainerGroupError when a rank is lost."""
-        raw = encode(mine) if mine is not None else b""
+        is due, its bytes. Raises TrainerGroupError on every rank when a rank is lost, or when rank 0's
+        assignment cannot be sent or read (the ranks would go on out of step)."""
+        raw, unsendable = b"", None
+        if mine is not None:
+            try:
+                raw = encode(mine)
+            except (ProtocolError, ValueError, OverflowError) as exc:
+                unsendable = f"{type(exc).__name__}: {exc}"
         device = group_device(self.group)
         with job_collective("agreeing on the next version"):
-            length = torch.tensor([len(raw)], dtype=torch.int64, device=device)
+            length = torch.tensor([_UNSENDABLE if unsendable else len(raw)], dtype=torch.int64, device=device)
             dist.broadcast(length, src=self.global_rank(0), group=self.group)
             size = int(length.item())
+            if size == _UNSENDABLE:
+                raise CkptEngineError(f"rank 0's assignment could not be sent: {unsendable or 'see rank 0'}")
+            if not 0 <= size <= MAX_MESSAGE_BYTES:
+                raise ProtocolError(f"rank 0 announced an assignment of {size} bytes")
             if size:
                 blob = torch.frombuffer(bytearray(raw or bytes(size)), dtype=torch.uint8).to(device)
                 dist.broadcast(blob, src=self.global_rank(0), group=self.group)
                 raw = blob.cpu().numpy().tobytes()
-        if mine is not None or not size:
-            return mine
-        return decode(Assignment, raw)
+            if mine is not None or not size:
+                return mine
+            return decode(Assignment, raw)
 
     def all_reduce_max(self, vector: list[int]) -> list[int]:
         """Sparse versions: every rank's change flags merged."""

@@ -26,6 +26,9 @@ from ckpt_engine.plan.dtypes import itemsize
 DEFAULT_ALIGNMENT = 256
 # Device digests read buckets as 8-byte words, so offsets must stay word-aligned.
 MIN_ALIGNMENT = 8
+# The widest item a tensor can have (complex128): every bucket starts on it, so a typed view of any tensor in
+# the whole-version buffer can be made (this matters only at alignment 8).
+WIDEST_ITEM = 16
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,7 @@ class Packer:
     def bucket_nbytes(self, index: int) -> int:
         """Bytes of bucket ``index`` as the layout will have them (final once a later bucket opened)."""
         end = max((offset + piece for _, offset, _, piece, _, _ in self._packed[index]), default=0)
-        return align_up(end, self.alignment)
+        return align_up(end, max(self.alignment, WIDEST_ITEM))
 
     def packed(self) -> list[list[tuple[TensorSpec, int, int, int, int, int]]]:
         return self._packed[:-1] if not self._packed[-1] else list(self._packed)
@@ -250,8 +253,9 @@ class Packer:
 
 def chunk_bytes(bucket_size: int, alignment: int, element: int) -> int:
     """Bytes of each piece of a chunked tensor (all but its last): the most whole aligned elements that fit a
-    bucket; at least one aligned element."""
-    unit = math.lcm(alignment, element)
+    bucket; at least one aligned element. A multiple of a bucket's own rounding too, so the pieces lie end to
+    end in the whole-version buffer."""
+    unit = math.lcm(max(alignment, WIDEST_ITEM), element)
     return max(unit, bucket_size // unit * unit)
 
 
@@ -270,7 +274,7 @@ def _build(groups: list[list[tuple[TensorSpec, int, int, int, int, int]]], bucke
             slots.append(TensorSlot(index, spec.name, spec.dtype, spec.shape, bucket_index, offset, piece, start,
                                     parts, part))
         end = max((slot.offset + slot.nbytes for slot in slots), default=0)
-        nbytes = align_up(end, alignment)
+        nbytes = align_up(end, max(alignment, WIDEST_ITEM))
         buckets.append(Bucket(bucket_index, nbytes, flat_offset, tuple(slots)))
         flat_offset += nbytes
     chunked = any(slot.parts > 1 for bucket in buckets for slot in bucket.slots)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -343,13 +344,13 @@ class VersionAssembler:
         read-only mapping where there are no aliases: built once per layout, not per version)."""
         if not incoming.header.aliases:
             return incoming.layout.spec_of
-        specs = dict(incoming.layout.spec_of)
+        specs: dict[str, TensorSpec] = dict(incoming.layout.spec_of)
         for alias, canonical in incoming.header.aliases.items():
             if canonical in specs:
                 specs[alias] = TensorSpec(alias, specs[canonical].dtype, specs[canonical].shape)
             elif incoming.header.base_version is None:
                 raise ProtocolError(f"alias {alias!r} points at unknown tensor {canonical!r}")
-        return specs
+        return types.MappingProxyType(specs)  # (read-only with aliases too: one behaviour for every load)
 
     def _views(self, incoming: Incoming) -> dict[str, torch.Tensor]:
         """Named views into the whole buffer holding the version; built once per (layout, buffer) and reused."""

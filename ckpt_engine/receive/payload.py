@@ -27,7 +27,7 @@ class VersionPayload:
     version_digest: str | None  # None for a streamed version until it ended (see ReceiveResult)
     tensors: Mapping[str, torch.Tensor]
     sparse: bool = False  # only the tensors that changed since the version the receiver holds
-    specs: Mapping[str, TensorSpec] = field(default_factory=dict)  # aliases included
+    specs: Mapping[str, TensorSpec] = field(default_factory=dict)  # aliases included; read-only (shared)
     stream: Iterator[tuple[str, torch.Tensor]] | None = None
     paused_s: float | None = None  # set by a load that measured how long its engine was paused for it
     aliases: Mapping[str, str] = field(default_factory=dict)  # tied names -> the names whose bytes they carry

@@ -17,7 +17,7 @@ import torch
 from ckpt_engine.codec import decode, encode
 from ckpt_engine.config import EngineConfig
 from ckpt_engine.config.knobs import Settled, settle
-from ckpt_engine.errors import CkptEngineError, ConfigError
+from ckpt_engine.errors import CkptEngineError, ConfigError, ProtocolError
 from ckpt_engine.send.publisher import Ownership, Publisher, Route
 from ckpt_engine.send.sender import Transfer, TransferResult, WireHook
 from ckpt_engine.transport.group import bounded, serve_store, wait_for_key
@@ -224,7 +224,12 @@ class VerlActor(VerlSync):
             merged = list(vector)
             for other in range(actors):
                 if other != rank:
-                    theirs = decode(ChangeFlags, wait_for_key(store, f"{_CHANGES}/{other}", self.timeout_s)).flags
+                    raw = wait_for_key(store, f"{_CHANGES}/{other}", self.timeout_s)
+                    try:
+                        theirs = decode(ChangeFlags, raw).flags
+                    except ProtocolError as exc:
+                        raise CkptEngineError(f"{BACKEND}: actor rank {other}'s change flags are unreadable "
+                                              f"(another ckpt-engine version?): {exc}") from exc
                     if len(theirs) != len(merged):
                         raise CkptEngineError(f"actor rank {other} planned {len(theirs)} change flags, this rank "
                                               f"{len(merged)}: the ranks' generators yielded different tensors")

@@ -60,7 +60,7 @@ class SyncAnnouncement(BaseModel):
     """What actor rank 0 tells every actor rank and rollout worker about one sync, on its store, in the one wire
     form (``ckpt_engine.codec``): the version and how to send it, or why there is none (``error``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True)  # (a newer rank 0's fields: ignored, as everywhere)
     version: int | None = None
     source_version: int | None = None  # a rollback: the cached version sent again under ``version``
     expected_digest: str | None = Field(None, max_length=64)
@@ -73,7 +73,7 @@ class SyncAnnouncement(BaseModel):
 class ChangeFlags(BaseModel):
     """A sparse version: one actor rank's change flag per planned tensor, for the others to merge (on the store)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True)
     flags: list[int] = Field(max_length=1 << 24)
 
 _CHANGES = "ckpt-engine/verl/changes"  # sparse versions: each actor rank's change flags
