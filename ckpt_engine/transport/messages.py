@@ -6,7 +6,9 @@ optional with a safe default, and required fields are only ever added with a new
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+from pydantic import Base64Bytes, BaseModel, ConfigDict, Field
 
 from ckpt_engine.errors import ProtocolError
 from ckpt_engine.plan.layout import Layout, TensorSpec, check_same_layout, plan_layout
@@ -105,3 +107,26 @@ class Ack(_Message):
     reason: str | None = None
     bad_tensors: list[str] = Field(default_factory=list)
     seconds: dict[str, float] = Field(default_factory=dict)
+
+
+class PullRegion(_Message):
+    """Memory an owner registered with its NIXL agent (transport/nixl.py ``Region``)."""
+
+    addr: int = Field(ge=0)
+    nbytes: int = Field(ge=0)
+    mem: Literal["DRAM", "VRAM"]
+    device_id: int = Field(0, ge=0)
+
+
+class PullOffer(_Message):
+    """What an owner serves of one version for receivers to pull (the ``nixl`` transport): how to reach its NIXL
+    agent, the region holding the version in wire layout (bucket b at ``offset`` + its flat offset), and what a
+    pushed version brings in its frames: the header, every bucket's digests as the owner computed them, the
+    trailer."""
+
+    agent: Base64Bytes = Field(max_length=1 << 20)
+    region: PullRegion
+    offset: int = Field(ge=0)
+    header: VersionHeader
+    digests: list[list[int]]
+    trailer: VersionTrailer

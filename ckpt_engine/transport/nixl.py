@@ -1,0 +1,208 @@
+"""The pull transport's engine: NIXL (UCX underneath: RDMA, NVLink / cuda_ipc, shared memory, or TCP).
+
+One NIXL agent per process. An owner registers the memory it serves once and hands out its agent's metadata and
+regions; a puller registers the buffers it reads into once, adds each owner's agent once, and READs byte ranges
+of the owner's regions into its own. Nothing forms a group: a puller that joins or dies costs no one else.
+
+NIXL ships per CUDA major version (``nixl-cu12``, ``nixl-cu13``; the CPU works with either). The ``nixl``
+meta-package picks one by detecting a CUDA runtime and can pick one that is not installed, so the installed
+backend module is imported directly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckpt_engine.errors import CkptEngineError, SyncTimeoutError
+from ckpt_engine.retry import Backoff
+
+log = logging.getLogger(__name__)
+_MODULES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")
+INSTALL_HINT = "pip install nixl-cu12 (CPU and CUDA 12) or nixl-cu13 (CUDA 13)"
+
+
+class NixlUnavailable(CkptEngineError):
+    """NIXL is not installed here (or its agent cannot start)."""
+
+
+class PullFailed(CkptEngineError):
+    """A READ from an owner failed (it died, deregistered, or its transport broke)."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """Registered memory: where it starts, its bytes, and NIXL's memory kind and device."""
+
+    addr: int
+    nbytes: int
+    mem: str  # "DRAM" or "VRAM"
+    device_id: int
+
+
+def nixl_api() -> Any:
+    """The installed NIXL backend module (its ``nixl_agent``, ``nixl_agent_config``)."""
+    failures = []
+    for name in _MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:  # (also the meta-package's "detected CUDA 13 but nixl-cu13 is not installed")
+            failures.append(f"{name}: {exc}")
+    raise NixlUnavailable(f"the nixl transport needs NIXL: {INSTALL_HINT} ({'; '.join(failures)})")
+
+
+def region_of(tensor: torch.Tensor) -> Region:
+    """The whole storage under ``tensor`` (registered whole: every later view of it is then covered)."""
+    storage = tensor.untyped_storage()
+    device = tensor.device
+    mem = "VRAM" if device.type in ("cuda", "npu") else "DRAM"
+    return Region(storage.data_ptr(), storage.nbytes(), mem, device.index or 0 if mem == "VRAM" else 0)
+
+
+class NixlEndpoint:
+    """This process's NIXL agent. Thread-safe; registrations and remote agents are kept until :meth:`close`."""
+
+    _names = itertools.count()
+
+    def __init__(self, role: str) -> None:
+        api = nixl_api()
+        self.name = f"ckpt-{role}-{os.getpid()}-{next(self._names)}-{uuid.uuid4().hex[:8]}"
+        try:
+            self._agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        except Exception as exc:
+            raise NixlUnavailable(f"NIXL's UCX agent did not start: {type(exc).__name__}: {exc}") from exc
+        self._lock = threading.Lock()
+        self._registered: dict[tuple[int, int], tuple[Region, Any, torch.Tensor]] = {}
+        self._remotes: dict[bytes, str] = {}
+
+    def metadata(self) -> bytes:
+        """What a puller needs to reach this agent (NIXL's own bytes: opaque here)."""
+        return bytes(self._agent.get_agent_metadata())
+
+    def register(self, tensor: torch.Tensor) -> Region:
+        """Register the storage under ``tensor`` once (kept alive while registered); its region."""
+        region = region_of(tensor)
+        key = (region.addr, region.nbytes)
+        with self._lock:
+            if key not in self._registered:
+                whole = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
+                    tensor.untyped_storage(), 0, (region.nbytes,), (1,))
+                handle = self._agent.register_memory([(region.addr, region.nbytes, region.device_id, "")],
+                                                     region.mem)
+                self._registered[key] = (region, handle, whole)
+            return self._registered[key][0]
+
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Deregister the storage under ``tensor`` (its owner frees it)."""
+        region = region_of(tensor)
+        with self._lock:
+            entry = self._registered.pop((region.addr, region.nbytes), None)
+        if entry is not None:
+            self._agent.deregister_memory(entry[1])
+
+    def remote(self, metadata: bytes) -> str:
+        """The name of the agent ``metadata`` describes, added once."""
+        with self._lock:
+            name = self._remotes.get(metadata)
+            if name is None:
+                try:
+                    name = self._remotes[metadata] = self._agent.add_remote_agent(metadata)
+                except Exception as exc:
+                    raise PullFailed(f"an owner's NIXL metadata was refused: {type(exc).__name__}: {exc}") from exc
+            return name
+
+    def drop_remote(self, metadata: bytes) -> None:
+        """Forget an owner (it died or restarted): its next metadata is added afresh."""
+        with self._lock:
+            name = self._remotes.pop(metadata, None)
+        if name is not None:
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception as exc:  # noqa: BLE001 - already gone
+                log.debug("removing remote agent %s: %s", name, exc)
+
+    def start_read(self, remote: str, source: Region, pieces: Sequence[tuple[int, torch.Tensor]]) -> Read:
+        """READ, for each (offset in ``source``, local uint8 view), the view's bytes from the owner into the view
+        (every view within memory registered here). Returns the transfer to wait on."""
+        local = [(view.data_ptr(), view.numel(), *self._kind(view)) for _, view in pieces if view.numel()]
+        far = [(source.addr + offset, view.numel(), source.device_id) for offset, view in pieces if view.numel()]
+        for offset, view in pieces:
+            if offset < 0 or offset + view.numel() > source.nbytes:
+                raise PullFailed(f"a read of {view.numel()} bytes at {offset} leaves the owner's region of "
+                                 f"{source.nbytes} bytes")
+        if not local:
+            return Read(self, None)
+        mem = local[0][3]
+        local_descs = self._agent.get_xfer_descs([(a, n, d) for a, n, d, _ in local], mem)
+        remote_descs = self._agent.get_xfer_descs(far, source.mem)
+        try:
+            handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, remote)
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            raise PullFailed(f"a read from {remote} could not start: {type(exc).__name__}: {exc}") from exc
+        if state == "ERR":
+            self._agent.release_xfer_handle(handle)
+            raise PullFailed(f"a read from {remote} failed as it started")
+        return Read(self, handle)
+
+    def close(self) -> None:
+        with self._lock:
+            entries, self._registered = list(self._registered.values()), {}
+            remotes, self._remotes = list(self._remotes.values()), {}
+        for _, handle, _ in entries:
+            try:
+                self._agent.deregister_memory(handle)
+            except Exception as exc:  # noqa: BLE001 - closing: best effort
+                log.debug("deregistering: %s", exc)
+        for name in remotes:
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("removing remote agent %s: %s", name, exc)
+
+    def _kind(self, view: torch.Tensor) -> tuple[int, str]:
+        region = region_of(view)
+        if (region.addr, region.nbytes) not in self._registered:
+            raise PullFailed("a read's local buffer is not registered with this process's NIXL agent")
+        return region.device_id, region.mem
+
+
+class Read:
+    """One READ in flight."""
+
+    def __init__(self, endpoint: NixlEndpoint, handle: Any) -> None:
+        self._endpoint, self._handle = endpoint, handle
+
+    def wait(self, timeout_s: float) -> None:
+        """Until the bytes are here; PullFailed if the owner failed it, SyncTimeoutError after ``timeout_s``."""
+        if self._handle is None:
+            return
+        agent = self._endpoint._agent
+        deadline = time.monotonic() + timeout_s
+        backoff = Backoff(initial_s=0.0002, max_s=0.01)
+        try:
+            while True:
+                state = agent.check_xfer_state(self._handle)
+                if state == "DONE":
+                    return
+                if state == "ERR":
+                    raise PullFailed("a read from an owner failed (it died, or deregistered what it served)")
+                if time.monotonic() >= deadline:
+                    raise SyncTimeoutError(f"a read from an owner did not finish within {timeout_s:.0f}s")
+                backoff.wait()
+        finally:
+            try:
+                agent.release_xfer_handle(self._handle)
+            except Exception as exc:  # noqa: BLE001 - a transfer still in flight cannot be released: say so
+                log.warning("a NIXL transfer could not be released (%s); its handle is leaked", exc)
+            self._handle = None
