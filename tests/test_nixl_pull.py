@@ -120,3 +120,40 @@ def test_an_owner_gone_before_the_pull_fails_the_version_within_its_bound(tmp_pa
     assert not puller["ok"] and "pulling version 1" in puller["reason"], puller
     assert puller["took"] < 10.0 + 20.0  # its deadline, plus a NIXL call's own bounded wait
     assert puller["got"] == {}
+
+
+def _puller_twice(gone: str, live: str) -> dict:
+    """One receiver: a pull from an owner that is gone, then one from a live owner, with the same assembler."""
+    from ckpt_engine.codec import decode
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.receive.assembly import VersionAssembler
+    from ckpt_engine.receive.pulled import pull
+    from ckpt_engine.transport.messages import PullOffer
+    from ckpt_engine.transport.nixl import NixlEndpoint
+
+    got: dict[str, torch.Tensor] = {}
+    assembler = VersionAssembler(detect_device("cpu"), lambda payload: got.update(
+        {name: tensor.clone() for name, tensor in payload.items()}), staging="device")
+    endpoint = NixlEndpoint("receiver")
+    before = assembler.buffers
+    first = pull(assembler, endpoint, decode(PullOffer, _wait_for(Path(gone, "offer.bin"))), 10.0)
+    replaced = assembler.buffers is not before
+    second = pull(assembler, endpoint, decode(PullOffer, _wait_for(Path(live, "offer.bin"))), 30.0)
+    Path(live, "done").write_text("1")
+    endpoint.close()
+    return {"first": (first.ok, first.reason), "second": (second.ok, second.reason),
+            "fresh_staging": replaced,
+            "got": {name: (str(t.dtype), t.view(torch.uint8).tolist() if t.dim() else t.tolist())
+                    for name, t in got.items()}}
+
+
+def test_after_a_failed_pull_the_next_version_is_pulled_whole_into_fresh_staging(tmp_path: Path) -> None:
+    """A read given up on may still land: the receiver never reuses the staging it read into."""
+    gone, live = tmp_path / "gone", tmp_path / "live"
+    gone.mkdir()
+    live.mkdir()
+    assert run_processes([(_owner, (str(gone), None, True))], timeout_s=120) == ["left"]
+    _, puller = run_processes([(_owner, (str(live), None, False)), (_puller_twice, (str(gone), str(live)))],
+                              timeout_s=180)
+    assert not puller["first"][0] and puller["second"][0], puller
+    assert puller["fresh_staging"] and puller["got"] == _bytes_of(_model())

@@ -16,6 +16,7 @@ import torch
 from ckpt_engine.errors import CkptEngineError, ProtocolError
 from ckpt_engine.plan.layout import Bucket, Layout
 from ckpt_engine.receive.assembly import VersionAssembler
+from ckpt_engine.receive.buffers import StagingBuffers
 from ckpt_engine.receive.payload import ReceiveResult
 from ckpt_engine.transport.messages import PullOffer, VersionTrailer
 from ckpt_engine.transport.nixl import NixlEndpoint, Region
@@ -67,5 +68,8 @@ def pull(assembler: VersionAssembler, endpoint: NixlEndpoint, offer: PullOffer, 
             pass
     except CkptEngineError as exc:
         endpoint.drop_remote(offer.agent)  # (an owner that failed a read is reached afresh next time)
+        # A read given up on may still land. The staging it reads into is never used again: it stays registered
+        # (the endpoint keeps it alive), so a late write goes where nothing reads; the next version gets new.
+        assembler.buffers = StagingBuffers(assembler.device)
         return assembler.finish(incoming, f"pulling version {offer.header.version}: {exc}")
     return assembler.conclude(incoming, feed.trailer())
