@@ -32,6 +32,28 @@ def stats(values: Iterable[float]) -> dict[str, float]:
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
 
 
+def device_timed(fn: Callable[[], object], rounds: int, device: Any, *, synced: bool = True) -> float:
+    """Median seconds of ``fn`` over ``rounds`` after one warm-up, the device synchronised after each call: inside
+    the timing, or (``synced=False``) after it, to time only what the host spends queueing the work."""
+    def sync() -> None:
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(device)
+
+    fn()
+    sync()
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        if synced:
+            sync()
+        samples.append(time.perf_counter() - start)
+        sync()
+    return statistics.median(samples)
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100) of ``values``."""
     if not values:

@@ -14,31 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
+from ckpt_engine.bench.common import device_timed
 from ckpt_engine.plan import hashing
 from ckpt_engine.plan.layout import TensorSpec, plan_layout
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn: Callable[[], object], rounds: int, device: torch.device) -> float:
-    fn()
-    _sync(device)
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def main() -> None:
@@ -94,7 +76,7 @@ def main() -> None:
                       "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type}),
           flush=True)
     for name, fn in forms.items():
-        seconds = _timed(fn, args.rounds, device)
+        seconds = device_timed(fn, args.rounds, device)
         print(json.dumps({"form": name, "s": round(seconds, 6), "gbps": round(layout.total_bytes / seconds / 1e9, 1)}),
               flush=True)
 

@@ -18,33 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
+from ckpt_engine.bench.common import device_timed
 from ckpt_engine.plan import tensors as plan_tensors
 from ckpt_engine.plan.layout import plan_layout
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn: Callable[[], object], rounds: int, device: torch.device, *, synced: bool = True) -> float:
-    fn()
-    _sync(device)
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        if synced:
-            _sync(device)
-        samples.append(time.perf_counter() - start)
-        _sync(device)
-    return statistics.median(samples)
 
 
 def _padding_views(buf: torch.Tensor, bucket) -> list[torch.Tensor]:
@@ -114,7 +94,7 @@ def _triton_gather(layout, tensors: dict[str, torch.Tensor], slots: list[torch.T
         for s in slots:
             s.zero_()
         run(True)
-        _sync(device)
+        torch.cuda.synchronize(device)  # (a trial that runs on CUDA only)
         agree = all(torch.equal(slots[b.index % 2][: b.nbytes], reference[b.index]) for b in last)
         print(json.dumps({"form": "triton_gather", "agrees_with_fill_bucket": agree}), flush=True)
     except Exception as exc:  # noqa: BLE001 - a trial: report and go on
@@ -190,10 +170,10 @@ def main() -> None:
                       "copy_batches": len(copies), "device": torch.cuda.get_device_name(device)
                       if device.type == "cuda" else device.type}), flush=True)
     for name, fn in forms.items():
-        seconds = _timed(fn, args.rounds, device)
+        seconds = device_timed(fn, args.rounds, device)
         print(json.dumps({"form": name, "ms": round(seconds * 1e3, 4),
                           "gbps": round(layout.total_bytes / seconds / 1e9, 1)}), flush=True)
-    queued = _timed(fill, args.rounds, device, synced=False)
+    queued = device_timed(fill, args.rounds, device, synced=False)
     print(json.dumps({"form": "fill_host_queue_only", "ms": round(queued * 1e3, 4),
                       "us_per_tensor": round(queued * 1e6 / args.count, 3)}), flush=True)
 
