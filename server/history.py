@@ -157,6 +157,7 @@ class HistoryStore:
         self._read_lock = threading.Lock() if self._reader is not self._db else self._db_lock
         self._mem = threading.Lock()
         self._records: collections.OrderedDict[int, VersionRecord] = collections.OrderedDict()
+        self._json: dict[int, tuple[VersionRecord, str]] = {}  # a record's JSON text while it is that record
         self._dirty: set[int] = set()
         self._cached_ids: set[int] | None = None  # the trainer's cache as last reported; None: as in the file
         self._cached_dirty = False
@@ -253,7 +254,8 @@ class HistoryStore:
             self._cached_ids = set(cached_versions)
             self._cached_dirty = True
             for version, record in self._records.items():
-                record.cached = version in cached_versions
+                if record.cached != (version in cached_versions):  # replaced, never changed: see list_json
+                    self._records[version] = replace(record, cached=not record.cached)
         self.flush(force=self._problem is None)
 
     def flush(self, *, force: bool = False) -> bool:
@@ -322,8 +324,30 @@ class HistoryStore:
 
     def list(self, *, limit: int = 50, status: str | None = None, before: int | None = None) -> list[VersionRecord]:
         """Newest first; ``before``: only ids below it (the cursor of the next page)."""
+        return [replace(r) for r in self._select(limit, status, before)]
+
+    def list_json(self, *, limit: int = 50, status: str | None = None, before: int | None = None
+                  ) -> builtins.list[tuple[int, str]]:
+        """What :meth:`list` returns, each record as (id, its JSON text). A record's text is kept while the record is
+        (encoding 50 records' floats was most of a GET /versions)."""
+        texts = []
+        for record in self._select(limit, status, before):
+            with self._mem:
+                kept = self._json.get(record.id)
+            if kept is not None and kept[0] is record:
+                texts.append((record.id, kept[1]))
+                continue
+            text = json.dumps(record.to_dict(), separators=(",", ":"), allow_nan=False)
+            with self._mem:
+                if self._records.get(record.id) is record:
+                    self._json[record.id] = (record, text)
+            texts.append((record.id, text))
+        return texts
+
+    def _select(self, limit: int, status: str | None, before: int | None) -> builtins.list[VersionRecord]:
+        """The records themselves, not copies: never change one (an update replaces it)."""
         query = "SELECT * FROM versions WHERE 1=1"
-        args: list[Any] = []
+        args: builtins.list[Any] = []
         if status is not None:
             query += " AND status=?"
             args.append(status)
@@ -344,16 +368,16 @@ class HistoryStore:
             fetched.update((r.id, r) for r in self._query(f"SELECT * FROM versions WHERE id IN ({marks})", missing))
         with self._mem:
             # what memory holds is taken before remembering the rest, which may evict some of it
-            held = {v: replace(self._records[v]) for v in ids if v in self._records}
+            held = {v: self._records[v] for v in ids if v in self._records}
             for record in fetched.values():
                 if record.id not in self._records:
                     self._remember(self._overlay(record))
-            records = [held.get(v) or replace(fetched[v]) for v in ids if v in held or v in fetched]
+            records = [held.get(v) or fetched[v] for v in ids if v in held or v in fetched]
             # a dirty record may have moved into (or out of) the status asked for
             if status is not None:
                 records = [r for r in records if r.status == status]
                 known = {r.id for r in records}
-                records += [replace(r) for v, r in self._records.items() if v in self._dirty and v not in known
+                records += [r for v, r in self._records.items() if v in self._dirty and v not in known
                             and r.status == status and (before is None or v < before)]
                 records = sorted(records, key=lambda r: -r.id)[:limit]
         return records
@@ -397,6 +421,7 @@ class HistoryStore:
         clean = [v for v in self._records if v not in self._dirty]
         for version in clean[: max(0, len(clean) - _CLEAN_KEPT)]:
             del self._records[version]
+            self._json.pop(version, None)
 
     def _overlay(self, record: VersionRecord) -> VersionRecord:
         if self._cached_ids is not None:

@@ -7,6 +7,7 @@ waits for a version to end differs by plane: ZMQ parks the reply, HTTP waits asy
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -84,9 +85,14 @@ def _sync(controller: Controller, request: SyncRequest, roles: set[Role]) -> dic
     return controller.request_sync(request).to_dict()
 
 
-def _versions(controller: Controller, query: VersionsQuery, roles: set[Role]) -> dict:
-    rows = controller.history.list(limit=query.limit, status=query.status, before=query.before)
-    return {"versions": [r.to_dict() for r in rows], "next_before": rows[-1].id if len(rows) == query.limit else None}
+class JsonText(str):
+    """An answer already encoded as JSON: HTTP sends it as it is, ZMQ decodes it into the map it sends."""
+
+
+def _versions(controller: Controller, query: VersionsQuery, roles: set[Role]) -> JsonText:
+    rows = controller.history.list_json(limit=query.limit, status=query.status, before=query.before)
+    after = rows[-1][0] if len(rows) == query.limit else None
+    return JsonText(f'{{"versions":[{",".join(text for _, text in rows)}],"next_before":{json.dumps(after)}}}')
 
 
 def _version(controller: Controller, ref: VersionRef, roles: set[Role]) -> dict:
@@ -147,4 +153,4 @@ OPERATIONS: dict[str, Operation] = {op.name: op for op in (
 )}
 
 
-__all__ = ["AGENTS", "OPERATIONS", "NoBody", "Operation", "PollReply"]
+__all__ = ["AGENTS", "OPERATIONS", "JsonText", "NoBody", "Operation", "PollReply"]

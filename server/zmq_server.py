@@ -16,6 +16,7 @@ expired timers before reading the answers waiting for it, and drop every agent's
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -33,7 +34,7 @@ from ckpt_engine.server.connections import ClosedConnections
 from ckpt_engine.server.controller import Controller
 from ckpt_engine.server.errors import BadRequest, ControlError
 from ckpt_engine.server.history import TERMINAL
-from ckpt_engine.server.operations import OPERATIONS
+from ckpt_engine.server.operations import OPERATIONS, JsonText
 from ckpt_engine.server.zmq_peers import Peer, PeerGuard
 
 log = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ class ZmqServer:
             return self._poll_reply(message, envelope, encoding, result, roles)
         if kind == "sync" and request.wait and len(self._parked) < _MAX_PARKED:  # waits as over HTTP
             return self._park_until_terminal(message, envelope, encoding, result["id"], request.timeout_s)
-        return result
+        return json.loads(result) if isinstance(result, JsonText) else result
 
     def _poll_reply(self, message: dict, envelope: list[bytes], encoding: str, poll: Poll,
                     roles: set[Role]) -> dict | _Parked:

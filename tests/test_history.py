@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -219,3 +220,28 @@ def test_a_page_keeps_every_row_when_reading_it_evicts_records_from_memory(tmp_p
     assert len(store.list(limit=1000, before=600)) == 599
     assert len(store.list(limit=1000, before=1101)) == 1000
     store.close()
+
+
+def test_a_records_json_text_follows_every_change(tmp_path: Path) -> None:
+    """GET /versions sends the JSON text the store keeps per record: an update, a flip of the cache flag, a
+    record read back from the file and a filtered page each give what :meth:`list` gives."""
+    store = HistoryStore(tmp_path / "h.sqlite3")
+    ids = [store.create(mode="cached", step=i).id for i in range(4)]
+
+    def same() -> None:
+        for query in ({}, {"status": "committed"}, {"limit": 2, "before": ids[-1]}):
+            as_text = [(i, json.loads(text)) for i, text in store.list_json(**query)]
+            assert as_text == [(r.id, r.to_dict()) for r in store.list(**query)], query
+
+    same()
+    store.update(ids[0], status="committed", stages={"fill": 0.25}, receivers=[{"rank": 1, "ok": True}])
+    same()
+    store.set_cached({ids[0]})
+    same()
+    store.set_cached(set())
+    same()
+    store.close()
+    store = HistoryStore(tmp_path / "h.sqlite3")  # (same() reads the reopened store: records from the file)
+    same()
+    store.update(ids[1], status="failed", reason="x")
+    same()
