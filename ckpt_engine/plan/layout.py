@@ -122,6 +122,11 @@ class Layout:
         return any(slot.parts > 1 for slot in self.pieces)
 
     @functools.cached_property
+    def largest_chunked_bytes(self) -> int:
+        """Bytes of the largest tensor that travels in pieces (0: none does)."""
+        return max((slot.nbytes for slot in self.slots if slot.chunked), default=0)
+
+    @functools.cached_property
     def specs(self) -> tuple[TensorSpec, ...]:
         return tuple(slot.spec for slot in self.slots)
 

@@ -7,6 +7,7 @@ digest from their own manifest with the changed digests put in, and load only if
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,8 +26,8 @@ class Manifest:
     names: tuple[str, ...]
     digests: tuple[int, ...]
 
-    @property
-    def version_digest(self) -> str:
+    @functools.cached_property
+    def version_digest(self) -> str:  # (kept: the sender and receiver each ask for it several times)
         return version_digest(self.algo, self.layout_digest, list(self.digests))
 
     def updated(self, version: int, changed: dict[str, int]) -> Manifest:

@@ -39,18 +39,20 @@ class NamedTensors:
         each bucket's): assumed of any subclass that overrides it, unless the subclass says otherwise."""
         return type(self).bucket_tensors is not NamedTensors.bucket_tensors
 
-    def check_sendable(self) -> None:
-        """Every tensor can go on the wire byte-exact, checked on every version (a tensor may turn sparse or meta
-        under the same name, dtype and shape): one cheap pass, the full check only for the ones it flags."""
-        strided = torch.strided
-        for name, t in self.tensors.items():
-            if t.layout is not strided or t.is_meta or t.is_nested or t.dtype not in NAME_BY_DTYPE:
-                check_sendable(name, t)
-
     def layout_key(self) -> list[tuple]:
-        """Cheap identity of what the layout depends on (names, dtypes, full shapes, order). Flat tuples of
-        plain values: a torch.Size per tensor kept alive costs the garbage collector ~1 µs a tensor."""
-        return [(name, t.dtype, *t.shape) for name, t in self.tensors.items()]
+        """Cheap identity of what the layout depends on (names, dtypes, full shapes, order), after checking that
+        every tensor can go on the wire byte-exact (LayoutError naming the first that cannot). Both run on every
+        version (a tensor may turn sparse or meta under the same name, dtype and shape), in one pass: the full
+        check only for the tensors the cheap test flags. Flat tuples of plain values: a torch.Size per tensor
+        kept alive costs the garbage collector ~1 µs a tensor."""
+        strided, key = torch.strided, []
+        append = key.append
+        for name, t in self.tensors.items():
+            dtype = t.dtype
+            if t.layout is not strided or t.is_meta or t.is_nested or dtype not in NAME_BY_DTYPE:
+                check_sendable(name, t)  # (before the shape: a nested tensor has none)
+            append((name, dtype, *t.shape))
+        return key
 
     def bucket_tensors(self, bucket: Bucket, to: int | None = None) -> Mapping[str, torch.Tensor]:
         """The full tensors of ``bucket`` (every rank of a sharded model must call this for the same buckets).

@@ -32,8 +32,7 @@ class StagingNeeds:
 
     @classmethod
     def of(cls, layout: Layout) -> StagingNeeds:
-        largest = max((slot.nbytes for slot in layout.slots if slot.chunked), default=0)
-        return cls(max(layout.total_bytes, 1), 2 * max(layout.max_bucket_bytes, 1), largest)
+        return cls(max(layout.total_bytes, 1), 2 * max(layout.max_bucket_bytes, 1), layout.largest_chunked_bytes)
 
 
 @dataclass(frozen=True)

@@ -247,7 +247,6 @@ class Publisher:
     def layout_for(self, named: NamedTensors) -> Layout:
         """The layout of these tensors; re-planned only when names, dtypes or shapes changed. Either way the
         tensors match the returned layout, so the cache and sender need not check them again."""
-        named.check_sendable()  # before the key: a nested tensor has no shape to key on
         key = named.layout_key()  # cheap key first (no dtype-name lookups or spec objects)
         if self._layout is None or key != self._layout_key:
             self._layout = plan_layout(specs_of(named.tensors), self.bucket_size, self.alignment)
