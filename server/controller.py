@@ -54,7 +54,7 @@ from ckpt_engine.server.registrar import Registrar
 from ckpt_engine.server.state_view import StateView
 
 log = logging.getLogger(__name__)
-_EVENTS_OF = {"trainer": {"snapshotting", "transferring", "verifying", "done", "evicted"},
+_EVENTS_OF = {"trainer": {"snapshotting", "transferring", "verifying", "offered", "done", "evicted"},
               "receiver": {"staged", "received"}, "driver": {"applied"}}
 # the credential an agent of each kind registers (and speaks) with
 class Controller:
@@ -264,18 +264,21 @@ class Controller:
         receivers = rules.within_class_limit(receivers)
         problem = self.quorum.problem(trainer, receivers, now)
         if problem is None:
-            owners, colocated, problem = self.quorum.routes(trainer, receivers, source, now)  # type: ignore[arg-type]
+            owners, colocated, pulling, problem = self.quorum.routes(trainer, receivers, source,  # type: ignore[arg-type]
+                                                                     record.mode, now)
         if problem:
             raise Unavailable(problem, self.flights.fail_unstarted(record.id, problem).to_dict())
-        self._launch(record, trainer, receivers, colocated, owners, source=source,  # type: ignore[arg-type]
-                     sparse_base=rules.sparse_base(receivers) if sparse and source is None else None,
-                     sparse=sparse and source is None, purpose="push" if source is not None else "sync")
+        sparse = sparse and source is None and not pulling  # (a puller reads the whole cached version)
+        self._launch(record, trainer, receivers, colocated, pulling, owners, source=source,  # type: ignore[arg-type]
+                     sparse_base=rules.sparse_base(receivers) if sparse else None, sparse=sparse,
+                     purpose="push" if source is not None else "sync")
 
     def _launch(self, record: VersionRecord, trainer: AgentRecord, receivers: list[AgentRecord],
-                colocated: list[AgentRecord], owners: int, *, source: VersionRecord | None,
-                sparse_base: int | None = None, sparse: bool = False, purpose: str) -> None:
+                colocated: list[AgentRecord], pulling: list[AgentRecord], owners: int, *,
+                source: VersionRecord | None, sparse_base: int | None = None, sparse: bool = False,
+                purpose: str) -> None:
         self._kept = self.book.kept_for_repairs(self.config.keep_versions)
-        self.flights.start(record, trainer, receivers, colocated, source=source, sparse_base=sparse_base,
+        self.flights.start(record, trainer, receivers, colocated, pulling, source=source, sparse_base=sparse_base,
                            sparse=sparse, owners=owners, keep=self._kept, purpose=purpose)
 
     def request_evict(self, version: int) -> VersionRecord:
@@ -348,7 +351,7 @@ class Controller:
         if plan is None or source is None or not rules.heard(trainer, now, self.heartbeat_s):
             return
         receivers = rules.within_class_limit(plan.receivers)
-        owners, colocated, problem = self.quorum.routes(trainer, receivers, source, now)
+        owners, colocated, pulling, problem = self.quorum.routes(trainer, receivers, source, "cached", now)
         if problem:
             return
         try:
@@ -356,7 +359,7 @@ class Controller:
         except Unavailable:
             return
         log.info("%s: version %d to %d receiver(s) as version %d", plan.purpose, source.id, len(receivers), record.id)
-        self._launch(record, trainer, receivers, colocated, owners, source=source, purpose=plan.purpose)
+        self._launch(record, trainer, receivers, colocated, pulling, owners, source=source, purpose=plan.purpose)
 
     # ---- internals ----------------------------------------------------------------------------------
     def _version_ended(self) -> None:

@@ -62,6 +62,8 @@ class InFlight:
     owner_failures: dict[int, str] = field(default_factory=dict)  # other owner ranks' own failures, by rank
     classes: ClassPlan = NO_CLASSES  # a sharded version's receiver classes (none: a plain version)
     remote: tuple[str, ...] = ()  # receivers on the version's sync groups (not colocated)
+    pullers: tuple[str, ...] = ()  # receivers that pull it over nixl once the trainer offers it
+    offered: bool = False  # the trainer's offer went to the pullers
 
 
 class Flights:
@@ -77,14 +79,15 @@ class Flights:
 
     # ---- starting ------------------------------------------------------------------------------------
     def start(self, record: VersionRecord, trainer: AgentRecord, receivers: list[AgentRecord],
-              colocated: list[AgentRecord], *, source: VersionRecord | None, sparse_base: int | None, sparse: bool,
-              purpose: str, owners: int, keep: list[int]) -> None:
-        """A version the daemon drives: every receiver and the trainer are assigned their part."""
-        remote = [r for r in receivers if r not in colocated]
+              colocated: list[AgentRecord], pulling: list[AgentRecord], *, source: VersionRecord | None,
+              sparse_base: int | None, sparse: bool, purpose: str, owners: int, keep: list[int]) -> None:
+        """A version the daemon drives: every receiver and the trainer are assigned their part (a puller's comes
+        with the trainer's offer: see :meth:`offered`)."""
+        remote = [r for r in receivers if r not in colocated and r not in pulling]
         trainers = self.agents.trainers()
         owner_ids = [trainers[r].agent_id for r in range(owners) if r in trainers] if owners > 1 else [trainer.agent_id]
         # (with another number of owners the receivers join other groups: a new generation, fresh store keys)
-        quorum = {r.agent_id: rank for rank, r in enumerate(remote + colocated, start=1)}
+        quorum = {r.agent_id: rank for rank, r in enumerate(remote + colocated + pulling, start=1)}
         classes = plan_lanes(receivers, quorum, {r.agent_id for r in colocated})
         membership = (*owner_ids, f"owners={owners}", *(r.agent_id for r in remote), "|",
                       *(r.agent_id for r in colocated), "|", *(f"{a}:{s.part}" for a, s in classes.seats.items()))
@@ -99,7 +102,8 @@ class Flights:
         send = Assignment(
             kind="send", rank=0, source_version=source.id if source else None, sparse_base=sparse_base,
             sparse=sparse, expected_digest=source.version_digest if source else None, keep=keep,
-            ipc_peers={r.agent_id: quorum[r.agent_id] for r in colocated}, classes=classes.lanes, **common)
+            ipc_peers={r.agent_id: quorum[r.agent_id] for r in colocated}, classes=classes.lanes,
+            pullers=len(pulling), **common)
         receives = []
         for receiver in remote:
             seat = classes.seats.get(receiver.agent_id)
@@ -119,9 +123,11 @@ class Flights:
             if receiver.driven and receiver.engine is not None:
                 engines.setdefault(receiver.engine, []).append(receiver.agent_id)
         self.current = InFlight(record.id, record.mode, trainer.agent_id, quorum, engines, purpose, self.clock(),
-                                classes=classes, remote=tuple(r.agent_id for r in remote))
+                                classes=classes, remote=tuple(r.agent_id for r in remote),
+                                pullers=tuple(r.agent_id for r in pulling))
+        how = {**{r.agent_id: "ipc" for r in colocated}, **{r.agent_id: "nixl" for r in pulling}}
         self.history.update(record.id, purpose=purpose, owners=owners, receivers=[
-            {"rank": r, "agent_id": a, "transport": "ipc" if any(c.agent_id == a for c in colocated) else "collective",
+            {"rank": r, "agent_id": a, "transport": how.get(a, "collective"),
              **({"shard_class": classes.key_of(a)} if classes.keys else {})}
             for a, r in quorum.items()])
         self.metrics.in_flight.set(1)
@@ -151,9 +157,26 @@ class Flights:
             if current and advances(current.status, message.event):
                 step = {"step": message.step} if current.step is None and message.step is not None else {}
                 self.history.update(flight.version, status=message.event, **step)
+        elif message.event == "offered" and message.offer is not None:
+            self.offered(flight, message)
         elif message.event == "done" and flight.done is None:
             flight.done, flight.done_at = message, self.clock()
             self.maybe_finish(flight)
+
+    def offered(self, flight: InFlight, message: Report) -> None:
+        """The trainer holds the version ready to be pulled: each puller still here gets the offer (once)."""
+        offer = message.offer
+        if offer is None or offer.header.version != flight.version or flight.offered:
+            log.warning("ignoring an offer for version %s (version %d in flight; offered already: %s)",
+                        offer.header.version if offer else None, flight.version, flight.offered)
+            return
+        flight.offered = True
+        for agent_id in flight.pullers:
+            puller = self.agents.get(agent_id)
+            if puller is not None:
+                puller.pending.append(Assignment(kind="receive", version=flight.version, mode=flight.mode,
+                                                 step=message.step, rank=flight.quorum[agent_id], transport="nixl",
+                                                 offer=message.offer))
 
     def receiver_outcome(self, agent: AgentRecord, message: Report, flight: InFlight | None) -> None:
         """A receiver's own outcome: what its model holds now, and its vote on the version."""

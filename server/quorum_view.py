@@ -39,10 +39,13 @@ class QuorumView:
                                     None if gate.admits(now) else gate.reason)
 
     def routes(self, trainer: AgentRecord, receivers: list[AgentRecord], source: VersionRecord | None,
-               now: float) -> tuple[int, list[AgentRecord], str | None]:
-        """How many trainer ranks own the version, which receivers take the same-host path, and why it cannot
-        go (None: it can)."""
+               mode: str, now: float) -> tuple[int, list[AgentRecord], list[AgentRecord], str | None]:
+        """How many trainer ranks own the version, which receivers take the same-host path, which pull it, and
+        why it cannot go (None: it can)."""
         owners = rules.owners_for(trainer, self.agents.trainers(), source.owners if source else None,
                                   self.config.transport, now, self.heartbeat_s)
+        pulling, problem = rules.pullers(receivers, self.config.transport, mode)
+        if problem is not None or pulling:
+            return owners, [], pulling, problem
         colocated, problem = rules.transports(trainer, receivers, owners, self.config.transport)
-        return owners, colocated, problem
+        return owners, colocated, [], problem

@@ -24,6 +24,8 @@ from ckpt_engine.plan.shards import ShardSpec, spec_to_wire
 from ckpt_engine.receive.assembly import VersionAssembler
 from ckpt_engine.receive.collective import LoadFn, Receiver, ReceiveResult
 from ckpt_engine.receive.colocated import IpcReceiver
+from ckpt_engine.receive.pulled import pull
+from ckpt_engine.transport.nixl import NixlEndpoint
 from ckpt_engine.workers.agent import Agent
 from ckpt_engine.workers.threads import supervised
 
@@ -63,6 +65,7 @@ class RolloutAgent(Agent):
         self._work: queue.Queue[Assignment | None] = queue.Queue()
         self._receiver: Receiver | None = None
         self._ipc: IpcReceiver | None = None
+        self._nixl: NixlEndpoint | None = None  # this process's NIXL agent, started by the first pull
         self._ipc_name: str | None = None
         self._shared_assembler: VersionAssembler | None = None
         self._worker = supervised(self._work_loop, "ckpt-receiver", self._work_loop_died)
@@ -108,6 +111,8 @@ class RolloutAgent(Agent):
         if self._ipc is not None:
             self._ipc.close()
         super().close()
+        if self._nixl is not None:
+            self._nixl.close()
 
     def wait_for_version(self, version: int, timeout_s: float) -> bool:
         """Block until ``version`` (or a newer one) has been applied; for scripts and tests."""
@@ -167,6 +172,8 @@ class RolloutAgent(Agent):
             raise CkptEngineError("not registered")
         if assignment.transport == "ipc":
             result = self._receive_colocated(assignment, settings)
+        elif assignment.transport == "nixl":
+            result = self._pull(assignment, settings)
         else:
             result = self._collective_receiver(assignment, settings).receive(
                 begin_timeout_s=settings.version_timeout_s, abandon=lambda: self._will_not_come(assignment))
@@ -189,6 +196,14 @@ class RolloutAgent(Agent):
             log.info("version %d: the same-host channel was closed (%s); connecting again", assignment.version,
                      ipc.broken)
         return result
+
+    def _pull(self, assignment: Assignment, settings) -> ReceiveResult:
+        """Read the version from the trainer's offer over NIXL; verified and loaded as every version is."""
+        if assignment.offer is None:
+            return ReceiveResult(assignment.version, False, "a nixl assignment came without the trainer's offer")
+        if self._nixl is None:
+            self._nixl = NixlEndpoint("rollout")
+        return pull(self._assembler(settings), self._nixl, assignment.offer, settings.version_timeout_s)
 
     def _collective_receiver(self, assignment: Assignment, settings) -> Receiver:
         group = self.group_for(assignment)

@@ -53,6 +53,7 @@ from ckpt_engine.transport.group import MembersAbsent, SyncGroup, open_store, ow
 from ckpt_engine.workers.agent import Agent
 from ckpt_engine.workers.class_groups import ClassGroups, ClassGroupsKey
 from ckpt_engine.workers.fsdp import sharded_tensors_of
+from ckpt_engine.workers.pull_server import PullServer
 from ckpt_engine.workers.trainer_ranks import TrainerRanks
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class TrainerAgent(Agent):
         self._push_backoff = Backoff(initial_s=1.0, max_s=30.0)
         self._push_after = 0.0
         self._push_failures = FailureLog(log, "trainer agent: push (a version requested from the loop)")
+        self.pulls = PullServer()  # the versions it offers receivers to pull (transport: nixl)
 
     def register_extra(self) -> dict:
         hub = self.publisher.hub if self.publisher is not None else None
@@ -109,6 +111,10 @@ class TrainerAgent(Agent):
                                    ipc_hub_name=settings.ipc_name if self.rank == 0 else None,
                                    wire_hook=self._wire_hook, external_trim=True)  # (the daemon's cache book)
 
+    def close(self) -> None:
+        super().close()
+        self.pulls.close()
+
     def versions_held(self) -> list[int]:
         return self.publisher.cache.versions() if self.publisher else []
 
@@ -121,11 +127,13 @@ class TrainerAgent(Agent):
         if assignment.kind == "evict":
             self._evict(assignment.version)
         elif assignment.kind == "send" and assignment.source_version is not None and assignment.owners == 1:
+            self.pulls.release(before=assignment.version)  # (one version in flight: the daemon is done with those)
             self.served.append(assignment.version)  # rank 0 holds the whole version: no other rank is needed
-            self._track(assignment.version, lambda: self._publisher().publish(
+            self._track(assignment, lambda: self._publisher().publish(
                 assignment.version, source_version=assignment.source_version, route=lambda: self._route(assignment),
                 expected_digest=assignment.expected_digest, keep=assignment.keep), 0.0)
         elif assignment.kind == "send":
+            self.pulls.release(before=assignment.version)
             self._pending.append(assignment)
             # Rendezvous with the receivers now, while the loop runs on to its next step boundary.
             threading.Thread(target=self._prepare_group, args=(assignment,), name="ckpt-trainer-rendezvous",
@@ -327,7 +335,7 @@ class TrainerAgent(Agent):
             self._abort_before_start(assignment, reason)  # nothing went on the wire: release the receivers
         else:
             self.gathered[version] = transfer.gathered_bytes
-            self._track(version, lambda: transfer, time.perf_counter() - started)
+            self._track(assignment, lambda: transfer, time.perf_counter() - started)
         self.held_seconds.append(time.perf_counter() - started)
 
     def _give_up(self, version: int, exc: TrainerGroupError) -> None:
@@ -354,9 +362,10 @@ class TrainerAgent(Agent):
         except Exception:  # the step boundary tries again and reports the failure: this thread must not die mute
             log.exception("preparing the sync group for version %d failed", assignment.version)
 
-    def _track(self, version: int, start: Callable[[], Transfer], held: float) -> None:
+    def _track(self, assignment: Assignment, start: Callable[[], Transfer], held: float) -> None:
         """The version this rank sends now: its outcome is reported when the send ends, by the thread that ends
         it (one thread per version: the send's own)."""
+        version = assignment.version
         try:
             transfer = start()
         except Exception as exc:  # every failure ends the version with a reason in history
@@ -364,7 +373,7 @@ class TrainerAgent(Agent):
             self._report_failure(version, f"{type(exc).__name__}: {exc}", exc)
             return
         self._current = transfer
-        transfer.on_done(lambda result: self._report_result(result, held))
+        transfer.on_done(lambda result: self._report_result(result, held, assignment))
 
     def _wait_current(self, timeout_s: float) -> None:
         current = self._current
@@ -374,7 +383,9 @@ class TrainerAgent(Agent):
             except CkptEngineError as exc:  # (its sends are bounded: this is a bug's safety net)
                 log.warning("version %d still in transfer: %s", current.version, exc)
 
-    def _report_result(self, result: TransferResult, held: float) -> None:
+    def _report_result(self, result: TransferResult, held: float, assignment: Assignment) -> None:
+        if result.ok and assignment.pullers:
+            self._offer(assignment)
         try:
             fields = done_fields(result, self._publisher(), held)
         except Exception as exc:  # the daemon still hears of the version at once, not at its time limit
@@ -383,6 +394,19 @@ class TrainerAgent(Agent):
                                  f"{exc}")
             return
         self.report(result.version, "done", **fields, group_broken=self.group_broken)
+
+    def _offer(self, assignment: Assignment) -> None:
+        """The version, cached whole, offered to its pullers through the daemon (before ``done``: the daemon
+        judges the version once they have reported)."""
+        settings, publisher = self.settings, self._publisher()
+        try:
+            offer = self.pulls.offer(publisher.cache, assignment.version, assignment.source_version,
+                                     publisher.device.digest_algo,
+                                     settings.version_timeout_s if settings is not None else 600.0)
+        except CkptEngineError as exc:  # the pullers then never get it; the daemon judges them silent
+            log.error("version %d could not be offered for pulling: %s", assignment.version, exc)
+            return
+        self.report(assignment.version, "offered", offer=offer.model_dump())
 
     def _report_failure(self, version: int, reason: str, exc: BaseException | None = None) -> None:
         """``exc``: what failed it; a sync group that did not form is said so, with whom it names absent."""

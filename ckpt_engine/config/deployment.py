@@ -251,8 +251,9 @@ class EngineConfig(_Strict):
                                  description="the part of free memory auto staging may take")
     staging_budget_mb: Float | None = Field(None, gt=0, le=1 << 30, allow_inf_nan=False,
                                             description="MiB auto staging considers free, instead of measuring")
-    transport: Literal["auto", "collective", "ipc"] = Field(
-        "auto", description="auto: shared memory for receivers on the sender's host, the collective for others")
+    transport: Literal["auto", "collective", "ipc", "nixl"] = Field(
+        "auto", description="auto: shared memory for receivers on the sender's host, the collective for others; "
+                            "nixl: every receiver pulls cached versions from the trainer over NIXL")
     auth_token: Token | None = Field(None, description="one token for every role (older deployments; roles are "
                                                        "then not separated: prefer auth.*_token)")
     auth: AuthConfig = AuthConfig()

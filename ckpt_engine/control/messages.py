@@ -32,6 +32,7 @@ from ckpt_engine.errors import ConfigError, ProtocolError
 from ckpt_engine.plan.modes import DEFAULT_STAGING, Mode, Staging
 from ckpt_engine.plan.shards import ShardSpec, Slice, spec_from_wire, spec_to_wire
 from ckpt_engine.ranks import QuorumRank
+from ckpt_engine.transport.messages import PullOffer
 
 Role = Literal["trainer", "receiver", "driver"]
 # A version's lifecycle in the daemon: requested -> snapshotting -> transferring -> verifying -> one of TERMINAL.
@@ -291,7 +292,9 @@ class Assignment(_Body):
     generation: int = 0
     world_size: int = 0  # of the collective sync group (1: no collective receivers)
     rank: int = 0
-    transport: Literal["collective", "ipc"] = "collective"  # receive: how this receiver gets the version
+    transport: Literal["collective", "ipc", "nixl"] = "collective"  # receive: how this receiver gets the version
+    offer: PullOffer | None = None  # receive over nixl: what to pull from whom (the trainer's offer)
+    pullers: int = Field(0, ge=0, le=MAX_RANKS)  # send: receivers that pull the version (the trainer offers it)
     ipc_name: str | None = None  # receive over ipc: the trainer's hub
     ipc_peers: dict[str, int] = Field(default_factory=dict)  # send: colocated receivers (agent id -> rank)
     sparse_base: int | None = None  # send: only changes since this version, which every receiver holds
@@ -342,7 +345,8 @@ class ReceiverAck(BaseModel):
     seconds: dict[StageName, Seconds] = Field(default_factory=dict, max_length=MAX_STAGES)
 
 
-ReportEvent = Literal["snapshotting", "transferring", "verifying", "done", "received", "evicted", "staged", "applied"]
+ReportEvent = Literal["snapshotting", "transferring", "verifying", "offered", "done", "received", "evicted", "staged",
+                      "applied"]
 
 
 class Report(_Body):
@@ -385,6 +389,8 @@ class Report(_Body):
     staging_why: ShortReason = None
     # Trainers, of a sharded version: each class's outcome and digest (``version_digest``: the whole version's)
     classes: list[ClassDone] = Field(default_factory=list, max_length=MAX_CLASSES)
+    # Trainers, event ``offered``: the version ready to be pulled over nixl (handed on to its pullers)
+    offer: PullOffer | None = None
 
 
 class Unregister(_Body):

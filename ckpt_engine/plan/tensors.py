@@ -45,7 +45,7 @@ class NamedTensors:
         version (a tensor may turn sparse or meta under the same name, dtype and shape), in one pass: the full
         check only for the tensors the cheap test flags. Flat tuples of plain values: a torch.Size per tensor
         kept alive costs the garbage collector ~1 µs a tensor."""
-        strided, key = torch.strided, []
+        strided, key = torch.strided, list[tuple]()
         append = key.append
         for name, t in self.tensors.items():
             dtype = t.dtype

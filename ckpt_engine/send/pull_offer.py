@@ -19,8 +19,11 @@ from ckpt_engine.transport.messages import LayoutMessage, PullOffer, PullRegion,
 from ckpt_engine.transport.nixl import NixlEndpoint
 
 
-def offer_cached(endpoint: NixlEndpoint, cached: CachedVersion, *, algo: DigestAlgo = "xxh3-64") -> PullOffer:
-    """``cached`` (a whole version: not a delta, not one rank's share) as a pull offer."""
+def offer_cached(endpoint: NixlEndpoint, cached: CachedVersion, *, version: int | None = None,
+                 algo: DigestAlgo = "xxh3-64") -> PullOffer:
+    """``cached`` (a whole version: not a delta, not one rank's share) as a pull offer, labelled ``version``
+    (a re-push: the cached bytes of an older version under a new id; default: its own)."""
+    label = cached.version if version is None else version
     share = cached.version_layout is not None and cached.version_layout.digest != cached.layout.digest
     if not cached.is_whole or share:
         raise CacheError(f"version {cached.version} is a delta or one rank's share: only whole cached versions "
@@ -29,10 +32,10 @@ def offer_cached(endpoint: NixlEndpoint, cached: CachedVersion, *, algo: DigestA
     region = endpoint.register(buffer)
     digests = [bucket_digests(b, buffer[b.flat_offset : b.flat_offset + b.nbytes], algo, layout.digest).tolist()
                for b in layout.buckets]
-    header = VersionHeader(version=cached.version, mode="cached", digest_algo=algo, layout_digest=layout.digest,
+    header = VersionHeader(version=label, mode="cached", digest_algo=algo, layout_digest=layout.digest,
                            layout=LayoutMessage.of(layout), step=cached.step, aliases=dict(cached.aliases),
                            created_at=time.time())
-    trailer = VersionTrailer(version=cached.version,
+    trailer = VersionTrailer(version=label,
                              version_digest=version_digest(algo, layout.digest, [d for b in digests for d in b]))
     return PullOffer(agent=base64.b64encode(endpoint.metadata()),  # (Base64Bytes takes its wire form)
                      region=PullRegion(addr=region.addr, nbytes=region.nbytes, mem=region.mem,

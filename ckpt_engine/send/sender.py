@@ -79,8 +79,7 @@ class Sender:
         ``owners_group.rank``; rank 0 leads); None: this rank sends every bucket itself. ``slots_key``: the
         hub's shared slots its colocated receivers read (a class of a sharded version: its own). ``seats``:
         the quorum rank of each receiver of ``group`` (what its acknowledgements are reported under)."""
-        if group is None and not ipc_peers:
-            raise ConfigError("a sender needs a sync group, colocated receivers, or both")
+        # (neither: every receiver pulls the version, or there is none; the sender still digests what it caches)
         if owners_group is not None and ipc_peers:
             raise ConfigError("versions of several owners go on sync groups only (no colocated receivers)")
         self.owners_group = owners_group

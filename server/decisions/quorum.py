@@ -164,7 +164,7 @@ def owners_for(trainer: AgentRecord, trainers: Mapping[int, AgentRecord], source
     if source_owners is not None:
         return source_owners
     ranks = trainer.trainer_ranks
-    if ranks <= 1 or transport == "ipc":
+    if ranks <= 1 or transport in ("ipc", "nixl"):
         return 1
     return ranks if all(r in trainers and heard(trainers[r], now, heartbeat_s) for r in range(ranks)) else 1
 
@@ -178,11 +178,23 @@ def transports(trainer: AgentRecord, receivers: Sequence[AgentRecord], owners: i
         if transport == "ipc":
             return [], f"transport is ipc, but this version is owned by {owners} trainer ranks"
         return [], None
-    colocated = [r for r in receivers if transport != "collective" and colocatable(trainer, r)]
+    colocated = [r for r in receivers if transport in ("auto", "ipc") and colocatable(trainer, r)]
     if transport == "ipc" and len(colocated) < len(receivers):
         far = [r.agent_id for r in receivers if r not in colocated]
         return [], f"transport is ipc, but receiver(s) {far} are not on the trainer's host with its device kind"
     return colocated, None
+
+
+def pullers(receivers: Sequence[AgentRecord], transport: str, mode: str) -> tuple[list[AgentRecord], str | None]:
+    """Which receivers pull the version over NIXL from the trainer's cache (``transport: nixl``: every one), and
+    why it cannot go that way."""
+    if transport != "nixl" or not receivers:
+        return [], None
+    if mode != "cached":
+        return [], "transport is nixl, which pulls cached versions only (bypass_cpu: use collective or ipc)"
+    if sharded(receivers):
+        return [], "transport is nixl, which does not carry sharded classes yet (use collective or ipc)"
+    return list(receivers), None
 
 
 def colocatable(trainer: AgentRecord, receiver: AgentRecord) -> bool:

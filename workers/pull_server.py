@@ -1,0 +1,78 @@
+"""A trainer rank's side of the ``nixl`` transport: it offers cached versions for receivers to pull.
+
+The daemon hands the offer on to the version's pullers. Each offered version stays leased (its buffer is not
+reused) until the daemon moves on to a newer version or the version's time is up, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+
+from ckpt_engine.device import DigestAlgo
+from ckpt_engine.send.cache import VersionCache
+from ckpt_engine.send.pull_offer import offer_cached
+from ckpt_engine.transport.messages import PullOffer
+from ckpt_engine.transport.nixl import NixlEndpoint
+
+log = logging.getLogger(__name__)
+
+
+class PullServer:
+    """One NIXL agent per trainer rank, started on the first offer; a lease per offered version."""
+
+    def __init__(self) -> None:
+        self._endpoint: NixlEndpoint | None = None
+        self._leases: dict[int, tuple[float, contextlib.ExitStack]] = {}  # version -> (release by, its lease)
+        self._lock = threading.Lock()
+
+    def offer(self, cache: VersionCache, version: int, source_version: int | None, algo: DigestAlgo,
+              hold_s: float) -> PullOffer:
+        """``version`` (a re-push: ``source_version``'s cached bytes under ``version``) offered; its buffer is
+        held for at most ``hold_s``."""
+        stack = contextlib.ExitStack()
+        cached = stack.enter_context(cache.lease(source_version if source_version is not None else version))
+        try:
+            offer = offer_cached(self._endpoint_now(), cached, version=version, algo=algo)
+        except BaseException:
+            stack.close()
+            raise
+        with self._lock:
+            earlier = self._leases.pop(version, None)
+            self._leases[version] = (time.monotonic() + hold_s, stack)
+        if earlier is not None:
+            earlier[1].close()
+        return offer
+
+    def release(self, *, before: int | None = None) -> None:
+        """Release the leases of versions older than ``before`` (the daemon has moved on from them) and of those
+        whose time is up."""
+        now = time.monotonic()
+        with self._lock:
+            done = [v for v, (until, _) in self._leases.items() if now >= until or (before is not None and v < before)]
+            stacks = [self._leases.pop(v)[1] for v in done]
+        for stack in stacks:
+            stack.close()
+
+    def close(self) -> None:
+        with self._lock:
+            stacks = [stack for _, stack in self._leases.values()]
+            self._leases.clear()
+            endpoint, self._endpoint = self._endpoint, None
+        for stack in stacks:
+            stack.close()
+        if endpoint is not None:
+            endpoint.close()
+
+    @property
+    def held(self) -> list[int]:
+        with self._lock:
+            return sorted(self._leases)
+
+    def _endpoint_now(self) -> NixlEndpoint:
+        with self._lock:
+            if self._endpoint is None:
+                self._endpoint = NixlEndpoint("trainer")
+            return self._endpoint
