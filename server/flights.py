@@ -166,9 +166,9 @@ class Flights:
     def offered(self, flight: InFlight, message: Report) -> None:
         """The trainer holds the version ready to be pulled: each puller still here gets the offer (once)."""
         offer = message.offer
-        if offer is None or offer.header.version != flight.version or flight.offered:
+        if offer is None or offer.version != flight.version or flight.offered:
             log.warning("ignoring an offer for version %s (version %d in flight; offered already: %s)",
-                        offer.header.version if offer else None, flight.version, flight.offered)
+                        offer.version if offer else None, flight.version, flight.offered)
             return
         flight.offered = True
         for agent_id in flight.pullers:

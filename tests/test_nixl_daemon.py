@@ -60,7 +60,7 @@ def receiver_proc(zmq: str, stop_file: str, seed: int, host_id: str | None) -> d
     return {"state": state_bytes(model), "results": [(r.version, r.ok, r.reason) for r in agent.results]}
 
 
-def _wait_for(check, timeout_s: float = 90):  # noqa: ANN001, ANN202
+def _wait_for(check, timeout_s: float = 90):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         found = check()

@@ -34,17 +34,19 @@ class PullServer:
         held for at most ``hold_s``."""
         stack = contextlib.ExitStack()
         cached = stack.enter_context(cache.lease(source_version if source_version is not None else version))
+        endpoint = self._endpoint_now()
         try:
-            offer = offer_cached(self._endpoint_now(), cached, version=version, algo=algo)
+            offered = offer_cached(endpoint, cached, version=version, algo=algo)
         except BaseException:
             stack.close()
             raise
+        stack.callback(endpoint.forget, offered.descriptor)  # (released with the version's lease)
         with self._lock:
             earlier = self._leases.pop(version, None)
             self._leases[version] = (time.monotonic() + hold_s, stack)
         if earlier is not None:
             earlier[1].close()
-        return offer
+        return offered.offer
 
     def release(self, *, before: int | None = None) -> None:
         """Release the leases of versions older than ``before`` (the daemon has moved on from them) and of those

@@ -1,26 +1,45 @@
 """An owner's side of the ``nixl`` transport: a cached version offered for receivers to pull.
 
 The version's buffer is registered with this process's NIXL agent once (pool buffers are reused, so later
-versions find it registered) and described in a ``PullOffer``: the agent, the region, and what a push would have
-put in its frames (header, every bucket's digests, trailer). The caller keeps the version leased
-(``VersionCache.lease``) for as long as a pull may read it.
+versions find it registered). What a push would put in its frames (header, every bucket's digests, trailer) is
+encoded once into a small registered buffer of its own, the descriptor, which pullers read like the buckets: the
+offer that goes through the control plane stays small whatever the model. The caller keeps the version leased
+(``VersionCache.lease``) and the descriptor registered for as long as a pull may read them.
 """
 
 from __future__ import annotations
 
 import base64
 import time
+from dataclasses import dataclass
 
+import torch
+import xxhash
+
+from ckpt_engine.codec import encode
 from ckpt_engine.device import DigestAlgo
 from ckpt_engine.errors import CacheError
 from ckpt_engine.plan.hashing import bucket_digests, version_digest
 from ckpt_engine.send.cache import CachedVersion
-from ckpt_engine.transport.messages import LayoutMessage, PullOffer, PullRegion, VersionHeader, VersionTrailer
-from ckpt_engine.transport.nixl import NixlEndpoint
+from ckpt_engine.transport.messages import (
+    LayoutMessage,
+    PullDescriptor,
+    PullOffer,
+    PullRegion,
+    VersionHeader,
+    VersionTrailer,
+)
+from ckpt_engine.transport.nixl import NixlEndpoint, Region
+
+
+@dataclass(frozen=True)
+class Offered:
+    offer: PullOffer
+    descriptor: torch.Tensor  # registered with the endpoint: ``endpoint.forget`` it once no pull may read it
 
 
 def offer_cached(endpoint: NixlEndpoint, cached: CachedVersion, *, version: int | None = None,
-                 algo: DigestAlgo = "xxh3-64") -> PullOffer:
+                 algo: DigestAlgo = "xxh3-64") -> Offered:
     """``cached`` (a whole version: not a delta, not one rank's share) as a pull offer, labelled ``version``
     (a re-push: the cached bytes of an older version under a new id; default: its own)."""
     label = cached.version if version is None else version
@@ -37,7 +56,14 @@ def offer_cached(endpoint: NixlEndpoint, cached: CachedVersion, *, version: int 
                            created_at=time.time())
     trailer = VersionTrailer(version=label,
                              version_digest=version_digest(algo, layout.digest, [d for b in digests for d in b]))
-    return PullOffer(agent=base64.b64encode(endpoint.metadata()),  # (Base64Bytes takes its wire form)
-                     region=PullRegion(addr=region.addr, nbytes=region.nbytes, mem=region.mem,
-                                       device_id=region.device_id),
-                     offset=buffer.data_ptr() - region.addr, header=header, digests=digests, trailer=trailer)
+    raw = encode(PullDescriptor(offset=buffer.data_ptr() - region.addr, header=header, digests=digests,
+                                trailer=trailer))
+    descriptor = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    where = endpoint.register(descriptor)
+    return Offered(PullOffer(version=label, agent=base64.b64encode(endpoint.metadata()),  # (its wire form)
+                             region=_wire(region), descriptor=_wire(where), descriptor_nbytes=len(raw),
+                             descriptor_digest=xxhash.xxh3_64_hexdigest(raw)), descriptor)
+
+
+def _wire(region: Region) -> PullRegion:
+    return PullRegion(addr=region.addr, nbytes=region.nbytes, mem=region.mem, device_id=region.device_id)

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import Base64Bytes, BaseModel, ConfigDict, Field
 
+from ckpt_engine.codec import MAX_MESSAGE_BYTES
 from ckpt_engine.errors import ProtocolError
 from ckpt_engine.plan.layout import Layout, TensorSpec, check_same_layout, plan_layout
 from ckpt_engine.plan.modes import Mode
@@ -118,15 +119,26 @@ class PullRegion(_Message):
     device_id: int = Field(0, ge=0)
 
 
-class PullOffer(_Message):
-    """What an owner serves of one version for receivers to pull (the ``nixl`` transport): how to reach its NIXL
-    agent, the region holding the version in wire layout (bucket b at ``offset`` + its flat offset), and what a
-    pushed version brings in its frames: the header, every bucket's digests as the owner computed them, the
-    trailer."""
+class PullDescriptor(_Message):
+    """What a pushed version brings in its frames, for a pull: the header, every bucket's digests as the owner
+    computed them, the trailer, and where in the owner's region the version starts (bucket b at ``offset`` + its
+    flat offset). The puller reads it from the owner's memory: its size grows with the tensor count, so it never
+    goes through the control plane."""
 
-    agent: Base64Bytes = Field(max_length=1 << 20)
-    region: PullRegion
     offset: int = Field(ge=0)
     header: VersionHeader
     digests: list[list[int]]
     trailer: VersionTrailer
+
+
+class PullOffer(_Message):
+    """What an owner serves of one version for receivers to pull (the ``nixl`` transport), small whatever the
+    model: how to reach its NIXL agent, the region holding the version, and where its encoded ``PullDescriptor``
+    lies (``descriptor_nbytes`` at ``descriptor``'s start) with that encoding's xxh3-64 digest (hex)."""
+
+    version: int
+    agent: Base64Bytes = Field(max_length=1 << 20)
+    region: PullRegion
+    descriptor: PullRegion
+    descriptor_nbytes: int = Field(gt=0, le=MAX_MESSAGE_BYTES)
+    descriptor_digest: str = Field(pattern="^[0-9a-f]{16}$")
