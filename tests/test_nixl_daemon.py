@@ -6,6 +6,7 @@ bypass_cpu is refused with a reason (pulls read the cache)."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import sys
@@ -23,8 +24,9 @@ if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     pytest.skip("NIXL has no wheel for this platform", allow_module_level=True)
 
 
-def trainer_proc(zmq: str, stop_file: str) -> dict:
-    """Changes its weights after every version it serves; returns the bytes each version held."""
+def trainer_proc(zmq: str, stop_file: str, folder: str | None = None) -> dict:
+    """Changes its weights after every version it serves; returns the bytes each version held (also written to
+    ``folder``/state-<version>, for a test that kills this process)."""
     import torch
 
     from ckpt_engine.workers.trainer_agent import TrainerAgent
@@ -38,6 +40,8 @@ def trainer_proc(zmq: str, stop_file: str) -> dict:
         served = agent.step(step)
         if served is not None:
             states[served] = state_bytes(model)
+            if folder is not None:
+                Path(folder, f"state-{served}").write_text(json.dumps({k: v.hex() for k, v in states[served].items()}))
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(1)
@@ -48,12 +52,21 @@ def trainer_proc(zmq: str, stop_file: str) -> dict:
     return {"states": states, "held_at_end": held}
 
 
-def receiver_proc(zmq: str, stop_file: str, seed: int, host_id: str | None) -> dict:
+def receiver_proc(zmq: str, stop_file: str, seed: int, host_id: str | None, gate: tuple[str, int] | None = None
+                  ) -> dict:
+    """A rollout agent; ``gate`` (folder, version): before pulling that version it says so (``pulling``) and
+    waits for ``go`` in the folder, so that the test can kill or stop a process in the middle of the pull."""
     from ckpt_engine.workers.rollout_agent import RolloutAgent
 
+    class Gated(RolloutAgent):
+        def _pull(self, assignment, settings):  # noqa: ANN001, ANN202
+            if gate is not None and assignment.version == gate[1]:
+                Path(gate[0], "pulling").touch()
+                _wait_for(lambda: Path(gate[0], "go").exists(), 120)
+            return super()._pull(assignment, settings)
+
     model = AwkwardModel(seed=seed)
-    agent = RolloutAgent(lambda payload: load_into(model, payload.tensors), zmq, poll_wait_s=0.2,
-                         host_id=host_id).start()
+    agent = Gated(lambda payload: load_into(model, payload.tensors), zmq, poll_wait_s=0.2, host_id=host_id).start()
     while not os.path.exists(stop_file):
         time.sleep(0.05)
     agent.close()
@@ -119,3 +132,75 @@ def test_receivers_pull_cached_versions_through_the_daemon(tmp_path: Path) -> No
         assert all(ok for _, ok, _ in rx["results"]), rx["results"]
     assert trainer["held_at_end"] == [again["id"]]  # older offers were released as the daemon moved on
 
+
+
+def _version(client, version: int) -> dict:  # noqa: ANN001
+    return _wait_for(lambda: _ended(client.get(f"/versions/{version}").json()))
+
+
+def test_an_owner_killed_mid_pull_fails_the_version_and_the_puller_keeps_what_it_held(tmp_path: Path) -> None:
+    stop_file, gate = tmp_path / "stop", tmp_path / "gate"
+    gate.mkdir()
+    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", transport="nixl"))
+    trainer = start_processes([(trainer_proc, (daemon.zmq, str(stop_file), str(tmp_path)))])
+    receiver = start_processes([(receiver_proc, (daemon.zmq, str(stop_file), 7, "another-host", (str(gate), 2)))])
+    try:
+        with daemon.client() as client:
+            _wait_for(lambda: len(client.get("/receivers").json()["agents"]) == 2)
+            first = sync_when_idle(client, {"step": 1})
+            assert first["status"] == "committed" and first["id"] == 1, (first["reason"], first["receivers"])
+            assert client.post("/sync", json={"step": 2}).status_code == 202
+            _wait_for(lambda: Path(gate, "pulling").exists())
+            trainer.procs[0].kill()  # the owner dies between its offer and the pull
+            trainer.procs[0].join(30)
+            Path(gate, "go").touch()
+            second = _version(client, 2)
+            assert second["status"] == "failed", second
+    finally:
+        stop_file.touch()
+        [rx] = receiver.collect(120)
+        trainer.kill()
+        assert daemon.stop() == 0
+    held = json.loads(Path(tmp_path, "state-1").read_text())
+    assert rx["state"] == {k: bytes.fromhex(v) for k, v in held.items()}  # version 1, whole
+    assert [(v, ok) for v, ok, _ in rx["results"]] == [(1, True), (2, False)]
+    assert "pulling version 2" in rx["results"][1][2]
+
+
+def test_a_puller_killed_mid_pull_costs_only_itself_and_a_joiner_pulls_the_newest(tmp_path: Path) -> None:
+    stop_file, gate = tmp_path / "stop", tmp_path / "gate"
+    gate.mkdir()
+    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", transport="nixl"))
+    agents = start_processes([(trainer_proc, (daemon.zmq, str(stop_file), str(tmp_path))),
+                              (receiver_proc, (daemon.zmq, str(stop_file), 8, "host-b"))])
+    doomed = start_processes([(receiver_proc, (daemon.zmq, str(stop_file), 7, "host-a", (str(gate), 2)))])
+    joiner = None
+    try:
+        with daemon.client() as client:
+            _wait_for(lambda: len(client.get("/receivers").json()["agents"]) == 3)
+            first = sync_when_idle(client, {"step": 1})
+            assert first["status"] == "committed" and len(first["receivers"]) == 2, first
+            assert client.post("/sync", json={"step": 2}).status_code == 202
+            _wait_for(lambda: Path(gate, "pulling").exists())
+            doomed.procs[0].kill()  # a puller dies in the middle of its pull
+            # a receiver joins while version 2 is in flight: it is not in its quorum, and pulls it afterwards
+            joiner = start_processes([(receiver_proc, (daemon.zmq, str(stop_file), 9, "host-c"))])
+            second = _version(client, 2)
+            assert second["status"] == "committed", second  # by the one that lived
+            entries = {e["agent_id"]: e for e in second["receivers"]}
+            assert sum(e["ok"] for e in entries.values()) == 1 and len(entries) == 2
+            caught = _wait_for(lambda: next((v for v in client.get("/versions").json()["versions"]
+                                             if v["purpose"] == "catch_up" and v["status"] == "committed"), None))
+            assert caught["source_version"] == 2 and len(caught["receivers"]) == 1
+            third = sync_when_idle(client, {"step": 3})
+            assert third["status"] == "committed" and len(third["receivers"]) == 2, third
+    finally:
+        stop_file.touch()
+        results = agents.collect(120)
+        joined = joiner.collect(120) if joiner is not None else []
+        doomed.kill()
+        assert daemon.stop() == 0
+    trainer, survivor, late = *results, *joined
+    assert survivor["state"] == late["state"] == trainer["states"][third["id"]]
+    assert all(ok for _, ok, _ in survivor["results"] + late["results"])
+    assert trainer["held_at_end"] == [third["id"]]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.procs import run_processes
+from tests.procs import run_processes, start_processes
 
 _WAIT_S = 60.0
 # NIXL publishes Linux x86-64 wheels only; there the test extra installs it and these tests must run.
@@ -40,7 +40,9 @@ def _wait_for(path: Path) -> bytes:
     return path.read_bytes()
 
 
-def _owner(folder: str, flip: str | None, leave: bool) -> str:
+def _owner(folder: str, flip: str | None, leave: bool, leave_when: str | None = None) -> str:
+    """``leave_when``: the owner's process ends once that file exists in ``folder`` (a puller read the
+    descriptor)."""
     from ckpt_engine.codec import encode
     from ckpt_engine.device import detect_device
     from ckpt_engine.plan.layout import plan_layout
@@ -64,6 +66,9 @@ def _owner(folder: str, flip: str | None, leave: bool) -> str:
         staged.write_bytes(encode(offer))
         staged.rename(Path(folder, "offer.bin"))
         if leave:  # the owner's process ends before anyone pulls (the test starts the puller after it)
+            return "left"
+        if leave_when is not None:
+            _wait_for(Path(folder, leave_when))
             return "left"
         _wait_for(Path(folder, "done"))
     endpoint.close()
@@ -153,4 +158,49 @@ def test_after_a_failed_pull_the_next_version_is_pulled_whole(tmp_path: Path) ->
     _, puller = run_processes([(_owner, (str(live), None, False)), (_puller_twice, (str(gone), str(live)))],
                               timeout_s=180)
     assert not puller["first"][0] and puller["second"][0], puller
+    assert puller["got"] == _bytes_of(_model())
+
+
+def _puller_after_a_failed_bucket(withdrawn: str, live: str) -> dict:
+    """A pull that fails at a bucket read (the owner left after its descriptor was read), then one that works,
+    with the same assembler."""
+    from ckpt_engine.codec import decode
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.receive.assembly import VersionAssembler
+    from ckpt_engine.receive.pulled import describe, pull
+    from ckpt_engine.transport.messages import PullOffer
+    from ckpt_engine.transport.nixl import NixlEndpoint
+
+    got: dict[str, torch.Tensor] = {}
+    assembler = VersionAssembler(detect_device("cpu"), lambda payload: got.update(
+        {name: tensor.clone() for name, tensor in payload.items()}), staging="device")
+    endpoint = NixlEndpoint("receiver")
+    before = assembler.buffers
+    offer = decode(PullOffer, _wait_for(Path(withdrawn, "offer.bin")))
+    described = describe(endpoint, offer, time.monotonic() + 30)
+    Path(withdrawn, "described").write_text("1")
+    _wait_for(Path(withdrawn, "owner-gone"))
+    first = pull(assembler, endpoint, offer, 10.0, described)
+    replaced = assembler.buffers is not before
+    second = pull(assembler, endpoint, decode(PullOffer, _wait_for(Path(live, "offer.bin"))), 30.0)
+    Path(live, "done").write_text("1")
+    endpoint.close()
+    return {"first": (first.ok, first.reason), "second": (second.ok, second.reason), "fresh_staging": replaced,
+            "got": {name: (str(t.dtype), t.view(torch.uint8).tolist() if t.dim() else t.tolist())
+                    for name, t in got.items()}}
+
+
+def test_a_pull_failed_at_a_bucket_leaves_its_staging_and_the_next_pull_is_whole(tmp_path: Path) -> None:
+    """A read given up on may still land: the receiver never reads into that staging again."""
+    withdrawn, live = tmp_path / "withdrawn", tmp_path / "live"
+    withdrawn.mkdir()
+    live.mkdir()
+    owner = start_processes([(_owner, (str(withdrawn), None, False, "described"))])
+    running = start_processes([(_owner, (str(live), None, False)),
+                               (_puller_after_a_failed_bucket, (str(withdrawn), str(live)))])
+    assert owner.collect(120) == ["left"]  # (its process has ended: nothing serves the version's bytes now)
+    (withdrawn / "owner-gone").write_text("1")
+    _, puller = running.collect(180)
+    assert not puller["first"][0] and "pulling version 1" in puller["first"][1], puller["first"]
+    assert puller["second"][0] and puller["fresh_staging"], puller
     assert puller["got"] == _bytes_of(_model())

@@ -79,13 +79,14 @@ def describe(endpoint: NixlEndpoint, offer: PullOffer, deadline: float) -> PullD
     return described
 
 
-def pull(assembler: VersionAssembler, endpoint: NixlEndpoint, offer: PullOffer, timeout_s: float) -> ReceiveResult:
+def pull(assembler: VersionAssembler, endpoint: NixlEndpoint, offer: PullOffer, timeout_s: float,
+         described: PullDescriptor | None = None) -> ReceiveResult:
     """Pull ``offer``'s version into ``assembler`` (verified, then loaded); the result says why if it failed.
     A failed read (the owner died, stalled past ``timeout_s``, or withdrew its region) fails this version only:
-    the model keeps what it held."""
+    the model keeps what it held. ``described``: the offer's descriptor, where the caller has read it already."""
     deadline = time.monotonic() + timeout_s
     try:
-        described = describe(endpoint, offer, deadline)
+        described = described or describe(endpoint, offer, deadline)
     except CkptEngineError as exc:
         endpoint.drop_remote(offer.agent)
         return ReceiveResult(offer.version, False, f"pulling version {offer.version}: {exc}")
