@@ -59,7 +59,7 @@ def receiver_proc(zmq: str, stop_file: str, seed: int, host_id: str | None, gate
     from ckpt_engine.workers.rollout_agent import RolloutAgent
 
     class Gated(RolloutAgent):
-        def _pull(self, assignment, settings):  # noqa: ANN001, ANN202
+        def _pull(self, assignment, settings):
             if gate is not None and assignment.version == gate[1]:
                 Path(gate[0], "pulling").touch()
                 _wait_for(lambda: Path(gate[0], "go").exists(), 120)
@@ -134,7 +134,7 @@ def test_receivers_pull_cached_versions_through_the_daemon(tmp_path: Path) -> No
 
 
 
-def _version(client, version: int) -> dict:  # noqa: ANN001
+def _version(client, version: int) -> dict:
     return _wait_for(lambda: _ended(client.get(f"/versions/{version}").json()))
 
 
