@@ -34,8 +34,8 @@ class CacheBook:
             self._show_cache_bytes()
 
     def _show_cache_bytes(self) -> None:
-        """ckpt_engine_cache_bytes: what every trainer rank's share of the cache holds, summed (each rank owns,
-        caches and reports its own share; rank 0's alone was half of a 2-rank job's cache)."""
+        """Set ckpt_engine_cache_bytes to the sum of the live trainer ranks' reports: each rank owns, caches and
+        reports only its own share."""
         live = {agent.agent_id for agent in self.agents.trainers().values()}
         self._cache_bytes = {k: v for k, v in self._cache_bytes.items() if k in live}  # a rank gone took its share
         self.metrics.cache_bytes.set(sum(self._cache_bytes.values()))
@@ -82,8 +82,8 @@ class CacheBook:
         return record.id if record is not None and record.cached else None
 
     def evicting(self, version: int) -> bool:
-        """An owner rank was told to evict ``version`` or no longer holds its share (the history's ``cached``
-        turns false only once every eviction is confirmed): sending it now would fail part way."""
+        """Whether an owner rank was told to evict ``version`` or no longer holds its share. Sending it now would
+        fail part way; the history's ``cached`` turns false only once every eviction is confirmed."""
         told = any(a.kind == "evict" and a.version == version for t in self.agents.trainers().values()
                    for a in t.pending)
         return told or bool(self.missing_shares(version))
@@ -109,13 +109,12 @@ class CacheBook:
         return record
 
     def trim(self, limit: int, protected: set[int]) -> list[int]:
-        """After a version ended: ask the trainer ranks to drop what no longer earns a place in their caches, so
-        a failed version never costs a committed one its place. Kept: the cached versions of the newest
-        ``limit`` committed ones (a rollback's commit counts for its source), the ones receivers may need for a
-        repair (``kept_for_repairs``) and ``protected`` (in flight, or a queued rollback's source). Dropped:
-        every other version a rank holds, so one that did not commit at once. The trainer caches hold a new
-        version beside the kept ones until this runs (send/cache.py ``external_trim``). Returns the versions
-        asked for."""
+        """After a version ended, ask the trainer ranks to drop what no longer earns a place in their caches, so
+        a failed version never costs a committed one its place. Kept: the cached sources of the newest ``limit``
+        committed versions (a rollback's commit counts for its source), what receivers may need for a repair
+        (``kept_for_repairs``), and ``protected`` (in flight, or a queued rollback's source). Every other version
+        a rank holds is dropped, so one that failed goes at once. Until this runs, the trainer caches hold a new
+        version beside the kept ones (send/cache.py ``external_trim``). Returns the versions asked to be dropped."""
         trainers = self.agents.trainers()
         held = {v for trainer in trainers.values() for v in trainer.versions}
         if not held:

@@ -38,8 +38,8 @@ _CLEAN_KEPT = 1024  # clean records kept in memory besides the dirty ones
 # What a write may raise: SQLite's errors, and a value SQLite cannot store (e.g. OverflowError for an integer
 # past 2^63). Each is a storage fault (degraded, retried), never an exception out of the store.
 _WRITE_ERRORS = (sqlite3.Error, OverflowError, ValueError, TypeError, OSError)
-# The writer gives up on a lock another process holds after this long (then degraded, retried with backoff):
-# writes happen under the controller's lock, which agents' polls and /status wait for.
+# How long a write waits for a lock another process holds before it fails (degraded, retried with backoff).
+# Short because writes happen under the controller's lock, which agents' polls and /status wait for.
 _WRITE_BUSY_S = 0.25
 
 _SCHEMA = """
@@ -110,8 +110,8 @@ class VersionRecord:
     cached: bool = False
     purpose: str = "sync"  # sync, push (rollback), catch_up (a receiver that joined), repair (a torn receiver)
     owners: int = 1  # trainer ranks that each hold and send a share of it (cached: complete while all hold theirs)
-    # A framework's sync (verl): each knob it ran with, where the value came from, and the deployment's value where
-    # the framework's overrode it (ckpt_engine/config/knobs.py); empty for the daemon's own versions
+    # A framework's (verl) sync: each knob it ran with, where the value came from, and the deployment's value where
+    # the framework overrode it (ckpt_engine/config/knobs.py). Empty for the daemon's own versions.
     knobs: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -179,7 +179,7 @@ class HistoryStore:
     # ---- writes --------------------------------------------------------------------------------------
     def create(self, *, mode: Mode, step: int | None, source_version: int | None = None) -> VersionRecord:
         """A new version row; its id is the row's. Raises StorageUnavailable while the file cannot be written."""
-        if self._problem is not None and not self.flush():  # (at most once per backoff: never a stall per call)
+        if self._problem is not None and not self.flush():  # flush retries at most once per backoff: no stall
             raise StorageUnavailable(f"the history cannot be written ({self._problem}); no new version until it can")
         now = time.time()
         try:
@@ -198,8 +198,8 @@ class HistoryStore:
         return replace(record)
 
     def number_after(self, version: int) -> bool:
-        """Issue the next ids after ``version`` (an empty history taking over from a lost one whose ids agents
-        still hold); False when the store cannot be written now (the ids then start at 1)."""
+        """Issue the next ids after ``version``, for an empty history taking over from a lost one whose ids
+        agents still hold. False when the store cannot be written now: the ids then start at 1."""
         try:
             with self._db_lock:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -235,8 +235,8 @@ class HistoryStore:
         return replace(updated)
 
     def interrupt_unfinished(self, reason: str) -> list[int]:
-        """Mark every version that was in flight when the daemon stopped (e.g. at a crash) ``interrupted``: its
-        outcome was never recorded, receivers may hold it; returns their ids."""
+        """Mark ``interrupted`` every version that was in flight when the daemon stopped (e.g. at a crash): its
+        outcome was never recorded, and receivers may hold it. Returns their ids."""
         ids = [r.id for r in self._query(f"SELECT * FROM versions WHERE status NOT IN "
                                          f"({','.join('?' * len(TERMINAL))})", TERMINAL)]
         for version in ids:
@@ -266,8 +266,8 @@ class HistoryStore:
         with self._mem:
             dirty = [replace(self._records[v]) for v in sorted(self._dirty)]
             cached = set(self._cached_ids) if self._cached_dirty and self._cached_ids is not None else None
-        # Degraded with nothing pending: an empty transaction commits even on a full disk, so only a real write
-        # can say the storage works again (else /health would flip back to healthy while /sync is refused).
+        # Degraded with nothing pending: probe with a real write. An empty transaction commits even on a full
+        # disk, and /health would turn healthy while /sync is still refused.
         probe = self._problem is not None and not dirty and cached is None
         try:
             with self._db_lock:
@@ -328,8 +328,8 @@ class HistoryStore:
 
     def list_json(self, *, limit: int = 50, status: str | None = None, before: int | None = None
                   ) -> builtins.list[tuple[int, str]]:
-        """What :meth:`list` returns, each record as (id, its JSON text). A record's text is kept while the record is
-        (encoding 50 records' floats was most of a GET /versions)."""
+        """What :meth:`list` returns, each record as (id, its JSON text). A record's text is kept while the record
+        is unchanged: encoding 50 records' floats was most of a GET /versions."""
         texts = []
         for record in self._select(limit, status, before):
             with self._mem:
@@ -356,10 +356,10 @@ class HistoryStore:
             args.append(before)
         query += " ORDER BY id DESC LIMIT ?"
         args.append(limit)
-        # ids first: the records already in memory are not read and parsed again (a dashboard asks every second)
+        # Ids first, so records already in memory are not read and parsed again: a dashboard asks every second.
         ids = [row[0] for row in self._raw(query.replace("SELECT *", "SELECT id", 1), args)]
         fetched: dict[int, VersionRecord] = {}
-        for _ in range(3):  # (a record evicted by another reader between the two looks is read again)
+        for _ in range(3):  # another reader may evict a record between the two looks: read it again
             with self._mem:
                 missing = [v for v in ids if v not in self._records and v not in fetched]
             if not missing:
@@ -399,7 +399,7 @@ class HistoryStore:
                                              tuple(unwritten)):
                 counts[status] -= 1
                 counts[unwritten.pop(version)] += 1
-            counts.update(unwritten.values())  # (not in the file at all yet)
+            counts.update(unwritten.values())  # not in the file yet
         return {status: n for status, n in counts.items() if n > 0}
 
     def close(self) -> builtins.list[VersionRecord]:
@@ -530,7 +530,7 @@ def _prepare(db: sqlite3.Connection, path: str) -> str:
 
 
 def check_history_path(path: str) -> None:
-    """Problems ``serve`` would meet with this history path, found without creating anything: raises
+    """Check, without creating anything, for problems ``serve`` would meet with this history path. Raises
     HistoryError naming ``store.history_path``."""
     if path == ":memory:":
         return
@@ -572,10 +572,10 @@ def check_history_path(path: str) -> None:
 
 
 def _lock_history(path: str, wait_s: float) -> Any:
-    """An exclusive lock on the history file itself (its real path: a symlink or another name for it is the
-    same history) for this process's life; HistoryLocked names who holds it. SQLite's own locks are fcntl
-    locks, which flock does not touch; the descriptor stays open until the store closes (closing another
-    descriptor of the file would drop SQLite's fcntl locks). ``<history>.lock`` only says who holds it."""
+    """An exclusive flock on the history file's real path for this process's life: a symlink or another name
+    for the file is the same history. Raises HistoryLocked naming the holder. flock does not touch SQLite's own
+    fcntl locks. The descriptor stays open until the store closes: closing any descriptor of the file would drop
+    SQLite's fcntl locks. ``<history>.lock`` only says who holds the lock."""
     real = os.path.realpath(path)
     try:
         Path(real).parent.mkdir(parents=True, exist_ok=True)

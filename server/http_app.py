@@ -1,7 +1,8 @@
-"""HTTP control plane (FastAPI; OpenAPI at /openapi.json, drawn as a page at /docs by server/api_docs.py).
-Handlers are plain functions, so FastAPI runs them in its thread pool and a waiting ``POST /sync`` never
-blocks the event loop. Errors are JSON ``{error, detail}``;
-every status an operation can answer with is declared in the OpenAPI document (server/api_models.py)."""
+"""HTTP control plane (FastAPI). OpenAPI is at /openapi.json, drawn as a page at /docs by server/api_docs.py.
+Most handlers are plain functions, which FastAPI runs in its thread pool. The two that wait on agents (``POST
+/sync`` with wait, ``DELETE /versions/{version}``) call the controller in a thread and wait on the event loop,
+so a waiting request holds no worker thread. Errors are JSON ``{error, detail}``; every status an operation can
+answer with is declared in the OpenAPI document (server/api_models.py)."""
 
 from __future__ import annotations
 
@@ -47,10 +48,10 @@ from ckpt_engine.server.history import TERMINAL, StorageUnavailable, VersionReco
 from ckpt_engine.server.operations import OPERATIONS, NoBody
 from ckpt_engine.server.page_routes import PAGE_FILES, add_page
 
-# Bounded like every id on the wire: a larger path value is a 422, not an OverflowError (500) in the store.
 _MAX_WAITING = 64
 _WAIT_POLL_S = 0.05
 _EVICT_WAIT_S = 10.0
+# Bounded like every id on the wire: a larger path value is a 422, not an OverflowError (500) in the store.
 # Digits only: /versions/1.0 and /versions/%201 are a 422, not version 1.
 VersionId = Annotated[int, Path(ge=-MAX_ID, le=MAX_ID, description="version id"), BeforeValidator(plain_int)]
 
@@ -89,7 +90,7 @@ class LimitsAndAuth:
             return
         scope.setdefault("state", {})["roles"] = roles
         repeated = _repeated_parameters(scope.get("query_string", b""))
-        if repeated:  # (the app would read one of them, a proxy in front perhaps another)
+        if repeated:  # refused: the app would read one of them, a proxy in front perhaps another
             await _error(422, "invalid request", [{"loc": ["query", name], "msg": "given more than once"}
                                                   for name in repeated])(scope, receive, send)
             return
@@ -102,8 +103,8 @@ class LimitsAndAuth:
         seen = 0
 
         async def limited_receive() -> Message:
-            # A chunked body has no Content-Length: count it as it arrives. An HTTPException (not a plain one)
-            # because FastAPI turns any other error while reading a body into a 400.
+            # A chunked body has no Content-Length: count it as it arrives. Raise an HTTPException: FastAPI
+            # turns any other error while reading a body into a 400.
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
@@ -121,8 +122,8 @@ def _repeated_parameters(query: bytes) -> list[str]:
 
 
 def _public(scope: Scope) -> bool:
-    """/health, the operator page's static files (they hold no data: the page asks for a token) and the API's
-    reference (/docs: what docs/daemon.md says, no data)."""
+    """Paths served without a token: /health, the operator page's static files and the API reference at /docs.
+    None of them holds data: the page asks for a token itself."""
     return scope["path"] == "/health" or ((scope["path"] in PAGE_FILES or scope["path"] == DOCS_PATH)
                                           and scope["method"] in ("GET", "HEAD"))
 
@@ -133,7 +134,7 @@ def _bearer(headers: dict[str, str]) -> str | None:
 
 
 def create_app(controller: Controller, config: EngineConfig, authority: Authority) -> FastAPI:
-    # (no Swagger UI or ReDoc: they load their assets from a CDN; /docs is drawn here, server/api_docs.py)
+    # No Swagger UI or ReDoc: they load their assets from a CDN. server/api_docs.py draws /docs instead.
     app = FastAPI(title="ckpt-engine", version=__version__, docs_url=None, redoc_url=None,
                   description="Versioned, verified weight sync from trainers to rollout engines.")
     app.add_middleware(LimitsAndAuth, max_body_bytes=config.http.max_body_bytes, authority=authority,
@@ -142,8 +143,8 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
     auth = [] if authority.open else [Depends(HTTPBearer(auto_error=False))]
 
     def call(name: str, request: Request, parsed: BaseModel | None = None) -> Any:
-        """The operation of server/operations.py with the request FastAPI parsed, as the ZMQ plane calls it:
-        the roles the token holds must include one it allows."""
+        """Run operation ``name`` (server/operations.py) on the request FastAPI parsed, as the ZMQ plane does.
+        Raises Forbidden unless the token holds a role the operation allows."""
         operation = OPERATIONS[name]
         roles: set[Role] = getattr(request.state, "roles", set())
         allowed = operation.roles({})
@@ -152,8 +153,8 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
                             f"{', '.join(sorted(roles)) or 'none'}")
         return operation.run(controller, parsed if parsed is not None else NoBody(), roles)
     guarded = (401, 413)  # what LimitsAndAuth can answer on every operation but /health
-    # Requests that wait on agents (sync with wait, evict) wait asynchronously, never in a worker thread, so
-    # /health and reads are never queued behind them; at most this many wait at once (then 429).
+    # Requests that wait on agents (sync with wait, evict) wait on the event loop, not in a worker thread, so
+    # /health and reads never queue behind them. At most _MAX_WAITING wait at once (then 429).
     waiting = asyncio.Semaphore(_MAX_WAITING)
 
     @app.exception_handler(ControlError)
@@ -213,7 +214,7 @@ def create_app(controller: Controller, config: EngineConfig, authority: Authorit
     @app.get("/versions", summary="Version history, newest first (page with before=next_before)",
              dependencies=auth, response_model=VersionList, responses=error_responses(*guarded, 422, 503))
     def versions(request: Request, query: Annotated[VersionsQuery, Query()]) -> Response:
-        # (not validated against VersionList: the store's records are what it declares, already encoded)
+        # Not validated against VersionList: the store's records already are what it declares, encoded.
         return Response(call("versions", request, query), media_type="application/json")
 
     @app.get("/versions/latest", summary="The newest version (any status)", dependencies=auth,

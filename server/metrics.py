@@ -58,9 +58,10 @@ class Metrics:
 
 
 class ReceiverGauges(Collector):
-    """``ckpt_engine_receiver_state`` (1 for the state it is in, 0 for the others, so ``sum by (state)``
-    counts receivers per state), ``ckpt_engine_receiver_serving_version`` and ``ckpt_engine_receiver_lag_versions``
-    (committed versions newer than the one it serves), labelled by agent id and engine."""
+    """Per-receiver gauges, labelled by agent id and engine. ``ckpt_engine_receiver_state`` is 1 for the state
+    a receiver is in and 0 for the others, so ``sum by (state)`` counts receivers per state. Also
+    ``ckpt_engine_receiver_serving_version`` and ``ckpt_engine_receiver_lag_versions`` (committed versions newer
+    than the one it serves)."""
 
     def __init__(self, rows: Callable[[], list[ReceiverRow]]) -> None:
         self.rows = rows

@@ -18,7 +18,7 @@ from ckpt_engine.server.history import HistoryStore
 
 log = logging.getLogger(__name__)
 _NEWCOMER_SETTLE_S = 1.0  # a newcomer's catch-up waits this long: one that vanishes at once costs nothing
-_MAX_INHERITED_ID = 1 << 32  # a lost history's ids a new one numbers after, at most (far below exhaustion)
+_MAX_INHERITED_ID = 1 << 32  # highest lost-history id a new history numbers after: far below id exhaustion
 
 
 class Registrar:
@@ -29,13 +29,14 @@ class Registrar:
         self._engine_secret = engine_secret
 
     def engine_key(self, engine: str) -> str:
-        """What the workers of ``engine`` register with: issued to its driver, the same for every run of the
-        daemon with the same credentials (workers registering again after a restart still hold it)."""
+        """The key the workers of ``engine`` register with, issued to its driver. It is the same for every run of
+        the daemon with the same credentials, so workers registering again after a restart still hold it."""
         return hmac.new(self._engine_secret, f"engine:{engine}".encode(), hashlib.sha256).hexdigest()[:32]
 
     def admit(self, message: Register, now: float) -> tuple[AgentRecord, list[AgentRecord]]:
-        """The new agent, and the silent agents whose places it takes (for the caller to let go: a restarted
-        process); Conflict naming a live agent whose place it claims (decisions/claims.py)."""
+        """Register ``message``: returns the new agent and the silent agents whose places it takes, for the
+        caller to let go (a restarted process). Raises Conflict naming a live agent whose place it claims
+        (decisions/claims.py)."""
         if message.role == "driver" and message.engine is None:
             raise BadRequest("a driver names its engine")
         if message.driven and (message.engine is None or message.members is None):
@@ -44,8 +45,8 @@ class Registrar:
                 (message.engine_key or "").encode(), self.engine_key(message.engine or "").encode()):
             raise Forbidden(f"a worker of engine {message.engine!r} registers with the key its engine's driver was "
                             "issued (engine_key in the driver's registration reply); start the driver first")
-        if message.shard_spec is not None and message.role != "receiver":  # (parsed with the message)
-            raise BadRequest("a shard spec is a receiver's")  # (a framework's receivers too: its syncs send classes)
+        if message.shard_spec is not None and message.role != "receiver":  # the spec was parsed with the message
+            raise BadRequest("a shard spec is a receiver's")  # framework workers too: their syncs send classes
         if len(self.agents.all()) >= self.config.max_agents:
             raise Unavailable(f"{self.config.max_agents} agents are registered (max_agents); unregister some or "
                               "raise the limit")
@@ -87,8 +88,8 @@ class Registrar:
     def _number_after_lost_history(self, message: Register) -> None:
         """A trainer holds versions of another history (this one was lost or replaced). While this one has
         issued nothing yet, its ids start after the trainer's, so logs and dashboards never show one id for two
-        versions; the agent drops those versions either way (their ids mean nothing here). Only a trainer's
-        word counts, and only for an empty history: nothing a peer says moves the numbering of a live one."""
+        versions. The agent drops those versions either way: their ids mean nothing here. Only a trainer's word
+        counts, and only for an empty history, so nothing a peer says moves the numbering of a live one."""
         if self.book.max_issued > 0 or self.history.latest() is not None or message.history_id is None:
             return
         highest = max(message.versions)

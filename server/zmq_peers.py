@@ -1,21 +1,21 @@
-"""The ZMQ plane's bound on connections: libzmq accepts every connection a peer opens and keeps it as long as
-the peer likes (one that completed its handshake and then sends half a frame, or nothing, holds a descriptor
-for ever), until ``accept()`` fails with EMFILE for the whole process.
+"""The ZMQ plane's bound on connections. libzmq accepts every connection a peer opens and keeps it as long as
+the peer likes: one that completes its handshake and then sends half a frame, or nothing, holds a descriptor
+for ever. Unbounded, that ends with ``accept()`` failing with EMFILE for the whole process.
 
-``PeerGuard`` watches the ROUTER socket's connections (a libzmq socket monitor: each accepted connection's
-descriptor, and its end) from a thread of its own, so it acts within milliseconds even while the server's loop
-is busy. Past ``limit`` open connections it closes, to make room:
+``PeerGuard`` watches the ROUTER socket's connections through a libzmq socket monitor (each accepted
+connection's descriptor, and its end). It runs on a thread of its own, so it acts within milliseconds even
+while the server's loop is busy. Past ``limit`` open connections it closes, to make room:
 
 1. connections that never sent an authenticated message (a token the daemon accepts), oldest first, once they
-   had ``NEW_CONNECTION_GRACE_S`` to speak: an attacker without a token can hold only these, and a legitimate
-   client's new connection speaks at once;
+   had ``NEW_CONNECTION_GRACE_S`` to speak. An attacker without a token can hold only these, and a legitimate
+   client's new connection speaks at once.
 2. then those whose last authenticated message is oldest, except ones with a request parked at the daemon
    (a poll or a ``sync`` with ``wait``, whose reply would be lost).
 
 An agent whose idle connection was closed loses nothing: libzmq reconnects at once and sends what it queued.
-Closing is ``shutdown()`` of libzmq's own descriptor, after checking that it still is the connection seen
-accepted (its socket inode): libzmq then sees the peer gone and closes it the usual way. Connections whose
-ZMTP handshake does not end within ``zmq.handshake_timeout_s`` libzmq closes itself (ZMQ_HANDSHAKE_IVL).
+Closing is ``shutdown()`` of libzmq's own descriptor, once its socket inode shows it is still the connection
+seen accepted. libzmq then sees the peer gone and closes it the usual way. libzmq itself closes connections
+whose ZMTP handshake does not end within ``zmq.handshake_timeout_s`` (ZMQ_HANDSHAKE_IVL).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class PeerGuard:
         """(socket inode, peer address) of ``fd`` if it is a connection to our endpoint."""
         try:
             inode = os.fstat(fd).st_ino
-            sock = socket.socket(fileno=fd)  # (no descriptor of its own: detached below, never closed)
+            sock = socket.socket(fileno=fd)  # wraps libzmq's descriptor: detached below, never closed
         except OSError:
             return None
         try:
@@ -155,10 +155,10 @@ class PeerGuard:
 
     def _make_room(self) -> None:
         excess = len(self._peers) - self.limit
-        # Never authenticated, oldest first: as many as needed and a few more (a flood is then dealt with in
-        # batches, not one sort of every connection per connection); then, if that was not enough, only as
-        # many as needed of those silent longest that wait for no reply. A connection accepted moments ago has
-        # had no time to speak: it is no stranger yet (else idle authenticated ones would lock every newcomer out).
+        # First the never authenticated, oldest first: as many as needed and a few more, so a flood costs one sort
+        # per batch, not per connection. Then, if still over, only as many as needed of those silent longest
+        # that wait for no reply. A connection within its grace has had no time to speak: it is no stranger yet,
+        # else idle authenticated ones would lock every newcomer out.
         settled = time.monotonic() - NEW_CONNECTION_GRACE_S
         strangers = sorted((p for p in self._peers.values()
                             if p.last is None and p.parked <= 0 and p.accepted <= settled),

@@ -5,13 +5,14 @@ reaches agents at once without busy polling. Every frame gets a reply; a malform
 and never disturbs the loop. With an auth token configured, every message must carry it (agents send it
 on every frame); later messages of an agent name the agent id its registration returned.
 
-Size limits: a frame over ``max_frame_bytes`` gets an error reply; libzmq itself drops the connection of a
-peer that sends a frame over twice that (MAXMSGSIZE), so a huge frame is never buffered whole.
+Size limits: a frame over ``max_frame_bytes`` gets an error reply. libzmq itself drops the connection of a
+peer that sends a frame over about twice that (MAXMSGSIZE, ``hard_frame_cap``), so a huge frame is never
+buffered whole.
 
 Connections: a handshake must end within ``handshake_timeout_s`` (ZMQ_HANDSHAKE_IVL), and at most
-``max_peers`` stay open (server/zmq_peers.py closes the ones that never authenticated, or were silent
-longest, to make room). No ZMTP heartbeats: after a daemon stall (SIGSTOP, swapping) libzmq would run their
-expired timers before reading the answers waiting for it, and drop every agent's connection.
+``max_peers`` stay open. To make room, server/zmq_peers.py closes those that never authenticated, then those
+silent longest. No ZMTP heartbeats: after a daemon stall (SIGSTOP, swapping) libzmq would fire their expired
+timers before reading the answers waiting for it, and drop every agent's connection.
 """
 
 from __future__ import annotations
@@ -188,10 +189,10 @@ class ZmqServer:
             PeerGuard.spoke(peer)
             raise BadRequest(f"unknown message type {kind!r}")
         roles = self.authority.require(token, operation.roles(body), f"{kind!r}")
-        PeerGuard.spoke(peer)  # (a peer without a token is the first to be closed when connections run short)
+        PeerGuard.spoke(peer)  # peers that never sent a valid token are closed first when connections run short
         request = operation.parse(body)
         result = operation.run(self.controller, request, roles)
-        if kind == "poll":  # answered when there is work, or parked until there is (or its wait ends)
+        if kind == "poll":  # answered now if there is work, else parked until there is or its wait ends
             return self._poll_reply(message, envelope, encoding, result, roles)
         if kind == "sync" and request.wait and len(self._parked) < _MAX_PARKED:  # waits as over HTTP
             return self._park_until_terminal(message, envelope, encoding, result["id"], request.timeout_s)
@@ -219,12 +220,14 @@ class ZmqServer:
         def answer() -> dict:
             try:
                 return PollReply(assignment=self.controller.poll(request, roles)).model_dump()
-            except (ControlError, ProtocolError):  # (the agent left or was replaced while its poll waited)
+            except (ControlError, ProtocolError):  # the agent left or was replaced while its poll waited
                 return PollReply().model_dump()
 
         now = time.monotonic()
-        for earlier in self._parked:  # one parked poll per agent: its older ones are answered now (empty), so
-            if earlier.agent_id == agent_id:  # polls parked on many connections cannot pin them all
+        # One parked poll per agent: older ones are answered now (empty), so polls parked on many connections
+        # cannot pin them all.
+        for earlier in self._parked:
+            if earlier.agent_id == agent_id:
                 earlier.deadline = now
         return _Parked(envelope, message.get("id"), encoding, now + request.wait_s,
                        lambda: self.controller.has_pending(agent_id), answer, agent_id=agent_id)

@@ -4,11 +4,11 @@ Two algorithms, named in every manifest so a receiver recomputes the one its sen
 
 - ``xxh3-64``: xxhash over host bytes (CPU buffers, zero-copy).
 - ``torch-block64``: computed with torch integer ops wherever the bucket lives (CUDA/NPU, also CPU), one host
-  sync per bucket. A tensor's bytes are rows of 32 words; each word is XORed with its column's constant and
-  passed through the splitmix64 finaliser, summed per row, and the rows are summed per tensor weighted by
-  powers of an odd constant, so the digest depends on every byte and on byte order (unlike an XOR/sum of
-  elements such as ``torch.hash_tensor``). Every row is independent: the bucket is read once, by one fused
-  kernel (torch.compile), then a prefix sum and a finish on one value per row (see the section below).
+  sync per bucket. A tensor's bytes are rows of 32 words. Each word is XORed with its column's constant and
+  passed through the splitmix64 finaliser, and the words are summed per row. The rows are summed per tensor,
+  weighted by powers of an odd constant, so the digest depends on every byte and on byte order (unlike an XOR
+  or sum of elements such as ``torch.hash_tensor``). Rows are independent: the bucket is read once, by one
+  fused kernel (torch.compile), then a prefix sum and a finish work on one value per row (see below).
 
 Both fold the dtype and shape into a per-tensor seed, so equal bytes under another dtype or shape differ.
 Digests are signed int64 values so they can travel through any collective backend.
@@ -116,7 +116,7 @@ def host_buffer(buf: torch.Tensor) -> memoryview:
     if size == 0:
         return memoryview(b"")
     array = (ctypes.c_ubyte * size).from_address(buf.data_ptr())
-    array._tensor = buf  # type: ignore[attr-defined]  # (from_address alone holds no reference to the memory)
+    array._tensor = buf  # type: ignore[attr-defined]  # from_address alone holds no reference to the memory
     return memoryview(array).cast("B")
 
 
@@ -133,17 +133,16 @@ def xxh3_digest(dtype: str, shape: Sequence[int], data: torch.Tensor) -> int:
 #   level 2, per tensor: S = sum_b r_b * K^b                         (K odd; every sum and product wraps mod 2^64)
 #   digest = mix(S ^ mix(nbytes*G + seed))                           (seed: slot_seed; mix: splitmix64's finaliser)
 # Rows are independent, so a bucket's rows spread over the whole chip. A bucket is digested in three steps, one
-# call per bucket (compiled: ``_CompiledSteps``, steps 1 and 3 as two graphs, step 2 eager):
-#   1. weighted row sums: r_a * K^a for every row a of the bucket: one fused read of the bucket;
+# call per bucket:
+#   1. weighted row sums: r_a * K^a for every row a of the bucket, in one fused read of the bucket;
 #   2. their prefix sums (torch.cumsum), on one value per 256 bytes;
-#   3. the finish, on one value per tensor: S = (prefix[end] - prefix[first]) * K^-first (K is odd, so invertible
-#      mod 2^64), plus the correction of the tensor's last row where its bytes end inside it (that row is read
-#      again through a masked gather: bytes past the tensor count as zero, whatever the buffer holds there); the
-#      correction is gathered per tensor, not scattered into the row sums.
-# On an H200 (2026-11-28, bench/digest_parts.py, docs/gpu-runs.md): 396 GB/s on 1 GiB in 512 MiB buckets. The
-# three steps in one graph ran at 43 GB/s whatever the bucket (inductor's scan); step 1 alone reaches 2,944 GB/s
-# when first compiled at a bucket's size (410 GB/s when first compiled at the 16 MiB probe).
-# Every slot offset and the bucket's size must be multiples of 256 (the default alignment); buckets of layouts
+#   3. the finish, on one value per tensor: S = (prefix[end] - prefix[first]) * K^-first. K is odd, so it is
+#      invertible mod 2^64. Where a tensor's bytes end inside its last row, S is corrected: that row is read
+#      again through a masked gather, so bytes past the tensor count as zero whatever the buffer holds there.
+#      The correction is gathered per tensor, not scattered into the row sums.
+# Compiled (``_CompiledSteps``), steps 1 and 3 are two graphs and step 2 stays eager; that class says why.
+# Measured rates are in docs/gpu-runs.md (bench/digest_parts.py): 396 GB/s on an H200, 1 GiB in 512 MiB buckets.
+# Every slot offset and the bucket's size must be multiples of 256 (the default alignment). Buckets of layouts
 # with a smaller alignment take a slower path that first copies each tensor into a zero-padded scratch (see
 # _build_plan).
 
@@ -152,8 +151,8 @@ ROW_BYTES = ROW_WORDS * 8
 _ROW_SALT = 0x243F6A8885A308D3  # pi's first hex digits
 _K = 0xD1342543DE82EF95  # the row weights' base: odd, 5 mod 8 (its powers cycle only after 2^62 rows)
 _K_INV = pow(_K, -1, 1 << 64)
-# Rows per step of the eager level 1 (two reused [rows, 32] int64 temporaries): 32 MiB each on an accelerator
-# (few launches), 4 MiB on the CPU (in cache, yet enough work per op for its threads).
+# Rows per step of the eager level 1, which reuses two [rows, 32] int64 temporaries: 32 MiB each on an
+# accelerator (few launches), 4 MiB on the CPU (fits in cache, yet enough work per op for its threads).
 _CHUNK_ROWS = 1 << 17
 _HOST_CHUNK_ROWS = 1 << 14
 KERNEL_ENV = "CKPT_ENGINE_DIGEST_KERNEL"
@@ -233,9 +232,9 @@ def finish(prefix: torch.Tensor, weighted: torch.Tensor, words: torch.Tensor, co
            powers: torch.Tensor, partial_rows: torch.Tensor, partial_words: torch.Tensor,
            partial_masks: torch.Tensor, partial_of: torch.Tensor, firsts: torch.Tensor, ends: torch.Tensor,
            unshift: torch.Tensor, tails: torch.Tensor) -> torch.Tensor:
-    """Step 3, for every tensor of the bucket at once: its range of the prefix sums, the correction of its partial
-    row (``partial_of``: which entry of the partial rows is its own; tensors without one name an entry whose
-    correction is zero), unweighted by K^-first, finished with its tail."""
+    """Step 3, for every tensor of the bucket at once: its range of the prefix sums plus the correction of its
+    partial row, unweighted by K^-first and finished with its tail. ``partial_of`` names each tensor's entry
+    among the partial rows; a tensor without a partial row names an entry whose correction is zero."""
     fixed = row_sums((words[partial_words] & partial_masks).view(-1), columns) * powers[partial_rows]
     correction = (fixed - weighted[partial_rows])[partial_of]
     return _mix(((prefix[ends] - prefix[firsts] + correction) * unshift) ^ tails)
@@ -244,9 +243,8 @@ def finish(prefix: torch.Tensor, weighted: torch.Tensor, words: torch.Tensor, co
 def digest_rows(words: torch.Tensor, columns: torch.Tensor, powers: torch.Tensor, partial_rows: torch.Tensor,
                 partial_words: torch.Tensor, partial_masks: torch.Tensor, partial_of: torch.Tensor,
                 firsts: torch.Tensor, ends: torch.Tensor, unshift: torch.Tensor, tails: torch.Tensor) -> torch.Tensor:
-    """The digests of a bucket's tensors from its words (all of it, whole rows): what torch.compile turns into one
-    fused read of the words plus a few small kernels on one value per row or per tensor. Eager, it is the
-    definition the chunked eager path and the compiled one are checked against."""
+    """The digests of a bucket's tensors from its words (all of it, whole rows), in plain eager ops. It is the
+    definition that the chunked eager path and the compiled steps are checked against."""
     weighted = weighted_row_sums(words, columns, powers)
     return finish(prefix_sums(weighted), weighted, words, columns, powers, partial_rows, partial_words,
                   partial_masks, partial_of, firsts, ends, unshift, tails)
@@ -272,19 +270,18 @@ def _kernel_choice() -> str:
 
 
 def device_digest_kernel(device: torch.device) -> str:
-    """Which implementation digests buckets on ``device``: "compiled" (``_CompiledSteps``: steps 1 and 3 of
-    :func:`digest_rows` compiled, one fused read of the bucket, around torch's prefix sum) or "eager" (torch
-    ops; level 1 in several passes over bounded chunks). The default is compiled on CUDA, where it compiles and
-    agrees with the eager ops on a probe, else eager (with a warning); eager elsewhere.
-    CKPT_ENGINE_DIGEST_KERNEL=eager|compiled forces one (compiled where it cannot be built: an error). Both give
-    the same digests."""
+    """Which implementation digests buckets on ``device``: "compiled" (``_CompiledSteps``) or "eager" (torch
+    ops, level 1 in passes over bounded chunks). Both give the same digests. The default on CUDA is compiled if
+    it builds and agrees with the eager ops on a probe, else eager with a warning; eager on other devices.
+    CKPT_ENGINE_DIGEST_KERNEL=eager|compiled forces one; forcing compiled where it cannot be built is an error."""
     return "compiled" if _compiled_fn(device) is not None else "eager"
 
 
 def warm_up(device: torch.device) -> threading.Thread | None:
-    """Build the compiled digest for ``device`` now, on a thread of its own, where a version would otherwise pay
-    for it (seconds to tens of seconds with an empty compile cache, inside its first bucket and against the
-    collectives' timeouts); the first digest waits for it. None where the eager ops run (nothing to build)."""
+    """Start building the compiled digest for ``device`` on a thread of its own, and return the thread.
+    Otherwise the first version pays for the build inside its first bucket: seconds to tens of seconds with an
+    empty compile cache, against the collectives' timeouts. The first digest waits for the build. None where
+    the eager ops run: there is nothing to build."""
     if _kernel_choice() == "eager" or (_kernel_choice() == "" and device.type != "cuda") or device.type in _compiled:
         return None
     thread = threading.Thread(target=device_digest_kernel, args=(device,), name="ckpt-digest-compile", daemon=True)
@@ -314,9 +311,9 @@ def _compiled_fn(device: torch.device) -> Any | None:
 
 
 def _plain() -> contextlib.ExitStack:
-    """The autograd state every compiled call runs in, whatever the caller's (no_grad, inference_mode or
-    neither): torch.compile guards on it, so one state means one graph. Tables and plans are made in it too, so
-    they are never inference tensors (another guard)."""
+    """The one autograd state every compiled call runs in, whatever the caller's (no_grad, inference_mode or
+    neither). torch.compile guards on it, so one state means one graph. Tables and plans are made in it too, so
+    they are never inference tensors, which is another guard."""
     stack = contextlib.ExitStack()
     stack.enter_context(torch.inference_mode(False))
     stack.enter_context(torch.no_grad())
@@ -324,8 +321,8 @@ def _plain() -> contextlib.ExitStack:
 
 
 def _normal(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` itself, or where it is an inference tensor (made under inference_mode, as an engine's buffers
-    may be) a plain tensor over the same memory: the compiled function then sees one kind of input."""
+    """``tensor`` itself, or a plain tensor over the same memory where it is an inference tensor (made under
+    inference_mode, as an engine's buffers may be). The compiled function then sees one kind of input."""
     if not tensor.is_inference():
         return tensor
     return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
@@ -333,10 +330,10 @@ def _normal(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _CompiledSteps:
-    """:func:`digest_rows` as two compiled graphs around torch's own prefix sum: step 1 (the one read of the
-    bucket) and step 3 compiled with dynamic shapes, step 2 eager. In one graph (as first shipped), inductor
-    lowered the prefix sum over every row of the bucket as a scan that runs at ~43 GB/s on an H200 whatever the
-    bucket (2026-11-28, docs/gpu-runs.md); torch.cumsum alone runs at memory speed."""
+    """:func:`digest_rows` as two graphs compiled with dynamic shapes, step 1 (the one read of the bucket) and
+    step 3, around torch's own prefix sum (step 2, eager). In one graph, inductor lowers the prefix sum over
+    every row as a scan, which ran at ~43 GB/s on an H200 whatever the bucket (docs/gpu-runs.md).
+    torch.cumsum alone runs at memory speed."""
 
     def __init__(self) -> None:
         self.level1 = torch.compile(weighted_row_sums, dynamic=True)
@@ -364,8 +361,8 @@ def _compile(device: torch.device) -> Any | None:
 
 
 def _check_compiled(fn: Any, device: torch.device) -> None:
-    """Run the compiled function on random probes of the shapes buckets give it (which also builds, up front,
-    what it needs for them) and compare with the eager ops."""
+    """Compare the compiled function with the eager ops on random probes of the shapes buckets give it. The
+    probes also build, up front, what the compiled function needs for those shapes."""
     gen = torch.Generator().manual_seed(36)
 
     def rand(*shape: int) -> torch.Tensor:
@@ -374,9 +371,10 @@ def _check_compiled(fn: Any, device: torch.device) -> None:
     def index(high: int, *shape: int) -> torch.Tensor:
         return torch.randint(0, high, shape, generator=gen).to(device)
 
-    # The first probe's sizes are the hints inductor tunes the dynamic-shape kernels for. 16 MiB on an
-    # accelerator is a stop-gap: step 1 tuned at it read at 410 GB/s on an H200, at a 512 MiB bucket 2,944
-    # (docs/gpu-runs.md); the deployment's bucket size is next, once measured. (First: no two sizes alike.)
+    # Inductor tunes the dynamic-shape kernels for the first probe's sizes. No two of them are alike: dynamic
+    # shapes would give equal sizes one symbol. 16 MiB on an accelerator is a stop-gap: step 1 tuned at it read
+    # at 410 GB/s on an H200, tuned at a 512 MiB bucket at 2,944 GB/s (docs/gpu-runs.md). Tuning at the
+    # deployment's bucket size is next, once measured.
     first_rows = 1 << 16 if device.type != "cpu" else 67
     for rows, partial, n in ((first_rows, 3, 5), (2, 2, 2), (40, 7, 3)):
         firsts = index(rows, n)
@@ -431,9 +429,8 @@ class _BucketPlan:
     n: int  # tensors (pieces)
     rows: int  # rows of 256 bytes read: the bucket's, or the scratch's (copies)
     partial: int  # rows that are not all their tensor's bytes (a tensor's last row, where it ends inside it)
-    # Those rows, their words' indices and the tensor's bytes in each word, then one entry whose correction is
-    # zero (row 0 read whole), repeated to at least 2 entries so that torch.compile makes no graph of its own for
-    # 0 or 1 of them
+    # Those rows, their words' indices and the tensor's bytes in each word, then one zero-correction entry
+    # (row 0 read whole). At least 2 entries, so torch.compile makes no graph of its own for 0 or 1 of them.
     partial_rows: torch.Tensor  # int64 [max(partial + 1, 2)]
     partial_words: torch.Tensor  # int64 [max(partial + 1, 2), 32]
     partial_masks: torch.Tensor  # int64 [max(partial + 1, 2), 32]
@@ -467,8 +464,8 @@ def _build_plan(bucket: Bucket, device: torch.device) -> _BucketPlan:
     if bucket.nbytes % ROW_BYTES == 0 and all(s.offset % ROW_BYTES == 0 for s in slots):
         offsets, nbytes = [s.offset for s in slots], bucket.nbytes
     else:
-        # Slow path, only for layouts planned with an alignment below 256 (config `alignment`): a tensor may
-        # start inside a row, so each is first copied into a zero-padded scratch at a row boundary, one copy per
+        # Slow path, only for layouts planned with an alignment below 256 (config `alignment`). A tensor may
+        # start inside a row, so each is first copied to a row boundary in a zero-padded scratch, one copy per
         # tensor in a Python loop: correct, not fast.
         offsets, cursor, moves = [], 0, []
         for slot in slots:
@@ -506,10 +503,10 @@ def _build_plan(bucket: Bucket, device: torch.device) -> _BucketPlan:
 
 
 def block64_bucket_digests(bucket: Bucket, buf: torch.Tensor, layout_digest: str) -> torch.Tensor:
-    """torch-block64 digests of every tensor (piece) in ``bucket``, read from ``buf`` (its uint8 bytes), on buf's
-    device. ``layout_digest`` keys the cached plan. Returns int64 [len(bucket.slots)] on buf's device. No host
-    sync happens here, and no Python loop per tensor (but on the slow path of layouts aligned below 256); the
-    compiled form is one call per bucket."""
+    """torch-block64 digests of every tensor (piece) in ``bucket``, read from ``buf`` (its uint8 bytes): int64
+    [len(bucket.slots)] on buf's device. ``layout_digest`` keys the cached plan. No host sync happens here.
+    There is no Python loop per tensor except on the slow path of layouts aligned below 256; the compiled form
+    is one call per bucket."""
     device = buf.device
     if not bucket.slots:
         return torch.empty(0, dtype=torch.int64, device=device)
@@ -525,7 +522,7 @@ def block64_bucket_digests(bucket: Bucket, buf: torch.Tensor, layout_digest: str
     words, columns, powers = data.view(torch.int64), _columns(device), _powers(device, plan.rows)[: plan.rows]
     args = (plan.partial_rows, plan.partial_words, plan.partial_masks, plan.partial_of, plan.firsts, plan.ends,
             plan.unshift, plan.tails)
-    compiled = _compiled_fn(device) if plan.rows > 1 else None  # (a bucket of one row: no graph of its own)
+    compiled = _compiled_fn(device) if plan.rows > 1 else None  # one row would get a graph of its own
     if compiled is not None:
         with _plain():
             return compiled(_normal(words), columns, powers, *args)[: plan.n]
@@ -550,9 +547,9 @@ def bucket_digests(bucket: Bucket, buf: torch.Tensor, algo: DigestAlgo, layout_d
 
 def layout_digests(layout: Layout, read: Callable[[Bucket], torch.Tensor], algo: DigestAlgo,
                    device: torch.device | None = None) -> list[int]:
-    """Per-tensor digests of every tensor of ``layout``, whose buckets' bytes ``read(bucket)`` returns (it may
-    reuse one scratch buffer: each bucket is digested before the next is read). torch-block64 runs on
-    ``device`` when given; one host sync in all."""
+    """Per-tensor digests of every tensor of ``layout``; ``read(bucket)`` returns a bucket's bytes. It may reuse
+    one scratch buffer: each bucket is digested before the next is read. torch-block64 runs on ``device`` when
+    given, with one host sync in all."""
     parts = []
     for bucket in layout.buckets:
         data = read(bucket)

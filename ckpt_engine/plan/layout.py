@@ -3,10 +3,10 @@
 Every rank plans the same layout from the same (names, dtypes, shapes, bucket size, alignment), so no
 per-bucket metadata has to travel; a digest of the plan lets ranks check they agree.
 
-A tensor larger than a bucket is split into pieces (chunks) of one bucket each, the last one possibly
-shorter, so no bucket (and no send or receive buffer) is larger than the bucket size whatever the largest
-tensor. A chunked tensor's first piece opens a bucket and every piece but the last fills one exactly, so its
-pieces lie back to back in a buffer holding the whole version: the tensor is still one view there.
+A tensor larger than a bucket is split into pieces (chunks) of one bucket each, the last possibly shorter.
+So no bucket, and no send or receive buffer, is larger than the bucket size, whatever the largest tensor. A
+chunked tensor's first piece opens a bucket and every piece but the last fills one exactly. Its pieces then lie
+back to back in a buffer holding the whole version, where the tensor is still one view.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from ckpt_engine.plan.dtypes import itemsize
 DEFAULT_ALIGNMENT = 256
 # Device digests read buckets as 8-byte words, so offsets must stay word-aligned.
 MIN_ALIGNMENT = 8
-# The widest item a tensor can have (complex128): every bucket starts on it, so a typed view of any tensor in
-# the whole-version buffer can be made (this matters only at alignment 8).
+# The widest item a tensor can have (complex128). Every bucket starts on a multiple of it, so any tensor in the
+# whole-version buffer can be viewed with its dtype. Only alignment 8 needs this.
 WIDEST_ITEM = 16
 
 
@@ -51,9 +51,9 @@ class TensorSpec:
 @dataclass(frozen=True)
 class TensorSlot:
     """Where a tensor, or one piece of a chunked tensor, sits: bucket index and byte offset inside that bucket.
-    ``index`` is the tensor's (its pieces share it); ``start`` is the piece's first byte within the tensor and
-    ``parts`` the tensor's number of pieces. ``Bucket.slots`` holds pieces; ``Layout.slots`` one slot per
-    tensor, ``nbytes`` its whole size (the pieces are back to back from its first one)."""
+    ``index`` is the tensor's, shared by its pieces. ``start`` is the piece's first byte within the tensor and
+    ``parts`` the tensor's number of pieces. ``Bucket.slots`` holds pieces. ``Layout.slots`` holds one slot per
+    tensor, with ``nbytes`` its whole size: the pieces lie back to back from the first."""
 
     index: int
     name: str
@@ -180,11 +180,10 @@ def plan_layout(
 ) -> Layout:
     """Pack tensors into buckets in the given order.
 
-    Offsets are aligned to ``alignment``; a tensor larger than ``bucket_size`` is chunked (see the module).
-    A bucket's size is its last tensor's end rounded up to the alignment, so no bucket exceeds
-    ``bucket_size`` rounded up to the alignment (or to one element of the widest dtype, for buckets smaller
-    than that). With ``groups`` (one per tensor), a new bucket starts wherever the group changes, so each
-    bucket holds tensors of one group.
+    Offsets are aligned to ``alignment``, and a tensor larger than ``bucket_size`` is chunked (see the module).
+    A bucket's size is its last tensor's end rounded up to the alignment, or to WIDEST_ITEM where that is
+    larger. So no bucket exceeds ``bucket_size`` rounded up the same way. With ``groups`` (one per tensor), a
+    new bucket starts wherever the group changes, so each bucket holds tensors of one group.
     """
     _validate(specs, bucket_size, alignment)
     if groups is not None and len(groups) != len(specs):
@@ -196,9 +195,9 @@ def plan_layout(
 
 
 class Packer:
-    """plan_layout's packing one tensor at a time: each tensor's buckets are known as it comes, so a stream
-    that cannot be held whole (verl's weight generator) can keep only the tensors of the buckets it owns. The
-    one packing rule, so a streamed plan and plan_layout always agree."""
+    """plan_layout's packing, one tensor at a time. Each tensor's buckets are known as it comes, so a stream
+    that cannot be held whole (verl's weight generator) can keep only the tensors of the buckets it owns.
+    plan_layout packs with it too, so a streamed plan and plan_layout always agree."""
 
     def __init__(self, bucket_size: int, alignment: int = DEFAULT_ALIGNMENT) -> None:
         self.bucket_size = bucket_size
@@ -208,8 +207,8 @@ class Packer:
         self._cursor = 0
 
     def add(self, spec: TensorSpec, *, regroup: bool = False) -> range:
-        """Place ``spec``; returns the indices of the buckets it lies in (one, unless it is chunked; buckets
-        before the last of them are closed from then on)."""
+        """Place ``spec``; returns the indices of the buckets it lies in, one unless it is chunked. Buckets
+        before the last of them are closed from then on."""
         nbytes = spec.nbytes
         if nbytes > self.bucket_size:
             return self._add_chunked(spec, nbytes)
@@ -257,9 +256,9 @@ class Packer:
 
 
 def chunk_bytes(bucket_size: int, alignment: int, element: int) -> int:
-    """Bytes of each piece of a chunked tensor (all but its last): the most whole aligned elements that fit a
-    bucket; at least one aligned element. A multiple of a bucket's own rounding too, so the pieces lie end to
-    end in the whole-version buffer."""
+    """Bytes of each piece of a chunked tensor but the last: the most whole aligned elements that fit a bucket,
+    and at least one. It is a multiple of a bucket's own rounding too, so the pieces lie end to end in the
+    whole-version buffer."""
     unit = math.lcm(max(alignment, WIDEST_ITEM), element)
     return max(unit, bucket_size // unit * unit)
 

@@ -1,7 +1,7 @@
-"""Receiving one version, independent of how its bytes arrive (collective or same-host IPC): the layout from the
-header, the staging chosen for it (receive/staging.py), digest checks per bucket, and ``load`` only with
-verified bytes: a whole version at once (device or host staging), or bucket by bucket into a load that takes a
-stream (receive/streamed.py).
+"""Receiving one version, whatever carries its bytes (collective or same-host IPC): the layout from the header,
+the staging chosen for it (receive/staging.py) and digest checks per bucket. ``load`` only ever gets verified
+bytes: a whole version at once (device or host staging), or bucket by bucket into a load that takes a stream
+(receive/streamed.py).
 
 A transport drives a version through a ``Feed``: the bytes of each bucket into the buffer it is given, the
 digests the sender announced for it, and the trailer.
@@ -36,14 +36,14 @@ __all__ = ["Feed", "Incoming", "LoadFn", "ReceiveResult", "SenderAborted", "Vers
 
 
 class Feed(Protocol):
-    # How many buckets may be on the wire at once when each lands in its own place (several owners send
-    # theirs at the same time, each on its own group); 1: one at a time.
+    # Buckets that may be on the wire at once when each lands in its own place: several owners send theirs at
+    # the same time, each on its own group. 1: one at a time.
     parallel: int
 
     def start(self, bucket: Bucket, into: torch.Tensor) -> Callable[[], list[int]] | None:
-        """Begin receiving ``bucket`` into ``into``; returns a wait that ends when the bytes are there and gives
-        the sender's digests of it, or None when the bucket will not come (its owner aborted: the version
-        fails, the others' buckets still come)."""
+        """Begin receiving ``bucket`` into ``into``. Returns a wait that ends when the bytes are there and gives
+        the sender's digests of them. None when the bucket will not come because its owner aborted: the version
+        fails, but the other owners' buckets still come."""
 
     def trailer(self) -> VersionTrailer:
         """The version's end (raises SenderAborted, or ProtocolError when a bucket never came)."""
@@ -89,15 +89,15 @@ class VersionAssembler:
         self.committed: VersionPayload | None = None
         self.manifest: Manifest | None = None  # per-tensor digests of the committed version (sparse bases)
         self.buffers = StagingBuffers(device)
-        warm_up(device.comm_device)  # (the device digest's compile, before the first version needs it)
+        warm_up(device.comm_device)  # compile the device digest before the first version needs it
         self._layouts: dict[str, Layout] = {}
         self._view_cache: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
 
     # ---- a version's start -------------------------------------------------------------------------------
     def begin(self, header: VersionHeader, staging: torch.Tensor | None = None) -> Incoming:
-        """``staging``: a buffer that already holds (or will hold) the version in wire layout, e.g. the sender's
-        shared cache buffer; otherwise staging is chosen and allocated here (StagingUnavailable when it cannot
-        be)."""
+        """Start receiving the version ``header`` announces. ``staging``: a buffer that already holds (or will
+        hold) the version in wire layout, e.g. the sender's shared cache buffer. Without one, staging is chosen
+        and allocated here (StagingUnavailable when it cannot be)."""
         layout = self._layout(header)
         if staging is not None and staging.numel() < layout.total_bytes:
             raise ProtocolError(f"shared buffer of {staging.numel()} bytes cannot hold {layout.total_bytes}")
@@ -170,9 +170,9 @@ class VersionAssembler:
         return bucket, expected
 
     def _streamed_flow(self, incoming: Incoming, feed: Feed) -> Iterator[Bucket]:
-        """Streamed: bucket k+1 goes on the wire while bucket k is applied, started by ``start_next`` once the
-        load took k's first tensor (and so let go of bucket k-1: a load's loop holds its last tensor until it
-        is given the next), so two bucket buffers are in use, not three; or here, if it was not started."""
+        """Streamed: bucket k+1 goes on the wire while bucket k is applied. ``start_next`` starts it once the
+        load took k's first tensor and so let go of bucket k-1: a load's loop holds its last tensor until it is
+        given the next. So two bucket buffers are in use, not three. A bucket not started by then starts here."""
         for bucket in incoming.layout.buckets:
             self.start_next(incoming, feed, upto=bucket.index)
             wait, t0 = incoming.on_wire.pop(bucket.index)
@@ -181,17 +181,17 @@ class VersionAssembler:
                 incoming.landing.pop(bucket.index, None)
                 continue
             expected = wait()
-            wait = None  # (it holds the buffer the bucket landed in: let the load be the one that keeps it)
+            wait = None  # the wait holds the bucket's buffer: let only the load keep it
             incoming.add_seconds("recv", time.perf_counter() - t0)
             incoming.result.bytes_received += bucket.nbytes
             yield self._checked(incoming, bucket, expected)
-            incoming.landing.pop(bucket.index, None)  # (the load's views keep it while it needs them)
+            incoming.landing.pop(bucket.index, None)  # the load's views keep the buffer while it needs them
 
     def start_next(self, incoming: Incoming, feed: Feed, upto: int | None = None) -> None:
         """Streamed: put the next bucket not started yet on the wire (``upto``: only if its index is at most
         that); buckets are started in order, each after the one before it was received."""
         index = incoming.next_bucket
-        if incoming.shared is not None:  # (the sender's buffer holds it: flow() takes every bucket in order itself)
+        if incoming.shared is not None:  # the sender's buffer holds it: flow() takes every bucket in order itself
             return
         if index >= len(incoming.layout.buckets) or (upto is not None and index > upto):
             return
@@ -224,7 +224,7 @@ class VersionAssembler:
         t0 = time.perf_counter()
         computed = bucket_digests(bucket, self.bucket_buffer(incoming, bucket), incoming.algo,  # type: ignore[arg-type]
                                   incoming.layout.digest).cpu().tolist()
-        if computed != expected:  # (compared whole first: the names are looked at only on a mismatch)
+        if computed != expected:  # compared whole first: names are looked at only on a mismatch
             incoming.bad.extend(slot.name for slot, got, want in zip(bucket.slots, computed, expected)
                                 if got != want and slot.name not in incoming.bad)
         incoming.digests.extend(computed)
@@ -315,8 +315,9 @@ class VersionAssembler:
 
     def call_load(self, incoming: Incoming, payload: VersionPayload, *, touched: Callable[[], bool] = lambda: True
                   ) -> BaseException | None:
-        """Hand ``payload`` to ``load``; its failure (None: it took the version). An ApplyRefused changed nothing;
-        any other failure leaves the model torn when ``touched()`` (something of the version reached it)."""
+        """Hand ``payload`` to ``load``; returns its failure, or None when it took the version. An ApplyRefused
+        changed nothing. Any other failure leaves the model torn when ``touched()`` says something of the version
+        reached it."""
         result, header = incoming.result, incoming.header
         t0 = time.perf_counter()
         try:
@@ -340,8 +341,8 @@ class VersionAssembler:
             incoming.seconds["pause"] = payload.paused_s if payload.paused_s is not None else incoming.seconds["load"]
 
     def specs(self, incoming: Incoming) -> Mapping[str, TensorSpec]:
-        """Every tensor the version carries, aliases included, as known from its header (the layout's own
-        read-only mapping where there are no aliases: built once per layout, not per version)."""
+        """Every tensor the version carries, aliases included, as known from its header. Without aliases this is
+        the layout's own read-only mapping, built once per layout, not per version."""
         if not incoming.header.aliases:
             return incoming.layout.spec_of
         specs: dict[str, TensorSpec] = dict(incoming.layout.spec_of)
@@ -350,7 +351,7 @@ class VersionAssembler:
                 specs[alias] = TensorSpec(alias, specs[canonical].dtype, specs[canonical].shape)
             elif incoming.header.base_version is None:
                 raise ProtocolError(f"alias {alias!r} points at unknown tensor {canonical!r}")
-        return types.MappingProxyType(specs)  # (read-only with aliases too: one behaviour for every load)
+        return types.MappingProxyType(specs)  # read-only with aliases too: one behaviour for every load
 
     def _views(self, incoming: Incoming) -> dict[str, torch.Tensor]:
         """Named views into the whole buffer holding the version; built once per (layout, buffer) and reused."""
@@ -360,7 +361,7 @@ class VersionAssembler:
         staging = incoming.shared if incoming.shared is not None else (
             self.buffers.host if incoming.choice.mode == "host" else self.buffers.whole)
         key = (layout.digest, staging.data_ptr())  # type: ignore[union-attr]
-        views = self._view_cache.get(key)  # (aliases of tensors a sparse version leaves out are dropped below)
+        views = self._view_cache.get(key)  # aliases of tensors a sparse version leaves out are dropped below
         if views is None:
             if len(self._view_cache) >= 4:  # staging plus a few shared cache buffers
                 self._view_cache.clear()

@@ -5,8 +5,8 @@ A whole version is one flat host buffer (pinned where the device runtime allows)
 tensors that changed since its parent version in a buffer of their own and shares the parent's bytes for
 the rest, so an unchanged tensor is held once however many cached versions contain it.
 
-Buffers are reference-counted by the versions (and leases) that use them; a buffer nobody uses any more
-goes to a pool and is reused by later versions, so a steady stream of versions allocates nothing new.
+Buffers are reference-counted by the versions (and leases) that use them. A buffer nobody uses any more goes
+to a pool for later versions, so a steady stream of versions allocates nothing new.
 """
 
 from __future__ import annotations
@@ -64,11 +64,11 @@ class CachedVersion:
     version_layout: Layout | None = None
     owners: Owners | None = None
     wire: tuple[int, ...] | None = None
-    # What the version was when it was first sent (every tensor's digest, as the receivers verified it and the
-    # daemon recorded it): a re-send checks this rank's bytes against it before anything goes out.
+    # The version as first sent: every tensor's digest, as the receivers verified it and the daemon recorded it.
+    # A re-send checks this rank's bytes against it before anything goes out.
     identity: Manifest | None = None
-    # While its snapshot runs: how far it got (a send may read the filled buckets meanwhile). Listed in the cache
-    # (for re-sends, sparse bases, repairs) only once whole.
+    # How far its snapshot got, while it runs: a send may read the filled buckets meanwhile. The version is listed
+    # in the cache (for re-sends, sparse bases, repairs) only once whole.
     filling: FillProgress | None = field(default=None, repr=False)
     # While its snapshot holds the training loop: the live tensors, which its send may read instead (filling.py).
     live: LiveReads | None = field(default=None, repr=False)
@@ -160,15 +160,18 @@ class VersionCache:
     def __init__(self, device: DeviceInfo, keep_versions: int = 2, *, shareable: bool = False,
                  staged: bool | None = None, external_trim: bool = False) -> None:
         """``shareable``: host buffers are memfd segments that colocated receivers can map (CPU only), so a
-        cached version reaches them without any copy. ``staged``: a snapshot packs the small tensors of a bucket
-        in a staging buffer on the device (at most ``STAGING_BYTES``, kept) and copies each packed span to the
-        host at once, instead of one device→host copy per tensor (plan/tensors.py ``fill_bucket``); None: where
-        the device is an accelerator (True on CPU runs the same path with a host staging buffer, for tests).
+        cached version reaches them without any copy.
+
+        ``staged``: a snapshot packs a bucket's small tensors into a staging buffer on the device (at most
+        ``STAGING_BYTES``, kept) and copies each packed span to the host at once, instead of one device→host
+        copy per tensor (plan/tensors.py ``fill_bucket``). None: staged where the device is an accelerator.
+        True on CPU runs the same path with a host staging buffer, for tests.
+
         ``external_trim``: whoever learns how each version ended (the daemon) evicts versions: a failed one at
         once, the oldest committed one once a newer one committed. A new version is then held beside the
-        ``keep_versions`` others until that word comes (a version in flight, or one that failed, never takes a
-        committed one's place), and the cache makes room by itself only past ``2 × keep_versions + 1`` versions
-        (while the word is on its way)."""
+        ``keep_versions`` others until that word comes, so a version in flight or one that failed never takes a
+        committed one's place. Meanwhile the cache makes room by itself only past ``2 × keep_versions + 1``
+        versions."""
         if keep_versions < 1:
             raise ConfigError(f"keep_versions must be >= 1, got {keep_versions}")
         self.external_trim = external_trim
@@ -219,9 +222,9 @@ class VersionCache:
     def begin(self, version: int, layout: Layout, *, aliases: Mapping[str, str] | None = None,
               step: int | None = None, share: Share | None = None, owners: Owners | None = None,
               version_layout: Layout | None = None) -> CachedVersion:
-        """A buffer for ``version``, to be filled by :meth:`fill`, leased once for the caller (who ends it with
-        :meth:`unlease`): a send may read its buckets as :attr:`CachedVersion.filling` says they are filled.
-        The cache lists it only once it is whole."""
+        """A buffer for ``version``, to be filled by :meth:`fill`. It is leased once for the caller, who ends the
+        lease with :meth:`unlease`. A send may read its buckets as :attr:`CachedVersion.filling` says they are
+        filled. The cache lists it only once it is whole."""
         with self._lock:
             self._check_new(version)
             self._make_room(self._room - 1)
@@ -237,12 +240,12 @@ class VersionCache:
 
     def fill(self, cached: CachedVersion, tensors: TensorsOrProvider,
              live: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Copy ``tensors`` into a version from :meth:`begin`, bucket by bucket, saying each one filled; then list
-        it. Returns once every copy is done (the caller may change its tensors again). On failure the version is
-        dropped (its buffer is reused once nothing leases it) and the error raised. ``live``: the version's
-        tensors by name (those ``tensors`` provides, not gathered), lent to its send meanwhile (``cached.live``):
-        it may fill its device slots from them instead of from the cache, until this returns; before it does, it
-        takes them back and waits for the send's reads it had queued."""
+        """Copy ``tensors`` into a version from :meth:`begin`, bucket by bucket, marking each one filled, then
+        list it. Returns once every copy is done, so the caller may change its tensors again. On failure the
+        version is dropped (its buffer is reused once nothing leases it) and the error raised. ``live``: the
+        version's tensors by name (those ``tensors`` provides, not gathered), lent to its send meanwhile as
+        ``cached.live``. The send may fill its device slots from them instead of from the cache. Before this
+        returns, it takes them back and waits for the reads the send had queued."""
         progress = cached.filling
         with self._lock:
             waiting = progress is not None and cached.version in self._filling
@@ -389,8 +392,8 @@ class VersionCache:
 
     @contextlib.contextmanager
     def _staging_for(self, layout: Layout) -> Iterator[torch.Tensor | None]:
-        """The staging buffer a snapshot of ``layout`` packs through (None: not staged), held by one snapshot at
-        a time until its copies are done (the caller synchronises its stream before it lets go)."""
+        """The staging buffer a snapshot of ``layout`` packs through (None: not staged). One snapshot at a time
+        holds it until its copies are done: the caller synchronises its stream before it lets go."""
         if not self.staged or not layout.buckets:
             yield None
             return
@@ -420,9 +423,10 @@ class VersionCache:
         return 2 * self.keep_versions + 1 if self.external_trim else self.keep_versions
 
     def pin(self, versions: Iterable[int]) -> None:
-        """Versions that must not be evicted to make room for new ones (the daemon's word: what receivers serve,
-        which a repair or catch-up re-sends). A failed version is evicted before them; while they are older
-        than the newest ``keep_versions``, the cache holds them besides (the newest stay evictable)."""
+        """Set the versions that must not be evicted to make room for new ones: the daemon's word on what
+        receivers serve, which a repair or catch-up re-sends. Making room evicts the oldest unpinned version
+        first, so a failed version goes before them. With only pinned versions left to evict, the cache holds
+        more than its room and warns."""
         with self._lock:
             self._pinned = frozenset(versions)
 
@@ -470,7 +474,7 @@ class VersionCache:
             buffer = host_empty(need, self.device)
         self.allocations += 1
         self.bytes_allocated += buffer.numel()
-        # Whole versions and deltas of all sizes come and go; keep the pool about as large as the cache.
+        # Whole versions and deltas of all sizes come and go: keep the pool about as large as the cache.
         while len(self._pool) > self.keep_versions:
             self._drop(min(self._pool, key=torch.Tensor.numel))
         return buffer

@@ -12,8 +12,8 @@ from ckpt_engine.server.decisions.receivers import ReceiverModel
 
 @dataclass
 class AgentRecord:
-    """What the daemon knows of one registration (a trainer rank, a receiver, an engine's driver): the core's
-    data; the registry (server/agents.py) keeps them, checks their sessions and expires them."""
+    """What the daemon knows of one registration: a trainer rank, a receiver or an engine's driver. The
+    registry (server/agents.py) keeps these records, checks their sessions and expires them."""
 
     agent_id: str
     session: str
@@ -44,8 +44,7 @@ class AgentRecord:
     staged_last: dict | None = None  # receivers: where their last version was held, why, and the pause
     model: ReceiverModel = field(default_factory=ReceiverModel)  # receivers: what their model holds
     applying: int | None = None  # drivers: the version they were told to apply (its outcome is theirs to say)
-    # receivers: the slices they keep (parsed with their registration) and its class key (plan/shards.py spec_key);
-    # None: every tensor whole
+    # receivers: the slices they keep (None: every tensor whole) and their class key (plan/shards.py spec_key)
     shard_spec: ShardSpec | None = None
     shard_key: str = "whole"
 
@@ -54,8 +53,8 @@ class AgentRecord:
         return self.poll_wait_s + heartbeat_s / 2
 
     def heartbeating(self, now: float, heartbeat_s: float) -> bool:
-        """Seen as recently as a healthy agent is. One silent for longer (stalled, cut off) is still registered
-        until ``heartbeat_s`` passes, but must not be put into a version's quorum: it would fail the version."""
+        """Seen as recently as a healthy agent would be. One silent for longer (stalled, cut off) stays registered
+        until ``heartbeat_s`` passes, but is kept out of quorums: it would fail the version."""
         return now - self.last_seen <= self.silence_window(heartbeat_s)
 
     def state(self, now: float) -> str:

@@ -18,9 +18,9 @@ def offer(receivers: list[AgentRecord]) -> list[AgentRecord]:
 
 @dataclass
 class CatchUpPause:
-    """A regular version was refused because a catch-up or repair was in flight: no new catch-up starts until
-    the caller's retry has had its chance (two rendezvous bounds and a margin), so newcomers that keep failing
-    theirs cannot starve the trainer's versions."""
+    """Holds new catch-ups back after a regular version was refused for a catch-up or repair in flight. The
+    caller's retry gets two rendezvous bounds and a margin to go first, so newcomers that keep failing their
+    catch-ups cannot starve the trainer's versions."""
 
     until: float = 0.0
 

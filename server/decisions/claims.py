@@ -1,11 +1,11 @@
-"""What a registration may claim about membership, decided from the agents registered now (pure: no I/O, no
-locks, no clock; the controller passes the time).
+"""What a registration may claim about membership, judged against the agents registered now. Pure: no I/O, no
+locks, no clock; the controller passes the time.
 
 A registrant says which trainer rank it is, which engine it is a worker or the driver of, how many workers
-that engine has, and whether a framework drives it. None of it may change what a live agent receives: a
-claim that conflicts with agents that are alive (heartbeating) is refused, naming them; a claim to a place
-held by an agent that fell silent takes that place (a restarted process), which is how a restart differs
-from an impostor here. Host and pid are the registrant's own say and decide nothing.
+that engine has, and whether a framework drives it. None of it may change what a live agent receives. A claim
+that conflicts with live (heartbeating) agents is refused, naming them. A claim to a place held by an agent
+that fell silent takes that place: that is how a restarted process differs from an impostor. Host and pid are
+the registrant's own say and decide nothing.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from ckpt_engine.server.decisions.agent_record import AgentRecord
 
 @dataclass(frozen=True)
 class Verdict:
-    """A registration's fate: refused (``conflict`` says why, ``live_agent`` names who holds the place, and
-    ``retry_after_s`` when that one could be silent long enough to be replaced at the earliest), or accepted,
-    taking the places of the silent agents in ``replaces``."""
+    """A registration's fate. Refused: ``conflict`` says why, ``live_agent`` names who holds the place, and
+    ``retry_after_s`` is the earliest that one could have been silent long enough to be replaced. Accepted: it
+    takes the places of the silent agents in ``replaces``."""
 
     conflict: str | None = None
     live_agent: str | None = None

@@ -1,15 +1,15 @@
 """The commit rule (pure): whether a version committed, judged from the receivers' own reports.
 
-A version commits when:
-- the trainer sent it with a digest, and that digest is the version's: for a new version, what the trainer
-  sent; for a re-push (rollback, catch-up, repair), what the history recorded for its source when it
-  committed, never digests recomputed from the cache now. A re-push the trainer did not send (it refused a
-  copy that changed, or failed before sending) commits nothing, whatever receivers say: the source's digest
-  is public, so a receiver's report of it proves nothing by itself;
-- enough receivers of its quorum reported, themselves, a digest equal to the version's: ``min_receivers``
-  (at most the quorum), or every one for a policy that needs every receiver (a framework's sync); one the
-  trainer saw absent from the version's rendezvous received nothing, whatever it reports;
-- and no engine's driver failed to apply it (the workers of an engine succeed or fail together).
+A version commits when all of these hold:
+- The trainer sent it with the version's digest. For a new version that is what the trainer sent. For a
+  re-push (rollback, catch-up, repair) it is what the history recorded for the source when it committed,
+  never a digest recomputed from the cache now. A re-push the trainer did not send (it refused a changed
+  copy, or failed first) commits nothing, whatever receivers say: the source's digest is public, so a
+  receiver reporting it proves nothing.
+- Enough receivers of its quorum reported, themselves, a digest equal to the version's: ``min_receivers``
+  (at most the quorum), or every one under a policy that needs every receiver (a framework's sync). A
+  receiver the trainer saw absent from the rendezvous received nothing, whatever it reports.
+- No engine's driver failed to apply it: the workers of an engine succeed or fail together.
 The trainer's relayed acknowledgements are evidence in the record, never a vote.
 """
 
@@ -30,7 +30,7 @@ class Outcome:
     entries: list[dict]  # per quorum member, for the history
     stages: dict[str, float]
     committed: list[str]  # agent ids that committed it (they proved they hold a whole version)
-    silent: list[str]  # quorum members that never reported their own outcome (but those absent from it)
+    silent: list[str]  # quorum members that never reported their own outcome, absent ones excluded
 
 
 def expected_digest(done: Report, source_digest: str | None, source: int | None) -> tuple[str | None, str | None]:
@@ -127,10 +127,10 @@ def _engines_together(engines: Mapping[str, Sequence[str]], applied: Mapping[str
 
 
 def _failure_reason(done: Report, failures: list[dict], owner_failures: Mapping[int, str], stale: str | None) -> str:
-    """Each cause once: the trainer's own (without the receivers' failures it relays: their own reports say
-    them better), other owner ranks', and each receiver's (one told of the sender's abort repeats the sender's
-    reason: said once, by the sender)."""
-    # (the library names a receiver by its sync-group rank: "rank N: ..." from a trainer is receiver N's failure)
+    """Each cause once: the trainer's, other owner ranks', then each receiver's. The receiver failures the
+    trainer relays are left out: the receivers' own reports say them better. A receiver told of the sender's
+    abort would repeat the sender's reason, so it is said once, by the sender."""
+    # The library names a receiver by its sync-group rank: a trainer's "rank N: ..." is receiver N's failure.
     judged = {prefix for e in failures for prefix in (f"rank {e['rank']}:", f"{receiver_name(e['rank'])}:")}
     trainer = [part for part in (done.reason or "").split("; ") if not done.ok and part
                and not any(part.startswith(prefix) for prefix in judged)]

@@ -1,5 +1,5 @@
-"""When a version in flight is judged, how its trainer's stages move its status, and whom its end benches
-(pure: the flight's facts in, decisions out; ``server/flights.py`` carries them out and writes the history)."""
+"""When a version in flight is judged, how its trainer's stages move its status, and whom its end benches.
+Pure: the flight's facts in, decisions out; ``server/flights.py`` carries them out and writes the history."""
 
 from __future__ import annotations
 
@@ -59,9 +59,9 @@ def benchings(version: int, *, heard_everyone: bool, silent: Iterable[str],
 
 def engine_to_apply(engine: str | None, engines: Mapping[str, Iterable[str]], settled: Collection[str],
                     staged: Mapping[str, int | None], version: int) -> bool:
-    """Whether ``engine``'s driver is told to apply ``version`` now: it is an engine of the version's quorum, not
-    yet told and not failed (``settled``), and every one of its workers staged this version (``staged``: each
-    still-registered worker's staged version; a gone worker is missing from it)."""
+    """Whether ``engine``'s driver is told to apply ``version`` now. The engine must be of the version's quorum,
+    not yet told nor failed (``settled``), and every one of its workers must have staged this version.
+    ``staged`` holds each still-registered worker's staged version: a gone worker is missing from it."""
     if engine is None or engine not in engines or engine in settled:
         return False
     members = list(engines[engine])
@@ -70,9 +70,10 @@ def engine_to_apply(engine: str | None, engines: Mapping[str, Iterable[str]], se
 
 def to_discard(engine: str | None, engines: Mapping[str, Iterable[str]], settled: Collection[str],
                failed_worker: str, reported: Collection[str]) -> list[str] | None:
-    """A driven worker failed the version, so its whole engine fails it: the engine's other workers that have not
-    reported drop what they staged now (not at their take timeout). None where the engine does not fail anew:
-    not of the quorum, or already told to apply, or already failed (``settled``)."""
+    """The workers to tell to drop their staging after a driven worker failed the version. Its whole engine
+    fails it, so the other workers that have not reported drop what they staged now, not at their take timeout.
+    None where the engine does not fail anew: not of the quorum, already told to apply, or already failed
+    (``settled``)."""
     if engine is None or engine not in engines or engine in settled:
         return None
     return [m for m in engines[engine] if m != failed_worker and m not in reported]

@@ -1,8 +1,10 @@
-"""Newcomers' admission (pure: the time is an argument). A registration that never proved itself joins a regular
-version directly where the cache cannot bring it one of its own first (bypass_cpu deployments, or no cached
-version yet). One that then never joins the version's rendezvous costs everyone that version, and the bench is
-per registration: registering again would start afresh. So after a version a newcomer missed, newcomers wait
-out a gate, longer each time until one proves itself; receivers that proved themselves are never held back."""
+"""Newcomers' admission. Pure: the time is an argument.
+
+A registration that never proved itself joins a regular version directly where the cache cannot first bring it
+one of its own (bypass_cpu deployments, or no cached version yet). If it then never joins the rendezvous,
+everyone loses that version. Benching it is not enough: the bench is per registration, and registering again
+starts afresh. So after a newcomer misses a version, newcomers wait out a gate, longer each time until one
+proves itself. Receivers that proved themselves are never held back."""
 
 from __future__ import annotations
 
@@ -42,9 +44,9 @@ class NewcomerGate:
 def blamed_for_rendezvous(named: Sequence[str], members: Sequence[str], proven: Collection[str]) -> list[str]:
     """Who is benched for a sync group that did not form. ``named``: whom the trainer saw absent; ``members``: the
     receivers of the groups that did not form; ``proven``: those that took a whole version under their
-    registration. The store a group forms in takes any member's word (a member can publish a false address, and
-    so make a proven peer look absent), so the unproven are suspected first: the named ones, or else every
-    unproven member; proven receivers only when no unproven one was there."""
+    registration. The store a group forms in takes any member's word: a member can publish a false address and
+    so make a proven peer look absent. The unproven are therefore suspected first: the named ones, else every
+    unproven member. Proven receivers are blamed only when no unproven one was there."""
     named_new = [a for a in named if a not in proven]
     if named_new:
         return named_new

@@ -1,12 +1,12 @@
 """How a version's lifecycle differs by who drives the trainer: one lifecycle, two policies (pure data).
 
-- ``PLAIN``: the daemon drives it. It assigns every send and receive, a version needs ``min_receivers`` of its
-  quorum, a request while one is in flight is refused (409), a rollback is a re-push assigned at once, and
-  receivers that hold no whole version are brought one (catch-up, repair).
+- ``PLAIN``: the daemon drives it and assigns every send and receive. A version needs ``min_receivers`` of its
+  quorum. A request while one is in flight is refused (409). A rollback is a re-push, assigned at once.
+  Receivers that hold no whole version are brought one (catch-up, repair).
 - ``FRAMEWORK`` (verl): the framework moves the bytes on its own groups and schedule. The daemon numbers its
-  syncs and judges the workers' own reports, but assigns nothing; a sync needs every worker it named; the
+  syncs and judges the workers' own reports, but assigns nothing. A sync needs every worker it named. The
   framework runs one sync at a time, so opening the next supersedes one still open (its outcome unknown:
-  interrupted); a rollback waits for the framework's next sync and is sent in its place; no catch-ups.
+  interrupted). A rollback waits for the framework's next sync and is sent in its place. No catch-ups.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""Who takes a version: the quorum rule, and what it implies (owners, transports, sparse base). Pure: the
+"""Who takes a version: the quorum rule, and what follows from it (owners, transports, sparse base). Pure: the
 agents and the time are arguments.
 
 A receiver joins a regular version when it is heard from (within its poll wait and half a heartbeat), able
-to receive (not benched), not a framework's (verl's workers take only verl's own syncs), and, for a worker
-of a driven engine, when all of its engine's workers are so and its driver is heard from: an engine is one
-model, in or out whole. One that holds no whole version (new, torn, or of unknown state) is first brought
-one alone from the cache (catch-up, repair) whenever the cache can: so one that cannot receive fails no one
-else's version.
+to receive (not benched) and not a framework's (verl's workers take only verl's own syncs). A worker of a
+driven engine joins only when all its engine's workers qualify too and its driver is heard from: an engine is one
+model, in or out whole. A receiver that holds no whole version (new, torn, or of unknown state) is first
+brought one alone from the cache (catch-up, repair) whenever the cache can, so one that cannot receive fails
+no one else's version.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def engine_ready(receiver: AgentRecord, ready: Sequence[AgentRecord], driver: Ag
 
 
 def needs_catch_up(receiver: AgentRecord, pool: Sequence[AgentRecord]) -> bool:
-    """It holds no whole version proven under this registration, or (a driven worker) a worker of its engine
-    does not: what a newcomer says it holds is a claim until a version of its own proves it."""
+    """Whether it holds no whole version proven under this registration (a driven worker: whether any worker
+    of its engine holds none). What a newcomer says it holds is a claim until a version of its own proves it."""
     if not receiver.driven:
         return not receiver.model.whole()
     return any(not m.model.whole() for m in pool if m.engine == receiver.engine and m.driven)
@@ -42,9 +42,9 @@ def needs_catch_up(receiver: AgentRecord, pool: Sequence[AgentRecord]) -> bool:
 def candidates(receivers: Sequence[AgentRecord], drivers: Mapping[str, AgentRecord], now: float, heartbeat_s: float, *,
                regular: bool, repair_source: RepairSource, admit_new: bool = True,
                min_receivers: int = 1) -> list[AgentRecord]:
-    """Receivers that can be put into a quorum now (``regular``: of a regular version, which leaves out the
-    ones a catch-up can bring a version first, and, unless ``admit_new``, those that never proved themselves;
-    of those, only as many newcomers as ``few_newcomers`` lets in: see decisions/newcomers.py)."""
+    """Receivers that can be put into a quorum now. For a ``regular`` version this leaves out those a catch-up
+    can bring a version first and, unless ``admit_new``, those that never proved themselves. Of the rest, only
+    as many newcomers as ``few_newcomers`` lets in join (see decisions/newcomers.py)."""
     ready = [r for r in receivers if heard(r, now, heartbeat_s) and r.model.able(now) and r.framework is None]
     whole = [r for r in ready if not r.driven or engine_ready(r, ready, drivers.get(r.engine or ""), now,
                                                               heartbeat_s)]
@@ -61,9 +61,9 @@ def _newcomer_unit(receiver: AgentRecord) -> str:
 
 
 def few_newcomers(receivers: Sequence[AgentRecord], min_receivers: int) -> list[AgentRecord]:
-    """``receivers`` with at most as many newcomers (receivers that have not proved themselves under their
-    registration; an engine's workers count as one) as a version needs besides the proven ones to reach
-    ``min_receivers``, and at least one: a newcomer that never joins then costs one version, not every one.
+    """``receivers`` with only as many newcomers as a version needs, besides the proven ones, to reach
+    ``min_receivers``, and at least one. A newcomer has not proved itself under its registration; an engine's
+    workers count as one. Few are let in so that a newcomer that never joins costs one version, not every one.
     With no proven receiver (a fresh deployment) every newcomer joins. Fresh registrations go first, then those
     benched before, each in registration order."""
     proven = [r for r in receivers if r.model.proven]
@@ -125,9 +125,9 @@ def quorum_problem(trainer: AgentRecord | None, receivers: Sequence[AgentRecord]
 
 
 def sparse_base(receivers: Sequence[AgentRecord]) -> int | None:
-    """The version every receiver of the quorum serves whole, if they all serve the same one; else None (a
-    new, torn, lagging or unsettled receiver makes it a full version, and so does an engine that takes whole
-    versions only). Of a sharded version, each class then gets the pieces that changed since."""
+    """The version every receiver of the quorum serves whole, if they all serve the same one, else None. A
+    new, torn, lagging or unsettled receiver makes it a full version, and so does an engine that takes only
+    whole versions. Each class of a sharded version then gets the pieces that changed since the base."""
     if any(r.whole_versions for r in receivers):
         return None
     held = {r.model.serving for r in receivers}
@@ -135,18 +135,18 @@ def sparse_base(receivers: Sequence[AgentRecord]) -> int | None:
 
 
 def sharded(receivers: Sequence[AgentRecord]) -> bool:
-    """A version some receiver of which keeps only slices (a shard spec): each class of receivers gets only its
-    pieces, on sync groups of its own (one per owner), cut from the trainer ranks' caches or, with bypass_cpu,
-    from their buckets as they are gathered; colocated receivers take the same-host path, each class through
-    shared slots of its own."""
+    """Whether some receiver keeps only slices (a shard spec), which makes the version sharded. Each class of
+    receivers then gets only its pieces, on sync groups of its own (one per owner). The pieces are cut from
+    the trainer ranks' caches, or with bypass_cpu from their buckets as they are gathered. Colocated receivers
+    take the same-host path, each class through shared slots of its own."""
     return any(r.shard_spec for r in receivers)
 
 
 def within_class_limit(receivers: Sequence[AgentRecord]) -> list[AgentRecord]:
-    """The receivers a version can carry: of a sharded version, those of at most MAX_CLASSES classes, the
-    classes of receivers that proved themselves first, then by registration. The others wait for a later
-    version: registrations that never take part (a flood of distinct specs) are benched one version each,
-    and cannot hold every version back."""
+    """The receivers a version can carry. A sharded version carries at most MAX_CLASSES classes: those of
+    receivers that proved themselves first, then in registration order. The others wait for a later version,
+    so registrations that never take part (a flood of distinct specs) are benched one version each and cannot
+    hold every version back."""
     if not sharded(receivers):
         return list(receivers)
     kept: set[str] = set()
@@ -158,9 +158,9 @@ def within_class_limit(receivers: Sequence[AgentRecord]) -> list[AgentRecord]:
 
 def owners_for(trainer: AgentRecord, trainers: Mapping[int, AgentRecord], source_owners: int | None, transport: str,
                now: float, heartbeat_s: float) -> int:
-    """How many trainer ranks own shares of a version: a re-push, as many as its source had; a new one, every
-    rank of the trainer job when each one's agent is heard from (else rank 0 sends everything and the others
-    only gather), unless the deployment wants the same-host path only (``transport: ipc``)."""
+    """How many trainer ranks own shares of a version. A re-push has as many as its source had. A new one has
+    every rank of the trainer job when each rank's agent is heard from and ``transport`` is not ``ipc`` (the
+    same-host path only); otherwise one: rank 0 sends everything and the others only gather."""
     if source_owners is not None:
         return source_owners
     ranks = trainer.trainer_ranks
@@ -171,9 +171,9 @@ def owners_for(trainer: AgentRecord, trainers: Mapping[int, AgentRecord], source
 
 def transports(trainer: AgentRecord, receivers: Sequence[AgentRecord], owners: int, transport: str
                ) -> tuple[list[AgentRecord], str | None]:
-    """Which receivers take the same-host path (shared memory / CUDA IPC), per ``transport``: none for a
-    version several trainer ranks own (each sends on its own sync group); and why the version cannot go. Of a
-    sharded version, each class's colocated receivers take it through shared slots of their own."""
+    """Which receivers take the same-host path (shared memory / CUDA IPC) under ``transport``, and why the
+    version cannot go (None: it can). None do when several trainer ranks own the version: each sends on its own
+    sync group. A sharded version's colocated receivers take it through shared slots of their class."""
     if owners > 1:
         if transport == "ipc":
             return [], f"transport is ipc, but this version is owned by {owners} trainer ranks"

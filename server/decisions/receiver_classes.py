@@ -1,7 +1,7 @@
-"""Receiver classes of a sharded version (pure): receivers that keep the same slices (the same shard spec key)
+"""Receiver classes of a sharded version (pure). Receivers that keep the same slices (the same shard spec key)
 share one stream of exactly their bytes, on a sync group of their own. The trainer is rank 0 of every class's
-group; a class's receivers are ranks 1.. in the order of their ranks in the version's quorum. Receivers on the
-trainer's host take the same-host path instead, each class through shared slots of its own."""
+group; a class's receivers are ranks 1.., in their order in the version's quorum. Receivers on the trainer's
+host take the same-host path instead, each class through shared slots of its own."""
 
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ NO_CLASSES = ClassPlan([], {}, {})
 
 def plan_lanes(receivers: Sequence[AgentRecord], quorum: Mapping[str, int],
                colocated: Collection[str] = ()) -> ClassPlan:
-    """The classes of a version sent to ``receivers`` (ranks in ``quorum``): none when no receiver declared a
-    shard spec (a plain version), else one per distinct spec (receivers without one form the class of whole
-    tensors), ordered by their first receiver's rank so the parts are stable while the quorum is. The
-    ``colocated`` receivers (agent ids) take the same-host path: they have no seat in their class's group."""
+    """The classes of a version sent to ``receivers`` (ranks in ``quorum``). None when no receiver declared a
+    shard spec (a plain version); else one per distinct spec, and receivers without one form the class of whole
+    tensors. Classes are ordered by their first receiver's rank, so the parts stay stable while the quorum
+    does. The ``colocated`` receivers (agent ids) take the same-host path: no seat in their class's group."""
     if not any(r.shard_spec for r in receivers):
         return NO_CLASSES
     grouped: dict[str, list[AgentRecord]] = {}

@@ -3,10 +3,10 @@ version, and what the cache must keep for it. Pure: the agents, the history look
 arguments.
 
 A receiver that holds no whole version (new, torn, or of unknown state) is brought one as a re-push of its
-own, without the training loop: a torn one the version it served last (known to work on it), the others the
-newest committed one. The workers of a driven engine are one model: they are due together and take the same
-version. Versions receivers may need again stay in the cache (``kept_for_repairs``): a run of failed versions
-cannot push them out.
+own, without the training loop. A torn one gets the version it served last, known to work on it; the others
+get the newest committed one. The workers of a driven engine are one model: they are due together and take
+the same version. Versions receivers may need again stay in the cache (``kept_for_repairs``), so a run of
+failed versions cannot push them out.
 """
 
 from __future__ import annotations
@@ -71,10 +71,10 @@ def plan_catch_up(pool: Sequence[AgentRecord], now: float, latest_committed: int
 
 def kept_for_repairs(receivers: Sequence[AgentRecord], latest_committed: int | None, source_of: SourceOf, *,
                      limit: int = MAX_KEPT) -> list[int]:
-    """Cached versions receivers may need again, newest first (at most ``limit``, and MAX_KEPT): the newest
-    committed one (a catch-up sends it) and the one each proven receiver serves or served last (a repair
-    re-applies it). The trainer's cache never evicts them to make room. What a receiver only claims to hold
-    (a newcomer's word) pins nothing: else any rollout-token holder could make the trainer keep old copies."""
+    """Cached versions receivers may need again, at most ``limit`` (and MAX_KEPT): the newest committed one
+    first (a catch-up sends it), then, newest first, the one each proven receiver serves or served last (a
+    repair re-applies it). The trainer's cache never evicts them to make room. What a receiver only claims to
+    hold (a newcomer's word) pins nothing, else any rollout-token holder could make the trainer keep old copies."""
     wanted = {v for r in receivers if r.model.proven for v in (r.model.serving, r.model.last_served)}
     sources = {source_of(v) for v in wanted | {latest_committed} if v is not None}
     newest = sorted((s for s in sources if s is not None), reverse=True)

@@ -13,7 +13,7 @@ MIN_TICKS = 10  # ... once there are at least this many in the window
 
 class TickHealth:
     def __init__(self, now: float) -> None:
-        self._last_ok = now  # (a daemon that just started has not failed yet)
+        self._last_ok = now  # a daemon that just started has not failed yet
         self._error: str | None = None
         self._ticks: collections.deque[tuple[float, bool]] = collections.deque()
 

@@ -19,8 +19,9 @@ LAG_WINDOW = 100  # committed versions looked at: a receiver further behind show
 def receiver_name(rank: int) -> str:
     """How every view names a receiver of a version: ``receiver N``, N its rank in the version's quorum
     (ckpt_engine/ranks.py QuorumRank: 1.., the history entries' ``rank``). Reasons, the log, ``ckpt-engine
-    version`` and the page say this; where a receiver is listed as an agent (GET /receivers, ``ckpt-engine
-    status``, the page's receivers), its agent id, with the N of the newest version it was in."""
+    version`` and the page use this name. Where a receiver is listed as an agent (GET /receivers,
+    ``ckpt-engine status``, the page's receivers), it is named by its agent id, with the N of the newest version
+    it was in."""
     return f"receiver {rank}"
 
 
@@ -63,8 +64,8 @@ def with_lag(agents: list[dict], committed_ids: Sequence[int]) -> list[dict]:
 
 def last_errors(versions: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     """Each receiver's newest failure in ``versions`` (newest first, as GET /versions lists them), as
-    ``v<id>: <reason>``, also when a later version succeeded: its state says whether it recovered, this why
-    it had to."""
+    ``v<id>: <reason>``. Kept even when a later version succeeded: the receiver's state says whether it
+    recovered, this says why it had to."""
     errors: dict[str, str] = {}
     for record in versions:
         for entry in record.get("receivers") or ():
