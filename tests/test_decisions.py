@@ -141,6 +141,7 @@ def test_why_a_receiver_is_out_is_said_for_each() -> None:
 @pytest.mark.parametrize(("ranks", "heard", "transport", "source_owners", "owners"), [
     (2, [0, 1], "auto", None, 2), (2, [0], "auto", None, 1), (2, [0, 1], "ipc", None, 1), (1, [0], "auto", None, 1),
     (2, [0], "auto", 2, 2),  # a re-push has as many owners as its source
+    (2, [0, 1], "nixl", None, 1),  # pullers read rank 0's cache
 ])
 def test_owners(ranks: int, heard: list[int], transport: str, source_owners, owners: int) -> None:
     trainers = {r: agent("trainer", rank=r, trainer_ranks=ranks, silent_s=0 if r in heard else 8.0)
@@ -155,9 +156,21 @@ def test_transports_and_sparse_base() -> None:
     assert quorum.transports(trainer, [near, far], 1, "collective") == ([], None)
     assert "not on the trainer's host" in quorum.transports(trainer, [near, far], 1, "ipc")[1]
     assert quorum.transports(trainer, [near], 2, "auto") == ([], None)  # several owners: collective only
+    assert quorum.transports(trainer, [near, far], 1, "nixl") == ([], None)  # (pullers are chosen apart)
     assert quorum.sparse_base([near, far]) == 3
     assert quorum.sparse_base([near, agent(serving=4)]) is None
     assert quorum.sparse_base([near, agent(serving=3, whole_versions=True)]) is None
+
+
+def test_pullers() -> None:
+    a, b = agent(serving=3), agent(host_id="other")
+    assert quorum.pullers([a, b], "nixl", "cached") == ([a, b], None)
+    assert quorum.pullers([a, b], "auto", "cached") == ([], None)
+    assert quorum.pullers([], "nixl", "cached") == ([], None)
+    assert "cached versions only" in quorum.pullers([a], "nixl", "bypass_cpu")[1]
+    sharded = agent()
+    sharded.shard_spec, sharded.shard_key = {"w": [(0, 0, 2)]}, "tp0"  # (what a declared spec leaves)
+    assert "sharded classes" in quorum.pullers([a, sharded], "nixl", "cached")[1]
 
 
 # ---- the commit rule -----------------------------------------------------------------------------------------
