@@ -45,6 +45,17 @@ MiB = 1 << 20
 
 
 # ---- the cluster ---------------------------------------------------------------------------------------------
+def nixl_missing() -> str | None:
+    """Why the pulled rows cannot run here (None: they can)."""
+    from ckpt_engine.transport.nixl import NixlUnavailable, nixl_api
+
+    try:
+        nixl_api()
+    except NixlUnavailable as exc:
+        return str(exc)
+    return None
+
+
 def cannot_run() -> str | None:
     if os.geteuid() != 0:
         return "network namespaces need root"
@@ -309,13 +320,23 @@ def run(opts: dict, progress: Any = print) -> dict:
         owners = max(args["owners"])
         progress(f"  sharded, TP={receivers}, {owners} trainer ranks owning shares")
         results.append(scenario(f"sharded, TP={receivers}, {owners} owners", receivers, True, args, owners))
-    by = {(r["receivers"], r["sharded"], r["owners"]): r for r in results if r.get("mode", "cached") == "cached"}
+    if args.get("pull", True) and nixl_missing() is None:
+        from ckpt_engine.bench import netns_pull
+
+        for receivers in args["tp"]:
+            progress(f"  {receivers} receivers pulling over NIXL (UCX over TCP on their links)")
+            results.append(netns_pull.scenario(f"full, {receivers} receivers, pulled (nixl)", receivers, args))
+    by = {(r["receivers"], r["sharded"], r["owners"]): r for r in results
+          if r.get("mode", "cached") == "cached" and not r.get("pull")}
     for r in results:
         r["median_s"] = statistics.median(r["seconds"])
         if r["raw_seconds"]:
             r["raw_median_s"] = statistics.median(r["raw_seconds"])
         r["received_fraction"] = max(statistics.median(x) for x in r["received"]) / r["model_bytes"]
-        if r["sharded"]:
+        if r.get("pull"):
+            r["over_push"] = r["median_s"] / by[(r["receivers"], False, 1)]["median_s"]
+            r["goal"] = 1.0
+        elif r["sharded"]:
             r["over_full"] = r["median_s"] / by[(r["receivers"], False, 1)]["median_s"]
             r["goal"] = 1.2 / r["receivers"]
         elif r["owners"] > 1:
@@ -331,11 +352,11 @@ def render(result: dict, machine: dict | None = None) -> list[str]:
     lines = [f"Links: {a['rate_mbit']} Mbit/s each way per process (tbf), one bridge; model {a['mib']} MiB float32, "
              f"buckets of {a['bucket_mib']} MiB; {a['rounds']} rounds after a warm-up; time from the first publish to "
              "every receiver verified (cached: snapshot included), median.", "",
-             "| Scenario | time s | raw broadcast s | largest receiver's bytes ÷ model | ÷ full, 1 owner | goal |",
+             "| Scenario | time s | raw broadcast s | largest receiver's bytes ÷ model | ÷ full push, 1 owner | goal |",
              "|---|---:|---:|---:|---:|---:|"]
     for r in result["results"]:
         raw = f"{r['raw_median_s']:.2f}" if "raw_median_s" in r else "—"
-        ratio = r.get("over_full", r.get("over_one_owner"))
+        ratio = r.get("over_full", r.get("over_one_owner", r.get("over_push")))
         over = f"{ratio:.3f}" if ratio is not None else "—"
         goal = f"≤ {r['goal']:.2f}" if r.get("goal") else "—"
         lines.append(f"| {r['name']} | {r['median_s']:.2f} | {raw} | {r['received_fraction']:.3f} | {over} | {goal} |")
@@ -346,15 +367,21 @@ def render(result: dict, machine: dict | None = None) -> list[str]:
                     "its own link, each sending its 1/K of every version on its own sync group with the receivers "
                     "(sharded with K owners: each owner sends every class the pieces of the tensors it owns). The "
                     "bypass_cpu row: no cache, every class cut from the live tensors as each bucket is read "
-                    "(send/fanout.py), the identity hashed on the way.", ""]
+                    "(send/fanout.py), the identity hashed on the way. Pulled rows (`transport: nixl`, "
+                    "bench/netns_pull.py): every receiver reads the owner's cached version over NIXL (UCX over TCP on "
+                    "its link) after the owner's offer, each verifying every bucket; ÷ the push row of as many "
+                    "receivers.", ""]
 
 
 def target_measurements(result: dict) -> dict[str, list[tuple[str, float, str]]]:
     """Per target: (where, value, note) for the suite's table."""
     if "skipped" in result:
         return {}
-    out: dict[str, list[tuple[str, float, str]]] = {"time": [], "bytes": [], "owners": []}
+    out: dict[str, list[tuple[str, float, str]]] = {"time": [], "bytes": [], "owners": [], "pull": []}
     for r in result["results"]:
+        if r.get("pull"):
+            out["pull"].append((f"{r['receivers']} receivers", r["over_push"], ""))
+            continue
         if r["owners"] == 4 and not r["sharded"]:
             out["owners"].append((f"{r['receivers']} receivers", r["over_one_owner"], ""))
         if r["sharded"] and r.get("mode", "cached") == "cached":

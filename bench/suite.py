@@ -21,8 +21,10 @@ Sections (each in its own module, run in this order; ``--only`` / ``--skip`` pic
 - ``load``          (bench/load_bench.py): 200 requests/s of mixed reads for 60 s (quick: 10 s) while versions
                     run back to back: errors, latency per endpoint, sync time vs without the load.
 - ``netns``         (bench/netns_bench.py): trainer and receivers in network namespaces of their own, on
-                    rate-limited veth links (tc): full vs sharded delivery at TP 2 and 4, and the raw broadcast
-                    (root only; skipped saying why elsewhere).
+                    rate-limited veth links (tc): full vs sharded delivery at TP 2 and 4, the raw broadcast,
+                    and full delivery pulled over NIXL (root only; skipped saying why elsewhere).
+- ``join``          (bench/join_bench.py): a receiver joining a running daemon, pushed vs pulled (NIXL): time
+                    to its catch-up, and what its first regular version costs the others.
 - ``digest``        (bench/digest_bench.py): the device digest's code (torch-block64, eager and compiled) on CPU
                     tensors, 256 MiB in 1, 100 and 4,000 tensors, beside a memcpy of the same bytes.
 - ``gpu``           (bench/gpu_bench.py): the CUDA data paths against their raw copies (snapshot, bypass fill,
@@ -54,6 +56,7 @@ from ckpt_engine.bench import (
     digest_bench,
     gpu_bench,
     ipc_bench,
+    join_bench,
     load_bench,
     netns_bench,
     owners_bench,
@@ -99,7 +102,8 @@ SECTIONS: list[tuple[str, str, Any]] = [
     ("control_plane", "Control plane under load", control_plane),
     ("sparse", "Sparse sync vs full sync", _SparseSection),
     ("load", "Load: mixed reads while versions run", load_bench),
-    ("netns", "Network-bound cluster: full vs sharded delivery on rate-limited links", netns_bench),
+    ("netns", "Network-bound cluster: full vs sharded delivery, pushed vs pulled, on rate-limited links", netns_bench),
+    ("join", "Elastic join: a receiver registering while the daemon runs, pushed vs pulled", join_bench),
     ("digest", "Device digest on the CPU (torch-block64)", digest_bench),
     ("gpu", "GPU data paths (CUDA)", gpu_bench),
 ]
@@ -402,6 +406,16 @@ def evaluate_targets(report: dict) -> list[dict]:
         "Llama-style model (q/k/v, gate/up, down, embeddings split; norms whole)")
     add("owner-sharded versions on rate-limited links: 4 owners ÷ 1 owner time", "<=", 0.35, "", "netns",
         netns("owners"), "each trainer rank on a link of its own, full delivery")
+    add("pulled over NIXL ÷ pushed on rate-limited links, full delivery", "<=", 1.0, "", "netns", netns("pull"),
+        "transport nixl: each receiver reads the owner's cached version over UCX/TCP on its link")
+
+    def join(key: str) -> Callable[[], list[tuple[str, float, str]]]:
+        return lambda: join_bench.target_measurements(res["join"]).get(key, [])
+
+    add("elastic join: registration to the newest version held, pulled ÷ pushed", "<=", 1.0, "", "join",
+        join("join"), "a third receiver joins a running daemon; its catch-up, nixl vs collective")
+    add("elastic join: the others' first version after it ÷ their versions before", "<=", 1.2, "", "join",
+        join("cost"), "per transport; pushed re-forms the sync group, pulled forms nothing")
 
     def gpu(key: str) -> Callable[[], list[tuple[str, float, str]]]:
         return lambda: gpu_bench.target_measurements(res["gpu"]).get(key, [])

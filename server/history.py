@@ -18,6 +18,7 @@ import collections
 import fcntl
 import json
 import logging
+import math
 import os
 import socket
 import sqlite3
@@ -127,6 +128,34 @@ class VersionRecord:
 _FIELD_NAMES = tuple(f.name for f in fields(VersionRecord))
 
 
+def _copy(record: VersionRecord) -> VersionRecord:
+    """A copy the caller may change: its lists and maps too (the store's own record is replaced on update,
+    never changed, and its JSON text is kept while it is the same object)."""
+    return replace(record, stages=dict(record.stages), receivers=[dict(e) for e in record.receivers],
+                   knobs={name: dict(entry) for name, entry in record.knobs.items()})
+
+
+def _json_text(record: VersionRecord) -> str:
+    """The record as JSON (UTF-8 as it is: an escaped character costs up to 12 bytes). A float that JSON cannot
+    hold (NaN, infinity: none comes from the wire, an old file might hold one) is written as null, so that one
+    record cannot fail every page it is on."""
+    data = record.to_dict()
+    try:
+        return json.dumps(data, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    except ValueError:
+        return json.dumps(_finite(data), separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
 @dataclass
 class StorageState:
     ok: bool
@@ -195,7 +224,7 @@ class HistoryStore:
         record = VersionRecord(version, step, mode, "requested", None, source_version, now, now, None, 0, 0, 0, 0, 0)
         with self._mem:
             self._remember(record)
-        return replace(record)
+        return _copy(record)
 
     def number_after(self, version: int) -> bool:
         """Issue the next ids after ``version``, for an empty history taking over from a lost one whose ids
@@ -232,7 +261,7 @@ class HistoryStore:
             self._remember(updated)
             self._dirty.add(version)
         self.flush(force=self._problem is None)
-        return replace(updated)
+        return _copy(updated)
 
     def interrupt_unfinished(self, reason: str) -> list[int]:
         """Mark ``interrupted`` every version that was in flight when the daemon stopped (e.g. at a crash): its
@@ -246,7 +275,7 @@ class HistoryStore:
     def unwritten(self) -> list[VersionRecord]:
         """Records whose latest state is only in memory (the file could not be written)."""
         with self._mem:
-            return [replace(self._records[v]) for v in sorted(self._dirty)]
+            return [_copy(self._records[v]) for v in sorted(self._dirty)]
 
     def set_cached(self, cached_versions: set[int]) -> None:
         """Record which versions the trainer's cache holds now."""
@@ -309,14 +338,14 @@ class HistoryStore:
             record = self._records.get(version)
             if record is not None:
                 self._records.move_to_end(version)
-                return replace(record)
+                return _copy(record)
         rows = self._query("SELECT * FROM versions WHERE id=?", (version,))
         if not rows:
             return None
         with self._mem:
             record = self._records.get(version) or self._overlay(rows[0])
             self._remember(record)
-            return replace(record)
+            return _copy(record)
 
     def latest(self, status: str | None = None) -> VersionRecord | None:
         rows = self.list(limit=1, status=status)
@@ -324,7 +353,7 @@ class HistoryStore:
 
     def list(self, *, limit: int = 50, status: str | None = None, before: int | None = None) -> list[VersionRecord]:
         """Newest first; ``before``: only ids below it (the cursor of the next page)."""
-        return [replace(r) for r in self._select(limit, status, before)]
+        return [_copy(r) for r in self._select(limit, status, before)]
 
     def list_json(self, *, limit: int = 50, status: str | None = None, before: int | None = None
                   ) -> builtins.list[tuple[int, str]]:
@@ -337,7 +366,7 @@ class HistoryStore:
             if kept is not None and kept[0] is record:
                 texts.append((record.id, kept[1]))
                 continue
-            text = json.dumps(record.to_dict(), separators=(",", ":"), allow_nan=False)
+            text = _json_text(record)
             with self._mem:
                 if self._records.get(record.id) is record:
                     self._json[record.id] = (record, text)

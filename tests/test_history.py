@@ -245,3 +245,30 @@ def test_a_records_json_text_follows_every_change(tmp_path: Path) -> None:
     same()
     store.update(ids[1], status="failed", reason="x")
     same()
+
+
+def test_a_returned_record_is_the_callers_to_change(tmp_path: Path) -> None:
+    """Found by the outside attack on issue 38: the copies shared their lists and maps with the store's record,
+    so an edit changed the store in memory only, and GET /versions' kept text disagreed with it."""
+    store = HistoryStore(tmp_path / "h.sqlite3")
+    version = store.create(mode="cached", step=1).id
+    store.update(version, stages={"fill": 0.5}, receivers=[{"rank": 1, "ok": True}])
+    store.list_json()
+    got = store.get(version)
+    got.stages["fill"] = 99.0
+    got.receivers[0]["ok"] = False
+    store.list()[0].stages["snapshot"] = 1.0
+    assert store.get(version).stages == {"fill": 0.5} and store.get(version).receivers == [{"rank": 1, "ok": True}]
+    assert json.loads(store.list_json()[0][1])["stages"] == {"fill": 0.5}
+
+
+def test_a_float_json_cannot_hold_is_null_and_text_stays_utf8(tmp_path: Path) -> None:
+    """Found by the outside attack on issue 38: one record with NaN failed every page it was on (HTTP and now
+    ZMQ); and escaped non-ASCII text took up to 12 bytes a character in the kept text."""
+    store = HistoryStore(tmp_path / "h.sqlite3")
+    version = store.create(mode="cached", step=1).id
+    store.update(version, stages={"fill": float("nan"), "ack": float("inf"), "load": 0.25}, reason="über 😀")
+    [(_, text)] = store.list_json()
+    page = json.loads(text)
+    assert page["stages"] == {"fill": None, "ack": None, "load": 0.25}
+    assert "über 😀" in text and "\\u" not in text
