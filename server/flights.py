@@ -22,6 +22,7 @@ from ckpt_engine.plan.modes import Mode
 from ckpt_engine.server.agents import AgentRegistry
 from ckpt_engine.server.cache_book import CacheBook
 from ckpt_engine.server.decisions.agent_record import AgentRecord
+from ckpt_engine.server.decisions.assignments import pull_assignments, receive_assignments
 from ckpt_engine.server.decisions.commit import expected_digest, judge, staging_entry
 from ckpt_engine.server.decisions.ending import (
     STAGE_ORDER,
@@ -104,17 +105,7 @@ class Flights:
             sparse=sparse, expected_digest=source.version_digest if source else None, keep=keep,
             ipc_peers={r.agent_id: quorum[r.agent_id] for r in colocated}, classes=classes.lanes,
             pullers=len(pulling), **common)
-        receives = []
-        for receiver in remote:
-            seat = classes.seats.get(receiver.agent_id)
-            if seat is not None:  # its class's group: the trainer and the receivers that keep the same slices
-                receives.append((receiver, Assignment(kind="receive", part=seat.part, rank=seat.rank,
-                                                      **{**common, "world_size": seat.world_size})))
-            else:
-                receives.append((receiver, Assignment(kind="receive", rank=quorum[receiver.agent_id], **common)))
-        for receiver in colocated:
-            receives.append((receiver, Assignment(kind="receive", rank=quorum[receiver.agent_id], transport="ipc",
-                                                  ipc_name=trainer.ipc_name, **common)))
+        receives = receive_assignments(remote, colocated, quorum, classes, trainer.ipc_name, common)
         for receiver, assignment in receives:
             receiver.pending.append(assignment)
         trainer.pending.append(send)
@@ -171,12 +162,10 @@ class Flights:
                         offer.version if offer else None, flight.version, flight.offered)
             return
         flight.offered = True
-        for agent_id in flight.pullers:
-            puller = self.agents.get(agent_id)
-            if puller is not None:
-                puller.pending.append(Assignment(kind="receive", version=flight.version, mode=flight.mode,
-                                                 step=message.step, rank=flight.quorum[agent_id], transport="nixl",
-                                                 offer=message.offer))
+        for agent_id, assignment in pull_assignments(flight.version, flight.mode, message.step,
+                                                     {a: flight.quorum[a] for a in flight.pullers}, offer):
+            if (puller := self.agents.get(agent_id)) is not None:
+                puller.pending.append(assignment)
 
     def receiver_outcome(self, agent: AgentRecord, message: Report, flight: InFlight | None) -> None:
         """A receiver's own outcome: what its model holds now, and its vote on the version."""

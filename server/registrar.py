@@ -83,6 +83,7 @@ class Registrar:
             engine_key=self.engine_key(agent.engine or "") if agent.role == "driver" else None,
             staging=agent.staging or self.config.staging, staging_share=self.config.staging_share,
             staging_budget=(int(self.config.staging_budget_mb * (1 << 20)) if self.config.staging_budget_mb else None),
+            transport=self.config.transport,
         )
 
     def _number_after_lost_history(self, message: Register) -> None:

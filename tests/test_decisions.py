@@ -173,6 +173,24 @@ def test_pullers() -> None:
     assert "sharded classes" in quorum.pullers([a, sharded], "nixl", "cached")[1]
 
 
+def test_assignments_of_pushed_colocated_and_pulling_receivers() -> None:
+    from ckpt_engine.server.decisions.assignments import pull_assignments, receive_assignments
+    from ckpt_engine.server.decisions.receiver_classes import plan_lanes
+    from ckpt_engine.transport.messages import PullOffer
+
+    far, near = agent(host_id="other"), agent()
+    quorum = {far.agent_id: 1, near.agent_id: 2}
+    common = {"version": 5, "mode": "cached", "step": 3, "generation": 2, "world_size": 2, "owners": 1}
+    out = receive_assignments([far], [near], quorum, plan_lanes([far, near], quorum, {near.agent_id}), "hub", common)
+    assert [(r.agent_id, a.rank, a.transport, a.ipc_name, a.world_size) for r, a in out] == [
+        (far.agent_id, 1, "collective", None, 2), (near.agent_id, 2, "ipc", "hub", 2)]
+    offer = PullOffer(version=5, agent=b"QQ==", region={"addr": 0, "nbytes": 8, "mem": "DRAM"},
+                      descriptor={"addr": 64, "nbytes": 8, "mem": "DRAM"}, descriptor_nbytes=8,
+                      descriptor_digest="0" * 16)
+    [(who, pulled)] = pull_assignments(5, "cached", 3, {far.agent_id: 1}, offer)
+    assert who == far.agent_id and pulled.transport == "nixl" and pulled.offer == offer and pulled.rank == 1
+
+
 # ---- the commit rule -----------------------------------------------------------------------------------------
 def report(ok=True, digest="d", reason=None, **kw) -> Report:
     return Report(agent_id="x", session="s" * 48, version=1, event="received", ok=ok, version_digest=digest,

@@ -11,8 +11,11 @@ import logging
 import threading
 import time
 
+from ckpt_engine.control.messages import Assignment, RegisterReply
 from ckpt_engine.device import DigestAlgo
+from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.send.cache import VersionCache
+from ckpt_engine.send.publisher import Publisher
 from ckpt_engine.send.pull_offer import offer_cached
 from ckpt_engine.transport.messages import PullOffer
 from ckpt_engine.transport.nixl import NixlEndpoint
@@ -47,6 +50,19 @@ class PullServer:
         if earlier is not None:
             earlier[1].close()
         return offered.offer
+
+    def offer_for(self, assignment: Assignment, publisher: Publisher, settings: RegisterReply | None) -> PullOffer:
+        """What ``assignment`` (a send with pullers) offers, once the publisher's cache holds it whole; held
+        for the version's time limit at most."""
+        return self.offer(publisher.cache, assignment.version, assignment.source_version,
+                          publisher.device.digest_algo, settings.version_timeout_s if settings is not None else 600.0)
+
+    def start(self) -> None:
+        """Start the NIXL agent now (importing and starting it takes a second or two), not at the first offer."""
+        try:
+            self._endpoint_now()
+        except CkptEngineError as exc:  # each offer says it again
+            log.warning("the nixl transport cannot start here: %s", exc)
 
     def release(self, *, before: int | None = None) -> None:
         """Release the leases of versions older than ``before`` (the daemon has moved on from them) and of those

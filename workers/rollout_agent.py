@@ -65,7 +65,8 @@ class RolloutAgent(Agent):
         self._work: queue.Queue[Assignment | None] = queue.Queue()
         self._receiver: Receiver | None = None
         self._ipc: IpcReceiver | None = None
-        self._nixl: NixlEndpoint | None = None  # this process's NIXL agent, started by the first pull
+        self._nixl: NixlEndpoint | None = None  # this process's NIXL agent (see _nixl_endpoint)
+        self._nixl_lock = threading.Lock()
         self._ipc_name: str | None = None
         self._shared_assembler: VersionAssembler | None = None
         self._worker = supervised(self._work_loop, "ckpt-receiver", self._work_loop_died)
@@ -85,6 +86,8 @@ class RolloutAgent(Agent):
     def on_registered(self) -> None:
         if not self._worker.is_alive():
             self._worker.start()
+        if self.settings is not None and self.settings.transport == "nixl" and self._nixl is None:
+            threading.Thread(target=self._start_nixl, name="ckpt-nixl-start", daemon=True).start()
 
     def versions_held(self) -> list[int]:
         return [] if self.current_version is None else [self.current_version]
@@ -111,8 +114,9 @@ class RolloutAgent(Agent):
         if self._ipc is not None:
             self._ipc.close()
         super().close()
-        if self._nixl is not None:
-            self._nixl.close()
+        with self._nixl_lock:
+            if self._nixl is not None:
+                self._nixl.close()
 
     def wait_for_version(self, version: int, timeout_s: float) -> bool:
         """Block until ``version`` (or a newer one) has been applied; for scripts and tests."""
@@ -201,9 +205,20 @@ class RolloutAgent(Agent):
         """Read the version from the trainer's offer over NIXL; verified and loaded as every version is."""
         if assignment.offer is None:
             return ReceiveResult(assignment.version, False, "a nixl assignment came without the trainer's offer")
-        if self._nixl is None:
-            self._nixl = NixlEndpoint("rollout")
-        return pull(self._assembler(settings), self._nixl, assignment.offer, settings.version_timeout_s)
+        return pull(self._assembler(settings), self._nixl_endpoint(), assignment.offer, settings.version_timeout_s)
+
+    def _nixl_endpoint(self) -> NixlEndpoint:
+        """This process's NIXL agent, started once (at registration under ``transport: nixl``)."""
+        with self._nixl_lock:
+            if self._nixl is None:
+                self._nixl = NixlEndpoint("rollout")
+            return self._nixl
+
+    def _start_nixl(self) -> None:
+        try:
+            self._nixl_endpoint()
+        except CkptEngineError as exc:  # each pull says it again, in its result
+            log.warning("the nixl transport cannot start here: %s", exc)
 
     def _collective_receiver(self, assignment: Assignment, settings) -> Receiver:
         group = self.group_for(assignment)

@@ -40,19 +40,18 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch import nn
 
-from ckpt_engine.control.client import ControlReplyError
 from ckpt_engine.control.messages import Assignment, RegisterReply
 from ckpt_engine.device import DeviceInfo
-from ckpt_engine.errors import CkptEngineError, ReceiversAbsent, SyncTimeoutError, TrainerGroupError, absent_receivers
+from ckpt_engine.errors import CkptEngineError, ReceiversAbsent, TrainerGroupError, absent_receivers
 from ckpt_engine.plan.tensors import NamedTensors, NameMap
 from ckpt_engine.ranks import plain_seat
-from ckpt_engine.retry import Backoff, FailureLog
 from ckpt_engine.send.publisher import Ownership, Publisher, Route
 from ckpt_engine.send.sender import Transfer, TransferResult, WireHook
 from ckpt_engine.transport.group import MembersAbsent, SyncGroup, open_store, owner_part
 from ckpt_engine.workers.agent import Agent
 from ckpt_engine.workers.class_groups import ClassGroups, ClassGroupsKey
 from ckpt_engine.workers.fsdp import sharded_tensors_of
+from ckpt_engine.workers.loop_push import LoopPushes
 from ckpt_engine.workers.pull_server import PullServer
 from ckpt_engine.workers.trainer_ranks import TrainerRanks
 
@@ -89,9 +88,7 @@ class TrainerAgent(Agent):
         self.held_seconds: list[float] = []  # per served version: how long step() held the training loop
         self.gathered: dict[int, int] = {}  # per served version: bytes of full tensors assembled on this rank
         self.served: list[int] = []  # versions this rank served (rank 0: sent), oldest first
-        self._push_backoff = Backoff(initial_s=1.0, max_s=30.0)
-        self._push_after = 0.0
-        self._push_failures = FailureLog(log, "trainer agent: push (a version requested from the loop)")
+        self._pushes = LoopPushes()
         self.pulls = PullServer()  # the versions it offers receivers to pull (transport: nixl)
 
     def register_extra(self) -> dict:
@@ -103,6 +100,8 @@ class TrainerAgent(Agent):
         settings = self.settings
         if settings is None:
             raise CkptEngineError("registration returned no settings")
+        if settings.transport == "nixl" and self.rank == 0:
+            threading.Thread(target=self.pulls.start, name="ckpt-nixl-start", daemon=True).start()
         if self.publisher is not None:  # registering again (daemon restart): keep the cache and the hub
             return
         self.publisher = Publisher(device=self.device, bucket_size=settings.bucket_size, alignment=settings.alignment,
@@ -156,36 +155,10 @@ class TrainerAgent(Agent):
     def push(self, step: int, *, bypass_cpu: bool | None = None, timeout_s: float = 10.0) -> int | None:
         """Ask the daemon for a new version from the training loop and serve it now (call on every rank);
         returns the version requested on rank 0 and, on the other ranks, the version served at this step."""
-        version = None
-        if self.rank == 0 and time.monotonic() >= self._push_after:
-            try:
-                version = self._request_version(step, bypass_cpu, timeout_s)
-                self._push_backoff.reset()
-                self._push_failures.succeeded()
-            except CkptEngineError as exc:  # ControlReplyError (refused) or no answer
-                self._push_refused(step, exc)
+        version = self._pushes.request(self._client, self._pending, step, bypass_cpu, timeout_s) \
+            if self.rank == 0 else None
         served = self.step(step)  # every rank, also when the request failed: the ranks' agreement stays matched
         return version if self.rank == 0 else served
-
-    def _push_refused(self, step: int, exc: CkptEngineError) -> None:
-        """A version in flight (409) is the normal answer now and then: this step syncs nothing. Anything else
-        (no receivers, storage degraded, the daemon unreachable) repeats until it changes: pushes from the
-        loop pause with backoff instead of asking (and adding a history row) every step."""
-        if isinstance(exc, ControlReplyError) and exc.error == "conflict":
-            log.debug("push at step %d: %s", step, exc)
-            return
-        delay = self._push_backoff.next_delay()
-        self._push_after = time.monotonic() + delay
-        self._push_failures.failed(f"{exc} (next push in {delay:.1f}s or later)")
-
-    def _request_version(self, step: int, bypass_cpu: bool | None, timeout_s: float) -> int:
-        version = int(self._client.request("sync", {"step": step, "bypass_cpu": bypass_cpu})["id"])
-        deadline = time.monotonic() + timeout_s
-        while not any(a.version == version for a in self._pending):
-            if time.monotonic() > deadline:
-                raise SyncTimeoutError(f"the daemon did not hand version {version} over within {timeout_s}s")
-            time.sleep(0.005)
-        return version
 
     def wait_idle(self, timeout_s: float) -> None:
         """Wait until the background transfer (if any) has ended, the daemon has been told its outcome, and it
@@ -384,8 +357,13 @@ class TrainerAgent(Agent):
                 log.warning("version %d still in transfer: %s", current.version, exc)
 
     def _report_result(self, result: TransferResult, held: float, assignment: Assignment) -> None:
-        if result.ok and assignment.pullers:
-            self._offer(assignment)
+        if result.ok and assignment.pullers:  # (before done: the daemon then waits for the pullers' reports)
+            try:
+                offer = self.pulls.offer_for(assignment, self._publisher(), self.settings)
+            except CkptEngineError as exc:  # the pullers would wait for it in vain: it fails now, saying why
+                self._report_failure(result.version, f"the version could not be offered for pulling: {exc}")
+                return
+            self.report(result.version, "offered", offer=offer.model_dump())
         try:
             fields = done_fields(result, self._publisher(), held)
         except Exception as exc:  # the daemon still hears of the version at once, not at its time limit
@@ -394,19 +372,6 @@ class TrainerAgent(Agent):
                                  f"{exc}")
             return
         self.report(result.version, "done", **fields, group_broken=self.group_broken)
-
-    def _offer(self, assignment: Assignment) -> None:
-        """The version, cached whole, offered to its pullers through the daemon (before ``done``: the daemon
-        judges the version once they have reported)."""
-        settings, publisher = self.settings, self._publisher()
-        try:
-            offer = self.pulls.offer(publisher.cache, assignment.version, assignment.source_version,
-                                     publisher.device.digest_algo,
-                                     settings.version_timeout_s if settings is not None else 600.0)
-        except CkptEngineError as exc:  # the pullers then never get it; the daemon judges them silent
-            log.error("version %d could not be offered for pulling: %s", assignment.version, exc)
-            return
-        self.report(assignment.version, "offered", offer=offer.model_dump())
 
     def _report_failure(self, version: int, reason: str, exc: BaseException | None = None) -> None:
         """``exc``: what failed it; a sync group that did not form is said so, with whom it names absent."""

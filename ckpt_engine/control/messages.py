@@ -257,6 +257,9 @@ class RegisterReply(_Body):
     staging: Staging = DEFAULT_STAGING
     staging_share: float = 0.5
     staging_budget: int | None = None  # bytes auto staging considers free instead of measuring
+    # the deployment's transport: under ``nixl`` agents start their NIXL agent at registration, not at the
+    # first pull (importing and starting it takes a second or two)
+    transport: str = "auto"
 
 
 def longest_poll_wait(heartbeat_s: float) -> float:

@@ -4,7 +4,8 @@ them: it holds the lock, writes the history, counts the metrics, queues the assi
 
 - ``receivers``: what the daemon knows of a receiver's model, its states and every move (one state machine);
 - ``claims``: what a registration may claim about membership (trainer ranks, engines, drivers);
-- ``quorum``: who takes a version, and what follows from it (owners, transports, sparse base);
+- ``quorum``: who takes a version, and what follows from it (owners, transports, pullers, sparse base);
+- ``assignments``: what each receiver of a version is assigned (pushed, colocated, pulling);
 - ``commit``: the commit rule, from the receivers' own reports;
 - ``repair``: catch-up and repair (who, which version) and what the cache keeps for them;
 - ``policy``: plain versions and a framework's (verl's) syncs, one lifecycle with two policies.

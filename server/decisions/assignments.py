@@ -1,0 +1,36 @@
+"""What each receiver of a version the daemon drives is assigned. Pure: the shell queues them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ckpt_engine.control.messages import Assignment, PullOffer
+from ckpt_engine.server.decisions.agent_record import AgentRecord
+from ckpt_engine.server.decisions.receiver_classes import ClassPlan
+
+
+def receive_assignments(remote: Sequence[AgentRecord], colocated: Sequence[AgentRecord], quorum: Mapping[str, int],
+                        classes: ClassPlan, ipc_name: str | None, common: Mapping[str, Any]
+                        ) -> list[tuple[AgentRecord, Assignment]]:
+    """Pushed receivers: each on the version's sync group, or its class's (the trainer and the receivers that keep
+    the same slices); colocated ones through the trainer's hub. ``common``: what every assignment of the version
+    says (version, mode, step, generation, world size, owners)."""
+    out = []
+    for receiver in remote:
+        seat = classes.seats.get(receiver.agent_id)
+        if seat is not None:
+            out.append((receiver, Assignment(kind="receive", part=seat.part, rank=seat.rank,
+                                             **{**common, "world_size": seat.world_size})))
+        else:
+            out.append((receiver, Assignment(kind="receive", rank=quorum[receiver.agent_id], **common)))
+    out += [(receiver, Assignment(kind="receive", rank=quorum[receiver.agent_id], transport="ipc", ipc_name=ipc_name,
+                                  **common)) for receiver in colocated]
+    return out
+
+
+def pull_assignments(version: int, mode: str, step: int | None, pullers: Mapping[str, int], offer: PullOffer
+                     ) -> list[tuple[str, Assignment]]:
+    """Pullers (agent id -> quorum rank): each gets the trainer's offer, to read the version from it."""
+    return [(agent_id, Assignment(kind="receive", version=version, mode=mode, step=step, rank=rank,
+                                  transport="nixl", offer=offer)) for agent_id, rank in pullers.items()]
