@@ -2,6 +2,7 @@
 # the project's torch, one engine or framework, this package and pytest; then its tests.
 #
 #   engine_env NAME VENV IMPORT PACKAGE...   create VENV if needed, install torch and PACKAGE... unless IMPORT works
+#                                            (ENGINE_EXTRAS: this package's extras to install too, e.g. "[nixl]")
 #   engine_tests NAME TESTDIR [pytest options]   run TESTDIR in that environment; no tests collected is a failure
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
@@ -23,7 +24,7 @@ engine_env() {
     "${PIP[@]}" "$@"
     ENGINE_INSTALLED=1
   fi
-  "${PIP[@]}" -e "$ROOT" pytest pytest-timeout
+  "${PIP[@]}" -e "$ROOT${ENGINE_EXTRAS:-}" pytest pytest-timeout
   echo "$name: environment ready in $(( $(date +%s) - started ))s" >&2
 }
 

