@@ -83,3 +83,13 @@ def test_an_override_naming_no_key_is_refused_as_a_typo_in_the_file_is(tmp_path:
     others = {"CKPT_ENGINE_TOKEN": "t" * 40, "CKPT_ENGINE_VENV": "/v", "CKPT_ENGINE_DIGEST_KERNEL": "eager",
               "CKPT_ENGINE_CREDENTIALS": "/c", "CKPT_ENGINE_BYPASS_CPU": "true"}
     assert load_config(path, others).bypass_cpu is True
+
+
+def test_transport_nixl_needs_receivers_trusted_with_the_trainers_memory() -> None:
+    """Found by the outside attack on issue 39: over UCX's TCP and shared-memory transports a puller can read (or
+    crash on) any address of the trainer's process, its tokens included. The deployment must say it trusts its
+    receivers that far."""
+    with pytest.raises(ConfigError, match="nixl_trust_receivers"):
+        parse_config({"transport": "nixl"})
+    assert parse_config({"transport": "nixl", "nixl_trust_receivers": True}).transport == "nixl"
+    assert parse_config({"nixl_trust_receivers": True}).transport == "auto"  # (no effect on other transports)

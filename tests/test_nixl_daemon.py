@@ -83,13 +83,18 @@ def _wait_for(check, timeout_s: float = 90):
     raise AssertionError(f"not within {timeout_s}s")
 
 
+def _nixl_config(tmp_path: Path) -> Path:
+    """The shipped deployment with transport nixl (every receiver here is this test's own: trusted)."""
+    return write_config(tmp_path, ROOT / "deploy" / "engine.yaml", transport="nixl", nixl_trust_receivers=True)
+
+
 def _ended(record: dict) -> dict | None:
     return record if record["status"] in ("committed", "failed", "cancelled", "interrupted") else None
 
 
 def test_receivers_pull_cached_versions_through_the_daemon(tmp_path: Path) -> None:
     stop_file = tmp_path / "stop"
-    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", transport="nixl"))
+    daemon = start_daemon(_nixl_config(tmp_path))
     agents = start_processes([(trainer_proc, (daemon.zmq, str(stop_file))),
                               (receiver_proc, (daemon.zmq, str(stop_file), 7, None)),
                               (receiver_proc, (daemon.zmq, str(stop_file), 8, "another-host"))])
@@ -141,7 +146,7 @@ def _version(client, version: int) -> dict:
 def test_an_owner_killed_mid_pull_fails_the_version_and_the_puller_keeps_what_it_held(tmp_path: Path) -> None:
     stop_file, gate = tmp_path / "stop", tmp_path / "gate"
     gate.mkdir()
-    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", transport="nixl"))
+    daemon = start_daemon(_nixl_config(tmp_path))
     trainer = start_processes([(trainer_proc, (daemon.zmq, str(stop_file), str(tmp_path)))])
     receiver = start_processes([(receiver_proc, (daemon.zmq, str(stop_file), 7, "another-host", (str(gate), 2)))])
     try:
@@ -170,7 +175,7 @@ def test_an_owner_killed_mid_pull_fails_the_version_and_the_puller_keeps_what_it
 def test_a_puller_killed_mid_pull_costs_only_itself_and_a_joiner_pulls_the_newest(tmp_path: Path) -> None:
     stop_file, gate = tmp_path / "stop", tmp_path / "gate"
     gate.mkdir()
-    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", transport="nixl"))
+    daemon = start_daemon(_nixl_config(tmp_path))
     agents = start_processes([(trainer_proc, (daemon.zmq, str(stop_file), str(tmp_path))),
                               (receiver_proc, (daemon.zmq, str(stop_file), 8, "host-b"))])
     doomed = start_processes([(receiver_proc, (daemon.zmq, str(stop_file), 7, "host-a", (str(gate), 2)))])

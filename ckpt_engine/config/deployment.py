@@ -254,6 +254,10 @@ class EngineConfig(_Strict):
     transport: Literal["auto", "collective", "ipc", "nixl"] = Field(
         "auto", description="auto: shared memory for receivers on the sender's host, the collective for others; "
                             "nixl: every receiver pulls cached versions from the trainer over NIXL")
+    nixl_trust_receivers: bool = Field(
+        False, description="required with transport nixl: over UCX's software transports (TCP, shared memory) a "
+                           "puller can read any memory of the trainer's process, so every receiver must be as "
+                           "trusted as the trainer (docs/security.md)")
     auth_token: Token | None = Field(None, description="one token for every role (older deployments; roles are "
                                                        "then not separated: prefer auth.*_token)")
     auth: AuthConfig = AuthConfig()
@@ -265,6 +269,15 @@ class EngineConfig(_Strict):
     @property
     def bucket_size(self) -> int:
         return int(self.bucket_size_mb * (1 << 20))
+
+    @model_validator(mode="after")
+    def _nixl_is_trusted(self) -> EngineConfig:
+        if self.transport == "nixl" and not self.nixl_trust_receivers:
+            raise ValueError("transport nixl lets every receiver read any memory of the trainer's process over "
+                             "UCX's software transports (TCP, shared memory), its tokens included; set "
+                             "nixl_trust_receivers: true only where every receiver is as trusted as the trainer "
+                             "(docs/security.md, 'What is not protected')")
+        return self
 
 
 ENV_PREFIX = "CKPT_ENGINE_"

@@ -231,7 +231,8 @@ def test_the_backend_streams_versions_and_a_bad_middle_bucket_leaves_it_paused_u
 def test_the_backend_pulls_its_versions_over_nixl(tmp_path: Path) -> None:
     """``transport: nixl``: the vLLM worker pulls each version from the trainer's cache over NIXL (UCX here over
     TCP / shared memory), verifies it and applies it; a torn version is repaired by pulling the cached one."""
-    daemon = start_daemon(write_config(tmp_path, transport="nixl", timeouts=_TIMEOUTS, bucket_size_mb=1))
+    daemon = start_daemon(write_config(tmp_path, transport="nixl", nixl_trust_receivers=True, timeouts=_TIMEOUTS,
+                                       bucket_size_mb=1))
     base = llama(seed=1)
     state = {"base": base, "tensors": hf_tensors(base)}
     trainer = TrainerLoop(daemon.zmq, lambda: state["tensors"])
