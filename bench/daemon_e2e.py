@@ -28,8 +28,8 @@ from ckpt_engine.server.launch import start_daemon as launch_daemon
 def start_daemon(workdir: Path, bucket_mb: float, *, transport: str = "collective", timeout_s: float = 60
                  ) -> DaemonProcess:
     """The built-in defaults (deploy/engine.yaml lists them), with the suite's overrides (see the module doc)."""
-    trust = {"nixl_trust_receivers": True} if transport == "nixl" else {}  # (every process here is the bench's)
-    config = write_config(workdir, test_timeouts=False, bucket_size_mb=bucket_mb, transport=transport, **trust)
+    config = write_config(workdir, test_timeouts=False, bucket_size_mb=bucket_mb, transport=transport,
+                          nixl_trust_receivers=transport == "nixl")  # (every process here is the bench's own)
     return launch_daemon(config, timeout_s=timeout_s, log_path=workdir / "daemon.log")
 
 

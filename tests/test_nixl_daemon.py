@@ -69,8 +69,10 @@ def receiver_proc(zmq: str, stop_file: str, seed: int, host_id: str | None, gate
     agent = Gated(lambda payload: load_into(model, payload.tensors), zmq, poll_wait_s=0.2, host_id=host_id).start()
     while not os.path.exists(stop_file):
         time.sleep(0.05)
+    owners_known = len(set(agent._nixl._remotes.values())), len(agent._nixl._remotes)
     agent.close()
-    return {"state": state_bytes(model), "results": [(r.version, r.ok, r.reason) for r in agent.results]}
+    return {"state": state_bytes(model), "results": [(r.version, r.ok, r.reason) for r in agent.results],
+            "owners_known": owners_known}
 
 
 def _wait_for(check, timeout_s: float = 90):
@@ -135,6 +137,9 @@ def test_receivers_pull_cached_versions_through_the_daemon(tmp_path: Path) -> No
     for rx in receivers:  # every receiver holds version 1's bytes again, exactly
         assert rx["state"] == first_state
         assert all(ok for _, ok, _ in rx["results"]), rx["results"]
+        # one trainer, however often its metadata changed (found by the outside attack on issue 39: one entry
+        # per version)
+        assert rx["owners_known"] == (1, 1), rx["owners_known"]
     assert trainer["held_at_end"] == [again["id"]]  # older offers were released as the daemon moved on
 
 

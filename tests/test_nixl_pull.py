@@ -75,7 +75,7 @@ def _owner(folder: str, flip: str | None, leave: bool, leave_when: str | None = 
     return "served"
 
 
-def _puller(folder: str, timeout_s: float) -> dict:
+def _puller(folder: str, timeout_s: float, staging: str = "device") -> dict:
     from ckpt_engine.codec import decode
     from ckpt_engine.device import detect_device
     from ckpt_engine.receive.assembly import VersionAssembler
@@ -86,14 +86,15 @@ def _puller(folder: str, timeout_s: float) -> dict:
     offer = decode(PullOffer, _wait_for(Path(folder, "offer.bin")))
     got: dict[str, torch.Tensor] = {}
     assembler = VersionAssembler(detect_device("cpu"), lambda payload: got.update(
-        {name: tensor.clone() for name, tensor in payload.items()}), staging="device")
+        {name: tensor.clone() for name, tensor in payload.items()}), staging=staging, streams=staging == "stream")
     endpoint = NixlEndpoint("receiver")
     started = time.monotonic()
     result = pull(assembler, endpoint, offer, timeout_s)
     took = time.monotonic() - started
+    registered = len(endpoint._registered)
     Path(folder, "done").write_text("1")
     endpoint.close()
-    return {"ok": result.ok, "reason": result.reason, "bad": result.bad_tensors, "took": took,
+    return {"ok": result.ok, "reason": result.reason, "bad": result.bad_tensors, "took": took, "registered": registered,
             "digest": result.version_digest,
             "step": assembler.committed.step if assembler.committed is not None else None,
             "got": {name: (str(t.dtype), t.view(torch.uint8).tolist() if t.dim() else t.tolist())
@@ -204,3 +205,28 @@ def test_a_pull_failed_at_a_bucket_leaves_its_staging_and_the_next_pull_is_whole
     assert not puller["first"][0] and "pulling version 1" in puller["first"][1], puller["first"]
     assert puller["second"][0] and puller["fresh_staging"], puller
     assert puller["got"] == _bytes_of(_model())
+
+
+def test_a_receiver_staging_by_stream_is_told_why_and_keeps_nothing_registered(tmp_path: Path) -> None:
+    """Found by the outside attack on issue 39: stream staging failed every pulled version with an internal
+    error and registered (so kept alive) new landing buffers each time."""
+    _, puller = run_processes([(_owner, (str(tmp_path), None, False)), (_puller, (str(tmp_path), 30.0, "stream"))],
+                              timeout_s=180)
+    assert not puller["ok"] and "cannot be streamed" in puller["reason"], puller["reason"]
+    assert puller["registered"] == 0 and puller["got"] == {}
+
+
+def test_retired_memory_is_kept_for_two_more_failures_then_freed() -> None:
+    """Found by the outside attack on issue 39: every failed pull kept its staging (a model's size) for good."""
+    from ckpt_engine.transport.nixl import NixlEndpoint
+
+    endpoint = NixlEndpoint("receiver")
+    try:
+        buffers = [torch.empty(1 << 16, dtype=torch.uint8) for _ in range(4)]
+        for buffer in buffers:
+            endpoint.register(buffer[:100])
+            endpoint.retire([buffer[:100], buffer[200:300]])  # (two views of one storage)
+        held = {key[0] for key in endpoint._registered}
+        assert held == {b.data_ptr() for b in buffers[2:]}
+    finally:
+        endpoint.close()

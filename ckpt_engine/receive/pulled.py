@@ -42,9 +42,11 @@ class NixlFeed:
         self.endpoint, self.described, self.deadline = endpoint, described, deadline
         self.remote = endpoint.remote(offer.agent)
         self.source = _region(offer.region)
+        self.read_into: list[torch.Tensor] = []  # what the reads write into (retired if the pull fails)
 
     def start(self, bucket: Bucket, into: torch.Tensor) -> Callable[[], list[int]] | None:
         self.endpoint.register(into)  # (the staging buffer's storage: registered once, reused by every version)
+        self.read_into.append(into)
         read = self.endpoint.start_read(self.remote, self.source,
                                         [(self.described.offset + bucket.flat_offset, into[: bucket.nbytes])])
         digests = self.described.digests[bucket.index]
@@ -67,8 +69,13 @@ def describe(endpoint: NixlEndpoint, offer: PullOffer, deadline: float) -> PullD
     offered (digest) or not a descriptor of the offered version."""
     remote = endpoint.remote(offer.agent)
     scratch = torch.empty(offer.descriptor_nbytes, dtype=torch.uint8)
-    endpoint.register(scratch)  # (kept registered, so alive, if the read fails: a late write lands in it)
-    endpoint.start_read(remote, _region(offer.descriptor), [(0, scratch)]).wait(max(0.0, deadline - time.monotonic()))
+    endpoint.register(scratch)
+    try:
+        endpoint.start_read(remote, _region(offer.descriptor), [(0, scratch)]).wait(
+            max(0.0, deadline - time.monotonic()))
+    except CkptEngineError:
+        endpoint.retire([scratch])  # (a late write may still land in it)
+        raise
     raw = scratch.numpy().tobytes()
     endpoint.forget(scratch)
     if xxhash.xxh3_64_hexdigest(raw) != offer.descriptor_digest:
@@ -91,14 +98,21 @@ def pull(assembler: VersionAssembler, endpoint: NixlEndpoint, offer: PullOffer, 
         endpoint.drop_remote(offer.agent)
         return ReceiveResult(offer.version, False, f"pulling version {offer.version}: {exc}")
     incoming = assembler.begin(described.header)
+    if incoming.choice.mode == "stream":
+        return assembler.finish(incoming, f"pulling version {offer.version}: staging chose stream "
+                                f"({incoming.choice.why}), and a pulled version cannot be streamed into the load "
+                                "yet: it needs device or host staging")
+    feed = None
     try:
         feed = NixlFeed(endpoint, offer, described, incoming.layout, deadline)
         for _ in assembler.flow(incoming, feed):
             pass
     except CkptEngineError as exc:
         endpoint.drop_remote(offer.agent)  # (an owner that failed a read is reached afresh next time)
-        # A read given up on may still land. The staging it reads into is never used again: it stays registered
-        # (the endpoint keeps it alive), so a late write goes where nothing reads; the next version gets new.
+        # A read given up on may still land: the staging it read into is retired (kept registered, so alive,
+        # for two more failures) and the next version gets new staging.
+        if feed is not None:
+            endpoint.retire(feed.read_into)
         assembler.buffers = StagingBuffers(assembler.device)
         return assembler.finish(incoming, f"pulling version {offer.version}: {exc}")
     return assembler.conclude(incoming, feed.trailer())

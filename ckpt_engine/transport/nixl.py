@@ -29,6 +29,7 @@ from ckpt_engine.retry import Backoff
 
 log = logging.getLogger(__name__)
 _MODULES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")
+_RETIRED_KEPT = 2
 INSTALL_HINT = "pip install nixl-cu12 (CPU and CUDA 12) or nixl-cu13 (CUDA 13)"
 
 
@@ -84,6 +85,7 @@ class NixlEndpoint:
         self._lock = threading.Lock()
         self._registered: dict[tuple[int, int], tuple[Region, Any, torch.Tensor]] = {}
         self._remotes: dict[bytes, str] = {}
+        self._retired: list[list[torch.Tensor]] = []  # see retire
 
     def metadata(self) -> bytes:
         """What a puller needs to reach this agent (NIXL's own bytes: opaque here)."""
@@ -111,20 +113,34 @@ class NixlEndpoint:
             self._agent.deregister_memory(entry[1])
 
     def remote(self, metadata: bytes) -> str:
-        """The name of the agent ``metadata`` describes, added once."""
+        """The name of the agent ``metadata`` describes, added once (an owner's metadata changes as it registers
+        more memory: the newest replaces the ones before it)."""
         with self._lock:
             name = self._remotes.get(metadata)
             if name is None:
                 try:
-                    name = self._remotes[metadata] = self._agent.add_remote_agent(metadata)
+                    name = self._agent.add_remote_agent(metadata)
                 except Exception as exc:
                     raise PullFailed(f"an owner's NIXL metadata was refused: {type(exc).__name__}: {exc}") from exc
+                self._remotes = {m: n for m, n in self._remotes.items() if n != name}
+                self._remotes[metadata] = name
             return name
+
+    def retire(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Memory a failed read may still write into: kept registered, so alive, until two more failures have
+        been retired after it (by then the owner it read from was dropped, and its transfers with it)."""
+        with self._lock:
+            self._retired.append(list(tensors))
+            oldest = self._retired.pop(0) if len(self._retired) > _RETIRED_KEPT else []
+        for tensor in oldest:
+            self.forget(tensor)
 
     def drop_remote(self, metadata: bytes) -> None:
         """Forget an owner (it died or restarted): its next metadata is added afresh."""
         with self._lock:
             name = self._remotes.pop(metadata, None)
+            if name is not None:
+                self._remotes = {m: n for m, n in self._remotes.items() if n != name}
         if name is not None:
             try:
                 self._agent.remove_remote_agent(name)
