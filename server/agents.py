@@ -33,7 +33,7 @@ class AgentRegistry:
                       message.host, message.pid, message.device, message.host_id, time.time(), now, versions,
                       message.sync_every, engine=message.engine, driven=message.driven, members=message.members,
                       whole_versions=message.whole_versions, trainer_ranks=message.trainer_ranks or 1,
-                      framework=message.framework, staging=message.staging)
+                      framework=message.framework, staging=message.staging, pulls=message.transport == "nixl")
         if message.role == "trainer":
             agent.ipc_name = message.ipc_name
         if message.role == "receiver" and message.shard_spec:

@@ -89,6 +89,7 @@ class AgentOut(_Out):
                                             "what it says it holds is a claim, and it is sent versions of its own "
                                             "(catch-ups) rather than joining everyone's")
     whole_versions: bool = Field(False, description="its engine takes whole versions only (vLLM): never sent sparse")
+    pulls: bool = Field(False, description="receivers: asked to pull every version over NIXL (transport nixl)")
     joins_next: bool | None = Field(None, description="receivers: it would be in the next regular version now (not "
                                                       "waiting for a catch-up or repair, not benched, heartbeating)")
     waits_because: str | None = Field(None, description="receivers not in the next regular version: why (silent, "

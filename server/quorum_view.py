@@ -45,7 +45,10 @@ class QuorumView:
         owners = rules.owners_for(trainer, self.agents.trainers(), source.owners if source else None,
                                   self.config.transport, now, self.heartbeat_s)
         pulling, problem = rules.pullers(receivers, self.config.transport, mode)
-        if problem is not None or pulling:
-            return owners, [], pulling, problem
-        colocated, problem = rules.transports(trainer, receivers, owners, self.config.transport)
-        return owners, colocated, [], problem
+        if problem is not None:
+            return owners, [], [], problem
+        if pulling and owners > 1:  # (pullers read rank 0's whole cached version)
+            owners = 1
+        pushed = [r for r in receivers if r not in pulling]
+        colocated, problem = rules.transports(trainer, pushed, owners, self.config.transport)
+        return owners, colocated, pulling, problem

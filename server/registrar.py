@@ -47,6 +47,9 @@ class Registrar:
                             "issued (engine_key in the driver's registration reply); start the driver first")
         if message.shard_spec is not None and message.role != "receiver":  # the spec was parsed with the message
             raise BadRequest("a shard spec is a receiver's")  # framework workers too: their syncs send classes
+        if message.transport == "nixl" and (message.role != "receiver" or not self.config.nixl_trust_receivers):
+            raise BadRequest("only a receiver pulls over nixl, and only where the deployment trusts its receivers "
+                             "with the trainer's memory (nixl_trust_receivers: true; docs/security.md)")
         if len(self.agents.all()) >= self.config.max_agents:
             raise Unavailable(f"{self.config.max_agents} agents are registered (max_agents); unregister some or "
                               "raise the limit")

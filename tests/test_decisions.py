@@ -171,6 +171,10 @@ def test_pullers() -> None:
     sharded = agent()
     sharded.shard_spec, sharded.shard_key = {"w": [(0, 0, 2)]}, "tp0"  # (what a declared spec leaves)
     assert "sharded classes" in quorum.pullers([a, sharded], "nixl", "cached")[1]
+    asked = agent()
+    asked.pulls = True  # (a receiver that registered with transport nixl)
+    assert quorum.pullers([a, asked], "auto", "cached") == ([asked], None)
+    assert "pull, which reads cached versions only" in quorum.pullers([a, asked], "collective", "bypass_cpu")[1]
 
 
 def test_assignments_of_pushed_colocated_and_pulling_receivers() -> None:

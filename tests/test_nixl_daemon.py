@@ -52,8 +52,8 @@ def trainer_proc(zmq: str, stop_file: str, folder: str | None = None) -> dict:
     return {"states": states, "held_at_end": held}
 
 
-def receiver_proc(zmq: str, stop_file: str, seed: int, host_id: str | None, gate: tuple[str, int] | None = None
-                  ) -> dict:
+def receiver_proc(zmq: str, stop_file: str, seed: int, host_id: str | None, gate: tuple[str, int] | None = None,
+                  transport: str | None = None) -> dict:
     """A rollout agent; ``gate`` (folder, version): before pulling that version it says so (``pulling``) and
     waits for ``go`` in the folder, so that the test can kill or stop a process in the middle of the pull."""
     from ckpt_engine.workers.rollout_agent import RolloutAgent
@@ -66,10 +66,11 @@ def receiver_proc(zmq: str, stop_file: str, seed: int, host_id: str | None, gate
             return super()._pull(assignment, settings)
 
     model = AwkwardModel(seed=seed)
-    agent = Gated(lambda payload: load_into(model, payload.tensors), zmq, poll_wait_s=0.2, host_id=host_id).start()
+    agent = Gated(lambda payload: load_into(model, payload.tensors), zmq, poll_wait_s=0.2, host_id=host_id,
+                  transport=transport).start()
     while not os.path.exists(stop_file):
         time.sleep(0.05)
-    owners_known = len(set(agent._nixl._remotes.values())), len(agent._nixl._remotes)
+    owners_known = (len(set(agent._nixl._remotes.values())), len(agent._nixl._remotes)) if agent._nixl else None
     agent.close()
     return {"state": state_bytes(model), "results": [(r.version, r.ok, r.reason) for r in agent.results],
             "owners_known": owners_known}
@@ -214,3 +215,42 @@ def test_a_puller_killed_mid_pull_costs_only_itself_and_a_joiner_pulls_the_newes
     assert survivor["state"] == late["state"] == trainer["states"][third["id"]]
     assert all(ok for _, ok, _ in survivor["results"] + late["results"])
     assert trainer["held_at_end"] == [third["id"]]
+
+
+def test_one_receiver_asks_to_pull_while_another_is_pushed(tmp_path: Path) -> None:
+    """The deployment keeps transport auto; one receiver registers with transport nixl: it pulls, the other is
+    pushed on the sync group, in the same versions."""
+    stop_file = tmp_path / "stop"
+    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", nixl_trust_receivers=True))
+    agents = start_processes([(trainer_proc, (daemon.zmq, str(stop_file))),
+                              (receiver_proc, (daemon.zmq, str(stop_file), 7, "host-a", None, "nixl")),
+                              (receiver_proc, (daemon.zmq, str(stop_file), 8, "host-b"))])
+    try:
+        with daemon.client() as client:
+            _wait_for(lambda: len(client.get("/receivers").json()["agents"]) == 3)
+            pulls = {a["host_id"]: a["pulls"] for a in client.get("/receivers").json()["agents"]
+                     if a["role"] == "receiver"}
+            assert pulls == {"host-a": True, "host-b": False}
+            for step in (1, 2):
+                version = sync_when_idle(client, {"step": step})
+                assert version["status"] == "committed", version
+                assert sorted(e["transport"] for e in version["receivers"]) == ["collective", "nixl"]
+    finally:
+        stop_file.touch()
+        trainer, pulled, pushed = agents.collect(120)
+        assert daemon.stop() == 0
+    assert pulled["state"] == pushed["state"] == trainer["states"][version["id"]]
+
+
+def test_a_receiver_asking_to_pull_is_refused_where_receivers_are_not_trusted(tmp_path: Path) -> None:
+    from ckpt_engine.control.client import ControlReplyError
+    from ckpt_engine.workers.rollout_agent import RolloutAgent
+
+    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml"))
+    agent = RolloutAgent(lambda payload: None, daemon.zmq, transport="nixl", register_wait_s=10)
+    try:
+        with pytest.raises(ControlReplyError, match="nixl_trust_receivers"):
+            agent.start()
+    finally:
+        agent.close()
+        assert daemon.stop() == 0

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Literal
 
 from ckpt_engine.control.messages import Assignment, parse_shard_spec
 from ckpt_engine.device import DeviceInfo
@@ -41,7 +42,8 @@ class RolloutAgent(Agent):
                  engine: str | None = None, driven: bool = False, members: int | None = None,
                  whole_versions: bool = False, discard: Callable[[int, str], None] | None = None,
                  engine_key: str | None = None, register_wait_s: float = 30.0, staging: Staging | None = None,
-                 streams: bool = False, shard_spec: ShardSpec | None = None) -> None:
+                 streams: bool = False, shard_spec: ShardSpec | None = None,
+                 transport: Literal["nixl"] | None = None) -> None:
         """``sync_every``: take only every N-th version (a slow engine); rollbacks and catch-ups still come.
         ``engine``/``members``: this receiver is one of ``members`` workers of an engine that apply versions
         together; ``driven``: the engine's driver applies them (``load`` only stages, see staged.py), and
@@ -52,7 +54,9 @@ class RolloutAgent(Agent):
         ``payload.items()`` and so can take a streamed version.
         ``shard_spec``: the slices of tensors this receiver keeps (a tensor-parallel rank, plan/shards.py); it then
         receives only those, each slice as a piece named ``<tensor>@<dim>:<start>:<length>``
-        (``split_piece_name``), and every tensor the spec does not name whole."""
+        (``split_piece_name``), and every tensor the spec does not name whole.
+        ``transport``: ``"nixl"``: pull every version over NIXL whatever the deployment's transport (the
+        deployment must set ``nixl_trust_receivers: true``)."""
         super().__init__(endpoint, token=token, device=device, poll_wait_s=poll_wait_s, host_id=host_id,
                          register_wait_s=register_wait_s)
         self.sync_every = sync_every
@@ -60,6 +64,7 @@ class RolloutAgent(Agent):
         self.whole_versions, self.discard = whole_versions, discard
         self.load, self.staging, self.streams = load, staging, streams
         self.shard_spec = parse_shard_spec(shard_spec) if shard_spec else None  # (checked, sorted)
+        self.transport = transport
         self.current_version: int | None = None
         self.results: list[ReceiveResult] = []
         self._work: queue.Queue[Assignment | None] = queue.Queue()
@@ -81,12 +86,15 @@ class RolloutAgent(Agent):
             extra["staging"] = self.staging
         if self.shard_spec:
             extra["shard_spec"] = spec_to_wire(self.shard_spec)
+        if self.transport is not None:
+            extra["transport"] = self.transport
         return {**extra, "whole_versions": True} if self.whole_versions else extra
 
     def on_registered(self) -> None:
         if not self._worker.is_alive():
             self._worker.start()
-        if self.settings is not None and self.settings.transport == "nixl" and self._nixl is None:
+        pulls = self.transport == "nixl" or (self.settings is not None and self.settings.transport == "nixl")
+        if pulls and self._nixl is None:
             threading.Thread(target=self._start_nixl, name="ckpt-nixl-start", daemon=True).start()
 
     def versions_held(self) -> list[int]:

@@ -233,6 +233,9 @@ class Register(_Body):
     staging: Staging | None = None
     # Receivers: the slices of tensors they keep (tensor-parallel ranks); None: every tensor whole
     shard_spec: ShardSpecField | None = None
+    # Receivers: pull every version over NIXL whatever the deployment's transport (it must trust its receivers
+    # with the trainer's memory: nixl_trust_receivers)
+    transport: Literal["nixl"] | None = None
 
 
 class RegisterReply(_Body):

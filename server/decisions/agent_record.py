@@ -41,6 +41,7 @@ class AgentRecord:
     keep_versions: int | None = None  # trainer rank 0 of a framework: what its caches keep (None: the deployment's)
     framework: str | None = None  # verl: the framework moves this agent's versions (messages.Register)
     staging: str | None = None  # receivers: the staging policy they asked for (None: the deployment's)
+    pulls: bool = False  # receivers that asked to pull every version over NIXL
     staged_last: dict | None = None  # receivers: where their last version was held, why, and the pause
     model: ReceiverModel = field(default_factory=ReceiverModel)  # receivers: what their model holds
     applying: int | None = None  # drivers: the version they were told to apply (its outcome is theirs to say)
@@ -70,5 +71,6 @@ class AgentRecord:
                 "registered_at": self.registered_at, "seconds_since_seen": round(now - self.last_seen, 3),
                 "engine": self.engine, "driven": self.driven, "members": self.members,
                 "whole_versions": self.whole_versions, "framework": self.framework, "staging": self.staging,
+                "pulls": self.pulls,
                 "last_staging": self.staged_last, "shard_class": self.shard_key if self.shard_spec else None,
                 "sharded_tensors": len(self.shard_spec or {}), **model}

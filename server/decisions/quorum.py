@@ -187,15 +187,17 @@ def transports(trainer: AgentRecord, receivers: Sequence[AgentRecord], owners: i
 
 
 def pullers(receivers: Sequence[AgentRecord], transport: str, mode: str) -> tuple[list[AgentRecord], str | None]:
-    """Which receivers pull the version over NIXL from the trainer's cache (``transport: nixl``: every one), and
-    why it cannot go that way."""
-    if transport != "nixl" or not receivers:
+    """Which receivers pull the version over NIXL from the trainer's cache (``transport: nixl``: every one; else
+    those that asked to), and why it cannot go that way."""
+    pulling = list(receivers) if transport == "nixl" else [r for r in receivers if r.pulls]
+    if not pulling:
         return [], None
+    who = "transport is nixl" if transport == "nixl" else f"receiver(s) {[r.agent_id for r in pulling]} pull"
     if mode != "cached":
-        return [], "transport is nixl, which pulls cached versions only (bypass_cpu: use collective or ipc)"
+        return [], f"{who}, which reads cached versions only (bypass_cpu: push them, collective or ipc)"
     if sharded(receivers):
-        return [], "transport is nixl, which does not carry sharded classes yet (use collective or ipc)"
-    return list(receivers), None
+        return [], f"{who}, which does not carry sharded classes yet (push them, collective or ipc)"
+    return pulling, None
 
 
 def colocatable(trainer: AgentRecord, receiver: AgentRecord) -> bool:
