@@ -1,8 +1,8 @@
 """Registry of agents (trainer ranks, receivers, engine drivers) known to the daemon, with heartbeat expiry.
 
-Each registration gets an agent id and a session secret; later messages must name both, so one agent cannot
-speak for another. What the daemon knows of a receiver's model is its ``model`` (decisions/receivers.py: one
-state machine); a driver remembers the apply it was asked for.
+Each registration gets an agent id and a session secret. Later messages must name both, so one agent cannot
+speak for another. What the daemon knows of a receiver's model is its ``model``, one state machine
+(decisions/receivers.py). A driver remembers the apply it was asked for.
 """
 
 from __future__ import annotations
@@ -42,24 +42,24 @@ class AgentRegistry:
         return agent
 
     def get(self, agent_id: str, session: str | None = None) -> AgentRecord | None:
-        """The agent, if ``session`` (when given) is the one its registration was issued."""
+        """The agent, or None when ``session`` is given and is not the one its registration was issued."""
         agent = self._agents.get(agent_id)
         if agent is None or session is None:
             return agent
-        # compare_digest: the time taken does not tell how much of a guessed secret was right
+        # compare_digest, so the time taken does not tell how much of a guessed secret was right
         return agent if hmac.compare_digest(session.encode(), agent.session.encode()) else None
 
     def seen(self, agent: AgentRecord) -> None:
         agent.last_seen = self.clock()
 
     def refresh(self) -> None:
-        """Start every agent's heartbeat window again (the daemon itself was stalled, not the agents)."""
+        """Start every agent's heartbeat window again, for when the daemon itself was stalled, not the agents."""
         now = self.clock()
         for agent in self._agents.values():
             agent.last_seen = now
 
     def expire(self) -> list[AgentRecord]:
-        """Drop agents silent for longer than the heartbeat timeout; returns them."""
+        """Drop agents silent for longer than the heartbeat timeout, and return them."""
         limit = self.clock() - self.heartbeat_s
         gone = [a for a in self._agents.values() if a.last_seen < limit]
         for agent in gone:
@@ -70,12 +70,12 @@ class AgentRegistry:
         self._agents.pop(agent_id, None)
 
     def trainer(self) -> AgentRecord | None:
-        """The sending trainer rank (rank 0, the earliest registered if several claim it)."""
+        """The sending trainer rank: rank 0, the earliest registered if several claim it."""
         candidates = [a for a in self._agents.values() if a.role == "trainer" and a.rank == 0]
         return min(candidates, key=lambda a: a.seq) if candidates else None
 
     def trainers(self) -> dict[int, AgentRecord]:
-        """Every trainer rank's agent (the earliest registered for a rank claimed twice)."""
+        """Every trainer rank's agent; the earliest registered for a rank claimed twice."""
         out: dict[int, AgentRecord] = {}
         for agent in sorted((a for a in self._agents.values() if a.role == "trainer"), key=lambda a: a.seq):
             out.setdefault(agent.rank, agent)
@@ -88,7 +88,7 @@ class AgentRegistry:
         return self.drivers().get(engine)
 
     def drivers(self) -> dict[str, AgentRecord]:
-        """Each engine's driver (the earliest registered, should two claim it)."""
+        """Each engine's driver; the earliest registered, should two claim it."""
         out: dict[str, AgentRecord] = {}
         for agent in sorted((a for a in self._agents.values() if a.role == "driver"), key=lambda a: a.seq):
             out.setdefault(agent.engine or "", agent)

@@ -1,5 +1,5 @@
-"""Who may do what on the control planes: a token grants roles (see ckpt_engine/control/auth.py), an operation names
-the roles it needs. ``auth.open`` grants every role to everyone (development only)."""
+"""Who may do what on the control planes. A token grants roles (see ckpt_engine/control/auth.py); an operation
+names the roles it needs. ``auth.open`` grants every role to everyone, for development only."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ class Authority:
                             "auth.rollout_token).", ", ".join(shared))
 
     def engine_secret(self) -> bytes | None:
-        """What engines' worker keys derive from: the operator's token (never given to rollout hosts), so a key
-        stays valid across restarts; None (a key per run) when there is none (auth.open)."""
+        """What engines' worker keys derive from: the operator's token, which is never given to rollout hosts,
+        so a key stays valid across restarts. None when there is no token (auth.open): a key per run."""
         token = self.credentials.token("operator") if self.credentials is not None else None
         return hashlib.sha256(f"ckpt-engine/engine-keys|{token}".encode()).digest() if token else None
 
@@ -46,8 +46,8 @@ class Authority:
         return self.credentials.roles_of(token)
 
     def require(self, token: object, allowed: Iterable[Role], what: str) -> set[Role]:
-        """The token's roles, if one of them is allowed to do ``what``; Unauthorized (no valid token) or
-        Forbidden (a valid token of another role) otherwise."""
+        """The token's roles, if one of them is allowed to do ``what``. Raises Unauthorized for no valid token,
+        and Forbidden for a valid token of another role."""
         roles = self.roles_of(token)
         if not roles:
             raise Unauthorized("a valid token is required")
@@ -59,7 +59,8 @@ class Authority:
 
 
 def configured_tokens(config: EngineConfig) -> dict[str, str | None]:
-    """Each role's token as the deployment gives it (None: kept in, or generated into, the credentials file)."""
+    """Each role's token as the deployment gives it; None where it is kept in, or generated into, the
+    credentials file."""
     auth = config.auth
     return {"operator": auth.operator_token or config.auth_token, "trainer": auth.trainer_token or config.auth_token,
             "rollout": auth.rollout_token or config.auth_token}

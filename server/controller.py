@@ -1,9 +1,9 @@
 """The controller: every operation of the daemon, under one lock, in one order of events.
 
-It is the shell around the decisions (server/decisions/: who may register as what, who takes a version,
-what committed, who is repaired with which version, plain versus framework syncs): it reads the clock once
-per operation, writes the history, counts the metrics and queues the agents' assignments. The version in
-flight is ``Flights``'s (server/flights.py); what the trainer's caches hold is ``CacheBook``'s.
+It is the shell around the decisions in server/decisions/: who may register as what, who takes a version,
+what committed, who is repaired with which version, plain versus framework syncs. The shell reads the clock
+once per operation, writes the history, counts the metrics and queues the agents' assignments. ``Flights``
+(server/flights.py) owns the version in flight; ``CacheBook`` owns what the trainer's caches hold.
 
 One version is in flight at a time. A request while one is in flight is refused (409 naming it) rather than
 queued, except that a framework's next sync supersedes its own abandoned one. Every outcome, including a
@@ -56,14 +56,15 @@ from ckpt_engine.server.state_view import StateView
 log = logging.getLogger(__name__)
 _EVENTS_OF = {"trainer": {"snapshotting", "transferring", "verifying", "offered", "done", "evicted"},
               "receiver": {"staged", "received"}, "driver": {"applied"}}
-# the credential an agent of each kind registers (and speaks) with
+
+
 class Controller:
     def __init__(self, config: EngineConfig, history: HistoryStore, metrics: Metrics, *, store_host: str,
                  store_port: int, group_name: str, clock: Callable[[], float] = time.monotonic,
                  engine_secret: bytes | None = None) -> None:
-        """``engine_secret``: what engines' worker keys derive from (default: random, for this run only)."""
+        """``engine_secret``: what engines' worker keys derive from; by default random, for this run only."""
         self.config, self.history, self.metrics, self.clock = config, history, metrics, clock
-        # read when scraped: the metric says what /health and /status say at that moment
+        # read when scraped, so the metric says what /health and /status say at that moment
         metrics.storage_degraded.set_function(lambda: float(history.degraded))
         metrics.watch_receivers(lambda: receiver_rows_of(self))
         self.store_host, self.store_port, self.group_name = store_host, store_port, group_name
@@ -79,7 +80,7 @@ class Controller:
                                         self._require_storage)
         self._last_tick = clock()
         self._catch_up_pause = CatchUpPause()
-        self.tick_health = TickHealth(clock())  # the daemon's ticker says how its calls of tick() went
+        self.tick_health = TickHealth(clock())  # the daemon's ticker reports here how its calls of tick() went
         self._kept: list[int] = []  # what the trainer was last told to keep in its cache for repairs
         self.started_at = time.time()
         self.quorum = QuorumView(config, history, self.agents, self.book, self.flights)
@@ -102,12 +103,13 @@ class Controller:
             return self.registrar.reply(agent)
 
     def _gone(self, agent: AgentRecord, reason: str) -> None:
-        """An agent left (unregistered, expired, replaced): its share of the caches and its version go too."""
+        """Remove an agent that left (unregistered, expired, replaced), with its share of the caches and its
+        version."""
         self.agents.remove(agent.agent_id)
         self.flights.group_dirty = True
         if agent.role == "trainer":
             self.book.update()
-            if agent.framework:  # its next sync will not come: push again once a trainer is back
+            if agent.framework:  # its next sync will not come, so a queued push must be asked for again
                 self.framework.cancel_queued(f"the {agent.framework} trainer {agent.agent_id} left before its next "
                                              f"sync ({reason}); push the version again")
         flight = self.flights.current
@@ -115,11 +117,11 @@ class Controller:
             self.flights.fail(flight, reason)
 
     def acknowledge(self, message: Poll, roles: Set[str]) -> None:
-        """A poll arrived: the agent is alive, holds ``versions``, and got the assignment it names."""
+        """Take in a poll: the agent is alive, holds ``versions``, and got the assignment it names."""
         with self._lock:
             agent = self._agent(message.agent_id, message.session, roles)
             longest = longest_poll_wait(self.heartbeat_s)
-            if message.wait_s > longest:  # waiting longer, it would expire while it waits
+            if message.wait_s > longest:  # a longer wait would let the agent expire while it waits
                 if agent.poll_wait_s != longest:
                     log.warning("agent %s polls with a wait of %.1fs, longer than the heartbeat (%.1fs) allows: "
                                 "its polls wait %.1fs", agent.agent_id, message.wait_s, self.heartbeat_s, longest)
@@ -134,7 +136,7 @@ class Controller:
                             message.unable, delay)
 
     def poll(self, message: Poll, roles: Set[str]) -> Assignment | None:
-        """The agent's next assignment, if any; it stays queued until a later poll acknowledges it."""
+        """The agent's next assignment, if any. It stays queued until a later poll acknowledges it."""
         with self._lock:
             agent = self._agent(message.agent_id, message.session, roles)
             return agent.pending[0] if agent.pending else None
@@ -171,7 +173,7 @@ class Controller:
             self._changed.notify_all()
 
     def unregister(self, agent_id: str, session: str, roles: Set[str]) -> None:
-        """An agent leaving cleanly: gone now instead of after the heartbeat timeout."""
+        """Remove an agent that leaves cleanly now, rather than after the heartbeat timeout."""
         with self._lock:
             agent = self._agent(agent_id, session, roles)
             self._gone(agent, f"trainer agent {agent.agent_id} left during the version")
@@ -179,15 +181,15 @@ class Controller:
         log.info("agent %s (%s rank %d) left", agent.agent_id, agent.role, agent.rank)
 
     def agents_public(self) -> list[dict]:
-        """Every agent as GET /receivers shows it; a receiver also with whether it joins the next version, and
-        why not (its lag is added outside the lock: server/receivers_view.py)."""
+        """Every agent as GET /receivers shows it, a receiver also with whether it joins the next version and
+        why not. Its lag is added outside the lock (server/receivers_view.py)."""
         with self._lock:
             now = self.clock()
             return self.view.agents_public({r.agent_id for r in self.quorum.candidates(now)}, now)
 
     # ---- versions -----------------------------------------------------------------------------------
     def request_sync(self, request: SyncRequest) -> VersionRecord:
-        """A new version, as ``request`` asks (the deployment's defaults where it says nothing)."""
+        """A new version as ``request`` asks, with the deployment's defaults where it says nothing."""
         try:
             mode, sparse = resolve(request.bypass_cpu, request.sparse, default_bypass_cpu=self.config.bypass_cpu,
                                    default_sparse=self.config.sparse)
@@ -207,7 +209,7 @@ class Controller:
             return record
 
     def push(self, version: int) -> VersionRecord:
-        """Send cached ``version`` again (rollback): now, or at a framework's next sync."""
+        """Send cached ``version`` again (rollback), now or at a framework's next sync."""
         record = self.history.get(version)
         if record is None:
             raise NotFound(f"version {version} is unknown")
@@ -231,11 +233,11 @@ class Controller:
             if request.agent_id is None or request.session is None:
                 raise BadRequest("a framework's sync names the trainer agent opening it (agent_id, session)")
             opener = self._agent(request.agent_id, request.session, roles)
-            # (an older framework agent says bypass_cpu and sparse in the request's own fields)
+            # An older framework agent says bypass_cpu and sparse in the request's own fields.
             given: dict[str, Any] = {k: v for k, v in (("bypass_cpu", request.bypass_cpu), ("sparse", request.sparse))
                                      if v is not None}
             given.update((k, v) for k, v in (request.knobs or {}).items())
-            try:  # the one place a framework's knobs meet the deployment's (ckpt_engine/config/knobs.py)
+            try:  # the one place a framework's knobs meet the deployment's: ckpt_engine/config/knobs.py
                 settled = settle(given, self.config, framework=opener.framework or "framework")
             except ConfigError as exc:
                 raise BadRequest(str(exc)) from None
@@ -244,7 +246,8 @@ class Controller:
                                        lambda trainer, quorum: self.quorum.problem(trainer, quorum, self.clock()))
 
     def _open_slot(self) -> AgentRecord | None:
-        """Nothing in flight, the history writable, and a trainer the daemon drives: the trainer (or None)."""
+        """The trainer, or None, once it is checked that nothing is in flight, the history is writable and the
+        daemon drives the trainer. Raises Conflict or Unavailable otherwise."""
         flight = self.flights.current
         if flight is not None:
             if flight.purpose in ("catch_up", "repair"):
@@ -260,7 +263,7 @@ class Controller:
 
     def _start(self, record: VersionRecord, trainer: AgentRecord | None, receivers: list[AgentRecord], now: float, *,
                sparse: bool = False, source: VersionRecord | None = None) -> None:
-        """Start a version the daemon drives, or record why it cannot (503 with the failed record)."""
+        """Start a version the daemon drives, or record why it cannot and raise 503 with the failed record."""
         receivers = rules.within_class_limit(receivers)
         problem = self.quorum.problem(trainer, receivers, now)
         if problem is None:
@@ -268,7 +271,7 @@ class Controller:
                                                                      record.mode, now)
         if problem:
             raise Unavailable(problem, self.flights.fail_unstarted(record.id, problem).to_dict())
-        sparse = sparse and source is None and not pulling  # (a puller reads the whole cached version)
+        sparse = sparse and source is None and not pulling  # a puller reads the whole cached version
         self._launch(record, trainer, receivers, colocated, pulling, owners, source=source,  # type: ignore[arg-type]
                      sparse_base=rules.sparse_base(receivers) if sparse else None, sparse=sparse,
                      purpose="push" if source is not None else "sync")
@@ -282,8 +285,8 @@ class Controller:
                            sparse=sparse, owners=owners, keep=self._kept, purpose=purpose)
 
     def request_evict(self, version: int) -> VersionRecord:
-        """Ask the trainer ranks to drop ``version`` from their caches; the history's ``cached`` flag turns
-        false once they confirm (see :meth:`evicted`). Returns at once."""
+        """Ask the trainer ranks to drop ``version`` from their caches. Returns at once; the history's
+        ``cached`` flag turns false once they confirm."""
         with self._lock:
             flight = self.flights.current
             sending = self.history.get(flight.version) if flight is not None and flight.purpose == "push" else None
@@ -295,13 +298,13 @@ class Controller:
 
     # ---- the periodic work --------------------------------------------------------------------------
     def tick(self) -> None:
-        """Expire silent agents, end versions past their time limit, write what storage still owes, and bring
-        a version to receivers that hold none (called periodically)."""
+        """Called periodically: expire silent agents, end versions past their time limit, write what storage
+        still owes, and bring a version to receivers that hold none."""
         self.history.flush()
         with self._lock:
             now = self.clock()
             stalled, self._last_tick = now - self._last_tick, now
-            if stalled > self.heartbeat_s / 2:  # SIGSTOP, swap, a long GC: the agents were not the silent ones
+            if stalled > self.heartbeat_s / 2:  # SIGSTOP, swap, a long GC: the daemon was silent, not the agents
                 log.warning("the daemon itself did not run for %.1fs; agents get a new heartbeat window", stalled)
                 self.agents.refresh()
             for agent in self.agents.expire():
@@ -321,7 +324,7 @@ class Controller:
             self.view.show_gauges(self.metrics)
 
     def shutdown(self, grace_s: float) -> None:
-        """Give the in-flight version ``grace_s`` to end, then end it so history is never left dangling."""
+        """Give the in-flight version ``grace_s`` to end, then end it, so history is never left dangling."""
         with self._lock:
             flight = self.flights.current
             if flight is None:
@@ -331,7 +334,7 @@ class Controller:
             deadline = self.clock() + grace_s
             while self.flights.current is not None and self.clock() < deadline:
                 self._changed.wait(0.2)
-            if self.flights.current is not None:  # its receivers may have applied it: its outcome is unknown
+            if self.flights.current is not None:  # receivers may have applied it, so its outcome is unknown
                 log.warning("version %d did not end within %.0fs: recorded interrupted", self.flights.current.version,
                             grace_s)
                 self.flights.fail(self.flights.current, "the daemon stopped before this version's outcome was "
@@ -339,8 +342,8 @@ class Controller:
             self.framework.cancel_queued("the daemon stopped before the framework's next sync")
 
     def _catch_up(self, now: float) -> None:
-        """Receivers that hold no whole version get one from the trainer's cache, without the training loop
-        (decisions/repair.py: who, and which version)."""
+        """Send receivers that hold no whole version one from the trainer's cache, without the training loop.
+        decisions/repair.py decides who gets which version."""
         trainer = self.agents.trainer()
         if trainer is None or not policy_of(trainer.framework).catches_up or self._catch_up_pause.holds(now):
             return
@@ -363,8 +366,8 @@ class Controller:
 
     # ---- internals ----------------------------------------------------------------------------------
     def _version_ended(self) -> None:
-        """A version ended (under the lock): the trainer ranks drop what no longer earns a cache slot (a failed
-        version at once; the oldest committed one past keep_versions), then the waiters are woken."""
+        """Called under the lock when a version ended. The trainer ranks drop what no longer earns a cache slot:
+        a failed version at once, the oldest committed one past keep_versions. Then the waiters are woken."""
         trainer = self.agents.trainer()
         queued = self.framework.queued
         protected = {queued.source_version} if queued is not None and queued.source_version is not None else set()
@@ -378,7 +381,7 @@ class Controller:
     def _agent(self, agent_id: str, session: str, roles: Set[str]) -> AgentRecord:
         agent = self.agents.get(agent_id, session)
         if agent is None:
-            # one answer for an unknown id and a wrong secret: a peer learns nothing about other agents
+            # One answer for an unknown id and a wrong secret, so a peer learns nothing about other agents.
             raise ProtocolError(f"unregistered agent {agent_id!r} (or not this agent's session): register first")
         if TOKEN_OF_AGENT[agent.role] not in roles:
             raise Forbidden(f"agent {agent_id} is a {agent.role}: its messages need a "
@@ -396,7 +399,7 @@ class Controller:
 
     def _require_storage(self) -> None:
         storage = self.history.storage()
-        if not storage.ok and not self.history.flush():  # a retry at most once per backoff: no stall per request
+        if not storage.ok and not self.history.flush():  # flush retries at most once per backoff: no stall
             raise Unavailable(f"history storage is degraded ({storage.error}); no new version until it can be "
                               "written (reads still work)")
 

@@ -1,8 +1,8 @@
 """A framework's own syncs (verl's update_weights) as versions of the same lifecycle, under the FRAMEWORK
-policy (decisions/policy.py): opened by the framework's trainer rank 0 (its registration, not only its
-token), carried by the framework's groups (nothing is assigned), judged by the workers it names, and a
-rollback queued by ``POST /push`` taking the place of the framework's next sync. Not thread-safe by itself:
-the controller calls it under its lock."""
+policy (decisions/policy.py). Such a sync is opened by the framework's trainer rank 0, checked by its
+registration and not only its token. It is carried by the framework's groups, so nothing is assigned, and
+judged by the workers it names. A rollback queued by ``POST /push`` takes the place of the framework's next
+sync. Not thread-safe by itself: the controller calls it under its lock."""
 
 from __future__ import annotations
 
@@ -30,14 +30,15 @@ class FrameworkSyncs:
         self.history, self.metrics, self.agents, self.book, self.flights = history, metrics, agents, book, flights
         self._create, self._require_storage = create, require_storage
         self.queued: VersionRecord | None = None  # a rollback waiting for the framework's next sync
-        self._told: set[str] = set()  # knob overrides logged (once each)
+        self._told: set[str] = set()  # knob overrides already logged, so each is logged once
 
     def open(self, request: FrameworkSyncRequest, opener: AgentRecord, settled: Settled, keep: list[int],
              quorum_problem: QuorumProblem) -> dict:
-        """This sync's version (or the queued rollback in its place): its record, with what a send assignment
-        would say: ``expected_digest`` (a rollback's source as recorded) and ``keep`` (cached versions no
-        snapshot may evict: what the workers serve); and ``knobs``, what the sync runs with (``settled``: the
-        framework's knobs over the deployment's, ckpt_engine/config/knobs.py), recorded in the version's ``knobs``."""
+        """Open this sync's version, or the queued rollback in its place. Returns its record, with what a send
+        assignment would say: ``expected_digest``, a rollback's source digest as recorded, and ``keep``, the
+        cached versions no snapshot may evict because the workers serve them. Also ``knobs``, what the sync
+        runs with: ``settled``, the framework's knobs over the deployment's (ckpt_engine/config/knobs.py),
+        which the version's record keeps too."""
         mode = settled.mode
         trainer = self.agents.trainer()
         if opener is trainer and not opener.framework:
@@ -54,17 +55,19 @@ class FrameworkSyncs:
         self._require_storage()
         quorum = self._quorum(trainer, request.receivers or [])
         problem = quorum_problem(trainer, quorum)
-        if problem:  # (a queued rollback stays queued)
+        if problem:  # a queued rollback stays queued
             failed = self.flights.fail_unstarted(self._create(mode=mode, step=request.step).id, problem)
             raise Unavailable(problem, failed.to_dict())
         if flight is not None:
             self._supersede(flight)
         record = self._take_queued()
-        if record is not None:  # its step is the framework's at delivery (verl's global_steps), as for any sync:
-            record = self.history.update(record.id, step=request.step)  # given now, or with its first report
+        # A rollback's step is the framework's at delivery (verl's global_steps), as for any sync. It is given
+        # now, or with the first report.
+        if record is not None:
+            record = self.history.update(record.id, step=request.step)
         record = record or self._create(mode=mode, step=request.step)
         record = self.history.update(record.id, knobs=settled.record)
-        trainer.keep_versions = settled.keep_versions  # (what the daemon's trims keep: cache_book.py)
+        trainer.keep_versions = settled.keep_versions  # what the daemon's trims keep (cache_book.py)
         for line in settled.overrides:  # once per distinct override, not every sync
             if line not in self._told:
                 self._told.add(line)
@@ -76,8 +79,9 @@ class FrameworkSyncs:
                 "keep": list(keep), "knobs": settled.to_wire()}
 
     def queue_push(self, record: VersionRecord, trainer: AgentRecord) -> VersionRecord:
-        """A rollback: recorded now, sent at the framework's next sync in place of that sync's new weights (the
-        daemon cannot start the framework's transfer). A newer push replaces one still waiting."""
+        """Queue a rollback: recorded now, sent at the framework's next sync in place of that sync's new
+        weights, because the daemon cannot start the framework's transfer. A newer push replaces one still
+        waiting."""
         queued = self._create(mode="cached", step=record.step, source_version=record.id)
         previous, self.queued = self.queued, self.history.update(queued.id, purpose="push", reason=(
             f"queued: the trainer is driven by {trainer.framework}; sent at its next sync"))
@@ -92,12 +96,13 @@ class FrameworkSyncs:
             self.history.update(queued.id, status="cancelled", reason=reason)
 
     def _supersede(self, flight: InFlight) -> None:
-        """The framework runs one sync at a time: one still open when it opens the next was abandoned (verl
-        failed elsewhere, or gave up waiting for the reply that opened it: a stalled daemon), or its last
-        reports have not arrived yet (they come on other connections than the next sync's opening, so a
-        stalled daemon may see them after it). Waiting for its time limit would refuse every sync until then;
-        its outcome is unknown: interrupted. A rollback nothing was heard of yet is queued again: the operator
-        asked for it, and this sync takes it (at worst the same weights arrive twice)."""
+        """End an open sync, as interrupted, when the framework opens its next one. The framework runs one
+        sync at a time, so the open one was abandoned (verl failed elsewhere, or gave up waiting on a stalled
+        daemon for the reply that opened it), or its last reports have not arrived yet. Those reports come on
+        other connections than the next sync's opening, so a stalled daemon may see them after it. Waiting for
+        the time limit would refuse every sync until then, and the outcome is unknown. A rollback nothing was
+        heard of yet is queued again, because the operator asked for it; this sync takes it, and at worst the
+        same weights arrive twice."""
         reason = ("superseded: the framework opened its next sync before this version's outcome reached the "
                   "daemon (abandoned, or delivered with its reports still on the way)")
         record = self.history.get(flight.version)
@@ -105,16 +110,16 @@ class FrameworkSyncs:
         source = self.history.get(record.source_version) if record is not None and record.source_version else None
         trainer = self.agents.trainer()
         if source is not None and untouched and self.queued is None and trainer is not None:
-            # as a new version: reports of the abandoned one may still arrive, and must not count for this one
+            # Queued as a new version: reports of the abandoned one may still arrive, and must not count for it.
             try:
                 again = self.queue_push(source, trainer)
                 reason += f"; the rollback is queued again as version {again.id}"
-            except Unavailable as exc:  # the history cannot be written: the operator pushes it again later
+            except Unavailable as exc:  # the history cannot be written, so the operator pushes it again later
                 reason += f"; the rollback could not be queued again ({exc.detail})"
         self.flights.fail(flight, reason, "interrupted")
 
     def _take_queued(self) -> VersionRecord | None:
-        """The queued rollback, if its source can still be sent (else it ends failed, saying why)."""
+        """Take the queued rollback if its source can still be sent; otherwise end it failed, saying why."""
         queued, self.queued = self.queued, None
         if queued is None:
             return None

@@ -1,11 +1,11 @@
-"""The receiving side of a version on the sync group (collective transport): receives buckets where the
-version's staging puts them (receive/staging.py), recomputes every tensor digest, compares it with the
-sender's, and hands the named tensors to ``load`` only once verified: the whole version at once, or bucket by
-bucket to a load that takes a stream. On any mismatch, abort or missing bucket, nothing more reaches ``load``
-and the reason is reported.
+"""The receiving side of a version on the sync group (collective transport). Buckets land where the version's
+staging puts them (receive/staging.py). Every tensor digest is recomputed and compared with the sender's, and
+the named tensors reach ``load`` only once verified: the whole version at once, or bucket by bucket to a load
+that takes a stream. On any mismatch, abort or missing bucket, nothing more reaches ``load`` and the reason is
+reported.
 
-Staging buffers are reused across versions; views handed to ``load`` point into them and are valid only
-during the call (or, streamed, until the next tensor is asked for).
+Staging buffers are reused across versions. Views handed to ``load`` point into them, so they are valid only
+during the call, or, streamed, until the next tensor is asked for.
 """
 
 from __future__ import annotations
@@ -37,15 +37,15 @@ __all__ = ["LoadFn", "ReceiveResult", "Receiver", "VersionPayload"]
 
 
 class Receiver:
-    """Receives versions on a sync group where this process is a receiving rank; for versions several trainer
-    ranks own, on one group per owner (``groups[r]``: owner r's; owner 0 also sends the header and trailer)."""
+    """Receives versions on a sync group where this process is a receiving rank. Versions several trainer ranks
+    own come on one group per owner: ``groups[r]`` is owner r's, and owner 0 also sends the header and trailer."""
 
     def __init__(self, group: SyncGroup | Sequence[SyncGroup], load: LoadFn, *, verify: bool = True,
                  staging: Staging = DEFAULT_STAGING, streams: bool = False,
                  assembler: VersionAssembler | None = None) -> None:
-        """``staging`` (receive/staging.py) and ``streams`` (``load`` iterates ``payload.items()``, so it can be
-        given a streamed version); ``assembler``: share one across receivers of the same model (another group
-        generation, or the same-host path) so the version this process holds, and its staging, carry over."""
+        """``staging``: see receive/staging.py. ``streams``: ``load`` iterates ``payload.items()``, so it can
+        be given a streamed version. ``assembler``: share one across receivers of the same model (another group
+        generation, or the same-host path) so that the version this process holds, and its staging, carry over."""
         self.groups = [group] if isinstance(group, SyncGroup) else list(group)
         self.group = self.groups[0]
         self.channels = [Channel(g) for g in self.groups]
@@ -61,15 +61,15 @@ class Receiver:
 
     def receive(self, begin_timeout_s: float | None = None,
                 abandon: Callable[[], str | None] | None = None) -> ReceiveResult | None:
-        """Receive one version (None when the sender closed the group). Transfer failures come back as a
-        result with ``ok=False`` and a reason; the group is then marked broken if the failure was on the wire."""
+        """Receive one version; None when the sender closed the group. Transfer failures come back as a result
+        with ``ok=False`` and a reason, and a failure on the wire marks the group broken."""
         header: VersionHeader | None = None
         try:
-            # the sender rings before its first frame (maybe at its next step boundary, long after the
-            # rendezvous): waited for in the store, so the collective itself waits no longer than any other
+            # The sender rings before its first frame, maybe at its next step boundary long after the rendezvous.
+            # Waiting for that in the store keeps the collective's own wait as short as any other's.
             why = self.group.await_ring(begin_timeout_s if begin_timeout_s is not None else self.group.timeout_s,
                                         abandon)
-            if why is not None:  # (``abandon``: asked while no version has begun; see SyncGroup.await_ring)
+            if why is not None:  # ``abandon`` gave a reason before any version began (see SyncGroup.await_ring)
                 return ReceiveResult(None, False, f"stopped waiting for the version: {why}")
             frame = self.channel.frame(None, 0, "version begin")
             if frame.kind == FrameKind.CLOSE:
@@ -88,7 +88,7 @@ class Receiver:
             result = receive_streamed(self.assembler, incoming, feed, self._desynced)
         else:
             result = self._receive_whole(incoming, feed)
-        if feed.ended:  # (after an abort or a broken wire nobody exchanges acknowledgements)
+        if feed.ended:  # after an abort or a broken wire nobody exchanges acknowledgements
             self._acknowledge(result)
         return result
 
@@ -105,8 +105,8 @@ class Receiver:
         return self.assembler.conclude(incoming, trailer)
 
     def _closed_by_the_others(self, timeout_s: float | None) -> None:
-        """The lead closed: take the other owners' CLOSE too, so that they are not left announcing it to a
-        receiver that went away (each waits at most ``timeout_s``; whatever else comes is dropped)."""
+        """The lead closed: take the other owners' CLOSE too, so they are not left announcing it to a receiver
+        that went away. Each is waited for at most ``timeout_s``; whatever else comes is dropped."""
         for channel in self.channels[1:]:
             try:
                 channel.group.await_ring(min(timeout_s or 10.0, 10.0))
@@ -115,8 +115,8 @@ class Receiver:
                 log.info("owner group %s did not close cleanly: %s", channel.group.name, exc)
 
     def _owners(self, header: VersionHeader, incoming: Incoming) -> list[int]:
-        """The owner of each bucket: rank 0 for all, or as the header says (checked against what this
-        receiver can follow)."""
+        """The owner of each bucket: rank 0 for all, or as the header says, checked against what this receiver
+        can follow."""
         buckets = len(incoming.layout.buckets)
         if header.owners is None:
             return [0] * buckets
@@ -140,8 +140,9 @@ class Receiver:
         return results
 
     def _drain(self, header: VersionHeader, problem: StagingUnavailable) -> ReceiveResult:
-        """This receiver cannot hold the version: take part in the rest of it with one bucket of scratch, so the
-        sender and the other receivers go on, then acknowledge the failure (``unable``: it leaves the quorum)."""
+        """For a receiver that cannot hold the version: take part in the rest of it with one bucket of scratch,
+        so the sender and the other receivers go on, then acknowledge the failure. ``unable`` makes it leave the
+        quorum."""
         result = ReceiveResult(header.version, False, str(problem), unable=str(problem))
         try:
             layout = self.assembler.layout_of(header)
@@ -165,7 +166,8 @@ class Receiver:
         return result
 
     def _desynced(self, exc: BaseException) -> str:
-        """A failure mid-stream leaves this rank out of step with the senders: the groups must be rebuilt."""
+        """Mark the groups broken, since a failure mid-stream leaves this rank out of step with the senders.
+        Returns the reason."""
         reason = f"{type(exc).__name__}: {exc}"
         for group in self.groups:
             if group.broken is None:
@@ -190,12 +192,12 @@ class Receiver:
 
 
 class _Feed:
-    """The buckets of one version on the owners' groups (receive/assembly.py's Feed): each from its owner; an
-    owner that aborts sends nothing more of the version, the others go on to its end."""
+    """The buckets of one version on the owners' groups (receive/assembly.py's Feed), each from its owner. An
+    owner that aborts sends nothing more of the version; the others go on to its end."""
 
     def __init__(self, receiver: Receiver, owners: list[int]) -> None:
         self.receiver, self.owners = receiver, owners
-        self.parallel = len(set(owners))  # one bucket of each owner on the wire at once (whole staging)
+        self.parallel = len(set(owners))  # whole staging: one bucket of each owner on the wire at once
         self.started: set[int] = set()
         self.aborted: dict[int, str] = {}
         self.ended = False  # the version's end was read
@@ -203,7 +205,7 @@ class _Feed:
     def start(self, bucket: Bucket, into: torch.Tensor) -> Callable[[], list[int]] | None:
         k, owner = bucket.index, self.owners[bucket.index]
         if owner in self.aborted:
-            if owner == 0:  # (asked again, e.g. by a stream draining the rest: nothing more comes from the lead)
+            if owner == 0:  # asked again, e.g. by a stream draining the rest: nothing more comes from the lead
                 raise SenderAborted(self.aborted[0])
             return None
         self.started.add(k)
@@ -230,9 +232,9 @@ class _Feed:
         return wait
 
     def follow_the_rest(self, layout: Layout) -> None:
-        """The lead aborted the version part way: the other owners still send their buckets (they hear of the
-        abort only in their vote after the last one). Take those into scratch, so they reach that vote now,
-        not at their group's timeout (best effort: a failure here leaves the groups to be rebuilt)."""
+        """After the lead aborted the version part way, take the other owners' remaining buckets into scratch.
+        They hear of the abort only in their vote after their last bucket, and this lets them reach that vote now
+        rather than at their group's timeout. Best effort: a failure here leaves the groups to be rebuilt."""
         rest = [b for b in layout.buckets if b.index not in self.started and self.owners[b.index] != 0]
         if not rest:
             return
@@ -240,7 +242,7 @@ class _Feed:
                               device=self.receiver.channel._device)
         try:
             for bucket in rest:
-                wait = self.start(bucket, scratch[: bucket.nbytes])  # (None: that owner aborted too)
+                wait = self.start(bucket, scratch[: bucket.nbytes])  # None when that owner aborted too
                 if wait is not None:
                     wait()
         except CkptEngineError as exc:
@@ -251,7 +253,7 @@ class _Feed:
             raise SenderAborted(self.aborted[0])
         frame = self.receiver.channel.frame(None, 0, "version end")
         trailer = decode(VersionTrailer, self.receiver._payload_of(frame, FrameKind.END, "version trailer"))
-        if self.aborted:  # another owner aborted; the lead ended the version without an abort: not a whole one
+        if self.aborted:  # another owner aborted, so the version is not whole even though the lead ended it
             raise ProtocolError(f"owner(s) {sorted(self.aborted)} aborted, yet the version ended: {self.aborted}")
         self.ended = True
         return trailer

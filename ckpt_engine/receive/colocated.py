@@ -1,6 +1,6 @@
 """Colocated receiver: maps the sender's shared slots once, then per bucket copies the announced slot into
-its staging buffer, releases the slot at once (so the sender can refill it) and verifies the copy while the
-next bucket is prepared. Same checks and the same whole-version rule as the collective receiver."""
+its staging buffer and releases the slot at once, so the sender can refill it. The copy is verified while the
+next bucket is prepared. The checks and the whole-version rule are the collective receiver's."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class BucketNotice(BaseModel):
     index: int = Field(ge=0)
     digests: list[int]
     slot: int = Field(0, ge=0, le=1)
-    in_place: bool = False  # the bytes are already in the shared buffer named at begin: nothing to copy
+    in_place: bool = False  # the bytes are already in the shared buffer named at begin, so nothing is copied
     nbytes: int | None = None
     names: list[str] | None = None
 
@@ -55,9 +55,9 @@ class IpcReceiver:
 
     def receive(self, begin_timeout_s: float | None = None,
                 abandon: Callable[[], str | None] | None = None) -> ReceiveResult | None:
-        """One version (None when the sender closed the channel); failures come back with ok=False.
-        ``abandon()`` is asked while no version has begun yet: a reason it returns ends the wait (the version
-        will not come, e.g. its daemon is gone); once the first frame arrived the version is seen through."""
+        """Receive one version; None when the sender closed the channel. Failures come back with ok=False.
+        ``abandon()`` is asked while no version has begun. A reason it returns means the version will not come
+        (e.g. its daemon is gone) and ends the wait. Once the first frame arrived, the version is seen through."""
         try:
             reason = self._await_first_frame(begin_timeout_s, abandon)
             if reason is not None:
@@ -75,7 +75,7 @@ class IpcReceiver:
         except StagingUnavailable as exc:
             return self._drain(header, exc)
         except PeerGone:
-            self.broken = "the sender is gone"  # (e.g. it dropped this receiver as too slow): reconnect next time
+            self.broken = "the sender is gone"  # e.g. it dropped this receiver as too slow: reconnect next time
             return None
         except CkptEngineError as exc:
             return ReceiveResult(None, False, self._broke(exc))
@@ -84,7 +84,7 @@ class IpcReceiver:
             result = receive_streamed(self.assembler, incoming, feed, self._broke)
         else:
             result = self._receive_whole(incoming, feed)
-        if feed.ended:  # (after an abort or a broken channel there is nobody to acknowledge to)
+        if feed.ended:  # after an abort or a broken channel there is nobody to acknowledge to
             try:
                 self.channel.send({"type": "ack", "ack": result.ack(self.rank).model_dump()})
             except CkptEngineError as exc:
@@ -105,8 +105,9 @@ class IpcReceiver:
         self.channel.close()
 
     def _drain(self, header: VersionHeader, problem: StagingUnavailable) -> ReceiveResult:
-        """This receiver cannot hold the version: release every bucket as it is announced (the sender and the
-        other receivers go on), then acknowledge the failure (``unable``: it leaves the quorum for a while)."""
+        """For a receiver that cannot hold the version: release every bucket as it is announced, so the sender
+        and the other receivers go on, then acknowledge the failure. ``unable`` makes it leave the quorum for a
+        while."""
         result = ReceiveResult(header.version, False, str(problem), unable=str(problem))
         try:
             layout = self.assembler.layout_of(header)
@@ -123,8 +124,8 @@ class IpcReceiver:
         return result
 
     def _await_first_frame(self, timeout_s: float | None, abandon: Callable[[], str | None] | None) -> str | None:
-        """Wait in short slices until the sender says something, asking ``abandon`` in between; its reason,
-        or None once a frame is there (the caller reads it)."""
+        """Wait in short slices until the sender says something, asking ``abandon`` in between. Returns its
+        reason, or None once a frame is there for the caller to read."""
         if abandon is None:
             return None
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
@@ -137,7 +138,7 @@ class IpcReceiver:
         return None
 
     def _next(self, timeout_s: float | None, expected: set[str]) -> dict[str, Any]:
-        """The next frame of an expected type; slot maps are handled on the way."""
+        """The next frame of an expected type. Slot maps are handled on the way."""
         limit = self.timeout_s if timeout_s is None else timeout_s
         while True:
             message, fds = self.channel.recv(limit)
@@ -187,8 +188,8 @@ class _Aborted(SenderAborted):
 
 
 class _Feed:
-    """The buckets of one version as the hub announces them (receive/assembly.py's Feed): each copied out of
-    its shared slot (unless the version is read in place) and the slot released at once, so the sender can
+    """The buckets of one version as the hub announces them (receive/assembly.py's Feed). Each is copied out of
+    its shared slot, unless the version is read in place, and the slot is released at once so the sender can
     refill it."""
 
     parallel = 1  # one bucket at a time through the channel
@@ -214,7 +215,7 @@ class _Feed:
         return lambda: notice.digests
 
     def follow_the_rest(self, layout: Layout) -> None:
-        pass  # one sender: after its abort nothing more comes
+        pass  # there is one sender, and after its abort nothing more comes
 
     def trailer(self) -> VersionTrailer:
         message = self.receiver._next(self.receiver.timeout_s, {"end", "abort"})

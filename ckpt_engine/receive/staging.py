@@ -1,11 +1,11 @@
-"""Where a receiver holds a version before (or while) it is applied: a pure choice, made per version.
+"""Where a receiver holds a version before or while it is applied: a pure choice, made per version.
 
-- ``device``: the whole version staged on the receiver's device; the engine pauses only to apply it;
-- ``host``: the whole version staged in (pinned) host memory, copied in under the pause; on the device only two
-  buckets to receive into;
-- ``stream``: two buckets on the device (and, for a tensor larger than a bucket, room to put its pieces
-  together); each bucket is verified and applied while the next is on the wire, so the engine is paused for
-  the whole transfer;
+- ``device``: the whole version is staged on the receiver's device. The engine pauses only to apply it.
+- ``host``: the whole version is staged in pinned host memory and copied in under the pause. The device holds
+  only two buckets to receive into.
+- ``stream``: two buckets on the device, plus room to put together the pieces of a tensor larger than a bucket.
+  Each bucket is verified and applied while the next is on the wire, so the engine is paused for the whole
+  transfer.
 - ``auto``: the first of device, host, stream whose memory fits ``share`` of what is free now.
 
 A receiver whose load takes whole versions only (it cannot iterate a stream) never streams: ``auto`` then picks
@@ -24,11 +24,11 @@ __all__ = ["STAGINGS", "Held", "Staging", "StagingChoice", "StagingMode", "Stagi
 
 @dataclass(frozen=True)
 class StagingNeeds:
-    """Bytes each mode allocates for one version (buffers this receiver holds already are not counted again)."""
+    """Bytes each mode allocates for one version. Buffers this receiver holds already are not counted again."""
 
     version: int  # the whole version in wire layout
     buckets: int  # two buckets to receive into while one is checked
-    assembly: int  # the largest tensor sent in pieces (a streamed one is put together before it is applied)
+    assembly: int  # the largest tensor sent in pieces; a streamed one is put together before it is applied
 
     @classmethod
     def of(cls, layout: Layout) -> StagingNeeds:
@@ -37,7 +37,7 @@ class StagingNeeds:
 
 @dataclass(frozen=True)
 class Held:
-    """Bytes of staging buffers this receiver holds already (reused by the mode that owns them)."""
+    """Bytes of staging buffers this receiver holds already, which the mode that owns them reuses."""
 
     device: int = 0
     host: int = 0
@@ -52,9 +52,9 @@ class StagingChoice:
 
 def choose_staging(policy: Staging, needs: StagingNeeds, *, free_device: int, free_host: int, share: float,
                    held: Held = Held(), streams: bool = True) -> StagingChoice:
-    """The staging of one version. ``free_*``: bytes free now (buffers held here count as free: a mode that
-    does not use them releases them); ``share``: the part of it staging may take; ``streams``: the receiver's
-    load can take a stream."""
+    """The staging of one version. ``free_*``: bytes free now. Buffers held here count as free, because a mode
+    that does not use them releases them. ``share``: the part of it staging may take. ``streams``: whether the
+    receiver's load can take a stream."""
     if policy == "stream" and not streams:
         return StagingChoice("host", "staging is stream, but this receiver's load takes whole versions only")
     if policy != "auto":

@@ -1,16 +1,16 @@
 """Sending a sharded version: each class of receivers (plan/shards.py) gets only its pieces, on a sync group of
-its own, cut from the version as the cache holds it, or, with bypass_cpu, from each owner's buckets as they are
-gathered (send/fanout.py): either way an FSDP model is gathered once, whatever the classes.
+its own. The pieces are cut from the version as the cache holds it or, with bypass_cpu, from each owner's
+buckets as they are gathered (send/fanout.py). Either way an FSDP model is gathered once, whatever the classes.
 
 With several trainer ranks owning shares of the version (plan/owners.py), every owner sends each class the
-pieces of the tensors it owns, on its own group with the class's receivers: each bucket of a class's layout
-holds pieces of one bucket of the version (so of one owner's tensors), and the owners of each class vote and merge
+pieces of the tensors it owns, on its own group with the class's receivers. Each bucket of a class's layout
+holds pieces of one bucket of the version, so of one owner's tensors. The owners of each class vote and merge
 their digests on the class's owners' group, as for any version of several owners.
 
-The version keeps one identity, the per-tensor digests of its full tensors (computed from the cache on its
-first send, or from the gathered buckets with bypass_cpu; every owner its share, merged on the owners' group;
-checked on every re-send like any cached version's); each class's stream carries its own digests, which its receivers
-verify before anything is applied and which the daemon compares with theirs.
+The version keeps one identity: the per-tensor digests of its full tensors. It is computed on the first send,
+from the cache or, with bypass_cpu, from the gathered buckets; each owner hashes its share, merged on the
+owners' group. Every re-send is checked against it, as for any cached version. Each class's stream carries its
+own digests, which its receivers verify before anything is applied and which the daemon compares with theirs.
 """
 
 from __future__ import annotations
@@ -51,18 +51,19 @@ from ckpt_engine.send.sources import PiecesChangesSource, StaleCopy, cached_dige
 from ckpt_engine.transport.group import SyncGroup, absent_of
 from ckpt_engine.transport.same_host import IpcHub
 
-Gather = Callable[[int], Tensors]  # this owner's bucket of the version's layout, gathered (in layout order)
+Gather = Callable[[int], Tensors]  # gathers this owner's bucket of the version's layout; called in layout order
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Lane:
-    """One class of a sharded version: its key, what its receivers keep, this owner's sync group with them
-    (the owner is rank 0; None when all of them are colocated, or when it did not form: ``unreachable`` says
-    why), the ranks its receivers have in the version's quorum (group rank k is ``ranks[k - 1]``), with several
-    owners the class's owners' group, and its colocated receivers (agent id -> quorum rank), which read its
-    pieces from shared slots of the class's own."""
+    """One class of a sharded version. ``key``: the class. ``spec``: what its receivers keep. ``group``: this
+    owner's sync group with them, where the owner is rank 0; None when all of them are colocated, or when the
+    group did not form (``unreachable`` says why). ``ranks``: its receivers' ranks in the version's quorum;
+    group rank k is ``ranks[k - 1]``. ``owners_group``: with several owners, the class's owners' group.
+    ``ipc_peers``: its colocated receivers (agent id -> quorum rank), which read its pieces from shared slots
+    of the class's own."""
 
     key: str
     spec: ShardSpec
@@ -73,44 +74,44 @@ class Lane:
     unreachable: Exception | None = None
 
     def quorum_rank(self, rank: GroupRank) -> QuorumRank:
-        """The class group's member ``rank`` (k >= 1: the class's k-th receiver) as its quorum rank."""
+        """The quorum rank of the class group's member ``rank``; rank k >= 1 is the class's k-th receiver."""
         if not 1 <= rank <= len(self.ranks):
             raise ProtocolError(f"class {self.key[:12]} has no receiver at group rank {rank}")
         return self.ranks[rank - 1]
 
     def absent(self) -> list[QuorumRank]:
-        """The receivers that never joined the class's group (a failed owners' group names none)."""
+        """The receivers that never joined the class's group. A failed owners' group names none."""
         named = absent_of(self.unreachable) if self.unreachable is not None else ()
         return [self.quorum_rank(rank) for rank in named if 1 <= rank <= len(self.ranks)]
 
 
 class SpecUnfit(ConfigError):
-    """A class's shard spec does not fit the version (a tensor it names is not there, a slice is out of range,
-    a tied name asks for other slices than its tensor): its receivers' to fix; the other classes go on."""
+    """A class's shard spec does not fit the version: a tensor it names is not there, a slice is out of range,
+    or a tied name asks for other slices than its tensor. Its receivers must fix it; the other classes go on."""
 
 
 class ClassSenders:
-    """One sender per class group, kept while the group lives (it knows what its receivers hold)."""
+    """One sender per class group, kept while the group lives because it knows what its receivers hold."""
 
     def __init__(self, device: DeviceInfo, *, bucket_size: int, alignment: int, options: Mapping,
                  hub: IpcHub | None = None) -> None:
-        """``hub``: where colocated receivers of a class connect (the publisher's)."""
+        """``hub``: the publisher's hub, where colocated receivers of a class connect."""
         self.device, self.bucket_size, self.alignment, self.hub = device, bucket_size, alignment, hub
-        # (a class's per-piece digests are not the version's: each class keeps its own, below)
+        # A class's per-piece digests are not the version's, so each class keeps its own (below).
         self._options = {k: v for k, v in options.items() if k != "manifests"}
         self._senders: dict[str, Sender] = {}  # by class key
         self._plans: dict[tuple, _ClassPlan] = {}
-        # per class key, its pieces' digests of recently sent versions: the bases of its sparse versions
-        # (they outlive the class's sync groups: a receiver joining regroups every class)
+        # Per class key, its pieces' digests of recently sent versions: the bases of its sparse versions.
+        # They outlive the class's sync groups, because a receiver joining regroups every class.
         self._manifests: dict[str, dict[int, Manifest]] = {}
         self._identities: dict[int, Manifest] = {}  # the identities of recent versions, by version
 
     def send(self, cache: VersionCache, version: int, lanes: Sequence[Lane], *, as_version: int | None = None,
              expected_digest: str | None = None, sparse_base: int | None = None) -> Transfer:
-        """Send this rank's share of cached ``version`` (labelled ``as_version`` for a re-send, checked against
-        its identity first) to every class at once; returns when every class has ended. ``sparse_base``: a
-        version every receiver holds; each class then gets only its pieces that changed since (whole when the
-        class's digests of that version are not known here)."""
+        """Send this rank's share of cached ``version`` to every class at once. Returns when every class has
+        ended. A re-send is labelled ``as_version`` and first checked against the version's identity.
+        ``sparse_base``: a version every receiver holds. Each class then gets only its pieces that changed
+        since, or all of them when the class's digests of that version are not known here."""
         label = version if as_version is None else as_version
         self._forget_senders(lanes)
         transfer = Transfer(label, "cached")
@@ -122,10 +123,10 @@ class ClassSenders:
 
     def send_live(self, version: int, layout: Layout, owners: Owners, rank: int, gather: Gather,
                   lanes: Sequence[Lane], *, aliases: Mapping[str, str], step: int | None) -> Transfer:
-        """bypass_cpu: this owner's buckets of ``layout`` gathered once (``gather``, in layout order), every class
-        sent its pieces cut from them while they are held (send/fanout.py). Returns once every class has read
-        them (``params_released``: the trainer may change its tensors); the sends end in the background. The
-        version's identity is hashed from the gathered tensors, as a cached copy of them would give it."""
+        """bypass_cpu: gather this owner's buckets of ``layout`` once (``gather``, in layout order), and send
+        every class its pieces cut from them while they are held (send/fanout.py). Returns once every class has
+        read them; ``params_released`` then lets the trainer change its tensors. The sends end in the background.
+        The version's identity is hashed from the gathered tensors, as a cached copy of them would give it."""
         started = time.perf_counter()
         self._forget_senders(lanes)
         transfer = Transfer(version, "bypass_cpu")
@@ -133,7 +134,7 @@ class ClassSenders:
         for lane in lanes:
             try:
                 plans[lane.key] = self._plan_of(lane, layout, owners, aliases)
-            except ConfigError as exc:  # (raised again on the class's thread: only its receivers fail)
+            except ConfigError as exc:  # raised again on the class's thread, so only its receivers fail
                 plans[lane.key] = exc
         needs = {key: plan.sources_of(rank) if isinstance(plan, _ClassPlan) else set() for key, plan in plans.items()}
         window = GatheredWindow(needs, WINDOW_DEPTH, float(self._options.get("timeout_s") or 60.0))
@@ -155,9 +156,9 @@ class ClassSenders:
         return transfer
 
     def abort(self, lane: Lane, label: int, reason: str) -> None:
-        """Tell a class's receivers that the version will not come (with several owners, every owner calls
-        this: they vote, and the lead tells the receivers). A class whose group did not form has nobody to
-        tell: only its other owners hear it, in the votes they wait in."""
+        """Tell a class's receivers that the version will not come. With several owners, every owner calls this:
+        they vote, and the lead tells the receivers. A class whose group did not form has no receiver to tell;
+        only its other owners hear it, in the votes they wait in."""
         try:
             if lane.group is None and not lane.ipc_peers:
                 OwnersVote(lane.owners_group, _nobody).stand_down(label, reason)
@@ -173,13 +174,13 @@ class ClassSenders:
 
     # ---- internals -----------------------------------------------------------------------------------
     def forget_layouts(self) -> None:
-        """A plain version went out meanwhile: a receiver of a class may have been sent its layout instead."""
+        """Called when a plain version went out, since a receiver of a class may have been sent its layout."""
         for sender in self._senders.values():
             sender.forget_layouts()
 
     def _forget_senders(self, lanes: Sequence[Lane]) -> None:
-        """Senders of classes no longer sent, or of an earlier generation (their groups were closed with it),
-        are dropped; so are the hub's slots of classes gone."""
+        """Drop the senders of classes no longer sent, or of an earlier generation whose groups were closed with
+        it, and the hub's slots of classes gone."""
         current = {lane.key: lane for lane in lanes}
         for key in [k for k, sender in self._senders.items() if not _serves(sender, current.get(k))]:
             del self._senders[key]
@@ -200,7 +201,7 @@ class ClassSenders:
                                       lambda lane=lane: self._start_cached(lane, cached, label, sparse_base))
                    for lane in lanes]
         for thread in threads:
-            thread.join()  # (each class's send is bounded by its group's timeouts)
+            thread.join()  # each class's send is bounded by its group's timeouts
         merged = _merged(label, identity, lanes, results, started, cached.version_layout)  # type: ignore[arg-type]
         if sparse_base is not None and results and all(r.base_version == sparse_base for r in results.values()):
             _count_skipped(merged, cached.identity, self._identities.get(sparse_base), cached.version_layout)  # type: ignore[arg-type]
@@ -208,9 +209,9 @@ class ClassSenders:
 
     def _identity(self, cache: VersionCache, cached: CachedVersion, label: int, expected_digest: str | None,
                   owners_group: SyncGroup | None) -> str:
-        """The version digest of the full tensors: for a re-send, the recorded one once this rank's cached bytes
-        are checked against it; on the first send, computed from the cache (every owner its share, merged on
-        the owners' group) and kept as the version's identity."""
+        """The version digest of the full tensors. A re-send returns the recorded one once this rank's cached
+        bytes are checked against it. The first send computes it from the cache, each owner its share merged
+        on the owners' group, and keeps it as the version's identity."""
         if label != cached.version:
             try:
                 check_identity(cached, self._algo(), self.device.comm_device,
@@ -229,9 +230,10 @@ class ClassSenders:
 
     def _merged_identity(self, label: int, layout: Layout, owners: Owners | None, digests: list[int] | None,
                          owners_group: SyncGroup | None) -> Manifest | None:
-        """The version's manifest from this owner's per-tensor digests of its share (None: it could not hash
-        it), merged on the owners' group with the other owners' when there are several; None unless every
-        owner hashed its share. Every owner takes part, whatever its classes' outcomes."""
+        """The version's manifest from this owner's per-tensor digests of its share, merged on the owners'
+        group with the other owners' when there are several. ``digests`` is None when this owner could not hash
+        its share. Returns None unless every owner hashed its share. Every owner takes part, whatever its
+        classes' outcomes."""
         if owners is not None and owners.ranks > 1:
             if owners_group is None:
                 raise ConfigError(f"version {label} has {owners.ranks} owners but no owners' group to merge its "
@@ -244,7 +246,7 @@ class ClassSenders:
         if digests is None:
             return None
         manifest = manifest_of(label, self._algo(), layout, digests)
-        self._identities[label] = manifest  # (what a later sparse version's record counts as unchanged against)
+        self._identities[label] = manifest  # a later sparse version's record counts unchanged tensors against it
         for old in sorted(self._identities)[:-_IDENTITIES_KEPT]:
             del self._identities[old]
         return manifest
@@ -260,15 +262,15 @@ class ClassSenders:
 
     def _send_class(self, lane: Lane, label: int, results: dict[str, TransferResult], start: Callable[[], Transfer],
                     on_end: Callable[[], None] | None = None) -> None:
-        """One class's send, started by ``start``, to its end; every failure ends the class with a reason. Its
-        receivers that never joined its group are named (by quorum rank) whatever the outcome."""
+        """Run one class's send, started by ``start``, to its end. Every failure ends the class with a reason.
+        Its receivers that never joined its group are named by quorum rank, whatever the outcome."""
         started = time.perf_counter()
         try:
-            if lane.group is None and not lane.ipc_peers:  # its group did not form: nobody to send it to
+            if lane.group is None and not lane.ipc_peers:  # its group did not form, so nobody can receive it
                 raise ReceiversAbsent(f"its sync group did not form: {lane.unreachable}", lane.absent())
             result = start().result()
-        except (ConfigError, ReceiversAbsent) as exc:  # (a spec that does not fit, or absent receivers: only
-            self.abort(lane, label, str(exc))          # this class's receivers fail)
+        except (ConfigError, ReceiversAbsent) as exc:  # an unfit spec or absent receivers fail this class only
+            self.abort(lane, label, str(exc))
             result = _failed(label, str(exc), started)
             result.classes = [{"spec_unfit": isinstance(exc, SpecUnfit),
                                "rendezvous_failed": isinstance(exc, ReceiversAbsent)}]
@@ -279,15 +281,15 @@ class ClassSenders:
             if on_end is not None:
                 on_end()
         result.absent_ranks += lane.absent()
-        if result.rendezvous_failed and not result.classes:  # (its group formed, then never carried a frame)
+        if result.rendezvous_failed and not result.classes:  # its group formed, then never carried a frame
             result.classes = [{"spec_unfit": False, "rendezvous_failed": True}]
         results[lane.key] = result
 
     def _start_cached(self, lane: Lane, cached: CachedVersion, label: int, sparse_base: int | None) -> Transfer:
-        """The class's pieces as views of this rank's cached tensors, sent on this thread (with ``sparse_base``:
-        those that changed since that version, against the class's digests of it)."""
+        """Send the class's pieces, as views of this rank's cached tensors, on this thread. With
+        ``sparse_base``, only those that changed since that version, by the class's digests of it."""
         plan = self._plan_of(lane, cached.version_layout, cached.owners, cached.aliases)  # type: ignore[arg-type]
-        views = cached.views()  # (with several owners: this rank's share)
+        views = cached.views()  # with several owners, this rank's share
         mine = {p.spec.name: cut_view(views[p.tensor], p.part) for p in plan.pieces if p.tensor in views}
         sender = self._sender(lane)
         if sparse_base is not None:
@@ -300,26 +302,26 @@ class ClassSenders:
 
     def _start_live(self, lane: Lane, plan: _ClassPlan | ConfigError, window: GatheredWindow, label: int,
                     step: int | None) -> Transfer:
-        """The class's pieces cut from the gathered buckets in ``window`` as its send asks for them; once all
-        are in its send buffers the class lets go of the window."""
+        """Send the class's pieces, cut from the gathered buckets in ``window`` as its send asks for them. Once
+        all are in its send buffers, the class lets go of the window."""
         if isinstance(plan, ConfigError):
             raise plan
 
         def provide(bucket: Bucket) -> Tensors:
             tensors, point = window.take(lane.key, plan.sources[bucket.index])
-            wait_for(self.device, point, host=False)  # (the gather's device work before this send's copies)
+            wait_for(self.device, point, host=False)  # the gather's device work must precede this send's copies
             pieces = [plan.by_name[slot.name] for slot in bucket.slots]
             return {p.spec.name: cut_view(tensors[p.tensor], p.part) for p in pieces}
 
         transfer = self._sender(lane).send_live(label, plan.layout, provide, aliases=plan.aliases, step=step,
                                                 check=False, owners=plan.owners)
-        transfer.params_released.wait()  # (set when every bucket is filled, or when the send ends)
+        transfer.params_released.wait()  # set when every bucket is filled, or when the send ends
         window.done(lane.key)
         return transfer
 
     def _gather_into(self, window: GatheredWindow, gather: Gather, layout: Layout, owners: Owners,
                      rank: int) -> list[int]:
-        """This owner's buckets gathered in order into ``window``, each hashed on the way: returns the per-tensor
+        """Gather this owner's buckets in order into ``window``, hashing each on the way. Returns the per-tensor
         digests of its share, as a cached copy of it would give them."""
         share = share_of(layout, owners, rank)
         scratch = torch.empty(max(share.layout.max_bucket_bytes, 1), dtype=torch.uint8, device=self.device.comm_device)
@@ -335,13 +337,13 @@ class ClassSenders:
     def _finish_live(self, transfer: Transfer, threads: Sequence[threading.Thread], results: dict[str, TransferResult],
                      lanes: Sequence[Lane], layout: Layout, owners: Owners, digests: list[int] | None,
                      started: float) -> None:
-        """When every class has ended: the version's identity merged across its owners (every owner takes part,
-        whatever its classes' outcomes: a class that failed for some receivers does not make the others' copies
-        unverifiable), and one result."""
+        """Once every class has ended, merge the version's identity across its owners and finish ``transfer``
+        with one result. Every owner takes part whatever its classes' outcomes, so that a class that failed for
+        some receivers does not leave the others' copies unverifiable."""
         label, identity = transfer.version, None
         try:
             for thread in threads:
-                thread.join()  # (each class's send is bounded by its group's timeouts)
+                thread.join()  # each class's send is bounded by its group's timeouts
             several = owners if owners.ranks > 1 else None
             manifest = self._merged_identity(label, layout, several, digests, _owners_group(lanes))
             identity = manifest.version_digest if manifest is not None else None
@@ -353,8 +355,8 @@ class ClassSenders:
 
     def _plan_of(self, lane: Lane, version_layout: Layout, owners: Owners | None,
                  aliases: Mapping[str, str]) -> _ClassPlan:
-        """The class's plan for versions of this layout, owners, tied names and spec: made once, not per
-        version (a class's spec is checked and its pieces laid out only when one of them changes)."""
+        """The class's plan for versions of this layout, owners, tied names and spec. It is made once, not per
+        version, so a spec is checked and its pieces laid out only when one of those changes."""
         key = (version_layout.digest, owners.digest if owners is not None else None,
                tuple(sorted(aliases.items())), spec_key(lane.spec))
         plan = self._plans.get(key)
@@ -367,7 +369,7 @@ class ClassSenders:
 
     def _class_manifests(self, key: str) -> dict[int, Manifest]:
         if key not in self._manifests and len(self._manifests) >= _CLASSES_REMEMBERED:
-            self._manifests.pop(next(iter(self._manifests)))  # (the class seen longest ago)
+            self._manifests.pop(next(iter(self._manifests)))  # the class seen longest ago
         return self._manifests.setdefault(key, {})
 
     def _sender(self, lane: Lane) -> Sender:
@@ -385,17 +387,17 @@ class ClassSenders:
 
 
 def _serves(sender: Sender | None, lane: Lane | None) -> bool:
-    """Whether ``sender`` sends to ``lane``'s receivers as they are now (its group, its colocated ones)."""
+    """Whether ``sender`` sends to ``lane``'s receivers as they are now: its group and its colocated ones."""
     return (sender is not None and lane is not None and sender.group is lane.group
             and sender.ipc_peers == dict(lane.ipc_peers) and sender.owners_group is lane.owners_group)
 
 
 WINDOW_DEPTH = 2  # gathered buckets an owner holds for its classes: one being read, the next one gathered
-_REASONS_LISTED = 8  # classes whose failure a version's reason names (each class's own is in its entry)
+_REASONS_LISTED = 8  # classes whose failure a version's reason names; each class's entry has its own
 
 _IDENTITIES_KEPT = 8
-_CLASSES_REMEMBERED = 512  # classes whose digests are kept (a deployment has at most 256 at once)
-_PLANS_KEPT = 64  # class plans remembered (classes × layouts in use; a layout rarely changes)
+_CLASSES_REMEMBERED = 512  # classes whose digests are kept; a deployment has at most 256 at once
+_PLANS_KEPT = 64  # class plans remembered, for classes × layouts in use; a layout rarely changes
 
 
 @dataclass(frozen=True)
@@ -416,12 +418,13 @@ class _ClassPlan:
 def _plan_class(wanted: ShardSpec, version_layout: Layout, owners: Owners | None, aliases: Mapping[str, str],
                 bucket_size: int, alignment: int) -> _ClassPlan:
     """A class's pieces of a version of ``version_layout``, laid out so that each bucket holds pieces of one
-    bucket of the version (``sources``; so of one owner): cut from the cache or from that bucket as it is
-    gathered (bypass_cpu), the class's layout is the same, and so are its digests, a sparse version's base.
-    SpecUnfit when the spec does not fit the version, a ConfigError when it cannot be sent sharded at all."""
+    bucket of the version (``sources``), so of one owner. The class's layout, and so its digests (a sparse
+    version's base), are then the same whether pieces are cut from the cache or, under bypass_cpu, from the
+    bucket as it is gathered. Raises SpecUnfit when the spec does not fit the version, and ConfigError when the
+    version cannot be sent sharded at all."""
     specs: list[TensorSpec] = [slot.spec for slot in version_layout.slots]
     marked = [name for name in [*(t.name for t in specs), *aliases] if PIECE_MARK in name]
-    if marked:  # a receiver would take it for a piece of another tensor
+    if marked:  # a receiver would take such a name for a piece of another tensor
         raise ConfigError(f"tensor names with {PIECE_MARK!r} cannot be sent sharded (e.g. {marked[0]!r}): "
                           "rename them (the trainer agent's name_map)")
     try:
@@ -440,7 +443,7 @@ def _plan_class(wanted: ShardSpec, version_layout: Layout, owners: Owners | None
 
 def merged_by_owner(layout: Layout, owners: Owners, told: Sequence[Sequence[int]]) -> list[int]:
     """Per-tensor values of a version several ranks own, in its layout's order, from each owner's values of its
-    own tensors (in the same order)."""
+    own tensors in that order."""
     cursors = [0] * owners.ranks
     out = []
     for slot in layout.slots:
@@ -453,12 +456,12 @@ def merged_by_owner(layout: Layout, owners: Owners, told: Sequence[Sequence[int]
 
 
 def _owners_group(lanes: Sequence[Lane]) -> SyncGroup | None:
-    """The owners' group a version's identity is merged on: the first class's that formed."""
+    """The owners' group a version's identity is merged on: that of the first class whose group formed."""
     return next((lane.owners_group for lane in lanes if lane.owners_group is not None), None)
 
 
 def _nobody(*_: object) -> None:
-    """Receivers to tell: none (a class whose group did not form)."""
+    """Tells no receiver: the abort callback of a class whose group did not form."""
 
 
 def _failed(version: int, reason: str, started: float, mode: Mode = "cached") -> TransferResult:
@@ -467,30 +470,30 @@ def _failed(version: int, reason: str, started: float, mode: Mode = "cached") ->
 
 
 def _count_skipped(result: TransferResult, identity: Manifest | None, base: Manifest | None, layout: Layout) -> None:
-    """A sharded version every class of which went sparse: its record counts, as for any sparse version, the
-    tensors unchanged since the base (by the two identities), and its bytes as those of the changed ones."""
+    """Count, in the record of a sharded version whose every class went sparse, the tensors unchanged since the
+    base (by the two identities), and count its bytes as those of the changed ones, as for any sparse version."""
     if identity is None or base is None or base.names != identity.names:
         return
     sizes = {slot.name: slot.nbytes for slot in layout.slots}
     same = {name for name, old, new in zip(base.names, base.digests, identity.digests) if old == new}
     result.base_version = base.version
     result.tensors_skipped, result.bytes_skipped = len(same), sum(sizes[name] for name in same)
-    result.version_bytes = sum(nbytes for name, nbytes in sizes.items() if name not in same)  # (no padding)
+    result.version_bytes = sum(nbytes for name, nbytes in sizes.items() if name not in same)  # no padding
     result.tensors -= result.tensors_skipped
 
 
 def _merged(version: int, identity: str | None, lanes: Sequence[Lane], results: Mapping[str, TransferResult],
             started: float, layout: Layout, mode: Mode = "cached") -> TransferResult:
-    """One result for the version (of ``layout``'s full tensors: its bytes and tensors): ok when every class is
-    and its identity is known; acknowledgements and absent ranks in the quorum's ranks; each class's digest and
-    bytes beside."""
+    """One result for the version, counting the bytes and tensors of ``layout``'s full tensors. It is ok when
+    every class is and its identity is known. Acknowledgements and absent ranks are in quorum ranks; each
+    class's digest and bytes are listed beside."""
     acks: list = []
     absent: list[QuorumRank] = []
     classes, reasons = [], []
     seconds: dict[str, float] = {}
     for lane in lanes:
         result = results.get(lane.key) or _failed(version, "the class's send did not end", started)
-        acks += result.receivers  # (in quorum ranks: each class's outlets seat them, see Sender ``seats``)
+        acks += result.receivers  # already in quorum ranks: each class's outlets seat them (Sender ``seats``)
         absent += result.absent_ranks
         unfit = any(c.get("spec_unfit") for c in result.classes)
         unformed = any(c.get("rendezvous_failed") for c in result.classes)
@@ -501,7 +504,7 @@ def _merged(version: int, identity: str | None, lanes: Sequence[Lane], results: 
             reasons.append(f"class {lane.key[:12]}: {result.reason}")
         for stage, value in result.seconds.items():
             seconds[stage] = max(seconds.get(stage, 0.0), value)
-    if len(reasons) > _REASONS_LISTED:  # (hundreds of classes: the report stays readable and within its bounds)
+    if len(reasons) > _REASONS_LISTED:  # with hundreds of classes, keeps the report readable and within its bounds
         reasons[_REASONS_LISTED:] = [f"and {len(reasons) - _REASONS_LISTED} more classes failed (see classes)"]
     if identity is None and not reasons:
         reasons.append("the version's identity is not known (its owners did not all hash it)")

@@ -1,14 +1,14 @@
 """bypass_cpu for a sharded version: each owner gathers its buckets of the version once, in layout order, and
-every class of receivers cuts its pieces from them while they are held, so an FSDP model is gathered once
+every class of receivers cuts its pieces from them while they are held. So an FSDP model is gathered once
 whatever the classes, and no byte goes through host memory.
 
-The gathered buckets wait in a bounded window (:class:`GatheredWindow`): the gathering thread puts each one,
-every class that needs it takes it and lets it go when it moves on; while ``depth`` buckets are held the
+The gathered buckets wait in a bounded window (:class:`GatheredWindow`). The gathering thread puts each one;
+every class that needs it takes it and lets it go when it moves on. While ``depth`` buckets are held the
 gathering waits, so device memory stays at about ``depth`` buckets beyond what the classes' sends hold.
 
-A tensor larger than a bucket is gathered piece by piece (an FSDP gather brings only the rows a piece spans):
-:class:`Assembler` puts it together whole, on its own device, before its slices are cut, so it is held from
-the bucket where its last piece lies (:func:`ready_at`).
+A tensor larger than a bucket is gathered piece by piece, since an FSDP gather brings only the rows a piece
+spans. :class:`Assembler` puts it together whole, on its own device, before its slices are cut, so it is held
+from the bucket where its last piece lies (:func:`ready_at`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ def ready_at(layout: Layout) -> dict[str, int]:
 
 
 class Assembler:
-    """The whole tensors each gathered bucket completes: a tensor the bucket holds whole as it is; a chunked
-    one once its last piece came (given whole by a source that does not gather, else copied together)."""
+    """Gives the whole tensors each gathered bucket completes. A tensor the bucket holds whole is given as it
+    is. A chunked one is given once its last piece came: as the source gave it where the source does not
+    gather, else copied together from its pieces."""
 
     def __init__(self) -> None:
         self._partial: dict[str, torch.Tensor] = {}
@@ -61,10 +62,11 @@ class Assembler:
 class GatheredWindow:
     """One owner's gathered buckets, shared by the classes' sends.
 
-    ``needs``: per class, the indices of the buckets it will take, in order. ``put`` (the gathering thread)
-    waits while ``depth`` buckets are held; ``take`` (a class) waits until its bucket is there and lets go of
-    the ones it took before; ``done`` (a class that ended, sent or failed) lets go of all it holds or would
-    still take; ``fail`` ends every wait with the reason. Every wait is bounded by ``timeout_s``."""
+    ``needs``: per class, the indices of the buckets it will take, in order. ``put``, called by the gathering
+    thread, waits while ``depth`` buckets are held. ``take``, called by a class, waits until its bucket is there
+    and lets go of the ones it took before. ``done``, called by a class that ended (sent or failed), lets go of
+    all it holds or would still take. ``fail`` ends every wait with the reason. Every wait is bounded by
+    ``timeout_s``."""
 
     def __init__(self, needs: Mapping[str, set[int]], depth: int, timeout_s: float) -> None:
         if depth < 1:
@@ -80,7 +82,7 @@ class GatheredWindow:
             if not any(index in indices for indices in self._needs.values()):
                 return
             self._wait(lambda: len(self._held) < self._depth, f"room for bucket {index} (a class is slow)")
-            # (who needs it is read after the wait: a class that ended meanwhile would hold it for good)
+            # Read who needs it after the wait: a class that ended meanwhile would otherwise hold it for good.
             holders = {key for key, indices in self._needs.items() if index in indices}
             if not holders:
                 return
@@ -110,7 +112,7 @@ class GatheredWindow:
             self._cond.notify_all()
 
     def wait_empty(self) -> None:
-        """Until every class has let go of every bucket it took (all of it is in their send buffers)."""
+        """Wait until every class has let go of every bucket it took, i.e. all of it is in their send buffers."""
         with self._cond:
             self._wait(lambda: not self._held and not any(self._needs.values()), "the classes to read their buckets")
 

@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 
 class Outlet(Protocol):
     def begin(self, version: int, layout_digest: str, full: Callable[[], bytes], slim: bytes, proto: int) -> None:
-        """Announce a version: ``full()`` builds the header with the layout, ``slim`` carries only its digest,
-        for receivers known to hold that layout already; ``proto``: what a receiver must speak to take it."""
+        """Announce a version. ``full()`` builds the header with the layout. ``slim`` carries only the layout's
+        digest, for receivers known to hold that layout. ``proto``: what a receiver must speak to take it."""
 
     def reclaim(self, slot_index: int, k: int) -> None:
         """Return once send slot ``slot_index`` may be overwritten with bucket ``k``."""
@@ -43,18 +43,18 @@ class Outlet(Protocol):
     def acks(self, version: int, own: Ack, timeout_s: float) -> list[Ack]: ...
 
     def release(self) -> None:
-        """The version is over, whatever its outcome."""
+        """Called when the version is over, whatever its outcome."""
 
 
 @dataclass
 class LayoutSent:
-    """The layouts a sender's receivers were last sent: they keep them, so the next versions of that layout
-    carry only its digest (at 100k tensors the layout is megabytes of msgpack to encode and decode).
-    ``group``: what the sync group's receivers hold; ``peers``: each colocated receiver's, by agent id, with
-    the connection it was sent on (a receiver that connected again is a new process or object: it holds none).
-    Lives as long as the sender, i.e. as long as its route: a receiver that got versions another way in
-    between (another route, another owner count) holds another layout, and its next sender starts empty.
-    Cleared after a failed version (the next one sends the layout again)."""
+    """The layouts a sender's receivers were last sent. Receivers keep them, so the next versions of that layout
+    carry only its digest: at 100k tensors the layout is megabytes of msgpack to encode and decode.
+    ``group``: the layout the sync group's receivers hold. ``peers``: each colocated receiver's, by agent id,
+    with the connection it was sent on; a receiver that connected again is a new process or object and holds
+    none. It lives as long as the sender, i.e. its route, because a receiver that got versions another way
+    (another route, another owner count) holds another layout. It is cleared after a failed version, so the
+    next one sends the layout again."""
 
     group: str | None = None
     peers: dict[str, tuple[IpcPeer, str]] = field(default_factory=dict)
@@ -64,13 +64,13 @@ class LayoutSent:
         self.peers.clear()
 
 
-# A receiver's rank in the sync group -> its rank in the version's quorum (what acknowledgements are reported in)
+# A receiver's rank in the sync group -> its rank in the version's quorum, which acknowledgements are reported in
 Seats = Callable[[GroupRank], QuorumRank]
 
 
 class CollectiveOutlet:
-    """The sync group: framed broadcasts (see transport/framing.py); bucket data goes out asynchronously.
-    Acknowledgements come back in quorum ranks (``seats``)."""
+    """The sync group, sent framed broadcasts (transport/framing.py). Bucket data goes out asynchronously.
+    Acknowledgements are reported in quorum ranks (``seats``)."""
 
     def __init__(self, channel: Channel, layout_sent: LayoutSent, seats: Seats = plain_seat) -> None:
         self.channel = channel
@@ -83,9 +83,9 @@ class CollectiveOutlet:
     def begin(self, version: int, layout_digest: str, full: Callable[[], bytes], slim: bytes, proto: int) -> None:
         self._version = version
         header = slim if self._layout_sent.group == layout_digest else full()
-        self._layout_sent.group = None  # until the header went out whole
+        self._layout_sent.group = None  # unknown until the header went out whole
         group = self.channel.group
-        group.ring()  # (its receivers wait for this, up to the version's limit: see SyncGroup.ring)
+        group.ring()  # its receivers wait for this, up to the version's limit (see SyncGroup.ring)
         self.channel.open = True
         try:
             self.channel.frame(Frame(FrameKind.BEGIN, version, len(header), proto=proto), 0, "version begin")
@@ -93,7 +93,8 @@ class CollectiveOutlet:
         except CkptEngineError as exc:
             if group.carried:
                 raise
-            # its first collective: a member's false address (the store takes its word) looks like this too
+            # The group's first collective failed. A member's false address looks like this too: the store takes
+            # its word.
             raise ReceiversAbsent(f"the version's sync group never carried a frame: {exc}") from exc
         self._layout_sent.group = layout_digest
 
@@ -132,7 +133,7 @@ class CollectiveOutlet:
         members = [GroupRank(rank) for rank in range(self.channel.group.world_size) if rank != self.channel.src]
         try:
             gathered = self.channel.exchange_acks(own, timeout_s)
-        except CkptEngineError as exc:  # one collective for all: it cannot tell who did not answer
+        except CkptEngineError as exc:  # one collective for all cannot tell who did not answer
             return [Ack(version=version, rank=self.seats(rank), ok=False, reason=f"no acknowledgement from rank "
                         f"{self.seats(rank)}: the exchange of all ranks' acknowledgements failed ({exc})")
                     for rank in members]
@@ -149,16 +150,16 @@ class CollectiveOutlet:
 
 
 class IpcOutlet:
-    """Colocated receivers: each bucket is placed in a shared slot and announced with its metadata; a slot
-    is reused only after every live receiver released what it held. A receiver that fails or falls silent
-    is dropped and reported; the others go on."""
+    """Colocated receivers. Each bucket is placed in a shared slot and announced with its metadata. A slot is
+    reused only after every live receiver released what it held. A receiver that fails or falls silent is
+    dropped and reported, and the others go on."""
 
     def __init__(self, hub: IpcHub, peers: list[IpcPeer], missing: dict[str, tuple[QuorumRank, str]],
                  timeout_s: float, layout_sent: LayoutSent, *, in_place: SharedSlot | None = None,
                  slots_key: str = "") -> None:
-        """``in_place``: the version already sits in a shareable buffer (the cache) in wire layout; receivers
-        map that buffer once and read every bucket where it is, so nothing is copied on either side.
-        ``slots_key``: the hub's slots this stream uses (a class of a sharded version: its own)."""
+        """``in_place``: a shareable buffer (the cache) that already holds the version in wire layout.
+        Receivers map it once and read every bucket where it is, so nothing is copied on either side.
+        ``slots_key``: which of the hub's slots this stream uses; each class of a sharded version has its own."""
         self.hub, self.peers, self.timeout_s = hub, peers, timeout_s
         self.missing = missing  # agent id -> (its quorum rank, why it is not part of this version)
         self.in_place = in_place
@@ -167,11 +168,11 @@ class IpcOutlet:
 
     def begin(self, version: int, layout_digest: str, full: Callable[[], bytes], slim: bytes, proto: int) -> None:
         for peer in self._live():
-            if peer.proto < proto:  # an older receiver: told why, and left out of this version
+            if peer.proto < proto:  # an older receiver is told why and left out of this version
                 self._guard(peer, lambda p: self._refuse(p, version, proto))
                 continue
             held = self._layout_sent.peers
-            was = held.pop(peer.agent_id, None)  # (until the header went out whole)
+            was = held.pop(peer.agent_id, None)  # unknown until the header went out whole
             header = slim if was is not None and was[0] is peer and was[1] == layout_digest else full()
             self._guard(peer, lambda p, header=header: self._map_and_begin(p, header))
             if peer.dropped is None:
@@ -179,9 +180,9 @@ class IpcOutlet:
 
     def reclaim(self, slot_index: int, k: int) -> None:
         if self.in_place is not None:
-            return  # every bucket has its own place in the buffer: nothing is overwritten within a version
-        # One deadline for all peers, half the receivers' own wait for the next bucket: a peer that stopped
-        # releasing is dropped while the healthy ones still wait for us, instead of failing them all.
+            return  # each bucket has its own place in the buffer, so nothing is overwritten within a version
+        # One deadline for all peers, at half the receivers' own wait for the next bucket. A peer that stopped
+        # releasing is then dropped while the healthy ones still wait for us, instead of all of them failing.
         deadline = time.monotonic() + self.timeout_s / 2
         for peer in self._live():
             self._guard(peer, lambda p: self._wait_released(p, k - 2, deadline))
@@ -223,7 +224,7 @@ class IpcOutlet:
         return out
 
     def absent(self) -> list[QuorumRank]:
-        """The colocated receivers that never connected to the hub for this version (they are benched)."""
+        """The colocated receivers that never connected to the hub for this version; they are benched."""
         return [rank for rank, _ in self.missing.values()]
 
     def release(self) -> None:
@@ -273,7 +274,8 @@ class IpcOutlet:
             self._expect(peer, "ack", _left(deadline))
 
     def _expect(self, peer: IpcPeer, kind: str, timeout_s: float | None = None) -> None:
-        """Read one frame from the peer; releases and acks update its state, anything else is an error."""
+        """Read one frame from the peer. Releases and acks update its state; anything else but the expected
+        "mapped" is an error."""
         try:
             message, _ = peer.channel.recv(self.timeout_s if timeout_s is None else timeout_s)
         except SyncTimeoutError:
@@ -291,5 +293,5 @@ class IpcOutlet:
 
 
 def _left(deadline: float) -> float:
-    """Time left until ``deadline``, with a floor so what a peer already sent is still read."""
+    """Time left until ``deadline``. The floor lets what a peer already sent still be read."""
     return max(deadline - time.monotonic(), 0.05)

@@ -1,10 +1,13 @@
-"""Trainer-side front of the library: the one way a version leaves a trainer rank (:meth:`Publisher.publish`),
-for every kind of version: cached (snapshot into the versioned host cache, send in the background),
-bypass_cpu (send straight from the live tensors), sparse (cache and send only what changed) and re-push
-(send a cached version again under a new id).
+"""Trainer-side front of the library. :meth:`Publisher.publish` is the one way a version leaves a trainer
+rank, whatever its kind:
 
-The cache outlives sync groups: when receivers come and go the caller gives a new route (sync group and
-colocated receivers), and cached versions stay available for re-sending on it.
+- cached: snapshot into the versioned host cache, then send in the background;
+- bypass_cpu: send straight from the live tensors;
+- sparse: cache and send only what changed;
+- re-push: send a cached version again under a new id.
+
+The cache outlives sync groups. When receivers come and go, the caller gives a new route (sync group and
+colocated receivers), and cached versions can still be re-sent on it.
 """
 
 from __future__ import annotations
@@ -42,28 +45,29 @@ from ckpt_engine.transport.same_host import IpcHub
 log = logging.getLogger(__name__)
 MAX_VERSION = (1 << 53) - 1  # ids travel as JSON numbers and int64 frames: both hold them exactly
 
-# All-reduce (MAX) of this rank's change-agreement vector with the other trainer ranks' (sparse versions);
-# a single process passes None (its own vector is the answer).
+# All-reduce (MAX) of this rank's change-agreement vector with the other trainer ranks', for sparse versions.
+# A single process passes None: its own vector is the answer.
 Agree = Callable[[list[int]], list[int]]
 
 
 @dataclass(frozen=True)
 class Route:
-    """Where a version goes: this rank's sync group with the receivers (None: only colocated receivers), the
-    colocated receivers (agent id -> rank), and, when several trainer ranks own shares of the version, the
-    group of those ranks (this rank's rank in it is its rank among the owners)."""
+    """Where a version goes. ``group``: this rank's sync group with the receivers, None when there are only
+    colocated receivers. ``ipc_peers``: the colocated receivers (agent id -> rank). ``owners_group``: when
+    several trainer ranks own shares of the version, the group of those ranks; this rank's rank in it is its
+    rank among the owners."""
 
     group: SyncGroup | None
     ipc_peers: Mapping[str, int]
     owners_group: SyncGroup | None = None
-    # a sharded version: every class of receivers on its own group (send/class_senders.py); then ``group`` is None
+    # A sharded version sends each class of receivers on its own group (send/class_senders.py); ``group`` is None.
     lanes: tuple[Lane, ...] = ()
 
 
 @dataclass(frozen=True)
 class Ownership:
     """This trainer rank's place among the ranks that own shares of a version. ``global_rank(owner)``: the
-    process that gathers an owner's buckets (its global rank), for sharded models."""
+    global rank of the process that gathers an owner's buckets, for sharded models."""
 
     rank: int = 0
     ranks: int = 1
@@ -96,10 +100,10 @@ class Publisher:
         external_trim: bool = False,
     ) -> None:
         """``ipc_hub_name``: serve colocated receivers through shared memory under this name (same_host.py).
-        ``overlap_snapshot``: True: a cached version's send starts while its snapshot runs, each bucket as soon
-        as it is cached (where plan/modes.py's overlaps_snapshot allows it); False: only after the whole
-        snapshot; None: where the snapshot is a device→host copy (GPU/NPU trainers). ``external_trim``: the
-        daemon evicts versions from the cache as they end (cache.py ``VersionCache``)."""
+        ``overlap_snapshot``: when a cached version's send starts. True: while its snapshot runs, each bucket
+        as soon as it is cached, where plan/modes.py's overlaps_snapshot allows it. False: after the whole
+        snapshot. None: overlap where the snapshot is a device→host copy (GPU/NPU trainers).
+        ``external_trim``: the daemon evicts versions from the cache as they end (cache.py ``VersionCache``)."""
         if bucket_size <= 0:
             raise ConfigError(f"bucket_size must be positive, got {bucket_size}")
         if group is None and device is None:
@@ -121,7 +125,7 @@ class Publisher:
         self._layout: Layout | None = None
         self._layout_key: list[tuple] = []
         self._changes = ChangeTracker(self.device.digest_algo, bucket_size, alignment)
-        warm_up(self.device.comm_device)  # (the device digest's compile, before the first version needs it)
+        warm_up(self.device.comm_device)  # compile the device digest before the first version needs it
         if group is not None:
             self.attach(group)
 
@@ -133,32 +137,32 @@ class Publisher:
                 route: Callable[[], Route] | None = None, ownership: Ownership | None = None,
                 expected_digest: str | None = None, keep: Iterable[int] | None = None,
                 sharded: bool = False) -> Transfer:
-        """Start sending ``version``; the returned transfer's ``params_released`` says when the tensors are no
-        longer read (the training loop may go on) and ``result()`` how it ended.
+        """Start sending ``version``. The returned transfer's ``params_released`` says when the tensors are no
+        longer read, so the training loop may go on; its ``result()`` says how the send ended.
 
-        - ``source_version``: send that cached version again as ``version`` (rollback, catch-up, repair), once
-          this rank's cached bytes are checked against what was sent the first time (and against
-          ``expected_digest``, the digest the daemon recorded for it, when given); a copy that changed is
-          refused before anything goes out and dropped from the cache;
-        - ``keep``: versions the cache must not evict to make room (receivers may need them for a repair);
-        - ``mode="cached"``: snapshot ``named`` into the cache, then send from it in the background; with
-          ``sparse``, only tensors changed since the previous cached version are gathered and stored (``agree``
-          makes every trainer rank take the same decision); with ``sparse_base``, only tensors changed since
-          that version (which every receiver holds) are sent;
-        - ``mode="bypass_cpu"``: send straight from ``named``, read until ``params_released``;
-        - ``sharded``: the route sends each class of receivers only its pieces (``Route.lanes``), cut from the
-          cached version (the snapshot completes before the classes are sent) or, with bypass_cpu, from this
-          rank's buckets as they are gathered (send/fanout.py); with ``sparse_base``, each class gets the
-          pieces that changed since that version (against its own digests of it).
+        - ``source_version``: send that cached version again as ``version`` (rollback, catch-up, repair). This
+          rank's cached bytes are first checked against what was sent the first time and, when given, against
+          ``expected_digest``, the digest the daemon recorded. A copy that changed is refused before anything
+          goes out, and dropped from the cache.
+        - ``keep``: versions the cache must not evict to make room, because receivers may need them for a repair.
+        - ``mode="cached"``: snapshot ``named`` into the cache, then send from it in the background. With
+          ``sparse``, only tensors changed since the previous cached version are gathered and stored; ``agree``
+          makes every trainer rank take the same decision. With ``sparse_base``, only tensors changed since that
+          version, which every receiver holds, are sent.
+        - ``mode="bypass_cpu"``: send straight from ``named``, which is read until ``params_released``.
+        - ``sharded``: the route sends each class of receivers only its pieces (``Route.lanes``). They are cut
+          from the cached version once the snapshot completes, or under bypass_cpu from this rank's buckets as
+          they are gathered (send/fanout.py). With ``sparse_base``, each class gets the pieces that changed
+          since that version, by its own digests of it.
 
-        Cached versions return after the snapshot, bypass_cpu ones once every bucket has been read (the rest of
-        the send goes on in the background either way). ``route()`` gives where to send (called where the send
-        starts: on the caller's thread for bypass_cpu, on the background thread for the others); without it,
-        the attached group and receivers are used.
-        ``ownership``: with several trainer ranks (every one calls publish for the same versions, in order),
-        which buckets are this rank's to store and send (plan/owners.py); a rank beyond ``ownership.ranks``
-        stores and sends nothing, it only takes part in the gathers. Whatever fails, the gathers of every
-        bucket are done, so the other trainer ranks never wait in one."""
+        Cached versions return after the snapshot, bypass_cpu ones once every bucket has been read; the rest of
+        the send goes on in the background. ``route()`` says where to send. It is called where the send starts:
+        on the caller's thread for bypass_cpu, on the background thread otherwise. Without it, the attached
+        group and receivers are used.
+        ``ownership``: with several trainer ranks, each calling publish for the same versions in order, which
+        buckets this rank stores and sends (plan/owners.py). A rank beyond ``ownership.ranks`` stores and sends
+        nothing; it only takes part in the gathers. Whatever fails, the gathers of every bucket are done, so the
+        other trainer ranks never wait in one."""
         check_version(version)
         check_sparse(check_mode(mode), sparse or sparse_base is not None)
         mine = ownership or Ownership()
@@ -181,8 +185,8 @@ class Publisher:
         if delta is not None:
             stored = delta[1]
             stored_owners = owners_by_group(stored, owners.ranks) if owners.ranks > 1 else single_owner(stored)
-        routed: Callable[[], Route | None] | None = route  # bypass_cpu: found before any gather
-        if mode == "bypass_cpu":  # found (or failed) on every rank before any gather: see _bypass_route
+        routed: Callable[[], Route | None] | None = route  # other modes ask for it on the send's thread
+        if mode == "bypass_cpu":  # every rank finds (or fails) its route before any gather: see _bypass_route
             routed = _bypass_route(version, route if sender else None, agree)
         cursor = GatherCursor(named, stored, stored_owners, mine.global_rank)
         try:
@@ -207,7 +211,7 @@ class Publisher:
                 return self._send_while_snapshotting(version, named, cursor, share, step, layout, owners, routed)
             self._snapshot(version, named, cursor, share, delta, step, layout, owners)
         finally:
-            cursor.drain()  # this rank's part in the remaining gathers (also after a failure part way)
+            cursor.drain()  # the other ranks wait in the remaining gathers, also after a failure part way
         transfer = Transfer(version, "cached")
         transfer.params_released.set()
         transfer.gathered_bytes = cursor.gathered_bytes
@@ -228,14 +232,14 @@ class Publisher:
                 self.classes.abort(lane, version, reason)
             return
         if where is not None and where.group is None and not where.ipc_peers:
-            return  # (no group formed for it: nobody is waiting on one)
+            return  # no group formed for it, so nobody is waiting on one
         self._sender(lambda: where).abort_before_start(version, reason)
 
     def attach(self, group: SyncGroup | None, ipc_peers: Mapping[str, int] | None = None,
                owners_group: SyncGroup | None = None) -> None:
-        """Send on ``group`` and to the colocated ``ipc_peers`` (agent id -> rank) from now on (with the other
-        owners in ``owners_group``); the caller closes the previous groups. Attaching the same again keeps the
-        sender (and what it knows its receivers hold, such as the layout)."""
+        """From now on, send on ``group`` and to the colocated ``ipc_peers`` (agent id -> rank), with the other
+        owners in ``owners_group``. The caller closes the previous groups. Attaching the same again keeps the
+        sender, and with it what it knows its receivers hold, such as the layout."""
         peers = dict(ipc_peers or {})
         current = self.sender
         if (current is not None and current.group is group and current.ipc_peers == peers
@@ -247,7 +251,7 @@ class Publisher:
     def layout_for(self, named: NamedTensors) -> Layout:
         """The layout of these tensors; re-planned only when names, dtypes or shapes changed. Either way the
         tensors match the returned layout, so the cache and sender need not check them again."""
-        key = named.layout_key()  # cheap key first (no dtype-name lookups or spec objects)
+        key = named.layout_key()  # cheap: no dtype-name lookups or spec objects
         if self._layout is None or key != self._layout_key:
             self._layout = plan_layout(specs_of(named.tensors), self.bucket_size, self.alignment)
             self._layout_key = key
@@ -271,17 +275,17 @@ class Publisher:
     # ---- internals -----------------------------------------------------------------------------------
     def _delta(self, version: int, named: NamedTensors, layout: Layout, owners: Owners, agree: Agree | None,
                stores: bool) -> tuple[int, Layout] | None:
-        """(parent version, layout of the tensors changed since it), as every trainer rank agrees, or None for
-        a full snapshot; every rank that stores must still hold the parent to share the rest with it. With
-        several owners, a bucket of the changes holds tensors of one owner only."""
+        """(parent version, layout of the tensors changed since it) as every trainer rank agrees, or None for
+        a full snapshot. Every rank that stores must still hold the parent, to share the unchanged rest with
+        it. With several owners, a bucket of the changes holds tensors of one owner only."""
         can_share = (lambda parent: self._holds_share_of(parent, layout, owners)) if stores else (lambda parent: True)
         vector = self._changes.vector(version, named, layout, can_share)
         return self._changes.delta(agree(vector) if agree is not None else vector, layout, owners)
 
     def _holds_share_of(self, parent: int, layout: Layout, owners: Owners) -> bool:
         """Whether the cache holds ``parent`` as the share this rank stores of a version of ``layout`` and
-        ``owners``: a delta shares the unchanged tensors of its share with it. Cached under another owner count
-        (the daemon planned it while a rank was silent), it holds other tensors: a full snapshot instead."""
+        ``owners``, so that a delta can share its unchanged tensors. A parent cached under another owner count
+        (planned while a rank was silent) holds other tensors, and a full snapshot is taken instead."""
         try:
             cached = self.cache.get(parent)
         except CacheError:
@@ -291,7 +295,7 @@ class Publisher:
     def _snapshot(self, version: int, named: NamedTensors, cursor: GatherCursor, share: Share,
                   delta: tuple[int, Layout] | None, step: int | None, layout: Layout, owners: Owners) -> None:
         provide = cursor.provider(share.rank, share)
-        if delta is not None:  # only what changed is gathered and stored; the rest is shared in the cache
+        if delta is not None:  # only what changed is gathered and stored: the rest is shared in the cache
             self.cache.snapshot_delta(version, delta[0], share.layout, provide, aliases=named.aliases, step=step)
         else:
             self.cache.snapshot(version, share.layout, provide, aliases=named.aliases, step=step, check=False,
@@ -300,22 +304,22 @@ class Publisher:
     def _send_while_snapshotting(self, version: int, named: NamedTensors, cursor: GatherCursor, share: Share,
                                  step: int | None, layout: Layout, owners: Owners,
                                  route: Callable[[], Route | None] | None) -> Transfer:
-        """Snapshot ``version`` into the cache on this thread while its send, started first, sends every bucket
-        as soon as it is cached; returns once the snapshot is done. A snapshot that fails part way ends the
-        transfer failed (the receivers are told at the first bucket it did not fill); only a failure of the
-        trainer's own group is raised, for the training loop to end."""
+        """Snapshot ``version`` into the cache on this thread while its send, started first, sends each bucket
+        as soon as it is cached. Returns once the snapshot is done. A snapshot that fails part way fails the
+        transfer, and the receivers are told at the first bucket it did not fill. Only a failure of the
+        trainer's own group is raised, so that the training loop ends."""
         cached = self.cache.begin(version, share.layout, aliases=named.aliases, step=step, share=share,
                                   owners=owners, version_layout=layout)
         transfer = Transfer(version, "cached")
 
         def send() -> Transfer:
-            try:  # the begin lease is the send's: the buffer stays until the send is over, whatever happens
+            try:  # the send owns the begin lease, so the buffer stays until the send is over
                 return self._sender(route).send_cached(self.cache, version, inline=True, filling=cached)
             finally:
                 self.cache.unlease(cached)
 
         self._in_background(transfer, send)
-        # Tensors held whole (no gathers) are lent to the send while the snapshot holds the loop: it fills device
+        # Lend tensors held whole (no gathers) to the send while the snapshot holds the loop, so it fills device
         # slots from them instead of waiting for each bucket's device→host copy (send/filling.py LiveReads).
         live = named.tensors if type(named).bucket_tensors is NamedTensors.bucket_tensors else None
         try:
@@ -331,7 +335,8 @@ class Publisher:
         return transfer
 
     def _gather_only(self, version: int, mode: Mode, cursor: GatherCursor) -> Transfer:
-        """A rank that owns no bucket: its part is the gathers (``cursor.drain``, in the caller's finally)."""
+        """The finished transfer of a rank that owns no bucket. Its part is the gathers, which ``cursor.drain``
+        does in the caller's finally."""
         transfer = Transfer(version, mode)
         transfer._finish(TransferResult(version, mode, True, "this rank sends no bucket of it", None, [], 0, 0, 0,
                                         finished_at=time.perf_counter()))
@@ -339,9 +344,9 @@ class Publisher:
 
     def _send_cached(self, route: Callable[[], Route | None] | None, version: int, *, as_version: int | None = None,
                      expected_digest: str | None = None, sparse_base: int | None = None) -> Transfer:
-        """A cached version (or a re-send of one) to the route's receivers: to each class its pieces when the
-        route has classes (``sparse_base``: those that changed since), else the whole version on the route's
-        group and to its colocated receivers."""
+        """Send a cached version, or re-send one, to the route's receivers. A route with classes gets each
+        class its pieces (with ``sparse_base``, those changed since); otherwise the whole version goes on the
+        route's group and to its colocated receivers."""
         where = route() if route is not None else None
         if where is not None and where.lanes:
             self._sending_sharded()
@@ -358,20 +363,21 @@ class Publisher:
             self.attach(where.group, where.ipc_peers, where.owners_group)
         if self.sender is None:
             raise CkptEngineError("no sync group attached to this publisher yet")
-        self.classes.forget_layouts()  # (see _sending_sharded)
+        self.classes.forget_layouts()  # see _sending_sharded
         return self.sender
 
     def _sending_sharded(self) -> None:
-        """A receiver holds the layout it was sent last, by whichever sender: one without a shard spec is in
-        the plain sender's route for plain versions and in the class of whole tensors for sharded ones. So a
-        version of one kind makes the other kind's senders forget what their receivers hold."""
+        """Make the plain sender forget the layouts its receivers hold. A receiver holds the layout it was sent
+        last, by whichever sender. One without a shard spec is on the plain sender's route for plain versions and
+        in the class of whole tensors for sharded ones. So a version of one kind makes the other kind's senders
+        forget what their receivers hold."""
         if self.sender is not None:
             self.sender.forget_layouts()
 
     @staticmethod
     def _in_background(transfer: Transfer, send: Callable[[], Transfer]) -> Transfer:
-        """``send()`` (which may first wait for its route, e.g. a rendezvous, then sends inline) on the one thread
-        of this version; its transfer's outcome becomes ``transfer``'s."""
+        """Run ``send()`` on this version's one thread; its transfer's outcome becomes ``transfer``'s. ``send``
+        may first wait for its route (e.g. a rendezvous), then sends inline."""
 
         def run() -> None:
             try:
@@ -390,10 +396,10 @@ class Publisher:
 
 class GatherCursor:
     """Hands out full tensors bucket by bucket, each gathered to the bucket's owner, and remembers how far it
-    got: every trainer rank takes part in every bucket's gather in layout order, however many of them it
-    owns, and after a failure it can still take part in the gathers the other ranks are waiting in; not
-    after a gather itself failed (the ranks are out of step in their group: any further one would pair
-    this rank's collectives with the wrong ones of the others)."""
+    got. Every trainer rank takes part in every bucket's gather in layout order, however many it owns. After a
+    failure it can still join the gathers the other ranks are waiting in, but not after a gather itself failed:
+    the ranks are then out of step in their group, and a further gather would pair this rank's collectives with
+    the wrong ones of the others."""
 
     def __init__(self, named: NamedTensors, layout: Layout, owners: Owners,
                  global_rank: Callable[[int], int] | None = None) -> None:
@@ -426,8 +432,9 @@ class GatherCursor:
             return tensors
 
     def drain(self) -> None:
-        """This rank's part in the remaining gathers; after a failed one (also on another thread: a bypass_cpu
-        send reads through this cursor), that failure, for the caller to end the training loop with."""
+        """Take part in the remaining gathers. After a failed gather, raise that failure for the caller to end
+        the training loop with; the gather may have failed on another thread, since a bypass_cpu send reads
+        through this cursor."""
         with self._lock:
             while self._next < len(self.layout.buckets) and self._broken is None:
                 self._gather(self._next)
@@ -449,10 +456,11 @@ class GatherCursor:
 
 
 def _bypass_route(version: int, route: Callable[[], Route] | None, agree: Agree | None) -> Callable[[], Route | None]:
-    """bypass_cpu reads the live tensors as it sends them, so its route (a rendezvous with the receivers, up to
-    its timeout) comes before any gather. With several trainer ranks, they then agree whether every one found
-    its own: when one did not, none sends and none gathers (a rank still in, or failed at, its rendezvous would
-    otherwise leave the others waiting in a gather past the job's collective timeout, which ends training)."""
+    """Find a bypass_cpu version's route before any gather, since bypass_cpu reads the live tensors as it sends
+    them. The route is a rendezvous with the receivers, up to its timeout. Several trainer ranks then agree
+    whether every one found its own; if one did not, none sends and none gathers. Otherwise a rank still in, or
+    failed at, its rendezvous would leave the others in a gather past the job's collective timeout, which ends
+    training."""
     where: Route | None = None
     failure: Exception | None = None
     if route is not None:
@@ -469,7 +477,7 @@ def _bypass_route(version: int, route: Callable[[], Route] | None, agree: Agree 
 
 
 def _lanes(version: int, route: Callable[[], Route | None] | None) -> tuple[Lane, ...]:
-    """A sharded version's classes, from its route (asked on the caller's thread: bypass_cpu)."""
+    """A sharded version's classes, from its route. Under bypass_cpu the route is asked on the caller's thread."""
     where = route() if route is not None else None
     if where is None or not where.lanes:
         raise ConfigError(f"version {version} is sharded but its route has no classes of receivers")
@@ -484,8 +492,8 @@ def check_version(version: object) -> int:
 
 
 def _named(version: int, named: NamedTensors | Mapping[str, torch.Tensor] | None) -> NamedTensors:
-    """What publish sends: NamedTensors (named_tensors_of(model)), or a plain name -> tensor mapping such as a
-    state_dict; never nothing."""
+    """What publish sends, as NamedTensors. Takes NamedTensors (named_tensors_of(model)) or a plain name ->
+    tensor mapping such as a state_dict. Raises ConfigError for anything else or for no tensors."""
     if named is None:
         raise ConfigError(f"version {version}: publish needs the tensors (or a source_version to re-send)")
     if not isinstance(named, NamedTensors):
@@ -500,7 +508,7 @@ def _named(version: int, named: NamedTensors | Mapping[str, torch.Tensor] | None
 
 def version_digest_of(named: NamedTensors, *, bucket_size: int, alignment: int = DEFAULT_ALIGNMENT,
                       algo: DigestAlgo = "xxh3-64") -> str:
-    """The version digest these tensors would be sent with: lets any process check that the weights it
+    """The version digest these tensors would be sent with. Any process can check with it that the weights it
     holds are exactly a version's (e.g. a rollout's model against the history's digest)."""
     from ckpt_engine.plan.hashing import layout_digests, version_digest
     from ckpt_engine.plan.tensors import fill_bucket

@@ -1,12 +1,13 @@
 """The sending side of a version: fills buckets (from the cache or straight from live tensors), digests them,
 and broadcasts them double-buffered, so bucket k+1 is being filled while bucket k is on the wire.
 
-A transfer runs on a thread of its own (the version's one thread; the publisher's background sends run it
-inline). A version of several owners (plan/owners.py): every trainer rank sends the buckets it owns on its
-own sync group (it is rank 0 there; the receivers are the same ranks in every group). Rank 0 leads: it sends
-the version's header and trailer and collects the acknowledgements on its group. The owners vote before the
-first bucket and after their last (owners_vote.py); a failure of any owner makes the lead end the version
-with an abort, so receivers never load it.
+A transfer runs on a thread of its own; the publisher's background sends run it inline on theirs.
+
+In a version of several owners (plan/owners.py), every trainer rank sends the buckets it owns on its own sync
+group, where it is rank 0. The receivers are the same ranks in every group. Rank 0 leads: it sends the
+version's header and trailer and collects the acknowledgements on its group. The owners vote before the first
+bucket and after their last (owners_vote.py). If any owner fails, the lead ends the version with an abort, so
+receivers never load it.
 """
 
 from __future__ import annotations
@@ -75,11 +76,12 @@ class Sender:
                  on_stage: Callable[[int, str], None] | None = None, timeout_s: float = 60.0,
                  manifests: dict[int, Manifest] | None = None, owners_group: SyncGroup | None = None,
                  slots_key: str = "", seats: Seats = plain_seat) -> None:
-        """``owners_group``: the trainer ranks that own shares of this sender's versions (this rank is
-        ``owners_group.rank``; rank 0 leads); None: this rank sends every bucket itself. ``slots_key``: the
-        hub's shared slots its colocated receivers read (a class of a sharded version: its own). ``seats``:
-        the quorum rank of each receiver of ``group`` (what its acknowledgements are reported under)."""
-        # (neither: every receiver pulls the version, or there is none; the sender still digests what it caches)
+        """``owners_group``: the trainer ranks that own shares of this sender's versions, rank 0 leading. This
+        rank is ``owners_group.rank``. None means this rank sends every bucket itself.
+        ``slots_key``: which of the hub's shared slots its colocated receivers read; each class of a sharded
+        version has its own. ``seats``: the quorum rank each receiver of ``group`` is acknowledged under.
+        With neither a group nor colocated receivers (every receiver pulls, or there is none), the sender
+        still digests what it caches."""
         if owners_group is not None and ipc_peers:
             raise ConfigError("versions of several owners go on sync groups only (no colocated receivers)")
         self.owners_group = owners_group
@@ -115,10 +117,10 @@ class Sender:
     def send_cached(self, cache: VersionCache, version: int, *, as_version: int | None = None,
                     expected_digest: str | None = None, inline: bool = False,
                     filling: CachedVersion | None = None) -> Transfer:
-        """Send a version held in ``cache`` (labelled ``as_version`` on the wire when given, e.g. a rollback,
-        after checking the cached bytes against what was sent the first time and, given ``expected_digest``,
-        against the digest the daemon recorded); the cache keeps its buffer alive until the transfer ends.
-        ``filling``: the version, begun in the cache and leased by the caller, while its snapshot still runs:
+        """Send a version held in ``cache``, labelled ``as_version`` on the wire when given (e.g. a rollback).
+        The cached bytes are checked against what was sent the first time and, given ``expected_digest``,
+        against the digest the daemon recorded. The cache keeps its buffer alive until the transfer ends.
+        ``filling``: the version while its snapshot still runs (begun in the cache, leased by the caller);
         each bucket goes out once it is filled."""
         hold = contextlib.ExitStack()
         cached = filling if filling is not None else self._lease(hold, cache, version,
@@ -132,8 +134,8 @@ class Sender:
 
     def send_sparse(self, cache: VersionCache, version: int, base_version: int, *, bucket_size: int,
                     alignment: int, inline: bool = False) -> Transfer:
-        """Send a cached version as the changes against ``base_version`` (a version this sender sent and the
-        receivers hold); a full version when that base is unknown or has another layout."""
+        """Send a cached version as the changes against ``base_version``, a version this sender sent and the
+        receivers hold. It goes out whole when that base is unknown or has another layout."""
         hold = contextlib.ExitStack()
         cached = self._lease(hold, cache, version, version)
         parent = self.manifests.get(cached.parent) if cached.parent is not None else None
@@ -152,9 +154,9 @@ class Sender:
     def send_live(self, version: int, layout: Layout, tensors: TensorsOrProvider, *,
                   aliases: Mapping[str, str] | None = None, step: int | None = None, check: bool = True,
                   owners: Owners | None = None, inline: bool = False) -> Transfer:
-        """Send live tensors without a host copy; read them until ``params_released`` is set. With ``owners``,
-        only this rank's buckets are read (``tensors`` is asked for those alone, in order).
-        ``check=False`` skips re-checking tensors against the layout (for callers that planned it from them)."""
+        """Send live tensors without a host copy. They are read until ``params_released`` is set. With
+        ``owners``, only this rank's buckets are read, and ``tensors`` is asked for those alone, in order.
+        ``check=False`` skips re-checking the tensors against the layout, for callers that planned it from them."""
         if check and not callable(tensors):
             check_matches_layout(layout, tensors)
         transfer = Transfer(version, "bypass_cpu")
@@ -162,8 +164,8 @@ class Sender:
         return self._start(source, transfer, contextlib.ExitStack(), inline)
 
     def _lease(self, hold: contextlib.ExitStack, cache: VersionCache, version: int, label: int) -> CachedVersion:
-        """``version`` from the cache for the transfer's lifetime; when this rank does not hold it, the other
-        owners hear so in the votes they wait in (and the lead tells the receivers)."""
+        """Lease ``version`` from the cache for the transfer's lifetime. When this rank does not hold it, the
+        other owners hear so in the votes they wait in, and the lead tells the receivers."""
         try:
             return hold.enter_context(cache.lease(version))
         except CkptEngineError as exc:
@@ -176,7 +178,7 @@ class Sender:
         stop waiting now instead of at their timeout. Only valid while no version is on the wire. With several
         owners every owner must call it or send the version: they vote first, and the lead aborts for all."""
         with self._busy:
-            self.votes.stand_down(version, reason)  # (the lead still tells the receivers below)
+            self.votes.stand_down(version, reason)  # the lead still tells the receivers below
             if not self.lead:
                 return
             raw = encode(AbortMessage(version=version, reason=reason))
@@ -197,8 +199,9 @@ class Sender:
                 self.group.close()
 
     def _start(self, source: Source, transfer: Transfer, hold: contextlib.ExitStack, inline: bool = False) -> Transfer:
-        """Run the transfer on a thread of its own (``inline``: on the caller's, already one of its own, e.g. the
-        publisher's background send); ``hold`` (e.g. a cache lease) is released when it ends."""
+        """Run the transfer on a thread of its own, or with ``inline`` on the caller's, which is already a
+        thread of its own (e.g. the publisher's background send). ``hold`` (e.g. a cache lease) is released when
+        the transfer ends."""
         if not self._busy.acquire(blocking=False):
             hold.close()
             raise CkptEngineError(f"version {source.version}: another version is still being sent")
@@ -238,7 +241,7 @@ class Sender:
         timer = _Timer()
         result = TransferResult(source.version, source.mode, False, None, None, [], 0, 0, 0)
         outlets: list[Outlet] = []
-        voted = [False]  # this rank's vote after sending is in (with several owners there is one per version)
+        voted = [False]  # this rank has cast its after-sending vote (several owners: one per version)
         try:
             with timer.stage("digest"):
                 told = self.votes.ready(source, self.digest_algo, self.device.comm_device)
@@ -282,14 +285,14 @@ class Sender:
             record_identity(source, manifest)
         except CkptEngineError as exc:  # includes Aborted: receivers were told
             result.reason = str(exc)
-            if isinstance(exc, ReceiversAbsent):  # (its group never carried a frame: see CollectiveOutlet.begin)
+            if isinstance(exc, ReceiversAbsent):  # its group never carried a frame (see CollectiveOutlet.begin)
                 result.rendezvous_failed = True
         except Exception as exc:  # a bug must still end the transfer with a reason, never leave it pending
             log.exception("version %d: unexpected error while sending", source.version)
             result.reason = f"internal error: {type(exc).__name__}: {exc}"
         finally:
-            # First release what the source reads (bypass_cpu: the live tensors, and the training loop waiting on
-            # them, which must join the trainer's gathers before its own process-group timeout), then the votes.
+            # Release the source before the votes: under bypass_cpu the training loop waits on the live tensors,
+            # and it must join the trainer's gathers before its own process-group timeout.
             source.all_filled()
             if not result.ok:  # a receiver may have dropped the version's header: the next one sends the layout
                 self._layout_sent.forget()
@@ -325,8 +328,9 @@ class Sender:
                 log.exception("on_stage callback failed")
 
     def _headers(self, source: Source) -> tuple[Callable[[], bytes], bytes]:
-        """The version header without the layout (for receivers that hold it), and a function that builds
-        the one with the layout only if some receiver needs it (at 20k tensors that costs ~70 ms)."""
+        """A function that builds the version header with the layout, and the header without it (for receivers
+        that hold the layout). The full one is built only if some receiver needs it: at 20k tensors it costs
+        ~70 ms."""
         layout, owners = source.layout, source.owners
         several = {"owner_ranks": owners.ranks, "owners": list(owners.of)} if owners.ranks > 1 else {}
         fields = dict(version=source.version, mode=source.mode, digest_algo=self.digest_algo,
@@ -343,7 +347,7 @@ class Sender:
 
     def _send_buckets(self, source: Source, outlets: list[Outlet], slots: list[torch.Tensor], timer: _Timer,
                       result: TransferResult, mine: tuple[int, ...]) -> list[int]:
-        """Send the buckets ``mine`` (indices in the version's layout, in order); their digests, in order."""
+        """Send the buckets ``mine`` (indices in the version's layout, in order). Returns their digests, in order."""
         layout = source.layout
         digests: list[int] = []
         if not mine:  # this owner has no bucket of the version: its source is not read at all
@@ -404,8 +408,8 @@ class Sender:
     def _ensure_slots(self, layout: Layout, source: Source) -> list[torch.Tensor]:
         need = max(layout.max_bucket_bytes, 1)
         if self.hub is not None and self.ipc_peers:
-            # Colocated receivers read the send slots themselves (fills land in shared memory directly) unless
-            # the version sits in a shareable cache buffer they read in place.
+            # Fills land straight in the shared slots that colocated receivers read, unless the version sits in
+            # a shareable cache buffer they read in place.
             shared = self.hub.ensure_slots(need, self.slots_key)
             return [] if isinstance(source, CacheSource) and source.segment is not None else shared
         if not source.needs_slot:

@@ -1,5 +1,5 @@
-"""Where a version's bucket bytes come from: live tensors (``bypass_cpu``), the cache (a cached version or a
-re-send of one, checked against its identity first), or the cache's changes against a base (sparse)."""
+"""Where a version's bucket bytes come from: live tensors (``bypass_cpu``), the cache, or the cache's changes
+against a base (sparse). A re-send from the cache is first checked against the version's identity."""
 
 from __future__ import annotations
 
@@ -63,13 +63,13 @@ class Source(Protocol):
 
     @property
     def needs_slot(self) -> bool:
-        """bucket() must be given a send slot to fill (else it returns views of the source)."""
+        """Whether bucket() must be given a send slot to fill; if not, it returns views of the source."""
 
     def prepare(self, algo: DigestAlgo, device: torch.device, rank: int) -> list[int]:
-        """Work before the first bucket; returns what this owner tells the others (see ``plan``)."""
+        """Work before the first bucket. Returns what this owner tells the others (see ``plan``)."""
 
     def plan(self, told: list[list[int]] | None) -> None:
-        """Fix ``layout`` and ``owners`` from what every owner told (None: this rank is the only one)."""
+        """Fix ``layout`` and ``owners`` from what every owner told; None when this rank is the only owner."""
 
     def manifest(self, version: int, algo: str, wire_digests: list[int]) -> Manifest: ...
 
@@ -79,7 +79,7 @@ class Source(Protocol):
 
 
 class FullSource:
-    """What every full source shares: nothing to prepare, the wire digest is the version digest."""
+    """What every full source shares: there is nothing to prepare, and the wire digest is the version digest."""
 
     header_extra: dict = {}  # noqa: RUF012 - read only: spread into the header, never mutated
     skipped = 0
@@ -123,26 +123,26 @@ class LiveSource(FullSource):
 
 
 class CacheSource(FullSource):
-    """cached: bucket bytes are read from the version cache (copied to the device when the wire needs it;
-    assembled from its own and its parent's bytes for a delta version); while the version's snapshot still holds
-    the training loop, a bucket bound for a device slot is filled from the live tensors instead (device to
-    device: it does not wait for the bucket's device→host copy, nor copy it back)."""
+    """cached: bucket bytes are read from the version cache. They are copied to the device when the wire needs
+    it, and a delta version's are assembled from its own and its parent's bytes. While the version's snapshot
+    still holds the training loop, a bucket bound for a device slot is filled from the live tensors instead,
+    device to device, so it neither waits for the bucket's device→host copy nor copies it back."""
 
     mode: Mode = "cached"
 
     def __init__(self, cached: CachedVersion, device: DeviceInfo, as_version: int | None = None,
                  segment=None, expected_digest: str | None = None, drop: Callable[[], None] | None = None,
                  fill_timeout_s: float = 60.0) -> None:
-        """``as_version``: a re-send (rollback, catch-up, repair), checked against the version's identity first
-        (``expected_digest``: the digest the daemon recorded for it); ``drop`` evicts a copy that fails it.
-        A version still being snapshotted is read bucket by bucket as it is filled, each bucket waited for at
-        most ``fill_timeout_s`` (its device copies ordered before the send's on ``device``)."""
+        """``as_version``: a re-send (rollback, catch-up, repair), first checked against the version's identity
+        and ``expected_digest``, the digest the daemon recorded for it. ``drop`` evicts a copy that fails that.
+        A version still being snapshotted is read bucket by bucket as it is filled. Each bucket is waited for at
+        most ``fill_timeout_s``, its device copies ordered before the send's on ``device``."""
         self.cached, self.as_version = cached, as_version
         self._device, self._fill_timeout_s = device, fill_timeout_s
         self.expected_digest, self._drop = expected_digest, drop
-        # gloo sends host memory: a whole cached version goes on the wire without any copy
+        # gloo sends host memory, so a whole cached version goes on the wire without any copy
         self.needs_slot = not (device.comm_device.type == "cpu" and cached.is_whole)
-        # the cache buffer's shareable segment: colocated receivers read it in place
+        # the cache buffer's shareable segment, which colocated receivers read in place
         self.segment = segment if not self.needs_slot else None
         self.layout, self.owners = _version_layout(cached), _owners(cached)
         self.aliases, self.step = cached.aliases, cached.step
@@ -169,8 +169,8 @@ class CacheSource(FullSource):
                 return filled
         filling = self.cached.filling
         if filling is not None:
-            # Read in place (a host wire, colocated receivers) or staged in a host slot, the bytes are read by the
-            # CPU: it must wait for the bucket's device→host copy itself, not only queue behind it.
+            # Bytes read in place (a host wire, colocated receivers) or staged in a host slot are read by the CPU,
+            # which must wait for the bucket's device→host copy itself, not only queue behind it.
             on_host = slot is None or slot.device.type == "cpu"
             wait_for(self._device, filling.wait(local, self._fill_timeout_s), host=on_host)
         if not self.cached.is_whole:
@@ -178,8 +178,8 @@ class CacheSource(FullSource):
         return _placed(self.cached.bucket(local), _need(slot) if self.needs_slot else slot)
 
     def _from_live(self, live: LiveReads, local: int, slot: torch.Tensor) -> torch.Tensor | None:
-        """Bucket ``local`` filled into ``slot`` from the live tensors while the snapshot holds the loop, or None
-        (the loop went on, or the tensors are not on the slot's device: read the cache)."""
+        """Bucket ``local`` filled into ``slot`` from the live tensors while the snapshot holds the loop. None
+        when the loop went on or the tensors are not on the slot's device: the caller reads the cache."""
         bucket = self.cached.layout.buckets[local]
         with live.reading() as tensors:
             if tensors is None or (bucket.slots and tensors[bucket.slots[0].name].device != slot.device):
@@ -192,7 +192,7 @@ class CacheSource(FullSource):
         self.live_buckets += 1
         filling = self.cached.filling
         error = filling.error if filling is not None else None
-        if error is not None:  # the version would go out but never be cached: it fails, as from the cache
+        if error is not None:  # it would go out but never be cached, so it fails as a read from the cache would
             raise SnapshotFailed(f"the snapshot of version {self.cached.version} failed: {error}")
         return slot[: bucket.nbytes]
 
@@ -201,14 +201,14 @@ class CacheSource(FullSource):
 
 
 class StaleCopy(CkptEngineError):
-    """A cached version no longer is what it was when it was sent (its bytes or its record changed)."""
+    """A cached version is no longer what it was when it was sent: its bytes or its record changed."""
 
 
 def check_identity(cached: CachedVersion, algo: DigestAlgo, device: torch.device, rank: int,
                    expected_digest: str | None) -> None:
     """Raise StaleCopy, naming the tensors, unless this rank's cached bytes of the version are exactly what was
-    sent when it was first sent (and, given ``expected_digest``, what the daemon recorded): a re-send is
-    verified against the version's identity, never against digests recomputed from what is stored now."""
+    first sent and, given ``expected_digest``, what the daemon recorded. A re-send is verified against the
+    version's identity, never against digests recomputed from what is stored now."""
     identity, version = cached.identity, cached.version
     if identity is None:
         raise StaleCopy(f"owner rank {rank} holds no record of what version {version} was when it was sent, so it "
@@ -234,8 +234,8 @@ def cached_digests(cached: CachedVersion, algo: DigestAlgo, device: torch.device
 
 
 class ChangesSource:
-    """What every sparse source shares: the version's full manifest (``full``, set by ``prepare``/``plan``),
-    what changed against ``base`` (a manifest the receivers hold), the header that tells them so."""
+    """What every sparse source shares: the version's full manifest (``full``, set by ``prepare`` or
+    ``plan``), what changed against ``base`` (a manifest the receivers hold), and the header that says so."""
 
     mode: Mode = "cached"
 
@@ -268,8 +268,9 @@ class ChangesSource:
                 "full_version_digest": self.full.version_digest, "skipped": self.plan_.skipped}
 
     def told(self, algo: str, share: Layout, digests: list[int]) -> list[int]:
-        """From this owner's ``digests`` of the tensors of ``share``: alone, the version's manifest; with other
-        owners, its word for them: its base and (tensor index in the version, digest) of each of its tensors."""
+        """What this owner tells the others, from its ``digests`` of the tensors of ``share``: its base, then
+        (tensor index in the version, digest) for each of its tensors. A sole owner tells nothing and sets
+        the version's manifest instead."""
         if self.owners.ranks == 1:
             self.full = manifest_of(self.version, algo, share, digests)
             return []
@@ -278,9 +279,10 @@ class ChangesSource:
                                          for value in (position[slot.name], digest))]
 
     def plan(self, told: list[list[int]] | None) -> None:
-        """What changed against the base; with several owners, from every owner's share of the digests, and
-        against the base only when every owner holds the same one (an owner that did not send it, e.g. silent
-        when the owner count changed, has no manifest of it): else every owner plans the full version."""
+        """Plan what changed against the base. With several owners, the plan uses every owner's share of the
+        digests, and the base only when every owner holds the same one; otherwise every owner plans the full
+        version. An owner that did not send the base (e.g. silent when the owner count changed) has no manifest
+        of it."""
         full_layout = self.layout
         if told is not None:
             bases = {values[0] for values in told}
@@ -309,12 +311,12 @@ class ChangesSource:
 
 class SparseCacheSource(ChangesSource):
     """cached and sparse: only tensors whose digest differs from the base version's are sent, laid out in
-    their own buckets; the header tells receivers the base and the whole model's digest."""
+    their own buckets. The header tells receivers the base and the whole model's digest."""
 
     def __init__(self, cached: CachedVersion, base: Manifest | None, bucket_size: int, alignment: int,
                  on_host_wire: bool, parent: Manifest | None = None) -> None:
-        """``parent``: the manifest of the version a delta ``cached`` shares its unchanged tensors with, when
-        known; then only the delta's own tensors are digested."""
+        """``parent``: when known, the manifest of the version a delta ``cached`` shares its unchanged tensors
+        with. Then only the delta's own tensors are digested."""
         super().__init__(cached.version, cached.step, cached.aliases, _version_layout(cached), _owners(cached),
                          base, bucket_size, alignment)
         self.cached, self.parent = cached, parent
@@ -327,9 +329,9 @@ class SparseCacheSource(ChangesSource):
         return not (self._on_host_wire and in_place)
 
     def prepare(self, algo: DigestAlgo, device: torch.device, rank: int) -> list[int]:
-        """Digest what this rank caches of the version (only a delta's own tensors when its parent's digests
-        are known and the version is this rank's alone). With several owners, returns (tensor index in the
-        version, digest) pairs of this rank's share, for every owner to build the same manifest."""
+        """Digest what this rank caches of the version: only a delta's own tensors when its parent's digests
+        are known and the version is this rank's alone. With several owners, returns (tensor index in the
+        version, digest) pairs of this rank's share, so that every owner builds the same manifest."""
         cached, parent, self._algo = self.cached, self.parent, algo
         if (self.owners.ranks == 1 and not cached.is_whole and parent is not None and parent.algo == algo
                 and parent.layout_digest == cached.layout.digest):
@@ -363,15 +365,15 @@ class SparseCacheSource(ChangesSource):
 
 
 class PiecesChangesSource(ChangesSource):
-    """A class's pieces of a sharded version (send/class_senders.py) as the changes against the version its receivers
-    hold: every piece this owner sends is digested (``base``: the class's manifest of that version, per piece),
-    those whose digest differs go on the wire, cut from the cache."""
+    """A class's pieces of a sharded version (send/class_senders.py), as the changes against the version its
+    receivers hold. Every piece this owner sends is digested and compared with ``base``, the class's manifest of
+    that version, per piece. Those that differ go on the wire, cut from the cache."""
 
     needs_slot = True
 
     def __init__(self, version: int, step: int | None, aliases: Mapping[str, str], layout: Layout, owners: Owners,
                  pieces: Mapping[str, torch.Tensor], base: Manifest | None, bucket_size: int, alignment: int) -> None:
-        """``layout``/``owners``: the class's; ``pieces``: this owner's pieces as views of its cached tensors."""
+        """``layout`` and ``owners``: the class's. ``pieces``: this owner's pieces, as views of its cached tensors."""
         super().__init__(version, step, aliases, layout, owners, base, bucket_size, alignment)
         self._pieces = pieces
 
@@ -393,7 +395,7 @@ class PiecesChangesSource(ChangesSource):
 
 
 def record_identity(source: Source, manifest: Manifest) -> None:
-    """The first send of a cached version fixes what it is: every later re-send is checked against this."""
+    """Record what a cached version is at its first send; every later re-send is checked against it."""
     cached = getattr(source, "cached", None)
     if isinstance(cached, CachedVersion) and cached.identity is None and source.version == cached.version:
         cached.identity = manifest
@@ -408,14 +410,14 @@ def evict_quietly(cache: VersionCache, version: int) -> None:
 
 
 def _base_word(base: Manifest | None) -> int:
-    """A sparse base as one int64 word for the owners' vote (0: none)."""
+    """A sparse base as one int64 word for the owners' vote; 0 means none."""
     if base is None:
         return 0
     text = f"{base.version}|{base.algo}|{base.layout_digest}|{base.version_digest}"
     return (xxhash.xxh3_64_intdigest(text.encode()) >> 2) or 1
 
 
-# CachedVersion.__post_init__ fills in its optional layouts and owners: None here is a broken record.
+# CachedVersion.__post_init__ fills in its optional layouts and owners, so None here is a broken record.
 def _version_layout(cached: CachedVersion) -> Layout:
     if cached.version_layout is None:
         raise CacheError(f"cached version {cached.version} has no version layout")

@@ -1,5 +1,6 @@
-"""Framing on the sync group: every step of a version is a broadcast from the sender with a size both sides
-know in advance (fixed control frames, sizes announced in the previous frame, bucket sizes from the layout).
+"""Framing on the sync group: every step of a version is a broadcast from the sender, of a size both sides
+know in advance. Control frames have a fixed size; payload sizes are announced in the previous frame; bucket
+sizes come from the layout.
 
 Per version::
 
@@ -8,8 +9,9 @@ Per version::
     control END(len)    -> payload VersionTrailer                                     (or ABORT(len) -> reason)
     allgather of fixed-size Ack frames (every rank's outcome)
 
-A control frame is int64[8]: MAGIC, protocol, kind, version, a, b, c, d (+ digests for BUCKET). The protocol is
-1, or 2 in the BEGIN frame of a version whose tensors include pieces of chunked ones (see messages.py).
+A control frame is int64[8]: MAGIC, protocol, kind, version, a, b, c, d, followed by the digests for BUCKET.
+The protocol is 1, or 2 in the BEGIN frame of a version whose tensors include pieces of chunked ones
+(see messages.py).
 """
 
 from __future__ import annotations
@@ -55,14 +57,14 @@ class Frame:
 
 
 class Channel:
-    """Both sides call the same sequence of methods; the sender passes values, receivers get them back."""
+    """Both sides call the same sequence of methods. The sender passes values; receivers get them back."""
 
     def __init__(self, group: SyncGroup, src: int = 0) -> None:
         self.group = group
         self.src = src
         self.is_src = group.rank == src
         self._device = group.device.comm_device
-        self.open = False  # the sender: a version began on it and has not ended (its frames need no ring)
+        self.open = False  # sender only: a version began and has not ended, so its frames need no ring
 
     def frame(self, frame: Frame | None, extra_len: int, what: str, extra: torch.Tensor | None = None,
               timeout_s: float | None = None) -> Frame:
@@ -91,14 +93,15 @@ class Channel:
         return data if self.is_src and data is not None else bytes(host_buffer(tensor.cpu()))
 
     def data(self, buf: torch.Tensor) -> Any:
-        """Start the broadcast of a bucket's bytes; returns the work to wait on."""
+        """Start the broadcast of a bucket's bytes. Returns the work to wait on."""
         return self.group.broadcast(buf, self.src)
 
     def wait(self, work: Any, what: str) -> None:
         self.group.wait(work, what)
 
     def exchange_acks(self, ack: Ack, timeout_s: float | None) -> list[Ack | ProtocolError]:
-        """Every rank contributes its Ack; returns all ranks' Acks in rank order (or why one was unreadable)."""
+        """Every rank contributes its Ack. Returns all ranks' Acks in rank order; an unreadable one is given as
+        the ProtocolError saying why."""
         raw = _ack_bytes(ack)
         tensor = torch.zeros(ACK_BYTES, dtype=torch.uint8)
         tensor[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)

@@ -1,9 +1,9 @@
 """The sync group: a process group of its own (sender + receivers), independent of any default group.
 
-It is built directly from a backend class (``ProcessGroupGloo`` / ``ProcessGroupNCCL`` / HCCL) over a
-``PrefixStore`` whose prefix names the group and its generation, so a rebuilt group never reads keys of an
-older one and a trainer's ``torch.distributed`` default group is never touched. Every wait has a timeout;
-after a failed or timed-out collective the group is marked broken and must be rebuilt.
+It is built directly from a backend class (``ProcessGroupGloo``, ``ProcessGroupNCCL``, HCCL), so a trainer's
+``torch.distributed`` default group is never touched. Its ``PrefixStore`` prefix names the group and its
+generation, so a rebuilt group never reads keys of an older one. Every wait has a timeout. After a failed or
+timed-out collective the group is marked broken and must be rebuilt.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from ckpt_engine.ranks import GroupRank
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
-_STORE_GRACE_S = 2.0  # past the store's own timeout, before a store call is given up on from outside
+_STORE_GRACE_S = 2.0  # how long past the store's own timeout a store call is given up on from outside
 
 
 class MembersAbsent(SyncTimeoutError):
-    """A group's rendezvous or exchange failed; ``absent`` are the group ranks that never came to it (the
-    daemon benches those, never the ones that came and waited)."""
+    """A group's rendezvous or exchange failed. ``absent``: the group ranks that never came to it. The daemon
+    benches those, never the ones that came and waited."""
 
     def __init__(self, message: str, absent: Iterable[GroupRank] = ()) -> None:
         super().__init__(message)
@@ -41,7 +41,7 @@ class MembersAbsent(SyncTimeoutError):
 
 
 def absent_of(exc: BaseException) -> tuple[GroupRank, ...]:
-    """The group ranks a failure names as never having come (none for any other failure)."""
+    """The group ranks a failure names as never having come; none for any other failure."""
     return exc.absent if isinstance(exc, MembersAbsent) else ()
 
 
@@ -50,11 +50,11 @@ def _td(seconds: float) -> datetime.timedelta:
 
 
 def bounded(call: Callable[[], _T], timeout_s: float, what: str) -> _T:
-    """``call()`` (store operations), given up on after ``timeout_s``. torch's store client enforces its
-    timeouts against a server that is gone, not against one whose process accepted the connection and then
-    stopped (stalled, SIGSTOPped, swapping): a call on it blocks for good. The call runs on a helper thread
-    (store calls release the GIL); past the bound the caller gets a SyncTimeoutError and the helper stays
-    blocked until that server answers or goes away."""
+    """Run ``call()`` (a store operation), giving up after ``timeout_s``. torch's store client enforces its
+    timeouts against a server that is gone, but not against one that accepted the connection and then stopped
+    (stalled, SIGSTOPped, swapping); a call on that blocks for good. So the call runs on a helper thread, which
+    works because store calls release the GIL. Past the bound the caller gets a SyncTimeoutError, and the
+    helper stays blocked until that server answers or goes away."""
     outcome: dict[str, Any] = {}
 
     def run() -> None:
@@ -74,7 +74,7 @@ def bounded(call: Callable[[], _T], timeout_s: float, what: str) -> _T:
 
 
 def open_store(host: str, port: int, *, is_master: bool = False, timeout_s: float = 30.0) -> dist.TCPStore:
-    """A TCP store client (or the server, with ``is_master``); ``port=0`` with ``is_master`` picks a free port."""
+    """A TCP store client, or the server with ``is_master``. ``port=0`` with ``is_master`` picks a free port."""
     def connect() -> dist.TCPStore:
         return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False, timeout=_td(timeout_s))
 
@@ -87,7 +87,7 @@ def open_store(host: str, port: int, *, is_master: bool = False, timeout_s: floa
 
 
 def wait_for_key(store: dist.Store, key: str, timeout_s: float) -> bytes:
-    """``key``'s value once it is set, within ``timeout_s`` (also against a stalled store server)."""
+    """``key``'s value once it is set, within ``timeout_s``, even against a stalled store server."""
     def get() -> bytes:
         store.wait([key], _td(timeout_s))
         return store.get(key)
@@ -97,7 +97,7 @@ def wait_for_key(store: dist.Store, key: str, timeout_s: float) -> bytes:
 
 def serve_store(host: str, port: int, *, timeout_s: float = 30.0) -> dist.TCPStore:
     """The TCP store server, listening on ``host`` only. TCPStore alone listens on every interface whatever
-    host it is given; here it gets a socket bound to ``host`` (port 0: a free port)."""
+    host it is given, so here it gets a socket bound to ``host``. Port 0 picks a free port."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
@@ -108,7 +108,7 @@ def serve_store(host: str, port: int, *, timeout_s: float = 30.0) -> dist.TCPSto
     except OSError as exc:
         raise SyncTimeoutError(f"cannot listen for the rendezvous store on {host}:{port}: {exc}") from exc
     bound = listener.getsockname()[1]
-    try:  # the store owns the descriptor from here on (it closes it)
+    try:  # the store owns the descriptor from here on and closes it
         return dist.TCPStore(host, bound, is_master=True, wait_for_workers=False, timeout=_td(timeout_s),
                              master_listen_fd=listener.detach())
     except (RuntimeError, dist.DistError) as exc:
@@ -120,7 +120,7 @@ def store_prefix(name: str, generation: int) -> str:
 
 
 def owner_part(owner: int) -> str:
-    """The store part of owner ``owner``'s sync group within a generation (owner 0's is the generation's)."""
+    """The store part of owner ``owner``'s sync group within a generation. Owner 0's is the generation's own."""
     return "" if owner == 0 else f"owner-{owner}/"
 
 
@@ -144,9 +144,9 @@ class SyncGroup:
         label: str | None = None,
     ) -> None:
         """``part``: one of several groups of a generation (``owner-2/``, ``owners/``), under the generation's
-        prefix. ``prefix`` replaces the default store prefix ``ckpt-engine/<name>/gen-<generation>/``; for
+        prefix. ``prefix`` replaces the default store prefix ``ckpt-engine/<name>/gen-<generation>/``, for
         groups whose other members follow another project's convention (an inference engine's update group).
-        ``label``: who this member is (e.g. ``rollout worker 1``), for errors that name a peer that went away."""
+        ``label``: who this member is (e.g. ``rollout worker 1``), so errors can name a peer that went away."""
         if world_size < 2:
             raise ConfigError(f"a sync group needs a sender and at least one receiver, got world_size={world_size}")
         if not 0 <= rank < world_size:
@@ -160,8 +160,8 @@ class SyncGroup:
         self.device = device
         self.timeout_s = timeout_s
         self.broken: str | None = None
-        # A collective went through: every member really joined (the store only says they announced themselves,
-        # and takes any member's word for its address)
+        # Set once a collective went through, proving every member really joined. The store only says they
+        # announced themselves, and takes any member's word for its address.
         self.carried = False
         connect_s = timeout_s if connect_timeout_s is None else connect_timeout_s
         self.part = part
@@ -180,25 +180,27 @@ class SyncGroup:
                 f"sync group {name!r} gen {generation}: rank {rank} could not rendezvous with "
                 f"{world_size - 1} peer(s) within {connect_s:.1f}s ({time.monotonic() - started:.1f}s){who}: {exc}",
                 absent) from exc
-        self._rung = 0  # doorbells rung (the sender) or heard (a receiver) on this group: see ring()
+        self._rung = 0  # doorbells rung (sender) or heard (receiver) on this group; see ring()
         log.info("sync group %s gen %d up: rank %d/%d on %s", name, generation, rank, world_size, device.backend)
 
     def ring(self) -> None:
-        """The sender is about to open a version (or abort one before it began, or close): its receivers wait
-        for this in the store, bounded by the version's time limit, not in a collective bounded by the
-        backend's timeout (the sender begins at its next step boundary, maybe minutes after the rendezvous)."""
+        """Ring the receivers' doorbell: the sender is about to open a version, abort one before it began, or
+        close. Receivers wait for this in the store, bounded by the version's time limit, rather than in a
+        collective bounded by the backend's timeout: the sender begins at its next step boundary, maybe minutes
+        after the rendezvous."""
         key, self._rung = f"{_RING_KEY}{self._rung}", self._rung + 1
         try:
-            bounded(lambda: self._store.set(key, b"1"),  # type: ignore[arg-type]  # (the stub says str; bytes are taken)
+            bounded(lambda: self._store.set(key, b"1"),  # type: ignore[arg-type]  # the stub says str; bytes work
                     _STORE_GRACE_S + self.timeout_s, "ringing the receivers")
         except Exception as exc:
             raise self._fail(f"could not ring the receivers (its rendezvous store is unreachable): {exc}",
                              SyncTimeoutError) from exc
 
     def await_ring(self, timeout_s: float, abandon: Callable[[], str | None] | None = None) -> str | None:
-        """A receiver: wait (up to ``timeout_s``) until the sender rings for the next version's first frame;
-        None then. ``abandon()`` is asked every second: a reason it gives ends the wait (the version will not
-        come: a newer one is assigned, the daemon restarted) and is returned, the doorbell not taken."""
+        """For a receiver: wait up to ``timeout_s`` until the sender rings for the next version's first frame,
+        then return None. ``abandon()`` is asked every second. A reason it gives means the version will not come
+        (a newer one is assigned, the daemon restarted): the wait ends, the reason is returned, and the doorbell
+        is not taken."""
         key, deadline = f"{_RING_KEY}{self._rung}", time.monotonic() + timeout_s
         while True:
             step = min(_RING_CHECK_S, deadline - time.monotonic()) if abandon is not None else timeout_s
@@ -227,7 +229,7 @@ class SyncGroup:
             raise self._fail(f"broadcast could not start: {exc}") from exc
 
     def wait(self, work: Any, what: str, timeout_s: float | None = None) -> None:
-        """Wait for ``work``; a timeout or peer failure marks the group broken and raises."""
+        """Wait for ``work``. A timeout or peer failure marks the group broken and raises."""
         limit = self.timeout_s if timeout_s is None else timeout_s
         try:
             work.wait(_td(limit))
@@ -243,7 +245,7 @@ class SyncGroup:
         self.wait(self.broadcast(tensor, src), what)
 
     def allgather(self, tensor: torch.Tensor, what: str, timeout_s: float | None = None) -> list[torch.Tensor]:
-        """Every rank contributes ``tensor`` (same size everywhere); returns one tensor per rank."""
+        """Every rank contributes ``tensor``, of the same size everywhere. Returns one tensor per rank."""
         self._check_usable()
         outputs = [torch.empty_like(tensor) for _ in range(self.world_size)]
         try:
@@ -255,9 +257,9 @@ class SyncGroup:
 
     def exchange_ints(self, values: list[int], what: str, timeout_s: float | None = None, *,
                       round_id: tuple[str, int] | None = None) -> list[list[int]]:
-        """Every rank contributes a list of int64 values (of any length); returns every rank's, in rank order.
-        ``round_id`` (kind, number): each rank notes in the store that it came to this round, so that when the
-        exchange fails the error names the ranks that never came (``MembersAbsent``)."""
+        """Every rank contributes a list of int64 values, of any length. Returns every rank's, in rank order.
+        ``round_id`` (kind, number): each rank notes in the store that it came to this round, so that a failed
+        exchange names the ranks that never came (``MembersAbsent``)."""
         if round_id is not None:
             self._note_present(round_id)
         device = self.device.comm_device
@@ -276,8 +278,8 @@ class SyncGroup:
         return [g[:size].cpu().tolist() for g, size in zip(gathered, sizes)]
 
     def say(self, topic: str, text: str) -> None:
-        """Leave ``text`` for the other members under ``topic`` (best effort, bounded), e.g. why this rank voted
-        no: the vote itself carries only a flag."""
+        """Leave ``text`` for the other members under ``topic``, best effort and bounded. E.g. why this rank
+        voted no, since the vote itself carries only a flag."""
         try:
             bounded(lambda: self._store.set(f"said/{topic}/{self.rank}",
                                             text[:2000].encode(errors="replace")),  # type: ignore[arg-type]
@@ -286,7 +288,7 @@ class SyncGroup:
             log.debug("sync group %s: could not leave a note: %s", self.name, exc)
 
     def heard(self, topic: str, ranks: list[int]) -> dict[int, str]:
-        """What ``ranks`` said under ``topic`` (those that said something)."""
+        """What those of ``ranks`` that said something said under ``topic``."""
         def read() -> dict[int, str]:
             keys = {rank: f"said/{topic}/{rank}" for rank in ranks}
             return {rank: self._store.get(key).decode(errors="replace") for rank, key in keys.items()
@@ -298,7 +300,7 @@ class SyncGroup:
             return {}
 
     def _note_present(self, round_id: tuple[str, int]) -> None:
-        try:  # one key per rank and kind, overwritten every round: the store does not grow
+        try:  # one key per rank and kind, overwritten every round, so the store does not grow
             bounded(lambda: self._store.set(f"present/{round_id[0]}/{self.rank}", str(round_id[1])),
                     _STORE_GRACE_S, "noting presence")
         except Exception as exc:  # noqa: BLE001 - only the error text of a failed exchange depends on it
@@ -316,7 +318,7 @@ class SyncGroup:
             return []
 
     def close(self) -> None:
-        """Release the backend's resources; the group cannot be used afterwards."""
+        """Release the backend's resources. The group cannot be used afterwards."""
         if self.broken is None:
             self.broken = "closed"
         pg, self._pg = getattr(self, "_pg", None), None
@@ -340,19 +342,19 @@ def _construct(
     store: dist.Store, rank: int, size: int, device: DeviceInfo, timeout_s: float, bind_host: str | None, *,
     own: bool = True, connect_s: float | None = None, label: str | None = None,
 ) -> Any:
-    """The backend's process group. ``own``: every member is a SyncGroup (NCCL: rendezvous and connect now).
-    ``connect_s``: how long the rendezvous may take (default ``timeout_s``)."""
+    """The backend's process group. ``own``: every member is a SyncGroup, so NCCL can rendezvous and connect
+    now. ``connect_s``: how long the rendezvous may take; ``timeout_s`` by default."""
     connect_s = timeout_s if connect_s is None else connect_s
     if own:
         bounded(lambda: await_members(store, rank, size, label), connect_s + _STORE_GRACE_S,
                 f"rank {rank} announcing itself in the rendezvous store")
     if device.backend == "gloo":
         gloo = dist.ProcessGroupGloo
-        options = gloo._Options()  # type: ignore[attr-defined]  # (private: not in torch's stubs)
+        options = gloo._Options()  # type: ignore[attr-defined]  # private: not in torch's stubs
         options._timeout = _td(timeout_s)
         options._devices = [gloo.create_device(hostname=bind_host) if bind_host else gloo.create_default_device()]
-        # gloo connects within its operations' timeout: a member that announced itself and never connects
-        # must cost the rendezvous's bound, not a collective's (the attempt is left to end on its own)
+        # gloo connects within its operations' timeout, but a member that announced itself and never connects
+        # must cost the rendezvous's bound, not a collective's. The attempt is left to end on its own.
         return bounded(lambda: gloo(store, rank, size, options), connect_s + _STORE_GRACE_S,
                        f"rank {rank} connecting gloo's full mesh")
     set_current(device)
@@ -380,32 +382,32 @@ _RING_CHECK_S = 1.0  # how often a receiver waiting for the doorbell asks whethe
 
 
 def _store_gone(exc: BaseException) -> bool:
-    """A store error that is not a wait running out: the connection to the store broke (its daemon is gone)."""
+    """Whether a store error is not a wait running out but a broken connection: the store's daemon is gone."""
     text = str(exc).lower()
     return not ("timeout" in text or "timed out" in text or "no answer" in text)
-# Where gloo's rendezvous leaves each rank's address, under the group's prefix (torch's gloo store wrapper): a
-# member that announced itself but never started gloo has none
+# Where gloo's rendezvous (torch's gloo store wrapper) leaves each rank's address, under the group's prefix.
+# A member that announced itself but never started gloo has none.
 _GLOO_ADDRESS_KEY = "0/"
 # Read by ProcessGroupNCCL's constructor. Its default (3, SkipCleanUp) has the NCCL watchdog take the whole
-# process down when a collective fails or times out: a rollout that dies, or is slow to acknowledge, would
+# process down when a collective fails or times out, so a rollout that dies or is slow to acknowledge would
 # kill the trainer. 2 (CleanUpOnly) aborts the group's communicators and lets the failed wait raise, which
-# marks the group broken: the same contract as on gloo.
+# marks the group broken, the same contract as on gloo.
 _NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 
 def await_members(store: dist.Store, rank: int, size: int, label: str | None = None) -> None:
-    """Every rank announces itself in ``store`` (who it is: host, pid, label) and waits, up to the store's
-    timeout, until all have. gloo's constructor would wait too, but could not say who is missing; NCCL builds
-    its communicator lazily, inside the first collective, where a missing peer blocks the caller with no
-    timeout at all."""
+    """Announce this rank in ``store`` (host, pid, label) and wait, up to the store's timeout, until all ranks
+    have. gloo's constructor would wait too, but could not say who is missing. NCCL builds its communicator
+    lazily, inside the first collective, where a missing peer blocks the caller with no timeout at all."""
     me = {"host": socket.gethostname(), "pid": os.getpid(), "label": label}
-    store.set(f"{_MEMBER_KEY}{rank}", json.dumps(me).encode())  # type: ignore[arg-type]  # (the stub says str)
+    store.set(f"{_MEMBER_KEY}{rank}", json.dumps(me).encode())  # type: ignore[arg-type]  # the stub says str
     store.wait([f"{_MEMBER_KEY}{r}" for r in range(size)])
 
 
 def gone_members(store: dist.Store, size: int, own_rank: int) -> list[str]:
-    """Members of this host whose process is gone, named as they announced themselves (after a collective
-    failed: the backend's own text, e.g. gloo's "Connection closed by peer", names an address, not a peer)."""
+    """Members on this host whose process is gone, named as they announced themselves. For use after a
+    collective failed: the backend's own text (e.g. gloo's "Connection closed by peer") names an address, not
+    a peer."""
     host = socket.gethostname()
 
     def named() -> list[str]:
@@ -430,7 +432,7 @@ def gone_members(store: dist.Store, size: int, own_rank: int) -> list[str]:
 
 
 def _process_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    """Whether ``pid`` runs. A zombie, dead but not yet reaped by its parent, does not."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
@@ -445,9 +447,9 @@ def _process_alive(pid: int) -> bool:
 
 
 def absent_members(store: dist.Store, size: int, backend: str = "gloo") -> list[GroupRank]:
-    """Ranks that never came (after a failed rendezvous): that never announced themselves, or, when all did,
-    that never started the backend's own rendezvous (gloo: never left their address); the daemon benches
-    those, not the ranks that came and waited."""
+    """After a failed rendezvous, the ranks that never came: those that never announced themselves or, when
+    all did, those that never started the backend's own rendezvous (on gloo, never left their address). The
+    daemon benches those, not the ranks that came and waited."""
     def missing(prefix: str) -> list[GroupRank]:
         return [GroupRank(r) for r in range(size) if not store.check([f"{prefix}{r}"])]
 
@@ -455,8 +457,9 @@ def absent_members(store: dist.Store, size: int, backend: str = "gloo") -> list[
         return missing(_MEMBER_KEY) or (missing(_GLOO_ADDRESS_KEY) if backend == "gloo" else [])
 
     try:
-        # a connection of its own: gloo's attempt may still wait on the group's (its client serves one call at once)
-        store = bounded(store.clone, _STORE_GRACE_S,  # type: ignore[attr-defined]  # (not in torch's stubs)
+        # A connection of its own: gloo's attempt may still wait on the group's, whose client serves one call
+        # at a time.
+        store = bounded(store.clone, _STORE_GRACE_S,  # type: ignore[attr-defined]  # not in torch's stubs
                         "connecting to the rendezvous store again")
         return bounded(who, _STORE_GRACE_S, "asking the rendezvous store who joined")
     except Exception:  # noqa: BLE001 - the store itself is gone: nobody can be named
@@ -483,5 +486,5 @@ def _connect_now(pg: Any, device: DeviceInfo, timeout_s: float) -> None:
     if connect is not None:
         connect(device.torch_device)
         return
-    opts = dist.BroadcastOptions()  # older torch: the first collective builds it
+    opts = dist.BroadcastOptions()  # older torch has no eager connect: the first collective builds it
     pg.broadcast([torch.zeros(1, dtype=torch.uint8, device=device.torch_device)], opts).wait(_td(timeout_s))

@@ -1,13 +1,14 @@
 """Same-host transport: a colocated receiver maps the sender's double-buffered bucket slots instead of
 receiving them through a collective.
 
-- Slots are memfd segments (``os.memfd_create``) mapped with ``torch.from_file``: they have no name in any
-  filesystem, so nothing can be left behind in ``/dev/shm``, whoever is killed (the kernel frees a segment
-  when its last mapping goes). CUDA: the slots are device buffers shared once by CUDA IPC handle.
-- The control channel is a Unix stream socket in the abstract namespace (no file either): length-prefixed
-  msgpack frames; slot descriptors travel once per slot (fds by SCM_RIGHTS), then only per-bucket metadata.
-- Flow control: a slot is overwritten only after every receiver released the bucket it held; a receiver
-  that does not release within the timeout is dropped, the others go on.
+- Slots are memfd segments (``os.memfd_create``) mapped with ``torch.from_file``. They have no name in any
+  filesystem, so nothing can be left behind in ``/dev/shm`` whoever is killed: the kernel frees a segment
+  when its last mapping goes. On CUDA the slots are device buffers, shared once by CUDA IPC handle.
+- The control channel is a Unix stream socket in the abstract namespace, so no file either, carrying
+  length-prefixed msgpack frames. Slot descriptors travel once per slot (fds by SCM_RIGHTS); after that only
+  per-bucket metadata does.
+- Flow control: a slot is overwritten only after every receiver released the bucket it held. A receiver
+  that does not release within the timeout is dropped, and the others go on.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from ckpt_engine.plan.tensors import forget_fill_views
 from ckpt_engine.ranks import QuorumRank
 
 log = logging.getLogger(__name__)
-IPC_PROTO = 2  # 2: takes versions with chunked tensors (an older receiver says 1, or nothing)
+IPC_PROTO = 2  # 2 takes versions with chunked tensors; an older receiver says 1, or nothing
 MAX_FRAME_BYTES = 64 << 20
 _LEN = struct.Struct("<I")
 
@@ -78,7 +79,7 @@ class FramedSocket:
             raise PeerGone(f"IPC peer unreachable: {exc}") from exc
 
     def recv(self, timeout_s: float) -> tuple[dict[str, Any], list[int]]:
-        """One frame and the descriptors that came with it; PeerGone / SyncTimeoutError otherwise."""
+        """One frame and the descriptors that came with it. Raises PeerGone or SyncTimeoutError otherwise."""
         deadline = time.monotonic() + timeout_s
         head, fds = self._read(_LEN.size, deadline, with_fds=True)
         (length,) = _LEN.unpack(head)
@@ -116,10 +117,10 @@ class FramedSocket:
         return b"".join(chunks), fds
 
     def readable(self, timeout_s: float) -> bool:
-        """True once a frame (or the peer's close) is waiting, False after ``timeout_s``."""
+        """True once a frame, or the peer's close, is waiting; False after ``timeout_s``."""
         try:
             return bool(select.select([self.sock], [], [], max(timeout_s, 0.0))[0])
-        except (OSError, ValueError):  # closed under us: the next read says how
+        except (OSError, ValueError):  # closed under us: the next read says how it failed
             return True
 
     def close(self) -> None:
@@ -143,17 +144,17 @@ class SharedSlot:
         return self.tensor.device.type == "cuda"
 
     def describe(self) -> dict[str, Any]:
-        """What a receiver needs to map the slot. A CUDA slot gets a fresh IPC handle for every description:
-        each carries its own reference count, so every receiver that maps it holds the memory on its own (one
-        handle for several receivers would be released by the first one to let go)."""
+        """What a receiver needs to map the slot. A CUDA slot gets a fresh IPC handle for every description,
+        each with its own reference count, so every receiver that maps it holds the memory on its own. One
+        handle shared by several receivers would be released by the first one to let go."""
         if self.is_cuda:
             return {"index": self.index, "nbytes": self.nbytes, "kind": "cuda",
                     "cuda_handle": _cuda_handle(self.tensor), "device_uuid": _device_uuid(self.tensor.device)}
         return {"index": self.index, "nbytes": self.nbytes, "kind": "memfd", "cuda_handle": None}
 
     def close(self) -> None:
-        """Let the slot go: the views fills keep into it would otherwise keep its memory (this process's mapping,
-        or its device allocation) for as long as they are cached."""
+        """Let the slot go. The views that fills keep into it would otherwise hold its memory (this process's
+        mapping, or its device allocation) for as long as they are cached."""
         forget_fill_views(self.tensor)
         if self.fd is not None:
             os.close(self.fd)
@@ -170,7 +171,7 @@ def create_slot(index: int, nbytes: int, device: DeviceInfo) -> SharedSlot:
 
 
 def map_slot(description: dict[str, Any], fd: int | None, device: DeviceInfo) -> torch.Tensor:
-    """The receiver's view of a sender's slot (a CUDA slot stays on the sender's GPU, whichever this is)."""
+    """The receiver's view of a sender's slot. A CUDA slot stays on the sender's GPU, whichever that is here."""
     nbytes = int(description["nbytes"])
     if description.get("kind", "memfd") == "cuda":
         return _open_cuda_handle(description, nbytes)
@@ -184,7 +185,7 @@ def map_slot(description: dict[str, Any], fd: int | None, device: DeviceInfo) ->
 
 # torch's CUDA IPC share tuple, as torch.multiprocessing.reductions passes it from _share_cuda_ to
 # _new_shared_cuda: (device index, handle, storage bytes, storage offset, ref-counter handle, ref-counter
-# offset, event handle, event sync flag); every element is bytes / int / bool, so it travels as msgpack.
+# offset, event handle, event sync flag). Every element is bytes, int or bool, so it travels as msgpack.
 _SHARE_TUPLE_LEN = 8
 
 
@@ -193,7 +194,7 @@ def _cuda_handle(tensor: torch.Tensor) -> list[Any]:
 
 
 def _device_uuid(device: torch.device) -> str | None:
-    """The GPU's UUID: device indexes differ between processes with different CUDA_VISIBLE_DEVICES."""
+    """The GPU's UUID, since device indexes differ between processes with different CUDA_VISIBLE_DEVICES."""
     try:
         return str(torch.cuda.get_device_properties(device).uuid)
     except (AttributeError, RuntimeError):  # an old torch without uuid: fall back to the index
@@ -201,7 +202,7 @@ def _device_uuid(device: torch.device) -> str | None:
 
 
 def _local_cuda_index(description: dict[str, Any], sender_index: int) -> int:
-    """This process's index of the sender's GPU: found by UUID, or the sender's index when none was sent."""
+    """This process's index of the sender's GPU, found by UUID; the sender's index when no UUID was sent."""
     uuid = description.get("device_uuid")
     if not isinstance(uuid, str):
         return sender_index
@@ -225,17 +226,18 @@ def _open_cuda_handle(description: dict[str, Any], nbytes: int) -> torch.Tensor:
 
 @dataclass
 class SlotSet:
-    """Two shared slots one stream of buckets alternates between; ``generation`` (unique in its hub) tells a
-    peer whether what it mapped is still them."""
+    """Two shared slots one stream of buckets alternates between. ``generation``, unique in its hub, tells a
+    peer whether what it mapped is still these slots."""
 
     slots: list[SharedSlot]
     generation: int
 
 
 class IpcHub:
-    """Sender side: listens on an abstract Unix socket; colocated receivers connect and introduce themselves.
-    Owns the shared slots: two per stream (``key``: "" for a whole version, a class's key for each class of a
-    sharded version, sent at once), created once, grown only when a bucket no longer fits."""
+    """Sender side: listens on an abstract Unix socket, where colocated receivers connect and introduce
+    themselves. Owns the shared slots, two per stream, created once and grown only when a bucket no longer
+    fits. A stream's ``key`` is "" for a whole version, or a class's key for each class of a sharded version,
+    since the classes are sent at once."""
 
     def __init__(self, name: str, device: DeviceInfo) -> None:
         self.name = name
@@ -267,21 +269,21 @@ class IpcHub:
 
     @property
     def slots(self) -> list[SharedSlot]:
-        """The slots of whole versions (none yet: empty)."""
+        """The slots of whole versions; empty while there are none."""
         found = self._slot_sets.get("")
         return found.slots if found is not None else []
 
     def keep_slot_sets(self, keys: set[str]) -> None:
-        """Free the slots of classes no longer sent (whole versions' stay): a deployment whose receivers come
-        and go would otherwise keep two buckets of shared memory for every class it ever had."""
+        """Free the slots of classes no longer sent; whole versions' slots stay. A deployment whose receivers
+        come and go would otherwise keep two buckets of shared memory for every class it ever had."""
         for key in [k for k in self._slot_sets if k and k not in keys]:
             for slot in self._slot_sets.pop(key).slots:
                 slot.close()
 
     def peers(self, wanted: Mapping[str, int], timeout_s: float
               ) -> tuple[list[IpcPeer], dict[str, tuple[QuorumRank, str]]]:
-        """The connected peers among ``wanted`` (agent id -> quorum rank), waiting up to ``timeout_s`` for the
-        rest; returns them and, for those still missing, their rank and why."""
+        """The connected peers among ``wanted`` (agent id -> quorum rank), after waiting up to ``timeout_s``
+        for the rest. Also returns, for those still missing, their rank and why."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while True:
@@ -298,9 +300,10 @@ class IpcHub:
         return found, missing
 
     def release(self, peers: list[IpcPeer]) -> None:
-        """A version is over with these peers; close the channels of those replaced by a reconnect meanwhile
-        (kept open until now so what they already sent, such as their acknowledgement, is still read). Slots
-        replaced by larger ones are freed here once the receivers that mapped them have mapped the new ones."""
+        """End a version with these peers. Close the channels of those replaced by a reconnect meanwhile; they
+        were kept open until now so that what they already sent, such as their acknowledgement, is still read.
+        Slots replaced by larger ones are freed here once the receivers that mapped them have mapped the new
+        ones."""
         with self._changed:
             for peer in peers:
                 peer.in_use = False
@@ -373,7 +376,8 @@ class IpcPeer:
     pending_ack: dict[str, Any] | None = field(default=None, repr=False)
 
     def alive(self) -> bool:
-        """False once the receiver closed its end (checked between versions, when it has nothing to say)."""
+        """False once the receiver closed its end. Checked between versions, when a live receiver has nothing
+        to say."""
         sock = self.channel.sock
         try:
             if not select.select([sock], [], [], 0)[0]:
