@@ -230,3 +230,31 @@ def test_retired_memory_is_kept_for_two_more_failures_then_freed() -> None:
         assert held == {b.data_ptr() for b in buffers[2:]}
     finally:
         endpoint.close()
+
+
+def test_an_owners_metadata_stays_the_same_once_its_buffers_are_registered() -> None:
+    """Pullers load an owner's metadata again whenever it changes (it lists what is registered): descriptors are
+    written into reused registered slots, so after the first versions nothing new is registered."""
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.plan.layout import plan_layout
+    from ckpt_engine.plan.tensors import specs_of
+    from ckpt_engine.send.cache import VersionCache
+    from ckpt_engine.workers.pull_server import PullServer
+
+    tensors = _model()
+    layout = plan_layout(specs_of(tensors), bucket_size=64 << 10)
+    cache = VersionCache(detect_device("cpu"), keep_versions=2)
+    pulls = PullServer()
+    try:
+        metadata = []
+        for version in range(1, 7):
+            cache.snapshot(version, layout, tensors, step=version)
+            pulls.release(before=version)
+            offer = pulls.offer(cache, version, None, "xxh3-64", 60.0)
+            metadata.append(bytes(offer.agent))
+            for old in [v for v in cache.versions() if v < version - 1]:
+                cache.evict(old)
+        assert metadata[-1] == metadata[-2] == metadata[-3], [len(m) for m in metadata]
+        assert pulls.held == [6]
+    finally:
+        pulls.close()

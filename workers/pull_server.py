@@ -11,6 +11,8 @@ import logging
 import threading
 import time
 
+import torch
+
 from ckpt_engine.control.messages import Assignment, RegisterReply
 from ckpt_engine.device import DigestAlgo
 from ckpt_engine.errors import CkptEngineError
@@ -21,6 +23,8 @@ from ckpt_engine.transport.messages import PullOffer
 from ckpt_engine.transport.nixl import NixlEndpoint
 
 log = logging.getLogger(__name__)
+_MIN_SLOT = 64 << 10
+_SLOTS_KEPT = 4
 
 
 class PullServer:
@@ -30,6 +34,7 @@ class PullServer:
         self._endpoint: NixlEndpoint | None = None
         self._leases: dict[int, tuple[float, contextlib.ExitStack]] = {}  # version -> (release by, its lease)
         self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []  # descriptor slots no offered version holds (registered)
 
     def offer(self, cache: VersionCache, version: int, source_version: int | None, algo: DigestAlgo,
               hold_s: float) -> PullOffer:
@@ -39,11 +44,11 @@ class PullServer:
         cached = stack.enter_context(cache.lease(source_version if source_version is not None else version))
         endpoint = self._endpoint_now()
         try:
-            offered = offer_cached(endpoint, cached, version=version, algo=algo)
+            offered = offer_cached(endpoint, cached, version=version, algo=algo, descriptor_into=self._slot)
         except BaseException:
             stack.close()
             raise
-        stack.callback(endpoint.forget, offered.descriptor)  # (released with the version's lease)
+        stack.callback(self._free_slot, offered.descriptor)  # (released with the version's lease)
         with self._lock:
             earlier = self._leases.pop(version, None)
             self._leases[version] = (time.monotonic() + hold_s, stack)
@@ -83,6 +88,27 @@ class PullServer:
             stack.close()
         if endpoint is not None:
             endpoint.close()
+
+    def _slot(self, nbytes: int) -> torch.Tensor:
+        """Registered memory for a descriptor, reused once its version is released: the agent's metadata then
+        stays the same from version to version, and pullers need not load it again."""
+        with self._lock:
+            fitting = [t for t in self._free if t.numel() >= nbytes]
+            if fitting:
+                slot = min(fitting, key=torch.Tensor.numel)
+                self._free = [t for t in self._free if t is not slot]
+                return slot
+        return torch.empty(max(_MIN_SLOT, 1 << (nbytes - 1).bit_length()), dtype=torch.uint8)
+
+    def _free_slot(self, slot: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(slot)
+            drop = sorted(self._free, key=torch.Tensor.numel)[:-_SLOTS_KEPT] if len(self._free) > _SLOTS_KEPT else []
+            self._free = [t for t in self._free if all(t is not d for d in drop)]
+            endpoint = self._endpoint
+        for slot in drop:
+            if endpoint is not None:
+                endpoint.forget(slot)
 
     @property
     def held(self) -> list[int]:

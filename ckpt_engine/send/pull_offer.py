@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,9 +40,12 @@ class Offered:
 
 
 def offer_cached(endpoint: NixlEndpoint, cached: CachedVersion, *, version: int | None = None,
-                 algo: DigestAlgo = "xxh3-64") -> Offered:
+                 algo: DigestAlgo = "xxh3-64", descriptor_into: Callable[[int], torch.Tensor] | None = None
+                 ) -> Offered:
     """``cached`` (a whole version: not a delta, not one rank's share) as a pull offer, labelled ``version``
-    (a re-push: the cached bytes of an older version under a new id; default: its own)."""
+    (a re-push: the cached bytes of an older version under a new id; default: its own). ``descriptor_into(n)``:
+    registered memory of at least n bytes for the descriptor (reused memory keeps the agent's metadata, which
+    lists what is registered, the same from version to version; default: new memory, registered here)."""
     label = cached.version if version is None else version
     share = cached.version_layout is not None and cached.version_layout.digest != cached.layout.digest
     if not cached.is_whole or share:
@@ -58,8 +62,14 @@ def offer_cached(endpoint: NixlEndpoint, cached: CachedVersion, *, version: int 
                              version_digest=version_digest(algo, layout.digest, [d for b in digests for d in b]))
     raw = encode(PullDescriptor(offset=buffer.data_ptr() - region.addr, header=header, digests=digests,
                                 trailer=trailer))
-    descriptor = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if descriptor_into is None:
+        descriptor = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    else:
+        descriptor = descriptor_into(len(raw))
+        descriptor[: len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
     where = endpoint.register(descriptor)
+    if descriptor.data_ptr() != where.addr:
+        raise CacheError("a descriptor must start its registered memory")  # (the offer says: at the region's start)
     return Offered(PullOffer(version=label, agent=base64.b64encode(endpoint.metadata()),  # (its wire form)
                              region=_wire(region), descriptor=_wire(where), descriptor_nbytes=len(raw),
                              descriptor_digest=xxhash.xxh3_64_hexdigest(raw)), descriptor)
