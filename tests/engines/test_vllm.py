@@ -129,8 +129,12 @@ def check_push_fail_repair(daemon, driver, control, generate, trainer_state) -> 
     assert "resume" not in events[failed_at:repaired_at], events  # torn: paused until repaired
 
 
-def test_the_ckpt_engine_backend_in_an_offline_llm(tmp_path: Path) -> None:
-    daemon = start_daemon(write_config(tmp_path, transport="collective", timeouts=_TIMEOUTS, bucket_size_mb=1))
+@pytest.mark.parametrize("transport", ["collective", "nixl"])
+def test_the_ckpt_engine_backend_in_an_offline_llm(tmp_path: Path, transport: str) -> None:
+    """Pushed on the sync group, or pulled over NIXL (``transport: nixl``: the worker reads each version from the
+    trainer's cache, verifies and applies it; the repair pulls the cached one)."""
+    daemon = start_daemon(write_config(tmp_path, transport=transport, nixl_trust_receivers=transport == "nixl",
+                                       timeouts=_TIMEOUTS, bucket_size_mb=1))
     base = llama(seed=1)
     state = {"base": base, "tensors": hf_tensors(base)}
     trainer = TrainerLoop(daemon.zmq, lambda: state["tensors"])
@@ -144,6 +148,9 @@ def test_the_ckpt_engine_backend_in_an_offline_llm(tmp_path: Path) -> None:
 
         check_push_fail_repair(daemon, driver, control, generate, state)
         assert llm.llm_engine.engine_core.get_weight_version() == str(driver.version)
+        with daemon.client() as http:
+            used = {e["transport"] for v in http.get("/versions").json()["versions"] for e in v["receivers"]}
+        assert used == {transport}, used
     finally:
         driver.close()
         trainer.close()
@@ -226,33 +233,6 @@ def test_the_backend_streams_versions_and_a_bad_middle_bucket_leaves_it_paused_u
     events = control.events
     failed_at = events.index(f"failed {failed['id']}")
     assert "resume" not in events[failed_at:events.index(f"apply {repair['id']}")], events
-
-
-def test_the_backend_pulls_its_versions_over_nixl(tmp_path: Path) -> None:
-    """``transport: nixl``: the vLLM worker pulls each version from the trainer's cache over NIXL (UCX here over
-    TCP / shared memory), verifies it and applies it; a torn version is repaired by pulling the cached one."""
-    daemon = start_daemon(write_config(tmp_path, transport="nixl", nixl_trust_receivers=True, timeouts=_TIMEOUTS,
-                                       bucket_size_mb=1))
-    base = llama(seed=1)
-    state = {"base": base, "tensors": hf_tensors(base)}
-    trainer = TrainerLoop(daemon.zmq, lambda: state["tensors"])
-    llm = make_llm(save_model(tmp_path / "model", seed=1), weight_transfer_config={"backend": "ckpt_engine"})
-    control = Recorded(LLMControl(llm))
-    driver = start_vllm_driver(control, daemon.zmq, engine="vllm-nixl")
-    try:
-        def generate() -> list[int]:
-            with control.control.serving(timeout_s=120):
-                return vllm_tokens(llm)
-
-        check_push_fail_repair(daemon, driver, control, generate, state)
-        with daemon.client() as http:
-            pulled = [e["transport"] for v in http.get("/versions").json()["versions"] for e in v["receivers"]]
-        assert pulled and set(pulled) == {"nixl"}, pulled
-    finally:
-        driver.close()
-        trainer.close()
-        llm.llm_engine.engine_core.shutdown()
-        daemon.stop()
 
 
 def test_the_worker_extension_in_an_offline_llm(tmp_path: Path) -> None:
