@@ -27,107 +27,19 @@ Time: from the first publish to every receiver verified (cached mode, snapshot i
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
-import os
-import shutil
 import statistics
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
-SUBNET = "10.213.0"
-MiB = 1 << 20
+from ckpt_engine.bench.netns_cluster import MiB, cannot_run, cluster, finish, llama_model, model_shapes, nixl_missing
 
 
 # ---- the cluster ---------------------------------------------------------------------------------------------
-def nixl_missing() -> str | None:
-    """Why the pulled rows cannot run here (None: they can)."""
-    from ckpt_engine.transport.nixl import NixlUnavailable, nixl_api
-
-    try:
-        nixl_api()
-    except NixlUnavailable as exc:
-        return str(exc)
-    return None
-
-
-def cannot_run() -> str | None:
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "iproute2 (ip, tc) is not installed"
-    return None
-
-
-def _sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True, timeout=30)
-
-
-@contextlib.contextmanager
-def cluster(nodes: int, rate_mbit: int) -> Iterator[list[tuple[str, str]]]:
-    """``nodes`` namespaces, each (name, address), linked through a bridge by rate-limited veths; removed on
-    exit."""
-    tag = uuid.uuid4().hex[:5]
-    hub = f"ckb{tag}h"
-    made: list[str] = []
-    try:
-        _sh("ip", "netns", "add", hub)
-        made.append(hub)
-        _sh("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
-        _sh("ip", "-n", hub, "link", "set", "br0", "up")
-        out = []
-        for i in range(nodes):
-            ns, addr = f"ckb{tag}n{i}", f"{SUBNET}.{i + 1}"
-            _sh("ip", "netns", "add", ns)
-            made.append(ns)
-            a, b = f"ckb{tag}{i}a", f"ckb{tag}{i}b"
-            _sh("ip", "link", "add", a, "netns", ns, "type", "veth", "peer", "name", b, "netns", hub)
-            _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", a)
-            _sh("ip", "-n", ns, "link", "set", a, "up")
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
-            _sh("ip", "-n", hub, "link", "set", b, "master", "br0")
-            _sh("ip", "-n", hub, "link", "set", b, "up")
-            for where, dev in ((ns, a), (hub, b)):  # both directions of the node's link
-                _sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                    f"{rate_mbit}mbit", "burst", "256kb", "latency", "100ms")
-            out.append((ns, addr))
-        yield out
-    finally:
-        for ns in reversed(made):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-
-
 # ---- the processes -------------------------------------------------------------------------------------------
-def _model_shapes(mib: int, tp_max: int) -> dict[str, tuple[int, ...]]:
-    """Float32 Llama-style tensors of about ``mib`` MiB; every split dim divides by ``tp_max``."""
-    hidden = 512
-    layers = max(1, mib * MiB // 4 // (hidden * hidden * 16))  # q, k, v, o: 4 h²; gate, up, down: 12 h²
-    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (8 * tp_max * 16, hidden)}
-    for layer in range(layers):
-        p = f"layers.{layer}."
-        for name, shape in (("q_proj", (hidden, hidden)), ("k_proj", (hidden, hidden)), ("v_proj", (hidden, hidden)),
-                            ("o_proj", (hidden, hidden)), ("gate_proj", (4 * hidden, hidden)),
-                            ("up_proj", (4 * hidden, hidden)), ("down_proj", (hidden, 4 * hidden))):
-            shapes[p + name + ".weight"] = shape
-        shapes[p + "norm.weight"] = (hidden,)
-    return shapes
-
-
-def _model(mib: int, tp_max: int) -> Any:
-    import torch
-
-    from ckpt_engine.plan.tensors import NamedTensors
-
-    gen = torch.Generator().manual_seed(0)
-    return NamedTensors({name: torch.randn(*shape, generator=gen)
-                         for name, shape in _model_shapes(mib, tp_max).items()})
-
-
 def tp_spec(named: Any, rank: int, tp: int) -> dict:
     """TP rank ``rank``'s ranges: rows of column-parallel weights and the vocabulary, columns of row-parallel."""
     from ckpt_engine.plan.shards import even_split
@@ -191,7 +103,7 @@ def run_sender(cfg: dict) -> dict:
         store = (cfg["addr"], master.port)
     else:
         store = (cfg["store_addr"], cfg["port"])
-    named = _model(cfg["mib"], cfg["tp_max"])
+    named = llama_model(cfg["mib"], cfg["tp_max"])
     pub, route, options = _publisher_and_route(cfg, store, named)
     specs = specs_of(named.tensors)
     raw = torch.empty(sum(s.nbytes for s in specs), dtype=torch.uint8) if cfg["raw"] else None
@@ -264,8 +176,8 @@ def scenario(name: str, receivers: int, sharded: bool, args: dict, owners: int =
                 procs.append(_spawn(ns, "receiver", base | where | {
                     "addr": addr, "group": group, "rank": rank, "world": 1 + groups[group],
                     "model_bytes": model_bytes}))
-            outs = [_finish(p, args["timeout"] * 8) for p in procs]
-            finished = [_finish(s, args["timeout"] * 8) for s in senders]
+            outs = [finish(p, args["timeout"] * 8) for p in procs]
+            finished = [finish(s, args["timeout"] * 8) for s in senders]
             sent = finished[0]  # the lead's: until every ack
         finally:
             for sender in senders:
@@ -275,24 +187,13 @@ def scenario(name: str, receivers: int, sharded: bool, args: dict, owners: int =
 
 
 def _model_bytes(mib: int) -> int:
-    return sum(4 * math.prod(shape) for shape in _model_shapes(mib, 4).values())
+    return sum(4 * math.prod(shape) for shape in model_shapes(mib, 4).values())
 
 
 def _spawn(ns: str, role: str, cfg: dict) -> subprocess.Popen:
     return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "ckpt_engine.bench.netns_bench",
                              "--role", role, "--config", json.dumps(cfg)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _finish(proc: subprocess.Popen, timeout_s: float) -> dict:
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise RuntimeError("a bench process did not finish in time") from None
-    if proc.returncode != 0:
-        raise RuntimeError(f"a bench process failed ({proc.returncode}): {err[-2000:]}")
-    return json.loads(out.strip().splitlines()[-1])
 
 
 # ---- the bench -----------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckpt_engine.bench.netns_bench import MiB, _finish, _model, cluster
+from ckpt_engine.bench.netns_cluster import MiB, cluster, finish, llama_model
 
 _WAIT_S = 120.0
 
@@ -57,7 +57,7 @@ def run_owner(cfg: dict) -> dict:
     from ckpt_engine.workers.pull_server import PullServer
 
     folder, receivers = Path(cfg["folder"]), cfg["receivers"]
-    named = _model(cfg["mib"], cfg["tp_max"])
+    named = llama_model(cfg["mib"], cfg["tp_max"])
     device = detect_device("cpu")
     pub = Publisher(device=device, bucket_size=cfg["bucket_mib"] * MiB, keep_versions=2)
     pulls = PullServer()
@@ -122,8 +122,8 @@ def scenario(name: str, receivers: int, args: dict) -> dict:
         owner = spawn(nodes[0][0], "owner", base)
         pullers = [spawn(ns, "puller", base | {"rank": r}) for r, (ns, _) in enumerate(nodes[1:])]
         try:
-            outs = [_finish(p, args["timeout"] * 8) for p in pullers]
-            sent = _finish(owner, args["timeout"] * 8)
+            outs = [finish(p, args["timeout"] * 8) for p in pullers]
+            sent = finish(owner, args["timeout"] * 8)
         finally:
             for proc in [owner, *pullers]:
                 proc.kill()
