@@ -258,3 +258,38 @@ def test_an_owners_metadata_stays_the_same_once_its_buffers_are_registered() -> 
         assert pulls.held == [6]
     finally:
         pulls.close()
+
+
+def test_an_offer_reuses_the_digests_its_send_just_made() -> None:
+    """The trainer's send has digested the cached bytes already: the offer takes those digests (one per piece,
+    in wire order) instead of reading the version a second time; given any other count it computes them."""
+    from ckpt_engine.codec import decode
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.plan.layout import plan_layout
+    from ckpt_engine.plan.tensors import specs_of
+    from ckpt_engine.send.cache import VersionCache
+    from ckpt_engine.send.pull_offer import offer_cached
+    from ckpt_engine.transport.messages import PullDescriptor
+    from ckpt_engine.transport.nixl import NixlEndpoint
+
+    layout = plan_layout(specs_of(_model()), bucket_size=64 << 10)
+    cache = VersionCache(detect_device("cpu"), keep_versions=2)
+    cache.snapshot(1, layout, _model(), step=1)
+    endpoint = NixlEndpoint("trainer")
+
+    def described(**options) -> list[list[int]]:  # noqa: ANN003
+        with cache.lease(1) as cached:
+            offered = offer_cached(endpoint, cached, **options)
+        raw = offered.descriptor[: offered.offer.descriptor_nbytes].numpy().tobytes()
+        return decode(PullDescriptor, raw).digests
+
+    try:
+        computed = described()
+        pieces = sum(len(b) for b in computed)
+        assert pieces == len(layout.pieces) and any(len(b) > 1 for b in computed)
+        sent = list(range(7, 7 + pieces))  # what a send reported (not the real digests: they must be taken as given)
+        taken = described(digests=sent)
+        assert [d for b in taken for d in b] == sent and [len(b) for b in taken] == [len(b) for b in computed]
+        assert described(digests=sent[:-1]) == computed
+    finally:
+        endpoint.close()

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -19,6 +20,7 @@ from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.send.cache import VersionCache
 from ckpt_engine.send.publisher import Publisher
 from ckpt_engine.send.pull_offer import offer_cached
+from ckpt_engine.send.transfer import TransferResult
 from ckpt_engine.transport.messages import PullOffer
 from ckpt_engine.transport.nixl import NixlEndpoint
 
@@ -37,14 +39,15 @@ class PullServer:
         self._free: list[torch.Tensor] = []  # descriptor slots no offered version holds (registered)
 
     def offer(self, cache: VersionCache, version: int, source_version: int | None, algo: DigestAlgo,
-              hold_s: float) -> PullOffer:
+              hold_s: float, digests: Sequence[int] = ()) -> PullOffer:
         """``version`` (a re-push: ``source_version``'s cached bytes under ``version``) offered; its buffer is
-        held for at most ``hold_s``."""
+        held for at most ``hold_s``. ``digests``: the send's per-piece digests of these bytes, if it made them."""
         stack = contextlib.ExitStack()
         cached = stack.enter_context(cache.lease(source_version if source_version is not None else version))
         endpoint = self._endpoint_now()
         try:
-            offered = offer_cached(endpoint, cached, version=version, algo=algo, descriptor_into=self._slot)
+            offered = offer_cached(endpoint, cached, version=version, algo=algo, descriptor_into=self._slot,
+                                   digests=digests)
         except BaseException:
             stack.close()
             raise
@@ -56,11 +59,13 @@ class PullServer:
             earlier[1].close()
         return offered.offer
 
-    def offer_for(self, assignment: Assignment, publisher: Publisher, settings: RegisterReply | None) -> PullOffer:
-        """What ``assignment`` (a send with pullers) offers, once the publisher's cache holds it whole; held
-        for the version's time limit at most."""
+    def offer_for(self, assignment: Assignment, publisher: Publisher, settings: RegisterReply | None,
+                  sent: TransferResult) -> PullOffer:
+        """What ``assignment`` (a send with pullers) offers once ``sent`` (its send) ended, with that send's
+        digests; held for the version's time limit at most."""
         return self.offer(publisher.cache, assignment.version, assignment.source_version,
-                          publisher.device.digest_algo, settings.version_timeout_s if settings is not None else 600.0)
+                          publisher.device.digest_algo, settings.version_timeout_s if settings is not None else 600.0,
+                          sent.wire_digests)
 
     def start(self) -> None:
         """Start the NIXL agent now (importing and starting it takes a second or two), not at the first offer."""

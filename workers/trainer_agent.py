@@ -359,7 +359,7 @@ class TrainerAgent(Agent):
     def _report_result(self, result: TransferResult, held: float, assignment: Assignment) -> None:
         if result.ok and assignment.pullers:  # (before done: the daemon then waits for the pullers' reports)
             try:
-                offer = self.pulls.offer_for(assignment, self._publisher(), self.settings)
+                offer = self.pulls.offer_for(assignment, self._publisher(), self.settings, result)
             except CkptEngineError as exc:  # the pullers would wait for it in vain: it fails now, saying why
                 self._report_failure(result.version, f"the version could not be offered for pulling: {exc}")
                 return

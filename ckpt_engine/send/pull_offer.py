@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +21,7 @@ from ckpt_engine.codec import encode
 from ckpt_engine.device import DigestAlgo
 from ckpt_engine.errors import CacheError
 from ckpt_engine.plan.hashing import bucket_digests, version_digest
+from ckpt_engine.plan.layout import Layout
 from ckpt_engine.send.cache import CachedVersion
 from ckpt_engine.transport.messages import (
     LayoutMessage,
@@ -40,12 +41,14 @@ class Offered:
 
 
 def offer_cached(endpoint: NixlEndpoint, cached: CachedVersion, *, version: int | None = None,
-                 algo: DigestAlgo = "xxh3-64", descriptor_into: Callable[[int], torch.Tensor] | None = None
-                 ) -> Offered:
+                 algo: DigestAlgo = "xxh3-64", descriptor_into: Callable[[int], torch.Tensor] | None = None,
+                 digests: Sequence[int] = ()) -> Offered:
     """``cached`` (a whole version: not a delta, not one rank's share) as a pull offer, labelled ``version``
     (a re-push: the cached bytes of an older version under a new id; default: its own). ``descriptor_into(n)``:
     registered memory of at least n bytes for the descriptor (reused memory keeps the agent's metadata, which
-    lists what is registered, the same from version to version; default: new memory, registered here)."""
+    lists what is registered, the same from version to version; default: new memory, registered here).
+    ``digests``: the per-piece digests a send of these bytes just computed, in wire order (not computed again);
+    empty, or not one per piece: computed here."""
     label = cached.version if version is None else version
     share = cached.version_layout is not None and cached.version_layout.digest != cached.layout.digest
     if not cached.is_whole or share:
@@ -53,14 +56,15 @@ def offer_cached(endpoint: NixlEndpoint, cached: CachedVersion, *, version: int 
                          "are offered for pulling so far")
     layout, buffer = cached.layout, cached.buffer
     region = endpoint.register(buffer)
-    digests = [bucket_digests(b, buffer[b.flat_offset : b.flat_offset + b.nbytes], algo, layout.digest).tolist()
-               for b in layout.buckets]
+    per_bucket = _by_bucket(layout, digests) or [
+        bucket_digests(b, buffer[b.flat_offset : b.flat_offset + b.nbytes], algo, layout.digest).tolist()
+        for b in layout.buckets]
     header = VersionHeader(version=label, mode="cached", digest_algo=algo, layout_digest=layout.digest,
                            layout=LayoutMessage.of(layout), step=cached.step, aliases=dict(cached.aliases),
                            created_at=time.time())
     trailer = VersionTrailer(version=label,
-                             version_digest=version_digest(algo, layout.digest, [d for b in digests for d in b]))
-    raw = encode(PullDescriptor(offset=buffer.data_ptr() - region.addr, header=header, digests=digests,
+                             version_digest=version_digest(algo, layout.digest, [d for b in per_bucket for d in b]))
+    raw = encode(PullDescriptor(offset=buffer.data_ptr() - region.addr, header=header, digests=per_bucket,
                                 trailer=trailer))
     if descriptor_into is None:
         descriptor = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
@@ -73,6 +77,16 @@ def offer_cached(endpoint: NixlEndpoint, cached: CachedVersion, *, version: int 
     return Offered(PullOffer(version=label, agent=base64.b64encode(endpoint.metadata()),  # (its wire form)
                              region=_wire(region), descriptor=_wire(where), descriptor_nbytes=len(raw),
                              descriptor_digest=xxhash.xxh3_64_hexdigest(raw)), descriptor)
+
+
+def _by_bucket(layout: Layout, digests: Sequence[int]) -> list[list[int]] | None:
+    if len(digests) != len(layout.pieces) or not digests:
+        return None
+    out, at = [], 0
+    for bucket in layout.buckets:
+        out.append(list(digests[at : at + len(bucket.slots)]))
+        at += len(bucket.slots)
+    return out
 
 
 def _wire(region: Region) -> PullRegion:

@@ -271,6 +271,7 @@ class Sender:
             result.version_digest = manifest.version_digest  # of the whole model, also for sparse versions
             if self.lead:
                 wire_digest = version_digest(self.digest_algo, layout.digest, digests)
+                result.wire_digests = list(digests)
                 trailer = encode(VersionTrailer(version=source.version, version_digest=wire_digest))
                 with timer.stage("control"):
                     for outlet in outlets:

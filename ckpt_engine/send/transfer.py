@@ -40,6 +40,8 @@ class TransferResult:
     version_bytes: int = 0  # of the whole version on the wire (every owner's share), once all were sent
     # a sharded version: each class's outcome (key, ok, reason, version_digest of its pieces, bytes)
     classes: list[dict] = field(default_factory=list)
+    # the lead's per-piece digests of what it sent, in wire order (a pull offer of the same bytes reuses them)
+    wire_digests: list[int] = field(default_factory=list)
 
     @property
     def committed_ranks(self) -> list[int]:
