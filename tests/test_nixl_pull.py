@@ -277,7 +277,7 @@ def test_an_offer_reuses_the_digests_its_send_just_made() -> None:
     cache.snapshot(1, layout, _model(), step=1)
     endpoint = NixlEndpoint("trainer")
 
-    def described(**options) -> list[list[int]]:  # noqa: ANN003
+    def described(**options) -> list[list[int]]:
         with cache.lease(1) as cached:
             offered = offer_cached(endpoint, cached, **options)
         raw = offered.descriptor[: offered.offer.descriptor_nbytes].numpy().tobytes()
