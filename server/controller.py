@@ -166,6 +166,8 @@ class Controller:
                 self.flights.applied(agent, message, current)
             elif current is not None and agent.agent_id == current.trainer:
                 self.flights.trainer_event(current, message)
+            elif current is not None and agent.role == "trainer" and message.event == "offered":
+                self.flights.offered(current, agent.rank, message)  # (another owner rank's share)
             elif current is not None and agent.role == "trainer" and message.event == "done" and message.ok is False:
                 current.owner_failures[agent.rank] = message.reason or "failed"
             elif message.event not in ("evicted", "staged"):

@@ -17,12 +17,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckpt_engine.config import EngineConfig
-from ckpt_engine.control.messages import Assignment, Report
+from ckpt_engine.control.messages import Assignment, PullOffer, Report
 from ckpt_engine.plan.modes import Mode
 from ckpt_engine.server.agents import AgentRegistry
 from ckpt_engine.server.cache_book import CacheBook
 from ckpt_engine.server.decisions.agent_record import AgentRecord
-from ckpt_engine.server.decisions.assignments import pull_assignments, receive_assignments
+from ckpt_engine.server.decisions.assignments import (
+    joined_offer,
+    offer_problem,
+    pull_assignments,
+    receive_assignments,
+)
 from ckpt_engine.server.decisions.commit import expected_digest, judge, staging_entry
 from ckpt_engine.server.decisions.ending import (
     STAGE_ORDER,
@@ -65,6 +70,8 @@ class InFlight:
     remote: tuple[str, ...] = ()  # receivers on the version's sync groups (not colocated)
     pullers: tuple[str, ...] = ()  # receivers that pull it over nixl once the trainer offers it
     offered: bool = False  # the trainer's offer went to the pullers
+    owners: int = 1  # trainer ranks that own shares of it (each offers its own to the pullers)
+    offers: dict[int, PullOffer] = field(default_factory=dict)  # the owner ranks' offers so far, by rank
 
 
 class Flights:
@@ -115,7 +122,7 @@ class Flights:
                 engines.setdefault(receiver.engine, []).append(receiver.agent_id)
         self.current = InFlight(record.id, record.mode, trainer.agent_id, quorum, engines, purpose, self.clock(),
                                 classes=classes, remote=tuple(r.agent_id for r in remote),
-                                pullers=tuple(r.agent_id for r in pulling))
+                                pullers=tuple(r.agent_id for r in pulling), owners=owners)
         how = {**{r.agent_id: "ipc" for r in colocated}, **{r.agent_id: "nixl" for r in pulling}}
         self.history.update(record.id, purpose=purpose, owners=owners, receivers=[
             {"rank": r, "agent_id": a, "transport": how.get(a, "collective"),
@@ -148,22 +155,28 @@ class Flights:
             if current and advances(current.status, message.event):
                 step = {"step": message.step} if current.step is None and message.step is not None else {}
                 self.history.update(flight.version, status=message.event, **step)
-        elif message.event == "offered" and message.offer is not None:
-            self.offered(flight, message)
+        elif message.event == "offered":
+            self.offered(flight, 0, message)
         elif message.event == "done" and flight.done is None:
             flight.done, flight.done_at = message, self.clock()
             self.maybe_finish(flight)
 
-    def offered(self, flight: InFlight, message: Report) -> None:
-        """The trainer holds the version ready to be pulled: each puller still here gets the offer (once)."""
+    def offered(self, flight: InFlight, rank: int, message: Report) -> None:
+        """Trainer rank ``rank`` holds its share of the version ready to be pulled. Once every owner rank has
+        offered, each puller still here gets their offers joined into one (once)."""
         offer = message.offer
-        if offer is None or offer.version != flight.version or flight.offered:
-            log.warning("ignoring an offer for version %s (version %d in flight; offered already: %s)",
-                        offer.version if offer else None, flight.version, flight.offered)
+        problem = offer_problem(flight.version, flight.owners, rank, offer, set(flight.offers))
+        if problem is not None or flight.offered:
+            log.warning("ignoring trainer rank %d's offer for version %s: %s", rank, offer.version if offer else None,
+                        problem or "offered already")
+            return
+        flight.offers[rank] = offer  # type: ignore[assignment]
+        joined = joined_offer(flight.version, flight.owners, flight.offers)
+        if joined is None:
             return
         flight.offered = True
         for agent_id, assignment in pull_assignments(flight.version, flight.mode, message.step,
-                                                     {a: flight.quorum[a] for a in flight.pullers}, offer):
+                                                     {a: flight.quorum[a] for a in flight.pullers}, joined):
             if (puller := self.agents.get(agent_id)) is not None:
                 puller.pending.append(assignment)
 
@@ -283,8 +296,10 @@ class Flights:
         waiting = waiting_for(flight.quorum, flight.reports, set(done.absent_ranks),
                               {a for a in flight.quorum if self.agents.get(a) is not None}, flight.apply_sent,
                               flight.applied, {e for e in flight.apply_sent if self.agents.driver(e) is not None})
-        if ready_to_judge(done.version_digest is not None, waiting, self.clock() - flight.done_at,
-                          self.config.timeouts.ack_s):
+        ack_s = self.config.timeouts.ack_s
+        pull_s = (flight.limit_s or self.config.timeouts.version_s) - (flight.done_at - flight.started) - ack_s
+        if ready_to_judge(done.version_digest is not None, waiting, self.clock() - flight.done_at, ack_s,
+                          flight.pullers, pull_s):
             self._finish(flight, done)
 
     def _finish(self, flight: InFlight, done: Report) -> None:

@@ -47,8 +47,6 @@ class QuorumView:
         pulling, problem = rules.pullers(receivers, self.config.transport, mode)
         if problem is not None:
             return owners, [], [], problem
-        if pulling and owners > 1:  # (pullers read rank 0's whole cached version)
-            owners = 1
         pushed = [r for r in receivers if r not in pulling]
         colocated, problem = rules.transports(trainer, pushed, owners, self.config.transport)
         return owners, colocated, pulling, problem

@@ -141,7 +141,7 @@ def test_why_a_receiver_is_out_is_said_for_each() -> None:
 @pytest.mark.parametrize(("ranks", "heard", "transport", "source_owners", "owners"), [
     (2, [0, 1], "auto", None, 2), (2, [0], "auto", None, 1), (2, [0, 1], "ipc", None, 1), (1, [0], "auto", None, 1),
     (2, [0], "auto", 2, 2),  # a re-push has as many owners as its source
-    (2, [0, 1], "nixl", None, 1),  # pullers read rank 0's cache
+    (2, [0, 1], "nixl", None, 2),  # pullers read each bucket from the rank that owns it
 ])
 def test_owners(ranks: int, heard: list[int], transport: str, source_owners, owners: int) -> None:
     trainers = {r: agent("trainer", rank=r, trainer_ranks=ranks, silent_s=0 if r in heard else 8.0)
@@ -180,7 +180,6 @@ def test_pullers() -> None:
 def test_assignments_of_pushed_colocated_and_pulling_receivers() -> None:
     from ckpt_engine.server.decisions.assignments import pull_assignments, receive_assignments
     from ckpt_engine.server.decisions.receiver_classes import plan_lanes
-    from ckpt_engine.transport.messages import PullOffer
 
     far, near = agent(host_id="other"), agent()
     quorum = {far.agent_id: 1, near.agent_id: 2}
@@ -188,11 +187,42 @@ def test_assignments_of_pushed_colocated_and_pulling_receivers() -> None:
     out = receive_assignments([far], [near], quorum, plan_lanes([far, near], quorum, {near.agent_id}), "hub", common)
     assert [(r.agent_id, a.rank, a.transport, a.ipc_name, a.world_size) for r, a in out] == [
         (far.agent_id, 1, "collective", None, 2), (near.agent_id, 2, "ipc", "hub", 2)]
-    offer = PullOffer(version=5, agent=b"QQ==", region={"addr": 0, "nbytes": 8, "mem": "DRAM"},
-                      descriptor={"addr": 64, "nbytes": 8, "mem": "DRAM"}, descriptor_nbytes=8,
-                      descriptor_digest="0" * 16)
+    offer = _offer(5, rank=0)
     [(who, pulled)] = pull_assignments(5, "cached", 3, {far.agent_id: 1}, offer)
     assert who == far.agent_id and pulled.transport == "nixl" and pulled.offer == offer and pulled.rank == 1
+
+
+def _offer(version: int, *, rank: int, sources: int = 1, described: bool | None = None):
+    from ckpt_engine.transport.messages import PullOffer
+    source = {"agent": b"QQ==", "region": {"addr": 4096 * (rank + 1), "nbytes": 8, "mem": "DRAM"}, "offset": rank}
+    descriptor = {"region": {"addr": 64, "nbytes": 8, "mem": "DRAM"}, "nbytes": 8, "digest": "0" * 16}
+    return PullOffer(version=version, sources=[source] * sources,
+                     descriptor=descriptor if (rank == 0 if described is None else described) else None)
+
+
+@pytest.mark.parametrize("owners,rank,offer,offered,problem", [
+    (1, 0, _offer(5, rank=0), set(), None),
+    (2, 1, _offer(5, rank=1), {0}, None),
+    (2, 1, None, set(), "carries no offer"),
+    (2, 1, _offer(6, rank=1), set(), "offers version 6"),
+    (2, 2, _offer(5, rank=2), set(), "owned by 2 rank(s)"),
+    (2, 0, _offer(5, rank=0), {0}, "offered it already"),
+    (2, 1, _offer(5, rank=1, sources=2), set(), "one source"),
+    (2, 1, _offer(5, rank=1, described=True), set(), "only the lead"),
+    (2, 0, _offer(5, rank=0, described=False), set(), "only the lead"),
+])
+def test_an_owner_rank_offers_its_own_share_once(owners, rank, offer, offered, problem) -> None:
+    from ckpt_engine.server.decisions.assignments import offer_problem
+    said = offer_problem(5, owners, rank, offer, offered)
+    assert (said is None) if problem is None else (problem in said)
+
+
+def test_the_owners_offers_join_in_rank_order_once_all_came() -> None:
+    from ckpt_engine.server.decisions.assignments import joined_offer
+    lead, second = _offer(5, rank=0), _offer(5, rank=1)
+    assert joined_offer(5, 2, {0: lead}) is None
+    joined = joined_offer(5, 2, {1: second, 0: lead})
+    assert [s.offset for s in joined.sources] == [0, 1] and joined.descriptor == lead.descriptor
 
 
 # ---- the commit rule -----------------------------------------------------------------------------------------
@@ -415,14 +445,18 @@ def test_a_version_waits_on_registered_joined_receivers_and_present_drivers_only
     assert waiting == ["b", "e2"]  # c never joined, "gone" unregistered, e3's driver gone, e1 said
 
 
-@pytest.mark.parametrize(("digest", "waiting", "since", "ready"), [
-    (True, [], 0.0, True), (True, ["b"], 1.0, False), (True, ["b"], 30.0, True),
-    (False, ["b"], 0.0, True),  # nothing can commit: no receiver is waited on
+@pytest.mark.parametrize(("digest", "waiting", "since", "pull_s", "ready"), [
+    (True, [], 0.0, 0.0, True), (True, ["b"], 1.0, 0.0, False), (True, ["b"], 30.0, 0.0, True),
+    (False, ["b"], 0.0, 0.0, True),  # nothing can commit: no receiver is waited on
+    (True, ["p"], 30.0, 500.0, False),  # a puller reads after the trainer is done: the rest of the version's time
+    (True, ["p"], 500.0, 500.0, True),
+    (True, ["p"], 30.0, 10.0, True),  # never less than an acknowledgement's time
+    (True, ["b"], 30.0, 500.0, True),  # pushed receivers only: the acknowledgement time
 ])
-def test_when_a_version_is_judged(digest, waiting, since, ready) -> None:
+def test_when_a_version_is_judged(digest, waiting, since, pull_s, ready) -> None:
     from ckpt_engine.server.decisions.ending import ready_to_judge
 
-    assert ready_to_judge(digest, waiting, since, ack_s=30.0) is ready
+    assert ready_to_judge(digest, waiting, since, ack_s=30.0, pulling={"p"}, pull_s=pull_s) is ready
 
 
 def test_whom_a_versions_end_benches() -> None:

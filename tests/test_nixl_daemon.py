@@ -6,6 +6,7 @@ bypass_cpu is refused with a reason (pulls read the cache)."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import platform
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.daemon_harness import ROOT, start_daemon, sync_when_idle, write_config
 from tests.models import AwkwardModel, load_into, state_bytes
@@ -254,3 +256,126 @@ def test_a_receiver_asking_to_pull_is_refused_where_receivers_are_not_trusted(tm
     finally:
         agent.close()
         assert daemon.stop() == 0
+
+
+# ---- several owner ranks ---------------------------------------------------------------------------------
+def fsdp_owner(rank: int, world: int, port: int, zmq: str, workdir: str, flip_version: int) -> dict:
+    """A rank of a 2-rank FSDP2 job: it pushes at steps 3, 7 and 9 (training the first layer at 5). Rank 1
+    flips a byte of its share of ``flip_version`` once it has offered it (after its digests were taken), then
+    lets the pullers go on (``go`` in ``workdir``)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from ckpt_engine.plan.tensors import named_tensors_of
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
+    from tests.test_owners import _stopping
+    from tests.tiny_lm import tensor_bytes, tiny_llama
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    model = tiny_llama(seed=0)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.model.layers[0].parameters(), lr=0.5)
+    agent = TrainerAgent(model, zmq, poll_wait_s=0.2).start()
+    served, flipped, step = {}, None, 0
+    while not _stopping(workdir, world):
+        step += 1
+        if step == 5:
+            tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(step))
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if step in (3, 7, 9):
+            if rank == 0:
+                agent.wait_idle(60)
+            version = agent.push(step)
+        else:
+            version = agent.step(step)
+        if version is not None:
+            full = {n: t.full_tensor() if isinstance(t, DTensor) else t
+                    for n, t in named_tensors_of(model).tensors.items()}
+            served[version] = tensor_bytes(full)
+        if version == flip_version and rank == 1:
+            _wait_for(lambda: flip_version in agent.pulls.held, 40)
+            with agent.publisher.cache.lease(flip_version) as cached:
+                slot = cached.layout.buckets[0].slots[0]
+                cached.buffer[cached.layout.buckets[0].flat_offset + slot.offset] ^= 1
+                flipped = slot.name
+            Path(workdir, "go").touch()
+        time.sleep(0.01)
+    agent.wait_idle(60)
+    result = {"served": served, "flipped": flipped, "cache": agent.publisher.cache.bytes_by_version()}
+    agent.close()
+    dist.destroy_process_group()
+    return result
+
+
+def llama_puller(zmq: str, seed: int, stop_file: str, gate: tuple[str, int]) -> dict:
+    """A transformers rollout agent pulling every version; before version ``gate[1]`` it waits for ``go``."""
+    from ckpt_engine.plan.tensors import named_tensors_of
+    from ckpt_engine.workers.adapters.torch_module import ModuleAdapter
+    from ckpt_engine.workers.rollout_agent import RolloutAgent
+    from tests.tiny_lm import tensor_bytes, tiny_llama
+
+    class Gated(RolloutAgent):
+        def _pull(self, assignment, settings):
+            if assignment.version == gate[1]:
+                _wait_for(lambda: Path(gate[0], "go").exists(), 120)
+            return super()._pull(assignment, settings)
+
+    model = tiny_llama(seed=seed).eval()
+    adapter = ModuleAdapter(model)
+    agent = Gated(adapter.load, zmq, poll_wait_s=0.2).start()
+    while not os.path.exists(stop_file):
+        time.sleep(0.05)
+    agent.close()
+    return {"state": tensor_bytes(named_tensors_of(model).tensors),
+            "results": [(r.version, r.ok, r.reason, list(r.bad_tensors)) for r in agent.results]}
+
+
+def test_receivers_pull_each_bucket_from_the_trainer_rank_that_owns_it(tmp_path: Path) -> None:
+    """Two FSDP2 ranks each cache and offer their half; pullers read every bucket from its owner. A byte flipped
+    in rank 1's share fails that version naming the tensor; the next version and a rollback (pulled from both
+    ranks' caches again) are exact."""
+    from tests.daemon_harness import free_port
+
+    workdir, stop_file = tmp_path / "job", tmp_path / "rx-stop"
+    workdir.mkdir()
+    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", transport="nixl",
+                                       nixl_trust_receivers=True, bucket_size_mb=0.02, keep_versions=3))
+    pullers = start_processes([(llama_puller, (daemon.zmq, seed, str(stop_file), (str(workdir), 2)))
+                               for seed in (5, 6)])
+    port = free_port()
+    job = None
+    try:
+        with daemon.client() as client:
+            _wait_for(lambda: len(client.get("/receivers").json()["agents"]) == 2)
+            job = start_processes([(fsdp_owner, (rank, 2, port, daemon.zmq, str(workdir), 2)) for rank in (0, 1)])
+            ended = _wait_for(lambda: [v for v in client.get("/versions").json()["versions"] if _ended(v)]
+                              if sum(bool(_ended(v)) for v in client.get("/versions").json()["versions"]) >= 3
+                              else None, 240)
+            first, flipped, third = sorted(ended, key=lambda v: v["id"])[:3]
+            assert [v["status"] for v in (first, flipped, third)] == ["committed", "failed", "committed"], ended
+            assert first["owners"] == 2 and [r["transport"] for r in first["receivers"]] == ["nixl", "nixl"]
+            pushed = client.post(f"/versions/{first['id']}/push")
+            assert pushed.status_code == 202, pushed.text
+            again = _wait_for(lambda: _ended(client.get(f"/versions/{pushed.json()['version']}").json()))
+            assert again["status"] == "committed" and again["version_digest"] == first["version_digest"], again
+            (workdir / "stop").touch()
+            ranks = job.collect(120)
+    finally:
+        (workdir / "stop").touch()
+        stop_file.touch()
+        rx = pullers.collect(120)
+        assert daemon.stop() == 0
+    lead, second = ranks
+    for receiver in rx:
+        assert receiver["state"] == lead["served"][first["id"]]  # the rollback: version 1's bytes exactly
+        [(_, ok, reason, bad)] = [r for r in receiver["results"] if r[0] == flipped["id"]]
+        assert not ok and bad == [second["flipped"]], (reason, bad)
+        assert all(ok for version, ok, _, _ in receiver["results"] if version != flipped["id"])
+    held = [rank["cache"][first["id"]] for rank in ranks]
+    assert max(held) < 0.75 * sum(held), held  # each rank holds about its half of the version

@@ -251,7 +251,7 @@ def test_an_owners_metadata_stays_the_same_once_its_buffers_are_registered() -> 
             cache.snapshot(version, layout, tensors, step=version)
             pulls.release(before=version)
             offer = pulls.offer(cache, version, None, "xxh3-64", 60.0)
-            metadata.append(bytes(offer.agent))
+            metadata.append(bytes(offer.sources[0].agent))
             for old in [v for v in cache.versions() if v < version - 1]:
                 cache.evict(old)
         assert metadata[-1] == metadata[-2] == metadata[-3], [len(m) for m in metadata]
@@ -280,7 +280,7 @@ def test_an_offer_reuses_the_digests_its_send_just_made() -> None:
     def described(**options) -> list[list[int]]:
         with cache.lease(1) as cached:
             offered = offer_cached(endpoint, cached, **options)
-        raw = offered.descriptor[: offered.offer.descriptor_nbytes].numpy().tobytes()
+        raw = offered.descriptor[: offered.offer.descriptor.nbytes].numpy().tobytes()
         return decode(PullDescriptor, raw).digests
 
     try:

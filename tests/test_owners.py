@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ckpt_engine.errors import LayoutError, LayoutMismatchError
 from ckpt_engine.plan.layout import TensorSpec, plan_layout
-from ckpt_engine.plan.owners import Owners, owners_by_group, plan_owners, share_of
+from ckpt_engine.plan.owners import Owners, owners_by_group, plan_owners, share_of, share_offsets
 from ckpt_engine.plan.sparse import manifest_of, plan_sparse
 from tests.daemon_harness import ROOT, free_port, start_daemon, timeouts, write_config
 from tests.procs import run_processes, start_processes
@@ -60,6 +60,16 @@ def test_a_share_is_a_layout_of_its_own_and_knows_where_its_buckets_go() -> None
             assert [s.name for s in share.layout.buckets[local].slots] == [s.name for s in layout.buckets[wire].slots]
         assert share.layout.digest != layout.digest
     assert share_of(layout, plan_owners(layout, 1), 0).layout is layout
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_share_offsets_say_where_each_bucket_sits_in_its_owners_share(ranks: int) -> None:
+    layout = _layout([600, 600, 1000, 16, 600, 3000, 200])
+    owners = plan_owners(layout, ranks)
+    at = share_offsets(layout, owners)
+    for rank in range(ranks):
+        share = share_of(layout, owners, rank)
+        assert [at[wire] for wire in share.wire] == [b.flat_offset for b in share.layout.buckets]
 
 
 def test_owners_that_do_not_fit_a_layout_are_refused() -> None:

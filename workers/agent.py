@@ -198,16 +198,18 @@ class Agent:
 
     def _group_for(self, assignment: Assignment, settings: RegisterReply) -> SyncGroup | None:
         current = self.group
-        if assignment.world_size < 2:
-            self._close_groups()
-            return None
-        wanted = self._group_count(assignment)
         owner_rank = self._owner_rank(assignment)
         with_owners = owner_rank is not None and assignment.owners > 1
-        usable = (current is not None and self.groups_built_as == settings.agent_id
-                  and current.generation == assignment.generation and not self.group_broken
+        # No collective receivers (all colocated or pulling): no sync group, but owners still vote on their own.
+        wanted = self._group_count(assignment) if assignment.world_size >= 2 else 0
+        if not wanted and not with_owners:
+            self._close_groups()
+            return None
+        anchor = current if current is not None else self.owners_group
+        usable = (anchor is not None and self.groups_built_as == settings.agent_id
+                  and anchor.generation == assignment.generation and not self.group_broken
                   and len(self.groups) == wanted and (self.owners_group is not None) == with_owners
-                  and current.part.startswith(assignment.part))
+                  and (current is None or current.part.startswith(assignment.part)))
         if usable:
             return current
         failed = self._failed_rendezvous
@@ -217,7 +219,7 @@ class Agent:
         self._close_groups()
         try:
             store = open_store(settings.store_host, settings.store_port, timeout_s=settings.connect_timeout_s)
-            owners = [owner_rank] if owner_rank is not None else range(wanted)
+            owners = ([owner_rank] if owner_rank is not None else range(wanted)) if wanted else []
             parts = [assignment.part + owner_part(o) for o in owners]  # (a class's groups: under the class's part)
             for part in parts:
                 self.groups.append(self._sync_group(store, settings, assignment, part, assignment.rank,

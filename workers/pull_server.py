@@ -1,7 +1,9 @@
-"""A trainer rank's side of the ``nixl`` transport: it offers cached versions for receivers to pull.
+"""A trainer rank's side of the ``nixl`` transport: it offers cached versions (or its share of them) for
+receivers to pull.
 
-The daemon hands the offer on to the version's pullers. Each offered version stays leased (its buffer is not
-reused) until the daemon moves on to a newer version or the version's time is up, whichever comes first.
+The daemon joins the owner ranks' offers into one and hands it on to the version's pullers. Each offered
+version stays leased (its buffer is not reused) until the daemon moves on to a newer version or the version's
+time is up, whichever comes first.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from ckpt_engine.device import DigestAlgo
 from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.send.cache import VersionCache
 from ckpt_engine.send.publisher import Publisher
-from ckpt_engine.send.pull_offer import offer_cached
+from ckpt_engine.send.pull_offer import offer_cached, offer_share
 from ckpt_engine.send.transfer import TransferResult
 from ckpt_engine.transport.messages import PullOffer
 from ckpt_engine.transport.nixl import NixlEndpoint
@@ -39,19 +41,21 @@ class PullServer:
         self._free: list[torch.Tensor] = []  # descriptor slots no offered version holds (registered)
 
     def offer(self, cache: VersionCache, version: int, source_version: int | None, algo: DigestAlgo,
-              hold_s: float, digests: Sequence[int] = ()) -> PullOffer:
+              hold_s: float, digests: Sequence[int] = (), *, lead: bool = True) -> PullOffer:
         """``version`` (a re-push: ``source_version``'s cached bytes under ``version``) offered; its buffer is
-        held for at most ``hold_s``. ``digests``: the send's per-piece digests of these bytes, if it made them."""
+        held for at most ``hold_s``. ``digests``: the send's per-piece digests of the whole version, if it made
+        them. ``lead``: rank 0, whose offer carries the descriptor; another owner rank offers its share alone."""
         stack = contextlib.ExitStack()
         cached = stack.enter_context(cache.lease(source_version if source_version is not None else version))
         endpoint = self._endpoint_now()
         try:
-            offered = offer_cached(endpoint, cached, version=version, algo=algo, descriptor_into=self._slot,
-                                   digests=digests)
+            offered = (offer_cached(endpoint, cached, version=version, algo=algo, descriptor_into=self._slot,
+                                    digests=digests) if lead else offer_share(endpoint, cached, version=version))
         except BaseException:
             stack.close()
             raise
-        stack.callback(self._free_slot, offered.descriptor)  # (released with the version's lease)
+        if offered.descriptor is not None:
+            stack.callback(self._free_slot, offered.descriptor)  # (released with the version's lease)
         with self._lock:
             earlier = self._leases.pop(version, None)
             self._leases[version] = (time.monotonic() + hold_s, stack)
@@ -60,12 +64,12 @@ class PullServer:
         return offered.offer
 
     def offer_for(self, assignment: Assignment, publisher: Publisher, settings: RegisterReply | None,
-                  sent: TransferResult) -> PullOffer:
-        """What ``assignment`` (a send with pullers) offers once ``sent`` (its send) ended, with that send's
-        digests; held for the version's time limit at most."""
+                  sent: TransferResult, rank: int) -> PullOffer:
+        """What trainer rank ``rank`` offers of ``assignment`` (a send with pullers) once ``sent`` (its send)
+        ended, the lead with that send's digests; held for the version's time limit at most."""
         return self.offer(publisher.cache, assignment.version, assignment.source_version,
                           publisher.device.digest_algo, settings.version_timeout_s if settings is not None else 600.0,
-                          sent.wire_digests)
+                          sent.wire_digests, lead=rank == 0)
 
     def start(self) -> None:
         """Start the NIXL agent now (importing and starting it takes a second or two), not at the first offer."""

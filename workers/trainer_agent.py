@@ -100,7 +100,7 @@ class TrainerAgent(Agent):
         settings = self.settings
         if settings is None:
             raise CkptEngineError("registration returned no settings")
-        if settings.transport == "nixl" and self.rank == 0:
+        if settings.transport == "nixl":  # (every rank may own a share of a version)
             threading.Thread(target=self.pulls.start, name="ckpt-nixl-start", daemon=True).start()
         if self.publisher is not None:  # registering again (daemon restart): keep the cache and the hub
             return
@@ -234,10 +234,11 @@ class TrainerAgent(Agent):
     def _has_groups_for(self, assignment: Assignment) -> bool:
         if assignment.classes:
             return self.class_groups is not None and self.class_groups.key == self._classes_key(assignment)
-        current = self.group
-        return assignment.world_size < 2 or (current is not None and self.groups_built_as == self.agent_id
-                                             and current.generation == assignment.generation
-                                             and not self.group_broken)
+        if assignment.world_size < 2 and assignment.owners <= 1:
+            return True
+        anchor = self.group if assignment.world_size >= 2 else self.owners_group  # (pulled only: the owners')
+        return (anchor is not None and self.groups_built_as == self.agent_id
+                and anchor.generation == assignment.generation and not self.group_broken)
 
     def _classes_key(self, assignment: Assignment) -> ClassGroupsKey:
         mine = owner_part(self.rank)
@@ -359,7 +360,7 @@ class TrainerAgent(Agent):
     def _report_result(self, result: TransferResult, held: float, assignment: Assignment) -> None:
         if result.ok and assignment.pullers:  # (before done: the daemon then waits for the pullers' reports)
             try:
-                offer = self.pulls.offer_for(assignment, self._publisher(), self.settings, result)
+                offer = self.pulls.offer_for(assignment, self._publisher(), self.settings, result, self.rank)
             except CkptEngineError as exc:  # the pullers would wait for it in vain: it fails now, saying why
                 self._report_failure(result.version, f"the version could not be offered for pulling: {exc}")
                 return

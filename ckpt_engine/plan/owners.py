@@ -157,6 +157,19 @@ def _plan_share(layout: Layout, owners: Owners, rank: int) -> Share:
     return Share(rank, Layout(layout.bucket_size, layout.alignment, tuple(buckets), digest), mine)
 
 
+def share_offsets(layout: Layout, owners: Owners) -> list[int]:
+    """Where each bucket of ``layout`` starts in its owner's share (``share_of``'s flat offsets), in layout
+    order: what a puller needs to read a bucket from the owner's buffer without building the owner's layout."""
+    owners.check(layout)
+    filled = [0] * owners.ranks
+    out = []
+    for bucket in layout.buckets:
+        owner = owners.of[bucket.index]
+        out.append(filled[owner])
+        filled[owner] += bucket.nbytes
+    return out
+
+
 def tensor_owners(layout: Layout, owners: Owners) -> Sequence[int]:
     """The owner of every tensor of ``layout`` (that of its bucket), in layout order."""
     return [owners.of[slot.bucket] for slot in layout.slots]

@@ -1,10 +1,10 @@
-"""A receiver's side of the ``nixl`` transport: a version pulled from its owner, verified like a pushed one.
+"""A receiver's side of the ``nixl`` transport: a version pulled from its owners, verified like a pushed one.
 
-The owner's descriptor (read first, from the owner's memory, and checked against the offer's digest of it)
-stands in for the frames of a push: the header starts the version, each bucket is READ
-from the owner's region straight into where the staging puts it (two on the wire at once where they land in a
-whole buffer), checked against the owner's digests as it lands, and the trailer ends it. Everything after that
-(the version digest, the load, the result) is the assembler's, as for every transport.
+The lead owner's descriptor (read first, from its memory, and checked against the offer's digest of it)
+stands in for the frames of a push: the header starts the version, each bucket is READ from its owner's share
+straight into where the staging puts it (two of each owner's on the wire at once where they land in a whole
+buffer), checked against the owner's digests as it lands, and the trailer ends it. Everything after that (the
+version digest, the load, the result) is the assembler's, as for every transport.
 """
 
 from __future__ import annotations
@@ -18,37 +18,42 @@ import xxhash
 from ckpt_engine.codec import decode
 from ckpt_engine.errors import CkptEngineError, ProtocolError
 from ckpt_engine.plan.layout import Bucket, Layout
+from ckpt_engine.plan.owners import Owners, share_offsets, single_owner
 from ckpt_engine.receive.assembly import VersionAssembler
 from ckpt_engine.receive.buffers import StagingBuffers
 from ckpt_engine.receive.payload import ReceiveResult
-from ckpt_engine.transport.messages import PullDescriptor, PullOffer, PullRegion, VersionTrailer
+from ckpt_engine.transport.messages import PullDescriptor, PullOffer, PullRegion, VersionHeader, VersionTrailer
 from ckpt_engine.transport.nixl import NixlEndpoint, Region
 
 
 class NixlFeed:
-    """The assembler's Feed over one owner's offer; every read bounded by the version's deadline."""
-
-    parallel = 2
+    """The assembler's Feed over an offer: each bucket read from its owner's share, every read bounded by the
+    version's deadline. Two buckets of each owner may be on the wire at once."""
 
     def __init__(self, endpoint: NixlEndpoint, offer: PullOffer, described: PullDescriptor, layout: Layout,
                  deadline: float) -> None:
-        version = described.header.version
+        self.owners = owners_of(described.header, layout, len(offer.sources))
         if len(described.digests) != len(layout.buckets):
-            raise ProtocolError(f"version {version}: {len(described.digests)} buckets of digests for "
-                                f"{len(layout.buckets)} buckets")
-        if described.offset + layout.total_bytes > offer.region.nbytes:
-            raise ProtocolError(f"version {version} of {layout.total_bytes} bytes does not fit the owner's region "
-                                f"of {offer.region.nbytes} at {described.offset}")
-        self.endpoint, self.described, self.deadline = endpoint, described, deadline
-        self.remote = endpoint.remote(offer.agent)
-        self.source = _region(offer.region)
+            raise ProtocolError(f"version {described.header.version}: {len(described.digests)} buckets of digests "
+                                f"for {len(layout.buckets)} buckets")
+        for rank, source in enumerate(offer.sources):
+            held = self.owners.bytes_of(layout, rank)
+            if source.offset + held > source.region.nbytes:
+                raise ProtocolError(f"version {described.header.version}: owner rank {rank}'s {held} bytes do not "
+                                    f"fit its region of {source.region.nbytes} at {source.offset}")
+        self.endpoint, self.offer, self.described, self.deadline = endpoint, offer, described, deadline
+        self.parallel = 2 * self.owners.ranks
+        self.at = share_offsets(layout, self.owners)
+        self.remotes = [endpoint.remote(source.agent) for source in offer.sources]
         self.read_into: list[torch.Tensor] = []  # what the reads write into (retired if the pull fails)
 
     def start(self, bucket: Bucket, into: torch.Tensor) -> Callable[[], list[int]] | None:
         self.endpoint.register(into)  # (the staging buffer's storage: registered once, reused by every version)
         self.read_into.append(into)
-        read = self.endpoint.start_read(self.remote, self.source,
-                                        [(self.described.offset + bucket.flat_offset, into[: bucket.nbytes])])
+        owner = self.owners.of[bucket.index]
+        source = self.offer.sources[owner]
+        read = self.endpoint.start_read(self.remotes[owner], _region(source.region),
+                                        [(source.offset + self.at[bucket.index], into[: bucket.nbytes])])
         digests = self.described.digests[bucket.index]
 
         def wait() -> list[int]:
@@ -64,21 +69,37 @@ class NixlFeed:
         """Nothing to drain: a pull that stops reads nothing more."""
 
 
+def owners_of(header: VersionHeader, layout: Layout, sources: int) -> Owners:
+    """The owner of every bucket, as the descriptor's header says, checked against the offer's sources."""
+    owners = Owners(header.owner_ranks, tuple(header.owners)) if header.owners is not None else single_owner(layout)
+    try:
+        owners.check(layout)
+    except CkptEngineError as exc:
+        raise ProtocolError(f"version {header.version}: {exc}") from exc
+    if owners.ranks != sources:
+        raise ProtocolError(f"version {header.version} is owned by {owners.ranks} rank(s); the offer has "
+                            f"{sources} source(s)")
+    return owners
+
+
 def describe(endpoint: NixlEndpoint, offer: PullOffer, deadline: float) -> PullDescriptor:
-    """The offer's descriptor, read from the owner's memory; a ProtocolError if its bytes are not what the owner
-    offered (digest) or not a descriptor of the offered version."""
-    remote = endpoint.remote(offer.agent)
-    scratch = torch.empty(offer.descriptor_nbytes, dtype=torch.uint8)
+    """The offer's descriptor, read from the lead owner's memory; a ProtocolError if its bytes are not what the
+    owner offered (digest) or not a descriptor of the offered version."""
+    where = offer.descriptor
+    if where is None:
+        raise ProtocolError(f"the offer of version {offer.version} names no descriptor (one owner's part only)")
+    remote = endpoint.remote(offer.sources[0].agent)
+    scratch = torch.empty(where.nbytes, dtype=torch.uint8)
     endpoint.register(scratch)
     try:
-        endpoint.start_read(remote, _region(offer.descriptor), [(0, scratch)]).wait(
+        endpoint.start_read(remote, _region(where.region), [(0, scratch)]).wait(
             max(0.0, deadline - time.monotonic()))
     except CkptEngineError:
         endpoint.retire([scratch])  # (a late write may still land in it)
         raise
     raw = scratch.numpy().tobytes()
     endpoint.forget(scratch)
-    if xxhash.xxh3_64_hexdigest(raw) != offer.descriptor_digest:
+    if xxhash.xxh3_64_hexdigest(raw) != where.digest:
         raise ProtocolError(f"version {offer.version}: the owner's descriptor does not match its digest")
     described = decode(PullDescriptor, raw)
     if described.header.version != offer.version or described.trailer.version != offer.version:
@@ -95,7 +116,7 @@ def pull(assembler: VersionAssembler, endpoint: NixlEndpoint, offer: PullOffer, 
     try:
         described = described or describe(endpoint, offer, deadline)
     except CkptEngineError as exc:
-        endpoint.drop_remote(offer.agent)
+        _drop_remotes(endpoint, offer)
         return ReceiveResult(offer.version, False, f"pulling version {offer.version}: {exc}")
     incoming = assembler.begin(described.header)
     if incoming.choice.mode == "stream":
@@ -108,7 +129,7 @@ def pull(assembler: VersionAssembler, endpoint: NixlEndpoint, offer: PullOffer, 
         for _ in assembler.flow(incoming, feed):
             pass
     except CkptEngineError as exc:
-        endpoint.drop_remote(offer.agent)  # (an owner that failed a read is reached afresh next time)
+        _drop_remotes(endpoint, offer)  # (an owner that failed a read is reached afresh next time)
         # A read given up on may still land: the staging it read into is retired (kept registered, so alive,
         # for two more failures) and the next version gets new staging.
         if feed is not None:
@@ -120,3 +141,8 @@ def pull(assembler: VersionAssembler, endpoint: NixlEndpoint, offer: PullOffer, 
 
 def _region(wire: PullRegion) -> Region:
     return Region(wire.addr, wire.nbytes, wire.mem, wire.device_id)
+
+
+def _drop_remotes(endpoint: NixlEndpoint, offer: PullOffer) -> None:
+    for source in offer.sources:
+        endpoint.drop_remote(source.agent)

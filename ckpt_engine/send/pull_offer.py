@@ -1,10 +1,11 @@
 """An owner's side of the ``nixl`` transport: a cached version offered for receivers to pull.
 
-The version's buffer is registered with this process's NIXL agent once (pool buffers are reused, so later
-versions find it registered). What a push would put in its frames (header, every bucket's digests, trailer) is
-encoded once into a small registered buffer of its own, the descriptor, which pullers read like the buckets: the
-offer that goes through the control plane stays small whatever the model. The caller keeps the version leased
-(``VersionCache.lease``) and the descriptor registered for as long as a pull may read them.
+The version's buffer (with several owner ranks, each rank's share) is registered with this process's NIXL
+agent once (pool buffers are reused, so later versions find it registered). What a push would put in its
+frames (header, every bucket's digests, trailer) is encoded once by the lead owner into a small registered
+buffer of its own, the descriptor, which pullers read like the buckets: the offer that goes through the
+control plane stays small whatever the model. The caller keeps the version leased (``VersionCache.lease``)
+and the descriptor registered for as long as a pull may read them.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ from ckpt_engine.device import DigestAlgo
 from ckpt_engine.errors import CacheError
 from ckpt_engine.plan.hashing import bucket_digests, version_digest
 from ckpt_engine.plan.layout import Layout
+from ckpt_engine.plan.owners import single_owner
 from ckpt_engine.send.cache import CachedVersion
 from ckpt_engine.transport.messages import (
     LayoutMessage,
+    PullDescribed,
     PullDescriptor,
     PullOffer,
     PullRegion,
+    PullSource,
     VersionHeader,
     VersionTrailer,
 )
@@ -37,35 +41,47 @@ from ckpt_engine.transport.nixl import NixlEndpoint, Region
 @dataclass(frozen=True)
 class Offered:
     offer: PullOffer
-    descriptor: torch.Tensor  # registered with the endpoint: ``endpoint.forget`` it once no pull may read it
+    descriptor: torch.Tensor | None  # registered with the endpoint: ``endpoint.forget`` it once no pull may read it
+
+
+def offer_share(endpoint: NixlEndpoint, cached: CachedVersion, *, version: int | None = None) -> Offered:
+    """The share ``cached`` holds of its version (all of it, with one owner), registered and offered without a
+    descriptor: what an owner rank other than the lead serves of a version several ranks own."""
+    _refuse_delta(cached)
+    region = endpoint.register(cached.buffer)
+    return Offered(PullOffer(version=cached.version if version is None else version,
+                             sources=[_source(endpoint, region, cached.buffer)]), None)
 
 
 def offer_cached(endpoint: NixlEndpoint, cached: CachedVersion, *, version: int | None = None,
                  algo: DigestAlgo = "xxh3-64", descriptor_into: Callable[[int], torch.Tensor] | None = None,
                  digests: Sequence[int] = ()) -> Offered:
-    """``cached`` (a whole version: not a delta, not one rank's share) as a pull offer, labelled ``version``
-    (a re-push: the cached bytes of an older version under a new id; default: its own). ``descriptor_into(n)``:
-    registered memory of at least n bytes for the descriptor (reused memory keeps the agent's metadata, which
-    lists what is registered, the same from version to version; default: new memory, registered here).
-    ``digests``: the per-piece digests a send of these bytes just computed, in wire order (not computed again);
-    empty, or not one per piece: computed here."""
+    """The lead owner's offer of ``cached`` (not a delta; with several owners, rank 0's share, the others
+    offering theirs with ``offer_share``), labelled ``version`` (a re-push: the cached bytes of an older version
+    under a new id; default: its own). ``descriptor_into(n)``: registered memory of at least n bytes for the
+    descriptor (reused memory keeps the agent's metadata, which lists what is registered, the same from version
+    to version; default: new memory, registered here). ``digests``: the per-piece digests of the whole version
+    that its send just computed, in wire order (not computed again; required with several owners, whose bytes
+    this rank does not hold); empty: computed here."""
     label = cached.version if version is None else version
-    share = cached.version_layout is not None and cached.version_layout.digest != cached.layout.digest
-    if not cached.is_whole or share:
-        raise CacheError(f"version {cached.version} is a delta or one rank's share: only whole cached versions "
-                         "are offered for pulling so far")
-    layout, buffer = cached.layout, cached.buffer
-    region = endpoint.register(buffer)
-    per_bucket = _by_bucket(layout, digests) or [
-        bucket_digests(b, buffer[b.flat_offset : b.flat_offset + b.nbytes], algo, layout.digest).tolist()
-        for b in layout.buckets]
+    _refuse_delta(cached)
+    region = endpoint.register(cached.buffer)
+    layout, owners = cached.version_layout or cached.layout, cached.owners or single_owner(cached.layout)
+    per_bucket = _by_bucket(layout, digests)
+    if per_bucket is None and owners.ranks > 1:
+        raise CacheError(f"version {cached.version} is owned by {owners.ranks} ranks: its offer needs the digests "
+                         "its send gathered from every owner")
+    if per_bucket is None:
+        buffer = cached.buffer
+        per_bucket = [bucket_digests(b, buffer[b.flat_offset : b.flat_offset + b.nbytes], algo,
+                                     layout.digest).tolist() for b in layout.buckets]
+    several = {"owner_ranks": owners.ranks, "owners": list(owners.of)} if owners.ranks > 1 else {}
     header = VersionHeader(version=label, mode="cached", digest_algo=algo, layout_digest=layout.digest,
                            layout=LayoutMessage.of(layout), step=cached.step, aliases=dict(cached.aliases),
-                           created_at=time.time())
+                           created_at=time.time(), **several)
     trailer = VersionTrailer(version=label,
                              version_digest=version_digest(algo, layout.digest, [d for b in per_bucket for d in b]))
-    raw = encode(PullDescriptor(offset=buffer.data_ptr() - region.addr, header=header, digests=per_bucket,
-                                trailer=trailer))
+    raw = encode(PullDescriptor(header=header, digests=per_bucket, trailer=trailer))
     if descriptor_into is None:
         descriptor = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     else:
@@ -74,9 +90,21 @@ def offer_cached(endpoint: NixlEndpoint, cached: CachedVersion, *, version: int 
     where = endpoint.register(descriptor)
     if descriptor.data_ptr() != where.addr:
         raise CacheError("a descriptor must start its registered memory")  # (the offer says: at the region's start)
-    return Offered(PullOffer(version=label, agent=base64.b64encode(endpoint.metadata()),  # (its wire form)
-                             region=_wire(region), descriptor=_wire(where), descriptor_nbytes=len(raw),
-                             descriptor_digest=xxhash.xxh3_64_hexdigest(raw)), descriptor)
+    described = PullDescribed(region=_wire(where), nbytes=len(raw), digest=xxhash.xxh3_64_hexdigest(raw))
+    # (the metadata is taken last: it lists what is registered, the descriptor included)
+    return Offered(PullOffer(version=label, sources=[_source(endpoint, region, cached.buffer)],
+                             descriptor=described), descriptor)
+
+
+def _refuse_delta(cached: CachedVersion) -> None:
+    if not cached.is_whole:
+        raise CacheError(f"version {cached.version} is a delta of {cached.parent}: only whole cached versions are "
+                         "offered for pulling so far")
+
+
+def _source(endpoint: NixlEndpoint, region: Region, buffer: torch.Tensor) -> PullSource:
+    return PullSource(agent=base64.b64encode(endpoint.metadata()),  # (its wire form)
+                      region=_wire(region), offset=buffer.data_ptr() - region.addr)
 
 
 def _by_bucket(layout: Layout, digests: Sequence[int]) -> list[list[int]] | None:

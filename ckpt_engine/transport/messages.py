@@ -110,6 +110,10 @@ class Ack(_Message):
     seconds: dict[str, float] = Field(default_factory=dict)
 
 
+# Owner ranks one pulled version may come from (each source carries its NIXL agent's metadata).
+MAX_PULL_OWNERS = 256
+
+
 class PullRegion(_Message):
     """Memory an owner registered with its NIXL agent (transport/nixl.py ``Region``)."""
 
@@ -120,25 +124,40 @@ class PullRegion(_Message):
 
 
 class PullDescriptor(_Message):
-    """What a pushed version brings in its frames, for a pull: the header, every bucket's digests as the owner
-    computed them, the trailer, and where in the owner's region the version starts (bucket b at ``offset`` + its
-    flat offset). The puller reads it from the owner's memory: its size grows with the tensor count, so it never
-    goes through the control plane."""
+    """What a pushed version brings in its frames, for a pull: the header (with the owner of every bucket when
+    several trainer ranks own the version), every bucket's digests as the owners computed them, and the trailer.
+    The puller reads it from the lead owner's memory: its size grows with the tensor count, so it never goes
+    through the control plane."""
 
-    offset: int = Field(ge=0)
     header: VersionHeader
     digests: list[list[int]]
     trailer: VersionTrailer
 
 
-class PullOffer(_Message):
-    """What an owner serves of one version for receivers to pull (the ``nixl`` transport), small whatever the
-    model: how to reach its NIXL agent, the region holding the version, and where its encoded ``PullDescriptor``
-    lies (``descriptor_nbytes`` at ``descriptor``'s start) with that encoding's xxh3-64 digest (hex)."""
+class PullSource(_Message):
+    """One owner rank's share of an offered version: how to reach its NIXL agent, and the registered region that
+    holds the share (the share's bucket b at ``offset`` + b's flat offset in the share: plan/owners.py
+    ``share_offsets``). With one owner the share is the whole version."""
 
-    version: int
     agent: Base64Bytes = Field(max_length=1 << 20)
     region: PullRegion
-    descriptor: PullRegion
-    descriptor_nbytes: int = Field(gt=0, le=MAX_MESSAGE_BYTES)
-    descriptor_digest: str = Field(pattern="^[0-9a-f]{16}$")
+    offset: int = Field(ge=0)
+
+
+class PullDescribed(_Message):
+    """Where the lead owner's encoded ``PullDescriptor`` lies (``nbytes`` at ``region``'s start), with that
+    encoding's xxh3-64 digest (hex)."""
+
+    region: PullRegion
+    nbytes: int = Field(gt=0, le=MAX_MESSAGE_BYTES)
+    digest: str = Field(pattern="^[0-9a-f]{16}$")
+
+
+class PullOffer(_Message):
+    """A version served for receivers to pull (the ``nixl`` transport), small whatever the model: each owner
+    rank's source, by rank, and the descriptor in the lead's (rank 0's) memory. An owner rank other than the
+    lead offers its own source alone, without a descriptor: the daemon joins the owners' offers into one."""
+
+    version: int
+    sources: list[PullSource] = Field(min_length=1, max_length=MAX_PULL_OWNERS)
+    descriptor: PullDescribed | None = None

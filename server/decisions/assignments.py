@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
 from ckpt_engine.control.messages import Assignment, PullOffer
@@ -29,8 +29,35 @@ def receive_assignments(remote: Sequence[AgentRecord], colocated: Sequence[Agent
     return out
 
 
+def offer_problem(version: int, owners: int, rank: int, offer: PullOffer | None, offered: Set[int]) -> str | None:
+    """Why trainer rank ``rank``'s offer cannot be one of the owners' offers of ``version`` (None: it can).
+    Each owner rank offers its own share once; the lead's (rank 0's) also names the descriptor."""
+    if offer is None:
+        return "the report carries no offer"
+    if offer.version != version:
+        return f"it offers version {offer.version}"
+    if not 0 <= rank < owners:
+        return f"the version is owned by {owners} rank(s)"
+    if rank in offered:
+        return "this rank offered it already"
+    if len(offer.sources) != 1:
+        return f"an owner rank offers its own share (one source), not {len(offer.sources)}"
+    if (offer.descriptor is not None) != (rank == 0):
+        return "only the lead owner (rank 0) names the descriptor"
+    return None
+
+
+def joined_offer(version: int, owners: int, offers: Mapping[int, PullOffer]) -> PullOffer | None:
+    """The owner ranks' offers (checked by ``offer_problem``) as the one offer the pullers get, once every owner
+    has offered (None until then)."""
+    if len(offers) < owners:
+        return None
+    return PullOffer(version=version, sources=[offers[rank].sources[0] for rank in range(owners)],
+                     descriptor=offers[0].descriptor)
+
+
 def pull_assignments(version: int, mode: str, step: int | None, pullers: Mapping[str, int], offer: PullOffer
                      ) -> list[tuple[str, Assignment]]:
-    """Pullers (agent id -> quorum rank): each gets the trainer's offer, to read the version from it."""
+    """Pullers (agent id -> quorum rank): each gets the owners' joined offer, to read the version from it."""
     return [(agent_id, Assignment(kind="receive", version=version, mode=mode, step=step, rank=rank,
                                   transport="nixl", offer=offer)) for agent_id, rank in pullers.items()]

@@ -25,10 +25,16 @@ def waiting_for(quorum: Mapping[str, int], reported: Collection[str], absent_ran
     return receivers + [e for e in apply_sent if e not in applied and e in engines_with_driver]
 
 
-def ready_to_judge(sent_digest: bool, waiting: list[str], since_done_s: float, ack_s: float) -> bool:
+def ready_to_judge(sent_digest: bool, waiting: list[str], since_done_s: float, ack_s: float,
+                   pulling: Collection[str] = (), pull_s: float = 0.0) -> bool:
     """Once its trainer is done, a version is judged when nobody is waited on, or the acknowledgement time has
-    passed since. Without a digest from the trainer nothing can commit: no need to hear the receivers."""
-    return not sent_digest or not waiting or since_done_s >= ack_s
+    passed since. Without a digest from the trainer nothing can commit: no need to hear the receivers. A puller
+    only starts reading when the trainer is done (it offered the version then): while one is waited on, the
+    wait is ``pull_s`` (what is left of the version's time, less an acknowledgement's) if that is longer."""
+    if not sent_digest or not waiting:
+        return True
+    pulls = any(agent in pulling for agent in waiting)
+    return since_done_s >= (max(ack_s, pull_s) if pulls else ack_s)
 
 
 @dataclass(frozen=True)

@@ -159,13 +159,13 @@ def within_class_limit(receivers: Sequence[AgentRecord]) -> list[AgentRecord]:
 def owners_for(trainer: AgentRecord, trainers: Mapping[int, AgentRecord], source_owners: int | None, transport: str,
                now: float, heartbeat_s: float) -> int:
     """How many trainer ranks own shares of a version. A re-push has as many as its source had. A new one has
-    every rank of the trainer job when each rank's agent is heard from and ``transport`` is neither ``ipc`` (the
-    same-host path only) nor ``nixl`` (pullers read rank 0's cache); otherwise one: rank 0 sends everything and
-    the others only gather."""
+    every rank of the trainer job when each rank's agent is heard from and ``transport`` is not ``ipc`` (the
+    same-host path only); otherwise one: rank 0 sends everything and the others only gather. (Pullers read each
+    bucket from the rank that owns it.)"""
     if source_owners is not None:
         return source_owners
     ranks = trainer.trainer_ranks
-    if ranks <= 1 or transport in ("ipc", "nixl"):
+    if ranks <= 1 or transport == "ipc":
         return 1
     return ranks if all(r in trainers and heard(trainers[r], now, heartbeat_s) for r in range(ranks)) else 1
 
