@@ -96,7 +96,7 @@ class Flights:
         owner_ids = [trainers[r].agent_id for r in range(owners) if r in trainers] if owners > 1 else [trainer.agent_id]
         # (with another number of owners the receivers join other groups: a new generation, fresh store keys)
         quorum = {r.agent_id: rank for rank, r in enumerate(remote + colocated + pulling, start=1)}
-        classes = plan_lanes(receivers, quorum, {r.agent_id for r in colocated})
+        classes = plan_lanes(receivers, quorum, {r.agent_id for r in colocated}, {r.agent_id for r in pulling})
         membership = (*owner_ids, f"owners={owners}", *(r.agent_id for r in remote), "|",
                       *(r.agent_id for r in colocated), "|", *(f"{a}:{s.part}" for a, s in classes.seats.items()))
         if membership != self._membership or self.group_dirty:
@@ -176,7 +176,8 @@ class Flights:
             return
         flight.offered = True
         for agent_id, assignment in pull_assignments(flight.version, flight.mode, message.step,
-                                                     {a: flight.quorum[a] for a in flight.pullers}, joined):
+                                                     {a: flight.quorum[a] for a in flight.pullers}, joined,
+                                                     flight.classes.keys):
             if (puller := self.agents.get(agent_id)) is not None:
                 puller.pending.append(assignment)
 
@@ -296,6 +297,8 @@ class Flights:
         waiting = waiting_for(flight.quorum, flight.reports, set(done.absent_ranks),
                               {a for a in flight.quorum if self.agents.get(a) is not None}, flight.apply_sent,
                               flight.applied, {e for e in flight.apply_sent if self.agents.driver(e) is not None})
+        if done.ok is False and not flight.offered:  # its pullers never got the offer: nothing to wait for
+            waiting = [agent for agent in waiting if agent not in flight.pullers]
         ack_s = self.config.timeouts.ack_s
         pull_s = (flight.limit_s or self.config.timeouts.version_s) - (flight.done_at - flight.started) - ack_s
         if ready_to_judge(done.version_digest is not None, waiting, self.clock() - flight.done_at, ack_s,

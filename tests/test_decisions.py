@@ -170,7 +170,7 @@ def test_pullers() -> None:
     assert "cached versions only" in quorum.pullers([a], "nixl", "bypass_cpu")[1]
     sharded = agent()
     sharded.shard_spec, sharded.shard_key = {"w": [(0, 0, 2)]}, "tp0"  # (what a declared spec leaves)
-    assert "sharded classes" in quorum.pullers([a, sharded], "nixl", "cached")[1]
+    assert quorum.pullers([a, sharded], "nixl", "cached") == ([a, sharded], None)  # each pulls its class's pieces
     asked = agent()
     asked.pulls = True  # (a receiver that registered with transport nixl)
     assert quorum.pullers([a, asked], "auto", "cached") == ([asked], None)
@@ -489,3 +489,21 @@ def test_a_failed_worker_fails_its_engine_once() -> None:
     assert to_discard("e", engines, set(), "w1", reported={"w1", "w3"}) == ["w2"]
     assert to_discard("e", engines, {"e"}, "w1", reported=set()) is None  # settled: nothing anew
     assert to_discard(None, engines, set(), "w1", reported=set()) is None
+
+
+def test_pullers_of_a_sharded_version_have_no_seat_and_get_their_classs_descriptor() -> None:
+    from ckpt_engine.server.decisions.assignments import pull_assignments
+    from ckpt_engine.server.decisions.receiver_classes import plan_lanes
+
+    pushed, pulled, whole = agent(host_id="x"), agent(host_id="y"), agent(host_id="z")
+    for receiver in (pushed, pulled):
+        receiver.shard_spec, receiver.shard_key = {"w": [[0, 0, 2]]}, "tp0"
+    quorum = {pushed.agent_id: 1, pulled.agent_id: 2, whole.agent_id: 3}
+    plan = plan_lanes([pushed, pulled, whole], quorum, (), {pulled.agent_id, whole.agent_id})
+    assert [(lane.key, lane.ranks, lane.pullers) for lane in plan.lanes] == [("tp0", [1], [2]), ("whole", [], [3])]
+    assert set(plan.seats) == {pushed.agent_id} and plan.keys[whole.agent_id] == "whole"
+    offer = _offer(5, rank=0, described=False).model_copy(update={"classes": {
+        "tp0": _offer(5, rank=0).descriptor, "whole": _offer(5, rank=0).descriptor.model_copy(update={"nbytes": 9})}})
+    got = dict(pull_assignments(5, "cached", 1, {pulled.agent_id: 2, whole.agent_id: 3}, offer, plan.keys))
+    assert got[pulled.agent_id].offer.descriptor.nbytes == 8 and got[whole.agent_id].offer.descriptor.nbytes == 9
+    assert all(not a.offer.classes for a in got.values())  # each puller learns its own class's only

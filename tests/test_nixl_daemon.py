@@ -379,3 +379,97 @@ def test_receivers_pull_each_bucket_from_the_trainer_rank_that_owns_it(tmp_path:
         assert all(ok for version, ok, _, _ in receiver["results"] if version != flipped["id"])
     held = [rank["cache"][first["id"]] for rank in ranks]
     assert max(held) < 0.75 * sum(held), held  # each rank holds about its half of the version
+
+
+def tp_puller(zmq: str, stop_file: str, rank: int) -> dict:
+    """TP rank ``rank`` of 2 (tests/test_sharded_daemon.py's split) pulling its pieces: returns its local shards
+    after each version it applied, and the bytes each version brought."""
+    from ckpt_engine.plan.shards import local_range, split_piece_name
+    from ckpt_engine.workers.rollout_agent import RolloutAgent
+    from tests.test_sharded_daemon import shapes_of, tp_spec
+    from tests.tiny_lm import tiny_llama
+
+    shapes = shapes_of(tiny_llama(seed=0))
+    spec = tp_spec(shapes, rank)
+    local = {}
+    for name, shape in shapes.items():
+        slices, local_shape = spec.get(name), list(shape)
+        if slices:
+            local_shape[slices[0].dim] = sum(s.length for s in slices)
+        local[name] = torch.zeros(local_shape)
+    held: dict[int, dict] = {}
+
+    def load(payload) -> None:
+        for name, piece in payload.items():
+            tensor, part = split_piece_name(name)
+            where = local_range(spec, tensor, part)
+            target = local[tensor] if where is None else local[tensor].narrow(where.dim, where.start, where.length)
+            target.copy_(piece)
+        held[payload.version] = {k: (tuple(v.shape), v.numpy().tobytes()) for k, v in local.items()}  # (no fds)
+
+    agent = RolloutAgent(load, zmq, poll_wait_s=0.2, shard_spec=spec, transport="nixl").start()
+    while not os.path.exists(stop_file):
+        time.sleep(0.05)
+    agent.close()
+    return {"held": held, "spec": spec,
+            "results": [(r.version, r.ok, r.reason, r.bytes_received) for r in agent.results]}
+
+
+def test_tp_pullers_read_exactly_their_pieces_from_both_owner_ranks(tmp_path: Path) -> None:
+    """Two TP-rank receivers pull a sharded version that two FSDP2 ranks own: each reads only its slices (a
+    row range in one read, a column range row by row) from the rank owning each tensor, verified against its
+    class's digests; a rollback pulls them again from both caches."""
+    from ckpt_engine.plan.shards import cut
+    from tests.daemon_harness import free_port
+
+    workdir, stop_file = tmp_path / "job", tmp_path / "rx-stop"
+    workdir.mkdir()
+    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", transport="auto",
+                                       nixl_trust_receivers=True, bucket_size_mb=0.02, keep_versions=3))
+    pullers = start_processes([(tp_puller, (daemon.zmq, str(stop_file), rank)) for rank in (0, 1)])
+    job = None
+    try:
+        with daemon.client() as client:
+            _wait_for(lambda: len(client.get("/receivers").json()["agents"]) == 2)
+            port = free_port()
+            job = start_processes([(fsdp_owner, (rank, 2, port, daemon.zmq, str(workdir), -1)) for rank in (0, 1)])
+            ended = _wait_for(lambda: [v for v in client.get("/versions").json()["versions"] if _ended(v)]
+                              if sum(bool(_ended(v)) for v in client.get("/versions").json()["versions"]) >= 3
+                              else None, 240)
+            versions = sorted(ended, key=lambda v: v["id"])[:3]
+            assert [v["status"] for v in versions] == ["committed"] * 3, versions
+            first = versions[0]
+            assert first["owners"] == 2 and {r["transport"] for r in first["receivers"]} == {"nixl"}, first
+            assert len({r["shard_class"] for r in first["receivers"]}) == 2
+            pushed = client.post(f"/versions/{first['id']}/push")
+            assert pushed.status_code == 202, pushed.text
+            again = _wait_for(lambda: _ended(client.get(f"/versions/{pushed.json()['version']}").json()))
+            assert again["status"] == "committed" and again["version_digest"] == first["version_digest"], again
+            (workdir / "stop").touch()
+            ranks = job.collect(120)
+    finally:
+        (workdir / "stop").touch()
+        stop_file.touch()
+        rx = pullers.collect(120)
+        assert daemon.stop() == 0
+    from tests.test_sharded_daemon import shapes_of
+    from tests.tiny_lm import tiny_llama
+
+    shapes, served = shapes_of(tiny_llama(seed=0)), ranks[0]["served"]
+    full_bytes = sum(len(b) for b in served[first["id"]].values())
+    for receiver in rx:
+        assert all(ok for _, ok, _, _ in receiver["results"]), receiver["results"]
+        assert all(0 < got < 0.75 * full_bytes for _, _, _, got in receiver["results"])  # about its half
+        for version in (*(v["id"] for v in versions), again["id"]):
+            source = served[first["id"] if version == again["id"] else version]
+            compared = 0
+            for name, (shape, raw) in receiver["held"][version].items():
+                if name not in source:  # (a tied name: its tensor is compared under its own name)
+                    continue
+                local = torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape)
+                whole = torch.frombuffer(bytearray(source[name]), dtype=torch.float32).reshape(shapes[name])
+                parts = receiver["spec"].get(name)
+                expected = whole if not parts else torch.cat([cut(whole, p) for p in parts], dim=parts[0].dim)
+                assert torch.equal(local, expected), (version, name)
+                compared += 1
+            assert compared >= len(source) - 1

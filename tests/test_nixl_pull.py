@@ -280,7 +280,7 @@ def test_an_offer_reuses_the_digests_its_send_just_made() -> None:
     def described(**options) -> list[list[int]]:
         with cache.lease(1) as cached:
             offered = offer_cached(endpoint, cached, **options)
-        raw = offered.descriptor[: offered.offer.descriptor.nbytes].numpy().tobytes()
+        raw = offered.descriptors[0][: offered.offer.descriptor.nbytes].numpy().tobytes()
         return decode(PullDescriptor, raw).digests
 
     try:

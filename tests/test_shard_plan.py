@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
+import torch
 
 from ckpt_engine.errors import ConfigError
 from ckpt_engine.plan.layout import TensorSpec, plan_layout
@@ -98,3 +102,38 @@ def test_a_fused_checkpoint_tensor_keeps_one_range_of_each_part() -> None:
     assert [(p.spec.name, p.spec.shape) for p in pieces] == [
         ("qkv_proj.weight@0:4:4", (4, 8)), ("qkv_proj.weight@0:10:2", (2, 8)), ("qkv_proj.weight@0:14:2", (2, 8))]
     assert sum(p.nbytes for p in pieces) == 8 * 8 * 2
+
+
+@pytest.mark.parametrize("shape,part", [
+    ((6, 4), None), ((6, 4), Slice(0, 2, 3)), ((6, 4), Slice(1, 1, 2)), ((6, 4), Slice(1, 0, 4)),
+    ((2, 3, 4), Slice(1, 1, 2)), ((2, 3, 4), Slice(2, 3, 1)), ((8,), Slice(0, 5, 3)), ((3, 1), Slice(0, 1, 1)),
+])
+def test_piece_runs_read_exactly_the_pieces_bytes_in_wire_order(shape, part) -> None:
+    from ckpt_engine.plan.shards import cut, piece_runs
+
+    full = torch.arange(math.prod(shape), dtype=torch.int16).reshape(shape)
+    flat = full.view(torch.uint8).reshape(-1)
+    runs = piece_runs(shape, 2, part)
+    read = torch.cat([flat[offset : offset + count] for offset, count in runs])
+    assert torch.equal(read, cut(full, part).view(torch.uint8).reshape(-1))
+    assert all(a + n < b for (a, n), (b, _) in itertools.pairwise(runs))  # adjacent runs are joined
+
+
+def test_piece_runs_refuse_a_slice_that_does_not_fit() -> None:
+    from ckpt_engine.plan.shards import piece_runs
+
+    with pytest.raises(ConfigError):
+        piece_runs((4, 4), 2, Slice(1, 2, 3))
+    with pytest.raises(ConfigError):
+        piece_runs((4,), 2, Slice(1, 0, 1))
+
+
+@pytest.mark.parametrize("start,nbytes", [(0, 24), (0, 5), (3, 10), (8, 8), (20, 4), (23, 1)])
+def test_runs_within_a_chunk_of_a_piece(start, nbytes) -> None:
+    from ckpt_engine.plan.shards import runs_within
+
+    runs = [(100, 8), (200, 8), (300, 8)]  # a piece of 24 bytes from three places
+    wire = [o + i for o, n in runs for i in range(n)]  # the source offset of each of the piece's bytes
+    got = runs_within(runs, start, nbytes)
+    assert [src + i for src, _, n in got for i in range(n)] == wire[start : start + nbytes]
+    assert [dst for _, dst, _ in got] == [sum(n for _, _, n in got[:k]) for k in range(len(got))]

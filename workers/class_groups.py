@@ -81,7 +81,7 @@ class ClassGroups:
     def lanes(self, lanes: Sequence[ClassLane]) -> tuple[Lane, ...]:
         """The route's classes: each with its groups, or with why they did not form."""
         return tuple(Lane(lane.key, lane.spec, group, tuple(lane.ranks), owners, lane.ipc_peers,
-                          unreachable=failure)
+                          unreachable=failure, pulls=bool(lane.pullers))
                      for lane, group, owners, failure in zip(lanes, self.groups, self.owner_groups, self.failures))
 
     def close(self) -> None:

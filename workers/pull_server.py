@@ -12,7 +12,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -20,15 +20,16 @@ from ckpt_engine.control.messages import Assignment, RegisterReply
 from ckpt_engine.device import DigestAlgo
 from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.send.cache import VersionCache
+from ckpt_engine.send.class_senders import PulledClass
 from ckpt_engine.send.publisher import Publisher
-from ckpt_engine.send.pull_offer import offer_cached, offer_share
+from ckpt_engine.send.pull_offer import offer_cached, offer_classes, offer_share
 from ckpt_engine.send.transfer import TransferResult
 from ckpt_engine.transport.messages import PullOffer
 from ckpt_engine.transport.nixl import NixlEndpoint
 
 log = logging.getLogger(__name__)
 _MIN_SLOT = 64 << 10
-_SLOTS_KEPT = 4
+_SLOTS_KEPT = 16  # (a sharded version has a descriptor per pulled class)
 
 
 class PullServer:
@@ -41,21 +42,29 @@ class PullServer:
         self._free: list[torch.Tensor] = []  # descriptor slots no offered version holds (registered)
 
     def offer(self, cache: VersionCache, version: int, source_version: int | None, algo: DigestAlgo,
-              hold_s: float, digests: Sequence[int] = (), *, lead: bool = True) -> PullOffer:
+              hold_s: float, digests: Sequence[int] = (), *, lead: bool = True,
+              classes: Mapping[str, PulledClass] | None = None) -> PullOffer:
         """``version`` (a re-push: ``source_version``'s cached bytes under ``version``) offered; its buffer is
         held for at most ``hold_s``. ``digests``: the send's per-piece digests of the whole version, if it made
-        them. ``lead``: rank 0, whose offer carries the descriptor; another owner rank offers its share alone."""
+        them. ``lead``: rank 0, whose offer carries the descriptor; another owner rank offers its share alone.
+        ``classes``: a sharded version's pulled classes (the lead offers a descriptor for each)."""
         stack = contextlib.ExitStack()
         cached = stack.enter_context(cache.lease(source_version if source_version is not None else version))
         endpoint = self._endpoint_now()
         try:
-            offered = (offer_cached(endpoint, cached, version=version, algo=algo, descriptor_into=self._slot,
-                                    digests=digests) if lead else offer_share(endpoint, cached, version=version))
+            if not lead:
+                offered = offer_share(endpoint, cached, version=version)
+            elif classes is not None:
+                offered = offer_classes(endpoint, cached, classes, version=version, algo=algo,
+                                        descriptor_into=self._slot)
+            else:
+                offered = offer_cached(endpoint, cached, version=version, algo=algo, descriptor_into=self._slot,
+                                       digests=digests)
         except BaseException:
             stack.close()
             raise
-        if offered.descriptor is not None:
-            stack.callback(self._free_slot, offered.descriptor)  # (released with the version's lease)
+        for descriptor in offered.descriptors:
+            stack.callback(self._free_slot, descriptor)  # (released with the version's lease)
         with self._lock:
             earlier = self._leases.pop(version, None)
             self._leases[version] = (time.monotonic() + hold_s, stack)
@@ -66,10 +75,17 @@ class PullServer:
     def offer_for(self, assignment: Assignment, publisher: Publisher, settings: RegisterReply | None,
                   sent: TransferResult, rank: int) -> PullOffer:
         """What trainer rank ``rank`` offers of ``assignment`` (a send with pullers) once ``sent`` (its send)
-        ended, the lead with that send's digests; held for the version's time limit at most."""
+        ended, the lead with that send's digests (a sharded version's: each pulled class's); held for the
+        version's time limit at most."""
+        classes = publisher.classes.pulled(assignment.version) if assignment.classes else None
+        if classes is not None and rank == 0:
+            wanted = {lane.key for lane in assignment.classes if lane.pullers}
+            if missing := sorted(wanted - set(classes)):
+                raise CkptEngineError(f"class(es) {[key[:12] for key in missing]} of version {assignment.version} "
+                                      "were not sent: nothing to offer their pullers")
         return self.offer(publisher.cache, assignment.version, assignment.source_version,
                           publisher.device.digest_algo, settings.version_timeout_s if settings is not None else 600.0,
-                          sent.wire_digests, lead=rank == 0)
+                          sent.wire_digests, lead=rank == 0, classes=classes)
 
     def start(self) -> None:
         """Start the NIXL agent now (importing and starting it takes a second or two), not at the first offer."""

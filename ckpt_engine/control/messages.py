@@ -163,7 +163,7 @@ class ClassLane(BaseModel):
     """Send of a sharded version: one class of receivers with identical specs, on a sync group of its own
     (``part``): the trainer is rank 0, the class's receivers ranks 1.. in the order of ``ranks`` (their ranks in
     the version's quorum, which the trainer's report uses); its colocated receivers (``ipc_peers``: agent id ->
-    quorum rank) take the same-host path instead. A class of colocated receivers only has no group."""
+    quorum rank) take the same-host path instead. A class of colocated or pulling receivers only has no group."""
 
     model_config = ConfigDict(extra="ignore")
     key: str = Field(max_length=64)
@@ -172,10 +172,14 @@ class ClassLane(BaseModel):
     ranks: list[Annotated[QuorumRank, Field(ge=1, le=MAX_RANKS)]] = Field(default_factory=list, max_length=MAX_RANKS)
     ipc_peers: dict[Annotated[str, Field(max_length=64)], Annotated[QuorumRank, Field(ge=1, le=MAX_RANKS)]] = Field(
         default_factory=dict, max_length=MAX_RANKS)
+    # its receivers that pull their pieces over nixl (quorum ranks): no seat in its group; the trainer offers the
+    # class's descriptor once its digests are known
+    pullers: list[Annotated[QuorumRank, Field(ge=1, le=MAX_RANKS)]] = Field(default_factory=list,
+                                                                           max_length=MAX_RANKS)
 
     @model_validator(mode="after")
     def _has_receivers(self) -> ClassLane:
-        if not self.ranks and not self.ipc_peers:
+        if not self.ranks and not self.ipc_peers and not self.pullers:
             raise ValueError(f"class {self.key[:12]} has no receivers")
         return self
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -166,6 +167,41 @@ def class_aliases(aliases: Mapping[str, str], spec: ShardSpec) -> dict[str, str]
 def cut_view(tensor: torch.Tensor, part: Slice | None) -> torch.Tensor:
     """``part`` of ``tensor`` as a view (strided for a column range)."""
     return tensor if part is None else tensor.narrow(part.dim, part.start, part.length)
+
+
+def piece_runs(shape: tuple[int, ...], item: int, part: Slice | None) -> list[tuple[int, int]]:
+    """Where the bytes of ``part`` of a row-major tensor of ``shape`` (``item`` bytes an element) lie in the
+    tensor, in the order its wire tensor holds them: (byte offset, byte count) runs, adjacent ones joined. A
+    range of rows is one run; a range of columns is one run per row. For a puller that reads a class's pieces
+    straight out of an owner's copy of the full tensors."""
+    if part is None:
+        return [(0, math.prod(shape) * item)]
+    if part.dim >= len(shape) or part.end > shape[part.dim]:
+        raise ConfigError(f"slice {part} does not fit a tensor of shape {shape}")
+    inner = math.prod(shape[part.dim + 1 :]) * item
+    outer, span = math.prod(shape[: part.dim]), shape[part.dim] * inner
+    runs: list[tuple[int, int]] = []
+    for row in range(outer):
+        start, count = row * span + part.start * inner, part.length * inner
+        if runs and runs[-1][0] + runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], runs[-1][1] + count)
+        elif count:
+            runs.append((start, count))
+    return runs
+
+
+def runs_within(runs: list[tuple[int, int]], start: int, nbytes: int) -> list[tuple[int, int, int]]:
+    """The part of ``runs`` (a wire tensor's bytes, in order) that its bytes ``start .. start + nbytes`` come
+    from (a chunk of a piece too large for one bucket): (byte offset in the tensor, offset in the chunk, count)."""
+    out, at, end = [], 0, start + nbytes
+    for offset, count in runs:
+        lo, hi = max(at, start), min(at + count, end)
+        if lo < hi:
+            out.append((offset + lo - at, lo - start, hi - lo))
+        at += count
+        if at >= end:
+            break
+    return out
 
 
 _PIECE_RANGE = re.compile(r"(0|[1-9][0-9]*):(0|[1-9][0-9]*):([1-9][0-9]*)", re.ASCII)  # exactly what piece_name writes

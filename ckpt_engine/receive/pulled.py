@@ -16,9 +16,11 @@ import torch
 import xxhash
 
 from ckpt_engine.codec import decode
-from ckpt_engine.errors import CkptEngineError, ProtocolError
+from ckpt_engine.errors import CkptEngineError, ConfigError, ProtocolError
+from ckpt_engine.plan.dtypes import itemsize
 from ckpt_engine.plan.layout import Bucket, Layout
 from ckpt_engine.plan.owners import Owners, share_offsets, single_owner
+from ckpt_engine.plan.shards import piece_runs, runs_within, split_piece_name
 from ckpt_engine.receive.assembly import VersionAssembler
 from ckpt_engine.receive.buffers import StagingBuffers
 from ckpt_engine.receive.payload import ReceiveResult
@@ -36,14 +38,13 @@ class NixlFeed:
         if len(described.digests) != len(layout.buckets):
             raise ProtocolError(f"version {described.header.version}: {len(described.digests)} buckets of digests "
                                 f"for {len(layout.buckets)} buckets")
+        shares, self.reads = reads_of(described, layout, self.owners)
         for rank, source in enumerate(offer.sources):
-            held = self.owners.bytes_of(layout, rank)
-            if source.offset + held > source.region.nbytes:
-                raise ProtocolError(f"version {described.header.version}: owner rank {rank}'s {held} bytes do not "
-                                    f"fit its region of {source.region.nbytes} at {source.offset}")
+            if source.offset + shares[rank] > source.region.nbytes:
+                raise ProtocolError(f"version {described.header.version}: owner rank {rank}'s {shares[rank]} bytes "
+                                    f"do not fit its region of {source.region.nbytes} at {source.offset}")
         self.endpoint, self.offer, self.described, self.deadline = endpoint, offer, described, deadline
         self.parallel = 2 * self.owners.ranks
-        self.at = share_offsets(layout, self.owners)
         self.remotes = [endpoint.remote(source.agent) for source in offer.sources]
         self.read_into: list[torch.Tensor] = []  # what the reads write into (retired if the pull fails)
 
@@ -53,7 +54,8 @@ class NixlFeed:
         owner = self.owners.of[bucket.index]
         source = self.offer.sources[owner]
         read = self.endpoint.start_read(self.remotes[owner], _region(source.region),
-                                        [(source.offset + self.at[bucket.index], into[: bucket.nbytes])])
+                                        [(source.offset + at, into[dst : dst + count])
+                                         for at, dst, count in self.reads[bucket.index]])
         digests = self.described.digests[bucket.index]
 
         def wait() -> list[int]:
@@ -67,6 +69,47 @@ class NixlFeed:
 
     def follow_the_rest(self, layout: Layout) -> None:
         """Nothing to drain: a pull that stops reads nothing more."""
+
+
+Reads = list[list[tuple[int, int, int]]]  # per bucket: (offset in its owner's share, offset in the bucket, bytes)
+
+
+def reads_of(described: PullDescriptor, layout: Layout, owners: Owners) -> tuple[list[int], Reads]:
+    """What each owner's share holds (bytes), and the reads that fill each bucket of ``layout``: the bucket
+    itself, or, for a sharded class (``cut_from``), each of its pieces cut out of the full tensors in the
+    owner's share (a row range in one read, a column range in one a row)."""
+    if described.cut_from is None:
+        at = share_offsets(layout, owners)
+        return ([owners.bytes_of(layout, r) for r in range(owners.ranks)],
+                [[(at[b.index], 0, b.nbytes)] for b in layout.buckets])
+    version = described.header.version
+    whole = described.cut_from.to_layout()
+    whole_owners = (Owners(owners.ranks, tuple(described.cut_from_owners)) if described.cut_from_owners is not None
+                    else single_owner(whole))
+    try:
+        whole_owners.check(whole)
+    except CkptEngineError as exc:
+        raise ProtocolError(f"version {version}: the layout its pieces are cut from: {exc}") from exc
+    at, tensors = share_offsets(whole, whole_owners), whole.spec_of
+    where = {slot.name: slot for slot in whole.slots}
+    reads: Reads = []
+    for bucket in layout.buckets:
+        mine = []
+        for slot in bucket.slots:
+            name, part = split_piece_name(slot.name)
+            source = where.get(name)
+            if source is None or whole_owners.of[source.bucket] != owners.of[bucket.index]:
+                raise ProtocolError(f"version {version}: piece {slot.name} is not a tensor of its bucket's owner")
+            spec = tensors[name]
+            start = at[source.bucket] + source.offset
+            try:
+                runs = piece_runs(spec.shape, itemsize(spec.dtype), part)
+            except ConfigError as exc:
+                raise ProtocolError(f"version {version}: piece {slot.name}: {exc}") from exc
+            mine += [(start + src, slot.offset + dst, count)
+                     for src, dst, count in runs_within(runs, slot.start, slot.nbytes)]
+        reads.append(mine)
+    return [whole_owners.bytes_of(whole, r) for r in range(owners.ranks)], reads
 
 
 def owners_of(header: VersionHeader, layout: Layout, sources: int) -> Owners:

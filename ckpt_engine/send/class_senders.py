@@ -63,7 +63,8 @@ class Lane:
     group did not form (``unreachable`` says why). ``ranks``: its receivers' ranks in the version's quorum;
     group rank k is ``ranks[k - 1]``. ``owners_group``: with several owners, the class's owners' group.
     ``ipc_peers``: its colocated receivers (agent id -> quorum rank), which read its pieces from shared slots
-    of the class's own."""
+    of the class's own. ``pulls``: it has receivers that pull its pieces (then it may have no group at all: its
+    send only digests them, for the offer)."""
 
     key: str
     spec: ShardSpec
@@ -72,6 +73,7 @@ class Lane:
     owners_group: SyncGroup | None = None
     ipc_peers: Mapping[str, int] = field(default_factory=dict)
     unreachable: Exception | None = None
+    pulls: bool = False  # some of its receivers pull its pieces over nixl (once its digests are known)
 
     def quorum_rank(self, rank: GroupRank) -> QuorumRank:
         """The quorum rank of the class group's member ``rank``; rank k >= 1 is the class's k-th receiver."""
@@ -105,6 +107,8 @@ class ClassSenders:
         # They outlive the class's sync groups, because a receiver joining regroups every class.
         self._manifests: dict[str, dict[int, Manifest]] = {}
         self._identities: dict[int, Manifest] = {}  # the identities of recent versions, by version
+        self._plan_sent: dict[str, _ClassPlan] = {}  # by class key: the plan of its latest send
+        self._pullable: dict[str, PulledClass] = {}  # by class key: its latest send, for pullers (the lead's)
 
     def send(self, cache: VersionCache, version: int, lanes: Sequence[Lane], *, as_version: int | None = None,
              expected_digest: str | None = None, sparse_base: int | None = None) -> Transfer:
@@ -114,12 +118,18 @@ class ClassSenders:
         since, or all of them when the class's digests of that version are not known here."""
         label = version if as_version is None else as_version
         self._forget_senders(lanes)
+        self._pullable.clear()
         transfer = Transfer(label, "cached")
         transfer.params_released.set()
         with cache.lease(version) as cached:
             transfer._finish(self._send_leased(cache, cached, label, lanes, expected_digest,
                                                sparse_base if as_version is None else None))
         return transfer
+
+    def pulled(self, label: int) -> dict[str, PulledClass]:
+        """The classes of version ``label`` that its pullers may now read, by class key: each with its plan and
+        every piece's digest (on the lead owner; another owner has none)."""
+        return {key: pulled for key, pulled in self._pullable.items() if pulled.version == label}
 
     def send_live(self, version: int, layout: Layout, owners: Owners, rank: int, gather: Gather,
                   lanes: Sequence[Lane], *, aliases: Mapping[str, str], step: int | None) -> Transfer:
@@ -266,7 +276,7 @@ class ClassSenders:
         Its receivers that never joined its group are named by quorum rank, whatever the outcome."""
         started = time.perf_counter()
         try:
-            if lane.group is None and not lane.ipc_peers:  # its group did not form, so nobody can receive it
+            if lane.group is None and not lane.ipc_peers and not lane.pulls:  # its group did not form: nobody can
                 raise ReceiversAbsent(f"its sync group did not form: {lane.unreachable}", lane.absent())
             result = start().result()
         except (ConfigError, ReceiversAbsent) as exc:  # an unfit spec or absent receivers fail this class only
@@ -281,6 +291,8 @@ class ClassSenders:
             if on_end is not None:
                 on_end()
         result.absent_ranks += lane.absent()
+        if lane.pulls and result.ok and result.wire_digests:  # (the lead's: the digests of every owner's pieces)
+            self._pullable[lane.key] = PulledClass(label, self._plan_sent[lane.key], list(result.wire_digests))
         if result.rendezvous_failed and not result.classes:  # its group formed, then never carried a frame
             result.classes = [{"spec_unfit": False, "rendezvous_failed": True}]
         results[lane.key] = result
@@ -289,6 +301,7 @@ class ClassSenders:
         """Send the class's pieces, as views of this rank's cached tensors, on this thread. With
         ``sparse_base``, only those that changed since that version, by the class's digests of it."""
         plan = self._plan_of(lane, cached.version_layout, cached.owners, cached.aliases)  # type: ignore[arg-type]
+        self._plan_sent[lane.key] = plan
         views = cached.views()  # with several owners, this rank's share
         mine = {p.spec.name: cut_view(views[p.tensor], p.part) for p in plan.pieces if p.tensor in views}
         sender = self._sender(lane)
@@ -398,6 +411,15 @@ _REASONS_LISTED = 8  # classes whose failure a version's reason names; each clas
 _IDENTITIES_KEPT = 8
 _CLASSES_REMEMBERED = 512  # classes whose digests are kept; a deployment has at most 256 at once
 _PLANS_KEPT = 64  # class plans remembered, for classes × layouts in use; a layout rarely changes
+
+
+@dataclass(frozen=True)
+class PulledClass:
+    """A class's send of one version, for its pullers: its plan and every piece's digest, in wire order."""
+
+    version: int
+    plan: _ClassPlan
+    digests: list[int]
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import base64
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +23,9 @@ from ckpt_engine.device import DigestAlgo
 from ckpt_engine.errors import CacheError
 from ckpt_engine.plan.hashing import bucket_digests, version_digest
 from ckpt_engine.plan.layout import Layout
-from ckpt_engine.plan.owners import single_owner
+from ckpt_engine.plan.owners import Owners, single_owner
 from ckpt_engine.send.cache import CachedVersion
+from ckpt_engine.send.class_senders import PulledClass
 from ckpt_engine.transport.messages import (
     LayoutMessage,
     PullDescribed,
@@ -41,7 +42,11 @@ from ckpt_engine.transport.nixl import NixlEndpoint, Region
 @dataclass(frozen=True)
 class Offered:
     offer: PullOffer
-    descriptor: torch.Tensor | None  # registered with the endpoint: ``endpoint.forget`` it once no pull may read it
+    # registered with the endpoint: ``endpoint.forget`` each once no pull may read it
+    descriptors: tuple[torch.Tensor, ...] = ()
+
+
+DescriptorInto = Callable[[int], torch.Tensor]
 
 
 def offer_share(endpoint: NixlEndpoint, cached: CachedVersion, *, version: int | None = None) -> Offered:
@@ -50,11 +55,11 @@ def offer_share(endpoint: NixlEndpoint, cached: CachedVersion, *, version: int |
     _refuse_delta(cached)
     region = endpoint.register(cached.buffer)
     return Offered(PullOffer(version=cached.version if version is None else version,
-                             sources=[_source(endpoint, region, cached.buffer)]), None)
+                             sources=[_source(endpoint, region, cached.buffer)]))
 
 
 def offer_cached(endpoint: NixlEndpoint, cached: CachedVersion, *, version: int | None = None,
-                 algo: DigestAlgo = "xxh3-64", descriptor_into: Callable[[int], torch.Tensor] | None = None,
+                 algo: DigestAlgo = "xxh3-64", descriptor_into: DescriptorInto | None = None,
                  digests: Sequence[int] = ()) -> Offered:
     """The lead owner's offer of ``cached`` (not a delta; with several owners, rank 0's share, the others
     offering theirs with ``offer_share``), labelled ``version`` (a re-push: the cached bytes of an older version
@@ -75,13 +80,57 @@ def offer_cached(endpoint: NixlEndpoint, cached: CachedVersion, *, version: int 
         buffer = cached.buffer
         per_bucket = [bucket_digests(b, buffer[b.flat_offset : b.flat_offset + b.nbytes], algo,
                                      layout.digest).tolist() for b in layout.buckets]
+    described, descriptor = _describe(endpoint, _header(label, layout, owners, algo, cached.step, cached.aliases),
+                                      per_bucket, descriptor_into)
+    # (the metadata is taken last: it lists what is registered, the descriptor included)
+    return Offered(PullOffer(version=label, sources=[_source(endpoint, region, cached.buffer)],
+                             descriptor=described), (descriptor,))
+
+
+def offer_classes(endpoint: NixlEndpoint, cached: CachedVersion, classes: Mapping[str, PulledClass], *,
+                  version: int | None = None, algo: DigestAlgo = "xxh3-64",
+                  descriptor_into: DescriptorInto | None = None) -> Offered:
+    """The lead owner's offer of a sharded version: a descriptor per pulled class (its layout of pieces, its
+    digests as its send computed them, and the layout the pieces are cut from), the owners' shares as sources.
+    A puller reads its class's pieces straight out of the shares: nothing is cut or copied here."""
+    label = cached.version if version is None else version
+    _refuse_delta(cached)
+    region = endpoint.register(cached.buffer)
+    whole, owners = cached.version_layout or cached.layout, cached.owners or single_owner(cached.layout)
+    cut_from = LayoutMessage.of(whole)
+    cut_from_owners = list(owners.of) if owners.ranks > 1 else None
+    described, descriptors = {}, []
+    for key, pulled in classes.items():
+        plan = pulled.plan
+        per_bucket = _by_bucket(plan.layout, pulled.digests)
+        if per_bucket is None:
+            raise CacheError(f"version {label}: class {key[:12]}'s send left {len(pulled.digests)} digests for "
+                             f"{len(plan.layout.pieces)} pieces")
+        header = _header(label, plan.layout, plan.owners or single_owner(plan.layout), algo, cached.step,
+                         plan.aliases)
+        described[key], descriptor = _describe(endpoint, header, per_bucket, descriptor_into, cut_from,
+                                               cut_from_owners)
+        descriptors.append(descriptor)
+    return Offered(PullOffer(version=label, sources=[_source(endpoint, region, cached.buffer)], classes=described),
+                   tuple(descriptors))
+
+
+def _header(label: int, layout: Layout, owners: Owners, algo: DigestAlgo, step: int | None,
+            aliases: Mapping[str, str]) -> VersionHeader:
     several = {"owner_ranks": owners.ranks, "owners": list(owners.of)} if owners.ranks > 1 else {}
-    header = VersionHeader(version=label, mode="cached", digest_algo=algo, layout_digest=layout.digest,
-                           layout=LayoutMessage.of(layout), step=cached.step, aliases=dict(cached.aliases),
-                           created_at=time.time(), **several)
-    trailer = VersionTrailer(version=label,
-                             version_digest=version_digest(algo, layout.digest, [d for b in per_bucket for d in b]))
-    raw = encode(PullDescriptor(header=header, digests=per_bucket, trailer=trailer))
+    return VersionHeader(version=label, mode="cached", digest_algo=algo, layout_digest=layout.digest,
+                         layout=LayoutMessage.of(layout), step=step, aliases=dict(aliases), created_at=time.time(),
+                         **several)
+
+
+def _describe(endpoint: NixlEndpoint, header: VersionHeader, per_bucket: list[list[int]],
+              descriptor_into: DescriptorInto | None, cut_from: LayoutMessage | None = None,
+              cut_from_owners: list[int] | None = None) -> tuple[PullDescribed, torch.Tensor]:
+    """The descriptor of ``header``'s version (its digests, its trailer), encoded into registered memory."""
+    trailer = VersionTrailer(version=header.version, version_digest=version_digest(
+        header.digest_algo, header.layout_digest, [d for b in per_bucket for d in b]))
+    raw = encode(PullDescriptor(header=header, digests=per_bucket, trailer=trailer, cut_from=cut_from,
+                                cut_from_owners=cut_from_owners))
     if descriptor_into is None:
         descriptor = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     else:
@@ -90,21 +139,7 @@ def offer_cached(endpoint: NixlEndpoint, cached: CachedVersion, *, version: int 
     where = endpoint.register(descriptor)
     if descriptor.data_ptr() != where.addr:
         raise CacheError("a descriptor must start its registered memory")  # (the offer says: at the region's start)
-    described = PullDescribed(region=_wire(where), nbytes=len(raw), digest=xxhash.xxh3_64_hexdigest(raw))
-    # (the metadata is taken last: it lists what is registered, the descriptor included)
-    return Offered(PullOffer(version=label, sources=[_source(endpoint, region, cached.buffer)],
-                             descriptor=described), descriptor)
-
-
-def _refuse_delta(cached: CachedVersion) -> None:
-    if not cached.is_whole:
-        raise CacheError(f"version {cached.version} is a delta of {cached.parent}: only whole cached versions are "
-                         "offered for pulling so far")
-
-
-def _source(endpoint: NixlEndpoint, region: Region, buffer: torch.Tensor) -> PullSource:
-    return PullSource(agent=base64.b64encode(endpoint.metadata()),  # (its wire form)
-                      region=_wire(region), offset=buffer.data_ptr() - region.addr)
+    return PullDescribed(region=_wire(where), nbytes=len(raw), digest=xxhash.xxh3_64_hexdigest(raw)), descriptor
 
 
 def _by_bucket(layout: Layout, digests: Sequence[int]) -> list[list[int]] | None:
@@ -119,3 +154,14 @@ def _by_bucket(layout: Layout, digests: Sequence[int]) -> list[list[int]] | None
 
 def _wire(region: Region) -> PullRegion:
     return PullRegion(addr=region.addr, nbytes=region.nbytes, mem=region.mem, device_id=region.device_id)
+
+
+def _refuse_delta(cached: CachedVersion) -> None:
+    if not cached.is_whole:
+        raise CacheError(f"version {cached.version} is a delta of {cached.parent}: only whole cached versions are "
+                         "offered for pulling so far")
+
+
+def _source(endpoint: NixlEndpoint, region: Region, buffer: torch.Tensor) -> PullSource:
+    return PullSource(agent=base64.b64encode(endpoint.metadata()),  # (its wire form)
+                      region=_wire(region), offset=buffer.data_ptr() - region.addr)

@@ -112,6 +112,7 @@ class Ack(_Message):
 
 # Owner ranks one pulled version may come from (each source carries its NIXL agent's metadata).
 MAX_PULL_OWNERS = 256
+MAX_PULL_CLASSES = 256  # (as many as a sharded version has classes)
 
 
 class PullRegion(_Message):
@@ -132,6 +133,10 @@ class PullDescriptor(_Message):
     header: VersionHeader
     digests: list[list[int]]
     trailer: VersionTrailer
+    # A sharded class's pull: its pieces are cut by the puller from the owners' shares of the version, which
+    # are laid out as this layout, with these owners (None: one owner). None: the header's layout is the shares'.
+    cut_from: LayoutMessage | None = None
+    cut_from_owners: list[int] | None = None
 
 
 class PullSource(_Message):
@@ -156,8 +161,12 @@ class PullDescribed(_Message):
 class PullOffer(_Message):
     """A version served for receivers to pull (the ``nixl`` transport), small whatever the model: each owner
     rank's source, by rank, and the descriptor in the lead's (rank 0's) memory. An owner rank other than the
-    lead offers its own source alone, without a descriptor: the daemon joins the owners' offers into one."""
+    lead offers its own source alone, without a descriptor: the daemon joins the owners' offers into one. The
+    lead of a sharded version offers one descriptor per pulled class instead."""
 
     version: int
     sources: list[PullSource] = Field(min_length=1, max_length=MAX_PULL_OWNERS)
     descriptor: PullDescribed | None = None
+    # A sharded version: each pulled class's descriptor, by class key (the daemon gives each puller its class's
+    # as ``descriptor``)
+    classes: dict[str, PullDescribed] = Field(default_factory=dict, max_length=MAX_PULL_CLASSES)

@@ -42,8 +42,10 @@ def offer_problem(version: int, owners: int, rank: int, offer: PullOffer | None,
         return "this rank offered it already"
     if len(offer.sources) != 1:
         return f"an owner rank offers its own share (one source), not {len(offer.sources)}"
-    if (offer.descriptor is not None) != (rank == 0):
+    if (offer.descriptor is not None or bool(offer.classes)) != (rank == 0):
         return "only the lead owner (rank 0) names the descriptor"
+    if offer.descriptor is not None and offer.classes:
+        return "a version is offered whole or by class, not both"
     return None
 
 
@@ -53,11 +55,19 @@ def joined_offer(version: int, owners: int, offers: Mapping[int, PullOffer]) -> 
     if len(offers) < owners:
         return None
     return PullOffer(version=version, sources=[offers[rank].sources[0] for rank in range(owners)],
-                     descriptor=offers[0].descriptor)
+                     descriptor=offers[0].descriptor, classes=offers[0].classes)
 
 
-def pull_assignments(version: int, mode: str, step: int | None, pullers: Mapping[str, int], offer: PullOffer
-                     ) -> list[tuple[str, Assignment]]:
-    """Pullers (agent id -> quorum rank): each gets the owners' joined offer, to read the version from it."""
-    return [(agent_id, Assignment(kind="receive", version=version, mode=mode, step=step, rank=rank,
-                                  transport="nixl", offer=offer)) for agent_id, rank in pullers.items()]
+def pull_assignments(version: int, mode: str, step: int | None, pullers: Mapping[str, int], offer: PullOffer,
+                     classes: Mapping[str, str] | None = None) -> list[tuple[str, Assignment]]:
+    """Pullers (agent id -> quorum rank): each gets the owners' joined offer, to read the version from it; in a
+    sharded version (``classes``: each receiver's class key), with its class's descriptor alone. A puller whose
+    class the trainer did not offer gets an offer without a descriptor: its pull fails saying so."""
+    out = []
+    for agent_id, rank in pullers.items():
+        mine = offer
+        if classes:
+            mine = offer.model_copy(update={"classes": {}, "descriptor": offer.classes.get(classes.get(agent_id, ""))})
+        out.append((agent_id, Assignment(kind="receive", version=version, mode=mode, step=step, rank=rank,
+                                         transport="nixl", offer=mine)))
+    return out

@@ -195,8 +195,6 @@ def pullers(receivers: Sequence[AgentRecord], transport: str, mode: str) -> tupl
     who = "transport is nixl" if transport == "nixl" else f"receiver(s) {[r.agent_id for r in pulling]} pull"
     if mode != "cached":
         return [], f"{who}, which reads cached versions only (bypass_cpu: push them, collective or ipc)"
-    if sharded(receivers):
-        return [], f"{who}, which does not carry sharded classes yet (push them, collective or ipc)"
     return pulling, None
 
 

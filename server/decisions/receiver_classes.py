@@ -37,11 +37,12 @@ NO_CLASSES = ClassPlan([], {}, {})
 
 
 def plan_lanes(receivers: Sequence[AgentRecord], quorum: Mapping[str, int],
-               colocated: Collection[str] = ()) -> ClassPlan:
+               colocated: Collection[str] = (), pulling: Collection[str] = ()) -> ClassPlan:
     """The classes of a version sent to ``receivers`` (ranks in ``quorum``). None when no receiver declared a
     shard spec (a plain version); else one per distinct spec, and receivers without one form the class of whole
     tensors. Classes are ordered by their first receiver's rank, so the parts stay stable while the quorum
-    does. The ``colocated`` receivers (agent ids) take the same-host path: no seat in their class's group."""
+    does. The ``colocated`` receivers (agent ids) take the same-host path and the ``pulling`` ones read their
+    pieces over nixl: no seat in their class's group."""
     if not any(r.shard_spec for r in receivers):
         return NO_CLASSES
     grouped: dict[str, list[AgentRecord]] = {}
@@ -50,10 +51,11 @@ def plan_lanes(receivers: Sequence[AgentRecord], quorum: Mapping[str, int],
     lanes, seats, keys = [], {}, {}
     for index, (key, members) in enumerate(grouped.items()):
         part = f"class-{index}/"
-        remote = [m for m in members if m.agent_id not in colocated]
+        remote = [m for m in members if m.agent_id not in colocated and m.agent_id not in pulling]
         lanes.append(ClassLane(key=key, part=part, spec=members[0].shard_spec or {},
                                ranks=[quorum[m.agent_id] for m in remote],
-                               ipc_peers={m.agent_id: quorum[m.agent_id] for m in members if m.agent_id in colocated}))
+                               ipc_peers={m.agent_id: quorum[m.agent_id] for m in members if m.agent_id in colocated},
+                               pullers=[quorum[m.agent_id] for m in members if m.agent_id in pulling]))
         for seat, member in enumerate(remote, start=1):
             seats[member.agent_id] = Seat(key, part, seat, 1 + len(remote))
         keys.update({m.agent_id: key for m in members})
