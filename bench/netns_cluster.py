@@ -110,3 +110,27 @@ def finish(proc: subprocess.Popen, timeout_s: float) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"a bench process failed ({proc.returncode}): {err[-2000:]}")
     return json.loads(out.strip().splitlines()[-1])
+
+
+def tp_spec(named: Any, rank: int, tp: int) -> dict:
+    """TP rank ``rank``'s ranges: rows of column-parallel weights and the vocabulary, columns of row-parallel."""
+    from ckpt_engine.plan.shards import even_split
+
+    spec = {}
+    for name, t in named.tensors.items():
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight",
+                          "embed.weight")):
+            spec[name] = (even_split(0, t.shape[0], tp, rank),)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            spec[name] = (even_split(1, t.shape[1], tp, rank),)
+    return spec
+
+
+def group_at(addr: str, store: tuple[str, int], name: str, rank: int, world: int, timeout_s: float,
+           part: str = "") -> Any:
+    """A sync group bound to this namespace's address, its store at ``store``."""
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.transport.group import SyncGroup, open_store
+
+    return SyncGroup(open_store(store[0], store[1], timeout_s=timeout_s), name=name, generation=0, rank=rank,
+                     world_size=world, device=detect_device("cpu"), timeout_s=timeout_s, bind_host=addr, part=part)

@@ -2,13 +2,16 @@
 
     ckpt-engine bench --only netns      (its pull rows; as root, with NIXL installed)
 
-The owner (a trainer rank) snapshots each version into its cache and offers it as the trainer agent does
-(workers/pull_server.py); every receiver reads the offer's descriptor and then the buckets over NIXL (UCX over TCP
-on the node's rate-limited link: ``UCX_TLS=tcp`` and the node's one veth, so that UCX's shared-memory transports,
-which would cross namespaces on one machine, are not used), verifies each and reports. The offers and the
-receivers' outcomes meet through files in a folder of the bench's own (the daemon's control plane carries them in
+Each owner (a trainer rank, on a link of its own) snapshots its share of each version into its cache and offers
+it as the trainer agent does (workers/pull_server.py: with several owners each offers its share and the lead the
+descriptors; sharded, one descriptor per class, whose digests its pieces' send computed). Every receiver joins
+the owners' offers as the daemon does (server/decisions/assignments.py), reads its descriptor, then its buckets
+(or, sharded, exactly its pieces, cut out of each owner's share) over NIXL (UCX over TCP on the node's
+rate-limited link: ``UCX_TLS=tcp`` and the node's one veth, so that UCX's shared-memory transports, which would
+cross namespaces on one machine, are not used), verifies each and reports. The offers and the receivers'
+outcomes meet through files in a folder of the bench's own (the daemon's control plane carries them in
 production; its cost is not what this measures). Time: from the publish to every receiver verified (snapshot,
-the offer's digests and the pulls), as the push rows measure from the publish to every ack.
+digests and the pulls), as the push rows measure from the publish to every ack.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ckpt_engine.bench.netns_cluster import MiB, cluster, finish, llama_model
+from ckpt_engine.bench.netns_cluster import MiB, cluster, finish, group_at, llama_model, tp_spec
 
 _WAIT_S = 120.0
 
@@ -49,15 +52,49 @@ def _use_the_link() -> None:
         os.environ["UCX_NET_DEVICES"] = links[0]
 
 
+def _route(cfg: dict, store: tuple[str, int] | None, named: Any) -> tuple[Any, dict]:
+    """This owner's route for versions only pullers take (no group with any receiver): with several owners
+    their owners' group (one per class, sharded), and publish's options."""
+    from ckpt_engine.plan.shards import spec_key
+    from ckpt_engine.send.class_senders import Lane
+    from ckpt_engine.send.publisher import Ownership, Route
+
+    owner, owners, timeout = cfg["owner"], cfg["owners"], cfg["timeout_s"]
+
+    def owners_group(name: str) -> Any:
+        if store is None:  # (one owner)
+            return None
+        return group_at(cfg["addr"], store, name, owner, owners, timeout, part="owners/")
+
+    ownership = {"ownership": Ownership(owner, owners)}
+    if cfg["sharded"]:
+        tp = cfg["receivers"]
+        lanes = tuple(Lane(spec_key(tp_spec(named, r, tp)), tp_spec(named, r, tp), None, (), owners_group(f"g{r}"),
+                           pulls=True) for r in range(tp))
+        return Route(None, {}, None, lanes), {"sharded": True, **ownership}
+    return Route(None, {}, owners_group("g0")), ownership
+
+
 def run_owner(cfg: dict) -> dict:
+    """An owner (a trainer rank): it caches its share of each version (every piece digested, for a sharded
+    version class by class) and offers it, the lead with the descriptors."""
     _use_the_link()
     from ckpt_engine.codec import encode
     from ckpt_engine.device import detect_device
-    from ckpt_engine.send.publisher import Publisher, Route
+    from ckpt_engine.send.publisher import Publisher
+    from ckpt_engine.transport.group import open_store
     from ckpt_engine.workers.pull_server import PullServer
 
-    folder, receivers = Path(cfg["folder"]), cfg["receivers"]
+    folder, receivers, owner = Path(cfg["folder"]), cfg["receivers"], cfg["owner"]
+    store = None
+    if cfg["owners"] > 1 and owner == 0:
+        master = open_store(cfg["addr"], 0, is_master=True, timeout_s=cfg["timeout_s"])
+        _publish_atomically(folder / "store", json.dumps([cfg["addr"], master.port]).encode())
+        store = (cfg["addr"], master.port)
+    elif cfg["owners"] > 1:
+        store = tuple(json.loads(_wait_for(folder / "store")))
     named = llama_model(cfg["mib"], cfg["tp_max"])
+    route, options = _route(cfg, store, named)
     device = detect_device("cpu")
     pub = Publisher(device=device, bucket_size=cfg["bucket_mib"] * MiB, keep_versions=2)
     pulls = PullServer()
@@ -65,12 +102,14 @@ def run_owner(cfg: dict) -> dict:
     for version in range(1, cfg["rounds"] + 2):  # the first is a warm-up
         named.tensors[next(iter(named.tensors))].add_(1.0)
         t0 = time.perf_counter()
-        result = pub.publish(version, named, route=lambda: Route(None, {}, None)).result(timeout_s=cfg["timeout_s"])
+        result = pub.publish(version, named, route=lambda: route, **options).result(timeout_s=cfg["timeout_s"])
         if not result.ok:
             raise RuntimeError(f"version {version}: {result.reason}")
         pulls.release(before=version)
-        offer = pulls.offer(pub.cache, version, None, device.digest_algo, cfg["timeout_s"])
-        _publish_atomically(folder / f"offer-{version}", encode(offer))
+        classes = pub.classes.pulled(version) if cfg["sharded"] and owner == 0 else None
+        offer = pulls.offer(pub.cache, version, None, device.digest_algo, cfg["timeout_s"], result.wire_digests,
+                            lead=owner == 0, classes=classes)
+        _publish_atomically(folder / f"offer-{version}-{owner}", encode(offer))
         outcomes = [json.loads(_wait_for(folder / f"done-{version}-{r}")) for r in range(receivers)]
         elapsed = time.perf_counter() - t0
         if not all(o["ok"] for o in outcomes):
@@ -84,21 +123,28 @@ def run_owner(cfg: dict) -> dict:
 
 
 def run_puller(cfg: dict) -> dict:
+    """A receiver: it joins the owners' offers as the daemon does (its class's descriptor, sharded) and pulls."""
     _use_the_link()
     from ckpt_engine.codec import decode
     from ckpt_engine.device import detect_device
+    from ckpt_engine.plan.shards import spec_key
     from ckpt_engine.receive.assembly import VersionAssembler
     from ckpt_engine.receive.pulled import pull
+    from ckpt_engine.server.decisions.assignments import joined_offer, pull_assignments
     from ckpt_engine.transport.messages import PullOffer
     from ckpt_engine.transport.nixl import NixlEndpoint
 
-    folder, rank = Path(cfg["folder"]), cfg["rank"]
+    folder, rank, owners = Path(cfg["folder"]), cfg["rank"], cfg["owners"]
+    key = spec_key(tp_spec(llama_model(cfg["mib"], cfg["tp_max"]), rank, cfg["receivers"])) if cfg["sharded"] else None
     assembler = VersionAssembler(detect_device("cpu"), lambda payload: None, staging="device")
     endpoint = NixlEndpoint("receiver")
     received = []
     for version in range(1, cfg["rounds"] + 2):
-        offer = decode(PullOffer, _wait_for(folder / f"offer-{version}"))
-        result = pull(assembler, endpoint, offer, cfg["timeout_s"])
+        offers = {o: decode(PullOffer, _wait_for(folder / f"offer-{version}-{o}")) for o in range(owners)}
+        joined = joined_offer(version, owners, offers)
+        [(_, assignment)] = pull_assignments(version, "cached", None, {"me": 1}, joined,  # type: ignore[arg-type]
+                                             {"me": key} if key is not None else None)
+        result = pull(assembler, endpoint, assignment.offer, cfg["timeout_s"])  # type: ignore[arg-type]
         _publish_atomically(folder / f"done-{version}-{rank}",
                             json.dumps({"ok": result.ok, "reason": result.reason}).encode())
         received.append(result.bytes_received)
@@ -106,29 +152,32 @@ def run_puller(cfg: dict) -> dict:
     return {"bytes_received": received[1:]}
 
 
-def scenario(name: str, receivers: int, args: dict) -> dict:
-    """``receivers`` pull every version from one owner, each on its own link."""
+def scenario(name: str, receivers: int, args: dict, *, sharded: bool = False, owners: int = 1) -> dict:
+    """``receivers`` pull every version from ``owners`` owners (each on its own link): whole, or each receiver
+    TP rank r of ``receivers`` and its own class (sharded)."""
     import subprocess
 
     with tempfile.TemporaryDirectory(prefix="ckpt-netns-pull-") as folder, \
-            cluster(1 + receivers, args["rate_mbit"]) as nodes:
+            cluster(owners + receivers, args["rate_mbit"]) as nodes:
         base = {"mib": args["mib"], "tp_max": 4, "rounds": args["rounds"], "bucket_mib": args["bucket_mib"],
-                "timeout_s": args["timeout"], "folder": folder, "receivers": receivers}
+                "timeout_s": args["timeout"], "folder": folder, "receivers": receivers, "owners": owners,
+                "sharded": sharded}
 
         def spawn(ns: str, role: str, cfg: dict) -> subprocess.Popen:
             return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "ckpt_engine.bench.netns_pull",
                                      role, json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-        owner = spawn(nodes[0][0], "owner", base)
-        pullers = [spawn(ns, "puller", base | {"rank": r}) for r, (ns, _) in enumerate(nodes[1:])]
+        serving = [spawn(ns, "owner", base | {"owner": o, "addr": addr}) for o, (ns, addr) in enumerate(nodes[:owners])]
+        pullers = [spawn(ns, "puller", base | {"rank": r}) for r, (ns, _) in enumerate(nodes[owners:])]
         try:
             outs = [finish(p, args["timeout"] * 8) for p in pullers]
-            sent = finish(owner, args["timeout"] * 8)
+            finished = [finish(p, args["timeout"] * 8) for p in serving]
+            sent = finished[0]  # the lead's: until every receiver is done
         finally:
-            for proc in [owner, *pullers]:
+            for proc in [*serving, *pullers]:
                 proc.kill()
-    return {"name": name, "receivers": receivers, "sharded": False, "owners": 1, "mode": "cached", "pull": True,
-            **sent, "received": [o["bytes_received"] for o in outs]}
+    return {"name": name, "receivers": receivers, "sharded": sharded, "owners": owners, "mode": "cached",
+            "pull": True, **sent, "received": [o["bytes_received"] for o in outs]}
 
 
 def main(argv: list[str] | None = None) -> int:

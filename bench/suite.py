@@ -406,8 +406,11 @@ def evaluate_targets(report: dict) -> list[dict]:
         "Llama-style model (q/k/v, gate/up, down, embeddings split; norms whole)")
     add("owner-sharded versions on rate-limited links: 4 owners ÷ 1 owner time", "<=", 0.35, "", "netns",
         netns("owners"), "each trainer rank on a link of its own, full delivery")
-    add("pulled over NIXL ÷ pushed on rate-limited links, full delivery", "<=", 1.0, "", "netns", netns("pull"),
-        "transport nixl: each receiver reads the owner's cached version over UCX/TCP on its link")
+    add("pulled over NIXL ÷ pushed on rate-limited links, the same delivery", "<=", 1.0, "", "netns", netns("pull"),
+        "transport nixl: each receiver reads the owners' cached shares over UCX/TCP on its link (sharded: its "
+        "pieces only)")
+    add("sharded pull from 4 owners ÷ full push from 1 owner, TP=4", "<=", 0.1, "", "netns", netns("pull_owners"),
+        "each trainer rank and each receiver on a link of its own")
 
     def join(key: str) -> Callable[[], list[tuple[str, float, str]]]:
         return lambda: join_bench.target_measurements(res["join"]).get(key, [])

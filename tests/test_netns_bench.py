@@ -52,3 +52,14 @@ def test_two_owners_send_each_class_their_pieces() -> None:
     model = result["model_bytes"]
     for received in result["received"]:  # half the model each, from both owners
         assert model // 2 <= max(received) <= model // 2 * 1.01, (received, model)
+
+
+@pytest.mark.skipif(netns_bench.nixl_missing() is not None, reason=str(netns_bench.nixl_missing()))
+def test_pullers_read_their_pieces_from_two_owners_on_their_own_links() -> None:
+    from ckpt_engine.bench import netns_pull
+
+    args = {"rate_mbit": 400, "mib": 1, "bucket_mib": 1, "rounds": 1, "timeout": 30.0}
+    result = netns_pull.scenario("sharded, TP=2, 2 owners, pulled", 2, args, sharded=True, owners=2)
+    model = result["model_bytes"]
+    for received in result["received"]:  # half the model each (its pieces only), from both owners
+        assert model // 2 <= max(received) <= model // 2 * 1.01, (received, model)
