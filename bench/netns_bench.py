@@ -231,6 +231,8 @@ def run(opts: dict, progress: Any = print) -> dict:
         if r["raw_seconds"]:
             r["raw_median_s"] = statistics.median(r["raw_seconds"])
         r["received_fraction"] = max(statistics.median(x) for x in r["received"]) / r["model_bytes"]
+        if r.get("stages"):  # (pulled rows: the lead owner's snapshot and digests, its offer, the pulls)
+            r["stage_medians"] = {k: statistics.median(s[k] for s in r["stages"]) for k in r["stages"][0]}
         if r.get("pull"):  # ÷ the same delivery pushed (receivers, sharded or not, owners)
             r["over_push"] = r["median_s"] / by[(r["receivers"], r["sharded"], r["owners"])]["median_s"]
             r["over_full_push"] = r["median_s"] / by[(r["receivers"], False, 1)]["median_s"]
@@ -259,6 +261,13 @@ def render(result: dict, machine: dict | None = None) -> list[str]:
         over = f"{ratio:.3f}" if ratio is not None else "—"
         goal = f"≤ {r['goal']:.2f}" if r.get("goal") else "—"
         lines.append(f"| {r['name']} | {r['median_s']:.2f} | {raw} | {r['received_fraction']:.3f} | {over} | {goal} |")
+    staged = [r for r in result["results"] if r.get("stage_medians")]
+    if staged:
+        lines += ["", "Pulled rows, where the time goes (the lead owner's view, medians, s): the snapshot with every "
+                  "piece digested (before any byte moves: the digests go in the descriptor), the offer, the pulls.",
+                  "", "| Scenario | snapshot + digests | offer | pulls |", "|---|---:|---:|---:|"]
+        lines += [f"| {r['name']} | {r['stage_medians']['snapshot_and_digests']:.2f} | "
+                  f"{r['stage_medians']['offer']:.3f} | {r['stage_medians']['pulls']:.2f} |" for r in staged]
     return lines + ["", "Sharded rows: each receiver is TP rank r of R and its own class; the trainer sends every "
                     "class at once, each on its own sync group, cut from its cached version as the trainer agent does "
                     "for a daemon's sharded version (`Publisher.publish(..., sharded=True)`, send/class_senders.py: "

@@ -98,27 +98,30 @@ def run_owner(cfg: dict) -> dict:
     device = detect_device("cpu")
     pub = Publisher(device=device, bucket_size=cfg["bucket_mib"] * MiB, keep_versions=2)
     pulls = PullServer()
-    times = []
+    times, stages = [], []
     for version in range(1, cfg["rounds"] + 2):  # the first is a warm-up
         named.tensors[next(iter(named.tensors))].add_(1.0)
         t0 = time.perf_counter()
         result = pub.publish(version, named, route=lambda: route, **options).result(timeout_s=cfg["timeout_s"])
         if not result.ok:
             raise RuntimeError(f"version {version}: {result.reason}")
+        sent = time.perf_counter()
         pulls.release(before=version)
         classes = pub.classes.pulled(version) if cfg["sharded"] and owner == 0 else None
         offer = pulls.offer(pub.cache, version, None, device.digest_algo, cfg["timeout_s"], result.wire_digests,
-                            lead=owner == 0, classes=classes)
+                            lead=owner == 0, classes=classes, plan=result.wire_plan)
         _publish_atomically(folder / f"offer-{version}-{owner}", encode(offer))
+        offered = time.perf_counter()
         outcomes = [json.loads(_wait_for(folder / f"done-{version}-{r}")) for r in range(receivers)]
-        elapsed = time.perf_counter() - t0
+        ended = time.perf_counter()
         if not all(o["ok"] for o in outcomes):
             raise RuntimeError(f"version {version}: {[o['reason'] for o in outcomes]}")
         if version > 1:
-            times.append(elapsed)
+            times.append(ended - t0)
+            stages.append({"snapshot_and_digests": sent - t0, "offer": offered - sent, "pulls": ended - offered})
     pulls.close()
     pub.close()
-    return {"seconds": times, "raw_seconds": [], "bytes_sent": [0] * len(times),
+    return {"seconds": times, "raw_seconds": [], "bytes_sent": [0] * len(times), "stages": stages,
             "model_bytes": sum(t.numel() * t.element_size() for t in named.tensors.values())}
 
 

@@ -273,7 +273,8 @@ class Controller:
                                                                      record.mode, now)
         if problem:
             raise Unavailable(problem, self.flights.fail_unstarted(record.id, problem).to_dict())
-        sparse = sparse and source is None and not pulling  # a puller reads the whole cached version
+        # (pullers read a sparse version's changes out of one owner's delta; with several owners it goes whole)
+        sparse = sparse and source is None and not (pulling and owners > 1)
         self._launch(record, trainer, receivers, colocated, pulling, owners, source=source,  # type: ignore[arg-type]
                      sparse_base=rules.sparse_base(receivers) if sparse else None, sparse=sparse,
                      purpose="push" if source is not None else "sync")

@@ -293,3 +293,70 @@ def test_an_offer_reuses_the_digests_its_send_just_made() -> None:
         assert described(digests=sent[:-1]) == computed
     finally:
         endpoint.close()
+
+
+def _delta_owner(folder: str) -> dict:
+    """Caches versions 1 (whole), 2 and 3 (each a delta of the one before: 2 holds the new ``w``, 3 the new ``i``)
+    and offers 1 and then 3 sparse against 1, as a send of them put them on the wire: 3's changes lie in two
+    buffers (``w`` in 2's, ``i`` in its own)."""
+    from ckpt_engine.codec import encode
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.send.publisher import Publisher, Route
+    from ckpt_engine.workers.pull_server import PullServer
+
+    tensors = _model()
+    publisher = Publisher(device=detect_device("cpu"), bucket_size=64 << 10, keep_versions=4)
+    pulls = PullServer()
+    alone = Route(None, {}, None)  # (no pushed receiver: the send digests what goes on the wire)
+    sent = {}
+    for version, change, base in ((1, None, None), (2, "w", 1), (3, "i", 1)):
+        if change is not None:
+            tensors[change].add_(1)
+        result = publisher.publish(version, tensors, route=lambda: alone, sparse=base is not None,
+                                   sparse_base=base).result(60)
+        sent[version] = result
+        if version == 1:
+            offer = pulls.offer(publisher.cache, 1, None, "xxh3-64", 60.0, result.wire_digests, plan=result.wire_plan)
+            Path(folder, "offer-1.bin").write_bytes(encode(offer))
+    delta = publisher.cache.get(3)
+    result = sent[3]
+    offer = pulls.offer(publisher.cache, 3, None, "xxh3-64", 60.0, result.wire_digests, plan=result.wire_plan)
+    Path(folder, "offer-3.tmp").write_bytes(encode(offer))
+    Path(folder, "offer-3.tmp").rename(Path(folder, "offer-3.bin"))
+    _wait_for(Path(folder, "done"))
+    pulls.close()
+    publisher.close()
+    return {"buffers": len(delta.buffers), "parent": delta.parent, "base": result.base_version,
+            "wire": [s.name for s in result.wire_plan.layout.slots], "final": _bytes_of(tensors)}
+
+
+def _chain_puller(folder: str) -> dict:
+    from ckpt_engine.codec import decode
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.receive.assembly import VersionAssembler
+    from ckpt_engine.receive.pulled import pull
+    from ckpt_engine.transport.messages import PullOffer
+    from ckpt_engine.transport.nixl import NixlEndpoint
+
+    got: dict[str, torch.Tensor] = {}
+    assembler = VersionAssembler(detect_device("cpu"), lambda payload: got.update(
+        {name: tensor.clone() for name, tensor in payload.items()}), staging="device")
+    endpoint = NixlEndpoint("receiver")
+    out = []
+    for version in (1, 3):
+        result = pull(assembler, endpoint, decode(PullOffer, _wait_for(Path(folder, f"offer-{version}.bin"))), 30.0)
+        out.append((result.ok, result.reason, result.bytes_received))
+    Path(folder, "done").write_text("1")
+    endpoint.close()
+    return {"results": out, "got": _bytes_of(got)}
+
+
+def test_a_sparse_version_pulls_only_its_changes_out_of_the_deltas_that_hold_them(tmp_path: Path) -> None:
+    owner, puller = run_processes([(_delta_owner, (str(tmp_path),)), (_chain_puller, (str(tmp_path),))],
+                                  timeout_s=180)
+    assert owner["buffers"] >= 2 and owner["parent"] == 2 and owner["base"] == 1  # changes in two buffers
+    assert sorted(owner["wire"]) == ["i", "w"]
+    (ok1, why1, whole), (ok3, why3, changes) = puller["results"]
+    assert ok1 and ok3, (why1, why3)
+    assert changes < whole / 10, (changes, whole)  # w and i only (33×7 floats and 1000 bytes)
+    assert puller["got"] == owner["final"]  # version 1 with version 3's changes applied: version 3, exactly

@@ -23,7 +23,7 @@ from ckpt_engine.send.cache import VersionCache
 from ckpt_engine.send.class_senders import PulledClass
 from ckpt_engine.send.publisher import Publisher
 from ckpt_engine.send.pull_offer import offer_cached, offer_classes, offer_share
-from ckpt_engine.send.transfer import TransferResult
+from ckpt_engine.send.transfer import TransferResult, WirePlan
 from ckpt_engine.transport.messages import PullOffer
 from ckpt_engine.transport.nixl import NixlEndpoint
 
@@ -43,11 +43,12 @@ class PullServer:
 
     def offer(self, cache: VersionCache, version: int, source_version: int | None, algo: DigestAlgo,
               hold_s: float, digests: Sequence[int] = (), *, lead: bool = True,
-              classes: Mapping[str, PulledClass] | None = None) -> PullOffer:
+              classes: Mapping[str, PulledClass] | None = None, plan: WirePlan | None = None) -> PullOffer:
         """``version`` (a re-push: ``source_version``'s cached bytes under ``version``) offered; its buffer is
-        held for at most ``hold_s``. ``digests``: the send's per-piece digests of the whole version, if it made
-        them. ``lead``: rank 0, whose offer carries the descriptor; another owner rank offers its share alone.
-        ``classes``: a sharded version's pulled classes (the lead offers a descriptor for each)."""
+        held for at most ``hold_s``. ``digests`` and ``plan``: the send's per-piece digests and what they are of
+        (a sparse version's changes), if it made them. ``lead``: rank 0, whose offer carries the descriptor;
+        another owner rank offers its share alone. ``classes``: a sharded version's pulled classes (the lead
+        offers a descriptor for each)."""
         stack = contextlib.ExitStack()
         cached = stack.enter_context(cache.lease(source_version if source_version is not None else version))
         endpoint = self._endpoint_now()
@@ -59,7 +60,7 @@ class PullServer:
                                         descriptor_into=self._slot)
             else:
                 offered = offer_cached(endpoint, cached, version=version, algo=algo, descriptor_into=self._slot,
-                                       digests=digests)
+                                       digests=digests, plan=plan)
         except BaseException:
             stack.close()
             raise
@@ -85,7 +86,7 @@ class PullServer:
                                       "were not sent: nothing to offer their pullers")
         return self.offer(publisher.cache, assignment.version, assignment.source_version,
                           publisher.device.digest_algo, settings.version_timeout_s if settings is not None else 600.0,
-                          sent.wire_digests, lead=rank == 0, classes=classes)
+                          sent.wire_digests, lead=rank == 0, classes=classes, plan=sent.wire_plan)
 
     def start(self) -> None:
         """Start the NIXL agent now (importing and starting it takes a second or two), not at the first offer."""

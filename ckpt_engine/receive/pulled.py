@@ -38,11 +38,7 @@ class NixlFeed:
         if len(described.digests) != len(layout.buckets):
             raise ProtocolError(f"version {described.header.version}: {len(described.digests)} buckets of digests "
                                 f"for {len(layout.buckets)} buckets")
-        shares, self.reads = reads_of(described, layout, self.owners)
-        for rank, source in enumerate(offer.sources):
-            if source.offset + shares[rank] > source.region.nbytes:
-                raise ProtocolError(f"version {described.header.version}: owner rank {rank}'s {shares[rank]} bytes "
-                                    f"do not fit its region of {source.region.nbytes} at {source.offset}")
+        self.reads = reads_of(described, layout, self.owners)
         self.endpoint, self.offer, self.described, self.deadline = endpoint, offer, described, deadline
         self.parallel = 2 * self.owners.ranks
         self.remotes = [endpoint.remote(source.agent) for source in offer.sources]
@@ -53,13 +49,20 @@ class NixlFeed:
         self.read_into.append(into)
         owner = self.owners.of[bucket.index]
         source = self.offer.sources[owner]
-        read = self.endpoint.start_read(self.remotes[owner], _region(source.region),
-                                        [(source.offset + at, into[dst : dst + count])
-                                         for at, dst, count in self.reads[bucket.index]])
+        spans = [(source.region, source.offset), *((span.region, span.offset) for span in source.more)]
+        by_buffer: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for buffer, at, dst, count in self.reads[bucket.index]:
+            if buffer >= len(spans):
+                raise ProtocolError(f"version {self.described.header.version}: a read from owner rank {owner}'s "
+                                    f"buffer {buffer}, of {len(spans)} offered")
+            by_buffer.setdefault(buffer, []).append((spans[buffer][1] + at, into[dst : dst + count]))
+        reads = [self.endpoint.start_read(self.remotes[owner], _region(spans[buffer][0]), pieces)
+                 for buffer, pieces in by_buffer.items()]  # (each bounded by its region: start_read checks)
         digests = self.described.digests[bucket.index]
 
         def wait() -> list[int]:
-            read.wait(max(0.0, self.deadline - time.monotonic()))
+            for read in reads:
+                read.wait(max(0.0, self.deadline - time.monotonic()))
             return digests
 
         return wait
@@ -71,17 +74,17 @@ class NixlFeed:
         """Nothing to drain: a pull that stops reads nothing more."""
 
 
-Reads = list[list[tuple[int, int, int]]]  # per bucket: (offset in its owner's share, offset in the bucket, bytes)
+Reads = list[list[tuple[int, int, int, int]]]  # per bucket: (owner's buffer, offset in it, offset in the bucket, bytes)
 
 
-def reads_of(described: PullDescriptor, layout: Layout, owners: Owners) -> tuple[list[int], Reads]:
-    """What each owner's share holds (bytes), and the reads that fill each bucket of ``layout``: the bucket
-    itself, or, for a sharded class (``cut_from``), each of its pieces cut out of the full tensors in the
-    owner's share (a row range in one read, a column range in one a row)."""
+def reads_of(described: PullDescriptor, layout: Layout, owners: Owners) -> Reads:
+    """The reads that fill each bucket of ``layout`` from its owner's buffers: the bucket itself where the
+    shares hold the wire layout, or each of its pieces cut out of the full tensors (``cut_from``: a sharded
+    class's pieces, a sparse version's changes, a delta's tensors in several buffers; a row range in one read,
+    a column range in one a row)."""
     if described.cut_from is None:
         at = share_offsets(layout, owners)
-        return ([owners.bytes_of(layout, r) for r in range(owners.ranks)],
-                [[(at[b.index], 0, b.nbytes)] for b in layout.buckets])
+        return [[(0, at[b.index], 0, b.nbytes)] for b in layout.buckets]
     version = described.header.version
     whole = described.cut_from.to_layout()
     whole_owners = (Owners(owners.ranks, tuple(described.cut_from_owners)) if described.cut_from_owners is not None
@@ -90,26 +93,37 @@ def reads_of(described: PullDescriptor, layout: Layout, owners: Owners) -> tuple
         whole_owners.check(whole)
     except CkptEngineError as exc:
         raise ProtocolError(f"version {version}: the layout its pieces are cut from: {exc}") from exc
-    at, tensors = share_offsets(whole, whole_owners), whole.spec_of
-    where = {slot.name: slot for slot in whole.slots}
+    places = _tensor_places(described, whole, whole_owners)
+    owner_of, specs = {s.name: whole_owners.of[s.bucket] for s in whole.slots}, whole.spec_of
     reads: Reads = []
     for bucket in layout.buckets:
         mine = []
         for slot in bucket.slots:
             name, part = split_piece_name(slot.name)
-            source = where.get(name)
-            if source is None or whole_owners.of[source.bucket] != owners.of[bucket.index]:
+            if owner_of.get(name) != owners.of[bucket.index]:
                 raise ProtocolError(f"version {version}: piece {slot.name} is not a tensor of its bucket's owner")
-            spec = tensors[name]
-            start = at[source.bucket] + source.offset
+            spec, (buffer, start) = specs[name], places[name]
             try:
                 runs = piece_runs(spec.shape, itemsize(spec.dtype), part)
             except ConfigError as exc:
                 raise ProtocolError(f"version {version}: piece {slot.name}: {exc}") from exc
-            mine += [(start + src, slot.offset + dst, count)
+            mine += [(buffer, start + src, slot.offset + dst, count)
                      for src, dst, count in runs_within(runs, slot.start, slot.nbytes)]
         reads.append(mine)
-    return [whole_owners.bytes_of(whole, r) for r in range(owners.ranks)], reads
+    return reads
+
+
+def _tensor_places(described: PullDescriptor, whole: Layout, owners: Owners) -> dict[str, tuple[int, int]]:
+    """Each full tensor's (buffer, byte offset) in its owner's buffers: as the descriptor says (``cut_at``), or
+    where its bucket lies in its owner's share (buffer 0)."""
+    version = described.header.version
+    if described.cut_at is not None:
+        if len(described.cut_at) != len(whole.slots) or any(len(at) != 2 or min(at) < 0 for at in described.cut_at):
+            raise ProtocolError(f"version {version}: {len(described.cut_at)} tensor places for "
+                                f"{len(whole.slots)} tensors")
+        return {slot.name: (at[0], at[1]) for slot, at in zip(whole.slots, described.cut_at)}
+    at = share_offsets(whole, owners)
+    return {slot.name: (0, at[slot.bucket] + slot.offset) for slot in whole.slots}
 
 
 def owners_of(header: VersionHeader, layout: Layout, sources: int) -> Owners:

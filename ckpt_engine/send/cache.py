@@ -126,6 +126,11 @@ class CachedVersion:
         """The version's own flat buffer (every bucket at its ``flat_offset`` for a whole version)."""
         return self._buffer
 
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """Every buffer its tensors lie in: its own first, then (a delta) those of the versions it shares with."""
+        return self._buffers
+
     def bucket(self, index: int) -> torch.Tensor:
         """uint8 view of bucket ``index`` inside the version's buffer (whole versions only)."""
         if not self.is_whole:

@@ -48,6 +48,7 @@ from ckpt_engine.send.fanout import Assembler, GatheredWindow, Tensors, ready_at
 from ckpt_engine.send.owners_vote import OwnersVote
 from ckpt_engine.send.sender import Sender, Transfer, TransferResult
 from ckpt_engine.send.sources import PiecesChangesSource, StaleCopy, cached_digests, check_identity, evict_quietly
+from ckpt_engine.send.transfer import WirePlan
 from ckpt_engine.transport.group import SyncGroup, absent_of
 from ckpt_engine.transport.same_host import IpcHub
 
@@ -107,7 +108,6 @@ class ClassSenders:
         # They outlive the class's sync groups, because a receiver joining regroups every class.
         self._manifests: dict[str, dict[int, Manifest]] = {}
         self._identities: dict[int, Manifest] = {}  # the identities of recent versions, by version
-        self._plan_sent: dict[str, _ClassPlan] = {}  # by class key: the plan of its latest send
         self._pullable: dict[str, PulledClass] = {}  # by class key: its latest send, for pullers (the lead's)
 
     def send(self, cache: VersionCache, version: int, lanes: Sequence[Lane], *, as_version: int | None = None,
@@ -291,8 +291,8 @@ class ClassSenders:
             if on_end is not None:
                 on_end()
         result.absent_ranks += lane.absent()
-        if lane.pulls and result.ok and result.wire_digests:  # (the lead's: the digests of every owner's pieces)
-            self._pullable[lane.key] = PulledClass(label, self._plan_sent[lane.key], list(result.wire_digests))
+        if lane.pulls and result.ok and result.wire_plan is not None:  # (the lead's: every owner's pieces)
+            self._pullable[lane.key] = PulledClass(label, result.wire_plan, list(result.wire_digests))
         if result.rendezvous_failed and not result.classes:  # its group formed, then never carried a frame
             result.classes = [{"spec_unfit": False, "rendezvous_failed": True}]
         results[lane.key] = result
@@ -301,7 +301,6 @@ class ClassSenders:
         """Send the class's pieces, as views of this rank's cached tensors, on this thread. With
         ``sparse_base``, only those that changed since that version, by the class's digests of it."""
         plan = self._plan_of(lane, cached.version_layout, cached.owners, cached.aliases)  # type: ignore[arg-type]
-        self._plan_sent[lane.key] = plan
         views = cached.views()  # with several owners, this rank's share
         mine = {p.spec.name: cut_view(views[p.tensor], p.part) for p in plan.pieces if p.tensor in views}
         sender = self._sender(lane)
@@ -415,10 +414,11 @@ _PLANS_KEPT = 64  # class plans remembered, for classes × layouts in use; a lay
 
 @dataclass(frozen=True)
 class PulledClass:
-    """A class's send of one version, for its pullers: its plan and every piece's digest, in wire order."""
+    """A class's send of one version, for its pullers: what went on its wire (its pieces, or a sparse version's
+    changed pieces) and every piece's digest, in wire order."""
 
     version: int
-    plan: _ClassPlan
+    plan: WirePlan
     digests: list[int]
 
 

@@ -26,6 +26,7 @@ from ckpt_engine.plan.layout import Layout
 from ckpt_engine.plan.owners import Owners, single_owner
 from ckpt_engine.send.cache import CachedVersion
 from ckpt_engine.send.class_senders import PulledClass
+from ckpt_engine.send.transfer import WirePlan
 from ckpt_engine.transport.messages import (
     LayoutMessage,
     PullDescribed,
@@ -33,6 +34,7 @@ from ckpt_engine.transport.messages import (
     PullOffer,
     PullRegion,
     PullSource,
+    PullSpan,
     VersionHeader,
     VersionTrailer,
 )
@@ -52,85 +54,110 @@ DescriptorInto = Callable[[int], torch.Tensor]
 def offer_share(endpoint: NixlEndpoint, cached: CachedVersion, *, version: int | None = None) -> Offered:
     """The share ``cached`` holds of its version (all of it, with one owner), registered and offered without a
     descriptor: what an owner rank other than the lead serves of a version several ranks own."""
-    _refuse_delta(cached)
-    region = endpoint.register(cached.buffer)
     return Offered(PullOffer(version=cached.version if version is None else version,
-                             sources=[_source(endpoint, region, cached.buffer)]))
+                             sources=[_source(endpoint, cached)]))
 
 
 def offer_cached(endpoint: NixlEndpoint, cached: CachedVersion, *, version: int | None = None,
                  algo: DigestAlgo = "xxh3-64", descriptor_into: DescriptorInto | None = None,
-                 digests: Sequence[int] = ()) -> Offered:
-    """The lead owner's offer of ``cached`` (not a delta; with several owners, rank 0's share, the others
-    offering theirs with ``offer_share``), labelled ``version`` (a re-push: the cached bytes of an older version
-    under a new id; default: its own). ``descriptor_into(n)``: registered memory of at least n bytes for the
-    descriptor (reused memory keeps the agent's metadata, which lists what is registered, the same from version
-    to version; default: new memory, registered here). ``digests``: the per-piece digests of the whole version
-    that its send just computed, in wire order (not computed again; required with several owners, whose bytes
-    this rank does not hold); empty: computed here."""
+                 digests: Sequence[int] = (), plan: WirePlan | None = None) -> Offered:
+    """The lead owner's offer of ``cached`` (with several owners, rank 0's share, the others offering theirs
+    with ``offer_share``), labelled ``version`` (a re-push: the cached bytes of an older version under a new id;
+    default: its own). ``plan`` and ``digests``: what its send just put on the wire (e.g. a sparse version's
+    changes) and every piece's digest, in wire order (not computed again; required with several owners, whose
+    bytes this rank does not hold, and for anything but the whole version). ``descriptor_into(n)``: registered
+    memory of at least n bytes for the descriptor (reused memory keeps the agent's metadata, which lists what is
+    registered, the same from version to version; default: new memory, registered here)."""
     label = cached.version if version is None else version
-    _refuse_delta(cached)
-    region = endpoint.register(cached.buffer)
-    layout, owners = cached.version_layout or cached.layout, cached.owners or single_owner(cached.layout)
-    per_bucket = _by_bucket(layout, digests)
-    if per_bucket is None and owners.ranks > 1:
-        raise CacheError(f"version {cached.version} is owned by {owners.ranks} ranks: its offer needs the digests "
-                         "its send gathered from every owner")
+    whole, owners = _whole_of(cached)
+    plan = plan or WirePlan(whole, owners, dict(cached.aliases), cached.step, {})
+    per_bucket = _by_bucket(plan.layout, digests)
     if per_bucket is None:
+        if owners.ranks > 1 or plan.layout.digest != whole.digest or not cached.is_whole:
+            raise CacheError(f"version {label}: its offer needs the digests its send computed of every piece")
         buffer = cached.buffer
         per_bucket = [bucket_digests(b, buffer[b.flat_offset : b.flat_offset + b.nbytes], algo,
-                                     layout.digest).tolist() for b in layout.buckets]
-    described, descriptor = _describe(endpoint, _header(label, layout, owners, algo, cached.step, cached.aliases),
-                                      per_bucket, descriptor_into)
-    # (the metadata is taken last: it lists what is registered, the descriptor included)
-    return Offered(PullOffer(version=label, sources=[_source(endpoint, region, cached.buffer)],
-                             descriptor=described), (descriptor,))
+                                     whole.digest).tolist() for b in whole.buckets]
+    described, descriptor = _describe(endpoint, _header(label, plan, algo), per_bucket, descriptor_into,
+                                      _placement(cached, plan.layout))
+    # (the source last: its metadata lists what is registered, the descriptor included)
+    return Offered(PullOffer(version=label, sources=[_source(endpoint, cached)], descriptor=described), (descriptor,))
 
 
 def offer_classes(endpoint: NixlEndpoint, cached: CachedVersion, classes: Mapping[str, PulledClass], *,
                   version: int | None = None, algo: DigestAlgo = "xxh3-64",
                   descriptor_into: DescriptorInto | None = None) -> Offered:
-    """The lead owner's offer of a sharded version: a descriptor per pulled class (its layout of pieces, its
-    digests as its send computed them, and the layout the pieces are cut from), the owners' shares as sources.
-    A puller reads its class's pieces straight out of the shares: nothing is cut or copied here."""
+    """The lead owner's offer of a sharded version: a descriptor per pulled class (its pieces as its send put
+    them on the wire, their digests, and where the full tensors they are cut from lie), the owners' shares as
+    sources. A puller reads its class's pieces straight out of the shares: nothing is cut or copied here."""
     label = cached.version if version is None else version
-    _refuse_delta(cached)
-    region = endpoint.register(cached.buffer)
-    whole, owners = cached.version_layout or cached.layout, cached.owners or single_owner(cached.layout)
-    cut_from = LayoutMessage.of(whole)
-    cut_from_owners = list(owners.of) if owners.ranks > 1 else None
     described, descriptors = {}, []
     for key, pulled in classes.items():
-        plan = pulled.plan
-        per_bucket = _by_bucket(plan.layout, pulled.digests)
+        per_bucket = _by_bucket(pulled.plan.layout, pulled.digests)
         if per_bucket is None:
             raise CacheError(f"version {label}: class {key[:12]}'s send left {len(pulled.digests)} digests for "
-                             f"{len(plan.layout.pieces)} pieces")
-        header = _header(label, plan.layout, plan.owners or single_owner(plan.layout), algo, cached.step,
-                         plan.aliases)
-        described[key], descriptor = _describe(endpoint, header, per_bucket, descriptor_into, cut_from,
-                                               cut_from_owners)
+                             f"{len(pulled.plan.layout.pieces)} pieces")
+        described[key], descriptor = _describe(endpoint, _header(label, pulled.plan, algo), per_bucket,
+                                               descriptor_into, _placement(cached, pulled.plan.layout))
         descriptors.append(descriptor)
-    return Offered(PullOffer(version=label, sources=[_source(endpoint, region, cached.buffer)], classes=described),
+    return Offered(PullOffer(version=label, sources=[_source(endpoint, cached)], classes=described),
                    tuple(descriptors))
 
 
-def _header(label: int, layout: Layout, owners: Owners, algo: DigestAlgo, step: int | None,
-            aliases: Mapping[str, str]) -> VersionHeader:
+@dataclass(frozen=True)
+class _Placement:
+    """Where the tensors a wire layout is cut from lie in the owners' buffers (see ``PullDescriptor``)."""
+
+    cut_from: LayoutMessage
+    cut_from_owners: list[int] | None
+    cut_at: list[list[int]] | None
+
+
+def _placement(cached: CachedVersion, wire: Layout) -> _Placement | None:
+    """None when the pullers read ``wire``'s buckets as they lie in the shares (the whole version, cached
+    whole); else where the full tensors lie, for the pullers to cut ``wire``'s pieces from."""
+    whole, owners = _whole_of(cached)
+    if cached.is_whole and wire.digest == whole.digest:
+        return None
+    several = list(owners.of) if owners.ranks > 1 else None
+    if cached.is_whole:
+        return _Placement(LayoutMessage.of(whole), several, None)
+    if owners.ranks > 1:
+        raise CacheError(f"version {cached.version} is a delta of {cached.parent} owned by {owners.ranks} ranks: "
+                         "pullers read a delta of one owner only")
+    spans = [(buffer.data_ptr(), buffer.numel() * buffer.element_size()) for buffer in cached.buffers]
+    views, at = cached.views(), []
+    for slot in whole.slots:
+        ptr = views[slot.name].data_ptr()
+        index = next((i for i, (start, size) in enumerate(spans) if start <= ptr and ptr + slot.nbytes <= start + size),
+                     None)
+        if index is None:
+            raise CacheError(f"version {cached.version}: tensor {slot.name} lies outside its cached buffers")
+        at.append([index, ptr - spans[index][0]])
+    return _Placement(LayoutMessage.of(whole), None, at)
+
+
+def _whole_of(cached: CachedVersion) -> tuple[Layout, Owners]:
+    return cached.version_layout or cached.layout, cached.owners or single_owner(cached.layout)
+
+
+def _header(label: int, plan: WirePlan, algo: DigestAlgo) -> VersionHeader:
+    owners = plan.owners
     several = {"owner_ranks": owners.ranks, "owners": list(owners.of)} if owners.ranks > 1 else {}
-    return VersionHeader(version=label, mode="cached", digest_algo=algo, layout_digest=layout.digest,
-                         layout=LayoutMessage.of(layout), step=step, aliases=dict(aliases), created_at=time.time(),
-                         **several)
+    return VersionHeader(version=label, mode="cached", digest_algo=algo, layout_digest=plan.layout.digest,
+                         layout=LayoutMessage.of(plan.layout), step=plan.step, aliases=dict(plan.aliases),
+                         created_at=time.time(), **{**plan.extra, **several})
 
 
 def _describe(endpoint: NixlEndpoint, header: VersionHeader, per_bucket: list[list[int]],
-              descriptor_into: DescriptorInto | None, cut_from: LayoutMessage | None = None,
-              cut_from_owners: list[int] | None = None) -> tuple[PullDescribed, torch.Tensor]:
+              descriptor_into: DescriptorInto | None, placement: _Placement | None
+              ) -> tuple[PullDescribed, torch.Tensor]:
     """The descriptor of ``header``'s version (its digests, its trailer), encoded into registered memory."""
     trailer = VersionTrailer(version=header.version, version_digest=version_digest(
         header.digest_algo, header.layout_digest, [d for b in per_bucket for d in b]))
-    raw = encode(PullDescriptor(header=header, digests=per_bucket, trailer=trailer, cut_from=cut_from,
-                                cut_from_owners=cut_from_owners))
+    cut = {} if placement is None else {"cut_from": placement.cut_from, "cut_from_owners": placement.cut_from_owners,
+                                        "cut_at": placement.cut_at}
+    raw = encode(PullDescriptor(header=header, digests=per_bucket, trailer=trailer, **cut))
     if descriptor_into is None:
         descriptor = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     else:
@@ -156,12 +183,11 @@ def _wire(region: Region) -> PullRegion:
     return PullRegion(addr=region.addr, nbytes=region.nbytes, mem=region.mem, device_id=region.device_id)
 
 
-def _refuse_delta(cached: CachedVersion) -> None:
-    if not cached.is_whole:
-        raise CacheError(f"version {cached.version} is a delta of {cached.parent}: only whole cached versions are "
-                         "offered for pulling so far")
-
-
-def _source(endpoint: NixlEndpoint, region: Region, buffer: torch.Tensor) -> PullSource:
+def _source(endpoint: NixlEndpoint, cached: CachedVersion) -> PullSource:
+    """Every buffer ``cached`` reads, registered (pool buffers are reused: most are registered already)."""
+    spans = []
+    for buffer in cached.buffers:
+        region = endpoint.register(buffer)
+        spans.append(PullSpan(region=_wire(region), offset=buffer.data_ptr() - region.addr))
     return PullSource(agent=base64.b64encode(endpoint.metadata()),  # (its wire form)
-                      region=_wire(region), offset=buffer.data_ptr() - region.addr)
+                      region=spans[0].region, offset=spans[0].offset, more=spans[1:])

@@ -44,7 +44,7 @@ from ckpt_engine.send.sources import (
     evict_quietly,
     record_identity,
 )
-from ckpt_engine.send.transfer import Transfer, TransferResult
+from ckpt_engine.send.transfer import Transfer, TransferResult, WirePlan
 from ckpt_engine.transport.framing import Channel, Frame, FrameKind
 from ckpt_engine.transport.group import SyncGroup
 from ckpt_engine.transport.messages import (
@@ -272,6 +272,8 @@ class Sender:
             if self.lead:
                 wire_digest = version_digest(self.digest_algo, layout.digest, digests)
                 result.wire_digests = list(digests)
+                result.wire_plan = WirePlan(layout, owners, dict(source.aliases), source.step,
+                                            dict(source.header_extra))
                 trailer = encode(VersionTrailer(version=source.version, version_digest=wire_digest))
                 with timer.stage("control"):
                     for outlet in outlets:

@@ -8,15 +8,31 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckpt_engine.errors import CkptEngineError, SyncTimeoutError
+from ckpt_engine.plan.layout import Layout
 from ckpt_engine.plan.modes import Mode
+from ckpt_engine.plan.owners import Owners
 from ckpt_engine.ranks import QuorumRank
 from ckpt_engine.transport.messages import Ack
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WirePlan:
+    """What went on the wire of a version, as its header says: the layout (a sparse version's changes, a class's
+    pieces), its owners, tied names, step and the header's other fields (a sparse version's base and whole-model
+    digests). A pull offer of the same bytes describes them so."""
+
+    layout: Layout
+    owners: Owners
+    aliases: Mapping[str, str]
+    step: int | None
+    extra: Mapping[str, Any]
 
 
 @dataclass
@@ -42,6 +58,7 @@ class TransferResult:
     classes: list[dict] = field(default_factory=list)
     # the lead's per-piece digests of what it sent, in wire order (a pull offer of the same bytes reuses them)
     wire_digests: list[int] = field(default_factory=list)
+    wire_plan: WirePlan | None = None  # the lead's: what those digests are of
 
     @property
     def committed_ranks(self) -> list[int]:

@@ -113,6 +113,7 @@ class Ack(_Message):
 # Owner ranks one pulled version may come from (each source carries its NIXL agent's metadata).
 MAX_PULL_OWNERS = 256
 MAX_PULL_CLASSES = 256  # (as many as a sharded version has classes)
+MAX_PULL_BUFFERS = 1024  # (a delta's buffers: at most the versions a cache keeps)
 
 
 class PullRegion(_Message):
@@ -137,6 +138,16 @@ class PullDescriptor(_Message):
     # are laid out as this layout, with these owners (None: one owner). None: the header's layout is the shares'.
     cut_from: LayoutMessage | None = None
     cut_from_owners: list[int] | None = None
+    # Where each tensor of ``cut_from`` lies, in its order: [buffer, byte offset in that buffer] of the one
+    # owner's (a delta's tensors lie in several buffers). None: buffer 0, as the shares are laid out.
+    cut_at: list[list[int]] | None = None
+
+
+class PullSpan(_Message):
+    """One more registered buffer of an owner: the region holding it, and where in it the buffer starts."""
+
+    region: PullRegion
+    offset: int = Field(ge=0)
 
 
 class PullSource(_Message):
@@ -147,6 +158,8 @@ class PullSource(_Message):
     agent: Base64Bytes = Field(max_length=1 << 20)
     region: PullRegion
     offset: int = Field(ge=0)
+    # A delta's other buffers (buffer 1, 2, ...: those of the versions it shares unchanged tensors with)
+    more: list[PullSpan] = Field(default_factory=list, max_length=MAX_PULL_BUFFERS)
 
 
 class PullDescribed(_Message):
