@@ -360,3 +360,33 @@ def test_a_sparse_version_pulls_only_its_changes_out_of_the_deltas_that_hold_the
     assert ok1 and ok3, (why1, why3)
     assert changes < whole / 10, (changes, whole)  # w and i only (33×7 floats and 1000 bytes)
     assert puller["got"] == owner["final"]  # version 1 with version 3's changes applied: version 3, exactly
+
+
+def test_a_stalled_owner_fails_the_pull_within_its_bound_and_serves_again_once_it_goes_on(tmp_path: Path) -> None:
+    """The owner is stopped (SIGSTOP) after its offer: the pull gives up at its deadline and loads nothing; once
+    the owner goes on, a pull of the same offer is exact. (Each puller reads the offer from a folder of its own:
+    a puller's ``done`` there would end the owner.)"""
+    import os
+    import signal
+
+    served, stalled, later = tmp_path / "served", tmp_path / "stalled", tmp_path / "later"
+    for folder in (served, stalled, later):
+        folder.mkdir()
+    owner = start_processes([(_owner, (str(served), None, False))])
+    try:
+        offer = _wait_for(served / "offer.bin")
+        (stalled / "offer.bin").write_bytes(offer)
+        (later / "offer.bin").write_bytes(offer)
+        os.kill(owner.procs[0].pid, signal.SIGSTOP)
+        try:
+            [puller] = run_processes([(_puller, (str(stalled), 5.0))], timeout_s=180)
+        finally:
+            os.kill(owner.procs[0].pid, signal.SIGCONT)
+        assert not puller["ok"] and "pulling version 1" in puller["reason"], puller
+        assert puller["took"] < 5.0 + 20.0 and puller["got"] == {}
+        [again] = run_processes([(_puller, (str(later), 30.0))], timeout_s=180)
+        assert again["ok"], again["reason"]
+        assert again["got"] == _bytes_of(_model())
+    finally:
+        (served / "done").write_text("1")
+        owner.collect(60)
