@@ -6,7 +6,7 @@ bypass_cpu is refused with a reason (pulls read the cache)."""
 
 from __future__ import annotations
 
-import datetime
+import functools
 import json
 import os
 import platform
@@ -91,6 +91,23 @@ def _wait_for(check, timeout_s: float = 90):
 def _nixl_config(tmp_path: Path) -> Path:
     """The shipped deployment with transport nixl (every receiver here is this test's own: trusted)."""
     return write_config(tmp_path, ROOT / "deploy" / "engine.yaml", transport="nixl", nixl_trust_receivers=True)
+
+
+def _first_ended(client, count: int) -> list[dict]:
+    """The daemon's first ``count`` versions, once each has ended."""
+    def ended() -> list[dict] | None:
+        done = sorted((v for v in client.get("/versions").json()["versions"] if _ended(v)), key=lambda v: v["id"])
+        return done[:count] if len(done) >= count else None
+    return _wait_for(ended, 240)
+
+
+def _rolled_back_to(client, version: dict) -> dict:
+    """Push ``version`` again (a rollback) and return the new version's record; it must commit as ``version``."""
+    pushed = client.post(f"/versions/{version['id']}/push")
+    assert pushed.status_code == 202, pushed.text
+    again = _wait_for(lambda: _ended(client.get(f"/versions/{pushed.json()['version']}").json()))
+    assert again["status"] == "committed" and again["version_digest"] == version["version_digest"], again
+    return again
 
 
 def _ended(record: dict) -> dict | None:
@@ -259,58 +276,28 @@ def test_a_receiver_asking_to_pull_is_refused_where_receivers_are_not_trusted(tm
 
 
 # ---- several owner ranks ---------------------------------------------------------------------------------
-def fsdp_owner(rank: int, world: int, port: int, zmq: str, workdir: str, flip_version: int) -> dict:
-    """A rank of a 2-rank FSDP2 job: it pushes at steps 3, 7 and 9 (training the first layer at 5). Rank 1
-    flips a byte of its share of ``flip_version`` once it has offered it (after its digests were taken), then
-    lets the pullers go on (``go`` in ``workdir``)."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
+def flip_in_share(flip_version: int, agent, rank: int, version: int, workdir: str) -> dict:
+    """(``owner_trainer``'s hook) Rank 1 flips a byte of its share of ``flip_version`` once it has offered it
+    (after its digests were taken), then lets the pullers go on (``go`` in ``workdir``)."""
+    if version != flip_version or rank != 1:
+        return {}
+    _wait_for(lambda: flip_version in agent.pulls.held, 40)
+    with agent.publisher.cache.lease(flip_version) as cached:
+        slot = cached.layout.buckets[0].slots[0]
+        cached.buffer[cached.layout.buckets[0].flat_offset + slot.offset] ^= 1
+    Path(workdir, "go").touch()
+    return {"flipped": slot.name}
 
-    from ckpt_engine.plan.tensors import named_tensors_of
-    from ckpt_engine.workers.trainer_agent import TrainerAgent
-    from tests.test_owners import _stopping
-    from tests.tiny_lm import tensor_bytes, tiny_llama
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    model = tiny_llama(seed=0)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    optimizer = torch.optim.SGD(model.model.layers[0].parameters(), lr=0.5)
-    agent = TrainerAgent(model, zmq, poll_wait_s=0.2).start()
-    served, flipped, step = {}, None, 0
-    while not _stopping(workdir, world):
-        step += 1
-        if step == 5:
-            tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(step))
-            model(input_ids=tokens, labels=tokens).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        if step in (3, 7, 9):
-            if rank == 0:
-                agent.wait_idle(60)
-            version = agent.push(step)
-        else:
-            version = agent.step(step)
-        if version is not None:
-            full = {n: t.full_tensor() if isinstance(t, DTensor) else t
-                    for n, t in named_tensors_of(model).tensors.items()}
-            served[version] = tensor_bytes(full)
-        if version == flip_version and rank == 1:
-            _wait_for(lambda: flip_version in agent.pulls.held, 40)
-            with agent.publisher.cache.lease(flip_version) as cached:
-                slot = cached.layout.buckets[0].slots[0]
-                cached.buffer[cached.layout.buckets[0].flat_offset + slot.offset] ^= 1
-                flipped = slot.name
-            Path(workdir, "go").touch()
-        time.sleep(0.01)
-    agent.wait_idle(60)
-    result = {"served": served, "flipped": flipped, "cache": agent.publisher.cache.bytes_by_version()}
-    agent.close()
-    dist.destroy_process_group()
-    return result
+def _job(daemon, workdir: Path, flip_version: int = -1):
+    """Two FSDP2 ranks pushing at steps 3, 7 and 9 (training the first layer at 5)."""
+    from tests.daemon_harness import free_port
+    from tests.test_owners import owner_trainer
+
+    actions, port = {3: "push", 5: "train", 7: "push", 9: "push"}, free_port()
+    hook = functools.partial(flip_in_share, flip_version)
+    return start_processes([(owner_trainer, (rank, 2, port, daemon.zmq, str(workdir), actions, hook))
+                            for rank in (0, 1)])
 
 
 def llama_puller(zmq: str, seed: int, stop_file: str, gate: tuple[str, int]) -> dict:
@@ -340,30 +327,21 @@ def test_receivers_pull_each_bucket_from_the_trainer_rank_that_owns_it(tmp_path:
     """Two FSDP2 ranks each cache and offer their half; pullers read every bucket from its owner. A byte flipped
     in rank 1's share fails that version naming the tensor; the next version and a rollback (pulled from both
     ranks' caches again) are exact."""
-    from tests.daemon_harness import free_port
-
     workdir, stop_file = tmp_path / "job", tmp_path / "rx-stop"
     workdir.mkdir()
     daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", transport="nixl",
                                        nixl_trust_receivers=True, bucket_size_mb=0.02, keep_versions=3))
     pullers = start_processes([(llama_puller, (daemon.zmq, seed, str(stop_file), (str(workdir), 2)))
                                for seed in (5, 6)])
-    port = free_port()
     job = None
     try:
         with daemon.client() as client:
             _wait_for(lambda: len(client.get("/receivers").json()["agents"]) == 2)
-            job = start_processes([(fsdp_owner, (rank, 2, port, daemon.zmq, str(workdir), 2)) for rank in (0, 1)])
-            ended = _wait_for(lambda: [v for v in client.get("/versions").json()["versions"] if _ended(v)]
-                              if sum(bool(_ended(v)) for v in client.get("/versions").json()["versions"]) >= 3
-                              else None, 240)
-            first, flipped, third = sorted(ended, key=lambda v: v["id"])[:3]
-            assert [v["status"] for v in (first, flipped, third)] == ["committed", "failed", "committed"], ended
+            job = _job(daemon, workdir, flip_version=2)
+            first, flipped, third = _first_ended(client, 3)
+            assert [v["status"] for v in (first, flipped, third)] == ["committed", "failed", "committed"]
             assert first["owners"] == 2 and [r["transport"] for r in first["receivers"]] == ["nixl", "nixl"]
-            pushed = client.post(f"/versions/{first['id']}/push")
-            assert pushed.status_code == 202, pushed.text
-            again = _wait_for(lambda: _ended(client.get(f"/versions/{pushed.json()['version']}").json()))
-            assert again["status"] == "committed" and again["version_digest"] == first["version_digest"], again
+            _rolled_back_to(client, first)
             (workdir / "stop").touch()
             ranks = job.collect(120)
     finally:
@@ -420,7 +398,6 @@ def test_tp_pullers_read_exactly_their_pieces_from_both_owner_ranks(tmp_path: Pa
     row range in one read, a column range row by row) from the rank owning each tensor, verified against its
     class's digests; a rollback pulls them again from both caches."""
     from ckpt_engine.plan.shards import cut
-    from tests.daemon_harness import free_port
 
     workdir, stop_file = tmp_path / "job", tmp_path / "rx-stop"
     workdir.mkdir()
@@ -431,20 +408,13 @@ def test_tp_pullers_read_exactly_their_pieces_from_both_owner_ranks(tmp_path: Pa
     try:
         with daemon.client() as client:
             _wait_for(lambda: len(client.get("/receivers").json()["agents"]) == 2)
-            port = free_port()
-            job = start_processes([(fsdp_owner, (rank, 2, port, daemon.zmq, str(workdir), -1)) for rank in (0, 1)])
-            ended = _wait_for(lambda: [v for v in client.get("/versions").json()["versions"] if _ended(v)]
-                              if sum(bool(_ended(v)) for v in client.get("/versions").json()["versions"]) >= 3
-                              else None, 240)
-            versions = sorted(ended, key=lambda v: v["id"])[:3]
+            job = _job(daemon, workdir)
+            versions = _first_ended(client, 3)
             assert [v["status"] for v in versions] == ["committed"] * 3, versions
             first = versions[0]
             assert first["owners"] == 2 and {r["transport"] for r in first["receivers"]} == {"nixl"}, first
             assert len({r["shard_class"] for r in first["receivers"]}) == 2
-            pushed = client.post(f"/versions/{first['id']}/push")
-            assert pushed.status_code == 202, pushed.text
-            again = _wait_for(lambda: _ended(client.get(f"/versions/{pushed.json()['version']}").json()))
-            assert again["status"] == "committed" and again["version_digest"] == first["version_digest"], again
+            again = _rolled_back_to(client, first)
             (workdir / "stop").touch()
             ranks = job.collect(120)
     finally:

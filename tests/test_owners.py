@@ -13,7 +13,9 @@ import datetime
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -101,9 +103,12 @@ def test_a_sparse_plan_of_several_owners_never_mixes_owners_in_a_bucket() -> Non
 
 
 # ---- real jobs ---------------------------------------------------------------------------------------------
-def owner_trainer(rank: int, world: int, port: int, zmq: str, workdir: str, actions: dict[int, str]) -> dict:
+def owner_trainer(rank: int, world: int, port: int, zmq: str, workdir: str, actions: dict[int, str],
+                  on_version: Callable[[Any, int, int, str], dict] | None = None) -> dict:
     """A trainer rank (FSDP2 when ``world`` > 1) running until ``workdir/stop``: at step s it does
-    ``actions[s]``: "push" (cached), "bypass", "train" (one optimizer step of the first layer)."""
+    ``actions[s]``: "push" (cached), "bypass", "train" (one optimizer step of the first layer).
+    ``on_version(agent, rank, version, workdir)``: called on every rank after each version it served; what it
+    returns joins the rank's result."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -120,7 +125,7 @@ def owner_trainer(rank: int, world: int, port: int, zmq: str, workdir: str, acti
         fully_shard(model)
     optimizer = torch.optim.SGD(model.model.layers[0].parameters(), lr=0.5)
     agent = TrainerAgent(model, zmq, poll_wait_s=0.2).start()
-    served, shares = {}, {}
+    served, shares, extra = {}, {}, {}
     step = 0
     while not _stopping(workdir, world):
         step += 1
@@ -141,10 +146,12 @@ def owner_trainer(rank: int, world: int, port: int, zmq: str, workdir: str, acti
                     for n, t in named_tensors_of(model).tensors.items()}
             served[version] = tensor_bytes(full)
             shares[version] = agent.publisher.cache.bytes_by_version()
+            if on_version is not None:
+                extra.update(on_version(agent, rank, version, workdir))
         time.sleep(0.01)
     agent.wait_idle(60)
     result = {"served": served, "shares": shares, "cache": agent.publisher.cache.bytes_by_version(),
-              "rank": rank}
+              "rank": rank, **extra}
     agent.close()
     if world > 1:
         dist.destroy_process_group()
