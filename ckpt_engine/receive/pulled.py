@@ -16,11 +16,10 @@ import torch
 import xxhash
 
 from ckpt_engine.codec import decode
-from ckpt_engine.errors import CkptEngineError, ConfigError, ProtocolError
-from ckpt_engine.plan.dtypes import itemsize
+from ckpt_engine.errors import CkptEngineError, ProtocolError
 from ckpt_engine.plan.layout import Bucket, Layout
-from ckpt_engine.plan.owners import Owners, share_offsets, single_owner
-from ckpt_engine.plan.shards import piece_runs, runs_within, split_piece_name
+from ckpt_engine.plan.owners import Owners, single_owner
+from ckpt_engine.plan.pull_reads import Reads, bucket_reads
 from ckpt_engine.receive.assembly import VersionAssembler
 from ckpt_engine.receive.buffers import StagingBuffers
 from ckpt_engine.receive.payload import ReceiveResult
@@ -74,56 +73,18 @@ class NixlFeed:
         """Nothing to drain: a pull that stops reads nothing more."""
 
 
-Reads = list[list[tuple[int, int, int, int]]]  # per bucket: (owner's buffer, offset in it, offset in the bucket, bytes)
-
-
 def reads_of(described: PullDescriptor, layout: Layout, owners: Owners) -> Reads:
-    """The reads that fill each bucket of ``layout`` from its owner's buffers: the bucket itself where the
-    shares hold the wire layout, or each of its pieces cut out of the full tensors (``cut_from``: a sharded
-    class's pieces, a sparse version's changes, a delta's tensors in several buffers; a row range in one read,
-    a column range in one a row)."""
-    if described.cut_from is None:
-        at = share_offsets(layout, owners)
-        return [[(0, at[b.index], 0, b.nbytes)] for b in layout.buckets]
-    version = described.header.version
-    whole = described.cut_from.to_layout()
-    whole_owners = (Owners(owners.ranks, tuple(described.cut_from_owners)) if described.cut_from_owners is not None
-                    else single_owner(whole))
+    """The reads that fill each bucket of ``layout`` (plan/pull_reads.py), from what the descriptor says the
+    owners' buffers hold; a ProtocolError where they cannot."""
+    cut = described.cut_from
     try:
-        whole_owners.check(whole)
+        whole = cut.to_layout() if cut is not None else None
+        whole_owners = (Owners(owners.ranks, tuple(described.cut_from_owners))
+                        if whole is not None and described.cut_from_owners is not None else None)
+        return bucket_reads(layout, owners, whole, whole_owners, described.cut_at)
     except CkptEngineError as exc:
-        raise ProtocolError(f"version {version}: the layout its pieces are cut from: {exc}") from exc
-    places = _tensor_places(described, whole, whole_owners)
-    owner_of, specs = {s.name: whole_owners.of[s.bucket] for s in whole.slots}, whole.spec_of
-    reads: Reads = []
-    for bucket in layout.buckets:
-        mine = []
-        for slot in bucket.slots:
-            name, part = split_piece_name(slot.name)
-            if owner_of.get(name) != owners.of[bucket.index]:
-                raise ProtocolError(f"version {version}: piece {slot.name} is not a tensor of its bucket's owner")
-            spec, (buffer, start) = specs[name], places[name]
-            try:
-                runs = piece_runs(spec.shape, itemsize(spec.dtype), part)
-            except ConfigError as exc:
-                raise ProtocolError(f"version {version}: piece {slot.name}: {exc}") from exc
-            mine += [(buffer, start + src, slot.offset + dst, count)
-                     for src, dst, count in runs_within(runs, slot.start, slot.nbytes)]
-        reads.append(mine)
-    return reads
-
-
-def _tensor_places(described: PullDescriptor, whole: Layout, owners: Owners) -> dict[str, tuple[int, int]]:
-    """Each full tensor's (buffer, byte offset) in its owner's buffers: as the descriptor says (``cut_at``), or
-    where its bucket lies in its owner's share (buffer 0)."""
-    version = described.header.version
-    if described.cut_at is not None:
-        if len(described.cut_at) != len(whole.slots) or any(len(at) != 2 or min(at) < 0 for at in described.cut_at):
-            raise ProtocolError(f"version {version}: {len(described.cut_at)} tensor places for "
-                                f"{len(whole.slots)} tensors")
-        return {slot.name: (at[0], at[1]) for slot, at in zip(whole.slots, described.cut_at)}
-    at = share_offsets(whole, owners)
-    return {slot.name: (0, at[slot.bucket] + slot.offset) for slot in whole.slots}
+        raise ProtocolError(f"version {described.header.version}: its pieces cannot be read from its owners: "
+                            f"{exc}") from exc
 
 
 def owners_of(header: VersionHeader, layout: Layout, sources: int) -> Owners:

@@ -1,0 +1,59 @@
+"""Which byte ranges a puller READs from its owners to fill each bucket of a version (pure).
+
+Where the owners' buffers hold the version's wire layout (a whole version cached whole), a bucket is one read
+from its owner's share. Otherwise the wire layout's pieces are cut out of the full tensors the buffers hold: a
+sharded class's slices, a sparse version's changed tensors, a delta's tensors spread over several buffers. A
+range of rows is one read, a range of columns one read a row (plan/shards.py ``piece_runs``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ckpt_engine.errors import LayoutError
+from ckpt_engine.plan.dtypes import itemsize
+from ckpt_engine.plan.layout import Layout
+from ckpt_engine.plan.owners import Owners, share_offsets
+from ckpt_engine.plan.shards import piece_runs, runs_within, split_piece_name
+
+# per bucket: (owner's buffer, byte offset in that buffer, byte offset in the bucket, bytes)
+Reads = list[list[tuple[int, int, int, int]]]
+
+
+def bucket_reads(layout: Layout, owners: Owners, cut_from: Layout | None = None, cut_owners: Owners | None = None,
+                 cut_at: Sequence[Sequence[int]] | None = None) -> Reads:
+    """The reads of every bucket of ``layout`` (owned as ``owners`` say). ``cut_from``: the layout the owners'
+    buffers hold, with ``cut_owners``, when it is not ``layout``; ``cut_at``: where each of its tensors lies,
+    [buffer, offset], in its order (default: buffer 0, as the shares are laid out). A LayoutError for pieces that
+    cannot come from there (a tensor it lacks or another rank owns, a slice that does not fit)."""
+    if cut_from is None:
+        at = share_offsets(layout, owners)
+        return [[(0, at[b.index], 0, b.nbytes)] for b in layout.buckets]
+    cut_owners = cut_owners or Owners(1, (0,) * len(cut_from.buckets))
+    cut_owners.check(cut_from)
+    places = tensor_places(cut_from, cut_owners, cut_at)
+    owner_of, specs = {s.name: cut_owners.of[s.bucket] for s in cut_from.slots}, cut_from.spec_of
+    reads: Reads = []
+    for bucket in layout.buckets:
+        mine = []
+        for slot in bucket.slots:
+            name, part = split_piece_name(slot.name)
+            if name not in owner_of or owner_of[name] != owners.of[bucket.index]:
+                raise LayoutError(f"piece {slot.name} is not a tensor its bucket's owner holds")
+            spec, (buffer, start) = specs[name], places[name]
+            runs = piece_runs(spec.shape, itemsize(spec.dtype), part)
+            mine += [(buffer, start + src, slot.offset + dst, count)
+                     for src, dst, count in runs_within(runs, slot.start, slot.nbytes)]
+        reads.append(mine)
+    return reads
+
+
+def tensor_places(layout: Layout, owners: Owners, cut_at: Sequence[Sequence[int]] | None) -> dict[str, tuple[int, int]]:
+    """Each tensor's (buffer, byte offset) in its owner's buffers: as ``cut_at`` says, or where its bucket lies in
+    its owner's share (buffer 0)."""
+    if cut_at is not None:
+        if len(cut_at) != len(layout.slots) or any(len(at) != 2 or min(at) < 0 for at in cut_at):
+            raise LayoutError(f"{len(cut_at)} tensor places for {len(layout.slots)} tensors")
+        return {slot.name: (at[0], at[1]) for slot, at in zip(layout.slots, cut_at, strict=True)}
+    at = share_offsets(layout, owners)
+    return {slot.name: (0, at[slot.bucket] + slot.offset) for slot in layout.slots}

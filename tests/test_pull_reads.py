@@ -1,0 +1,123 @@
+"""Which byte ranges a puller reads to fill each bucket (plan/pull_reads.py): a pure table, checked by doing the
+reads on buffers laid out as the owners hold them and comparing with what a push would have sent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckpt_engine.errors import CkptEngineError, LayoutError
+from ckpt_engine.plan.layout import plan_layout
+from ckpt_engine.plan.owners import Owners, plan_owners, share_of, single_owner
+from ckpt_engine.plan.pull_reads import bucket_reads
+from ckpt_engine.plan.shards import Slice, cut
+from ckpt_engine.plan.tensors import fill_bucket, specs_of
+from ckpt_engine.send.class_senders import _plan_class
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return {"rows": torch.randn(40, 24, generator=gen), "cols": torch.randn(24, 40, generator=gen),
+            "cube": torch.randn(4, 6, 10, generator=gen).to(torch.bfloat16), "norm": torch.randn(24, generator=gen),
+            "big": torch.randn(64, 300, generator=gen)}  # 76.8 KB: chunked over 16 KiB buckets
+
+
+def _shares(layout, owners, tensors) -> list[torch.Tensor]:
+    """Each owner's buffer as its cache holds it: its buckets back to back (plan/owners.py ``share_of``)."""
+    out = []
+    for rank in range(owners.ranks):
+        share = share_of(layout, owners, rank).layout
+        buffer = torch.zeros(max(share.total_bytes, 1), dtype=torch.uint8)
+        for bucket in share.buckets:
+            fill_bucket(buffer[bucket.flat_offset : bucket.flat_offset + bucket.nbytes], bucket.slots, tensors,
+                        bucket.nbytes)
+        out.append(buffer)
+    return out
+
+
+def _read(layout, owners, reads, buffers: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Every bucket of ``layout`` filled by ``reads`` from ``buffers[owner][buffer]``."""
+    out = []
+    for bucket in layout.buckets:
+        into = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+        for buffer, at, dst, count in reads[bucket.index]:
+            into[dst : dst + count] = buffers[owners.of[bucket.index]][buffer][at : at + count]
+        out.append(into)
+    return out
+
+
+def _pushed(layout, tensors) -> list[torch.Tensor]:
+    out = []
+    for bucket in layout.buckets:
+        buffer = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+        fill_bucket(buffer, bucket.slots, tensors, bucket.nbytes)
+        out.append(buffer)
+    return out
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_a_whole_version_is_read_bucket_by_bucket_from_its_owners_shares(ranks: int) -> None:
+    tensors = _tensors()
+    layout = plan_layout(specs_of(tensors), bucket_size=16 << 10)
+    owners = plan_owners(layout, ranks)
+    reads = bucket_reads(layout, owners)
+    assert all(len(r) == 1 for r in reads)
+    got = _read(layout, owners, reads, [[s] for s in _shares(layout, owners, tensors)])
+    assert all(torch.equal(a, b) for a, b in zip(got, _pushed(layout, tensors), strict=True))
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("spec", [
+    {"rows": (Slice(0, 10, 10),), "cols": (Slice(1, 20, 20),), "cube": (Slice(2, 5, 5),), "big": (Slice(1, 0, 150),)},
+    {"cols": (Slice(1, 0, 7), Slice(1, 30, 10)), "cube": (Slice(1, 2, 3),), "big": (Slice(0, 60, 4),)},
+])
+def test_a_classs_pieces_are_cut_out_of_the_owners_full_tensors(ranks: int, spec) -> None:
+    tensors = _tensors()
+    whole = plan_layout(specs_of(tensors), bucket_size=16 << 10)
+    owners = plan_owners(whole, ranks)
+    plan = _plan_class(spec, whole, owners if ranks > 1 else None, {}, 16 << 10, 8)
+    class_owners = plan.owners or single_owner(plan.layout)
+    reads = bucket_reads(plan.layout, class_owners, whole, owners)
+    pieces = {p.spec.name: cut(tensors[p.tensor], p.part) for p in plan.pieces}
+    got = _read(plan.layout, class_owners, reads, [[s] for s in _shares(whole, owners, tensors)])
+    assert all(torch.equal(a, b) for a, b in zip(got, _pushed(plan.layout, pieces), strict=True))
+    read = sum(count for bucket in reads for *_, count in bucket)
+    assert read == sum(p.nbytes for p in plan.pieces)  # exactly the pieces' bytes, nothing more
+
+
+def test_tensors_placed_in_several_buffers_are_read_where_they_lie() -> None:
+    tensors = _tensors()
+    whole = plan_layout(specs_of(tensors), bucket_size=16 << 10)
+    buffers, places = [torch.zeros(0, dtype=torch.uint8)] * 2, []
+    for index, slot in enumerate(whole.slots):  # alternate buffers, odd offsets
+        raw = tensors[slot.name].contiguous().view(torch.uint8).reshape(-1)
+        buffer = index % 2
+        places.append([buffer, len(buffers[buffer]) + 3])
+        buffers[buffer] = torch.cat([buffers[buffer], torch.zeros(3, dtype=torch.uint8), raw])
+    changed = {"cols": tensors["cols"], "big": tensors["big"]}  # a sparse version's changes
+    wire = plan_layout(specs_of(changed), bucket_size=16 << 10)
+    reads = bucket_reads(wire, single_owner(wire), whole, None, places)
+    got = _read(wire, single_owner(wire), reads, [buffers])
+    assert all(torch.equal(a, b) for a, b in zip(got, _pushed(wire, changed), strict=True))
+
+
+def test_pieces_that_cannot_come_from_the_owners_are_refused() -> None:
+    tensors = _tensors()
+    whole = plan_layout(specs_of(tensors), bucket_size=16 << 10)
+    owners = plan_owners(whole, 2)
+    theirs = next(s.name for s in whole.slots if owners.of[s.bucket] == 1)
+    mine = plan_layout(specs_of({theirs: tensors[theirs]}), bucket_size=16 << 10)
+    with pytest.raises(LayoutError, match="owner holds"):  # rank 1's tensor asked of rank 0
+        bucket_reads(mine, single_owner(mine), whole, owners)
+    stranger = plan_layout(specs_of({"nope": torch.zeros(3)}), bucket_size=16 << 10)
+    with pytest.raises(LayoutError, match="owner holds"):
+        bucket_reads(stranger, single_owner(stranger), whole)
+    with pytest.raises(LayoutError, match="tensor places"):
+        bucket_reads(mine, single_owner(mine), whole, None, [[0, 0]])
+    with pytest.raises(LayoutError, match="tensor places"):
+        bucket_reads(mine, single_owner(mine), whole, None, [[0, -1]] * len(whole.slots))
+    too_far = plan_layout(specs_of({"rows@0:30:20": torch.zeros(20, 24)}), bucket_size=16 << 10)
+    with pytest.raises(CkptEngineError, match="does not fit"):
+        bucket_reads(too_far, single_owner(too_far), whole)
+    with pytest.raises(CkptEngineError, match="bucket owners"):
+        bucket_reads(mine, single_owner(mine), whole, Owners(2, (0,)))
