@@ -264,10 +264,13 @@ def render(result: dict, machine: dict | None = None) -> list[str]:
     staged = [r for r in result["results"] if r.get("stage_medians")]
     if staged:
         lines += ["", "Pulled rows, where the time goes (the lead owner's view, medians, s): the snapshot with every "
-                  "piece digested (before any byte moves: the digests go in the descriptor), the offer, the pulls.",
-                  "", "| Scenario | snapshot + digests | offer | pulls |", "|---|---:|---:|---:|"]
-        lines += [f"| {r['name']} | {r['stage_medians']['snapshot_and_digests']:.2f} | "
-                  f"{r['stage_medians']['offer']:.3f} | {r['stage_medians']['pulls']:.2f} |" for r in staged]
+                  "piece digested (before any byte moves: the digests go in the descriptor), the offer, the pulls; "
+                  "and CPU seconds a version costs the lead owner's process and the busiest puller's (NIXL driven "
+                  "by a thread of ours at 0.1 ms while reads may come, 2 ms when idle: transport/nixl.py).",
+                  "", "| Scenario | snapshot + digests | offer | pulls | owner CPU s | puller CPU s |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['name']} | {m['snapshot_and_digests']:.2f} | {m['offer']:.3f} | {m['pulls']:.2f} | "
+                  f"{m['owner_cpu']:.2f} | {m['puller_cpu']:.2f} |" for r in staged for m in (r["stage_medians"],)]
     return lines + ["", "Sharded rows: each receiver is TP rank r of R and its own class; the trainer sends every "
                     "class at once, each on its own sync group, cut from its cached version as the trainer agent does "
                     "for a daemon's sharded version (`Publisher.publish(..., sharded=True)`, send/class_senders.py: "

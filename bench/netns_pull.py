@@ -101,7 +101,7 @@ def run_owner(cfg: dict) -> dict:
     times, stages = [], []
     for version in range(1, cfg["rounds"] + 2):  # the first is a warm-up
         named.tensors[next(iter(named.tensors))].add_(1.0)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         result = pub.publish(version, named, route=lambda: route, **options).result(timeout_s=cfg["timeout_s"])
         if not result.ok:
             raise RuntimeError(f"version {version}: {result.reason}")
@@ -118,7 +118,8 @@ def run_owner(cfg: dict) -> dict:
             raise RuntimeError(f"version {version}: {[o['reason'] for o in outcomes]}")
         if version > 1:
             times.append(ended - t0)
-            stages.append({"snapshot_and_digests": sent - t0, "offer": offered - sent, "pulls": ended - offered})
+            stages.append({"snapshot_and_digests": sent - t0, "offer": offered - sent, "pulls": ended - offered,
+                           "owner_cpu": time.process_time() - cpu0})
     pulls.close()
     pub.close()
     return {"seconds": times, "raw_seconds": [], "bytes_sent": [0] * len(times), "stages": stages,
@@ -141,8 +142,9 @@ def run_puller(cfg: dict) -> dict:
     key = spec_key(tp_spec(llama_model(cfg["mib"], cfg["tp_max"]), rank, cfg["receivers"])) if cfg["sharded"] else None
     assembler = VersionAssembler(detect_device("cpu"), lambda payload: None, staging="device")
     endpoint = NixlEndpoint("receiver")
-    received = []
+    received, cpu = [], []
     for version in range(1, cfg["rounds"] + 2):
+        cpu0 = time.process_time()  # (from the previous version's end: waiting for the offer included)
         offers = {o: decode(PullOffer, _wait_for(folder / f"offer-{version}-{o}")) for o in range(owners)}
         joined = joined_offer(version, owners, offers)
         [(_, assignment)] = pull_assignments(version, "cached", None, {"me": 1}, joined,  # type: ignore[arg-type]
@@ -151,8 +153,9 @@ def run_puller(cfg: dict) -> dict:
         _publish_atomically(folder / f"done-{version}-{rank}",
                             json.dumps({"ok": result.ok, "reason": result.reason}).encode())
         received.append(result.bytes_received)
+        cpu.append(time.process_time() - cpu0)
     endpoint.close()
-    return {"bytes_received": received[1:]}
+    return {"bytes_received": received[1:], "cpu_s": cpu[1:]}
 
 
 def scenario(name: str, receivers: int, args: dict, *, sharded: bool = False, owners: int = 1) -> dict:
@@ -179,6 +182,8 @@ def scenario(name: str, receivers: int, args: dict, *, sharded: bool = False, ow
         finally:
             for proc in [*serving, *pullers]:
                 proc.kill()
+    for stage, cpu in zip(sent["stages"], zip(*(o["cpu_s"] for o in outs), strict=True), strict=True):
+        stage["puller_cpu"] = max(cpu)  # (the busiest puller's)
     return {"name": name, "receivers": receivers, "sharded": sharded, "owners": owners, "mode": "cached",
             "pull": True, **sent, "received": [o["bytes_received"] for o in outs]}
 

@@ -71,6 +71,7 @@ class PullServer:
             self._leases[version] = (time.monotonic() + hold_s, stack)
         if earlier is not None:
             earlier[1].close()
+        endpoint.serve_for(hold_s)  # (pullers may read it until then: the agent is driven at its busy rate)
         return offered.offer
 
     def offer_for(self, assignment: Assignment, publisher: Publisher, settings: RegisterReply | None,
@@ -102,8 +103,11 @@ class PullServer:
         with self._lock:
             done = [v for v, (until, _) in self._leases.items() if now >= until or (before is not None and v < before)]
             stacks = [self._leases.pop(v)[1] for v in done]
+            endpoint, idle = self._endpoint, not self._leases
         for stack in stacks:
             stack.close()
+        if endpoint is not None and idle:
+            endpoint.serve_for(0.0)
 
     def close(self) -> None:
         with self._lock:

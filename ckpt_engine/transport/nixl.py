@@ -70,8 +70,21 @@ def region_of(tensor: torch.Tensor) -> Region:
     return Region(storage.data_ptr(), storage.nbytes(), mem, device.index or 0 if mem == "VRAM" else 0)
 
 
+# How often this process's agent is driven (see NixlEndpoint._progress): while reads may be served or are in
+# flight, and otherwise (a puller's connection then waits at most this long to be taken).
+BUSY_PROGRESS_S = 0.0001
+IDLE_PROGRESS_S = 0.002
+_READ_BUSY_S = 2.0  # after a read starts (each read refreshes it)
+
+
 class NixlEndpoint:
-    """This process's NIXL agent. Thread-safe; registrations and remote agents are kept until :meth:`close`."""
+    """This process's NIXL agent. Thread-safe (the agent itself serializes its calls); registrations and remote
+    agents are kept until :meth:`close`.
+
+    UCX over TCP or shared memory serves a READ only while the owner's side is driven. NIXL's own progress
+    thread does that by spinning a whole core, idle or not (nixl-cu12 1.5 runs it without a pause); a thread of
+    ours drives the agent instead, every BUSY_PROGRESS_S while reads may come (``serve_for``) or are in flight,
+    and every IDLE_PROGRESS_S otherwise: a few percent of a core."""
 
     _names = itertools.count()
 
@@ -79,13 +92,30 @@ class NixlEndpoint:
         api = nixl_api()
         self.name = f"ckpt-{role}-{os.getpid()}-{next(self._names)}-{uuid.uuid4().hex[:8]}"
         try:
-            self._agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+            config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                                           sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+            self._agent = api.nixl_agent(self.name, config)
         except Exception as exc:
             raise NixlUnavailable(f"NIXL's UCX agent did not start: {type(exc).__name__}: {exc}") from exc
         self._lock = threading.Lock()
         self._registered: dict[tuple[int, int], tuple[Region, Any, torch.Tensor]] = {}
         self._remotes: dict[bytes, str] = {}
         self._retired: list[list[torch.Tensor]] = []  # see retire
+        self._busy_until = 0.0  # time.monotonic() until which the agent is driven at the busy rate
+        self._closing = threading.Event()
+        self._driver = threading.Thread(target=self._progress, name="ckpt-nixl-progress", daemon=True)
+        self._driver.start()
+
+    def serve_for(self, seconds: float) -> None:
+        """Reads of what this process offers may come for ``seconds`` from now (0: none are expected now)."""
+        self._busy_until = time.monotonic() + seconds
+
+    def _progress(self) -> None:
+        while not self._closing.wait(BUSY_PROGRESS_S if time.monotonic() < self._busy_until else IDLE_PROGRESS_S):
+            try:
+                self._agent.get_new_notifs()  # (drives the UCX worker: connections, and the reads it serves)
+            except Exception as exc:  # noqa: BLE001 - a later turn tries again; reads fail on their own
+                log.debug("driving the NIXL agent: %s", exc)
 
     def metadata(self) -> bytes:
         """What a puller needs to reach this agent (NIXL's own bytes: opaque here)."""
@@ -162,6 +192,7 @@ class NixlEndpoint:
         local_descs = self._agent.get_xfer_descs([(a, n, d) for a, n, d, _ in local], mem)
         remote_descs = self._agent.get_xfer_descs(far, source.mem)
         try:
+            self._busy_until = max(self._busy_until, time.monotonic() + _READ_BUSY_S)  # (this side too: TCP, shm)
             handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, remote)
             state = self._agent.transfer(handle)
         except Exception as exc:
@@ -172,6 +203,8 @@ class NixlEndpoint:
         return Read(self, handle)
 
     def close(self) -> None:
+        self._closing.set()
+        self._driver.join(timeout=5.0)
         with self._lock:
             entries, self._registered = list(self._registered.values()), {}
             remotes, self._remotes = list(self._remotes.values()), {}
