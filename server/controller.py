@@ -170,6 +170,7 @@ class Controller:
                 self.flights.offered(current, agent.rank, message)  # (another owner rank's share)
             elif current is not None and agent.role == "trainer" and message.event == "done" and message.ok is False:
                 current.owner_failures[agent.rank] = message.reason or "failed"
+                self.flights.maybe_finish(current)  # (its pullers may now wait for nothing)
             elif message.event not in ("evicted", "staged"):
                 log.info("ignoring %s report for version %d (not in flight)", message.event, message.version)
             self._changed.notify_all()
@@ -273,7 +274,8 @@ class Controller:
                                                                      record.mode, now)
         if problem:
             raise Unavailable(problem, self.flights.fail_unstarted(record.id, problem).to_dict())
-        # (pullers read a sparse version's changes out of one owner's delta; with several owners it goes whole)
+        # (pullers read a sparse version's changes out of one owner's delta; with several owners and any puller
+        # the version goes whole, to every receiver)
         sparse = sparse and source is None and not (pulling and owners > 1)
         self._launch(record, trainer, receivers, colocated, pulling, owners, source=source,  # type: ignore[arg-type]
                      sparse_base=rules.sparse_base(receivers) if sparse else None, sparse=sparse,

@@ -37,6 +37,7 @@ from ckpt_engine.server.decisions.ending import (
     engine_to_apply,
     ready_to_judge,
     to_discard,
+    unoffered_pullers,
     waiting_for,
 )
 from ckpt_engine.server.decisions.newcomers import NewcomerGate, blamed_for_rendezvous
@@ -297,24 +298,30 @@ class Flights:
         waiting = waiting_for(flight.quorum, flight.reports, set(done.absent_ranks),
                               {a for a in flight.quorum if self.agents.get(a) is not None}, flight.apply_sent,
                               flight.applied, {e for e in flight.apply_sent if self.agents.driver(e) is not None})
-        if done.ok is False and not flight.offered:  # its pullers never got the offer: nothing to wait for
-            waiting = [agent for agent in waiting if agent not in flight.pullers]
+        never = self._unoffered(flight, done)
+        waiting = [agent for agent in waiting if agent not in never]
         ack_s = self.config.timeouts.ack_s
         pull_s = (flight.limit_s or self.config.timeouts.version_s) - (flight.done_at - flight.started) - ack_s
         if ready_to_judge(done.version_digest is not None, waiting, self.clock() - flight.done_at, ack_s,
                           flight.pullers, pull_s):
             self._finish(flight, done)
 
+    @staticmethod
+    def _unoffered(flight: InFlight, done: Report) -> set[str]:
+        return unoffered_pullers(flight.pullers, flight.offered, done.ok is False or bool(flight.owner_failures))
+
     def _finish(self, flight: InFlight, done: Report) -> None:
         record = self.history.get(flight.version)
         source = self.history.get(record.source_version) if record and record.source_version is not None else None
         expected, stale = expected_digest(done, source.version_digest if source else None,
                                           source.id if source else None)
+        never = self._unoffered(flight, done)
         for agent_id in flight.quorum:  # what a receiver that never said holds is unknown: a full version next
             agent = self.agents.get(agent_id)
-            if agent is not None and agent_id not in flight.reports:
+            if agent is not None and agent_id not in flight.reports and agent_id not in never:
                 agent.model.lost_track()
         outcome = judge(flight.quorum, flight.reports, done, engines=flight.engines, applied=flight.applied,
+                        unoffered=never,
                         owner_failures=flight.owner_failures,
                         transports={e["agent_id"]: e.get("transport") for e in (record.receivers if record else [])},
                         expected=expected, stale=stale, expected_for=self._class_digests(flight, done),

@@ -237,10 +237,11 @@ def done(digest="d", ok=True, reason=None, receivers=()) -> Report:
 
 
 def _judge(reports, trainer=None, *, need=1, quorum_of=("a", "b"), engines=None, applied=None, owners=None,
-           expected="d", stale=None):
+           expected="d", stale=None, unoffered=()):
     members = {a: i + 1 for i, a in enumerate(quorum_of)}
     return judge(members, reports, trainer or done(), engines=engines or {}, applied=applied or {},
-                 owner_failures=owners or {}, transports={}, expected=expected, stale=stale, need=need)
+                 owner_failures=owners or {}, transports={}, expected=expected, stale=stale, need=need,
+                 unoffered=unoffered)
 
 
 COMMIT_CASES = [
@@ -507,3 +508,18 @@ def test_pullers_of_a_sharded_version_have_no_seat_and_get_their_classs_descript
     got = dict(pull_assignments(5, "cached", 1, {pulled.agent_id: 2, whole.agent_id: 3}, offer, plan.keys))
     assert got[pulled.agent_id].offer.descriptor.nbytes == 8 and got[whole.agent_id].offer.descriptor.nbytes == 9
     assert all(not a.offer.classes for a in got.values())  # each puller learns its own class's only
+
+
+@pytest.mark.parametrize(("offered", "failed", "never"), [
+    (False, True, {"p", "q"}), (True, True, set()), (False, False, set()), (True, False, set())])
+def test_pullers_never_offered_the_version_are_not_waited_on(offered, failed, never) -> None:
+    from ckpt_engine.server.decisions.ending import unoffered_pullers
+
+    assert unoffered_pullers(("p", "q"), offered, failed) == never
+
+
+def test_a_puller_never_offered_is_recorded_so_and_not_as_silent() -> None:
+    outcome = _judge({"a": report()}, done(), quorum_of=("a", "p"), unoffered={"p"})
+    entry = next(e for e in outcome.entries if e["agent_id"] == "p")
+    assert entry["ok"] is False and "never offered" in entry["reason"] and entry["missing_report"] is False
+    assert "p" not in outcome.silent

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckpt_engine.errors import CkptEngineError
 from tests.daemon_harness import ROOT, start_daemon, sync_when_idle, write_config
 from tests.models import AwkwardModel, load_into, state_bytes
 from tests.procs import start_processes
@@ -289,13 +290,28 @@ def flip_in_share(flip_version: int, agent, rank: int, version: int, workdir: st
     return {"flipped": slot.name}
 
 
-def _job(daemon, workdir: Path, flip_version: int = -1):
+def offer_fails(fail_version: int, agent, rank: int, version: int, workdir: str) -> dict:
+    """(``owner_trainer``'s hook) From the version before ``fail_version`` on, rank 1 cannot offer (its NIXL
+    registration fails, say): its offer of ``fail_version`` raises."""
+    if rank == 1 and version == fail_version - 1:
+        offer_for = agent.pulls.offer_for
+
+        def failing(assignment, *args, **kwargs):
+            if assignment.version == fail_version:
+                raise CkptEngineError("registering the share failed (injected)")
+            return offer_for(assignment, *args, **kwargs)
+
+        agent.pulls.offer_for = failing
+    return {}
+
+
+def _job(daemon, workdir: Path, flip_version: int = -1, hook=None):
     """Two FSDP2 ranks pushing at steps 3, 7 and 9 (training the first layer at 5)."""
     from tests.daemon_harness import free_port
     from tests.test_owners import owner_trainer
 
     actions, port = {3: "push", 5: "train", 7: "push", 9: "push"}, free_port()
-    hook = functools.partial(flip_in_share, flip_version)
+    hook = hook or functools.partial(flip_in_share, flip_version)
     return start_processes([(owner_trainer, (rank, 2, port, daemon.zmq, str(workdir), actions, hook))
                             for rank in (0, 1)])
 
@@ -443,3 +459,36 @@ def test_tp_pullers_read_exactly_their_pieces_from_both_owner_ranks(tmp_path: Pa
                 assert torch.equal(local, expected), (version, name)
                 compared += 1
             assert compared >= len(source) - 1
+
+
+def test_an_owner_rank_that_cannot_offer_fails_the_version_at_once_and_its_pullers_keep_theirs(
+        tmp_path: Path) -> None:
+    """Rank 1's offer of version 2 fails: the version ends when the trainer says so, not at the version's time
+    limit (600 s here, far past this test's waits); its puller is recorded as never offered (no report was due
+    from it, it still holds version 1), and version 3 commits to it."""
+    from tests.daemon_harness import timeouts
+
+    workdir, stop_file = tmp_path / "job", tmp_path / "rx-stop"
+    workdir.mkdir()
+    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", transport="nixl",
+                                       nixl_trust_receivers=True, bucket_size_mb=0.02,
+                                       timeouts=timeouts(version_s=600)))
+    pullers = start_processes([(llama_puller, (daemon.zmq, 5, str(stop_file), (str(workdir), -1)))])
+    job = None
+    try:
+        with daemon.client() as client:
+            _wait_for(lambda: len(client.get("/receivers").json()["agents"]) == 1)
+            job = _job(daemon, workdir, hook=functools.partial(offer_fails, 2))
+            first, failed, third = _first_ended(client, 3)  # (its bound: far below version_s)
+            assert [v["status"] for v in (first, failed, third)] == ["committed", "failed", "committed"]
+            assert "owner rank 1" in failed["reason"] and "injected" in failed["reason"], failed["reason"]
+            [entry] = failed["receivers"]
+            assert entry["missing_report"] is False and "never offered" in entry["reason"], entry
+            (workdir / "stop").touch()
+            job.collect(120)
+    finally:
+        (workdir / "stop").touch()
+        stop_file.touch()
+        [rx] = pullers.collect(120)
+        assert daemon.stop() == 0
+    assert [(version, ok) for version, ok, _, _ in rx["results"]] == [(first["id"], True), (third["id"], True)]

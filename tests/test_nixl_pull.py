@@ -304,25 +304,24 @@ def _delta_owner(folder: str) -> dict:
     from ckpt_engine.send.publisher import Publisher, Route
     from ckpt_engine.workers.pull_server import PullServer
 
-    tensors = _model()
-    publisher = Publisher(device=detect_device("cpu"), bucket_size=64 << 10, keep_versions=4)
+    tensors = {**_model(), "empty": torch.empty(0, 5)}  # (an empty tensor lies in no buffer)
+    publisher = Publisher(device=detect_device("cpu"), bucket_size=64 << 10, keep_versions=5)
     pulls = PullServer()
     alone = Route(None, {}, None)  # (no pushed receiver: the send digests what goes on the wire)
     sent = {}
-    for version, change, base in ((1, None, None), (2, "w", 1), (3, "i", 1)):
+    for version, change, base in ((1, None, None), (2, "w", 1), (3, "i", 1), (4, None, 3)):  # 4: nothing changed
         if change is not None:
             tensors[change].add_(1)
         result = publisher.publish(version, tensors, route=lambda: alone, sparse=base is not None,
                                    sparse_base=base).result(60)
         sent[version] = result
-        if version == 1:
-            offer = pulls.offer(publisher.cache, 1, None, "xxh3-64", 60.0, result.wire_digests, plan=result.wire_plan)
-            Path(folder, "offer-1.bin").write_bytes(encode(offer))
-    delta = publisher.cache.get(3)
-    result = sent[3]
-    offer = pulls.offer(publisher.cache, 3, None, "xxh3-64", 60.0, result.wire_digests, plan=result.wire_plan)
-    Path(folder, "offer-3.tmp").write_bytes(encode(offer))
-    Path(folder, "offer-3.tmp").rename(Path(folder, "offer-3.bin"))
+    for version in (1, 3, 4):
+        result = sent[version]
+        offer = pulls.offer(publisher.cache, version, None, "xxh3-64", 60.0, result.wire_digests,
+                            plan=result.wire_plan)
+        Path(folder, f"offer-{version}.tmp").write_bytes(encode(offer))
+        Path(folder, f"offer-{version}.tmp").rename(Path(folder, f"offer-{version}.bin"))
+    delta, result = publisher.cache.get(3), sent[3]
     _wait_for(Path(folder, "done"))
     pulls.close()
     publisher.close()
@@ -343,7 +342,7 @@ def _chain_puller(folder: str) -> dict:
         {name: tensor.clone() for name, tensor in payload.items()}), staging="device")
     endpoint = NixlEndpoint("receiver")
     out = []
-    for version in (1, 3):
+    for version in (1, 3, 4):
         result = pull(assembler, endpoint, decode(PullOffer, _wait_for(Path(folder, f"offer-{version}.bin"))), 30.0)
         out.append((result.ok, result.reason, result.bytes_received))
     Path(folder, "done").write_text("1")
@@ -352,13 +351,15 @@ def _chain_puller(folder: str) -> dict:
 
 
 def test_a_sparse_version_pulls_only_its_changes_out_of_the_deltas_that_hold_them(tmp_path: Path) -> None:
+    """Also: a model with an empty tensor, and a sparse version where nothing changed."""
     owner, puller = run_processes([(_delta_owner, (str(tmp_path),)), (_chain_puller, (str(tmp_path),))],
                                   timeout_s=180)
     assert owner["buffers"] >= 2 and owner["parent"] == 2 and owner["base"] == 1  # changes in two buffers
     assert sorted(owner["wire"]) == ["i", "w"]
-    (ok1, why1, whole), (ok3, why3, changes) = puller["results"]
-    assert ok1 and ok3, (why1, why3)
+    (ok1, why1, whole), (ok3, why3, changes), (ok4, why4, nothing) = puller["results"]
+    assert ok1 and ok3 and ok4, (why1, why3, why4)
     assert changes < whole / 10, (changes, whole)  # w and i only (33×7 floats and 1000 bytes)
+    assert nothing == 0  # version 4 changed nothing: it commits, and no byte moves
     assert puller["got"] == owner["final"]  # version 1 with version 3's changes applied: version 3, exactly
 
 

@@ -121,3 +121,17 @@ def test_pieces_that_cannot_come_from_the_owners_are_refused() -> None:
         bucket_reads(too_far, single_owner(too_far), whole)
     with pytest.raises(CkptEngineError, match="bucket owners"):
         bucket_reads(mine, single_owner(mine), whole, Owners(2, (0,)))
+
+
+def test_a_piece_that_is_not_its_tensors_slice_is_refused_before_any_run_is_planned() -> None:
+    """A descriptor whose full tensor (2^31 rows here) does not match its piece (8 rows) would otherwise plan a
+    run for every row of the full tensor."""
+    from ckpt_engine.plan.layout import TensorSpec
+
+    whole = plan_layout([TensorSpec("w", "float32", (1 << 31, 6))], bucket_size=1 << 20)
+    piece = plan_layout([TensorSpec("w@1:0:3", "float32", (8, 3))], bucket_size=1 << 20)
+    with pytest.raises(LayoutError, match="is not that slice"):
+        bucket_reads(piece, single_owner(piece), whole)
+    wrong_dtype = plan_layout([TensorSpec("w@1:0:3", "float16", (1 << 31, 3))], bucket_size=1 << 20)
+    with pytest.raises(LayoutError, match="is not that slice"):
+        bucket_reads(wrong_dtype, single_owner(wrong_dtype), whole)

@@ -14,7 +14,7 @@ from ckpt_engine.errors import LayoutError
 from ckpt_engine.plan.dtypes import itemsize
 from ckpt_engine.plan.layout import Layout
 from ckpt_engine.plan.owners import Owners, share_offsets
-from ckpt_engine.plan.shards import piece_runs, runs_within, split_piece_name
+from ckpt_engine.plan.shards import Slice, piece_runs, runs_within, split_piece_name
 
 # per bucket: (owner's buffer, byte offset in that buffer, byte offset in the bucket, bytes)
 Reads = list[list[tuple[int, int, int, int]]]
@@ -41,11 +41,22 @@ def bucket_reads(layout: Layout, owners: Owners, cut_from: Layout | None = None,
             if name not in owner_of or owner_of[name] != owners.of[bucket.index]:
                 raise LayoutError(f"piece {slot.name} is not a tensor its bucket's owner holds")
             spec, (buffer, start) = specs[name], places[name]
+            if (slot.dtype, slot.shape) != (spec.dtype, cut_shape(spec.shape, part)):
+                raise LayoutError(f"piece {slot.name} ({slot.dtype} {slot.shape}) is not that slice of {name} "
+                                  f"({spec.dtype} {spec.shape})")
             runs = piece_runs(spec.shape, itemsize(spec.dtype), part)
             mine += [(buffer, start + src, slot.offset + dst, count)
                      for src, dst, count in runs_within(runs, slot.start, slot.nbytes)]
         reads.append(mine)
     return reads
+
+
+def cut_shape(shape: tuple[int, ...], part: Slice | None) -> tuple[int, ...]:
+    """The shape of ``part`` of a tensor of ``shape`` (its own shape for a whole tensor, or a slice that does
+    not fit: ``piece_runs`` refuses that)."""
+    if part is None or part.dim >= len(shape):
+        return shape
+    return (*shape[: part.dim], part.length, *shape[part.dim + 1 :])
 
 
 def tensor_places(layout: Layout, owners: Owners, cut_at: Sequence[Sequence[int]] | None) -> dict[str, tuple[int, int]]:

@@ -128,6 +128,9 @@ def _placement(cached: CachedVersion, wire: Layout) -> _Placement | None:
     spans = [(buffer.data_ptr(), buffer.numel() * buffer.element_size()) for buffer in cached.buffers]
     views, at = cached.views(), []
     for slot in whole.slots:
+        if not slot.nbytes:  # (an empty tensor lies nowhere: nothing of it is read)
+            at.append([0, 0])
+            continue
         ptr = views[slot.name].data_ptr()
         index = next((i for i, (start, size) in enumerate(spans) if start <= ptr and ptr + slot.nbytes <= start + size),
                      None)
@@ -170,7 +173,9 @@ def _describe(endpoint: NixlEndpoint, header: VersionHeader, per_bucket: list[li
 
 
 def _by_bucket(layout: Layout, digests: Sequence[int]) -> list[list[int]] | None:
-    if len(digests) != len(layout.pieces) or not digests:
+    """``digests`` (one per piece, in wire order) bucket by bucket; None when they are not one per piece. (A
+    sparse version where nothing changed has no piece: no digest, no bucket.)"""
+    if len(digests) != len(layout.pieces):
         return None
     out, at = [], 0
     for bucket in layout.buckets:

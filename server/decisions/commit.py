@@ -15,7 +15,7 @@ The trainer's relayed acknowledgements are evidence in the record, never a vote.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,10 +70,11 @@ def receiver_verdict(own: Report | None, expected: str | None, wire_ack: Receive
 def judge(quorum: Mapping[str, int], reports: Mapping[str, Report], done: Report, *,
           engines: Mapping[str, Sequence[str]], applied: Mapping[str, Report], owner_failures: Mapping[int, str],
           transports: Mapping[str, str | None], expected: str | None, stale: str | None, need: int,
-          expected_for: Mapping[str, str | None] | None = None) -> Outcome:
+          expected_for: Mapping[str, str | None] | None = None, unoffered: Collection[str] = ()) -> Outcome:
     """The version's outcome: ``need`` receivers must have committed it (see the module's rule).
     ``expected_for``: a sharded version's digest per receiver (its class's pieces); ``expected`` is then the
-    version's identity (its full tensors), which must exist for anything to commit."""
+    version's identity (its full tensors), which must exist for anything to commit. ``unoffered``: pullers
+    that were never handed the version (the trainer failed first): no report was due from them."""
     wire = {ack.rank: ack for ack in done.receivers}
     absent = set(done.absent_ranks)
     stages = dict(done.stages)
@@ -84,9 +85,12 @@ def judge(quorum: Mapping[str, int], reports: Mapping[str, Report], done: Report
         ok, reason = receiver_verdict(own, mine, wire.get(rank))
         if rank in absent:
             ok, reason = False, "it never joined the version's sync group (the trainer saw it absent)"
+        if agent_id in unoffered and own is None:
+            ok, reason = False, "never offered: the trainer failed before every owner offered the version"
         entries.append({"rank": rank, "agent_id": agent_id, "transport": transports.get(agent_id), "ok": ok,
                         "reason": reason, "version_digest": own.version_digest if own else None,
-                        "seconds": own.stages if own else {}, "missing_report": own is None,
+                        "seconds": own.stages if own else {},
+                        "missing_report": own is None and agent_id not in unoffered,
                         "staging": staging_entry(own) if own else None})
         for stage in ("load", "verify"):
             seconds = own.stages.get(stage) if own else None
@@ -103,7 +107,7 @@ def judge(quorum: Mapping[str, int], reports: Mapping[str, Report], done: Report
         reason = _failure_reason(done, failures, owner_failures, stale) or \
             f"{len(committed)}/{len(quorum)} receivers committed, {need} needed"
     return Outcome("committed" if ok else "failed", reason, entries, stages, committed if ok else [],
-                   [a for a, rank in quorum.items() if a not in reports and rank not in absent])
+                   [a for a, rank in quorum.items() if a not in reports and rank not in absent and a not in unoffered])
 
 
 def _engines_together(engines: Mapping[str, Sequence[str]], applied: Mapping[str, Report], entries: list[dict]) -> None:

@@ -25,6 +25,12 @@ def waiting_for(quorum: Mapping[str, int], reported: Collection[str], absent_ran
     return receivers + [e for e in apply_sent if e not in applied and e in engines_with_driver]
 
 
+def unoffered_pullers(pullers: Collection[str], offered: bool, failed: bool) -> set[str]:
+    """The pullers that will never be handed the version: the trainer's lead, or another owner rank, failed
+    (``failed``) before every owner offered it. Nobody waits for them, and they still hold what they held."""
+    return set() if offered or not failed else set(pullers)
+
+
 def ready_to_judge(sent_digest: bool, waiting: list[str], since_done_s: float, ack_s: float,
                    pulling: Collection[str] = (), pull_s: float = 0.0) -> bool:
     """Once its trainer is done, a version is judged when nobody is waited on, or the acknowledgement time has
