@@ -167,14 +167,15 @@ def test_pullers() -> None:
     assert quorum.pullers([a, b], "nixl", "cached") == ([a, b], None)
     assert quorum.pullers([a, b], "auto", "cached") == ([], None)
     assert quorum.pullers([], "nixl", "cached") == ([], None)
-    assert "cached versions only" in quorum.pullers([a], "nixl", "bypass_cpu")[1]
+    assert quorum.pullers([a], "nixl", "bypass_cpu") == ([a], None)  # (read from the trainer's send slots)
     sharded = agent()
     sharded.shard_spec, sharded.shard_key = {"w": [(0, 0, 2)]}, "tp0"  # (what a declared spec leaves)
     assert quorum.pullers([a, sharded], "nixl", "cached") == ([a, sharded], None)  # each pulls its class's pieces
     asked = agent()
     asked.pulls = True  # (a receiver that registered with transport nixl)
     assert quorum.pullers([a, asked], "auto", "cached") == ([asked], None)
-    assert "pull, which reads cached versions only" in quorum.pullers([a, asked], "collective", "bypass_cpu")[1]
+    assert "pull, which reads a sharded version's pieces out of the cache only" in quorum.pullers(
+        [asked, sharded], "collective", "bypass_cpu")[1]
 
 
 def test_assignments_of_pushed_colocated_and_pulling_receivers() -> None:

@@ -2,7 +2,7 @@
 through the control plane, every receiver pulls it over NIXL (UCX over TCP/shared memory here), verifies and
 loads it, and reports its own outcome. No sync group is formed for pullers: a receiver that joins later pulls the
 newest committed version (its catch-up) while nothing else changes; a rollback pulls the cached version again.
-bypass_cpu is refused with a reason (pulls read the cache)."""
+A bypass_cpu version is pulled from the trainer's send slots."""
 
 from __future__ import annotations
 
@@ -129,11 +129,13 @@ def test_receivers_pull_cached_versions_through_the_daemon(tmp_path: Path) -> No
             assert first["status"] == "committed", first
             assert [r["transport"] for r in first["receivers"]] == ["nixl", "nixl"]
             assert [r["version_digest"] for r in first["receivers"]] == [first["version_digest"]] * 2
-            second = sync_when_idle(client, {"step": 2})
+            # bypass_cpu: no cache; the trainer keeps what it sent in its send slots, and the pullers read those
+            bypass = sync_when_idle(client, {"step": 2, "bypass_cpu": True})
+            assert bypass["status"] == "committed" and bypass["mode"] == "bypass_cpu" and not bypass["cached"], bypass
+            assert [r["transport"] for r in bypass["receivers"]] == ["nixl", "nixl"]
+            assert [r["version_digest"] for r in bypass["receivers"]] == [bypass["version_digest"]] * 2
+            second = sync_when_idle(client, {"step": 3})
             assert second["status"] == "committed" and second["version_digest"] != first["version_digest"]
-
-            bypass = client.post("/sync", json={"bypass_cpu": True, "wait": True, "timeout_s": 60})
-            assert bypass.status_code == 503 and "nixl" in bypass.json()["detail"], bypass.text
 
             # A receiver joins: it pulls the newest committed version; nobody else takes part.
             joiner = start_processes([(receiver_proc, (daemon.zmq, str(stop_file), 9, "a-third-host"))])
@@ -305,12 +307,13 @@ def offer_fails(fail_version: int, agent, rank: int, version: int, workdir: str)
     return {}
 
 
-def _job(daemon, workdir: Path, flip_version: int = -1, hook=None):
-    """Two FSDP2 ranks pushing at steps 3, 7 and 9 (training the first layer at 5)."""
+def _job(daemon, workdir: Path, flip_version: int = -1, hook=None, mode: str = "push"):
+    """Two FSDP2 ranks pushing (``mode``: "push" cached, "bypass") at steps 3, 7 and 9, training the first
+    layer at 5."""
     from tests.daemon_harness import free_port
     from tests.test_owners import owner_trainer
 
-    actions, port = {3: "push", 5: "train", 7: "push", 9: "push"}, free_port()
+    actions, port = {3: mode, 5: "train", 7: mode, 9: mode}, free_port()
     hook = hook or functools.partial(flip_in_share, flip_version)
     return start_processes([(owner_trainer, (rank, 2, port, daemon.zmq, str(workdir), actions, hook))
                             for rank in (0, 1)])
@@ -492,3 +495,30 @@ def test_an_owner_rank_that_cannot_offer_fails_the_version_at_once_and_its_pulle
         [rx] = pullers.collect(120)
         assert daemon.stop() == 0
     assert [(version, ok) for version, ok, _, _ in rx["results"]] == [(first["id"], True), (third["id"], True)]
+
+
+def test_a_bypass_cpu_version_of_two_owner_ranks_is_pulled_from_their_send_slots(tmp_path: Path) -> None:
+    """No cache: each FSDP2 rank keeps the buckets it sent in its send slots, and the puller reads each from its
+    owner there, verified; every version byte-exact."""
+    workdir, stop_file = tmp_path / "job", tmp_path / "rx-stop"
+    workdir.mkdir()
+    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", transport="nixl",
+                                       nixl_trust_receivers=True, bucket_size_mb=0.02))
+    pullers = start_processes([(llama_puller, (daemon.zmq, 5, str(stop_file), (str(workdir), -1)))])
+    job = None
+    try:
+        with daemon.client() as client:
+            _wait_for(lambda: len(client.get("/receivers").json()["agents"]) == 1)
+            job = _job(daemon, workdir, mode="bypass")
+            versions = _first_ended(client, 3)
+            assert [(v["status"], v["mode"], v["owners"], v["cached"]) for v in versions] == [
+                ("committed", "bypass_cpu", 2, False)] * 3, versions
+            (workdir / "stop").touch()
+            ranks = job.collect(120)
+    finally:
+        (workdir / "stop").touch()
+        stop_file.touch()
+        [rx] = pullers.collect(120)
+        assert daemon.stop() == 0
+    assert [(v, ok) for v, ok, _, _ in rx["results"]] == [(v["id"], True) for v in versions]
+    assert rx["state"] == ranks[0]["served"][versions[-1]["id"]]  # the last version's bytes, exactly

@@ -19,7 +19,7 @@ import torch
 from ckpt_engine.control.messages import Assignment, RegisterReply
 from ckpt_engine.device import DigestAlgo
 from ckpt_engine.errors import CkptEngineError
-from ckpt_engine.send.cache import VersionCache
+from ckpt_engine.send.cache import CachedVersion, VersionCache
 from ckpt_engine.send.class_senders import PulledClass
 from ckpt_engine.send.publisher import Publisher
 from ckpt_engine.send.pull_offer import offer_cached, offer_classes, offer_share
@@ -43,14 +43,19 @@ class PullServer:
 
     def offer(self, cache: VersionCache, version: int, source_version: int | None, algo: DigestAlgo,
               hold_s: float, digests: Sequence[int] = (), *, lead: bool = True,
-              classes: Mapping[str, PulledClass] | None = None, plan: WirePlan | None = None) -> PullOffer:
+              classes: Mapping[str, PulledClass] | None = None, plan: WirePlan | None = None,
+              kept: CachedVersion | None = None) -> PullOffer:
         """``version`` (a re-push: ``source_version``'s cached bytes under ``version``) offered; its buffer is
         held for at most ``hold_s``. ``digests`` and ``plan``: the send's per-piece digests and what they are of
         (a sparse version's changes), if it made them. ``lead``: rank 0, whose offer carries the descriptor;
         another owner rank offers its share alone. ``classes``: a sharded version's pulled classes (the lead
-        offers a descriptor for each)."""
+        offers a descriptor for each). ``kept``: a bypass_cpu version's share as its send kept it, offered in
+        place of a cached one."""
         stack = contextlib.ExitStack()
-        cached = stack.enter_context(cache.lease(source_version if source_version is not None else version))
+        if kept is not None:  # (bypass_cpu's send slots: held by the publisher until its next pulled version)
+            cached = kept
+        else:
+            cached = stack.enter_context(cache.lease(source_version if source_version is not None else version))
         endpoint = self._endpoint_now()
         try:
             if not lead:
@@ -85,9 +90,10 @@ class PullServer:
             if missing := sorted(wanted - set(classes)):
                 raise CkptEngineError(f"class(es) {[key[:12] for key in missing]} of version {assignment.version} "
                                       "were not sent: nothing to offer their pullers")
+        kept = publisher.kept(assignment.version) if assignment.mode == "bypass_cpu" else None
         return self.offer(publisher.cache, assignment.version, assignment.source_version,
                           publisher.device.digest_algo, settings.version_timeout_s if settings is not None else 600.0,
-                          sent.wire_digests, lead=rank == 0, classes=classes, plan=sent.wire_plan)
+                          sent.wire_digests, lead=rank == 0, classes=classes, plan=sent.wire_plan, kept=kept)
 
     def start(self) -> None:
         """Start the NIXL agent now (importing and starting it takes a second or two), not at the first offer."""

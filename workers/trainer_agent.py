@@ -215,7 +215,7 @@ class TrainerAgent(Agent):
             sparse=assignment.sparse, sparse_base=assignment.sparse_base,
             agree=self.ranks.all_reduce_max if self.world_size > 1 else None,
             route=lambda: self._route(assignment), ownership=ownership, keep=assignment.keep,
-            sharded=bool(assignment.classes))
+            sharded=bool(assignment.classes), pulled=assignment.pullers > 0)
 
     def _owner_rank(self, assignment: Assignment) -> int | None:
         return self.rank  # a trainer rank sends (its own group; with several owners, also the owners' group)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ckpt_engine.device import DeviceInfo, DigestAlgo
+from ckpt_engine.device import DeviceInfo, DigestAlgo, comm_empty
 from ckpt_engine.errors import (
     CacheError,
     CkptEngineError,
@@ -36,7 +36,7 @@ from ckpt_engine.plan.modes import Mode, check_mode, check_sparse, overlaps_snap
 from ckpt_engine.plan.owners import Owners, Share, owners_by_group, plan_owners, share_of, single_owner
 from ckpt_engine.plan.sparse import Manifest
 from ckpt_engine.plan.tensors import NamedTensors, specs_of
-from ckpt_engine.send.cache import VersionCache
+from ckpt_engine.send.cache import CachedVersion, VersionCache
 from ckpt_engine.send.class_senders import ClassSenders, Lane
 from ckpt_engine.send.sender import Sender, Transfer, TransferResult, WireHook
 from ckpt_engine.transport.group import SyncGroup
@@ -124,6 +124,8 @@ class Publisher:
                                     options=self._sender_options, hub=self.hub)
         self._layout: Layout | None = None
         self._layout_key: list[tuple] = []
+        self._pull_slots: torch.Tensor | None = None  # see _keep_for_pulls
+        self._kept: CachedVersion | None = None
         self._changes = ChangeTracker(self.device.digest_algo, bucket_size, alignment)
         warm_up(self.device.comm_device)  # compile the device digest before the first version needs it
         if group is not None:
@@ -136,7 +138,7 @@ class Publisher:
                 source_version: int | None = None, agree: Agree | None = None,
                 route: Callable[[], Route] | None = None, ownership: Ownership | None = None,
                 expected_digest: str | None = None, keep: Iterable[int] | None = None,
-                sharded: bool = False) -> Transfer:
+                sharded: bool = False, pulled: bool = False) -> Transfer:
         """Start sending ``version``. The returned transfer's ``params_released`` says when the tensors are no
         longer read, so the training loop may go on; its ``result()`` says how the send ended.
 
@@ -150,6 +152,8 @@ class Publisher:
           makes every trainer rank take the same decision. With ``sparse_base``, only tensors changed since that
           version, which every receiver holds, are sent.
         - ``mode="bypass_cpu"``: send straight from ``named``, which is read until ``params_released``.
+        - ``pulled``: receivers pull the version (transport nixl). Under bypass_cpu, each bucket this rank sends
+          is then also kept in its device send slots (one buffer, reused) until the next version: ``kept``.
         - ``sharded``: the route sends each class of receivers only its pieces (``Route.lanes``). They are cut
           from the cached version once the snapshot completes, or under bypass_cpu from this rank's buckets as
           they are gathered (send/fanout.py). With ``sparse_base``, each class gets the pieces that changed
@@ -199,8 +203,10 @@ class Publisher:
                                               lambda index: cursor.through(index, mine.rank), _lanes(version, routed),
                                               aliases=named.aliases, step=step)
             if mode == "bypass_cpu":  # returns once every bucket of this rank has been read from the live tensors
+                keep = self._keep_for_pulls(version, share, layout, owners, named.aliases, step) if pulled else None
                 live = self._sender(routed).send_live(version, layout, cursor.provider(mine.rank),
-                                                      aliases=named.aliases, step=step, check=False, owners=owners)
+                                                      aliases=named.aliases, step=step, check=False, owners=owners,
+                                                      keep_into=keep)
                 live.params_released.wait()
                 live.gathered_bytes = cursor.gathered_bytes
                 return live
@@ -223,6 +229,24 @@ class Publisher:
             def send() -> Transfer:
                 return self._send_cached(routed, version, sparse_base=sparse_base)
         return self._in_background(transfer, send)
+
+    def kept(self, version: int) -> CachedVersion:
+        """This rank's share of bypass_cpu ``version`` as its send kept it for pullers (see ``publish``)."""
+        kept = self._kept
+        if kept is None or kept.version != version:
+            raise CacheError(f"version {version} was not kept for pulling (bypass_cpu keeps the latest one only)")
+        return kept
+
+    def _keep_for_pulls(self, version: int, share: Share, layout: Layout, owners: Owners,
+                        aliases: Mapping[str, str], step: int | None) -> torch.Tensor:
+        """The device send slots a pulled bypass_cpu version is kept in: one buffer of this rank's share, reused
+        from version to version (so registered once), the version before it forgotten."""
+        need = max(share.layout.total_bytes, 1)
+        if self._pull_slots is None or self._pull_slots.numel() < need:
+            self._pull_slots = comm_empty(need, self.device)
+        self._kept = CachedVersion(version, share.layout, step, dict(aliases), time.time(), 0.0, self._pull_slots,
+                                   version_layout=layout, owners=owners, wire=share.wire)
+        return self._pull_slots
 
     def abort_before_start(self, version: int, reason: str, route: Callable[[], Route] | None = None) -> None:
         """Tell receivers waiting for ``version`` that it will not come (e.g. its snapshot failed)."""

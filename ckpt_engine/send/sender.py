@@ -153,14 +153,18 @@ class Sender:
 
     def send_live(self, version: int, layout: Layout, tensors: TensorsOrProvider, *,
                   aliases: Mapping[str, str] | None = None, step: int | None = None, check: bool = True,
-                  owners: Owners | None = None, inline: bool = False) -> Transfer:
+                  owners: Owners | None = None, inline: bool = False, keep_into: torch.Tensor | None = None
+                  ) -> Transfer:
         """Send live tensors without a host copy. They are read until ``params_released`` is set. With
         ``owners``, only this rank's buckets are read, and ``tensors`` is asked for those alone, in order.
-        ``check=False`` skips re-checking the tensors against the layout, for callers that planned it from them."""
+        ``check=False`` skips re-checking the tensors against the layout, for callers that planned it from them.
+        ``keep_into``: every bucket this rank sends is also kept there, back to back as its share lays them out
+        (its pullers read them after the send: the device send slots of a pulled bypass_cpu version)."""
         if check and not callable(tensors):
             check_matches_layout(layout, tensors)
         transfer = Transfer(version, "bypass_cpu")
         source = LiveSource(version, layout, tensors, aliases or {}, step, transfer.params_released, owners)
+        source.keep_into = keep_into
         return self._start(source, transfer, contextlib.ExitStack(), inline)
 
     def _lease(self, hold: contextlib.ExitStack, cache: VersionCache, version: int, label: int) -> CachedVersion:
@@ -353,6 +357,7 @@ class Sender:
         """Send the buckets ``mine`` (indices in the version's layout, in order). Returns their digests, in order."""
         layout = source.layout
         digests: list[int] = []
+        keep_into, kept = source.keep_into, 0
         if not mine:  # this owner has no bucket of the version: its source is not read at all
             source.all_filled()
         for position, k in enumerate(mine):
@@ -366,6 +371,9 @@ class Sender:
                     buf = source.bucket(k, slots[slot_index] if slots else None)
                 with timer.stage("digest"):
                     values = bucket_digests(bucket, buf, self.digest_algo, layout.digest).cpu()
+                if keep_into is not None:  # (the very bytes digested: pullers verify what they read against them)
+                    keep_into[kept : kept + bucket.nbytes].copy_(buf)
+                    kept += bucket.nbytes
                 if self.wire_hook is not None:
                     buf = self.wire_hook(k, buf)
             except Exception as exc:  # noqa: BLE001 - anything that stops preparing a bucket aborts the version for all

@@ -65,6 +65,10 @@ class Source(Protocol):
     def needs_slot(self) -> bool:
         """Whether bucket() must be given a send slot to fill; if not, it returns views of the source."""
 
+    @property
+    def keep_into(self) -> torch.Tensor | None:
+        """Where the sent buckets are also kept, back to back, for pullers (None: nowhere; Sender.send_live)."""
+
     def prepare(self, algo: DigestAlgo, device: torch.device, rank: int) -> list[int]:
         """Work before the first bucket. Returns what this owner tells the others (see ``plan``)."""
 
@@ -82,6 +86,7 @@ class FullSource:
     """What every full source shares: there is nothing to prepare, and the wire digest is the version digest."""
 
     header_extra: dict = {}  # noqa: RUF012 - read only: spread into the header, never mutated
+    keep_into: torch.Tensor | None = None
     skipped = 0
     skipped_bytes = 0
     base_version: int | None = None
@@ -238,6 +243,7 @@ class ChangesSource:
     ``plan``), what changed against ``base`` (a manifest the receivers hold), and the header that says so."""
 
     mode: Mode = "cached"
+    keep_into: torch.Tensor | None = None
 
     def __init__(self, version: int, step: int | None, aliases: Mapping[str, str], layout: Layout, owners: Owners,
                  base: Manifest | None, bucket_size: int, alignment: int) -> None:

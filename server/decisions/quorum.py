@@ -187,14 +187,15 @@ def transports(trainer: AgentRecord, receivers: Sequence[AgentRecord], owners: i
 
 
 def pullers(receivers: Sequence[AgentRecord], transport: str, mode: str) -> tuple[list[AgentRecord], str | None]:
-    """Which receivers pull the version over NIXL from the trainer's cache (``transport: nixl``: every one; else
-    those that asked to), and why it cannot go that way."""
+    """Which receivers pull the version over NIXL from the trainer (``transport: nixl``: every one; else those
+    that asked to), and why it cannot go that way. They read the cache, or a bypass_cpu version's send slots."""
     pulling = list(receivers) if transport == "nixl" else [r for r in receivers if r.pulls]
     if not pulling:
         return [], None
     who = "transport is nixl" if transport == "nixl" else f"receiver(s) {[r.agent_id for r in pulling]} pull"
-    if mode != "cached":
-        return [], f"{who}, which reads cached versions only (bypass_cpu: push them, collective or ipc)"
+    if mode != "cached" and sharded(receivers):
+        return [], (f"{who}, which reads a sharded version's pieces out of the cache only (a sharded bypass_cpu "
+                    "version: push it, collective or ipc)")
     return pulling, None
 
 
