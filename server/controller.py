@@ -24,9 +24,9 @@ from ckpt_engine.config import EngineConfig
 from ckpt_engine.config.knobs import settle
 from ckpt_engine.control.auth import TOKEN_OF_AGENT
 from ckpt_engine.control.messages import (
-    Assignment,
     FrameworkSyncRequest,
     Poll,
+    PollReply,
     Register,
     RegisterReply,
     Report,
@@ -135,11 +135,14 @@ class Controller:
                 log.warning("receiver %s cannot receive for now (%s); out of the quorum for %.0fs", agent.agent_id,
                             message.unable, delay)
 
-    def poll(self, message: Poll, roles: Set[str]) -> Assignment | None:
-        """The agent's next assignment, if any. It stays queued until a later poll acknowledges it."""
+    def poll(self, message: Poll, roles: Set[str]) -> PollReply:
+        """The agent's next assignment, if any (it stays queued until a later poll acknowledges it), and the
+        version in flight now."""
         with self._lock:
             agent = self._agent(message.agent_id, message.session, roles)
-            return agent.pending[0] if agent.pending else None
+            flight = self.flights.current
+            return PollReply(assignment=agent.pending[0] if agent.pending else None,
+                             in_flight=flight.version if flight is not None else None)
 
     def has_pending(self, agent_id: str) -> bool:
         with self._lock:
@@ -171,6 +174,8 @@ class Controller:
             elif current is not None and agent.role == "trainer" and message.event == "done" and message.ok is False:
                 current.owner_failures[agent.rank] = message.reason or "failed"
                 self.flights.maybe_finish(current)  # (its pullers may now wait for nothing)
+            elif agent.role == "trainer" and message.event == "done" and message.ok is False and agent.rank > 0:
+                self.flights.late_owner_failure(agent.rank, message)
             elif message.event not in ("evicted", "staged"):
                 log.info("ignoring %s report for version %d (not in flight)", message.event, message.version)
             self._changed.notify_all()

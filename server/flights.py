@@ -275,6 +275,15 @@ class Flights:
             agent.model.tore(reason)
             log.warning("receiver %s is torn (%s); it will be repaired from the cache", agent.agent_id, reason)
 
+    def late_owner_failure(self, rank: int, message: Report) -> None:
+        """An owner rank's failure that arrived after its version ended: said in the version's reason."""
+        record = self.history.get(message.version)
+        if record is None or record.status not in ("committed", "failed"):
+            return
+        note = f"owner rank {rank} failed afterwards: {message.reason or 'failed'}"
+        log.warning("version %d: %s", message.version, note)
+        self.history.update(message.version, reason=f"{record.reason}; {note}" if record.reason else note)
+
     def _late_outcome(self, agent: AgentRecord, message: Report) -> None:
         """An outcome that arrived after its version ended: correct that receiver's entry in the history."""
         record = self.history.get(message.version)

@@ -200,10 +200,10 @@ class ZmqServer:
 
     def _poll_reply(self, message: dict, envelope: list[bytes], encoding: str, poll: Poll,
                     roles: set[Role]) -> dict | _Parked:
-        assignment = self.controller.poll(poll, roles)
-        if assignment is None and poll.wait_s > 0 and len(self._parked) < _MAX_PARKED:
+        reply = self.controller.poll(poll, roles)
+        if reply.assignment is None and poll.wait_s > 0 and len(self._parked) < _MAX_PARKED:
             return self._park_poll(message, envelope, encoding, poll, roles)
-        return PollReply(assignment=assignment).model_dump()
+        return reply.model_dump()
 
     def _park_until_terminal(self, message: dict, envelope: list[bytes], encoding: str, version: int,
                              timeout_s: float | None) -> _Parked:
@@ -219,7 +219,7 @@ class ZmqServer:
 
         def answer() -> dict:
             try:
-                return PollReply(assignment=self.controller.poll(request, roles)).model_dump()
+                return self.controller.poll(request, roles).model_dump()
             except (ControlError, ProtocolError):  # the agent left or was replaced while its poll waited
                 return PollReply().model_dump()
 

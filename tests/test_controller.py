@@ -41,7 +41,7 @@ class Daemon:
     def poll(self, agent: dict, **fields):
         message = Poll(agent_id=agent["agent_id"], session=agent["session"], wait_s=0, **fields)
         self.ctl.acknowledge(message, agent["roles"])
-        assignment = self.ctl.poll(message, agent["roles"])
+        assignment = self.ctl.poll(message, agent["roles"]).assignment
         if assignment is not None:  # acknowledged by the next poll
             self.ctl.acknowledge(Poll(agent_id=agent["agent_id"], session=agent["session"], wait_s=0,
                                       received=assignment.key()), agent["roles"])
@@ -354,3 +354,18 @@ def test_asking_for_both_sparse_and_bypass_cpu_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="sparse"):
         resolve(True, True, default_bypass_cpu=False, default_sparse=False)
+
+
+def test_polls_say_the_version_in_flight_and_an_owner_failing_late_is_said_in_its_version() -> None:
+    d = Daemon()
+    trainer = d.register("trainer", trainer_ranks=2)
+    second_rank, rx = d.register("trainer", rank=1), d.register("receiver")
+    version = d.ctl.request_sync(SyncRequest()).id
+    asked = Poll(agent_id=trainer["agent_id"], session=trainer["session"], wait_s=0)
+    assert d.ctl.poll(asked, trainer["roles"]).in_flight == version
+    d.poll(trainer), d.poll(rx)
+    d.commit(trainer, [rx], version)
+    assert d.ctl.poll(asked, trainer["roles"]).in_flight is None and d.record(version)["reason"] is None
+    d.report(second_rank, version, "done", ok=False, reason="its report failed")  # after the version ended
+    record = d.record(version)
+    assert record["status"] == "committed" and "owner rank 1 failed afterwards: its report failed" in record["reason"]

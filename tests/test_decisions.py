@@ -524,3 +524,9 @@ def test_a_puller_never_offered_is_recorded_so_and_not_as_silent() -> None:
     entry = next(e for e in outcome.entries if e["agent_id"] == "p")
     assert entry["ok"] is False and "never offered" in entry["reason"] and entry["missing_report"] is False
     assert "p" not in outcome.silent
+
+
+def test_an_owner_rank_failing_after_every_receiver_verified_is_said_in_a_committed_version() -> None:
+    outcome = _judge({"a": report(), "b": report()}, owners={1: "its report failed"})
+    assert outcome.status == "committed" and "owner rank 1 failed afterwards: its report failed" in outcome.reason
+    assert _judge({"a": report(), "b": report()}).reason is None

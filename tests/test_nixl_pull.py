@@ -391,3 +391,32 @@ def test_a_stalled_owner_fails_the_pull_within_its_bound_and_serves_again_once_i
     finally:
         (served / "done").write_text("1")
         owner.collect(60)
+
+
+def test_an_offer_is_released_once_the_daemon_says_its_version_ended() -> None:
+    """What the daemon answers a poll with (its version in flight) releases the offers of versions that ended,
+    but only for a poll asked after the offer (an older answer knew nothing of it); and the agent then drives
+    NIXL at its idle rate."""
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.plan.layout import plan_layout
+    from ckpt_engine.plan.tensors import specs_of
+    from ckpt_engine.send.cache import VersionCache
+    from ckpt_engine.workers.pull_server import PullServer
+
+    tensors = _model()
+    layout = plan_layout(specs_of(tensors), bucket_size=64 << 10)
+    cache = VersionCache(detect_device("cpu"), keep_versions=2)
+    pulls = PullServer()
+    try:
+        asked_before = time.monotonic()
+        cache.snapshot(1, layout, tensors, step=1)
+        pulls.offer(cache, 1, None, "xxh3-64", 600.0)
+        assert pulls._endpoint is not None and pulls._endpoint._busy_until > time.monotonic() + 500
+        pulls.ended(None, asked_before)  # (asked before the offer: says nothing of it)
+        assert pulls.held == [1]
+        pulls.ended(1, time.monotonic())  # still in flight
+        assert pulls.held == [1]
+        pulls.ended(None, time.monotonic())  # it ended
+        assert pulls.held == [] and pulls._endpoint._busy_until <= time.monotonic()
+    finally:
+        pulls.close()

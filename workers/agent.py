@@ -329,7 +329,7 @@ class Agent:
 
     def _poll_once(self, poller: ControlClient) -> bool:
         """One poll (and what its reply asks for); False when it failed and the loop should back off."""
-        polled_as = self.agent_id
+        polled_as, asked_at = self.agent_id, time.monotonic()
         try:
             unable = self.unable_now()
             body = {**self._identity(), "versions": self.versions_held(), "wait_s": self.poll_wait_s,
@@ -345,6 +345,7 @@ class Agent:
         except CkptEngineError as exc:
             self._poll_failures.failed(exc)
             return False
+        self.in_flight_now(reply.get("in_flight"), asked_at)
         if reply.get("assignment"):
             assignment = Assignment.model_validate(reply["assignment"]).receipt(polled_as)
             self._received = assignment.key()
@@ -353,6 +354,10 @@ class Agent:
                 self._handled.append((polled_as, assignment.key()))
                 self._dispatch(assignment)
         return True
+
+    def in_flight_now(self, version: int | None, asked_at: float) -> None:
+        """The daemon's version in flight (None: none) as it answered a poll sent at ``asked_at``
+        (time.monotonic())."""
 
     def _try_register(self, client: ControlClient, *, failed_as: str) -> bool:
         """Register again after a request as ``failed_as`` was refused as unregistered (or unauthorized), on

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -37,7 +37,8 @@ class PullServer:
 
     def __init__(self) -> None:
         self._endpoint: NixlEndpoint | None = None
-        self._leases: dict[int, tuple[float, contextlib.ExitStack]] = {}  # version -> (release by, its lease)
+        # version -> (offered at, release by: time.monotonic(); its lease)
+        self._leases: dict[int, tuple[float, float, contextlib.ExitStack]] = {}
         self._lock = threading.Lock()
         self._free: list[torch.Tensor] = []  # descriptor slots no offered version holds (registered)
 
@@ -73,9 +74,10 @@ class PullServer:
             stack.callback(self._free_slot, descriptor)  # (released with the version's lease)
         with self._lock:
             earlier = self._leases.pop(version, None)
-            self._leases[version] = (time.monotonic() + hold_s, stack)
+            now = time.monotonic()
+            self._leases[version] = (now, now + hold_s, stack)
         if earlier is not None:
-            earlier[1].close()
+            earlier[2].close()
         endpoint.serve_for(hold_s)  # (pullers may read it until then: the agent is driven at its busy rate)
         return offered.offer
 
@@ -106,9 +108,18 @@ class PullServer:
         """Release the leases of versions older than ``before`` (the daemon has moved on from them) and of those
         whose time is up."""
         now = time.monotonic()
+        self._release(lambda v, offered_at, until: now >= until or (before is not None and v < before))
+
+    def ended(self, in_flight: int | None, asked_at: float) -> None:
+        """The daemon had ``in_flight`` in flight (None: none) when it answered a question asked at
+        ``asked_at``: the versions offered before that and no longer in flight have ended, and nothing pulls
+        them any more."""
+        self._release(lambda v, offered_at, until: v != in_flight and offered_at < asked_at)
+
+    def _release(self, done: Callable[[int, float, float], bool]) -> None:
         with self._lock:
-            done = [v for v, (until, _) in self._leases.items() if now >= until or (before is not None and v < before)]
-            stacks = [self._leases.pop(v)[1] for v in done]
+            stacks = [self._leases.pop(v)[2] for v in [v for v, (at, until, _) in self._leases.items()
+                                                        if done(v, at, until)]]
             endpoint, idle = self._endpoint, not self._leases
         for stack in stacks:
             stack.close()
@@ -117,7 +128,7 @@ class PullServer:
 
     def close(self) -> None:
         with self._lock:
-            stacks = [stack for _, stack in self._leases.values()]
+            stacks = [stack for _, _, stack in self._leases.values()]
             self._leases.clear()
             endpoint, self._endpoint = self._endpoint, None
         for stack in stacks:

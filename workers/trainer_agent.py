@@ -114,6 +114,9 @@ class TrainerAgent(Agent):
         super().close()
         self.pulls.close()
 
+    def in_flight_now(self, version: int | None, asked_at: float) -> None:
+        self.pulls.ended(version, asked_at)  # (what it offered of versions that ended: no pull reads it now)
+
     def versions_held(self) -> list[int]:
         return self.publisher.cache.versions() if self.publisher else []
 

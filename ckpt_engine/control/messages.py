@@ -342,6 +342,9 @@ class Assignment(_Body):
 
 class PollReply(_Body):
     assignment: Assignment | None = None
+    # the version the daemon has in flight as it answers (None: none): a trainer releases what it offered of
+    # versions that ended
+    in_flight: WireInt | None = None
 
 
 class ReceiverAck(BaseModel):

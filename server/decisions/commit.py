@@ -100,9 +100,10 @@ def judge(quorum: Mapping[str, int], reports: Mapping[str, Report], done: Report
     committed = [e["agent_id"] for e in entries if e["ok"]]
     ok = expected is not None and stale is None and len(committed) >= need
     failures = [e for e in entries if not e["ok"]]
-    if ok:
-        reason = (f"committed by {len(committed)} of {len(quorum)} receivers; "
-                  + "; ".join(f"{receiver_name(e['rank'])}: {e['reason']}" for e in failures)) if failures else None
+    if ok:  # (an owner rank's own failure after every receiver verified its bytes: said, not decisive)
+        notes = [f"{receiver_name(e['rank'])}: {e['reason']}" for e in failures] + [
+            f"owner rank {rank} failed afterwards: {why}" for rank, why in sorted(owner_failures.items())]
+        reason = f"committed by {len(committed)} of {len(quorum)} receivers; " + "; ".join(notes) if notes else None
     else:
         reason = _failure_reason(done, failures, owner_failures, stale) or \
             f"{len(committed)}/{len(quorum)} receivers committed, {need} needed"
