@@ -339,7 +339,7 @@ def test_the_daemon_is_whole_afterwards(daemon: DaemonProcess) -> None:
         assert agent["ok"] is True and agent["id"] == 1
         identity = {"agent_id": agent["body"]["agent_id"], "session": agent["body"]["session"]}
         polled = fresh.request({"id": 2, "type": "poll", "token": TOKEN, "body": {**identity, "wait_s": 0}})
-        assert polled == {"id": 2, "ok": True, "body": {"assignment": None}}
+        assert polled == {"id": 2, "ok": True, "body": {"assignment": None, "in_flight": None}}
         fresh.request({"id": 3, "type": "unregister", "token": TOKEN, "body": identity})
     finally:
         fresh.close()
