@@ -92,13 +92,14 @@ def offer_classes(endpoint: NixlEndpoint, cached: CachedVersion, classes: Mappin
     sources. A puller reads its class's pieces straight out of the shares: nothing is cut or copied here."""
     label = cached.version if version is None else version
     described, descriptors = {}, []
+    cut = _cut_placement(cached)  # (the same for every class: encoded once, not once a class)
     for key, pulled in classes.items():
         per_bucket = _by_bucket(pulled.plan.layout, pulled.digests)
         if per_bucket is None:
             raise CacheError(f"version {label}: class {key[:12]}'s send left {len(pulled.digests)} digests for "
                              f"{len(pulled.plan.layout.pieces)} pieces")
         described[key], descriptor = _describe(endpoint, _header(label, pulled.plan, algo), per_bucket,
-                                               descriptor_into, _placement(cached, pulled.plan.layout))
+                                               descriptor_into, _placement(cached, pulled.plan.layout, cut))
         descriptors.append(descriptor)
     return Offered(PullOffer(version=label, sources=[_source(endpoint, cached)], classes=described),
                    tuple(descriptors))
@@ -113,12 +114,19 @@ class _Placement:
     cut_at: list[list[int]] | None
 
 
-def _placement(cached: CachedVersion, wire: Layout) -> _Placement | None:
+def _placement(cached: CachedVersion, wire: Layout, cut: _Placement | None = None) -> _Placement | None:
     """None when the pullers read ``wire``'s buckets as they lie in the shares (the whole version, cached
-    whole); else where the full tensors lie, for the pullers to cut ``wire``'s pieces from."""
-    whole, owners = _whole_of(cached)
+    whole); else where the full tensors lie (``cut``, where the caller has it), for the pullers to cut
+    ``wire``'s pieces from."""
+    whole, _ = _whole_of(cached)
     if cached.is_whole and wire.digest == whole.digest:
         return None
+    return cut or _cut_placement(cached)
+
+
+def _cut_placement(cached: CachedVersion) -> _Placement:
+    """Where every full tensor of ``cached`` lies in its owners' buffers."""
+    whole, owners = _whole_of(cached)
     several = list(owners.of) if owners.ranks > 1 else None
     if cached.is_whole:
         return _Placement(LayoutMessage.of(whole), several, None)
