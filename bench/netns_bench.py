@@ -266,13 +266,15 @@ def render(result: dict, machine: dict | None = None) -> list[str]:
                      f"| {goal} |")
     staged = [r for r in result["results"] if r.get("stage_medians")]
     if staged:
-        lines += ["", "Pulled rows, where the time goes (the lead owner's view, medians, s): the snapshot with every "
-                  "piece digested (before any byte moves: the digests go in the descriptor), the offer, the pulls; "
-                  "and CPU seconds a version costs the lead owner's process and the busiest puller's (NIXL driven "
-                  "by a thread of ours at 0.1 ms while reads may come, 2 ms when idle: transport/nixl.py).",
-                  "", "| Scenario | snapshot + digests | offer | pulls | owner CPU s | puller CPU s |",
-                  "|---|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['name']} | {m['snapshot_and_digests']:.2f} | {m['offer']:.3f} | {m['pulls']:.2f} | "
+        lines += ["", "Pulled rows, where the time goes (the lead owner's view, medians, s): the snapshot, the offer "
+                  "(made as soon as the snapshot is cached), the digests (every piece digested by the send, then "
+                  "posted on the lead's board for the pullers, while they already read: transport/digest_board.py), "
+                  "the pulls (from the offer to every receiver verified); and CPU seconds a version costs the lead "
+                  "owner's process and the busiest puller's (NIXL driven by a thread of ours at 0.1 ms while reads "
+                  "may come, 2 ms when idle: transport/nixl.py).",
+                  "", "| Scenario | snapshot | offer | digests (in the pulls) | pulls | owner CPU s | puller CPU s |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['name']} | {m['snapshot']:.3f} | {m['offer']:.3f} | {m['digests']:.3f} | {m['pulls']:.2f} | "
                   f"{m['owner_cpu']:.2f} | {m['puller_cpu']:.2f} |" for r in staged for m in (r["stage_medians"],)]
     return lines + ["", "Sharded rows: each receiver is TP rank r of R and its own class; the trainer sends every "
                     "class at once, each on its own sync group, cut from its cached version as the trainer agent does "

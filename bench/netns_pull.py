@@ -38,6 +38,14 @@ def _wait_for(path: Path, timeout_s: float = _WAIT_S) -> bytes:
     return path.read_bytes()
 
 
+def _wait_until(done: Any, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the owner's digests were never posted")
+        time.sleep(0.001)
+
+
 def _publish_atomically(path: Path, data: bytes) -> None:
     staged = path.with_suffix(".tmp")
     staged.write_bytes(data)
@@ -102,23 +110,30 @@ def run_owner(cfg: dict) -> dict:
     for version in range(1, cfg["rounds"] + 2):  # the first is a warm-up
         named.tensors[next(iter(named.tensors))].add_(1.0)
         t0, cpu0 = time.perf_counter(), time.process_time()
-        result = pub.publish(version, named, route=lambda: route, **options).result(timeout_s=cfg["timeout_s"])
-        if not result.ok:
-            raise RuntimeError(f"version {version}: {result.reason}")
-        sent = time.perf_counter()
+        transfer = pub.publish(version, named, route=lambda: route, **options)
+        cached_at = time.perf_counter()
         pulls.release(before=version)
-        classes = pub.classes.pulled(version) if cfg["sharded"] and owner == 0 else None
-        offer = pulls.offer(pub.cache, version, None, device.digest_algo, cfg["timeout_s"], result.wire_digests,
-                            lead=owner == 0, classes=classes, plan=result.wire_plan)
+        plans = None
+        if cfg["sharded"]:  # (as the trainer agent: offered before the send digests its pieces)
+            with pub.cache.lease(version) as cached:
+                plans = pub.classes.wire_plans(cached, {lane.key: lane.spec for lane in route.lanes})
+        offer = pulls.offer(pub.cache, version, None, device.digest_algo, cfg["timeout_s"], pub.own_digests,
+                            rank=owner, plans=plans)
         _publish_atomically(folder / f"offer-{version}-{owner}", encode(offer))
         offered = time.perf_counter()
+        _wait_until(lambda v=version: pulls.posted(v), cfg["timeout_s"])
+        posted = time.perf_counter()
+        result = transfer.result(timeout_s=cfg["timeout_s"])
+        if not result.ok:
+            raise RuntimeError(f"version {version}: {result.reason}")
         outcomes = [json.loads(_wait_for(folder / f"done-{version}-{r}")) for r in range(receivers)]
         ended = time.perf_counter()
         if not all(o["ok"] for o in outcomes):
             raise RuntimeError(f"version {version}: {[o['reason'] for o in outcomes]}")
         if version > 1:
             times.append(ended - t0)
-            stages.append({"snapshot_and_digests": sent - t0, "offer": offered - sent, "pulls": ended - offered,
+            stages.append({"snapshot": cached_at - t0, "offer": offered - cached_at, "digests": posted - offered,
+                           "pulls": ended - offered,
                            "owner_cpu": time.process_time() - cpu0})
     pulls.close()
     pub.close()

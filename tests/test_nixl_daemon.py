@@ -284,11 +284,11 @@ def test_a_receiver_asking_to_pull_is_refused_where_receivers_are_not_trusted(tm
 
 # ---- several owner ranks ---------------------------------------------------------------------------------
 def flip_in_share(flip_version: int, agent, rank: int, version: int, workdir: str) -> dict:
-    """(``owner_trainer``'s hook) Rank 1 flips a byte of its share of ``flip_version`` once it has offered it
-    (after its digests were taken), then lets the pullers go on (``go`` in ``workdir``)."""
+    """(``owner_trainer``'s hook) Rank 1 flips a byte of its share of ``flip_version`` once it has posted its
+    digests of it for the pullers, then lets the pullers go on (``go`` in ``workdir``)."""
     if version != flip_version or rank != 1:
         return {}
-    _wait_for(lambda: flip_version in agent.pulls.held, 40)
+    _wait_for(lambda: agent.pulls.posted(flip_version), 40)
     with agent.publisher.cache.lease(flip_version) as cached:
         slot = cached.layout.buckets[0].slots[0]
         cached.buffer[cached.layout.buckets[0].flat_offset + slot.offset] ^= 1

@@ -48,7 +48,7 @@ def _owner(folder: str, flip: str | None, leave: bool, leave_when: str | None = 
     from ckpt_engine.plan.layout import plan_layout
     from ckpt_engine.plan.tensors import slot_view, specs_of
     from ckpt_engine.send.cache import VersionCache
-    from ckpt_engine.send.pull_offer import offer_cached
+    from ckpt_engine.send.pull_offer import offer_version, whole_plan
     from ckpt_engine.transport.nixl import NixlEndpoint
 
     tensors = _model()
@@ -57,7 +57,9 @@ def _owner(folder: str, flip: str | None, leave: bool, leave_when: str | None = 
     cache.snapshot(1, layout, tensors, step=7)
     endpoint = NixlEndpoint("trainer")
     with cache.lease(1) as cached:
-        offer = offer_cached(endpoint, cached).offer
+        offered = offer_version(endpoint, cached, {"": whole_plan(cached)}, rank=0)
+        offered.boards[""].post(_digests_of(cached), layout.digest)  # (what its send would have taken)
+        offer = offered.offer
         if flip is not None:  # after the digests were taken: what the puller reads differs from them
             slot = next(s for s in layout.slots if s.name == flip)
             view = slot_view(cached.buffer, slot, layout.buckets[slot.bucket].flat_offset)
@@ -73,6 +75,16 @@ def _owner(folder: str, flip: str | None, leave: bool, leave_when: str | None = 
         _wait_for(Path(folder, "done"))
     endpoint.close()
     return "served"
+
+
+def _digests_of(cached) -> list[int]:
+    """Every piece's digest of a whole cached version, in wire order."""
+    from ckpt_engine.plan.hashing import bucket_digests
+
+    layout, buffer = cached.layout, cached.buffer
+    return [d for b in layout.buckets
+            for d in bucket_digests(b, buffer[b.flat_offset : b.flat_offset + b.nbytes], "xxh3-64",
+                                    layout.digest).tolist()]
 
 
 def _puller(folder: str, timeout_s: float, staging: str = "device") -> dict:
@@ -239,6 +251,7 @@ def test_an_owners_metadata_stays_the_same_once_its_buffers_are_registered() -> 
     from ckpt_engine.plan.layout import plan_layout
     from ckpt_engine.plan.tensors import specs_of
     from ckpt_engine.send.cache import VersionCache
+    from ckpt_engine.send.own_digests import OwnDigests
     from ckpt_engine.workers.pull_server import PullServer
 
     tensors = _model()
@@ -250,7 +263,7 @@ def test_an_owners_metadata_stays_the_same_once_its_buffers_are_registered() -> 
         for version in range(1, 7):
             cache.snapshot(version, layout, tensors, step=version)
             pulls.release(before=version)
-            offer = pulls.offer(cache, version, None, "xxh3-64", 60.0)
+            offer = pulls.offer(cache, version, None, "xxh3-64", 60.0, OwnDigests())
             metadata.append(bytes(offer.sources[0].agent))
             for old in [v for v in cache.versions() if v < version - 1]:
                 cache.evict(old)
@@ -260,39 +273,48 @@ def test_an_owners_metadata_stays_the_same_once_its_buffers_are_registered() -> 
         pulls.close()
 
 
-def test_an_offer_reuses_the_digests_its_send_just_made() -> None:
-    """The trainer's send has digested the cached bytes already: the offer takes those digests (one per piece,
-    in wire order) instead of reading the version a second time; given any other count it computes them."""
-    from ckpt_engine.codec import decode
+def test_an_offer_posts_the_digests_its_send_takes_whether_made_before_or_after_it() -> None:
+    """The digests pullers check against are the send's own (no second pass): an offer made before the send
+    has its board posted when the send has them; one made after finds them at once. A board holds only its
+    owner's pieces, in wire order."""
     from ckpt_engine.device import detect_device
-    from ckpt_engine.plan.layout import plan_layout
-    from ckpt_engine.plan.tensors import specs_of
-    from ckpt_engine.send.cache import VersionCache
-    from ckpt_engine.send.pull_offer import offer_cached
-    from ckpt_engine.transport.messages import PullDescriptor
-    from ckpt_engine.transport.nixl import NixlEndpoint
+    from ckpt_engine.send.publisher import Publisher, Route
+    from ckpt_engine.transport.digest_board import read_board
+    from ckpt_engine.workers.pull_server import PullServer
 
-    layout = plan_layout(specs_of(_model()), bucket_size=64 << 10)
-    cache = VersionCache(detect_device("cpu"), keep_versions=2)
-    cache.snapshot(1, layout, _model(), step=1)
-    endpoint = NixlEndpoint("trainer")
+    publisher = Publisher(device=detect_device("cpu"), bucket_size=64 << 10, keep_versions=3)
+    pulls = PullServer()
+    alone = Route(None, {}, None)  # (no pushed receiver: the send only digests what it caches)
 
-    def described(**options) -> list[list[int]]:
-        with cache.lease(1) as cached:
-            offered = offer_cached(endpoint, cached, **options)
-        raw = offered.descriptors[0][: offered.offer.descriptor.nbytes].numpy().tobytes()
-        return decode(PullDescriptor, raw).digests
+    def posted(version: int) -> list[int] | None:
+        offered = pulls._offered[version]
+        board = offered.boards[""]
+        return read_board(board.memory.numpy().tobytes(), version, board.plan.layout.digest,
+                          len(board.plan.layout.pieces))
 
     try:
-        computed = described()
-        pieces = sum(len(b) for b in computed)
-        assert pieces == len(layout.pieces) and any(len(b) > 1 for b in computed)
-        sent = list(range(7, 7 + pieces))  # what a send reported (not the real digests: they must be taken as given)
-        taken = described(digests=sent)
-        assert [d for b in taken for d in b] == sent and [len(b) for b in taken] == [len(b) for b in computed]
-        assert described(digests=sent[:-1]) == computed
+        tensors = _model()
+        before = publisher.publish(1, tensors, route=lambda: alone)
+        pulls.offer(publisher.cache, 1, None, "xxh3-64", 60.0, publisher.own_digests)  # (the send may run yet)
+        first = before.result(60)
+        _wait_until(lambda: pulls.posted(1), 30)
+        with publisher.cache.lease(1) as cached:
+            assert posted(1) == first.wire_digests == _digests_of(cached)
+        tensors["w"].add_(1)
+        second = publisher.publish(2, tensors, route=lambda: alone).result(60)
+        pulls.release(before=2)
+        pulls.offer(publisher.cache, 2, None, "xxh3-64", 60.0, publisher.own_digests)
+        assert pulls.posted(2) and posted(2) == second.wire_digests != first.wire_digests
     finally:
-        endpoint.close()
+        pulls.close()
+        publisher.close()
+
+
+def _wait_until(done, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "never happened"
+        time.sleep(0.01)
 
 
 def _delta_owner(folder: str) -> dict:
@@ -317,8 +339,8 @@ def _delta_owner(folder: str) -> dict:
         sent[version] = result
     for version in (1, 3, 4):
         result = sent[version]
-        offer = pulls.offer(publisher.cache, version, None, "xxh3-64", 60.0, result.wire_digests,
-                            plan=result.wire_plan)
+        offer = pulls.offer(publisher.cache, version, None, "xxh3-64", 60.0, publisher.own_digests,
+                            plans={"": result.wire_plan})
         Path(folder, f"offer-{version}.tmp").write_bytes(encode(offer))
         Path(folder, f"offer-{version}.tmp").rename(Path(folder, f"offer-{version}.bin"))
     delta, result = publisher.cache.get(3), sent[3]
@@ -401,6 +423,7 @@ def test_an_offer_is_released_once_the_daemon_says_its_version_ended() -> None:
     from ckpt_engine.plan.layout import plan_layout
     from ckpt_engine.plan.tensors import specs_of
     from ckpt_engine.send.cache import VersionCache
+    from ckpt_engine.send.own_digests import OwnDigests
     from ckpt_engine.workers.pull_server import PullServer
 
     tensors = _model()
@@ -410,7 +433,7 @@ def test_an_offer_is_released_once_the_daemon_says_its_version_ended() -> None:
     try:
         asked_before = time.monotonic()
         cache.snapshot(1, layout, tensors, step=1)
-        pulls.offer(cache, 1, None, "xxh3-64", 600.0)
+        pulls.offer(cache, 1, None, "xxh3-64", 600.0, OwnDigests())
         assert pulls._endpoint is not None and pulls._endpoint._busy_until > time.monotonic() + 500
         pulls.ended(None, asked_before)  # (asked before the offer: says nothing of it)
         assert pulls.held == [1]

@@ -183,19 +183,18 @@ def test_a_tensor_named_like_a_piece_is_refused_for_sharded_versions_and_not_bla
     from ckpt_engine.device import detect_device
     from ckpt_engine.plan.layout import plan_layout
     from ckpt_engine.plan.tensors import specs_of
-    from ckpt_engine.send.class_senders import ClassSenders, Lane, SpecUnfit
+    from ckpt_engine.send.class_senders import ClassSenders, SpecUnfit
 
     def layout(tensors):
         return plan_layout(specs_of(tensors), 1 << 16)
 
     senders = ClassSenders(detect_device("cpu"), bucket_size=1 << 16, alignment=64, options={})
-    lane = Lane("k", {"a": (Slice(0, 0, 2),)}, None, (1,))  # type: ignore[arg-type]
+    spec = {"a": (Slice(0, 0, 2),)}
     with pytest.raises(ConfigError, match="cannot be sent sharded") as refused:
-        senders._plan_of(lane, layout({"a": torch.zeros(4), "a@0:0:1": torch.zeros(1)}), None, {})
+        senders._plan_of(spec, layout({"a": torch.zeros(4), "a@0:0:1": torch.zeros(1)}), None, {})
     assert not isinstance(refused.value, SpecUnfit)
     with pytest.raises(SpecUnfit, match="no tensor 'b'"):
-        senders._plan_of(Lane("k", {"b": (Slice(0, 0, 2),)}, None, (1,)),  # type: ignore[arg-type]
-                         layout({"a": torch.zeros(4)}), None, {})
+        senders._plan_of({"b": (Slice(0, 0, 2),)}, layout({"a": torch.zeros(4)}), None, {})
 
 
 def test_an_identity_of_several_owners_is_merged_in_the_versions_order() -> None:

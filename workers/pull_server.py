@@ -12,7 +12,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -21,8 +21,9 @@ from ckpt_engine.device import DigestAlgo
 from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.send.cache import CachedVersion, VersionCache
 from ckpt_engine.send.class_senders import PulledClass
+from ckpt_engine.send.own_digests import OwnDigests
 from ckpt_engine.send.publisher import Publisher
-from ckpt_engine.send.pull_offer import offer_cached, offer_classes, offer_share
+from ckpt_engine.send.pull_offer import Offered, offer_version, whole_plan
 from ckpt_engine.send.transfer import TransferResult, WirePlan
 from ckpt_engine.transport.messages import PullOffer
 from ckpt_engine.transport.nixl import NixlEndpoint
@@ -41,17 +42,16 @@ class PullServer:
         self._leases: dict[int, tuple[float, float, contextlib.ExitStack]] = {}
         self._lock = threading.Lock()
         self._free: list[torch.Tensor] = []  # descriptor slots no offered version holds (registered)
+        self._offered: dict[int, Offered] = {}  # by version, while leased: where its digests are posted
 
     def offer(self, cache: VersionCache, version: int, source_version: int | None, algo: DigestAlgo,
-              hold_s: float, digests: Sequence[int] = (), *, lead: bool = True,
-              classes: Mapping[str, PulledClass] | None = None, plan: WirePlan | None = None,
+              hold_s: float, own: OwnDigests, *, rank: int = 0, plans: Mapping[str, WirePlan] | None = None,
               kept: CachedVersion | None = None) -> PullOffer:
-        """``version`` (a re-push: ``source_version``'s cached bytes under ``version``) offered; its buffer is
-        held for at most ``hold_s``. ``digests`` and ``plan``: the send's per-piece digests and what they are of
-        (a sparse version's changes), if it made them. ``lead``: rank 0, whose offer carries the descriptor;
-        another owner rank offers its share alone. ``classes``: a sharded version's pulled classes (the lead
-        offers a descriptor for each). ``kept``: a bypass_cpu version's share as its send kept it, offered in
-        place of a cached one."""
+        """Owner rank ``rank``'s offer of ``version`` (a re-push: ``source_version``'s cached bytes under
+        ``version``); its buffer is held for at most ``hold_s``. ``plans``: what goes on the wire, by board key
+        (see ``offer_version``; default: the whole version). ``own``: where its sends leave the digests of this
+        rank's pieces; each is posted for the pullers as soon as the send has it (now, if it already has).
+        ``kept``: a bypass_cpu version's share as its send kept it, offered in place of a cached one."""
         stack = contextlib.ExitStack()
         if kept is not None:  # (bypass_cpu's send slots: held by the publisher until its next pulled version)
             cached = kept
@@ -59,43 +59,55 @@ class PullServer:
             cached = stack.enter_context(cache.lease(source_version if source_version is not None else version))
         endpoint = self._endpoint_now()
         try:
-            if not lead:
-                offered = offer_share(endpoint, cached, version=version)
-            elif classes is not None:
-                offered = offer_classes(endpoint, cached, classes, version=version, algo=algo,
-                                        descriptor_into=self._slot)
-            else:
-                offered = offer_cached(endpoint, cached, version=version, algo=algo, descriptor_into=self._slot,
-                                       digests=digests, plan=plan)
+            offered = offer_version(endpoint, cached, plans or {"": whole_plan(cached)}, rank=rank, version=version,
+                                    algo=algo, descriptor_into=self._slot)
         except BaseException:
             stack.close()
             raise
-        for descriptor in offered.descriptors:
-            stack.callback(self._free_slot, descriptor)  # (released with the version's lease)
+        stack.callback(self._close_offer, version, offered, own)  # (before the lease: runs first)
         with self._lock:
             earlier = self._leases.pop(version, None)
             now = time.monotonic()
             self._leases[version] = (now, now + hold_s, stack)
+            self._offered[version] = offered
         if earlier is not None:
             earlier[2].close()
+        for key, board in offered.boards.items():
+            own.wanted(version, key, board)
         endpoint.serve_for(hold_s)  # (pullers may read it until then: the agent is driven at its busy rate)
         return offered.offer
 
-    def offer_for(self, assignment: Assignment, publisher: Publisher, settings: RegisterReply | None,
-                  sent: TransferResult, rank: int) -> PullOffer:
-        """What trainer rank ``rank`` offers of ``assignment`` (a send with pullers) once ``sent`` (its send)
-        ended, the lead with that send's digests (a sharded version's: each pulled class's); held for the
-        version's time limit at most."""
-        classes = publisher.classes.pulled(assignment.version) if assignment.classes else None
-        if classes is not None and rank == 0:
-            wanted = {lane.key for lane in assignment.classes if lane.pullers}
-            if missing := sorted(wanted - set(classes)):
-                raise CkptEngineError(f"class(es) {[key[:12] for key in missing]} of version {assignment.version} "
-                                      "were not sent: nothing to offer their pullers")
+    def fail(self, version: int, reason: str) -> None:
+        """Tell offered ``version``'s pullers that it failed, and why (nothing if it is not offered here)."""
+        with self._lock:
+            offered = self._offered.get(version)
+        if offered is not None:
+            offered.fail(reason)
+
+    def posted(self, version: int) -> bool:
+        """Whether this rank has posted the digests of offered ``version`` (or its failure)."""
+        with self._lock:
+            offered = self._offered.get(version)
+        return offered is not None and all(board.posted for board in offered.boards.values())
+
+    def offer_for(self, assignment: Assignment, publisher: Publisher, settings: RegisterReply | None, rank: int,
+                  sent: TransferResult | None = None) -> PullOffer:
+        """What trainer rank ``rank`` offers of ``assignment`` (a send with pullers), held for the version's
+        time limit at most: before its send (``sent`` None; where :func:`offers_before_send`) or once its send
+        ``sent`` ended, with what that send put on the wire (e.g. a sparse version's changes)."""
+        cache, hold_s = publisher.cache, settings.version_timeout_s if settings is not None else 600.0
         kept = publisher.kept(assignment.version) if assignment.mode == "bypass_cpu" else None
-        return self.offer(publisher.cache, assignment.version, assignment.source_version,
-                          publisher.device.digest_algo, settings.version_timeout_s if settings is not None else 600.0,
-                          sent.wire_digests, lead=rank == 0, classes=classes, plan=sent.wire_plan, kept=kept)
+        plans: Mapping[str, WirePlan] | None = None
+        if assignment.classes:
+            specs = {lane.key: lane.spec for lane in assignment.classes if lane.pullers}
+            with cache.lease(assignment.source_version or assignment.version) as cached:
+                plans = publisher.classes.wire_plans(cached, specs)
+            if sent is not None and rank == 0:  # (what its send put on each class's wire: a sparse one's changes)
+                plans = {**plans, **{k: c.plan for k, c in _sent_classes(assignment, publisher, specs).items()}}
+        elif sent is not None and sent.wire_plan is not None:
+            plans = {"": sent.wire_plan}
+        return self.offer(cache, assignment.version, assignment.source_version, publisher.device.digest_algo, hold_s,
+                          publisher.own_digests, rank=rank, plans=plans, kept=kept)
 
     def start(self) -> None:
         """Start the NIXL agent now (importing and starting it takes a second or two), not at the first offer."""
@@ -157,6 +169,17 @@ class PullServer:
             if endpoint is not None:
                 endpoint.forget(slot)
 
+    def _close_offer(self, version: int, offered: Offered, own: OwnDigests) -> None:
+        """A version released: a puller still at it is told it ended; its descriptors and boards go back to the
+        pool (no send posts on them any more)."""
+        with self._lock:
+            if self._offered.get(version) is offered:
+                del self._offered[version]
+        own.forget(version)
+        offered.fail("the version has ended")  # (a straggling puller stops at once)
+        for memory in offered.memory:
+            self._free_slot(memory)
+
     @property
     def held(self) -> list[int]:
         with self._lock:
@@ -167,3 +190,21 @@ class PullServer:
             if self._endpoint is None:
                 self._endpoint = NixlEndpoint("trainer")
             return self._endpoint
+
+
+def offers_before_send(assignment: Assignment, rank: int) -> bool:
+    """Whether trainer rank ``rank`` offers ``assignment`` to its pullers as soon as its snapshot is cached,
+    before its send digests it: a cached version, whole (a sparse one is known only once its changes are
+    found) and new (a re-push checks its cached bytes first). Other versions are offered once their send ended."""
+    return (assignment.pullers > 0 and assignment.mode == "cached" and not assignment.sparse
+            and assignment.sparse_base is None and assignment.source_version is None and rank < assignment.owners)
+
+
+def _sent_classes(assignment: Assignment, publisher: Publisher, specs: Mapping[str, object]) -> dict[str, PulledClass]:
+    """The pulled classes of ``assignment`` as its send put them on their wires."""
+    classes = publisher.classes.pulled(assignment.version)
+    if missing := sorted(set(specs) - set(classes)):
+        raise CkptEngineError(f"class(es) {[key[:12] for key in missing]} of version {assignment.version} were not "
+                              "sent: nothing to offer their pullers")
+    return {key: classes[key] for key in specs}
+

@@ -52,7 +52,7 @@ from ckpt_engine.workers.agent import Agent
 from ckpt_engine.workers.class_groups import ClassGroups, ClassGroupsKey
 from ckpt_engine.workers.fsdp import sharded_tensors_of
 from ckpt_engine.workers.loop_push import LoopPushes
-from ckpt_engine.workers.pull_server import PullServer
+from ckpt_engine.workers.pull_server import PullServer, offers_before_send
 from ckpt_engine.workers.trainer_ranks import TrainerRanks
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class TrainerAgent(Agent):
         self.served: list[int] = []  # versions this rank served (rank 0: sent), oldest first
         self._pushes = LoopPushes()
         self.pulls = PullServer()  # the versions it offers receivers to pull (transport: nixl)
+        self.offered_early: set[int] = set()  # offered before their send ended: their digests are still to post
 
     def register_extra(self) -> dict:
         hub = self.publisher.hub if self.publisher is not None else None
@@ -312,8 +313,24 @@ class TrainerAgent(Agent):
             self._abort_before_start(assignment, reason)  # nothing went on the wire: release the receivers
         else:
             self.gathered[version] = transfer.gathered_bytes
-            self._track(assignment, lambda: transfer, time.perf_counter() - started)
+            held = time.perf_counter() - started
+            self._offer_before_send(assignment)
+            self._track(assignment, lambda: transfer, held)
         self.held_seconds.append(time.perf_counter() - started)
+
+    def _offer_before_send(self, assignment: Assignment) -> None:
+        """Offer a version its pullers may read as soon as it is cached (``offers_before_send``): they read
+        while its send digests it, and the lead posts the digests once the send ended (``_report_result``).
+        Where it cannot be offered yet (e.g. its snapshot still fills the cache), it is offered after its send."""
+        if not offers_before_send(assignment, self.rank):
+            return
+        try:
+            offer = self.pulls.offer_for(assignment, self._publisher(), self.settings, self.rank)
+        except CkptEngineError as exc:
+            log.info("version %d is offered once its send ended: %s", assignment.version, exc)
+            return
+        self.offered_early.add(assignment.version)
+        self.report(assignment.version, "offered", offer=offer.model_dump())
 
     def _give_up(self, version: int, exc: TrainerGroupError) -> None:
         """The job's own group failed serving ``version``: it fails with that reason, told (bounded) before the
@@ -361,13 +378,13 @@ class TrainerAgent(Agent):
                 log.warning("version %d still in transfer: %s", current.version, exc)
 
     def _report_result(self, result: TransferResult, held: float, assignment: Assignment) -> None:
-        if result.ok and assignment.pullers:  # (before done: the daemon then waits for the pullers' reports)
+        if assignment.pullers and (result.ok or result.version in self.offered_early):
+            # (before done: the daemon then waits for the pullers' reports)
             try:
-                offer = self.pulls.offer_for(assignment, self._publisher(), self.settings, result, self.rank)
+                self._offer_after_send(assignment, result)
             except CkptEngineError as exc:  # the pullers would wait for it in vain: it fails now, saying why
                 self._report_failure(result.version, f"the version could not be offered for pulling: {exc}")
                 return
-            self.report(result.version, "offered", offer=offer.model_dump())
         try:
             fields = done_fields(result, self._publisher(), held)
         except Exception as exc:  # the daemon still hears of the version at once, not at its time limit
@@ -377,8 +394,22 @@ class TrainerAgent(Agent):
             return
         self.report(result.version, "done", **fields, group_broken=self.group_broken)
 
+    def _offer_after_send(self, assignment: Assignment, result: TransferResult) -> None:
+        """A version offered before its send: its pullers are told if the send failed. Else it is offered now,
+        with what its send put on the wire."""
+        if result.version in self.offered_early:
+            self.offered_early.discard(result.version)
+            if not result.ok:
+                self.pulls.fail(result.version, result.reason or "its send failed")
+            return
+        offer = self.pulls.offer_for(assignment, self._publisher(), self.settings, self.rank, result)
+        self.report(result.version, "offered", offer=offer.model_dump())
+
     def _report_failure(self, version: int, reason: str, exc: BaseException | None = None) -> None:
-        """``exc``: what failed it; a sync group that did not form is said so, with whom it names absent."""
+        """``exc``: what failed it; a sync group that did not form is said so, with whom it names absent. Its
+        pullers, if it was offered, are told it failed."""
+        self.offered_early.discard(version)
+        self.pulls.fail(version, reason)
         publisher = self.publisher
         self.report(version, "done", ok=False, reason=reason,
                     cache_versions=publisher.cache.versions() if publisher else None,

@@ -1,10 +1,11 @@
 """A receiver's side of the ``nixl`` transport: a version pulled from its owners, verified like a pushed one.
 
 The lead owner's descriptor (read first, from its memory, and checked against the offer's digest of it)
-stands in for the frames of a push: the header starts the version, each bucket is READ from its owner's share
-straight into where the staging puts it (two of each owner's on the wire at once where they land in a whole
-buffer), checked against the owner's digests as it lands, and the trailer ends it. Everything after that (the
-version digest, the load, the result) is the assembler's, as for every transport.
+stands in for the header of a push. Each bucket is READ from its owner's share straight into where the staging
+puts it (two of each owner's on the wire at once where they land in a whole buffer) and checked against the
+digests that owner posts on its board, read when its first bucket lands: a version is offered before its
+digests are known, so the pulls overlap the owners' digest pass. Everything after that (the version digest,
+the load, the result) is the assembler's, as for every transport.
 """
 
 from __future__ import annotations
@@ -17,30 +18,35 @@ import xxhash
 
 from ckpt_engine.codec import decode
 from ckpt_engine.errors import CkptEngineError, ProtocolError
+from ckpt_engine.plan.hashing import version_digest
 from ckpt_engine.plan.layout import Bucket, Layout
 from ckpt_engine.plan.owners import Owners, single_owner
 from ckpt_engine.plan.pull_reads import Reads, bucket_reads
 from ckpt_engine.receive.assembly import VersionAssembler
 from ckpt_engine.receive.buffers import StagingBuffers
 from ckpt_engine.receive.payload import ReceiveResult
+from ckpt_engine.transport.digest_board import board_nbytes, read_board
 from ckpt_engine.transport.messages import PullDescriptor, PullOffer, PullRegion, VersionHeader, VersionTrailer
-from ckpt_engine.transport.nixl import NixlEndpoint, Region
+from ckpt_engine.transport.nixl import NixlEndpoint, Read, Region
+
+# How soon a puller reads the lead's board again while its digests are not posted yet (doubling up to the last).
+_FIRST_RETRY_S = 0.001
+_LAST_RETRY_S = 0.05
 
 
 class NixlFeed:
     """The assembler's Feed over an offer: each bucket read from its owner's share, every read bounded by the
-    version's deadline. Two buckets of each owner may be on the wire at once."""
+    version's deadline. Two buckets of each owner may be on the wire at once. Each owner's digests are read from
+    its board when its first bucket lands (they may still be being computed: see :class:`PostedDigests`)."""
 
     def __init__(self, endpoint: NixlEndpoint, offer: PullOffer, described: PullDescriptor, layout: Layout,
                  deadline: float) -> None:
         self.owners = owners_of(described.header, layout, len(offer.sources))
-        if len(described.digests) != len(layout.buckets):
-            raise ProtocolError(f"version {described.header.version}: {len(described.digests)} buckets of digests "
-                                f"for {len(layout.buckets)} buckets")
         self.reads = reads_of(described, layout, self.owners)
         self.endpoint, self.offer, self.described, self.deadline = endpoint, offer, described, deadline
         self.parallel = 2 * self.owners.ranks
         self.remotes = [endpoint.remote(source.agent) for source in offer.sources]
+        self.digests = PostedDigests(endpoint, self.remotes, offer, described, layout, self.owners, deadline)
         self.read_into: list[torch.Tensor] = []  # what the reads write into (retired if the pull fails)
 
     def start(self, bucket: Bucket, into: torch.Tensor) -> Callable[[], list[int]] | None:
@@ -57,20 +63,102 @@ class NixlFeed:
             by_buffer.setdefault(buffer, []).append((spans[buffer][1] + at, into[dst : dst + count]))
         reads = [self.endpoint.start_read(self.remotes[owner], _region(spans[buffer][0]), pieces)
                  for buffer, pieces in by_buffer.items()]  # (each bounded by its region: start_read checks)
-        digests = self.described.digests[bucket.index]
 
         def wait() -> list[int]:
             for read in reads:
                 read.wait(max(0.0, self.deadline - time.monotonic()))
-            return digests
+            return self.digests.of_bucket(bucket.index)
 
         return wait
 
     def trailer(self) -> VersionTrailer:
-        return self.described.trailer
+        return self.digests.trailer()
 
     def follow_the_rest(self, layout: Layout) -> None:
         """Nothing to drain: a pull that stops reads nothing more."""
+
+
+class PostedDigests:
+    """The digests each owner posts on its board (transport/digest_board.py) of the pieces it holds. Every
+    owner's board is read once before any bucket (ahead of the buckets on each owner's link: enough when the
+    digests were posted first), then, for those not posted yet, all at once when a bucket of theirs lands,
+    again (backing off) until the version's deadline: behind a loaded link each read costs a queue's wait."""
+
+    def __init__(self, endpoint: NixlEndpoint, remotes: list[str], offer: PullOffer, described: PullDescriptor,
+                 layout: Layout, owners: Owners, deadline: float) -> None:
+        self.endpoint, self.remotes, self.deadline = endpoint, remotes, deadline
+        self.header, self.layout, self.owners = described.header, layout, owners
+        self.regions = []
+        for rank, source in enumerate(offer.sources):
+            region = source.boards.get(described.board)
+            if region is None:
+                raise ProtocolError(f"version {described.header.version}: owner rank {rank} names no board for "
+                                    f"{'class ' + described.board[:12] if described.board else 'the version'}")
+            self.regions.append(_region(region))
+        self.starts, held = [], [0] * owners.ranks  # (where each bucket's digests start on its owner's board)
+        for bucket in layout.buckets:
+            self.starts.append(held[owners.of[bucket.index]])
+            held[owners.of[bucket.index]] += len(bucket.slots)
+        self.held = held
+        self.posted: list[list[int] | None] = [None] * owners.ranks
+        self.scratch = [torch.empty(board_nbytes(n), dtype=torch.uint8) for n in held]
+        for scratch in self.scratch:
+            endpoint.register(scratch)
+        self.reading: dict[int, Read] = {}
+        try:
+            self._start_reads()
+        except CkptEngineError:
+            self.close(failed=True)
+            raise
+
+    def of_bucket(self, index: int) -> list[int]:
+        owner = self.owners.of[index]
+        delay = _FIRST_RETRY_S
+        while (posted := self.posted[owner]) is None:
+            self._finish_reads()
+            if self.posted[owner] is not None:
+                continue
+            if time.monotonic() + delay > self.deadline:
+                raise ProtocolError(f"version {self.header.version}: owner rank {owner} posted no digests before "
+                                    "the deadline")
+            time.sleep(delay)
+            delay = min(delay * 2, _LAST_RETRY_S)
+            self._start_reads()
+        start = self.starts[index]
+        return posted[start : start + len(self.layout.buckets[index].slots)]
+
+    def trailer(self) -> VersionTrailer:
+        """What a push's trailer would say: the version digest of every piece's posted digest, in wire order."""
+        flat = [d for bucket in self.layout.buckets for d in self.of_bucket(bucket.index)]
+        return VersionTrailer(version=self.header.version,
+                              version_digest=version_digest(self.header.digest_algo, self.layout.digest, flat))
+
+    def close(self, failed: bool) -> None:
+        """Done with the boards: a failed pull's scratch may still be written (a read given up on)."""
+        if failed or self.reading:
+            self.endpoint.retire(self.scratch)
+        else:
+            for scratch in self.scratch:
+                self.endpoint.forget(scratch)
+
+    def _start_reads(self) -> None:
+        """Read every board whose digests are not posted yet (and not being read), all at once."""
+        for owner, posted in enumerate(self.posted):
+            if posted is None and owner not in self.reading:
+                self.reading[owner] = self.endpoint.start_read(self.remotes[owner], self.regions[owner],
+                                                               [(0, self.scratch[owner])])
+
+    def _finish_reads(self) -> None:
+        """Wait for the board reads in flight and take what each posts (a ProtocolError if an owner failed)."""
+        reading, self.reading = self.reading, {}
+        for owner, read in reading.items():
+            try:
+                read.wait(max(0.0, self.deadline - time.monotonic()))
+            except CkptEngineError:
+                self.reading.update({o: r for o, r in reading.items() if o > owner})  # (still in flight)
+                raise
+            self.posted[owner] = read_board(self.scratch[owner].numpy().tobytes(), self.header.version,
+                                            self.layout.digest, self.held[owner])
 
 
 def reads_of(described: PullDescriptor, layout: Layout, owners: Owners) -> Reads:
@@ -120,7 +208,7 @@ def describe(endpoint: NixlEndpoint, offer: PullOffer, deadline: float) -> PullD
     if xxhash.xxh3_64_hexdigest(raw) != where.digest:
         raise ProtocolError(f"version {offer.version}: the owner's descriptor does not match its digest")
     described = decode(PullDescriptor, raw)
-    if described.header.version != offer.version or described.trailer.version != offer.version:
+    if described.header.version != offer.version:
         raise ProtocolError(f"the offer of version {offer.version} describes version {described.header.version}")
     return described
 
@@ -146,15 +234,18 @@ def pull(assembler: VersionAssembler, endpoint: NixlEndpoint, offer: PullOffer, 
         feed = NixlFeed(endpoint, offer, described, incoming.layout, deadline)
         for _ in assembler.flow(incoming, feed):
             pass
+        trailer = feed.trailer()
     except CkptEngineError as exc:
         _drop_remotes(endpoint, offer)  # (an owner that failed a read is reached afresh next time)
         # A read given up on may still land: the staging it read into is retired (kept registered, so alive,
         # for two more failures) and the next version gets new staging.
         if feed is not None:
             endpoint.retire(feed.read_into)
+            feed.digests.close(failed=True)
         assembler.buffers = StagingBuffers(assembler.device)
         return assembler.finish(incoming, f"pulling version {offer.version}: {exc}")
-    return assembler.conclude(incoming, feed.trailer())
+    feed.digests.close(failed=False)
+    return assembler.conclude(incoming, trailer)
 
 
 def _region(wire: PullRegion) -> Region:

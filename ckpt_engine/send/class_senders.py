@@ -131,6 +131,22 @@ class ClassSenders:
         every piece's digest (on the lead owner; another owner has none)."""
         return {key: pulled for key, pulled in self._pullable.items() if pulled.version == label}
 
+    def piece_views(self, cached: CachedVersion, spec: ShardSpec) -> dict[str, torch.Tensor]:
+        """The pieces a class of ``spec`` takes of this rank's share ``cached``, by wire name: views of it."""
+        plan = self._plan_of(spec, cached.version_layout, cached.owners, cached.aliases)  # type: ignore[arg-type]
+        views = cached.views()  # with several owners, this rank's share
+        return {p.spec.name: cut_view(views[p.tensor], p.part) for p in plan.pieces if p.tensor in views}
+
+    def wire_plans(self, cached: CachedVersion, specs: Mapping[str, ShardSpec]) -> dict[str, WirePlan]:
+        """What the send of cached ``cached`` will put on each class's wire (by class key, from its spec), before
+        it starts: a sharded version is offered to its pullers while its pieces are still being digested."""
+        plans = {}
+        for key, spec in specs.items():
+            plan = self._plan_of(spec, cached.version_layout, cached.owners, cached.aliases)  # type: ignore[arg-type]
+            plans[key] = WirePlan(plan.layout, plan.owners or single_owner(plan.layout), dict(plan.aliases),
+                                  cached.step, {})
+        return plans
+
     def send_live(self, version: int, layout: Layout, owners: Owners, rank: int, gather: Gather,
                   lanes: Sequence[Lane], *, aliases: Mapping[str, str], step: int | None) -> Transfer:
         """bypass_cpu: gather this owner's buckets of ``layout`` once (``gather``, in layout order), and send
@@ -143,7 +159,7 @@ class ClassSenders:
         plans: dict[str, _ClassPlan | ConfigError] = {}
         for lane in lanes:
             try:
-                plans[lane.key] = self._plan_of(lane, layout, owners, aliases)
+                plans[lane.key] = self._plan_of(lane.spec, layout, owners, aliases)
             except ConfigError as exc:  # raised again on the class's thread, so only its receivers fail
                 plans[lane.key] = exc
         needs = {key: plan.sources_of(rank) if isinstance(plan, _ClassPlan) else set() for key, plan in plans.items()}
@@ -292,7 +308,7 @@ class ClassSenders:
                 on_end()
         result.absent_ranks += lane.absent()
         if lane.pulls and result.ok and result.wire_plan is not None:  # (the lead's: every owner's pieces)
-            self._pullable[lane.key] = PulledClass(label, result.wire_plan, list(result.wire_digests))
+            self._pullable[lane.key] = PulledClass(label, result.wire_plan)
         if result.rendezvous_failed and not result.classes:  # its group formed, then never carried a frame
             result.classes = [{"spec_unfit": False, "rendezvous_failed": True}]
         results[lane.key] = result
@@ -300,9 +316,8 @@ class ClassSenders:
     def _start_cached(self, lane: Lane, cached: CachedVersion, label: int, sparse_base: int | None) -> Transfer:
         """Send the class's pieces, as views of this rank's cached tensors, on this thread. With
         ``sparse_base``, only those that changed since that version, by the class's digests of it."""
-        plan = self._plan_of(lane, cached.version_layout, cached.owners, cached.aliases)  # type: ignore[arg-type]
-        views = cached.views()  # with several owners, this rank's share
-        mine = {p.spec.name: cut_view(views[p.tensor], p.part) for p in plan.pieces if p.tensor in views}
+        plan = self._plan_of(lane.spec, cached.version_layout, cached.owners, cached.aliases)  # type: ignore[arg-type]
+        mine = self.piece_views(cached, lane.spec)
         sender = self._sender(lane)
         if sparse_base is not None:
             source = PiecesChangesSource(label, cached.step, plan.aliases, plan.layout,
@@ -365,15 +380,15 @@ class ClassSenders:
             result = _failed(label, f"{type(exc).__name__}: {exc}", started, "bypass_cpu")
         transfer._finish(result)
 
-    def _plan_of(self, lane: Lane, version_layout: Layout, owners: Owners | None,
+    def _plan_of(self, spec: ShardSpec, version_layout: Layout, owners: Owners | None,
                  aliases: Mapping[str, str]) -> _ClassPlan:
         """The class's plan for versions of this layout, owners, tied names and spec. It is made once, not per
         version, so a spec is checked and its pieces laid out only when one of those changes."""
         key = (version_layout.digest, owners.digest if owners is not None else None,
-               tuple(sorted(aliases.items())), spec_key(lane.spec))
+               tuple(sorted(aliases.items())), spec_key(spec))
         plan = self._plans.get(key)
         if plan is None:
-            plan = _plan_class(lane.spec, version_layout, owners, aliases, self.bucket_size, self.alignment)
+            plan = _plan_class(spec, version_layout, owners, aliases, self.bucket_size, self.alignment)
             if len(self._plans) >= _PLANS_KEPT:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[key] = plan
@@ -415,11 +430,10 @@ _PLANS_KEPT = 64  # class plans remembered, for classes × layouts in use; a lay
 @dataclass(frozen=True)
 class PulledClass:
     """A class's send of one version, for its pullers: what went on its wire (its pieces, or a sparse version's
-    changed pieces) and every piece's digest, in wire order."""
+    changed pieces)."""
 
     version: int
     plan: WirePlan
-    digests: list[int]
 
 
 @dataclass(frozen=True)

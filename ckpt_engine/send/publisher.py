@@ -38,6 +38,7 @@ from ckpt_engine.plan.sparse import Manifest
 from ckpt_engine.plan.tensors import NamedTensors, specs_of
 from ckpt_engine.send.cache import CachedVersion, VersionCache
 from ckpt_engine.send.class_senders import ClassSenders, Lane
+from ckpt_engine.send.own_digests import OwnDigests
 from ckpt_engine.send.sender import Sender, Transfer, TransferResult, WireHook
 from ckpt_engine.transport.group import SyncGroup
 from ckpt_engine.transport.same_host import IpcHub
@@ -117,8 +118,10 @@ class Publisher:
                                   external_trim=external_trim)
         self.hub = IpcHub(ipc_hub_name, self.device) if ipc_hub_name else None
         self.manifests: dict[int, Manifest] = {}  # per-tensor digests of recent versions: sparse bases
+        self.own_digests = OwnDigests()  # what its sends digested of each version, for its pullers
         self._sender_options = dict(digest_algo=digest_algo, ack_timeout_s=ack_timeout_s, wire_hook=wire_hook,
-                                    on_stage=on_stage, timeout_s=timeout_s, manifests=self.manifests)
+                                    on_stage=on_stage, timeout_s=timeout_s, manifests=self.manifests,
+                                    digested=self.own_digests.computed)
         self.sender: Sender | None = None
         self.classes = ClassSenders(self.device, bucket_size=bucket_size, alignment=alignment,
                                     options=self._sender_options, hub=self.hub)

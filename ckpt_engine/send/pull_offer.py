@@ -2,18 +2,21 @@
 
 The version's buffer (with several owner ranks, each rank's share) is registered with this process's NIXL
 agent once (pool buffers are reused, so later versions find it registered). What a push would put in its
-frames (header, every bucket's digests, trailer) is encoded once by the lead owner into a small registered
-buffer of its own, the descriptor, which pullers read like the buckets: the offer that goes through the
-control plane stays small whatever the model. The caller keeps the version leased (``VersionCache.lease``)
-and the descriptor registered for as long as a pull may read them.
+header is encoded once by the lead owner into a small registered buffer of its own, the descriptor, which
+pullers read like the buckets: the offer that goes through the control plane stays small whatever the model.
+A version is offered as soon as it is cached, before its digests are known: each owner posts the digests its
+send takes of the pieces it holds on a board of its own (transport/digest_board.py) as soon as it has them, so
+the pulls overlap that pass and no owner waits for another's digests. The caller keeps the version leased
+(``VersionCache.lease``) and the descriptors and boards registered for as long as a pull may read them.
 """
 
 from __future__ import annotations
 
 import base64
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import xxhash
@@ -21,12 +24,11 @@ import xxhash
 from ckpt_engine.codec import encode
 from ckpt_engine.device import DigestAlgo
 from ckpt_engine.errors import CacheError
-from ckpt_engine.plan.hashing import bucket_digests, version_digest
 from ckpt_engine.plan.layout import Layout
 from ckpt_engine.plan.owners import Owners, single_owner
 from ckpt_engine.send.cache import CachedVersion
-from ckpt_engine.send.class_senders import PulledClass
 from ckpt_engine.send.transfer import WirePlan
+from ckpt_engine.transport.digest_board import board_nbytes, clear, post_digests, post_failure
 from ckpt_engine.transport.messages import (
     LayoutMessage,
     PullDescribed,
@@ -36,73 +38,98 @@ from ckpt_engine.transport.messages import (
     PullSource,
     PullSpan,
     VersionHeader,
-    VersionTrailer,
 )
 from ckpt_engine.transport.nixl import NixlEndpoint, Region
+
+
+class Board:
+    """Where this owner posts the digests of the pieces it holds of one descriptor's wire layout
+    (transport/digest_board.py), once its send has computed them (send/own_digests.py). A failure posted first
+    stays."""
+
+    def __init__(self, memory: torch.Tensor, version: int, plan: WirePlan, rank: int) -> None:
+        self.memory, self.version, self.plan, self.rank = memory, version, plan, rank  # (memory: registered)
+        self._lock = threading.Lock()
+        self._failed = False
+        self.posted = False  # its digests, or a failure
+
+    def post(self, digests: Sequence[int], layout_digest: str) -> None:
+        """Post ``digests``, this owner's of the pieces it holds of wire layout ``layout_digest``, in order (a
+        failure instead if they are not of what was offered)."""
+        pieces = owned_pieces(self.plan, self.rank)
+        if layout_digest != self.plan.layout.digest or len(digests) != pieces:
+            self.fail(f"owner rank {self.rank}'s send digested {len(digests)} pieces of layout {layout_digest[:12]}, "
+                      f"not the {pieces} it offered of {self.plan.layout.digest[:12]}")
+            return
+        with self._lock:
+            if not self._failed:
+                post_digests(self.memory, self.version, self.plan.layout.digest, digests)
+                self.posted = True
+
+    def fail(self, reason: str) -> None:
+        with self._lock:
+            self._failed = self.posted = True
+            post_failure(self.memory, self.version, self.plan.layout.digest, reason)
 
 
 @dataclass(frozen=True)
 class Offered:
     offer: PullOffer
-    # registered with the endpoint: ``endpoint.forget`` each once no pull may read it
-    descriptors: tuple[torch.Tensor, ...] = ()
+    # registered with the endpoint (descriptors and boards): ``endpoint.forget`` each once no pull may read it
+    memory: tuple[torch.Tensor, ...] = ()
+    # where this owner posts its digests, by board key ("" the whole version's, else a pulled class's key)
+    boards: Mapping[str, Board] = field(default_factory=dict)
+
+    def fail(self, reason: str) -> None:
+        for board in self.boards.values():
+            board.fail(reason)
 
 
 DescriptorInto = Callable[[int], torch.Tensor]
 
 
-def offer_share(endpoint: NixlEndpoint, cached: CachedVersion, *, version: int | None = None) -> Offered:
-    """The share ``cached`` holds of its version (all of it, with one owner), registered and offered without a
-    descriptor: what an owner rank other than the lead serves of a version several ranks own."""
-    return Offered(PullOffer(version=cached.version if version is None else version,
-                             sources=[_source(endpoint, cached)]))
-
-
-def offer_cached(endpoint: NixlEndpoint, cached: CachedVersion, *, version: int | None = None,
-                 algo: DigestAlgo = "xxh3-64", descriptor_into: DescriptorInto | None = None,
-                 digests: Sequence[int] = (), plan: WirePlan | None = None) -> Offered:
-    """The lead owner's offer of ``cached`` (with several owners, rank 0's share, the others offering theirs
-    with ``offer_share``), labelled ``version`` (a re-push: the cached bytes of an older version under a new id;
-    default: its own). ``plan`` and ``digests``: what its send just put on the wire (e.g. a sparse version's
-    changes) and every piece's digest, in wire order (not computed again; required with several owners, whose
-    bytes this rank does not hold, and for anything but the whole version). ``descriptor_into(n)``: registered
-    memory of at least n bytes for the descriptor (reused memory keeps the agent's metadata, which lists what is
-    registered, the same from version to version; default: new memory, registered here)."""
-    label = cached.version if version is None else version
-    whole, owners = _whole_of(cached)
-    plan = plan or WirePlan(whole, owners, dict(cached.aliases), cached.step, {})
-    per_bucket = _by_bucket(plan.layout, digests)
-    if per_bucket is None:
-        if owners.ranks > 1 or plan.layout.digest != whole.digest or not cached.is_whole:
-            raise CacheError(f"version {label}: its offer needs the digests its send computed of every piece")
-        buffer = cached.buffer
-        per_bucket = [bucket_digests(b, buffer[b.flat_offset : b.flat_offset + b.nbytes], algo,
-                                     whole.digest).tolist() for b in whole.buckets]
-    described, descriptor = _describe(endpoint, _header(label, plan, algo), per_bucket, descriptor_into,
-                                      _placement(cached, plan.layout))
-    # (the source last: its metadata lists what is registered, the descriptor included)
-    return Offered(PullOffer(version=label, sources=[_source(endpoint, cached)], descriptor=described), (descriptor,))
-
-
-def offer_classes(endpoint: NixlEndpoint, cached: CachedVersion, classes: Mapping[str, PulledClass], *,
+def offer_version(endpoint: NixlEndpoint, cached: CachedVersion, plans: Mapping[str, WirePlan], *, rank: int,
                   version: int | None = None, algo: DigestAlgo = "xxh3-64",
                   descriptor_into: DescriptorInto | None = None) -> Offered:
-    """The lead owner's offer of a sharded version: a descriptor per pulled class (its pieces as its send put
-    them on the wire, their digests, and where the full tensors they are cut from lie), the owners' shares as
-    sources. A puller reads its class's pieces straight out of the shares: nothing is cut or copied here."""
+    """Owner rank ``rank``'s offer of the share ``cached`` holds of its version (all of it, with one owner),
+    labelled ``version`` (a re-push: the cached bytes of an older version under a new id; default: its own).
+    ``plans``: what goes on the wire, by board key: the whole version (key "", e.g. a sparse version's changes)
+    or each pulled class's pieces (by class key). This owner posts the digests its send takes of its pieces of
+    each on a board of its own (``Board.post``). The lead (rank 0) also names a descriptor per plan.
+    ``descriptor_into(n)``: registered memory of at least n bytes for a descriptor or a board (reused memory
+    keeps the agent's metadata, which lists what is registered, the same from version to version; default: new
+    memory, registered here)."""
     label = cached.version if version is None else version
-    described, descriptors = {}, []
-    cut = _cut_placement(cached)  # (the same for every class: encoded once, not once a class)
-    for key, pulled in classes.items():
-        per_bucket = _by_bucket(pulled.plan.layout, pulled.digests)
-        if per_bucket is None:
-            raise CacheError(f"version {label}: class {key[:12]}'s send left {len(pulled.digests)} digests for "
-                             f"{len(pulled.plan.layout.pieces)} pieces")
-        described[key], descriptor = _describe(endpoint, _header(label, pulled.plan, algo), per_bucket,
-                                               descriptor_into, _placement(cached, pulled.plan.layout, cut))
-        descriptors.append(descriptor)
-    return Offered(PullOffer(version=label, sources=[_source(endpoint, cached)], classes=described),
-                   tuple(descriptors))
+    memory: list[torch.Tensor] = []
+    boards: dict[str, Board] = {}
+    for key, plan in plans.items():
+        board = _registered(endpoint, board_nbytes(owned_pieces(plan, rank)), descriptor_into)
+        clear(board)
+        memory.append(board)
+        boards[key] = Board(board, label, plan, rank)
+    described: dict[str, PullDescribed] = {}
+    if rank == 0:
+        cut = _cut_placement(cached) if any(_placement_needed(cached, p.layout) for p in plans.values()) else None
+        for key, plan in plans.items():
+            placement = cut if _placement_needed(cached, plan.layout) else None
+            described[key], descriptor = _describe(endpoint, _header(label, plan, algo), key, descriptor_into,
+                                                   placement)
+            memory.append(descriptor)
+    # (the source last: its metadata lists what is registered, the descriptors and boards included)
+    source = _source(endpoint, cached, {key: _wire(endpoint.register(b.memory)) for key, b in boards.items()})
+    whole = described.pop("", None)
+    return Offered(PullOffer(version=label, sources=[source], descriptor=whole, classes=described), tuple(memory),
+                   boards)
+
+
+def whole_plan(cached: CachedVersion) -> WirePlan:
+    """The whole version ``cached`` is (a share of) as it goes on the wire."""
+    whole, owners = _whole_of(cached)
+    return WirePlan(whole, owners, dict(cached.aliases), cached.step, {})
+
+
+def owned_pieces(plan: WirePlan, rank: int) -> int:
+    return sum(len(b.slots) for b in plan.layout.buckets if plan.owners.of[b.index] == rank)
 
 
 @dataclass(frozen=True)
@@ -114,14 +141,11 @@ class _Placement:
     cut_at: list[list[int]] | None
 
 
-def _placement(cached: CachedVersion, wire: Layout, cut: _Placement | None = None) -> _Placement | None:
-    """None when the pullers read ``wire``'s buckets as they lie in the shares (the whole version, cached
-    whole); else where the full tensors lie (``cut``, where the caller has it), for the pullers to cut
-    ``wire``'s pieces from."""
+def _placement_needed(cached: CachedVersion, wire: Layout) -> bool:
+    """False where the pullers read ``wire``'s buckets as they lie in the shares (the whole version, cached
+    whole); else they cut ``wire``'s pieces from where the full tensors lie (``_cut_placement``)."""
     whole, _ = _whole_of(cached)
-    if cached.is_whole and wire.digest == whole.digest:
-        return None
-    return cut or _cut_placement(cached)
+    return not (cached.is_whole and wire.digest == whole.digest)
 
 
 def _cut_placement(cached: CachedVersion) -> _Placement:
@@ -160,47 +184,36 @@ def _header(label: int, plan: WirePlan, algo: DigestAlgo) -> VersionHeader:
                          created_at=time.time(), **{**plan.extra, **several})
 
 
-def _describe(endpoint: NixlEndpoint, header: VersionHeader, per_bucket: list[list[int]],
-              descriptor_into: DescriptorInto | None, placement: _Placement | None
-              ) -> tuple[PullDescribed, torch.Tensor]:
-    """The descriptor of ``header``'s version (its digests, its trailer), encoded into registered memory."""
-    trailer = VersionTrailer(version=header.version, version_digest=version_digest(
-        header.digest_algo, header.layout_digest, [d for b in per_bucket for d in b]))
+def _describe(endpoint: NixlEndpoint, header: VersionHeader, board: str, descriptor_into: DescriptorInto | None,
+              placement: _Placement | None) -> tuple[PullDescribed, torch.Tensor]:
+    """The descriptor of ``header``'s version, encoded into registered memory (returned, to be forgotten once
+    no pull reads it)."""
     cut = {} if placement is None else {"cut_from": placement.cut_from, "cut_from_owners": placement.cut_from_owners,
                                         "cut_at": placement.cut_at}
-    raw = encode(PullDescriptor(header=header, digests=per_bucket, trailer=trailer, **cut))
-    if descriptor_into is None:
-        descriptor = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    else:
-        descriptor = descriptor_into(len(raw))
-        descriptor[: len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    raw = encode(PullDescriptor(header=header, board=board, **cut))
+    descriptor = _registered(endpoint, len(raw), descriptor_into)
+    descriptor[: len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
     where = endpoint.register(descriptor)
-    if descriptor.data_ptr() != where.addr:
-        raise CacheError("a descriptor must start its registered memory")  # (the offer says: at the region's start)
     return PullDescribed(region=_wire(where), nbytes=len(raw), digest=xxhash.xxh3_64_hexdigest(raw)), descriptor
 
 
-def _by_bucket(layout: Layout, digests: Sequence[int]) -> list[list[int]] | None:
-    """``digests`` (one per piece, in wire order) bucket by bucket; None when they are not one per piece. (A
-    sparse version where nothing changed has no piece: no digest, no bucket.)"""
-    if len(digests) != len(layout.pieces):
-        return None
-    out, at = [], 0
-    for bucket in layout.buckets:
-        out.append(list(digests[at : at + len(bucket.slots)]))
-        at += len(bucket.slots)
-    return out
+def _registered(endpoint: NixlEndpoint, nbytes: int, into: DescriptorInto | None) -> torch.Tensor:
+    """Registered memory of at least ``nbytes``, starting its region (an offer names a region's start)."""
+    memory = torch.empty(nbytes, dtype=torch.uint8) if into is None else into(nbytes)
+    if memory.data_ptr() != endpoint.register(memory).addr:
+        raise CacheError("a descriptor must start its registered memory")
+    return memory
 
 
 def _wire(region: Region) -> PullRegion:
     return PullRegion(addr=region.addr, nbytes=region.nbytes, mem=region.mem, device_id=region.device_id)
 
 
-def _source(endpoint: NixlEndpoint, cached: CachedVersion) -> PullSource:
+def _source(endpoint: NixlEndpoint, cached: CachedVersion, boards: Mapping[str, PullRegion]) -> PullSource:
     """Every buffer ``cached`` reads, registered (pool buffers are reused: most are registered already)."""
     spans = []
     for buffer in cached.buffers:
         region = endpoint.register(buffer)
         spans.append(PullSpan(region=_wire(region), offset=buffer.data_ptr() - region.addr))
     return PullSource(agent=base64.b64encode(endpoint.metadata()),  # (its wire form)
-                      region=spans[0].region, offset=spans[0].offset, more=spans[1:])
+                      region=spans[0].region, offset=spans[0].offset, more=spans[1:], boards=dict(boards))

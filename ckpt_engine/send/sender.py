@@ -64,6 +64,7 @@ _MANIFESTS_KEPT = 8
 # Called with (bucket index, bucket bytes) after the digests are taken; returns the bytes to put on the wire.
 # Fault injection for tests and chaos runs: the source (cache or live tensors) is never modified by it.
 WireHook = Callable[[int, torch.Tensor], torch.Tensor]
+Digested = Callable[[int, str, str, list[int]], None]  # see Sender
 
 
 class Sender:
@@ -75,13 +76,15 @@ class Sender:
                  ack_timeout_s: float | None = None, wire_hook: WireHook | None = None,
                  on_stage: Callable[[int, str], None] | None = None, timeout_s: float = 60.0,
                  manifests: dict[int, Manifest] | None = None, owners_group: SyncGroup | None = None,
-                 slots_key: str = "", seats: Seats = plain_seat) -> None:
+                 slots_key: str = "", seats: Seats = plain_seat, digested: Digested | None = None) -> None:
         """``owners_group``: the trainer ranks that own shares of this sender's versions, rank 0 leading. This
         rank is ``owners_group.rank``. None means this rank sends every bucket itself.
         ``slots_key``: which of the hub's shared slots its colocated receivers read; each class of a sharded
         version has its own. ``seats``: the quorum rank each receiver of ``group`` is acknowledged under.
         With neither a group nor colocated receivers (every receiver pulls, or there is none), the sender
-        still digests what it caches."""
+        still digests what it caches. ``digested``: called with (version, ``slots_key``, layout digest, this
+        rank's digests) once this rank's buckets of a version are digested, before the owners agree on them (its
+        pullers read them: send/own_digests.py)."""
         if owners_group is not None and ipc_peers:
             raise ConfigError("versions of several owners go on sync groups only (no colocated receivers)")
         self.owners_group = owners_group
@@ -102,6 +105,7 @@ class Sender:
         self.digest_algo: DigestAlgo = digest_algo or self.device.digest_algo
         self.ack_timeout_s = ack_timeout_s if ack_timeout_s is not None else 2 * self.timeout_s
         self.wire_hook = wire_hook
+        self.digested = digested
         self.on_stage = on_stage  # called with (version, "transferring" | "verifying") from the send thread
         self._slots: list[torch.Tensor] = []
         self._layout_sent = LayoutSent()  # what this sender's receivers hold
@@ -265,6 +269,8 @@ class Sender:
                         outlet.begin(source.version, layout.digest, full, slim, proto)
             self._stage(source.version, "transferring")
             digests = self._send_buckets(source, outlets, slots, timer, result, mine)
+            if self.digested is not None:
+                self.digested(source.version, self.slots_key, layout.digest, digests)
             if self.owners_group is not None:
                 voted[0] = True  # whatever the vote's outcome, this rank took part in it
             with timer.stage("control"):

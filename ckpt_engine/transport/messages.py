@@ -6,7 +6,7 @@ optional with a safe default, and required fields are only ever added with a new
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Base64Bytes, BaseModel, ConfigDict, Field
 
@@ -126,14 +126,16 @@ class PullRegion(_Message):
 
 
 class PullDescriptor(_Message):
-    """What a pushed version brings in its frames, for a pull: the header (with the owner of every bucket when
-    several trainer ranks own the version), every bucket's digests as the owners computed them, and the trailer.
+    """What a pushed version brings in its header, for a pull (with the owner of every bucket when several
+    trainer ranks own the version), and which of the owners' boards its digests are posted on. A version is
+    offered as soon as it is cached: each owner then digests the pieces it holds and posts them on its own board
+    (``PullSource.boards``, transport/digest_board.py) while the pulls already read. Every bucket is checked
+    against its owner's digests as it lands, and the version digest (a push's trailer) is computed from them.
     The puller reads it from the lead owner's memory: its size grows with the tensor count, so it never goes
     through the control plane."""
 
     header: VersionHeader
-    digests: list[list[int]]
-    trailer: VersionTrailer
+    board: str = Field("", max_length=64)
     # A sharded class's pull: its pieces are cut by the puller from the owners' shares of the version, which
     # are laid out as this layout, with these owners (None: one owner). None: the header's layout is the shares'.
     cut_from: LayoutMessage | None = None
@@ -160,6 +162,10 @@ class PullSource(_Message):
     offset: int = Field(ge=0)
     # A delta's other buffers (buffer 1, 2, ...: those of the versions it shares unchanged tensors with)
     more: list[PullSpan] = Field(default_factory=list, max_length=MAX_PULL_BUFFERS)
+    # Where this owner posts the digests of the pieces it holds, once it has computed them, per descriptor (its
+    # ``board`` key: "" for the whole version, else a pulled class's key): transport/digest_board.py
+    boards: dict[Annotated[str, Field(max_length=64)], PullRegion] = Field(default_factory=dict,
+                                                                          max_length=MAX_PULL_CLASSES)
 
 
 class PullDescribed(_Message):

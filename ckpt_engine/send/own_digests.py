@@ -1,0 +1,53 @@
+"""This rank's digests of the pieces it holds of each version it sends, met with where its pullers read them.
+
+A send digests every bucket this rank owns as it goes (send/sender.py). A version its pullers read is offered
+as soon as it is cached, usually before that: the offer then asks for the digests (``wanted``) and they are
+posted the moment the send has them (``computed``); a version offered after its send finds them here. Either
+way they are taken once, by the send: a pull costs no digest pass of its own.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+_VERSIONS_KEPT = 8  # versions whose digests wait here for an offer (a re-push or a late offer comes soon)
+
+
+class DigestSink(Protocol):
+    def post(self, digests: Sequence[int], layout_digest: str) -> None: ...
+
+
+class OwnDigests:
+    """By (version, key): key "" for a plain version's send, else the class key of a sharded version's class."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # (posts are made under it: forget() returns once none can come)
+        self._computed: dict[tuple[int, str], tuple[str, list[int]]] = {}
+        self._wanted: dict[tuple[int, str], DigestSink] = {}
+
+    def computed(self, version: int, key: str, layout_digest: str, digests: Sequence[int]) -> None:
+        """A send of ``version`` digested this rank's pieces of its wire layout (``layout_digest``), in order."""
+        with self._lock:
+            sink = self._wanted.pop((version, key), None)
+            if sink is not None:
+                sink.post(digests, layout_digest)
+            self._computed[(version, key)] = (layout_digest, list(digests))  # (for a later offer of it)
+            for old in sorted({v for v, _ in self._computed})[:-_VERSIONS_KEPT]:
+                self._computed = {k: v for k, v in self._computed.items() if k[0] != old}
+
+    def wanted(self, version: int, key: str, sink: DigestSink) -> None:
+        """Post this rank's digests of ``version`` (``key``) to ``sink``: now if its send computed them, else
+        when it does."""
+        with self._lock:
+            computed = self._computed.get((version, key))
+            if computed is not None:
+                sink.post(computed[1], computed[0])
+            else:
+                self._wanted[(version, key)] = sink
+
+    def forget(self, version: int) -> None:
+        """No more posts for ``version`` (its offer's memory is about to be reused)."""
+        with self._lock:
+            self._wanted = {k: v for k, v in self._wanted.items() if k[0] != version}

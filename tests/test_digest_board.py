@@ -1,0 +1,130 @@
+"""The digest board (transport/digest_board.py) and the meeting of a send's digests with an offer's boards
+(send/own_digests.py): pure rules, table-tested."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from ckpt_engine.errors import CacheError, ProtocolError
+from ckpt_engine.send.own_digests import OwnDigests
+from ckpt_engine.transport.digest_board import REASON_BYTES, board_nbytes, clear, post_digests, post_failure, read_board
+
+LAYOUT = "ab" * 8
+DIGESTS = [0, 1, -1, 2**63 - 1, -(2**63), 123456789]
+
+
+def _board(pieces: int = len(DIGESTS)) -> torch.Tensor:
+    board = torch.full((board_nbytes(pieces),), 0xAB, dtype=torch.uint8)  # (garbage: a reused slot)
+    clear(board)
+    return board
+
+
+def _raw(board: torch.Tensor) -> bytes:
+    return board.numpy().tobytes()
+
+
+def test_posted_digests_read_back_exactly_for_their_version_and_layout_only() -> None:
+    board = _board()
+    assert read_board(_raw(board), 5, LAYOUT, len(DIGESTS)) is None  # nothing posted yet
+    post_digests(board, 5, LAYOUT, DIGESTS)
+    assert read_board(_raw(board), 5, LAYOUT, len(DIGESTS)) == DIGESTS
+    assert read_board(_raw(board), 6, LAYOUT, len(DIGESTS)) is None  # another version's post: not yet
+    assert read_board(_raw(board), 5, "cd" * 8, len(DIGESTS)) is None  # another layout's
+    with pytest.raises(ProtocolError, match="6 digests for 5 pieces"):
+        read_board(_raw(board), 5, LAYOUT, 5)
+
+
+@pytest.mark.parametrize("damage", ["stamp", "payload", "count", "short"])
+def test_a_torn_or_damaged_post_reads_as_not_posted(damage: str) -> None:
+    board = _board()
+    post_digests(board, 5, LAYOUT, DIGESTS)
+    raw = bytearray(_raw(board))
+    if damage == "stamp":
+        raw[0] ^= 1
+    elif damage == "payload":
+        raw[24 + 3] ^= 1  # (a digest half-written when it was read)
+    elif damage == "count":
+        raw[12:16] = struct.pack("<I", 1 << 30)  # (a count beyond the board)
+    else:
+        raw = raw[:20]
+    assert read_board(bytes(raw), 5, LAYOUT, len(DIGESTS)) is None
+
+
+def test_a_failure_is_read_as_an_error_with_its_reason_cut_to_size() -> None:
+    board = _board()
+    post_digests(board, 5, LAYOUT, DIGESTS)
+    post_failure(board, 5, LAYOUT, "the owners disagreed" + "x" * 5000)
+    with pytest.raises(ProtocolError, match="gave up on it: the owners disagreed") as caught:
+        read_board(_raw(board), 5, LAYOUT, len(DIGESTS))
+    assert len(str(caught.value)) < REASON_BYTES + 200
+
+
+def test_a_post_that_does_not_fit_or_is_not_int64_is_refused() -> None:
+    with pytest.raises(CacheError, match="do not fit"):
+        post_digests(torch.zeros(30, dtype=torch.uint8), 1, LAYOUT, DIGESTS)
+    with pytest.raises(CacheError, match="not an int64"):
+        post_digests(_board(), 1, LAYOUT, [2**64])
+    assert read_board(_raw(_board(0)), 1, LAYOUT, 0) is None
+    empty = _board(0)
+    post_digests(empty, 1, LAYOUT, [])  # (a version with nothing of this owner's: zero digests, posted)
+    assert read_board(_raw(empty), 1, LAYOUT, 0) == []
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.got: list[tuple[list[int], str]] = []
+
+    def post(self, digests, layout_digest: str) -> None:
+        self.got.append((list(digests), layout_digest))
+
+
+def test_a_sends_digests_meet_an_offer_made_before_or_after_it_once() -> None:
+    own = OwnDigests()
+    early = _Sink()
+    own.wanted(1, "", early)  # offered before the send
+    assert early.got == []
+    own.computed(1, "", LAYOUT, [1, 2])
+    own.computed(1, "class-a", LAYOUT, [3])  # (another key: not this sink's)
+    assert early.got == [([1, 2], LAYOUT)]
+    late = _Sink()
+    own.wanted(1, "class-a", late)  # offered after the send
+    assert late.got == [([3], LAYOUT)]
+    again = _Sink()
+    own.wanted(1, "", again)  # a re-offer of the same version finds them too
+    assert again.got == [([1, 2], LAYOUT)]
+
+
+def test_a_forgotten_offer_gets_nothing_and_old_versions_are_dropped() -> None:
+    own = OwnDigests()
+    sink = _Sink()
+    own.wanted(3, "", sink)
+    own.forget(3)
+    own.computed(3, "", LAYOUT, [1])
+    assert sink.got == []  # (its memory may be reused by now)
+    for version in range(4, 20):
+        own.computed(version, "", LAYOUT, [version])
+    oldest, newest = _Sink(), _Sink()
+    own.wanted(3, "", oldest)
+    own.wanted(19, "", newest)
+    assert oldest.got == [] and newest.got == [([19], LAYOUT)]
+
+
+@pytest.mark.parametrize(("fields", "rank", "early"), [
+    ({}, 0, True),  # a new cached version: offered as soon as it is cached
+    ({"owners": 2}, 1, True),  # every owner rank offers its share then
+    ({"owners": 2}, 2, False),  # a rank that owns nothing offers nothing
+    ({"pullers": 0}, 0, False),  # nobody pulls it
+    ({"mode": "bypass_cpu"}, 0, False),  # read from the send slots as its send fills them
+    ({"sparse_base": 3}, 0, False),  # its changes are known once its send found them
+    ({"sparse": True}, 0, False),
+    ({"source_version": 3}, 0, False),  # a re-push checks its cached bytes first
+])
+def test_which_versions_are_offered_before_their_send(fields: dict, rank: int, early: bool) -> None:
+    from ckpt_engine.control.messages import Assignment
+    from ckpt_engine.workers.pull_server import offers_before_send
+
+    assignment = Assignment(kind="send", version=4, **{"pullers": 2, **fields})
+    assert offers_before_send(assignment, rank) is early
