@@ -267,10 +267,10 @@ def render(result: dict, machine: dict | None = None) -> list[str]:
     staged = [r for r in result["results"] if r.get("stage_medians")]
     if staged:
         lines += ["", "Pulled rows, where the time goes (the lead owner's view, medians, s): the snapshot, the offer "
-                  "(made as soon as the snapshot is cached), the digests (every piece digested by the send, then "
-                  "posted on the lead's board for the pullers, while they already read: transport/digest_board.py), "
+                  "(made as soon as the snapshot is cached), the digests (each owner's send digests its pieces and "
+                  "posts them on its board for the pullers, while they already read: transport/digest_board.py), "
                   "the pulls (from the offer to every receiver verified); and CPU seconds a version costs the lead "
-                  "owner's process and the busiest puller's (NIXL driven by a thread of ours at 0.1 ms while reads "
+                  "owner's process and the busiest puller's (NIXL driven by a thread of ours at 0.5 ms while reads "
                   "may come, 2 ms when idle: transport/nixl.py).",
                   "", "| Scenario | snapshot | offer | digests (in the pulls) | pulls | owner CPU s | puller CPU s |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
