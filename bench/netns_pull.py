@@ -74,7 +74,7 @@ def _route(cfg: dict, store: tuple[str, int] | None, named: Any) -> tuple[Any, d
             return None
         return group_at(cfg["addr"], store, name, owner, owners, timeout, part="owners/")
 
-    ownership = {"ownership": Ownership(owner, owners)}
+    ownership = {"ownership": Ownership(owner, owners), "pulled": True}
     if cfg["sharded"]:
         tp = cfg["receivers"]
         lanes = tuple(Lane(spec_key(tp_spec(named, r, tp)), tp_spec(named, r, tp), None, (), owners_group(f"g{r}"),

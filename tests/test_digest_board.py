@@ -81,8 +81,9 @@ class _Sink:
         self.got.append((list(digests), layout_digest))
 
 
-def test_a_sends_digests_meet_an_offer_made_before_or_after_it_once() -> None:
+def test_a_sends_digests_meet_an_offer_made_before_or_after_it() -> None:
     own = OwnDigests()
+    own.expect(1)
     early = _Sink()
     own.wanted(1, "", early)  # offered before the send
     assert early.got == []
@@ -97,19 +98,23 @@ def test_a_sends_digests_meet_an_offer_made_before_or_after_it_once() -> None:
     assert again.got == [([1, 2], LAYOUT)]
 
 
-def test_a_forgotten_offer_gets_nothing_and_old_versions_are_dropped() -> None:
+def test_a_forgotten_offer_gets_nothing_and_only_the_latest_pulled_versions_are_kept() -> None:
     own = OwnDigests()
+    own.expect(3)
     sink = _Sink()
     own.wanted(3, "", sink)
     own.forget(3)
     own.computed(3, "", LAYOUT, [1])
     assert sink.got == []  # (its memory may be reused by now)
-    for version in range(4, 20):
+    own.computed(4, "", LAYOUT, [4])  # nobody pulls 4: not kept
+    for version in range(5, 20):
+        own.expect(version)
         own.computed(version, "", LAYOUT, [version])
-    oldest, newest = _Sink(), _Sink()
+    oldest, unpulled, newest = _Sink(), _Sink(), _Sink()
     own.wanted(3, "", oldest)
+    own.wanted(4, "", unpulled)
     own.wanted(19, "", newest)
-    assert oldest.got == [] and newest.got == [([19], LAYOUT)]
+    assert oldest.got == unpulled.got == [] and newest.got == [([19], LAYOUT)]
 
 
 @pytest.mark.parametrize(("fields", "rank", "early"), [

@@ -294,14 +294,14 @@ def test_an_offer_posts_the_digests_its_send_takes_whether_made_before_or_after_
 
     try:
         tensors = _model()
-        before = publisher.publish(1, tensors, route=lambda: alone)
+        before = publisher.publish(1, tensors, route=lambda: alone, pulled=True)
         pulls.offer(publisher.cache, 1, None, "xxh3-64", 60.0, publisher.own_digests)  # (the send may run yet)
         first = before.result(60)
         _wait_until(lambda: pulls.posted(1), 30)
         with publisher.cache.lease(1) as cached:
             assert posted(1) == first.wire_digests == _digests_of(cached)
         tensors["w"].add_(1)
-        second = publisher.publish(2, tensors, route=lambda: alone).result(60)
+        second = publisher.publish(2, tensors, route=lambda: alone, pulled=True).result(60)
         pulls.release(before=2)
         pulls.offer(publisher.cache, 2, None, "xxh3-64", 60.0, publisher.own_digests)
         assert pulls.posted(2) and posted(2) == second.wire_digests != first.wire_digests
@@ -335,7 +335,7 @@ def _delta_owner(folder: str) -> dict:
         if change is not None:
             tensors[change].add_(1)
         result = publisher.publish(version, tensors, route=lambda: alone, sparse=base is not None,
-                                   sparse_base=base).result(60)
+                                   sparse_base=base, pulled=True).result(60)
         sent[version] = result
     for version in (1, 3, 4):
         result = sent[version]

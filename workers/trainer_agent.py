@@ -212,7 +212,8 @@ class TrainerAgent(Agent):
         if assignment.source_version is not None:  # a re-push: every owner sends its share from its cache
             return self._publisher().publish(assignment.version, source_version=assignment.source_version,
                                              route=lambda: self._route(assignment), ownership=ownership,
-                                             expected_digest=assignment.expected_digest, keep=assignment.keep)
+                                             expected_digest=assignment.expected_digest, keep=assignment.keep,
+                                             pulled=assignment.pullers > 0)
         return self._publisher().publish(
             assignment.version, self._tensors(), mode=assignment.mode,
             step=assignment.step if assignment.step is not None else step,

@@ -9,10 +9,11 @@ way they are taken once, by the send: a pull costs no digest pass of its own.
 from __future__ import annotations
 
 import threading
+from array import array
 from collections.abc import Sequence
 from typing import Protocol
 
-_VERSIONS_KEPT = 8  # versions whose digests wait here for an offer (a re-push or a late offer comes soon)
+_VERSIONS_KEPT = 4  # pulled versions whose digests wait here for an offer (one comes right after the send)
 
 
 class DigestSink(Protocol):
@@ -20,12 +21,23 @@ class DigestSink(Protocol):
 
 
 class OwnDigests:
-    """By (version, key): key "" for a plain version's send, else the class key of a sharded version's class."""
+    """By (version, key): key "" for a plain version's send, else the class key of a sharded version's class.
+    Only versions said to be pulled (``expect``) are kept: a sharded version's classes hold a digest per piece
+    each, too many to keep for versions nobody pulls."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # (posts are made under it: forget() returns once none can come)
-        self._computed: dict[tuple[int, str], tuple[str, list[int]]] = {}
+        self._expected: list[int] = []  # the latest versions with pullers, oldest first
+        self._computed: dict[tuple[int, str], tuple[str, array]] = {}
         self._wanted: dict[tuple[int, str], DigestSink] = {}
+
+    def expect(self, version: int) -> None:
+        """``version`` has pullers: keep what its sends digest until it is offered."""
+        with self._lock:
+            if version not in self._expected:
+                self._expected = [*self._expected, version][-_VERSIONS_KEPT:]
+            kept = set(self._expected)
+            self._computed = {k: v for k, v in self._computed.items() if k[0] in kept}
 
     def computed(self, version: int, key: str, layout_digest: str, digests: Sequence[int]) -> None:
         """A send of ``version`` digested this rank's pieces of its wire layout (``layout_digest``), in order."""
@@ -33,9 +45,8 @@ class OwnDigests:
             sink = self._wanted.pop((version, key), None)
             if sink is not None:
                 sink.post(digests, layout_digest)
-            self._computed[(version, key)] = (layout_digest, list(digests))  # (for a later offer of it)
-            for old in sorted({v for v, _ in self._computed})[:-_VERSIONS_KEPT]:
-                self._computed = {k: v for k, v in self._computed.items() if k[0] != old}
+            if version in self._expected:  # (for a later offer of it)
+                self._computed[(version, key)] = (layout_digest, array("q", digests))
 
     def wanted(self, version: int, key: str, sink: DigestSink) -> None:
         """Post this rank's digests of ``version`` (``key``) to ``sink``: now if its send computed them, else
@@ -43,7 +54,7 @@ class OwnDigests:
         with self._lock:
             computed = self._computed.get((version, key))
             if computed is not None:
-                sink.post(computed[1], computed[0])
+                sink.post(computed[1].tolist(), computed[0])
             else:
                 self._wanted[(version, key)] = sink
 

@@ -155,8 +155,9 @@ class Publisher:
           makes every trainer rank take the same decision. With ``sparse_base``, only tensors changed since that
           version, which every receiver holds, are sent.
         - ``mode="bypass_cpu"``: send straight from ``named``, which is read until ``params_released``.
-        - ``pulled``: receivers pull the version (transport nixl). Under bypass_cpu, each bucket this rank sends
-          is then also kept in its device send slots (one buffer, reused) until the next version: ``kept``.
+        - ``pulled``: receivers pull the version (transport nixl): what its send digests of this rank's pieces
+          is kept for its offer (``own_digests``). Under bypass_cpu, each bucket this rank sends is then also
+          kept in its device send slots (one buffer, reused) until the next version: ``kept``.
         - ``sharded``: the route sends each class of receivers only its pieces (``Route.lanes``). They are cut
           from the cached version once the snapshot completes, or under bypass_cpu from this rank's buckets as
           they are gathered (send/fanout.py). With ``sparse_base``, each class gets the pieces that changed
@@ -172,6 +173,8 @@ class Publisher:
         other trainer ranks never wait in one."""
         check_version(version)
         check_sparse(check_mode(mode), sparse or sparse_base is not None)
+        if pulled:
+            self.own_digests.expect(version)
         mine = ownership or Ownership()
         if keep is not None:
             self.cache.pin(keep)

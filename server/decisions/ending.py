@@ -35,8 +35,9 @@ def ready_to_judge(sent_digest: bool, waiting: list[str], since_done_s: float, a
                    pulling: Collection[str] = (), pull_s: float = 0.0) -> bool:
     """Once its trainer is done, a version is judged when nobody is waited on, or the acknowledgement time has
     passed since. Without a digest from the trainer nothing can commit: no need to hear the receivers. A puller
-    only starts reading when the trainer is done (it offered the version then): while one is waited on, the
-    wait is ``pull_s`` (what is left of the version's time, less an acknowledgement's) if that is longer."""
+    may still be reading when the trainer is done (its offer came as soon as the version was cached, its
+    digests once the trainer took them): while one is waited on, the wait is ``pull_s`` (what is left of the
+    version's time, less an acknowledgement's) if that is longer."""
     if not sent_digest or not waiting:
         return True
     pulls = any(agent in pulling for agent in waiting)
