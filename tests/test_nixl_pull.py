@@ -443,3 +443,28 @@ def test_an_offer_is_released_once_the_daemon_says_its_version_ended() -> None:
         assert pulls.held == [] and pulls._endpoint._busy_until <= time.monotonic()
     finally:
         pulls.close()
+
+
+def test_an_offer_after_a_send_that_kept_no_digests_fails_at_once_saying_why() -> None:
+    """(Found while moving the offer before the send: the one-owner re-push path did not say its version was
+    pulled, so its send kept no digests, and its pullers waited out the version for a post that never came.)
+    Offered after its send, a version whose digests were not kept fails there, and its board says so."""
+    from ckpt_engine.control.messages import Assignment
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.errors import CacheError, ProtocolError
+    from ckpt_engine.send.publisher import Publisher, Route
+    from ckpt_engine.transport.digest_board import read_board
+    from ckpt_engine.workers.pull_server import PullServer
+
+    publisher = Publisher(device=detect_device("cpu"), bucket_size=64 << 10, keep_versions=3)
+    pulls = PullServer()
+    try:
+        sent = publisher.publish(1, _model(), route=lambda: Route(None, {}, None)).result(60)  # (not said pulled)
+        with pytest.raises(CacheError, match="kept no digests of trainer rank 0's pieces"):
+            pulls.offer_for(Assignment(kind="send", version=1, pullers=1), publisher, None, 0, sent)
+        board = pulls._offered[1].boards[""]
+        with pytest.raises(ProtocolError, match="kept no digests"):
+            read_board(board.memory.numpy().tobytes(), 1, board.plan.layout.digest, len(board.plan.layout.pieces))
+    finally:
+        pulls.close()
+        publisher.close()

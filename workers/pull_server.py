@@ -18,7 +18,7 @@ import torch
 
 from ckpt_engine.control.messages import Assignment, RegisterReply
 from ckpt_engine.device import DigestAlgo
-from ckpt_engine.errors import CkptEngineError
+from ckpt_engine.errors import CacheError, CkptEngineError
 from ckpt_engine.send.cache import CachedVersion, VersionCache
 from ckpt_engine.send.class_senders import PulledClass
 from ckpt_engine.send.own_digests import OwnDigests
@@ -106,8 +106,13 @@ class PullServer:
                 plans = {**plans, **{k: c.plan for k, c in _sent_classes(assignment, publisher, specs).items()}}
         elif sent is not None and sent.wire_plan is not None:
             plans = {"": sent.wire_plan}
-        return self.offer(cache, assignment.version, assignment.source_version, publisher.device.digest_algo, hold_s,
-                          publisher.own_digests, rank=rank, plans=plans, kept=kept)
+        offer = self.offer(cache, assignment.version, assignment.source_version, publisher.device.digest_algo,
+                           hold_s, publisher.own_digests, rank=rank, plans=plans, kept=kept)
+        if sent is not None and not self.posted(assignment.version):  # (its send ended: no digest will come now)
+            reason = f"version {assignment.version}: its send kept no digests of trainer rank {rank}'s pieces"
+            self.fail(assignment.version, reason)
+            raise CacheError(reason)
+        return offer
 
     def start(self) -> None:
         """Start the NIXL agent now (importing and starting it takes a second or two), not at the first offer."""

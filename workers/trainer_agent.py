@@ -58,6 +58,7 @@ from ckpt_engine.workers.trainer_ranks import TrainerRanks
 log = logging.getLogger(__name__)
 TensorSource = Callable[[], NamedTensors]
 _REPORT_BEFORE_EXIT_S = 2.0  # a daemon that answers takes milliseconds; one that does not must not hold the exit
+_OFFER_JOIN_S = 60.0  # an offer registers memory and encodes a descriptor: a second or two the first time
 
 
 class TrainerAgent(Agent):
@@ -90,7 +91,8 @@ class TrainerAgent(Agent):
         self.served: list[int] = []  # versions this rank served (rank 0: sent), oldest first
         self._pushes = LoopPushes()
         self.pulls = PullServer()  # the versions it offers receivers to pull (transport: nixl)
-        self.offered_early: set[int] = set()  # offered before their send ended: their digests are still to post
+        self.offered_early: set[int] = set()  # offered before their send ended
+        self._offering: dict[int, threading.Thread] = {}  # versions being offered before their send ended
 
     def register_extra(self) -> dict:
         hub = self.publisher.hub if self.publisher is not None else None
@@ -134,7 +136,7 @@ class TrainerAgent(Agent):
             self.served.append(assignment.version)  # rank 0 holds the whole version: no other rank is needed
             self._track(assignment, lambda: self._publisher().publish(
                 assignment.version, source_version=assignment.source_version, route=lambda: self._route(assignment),
-                expected_digest=assignment.expected_digest, keep=assignment.keep), 0.0)
+                expected_digest=assignment.expected_digest, keep=assignment.keep, pulled=assignment.pullers > 0), 0.0)
         elif assignment.kind == "send":
             self.pulls.release(before=assignment.version)
             self._pending.append(assignment)
@@ -320,18 +322,25 @@ class TrainerAgent(Agent):
         self.held_seconds.append(time.perf_counter() - started)
 
     def _offer_before_send(self, assignment: Assignment) -> None:
-        """Offer a version its pullers may read as soon as it is cached (``offers_before_send``): they read
-        while its send digests it, and the lead posts the digests once the send ended (``_report_result``).
-        Where it cannot be offered yet (e.g. its snapshot still fills the cache), it is offered after its send."""
+        """Offer a version its pullers may read as soon as it is cached (``offers_before_send``), on a thread
+        of its own (the training loop goes on): they read while its send digests it, and each owner posts its
+        digests as its send takes them. Where it cannot be offered yet (e.g. its snapshot still fills the
+        cache), it is offered after its send (``_report_result`` waits for this thread first)."""
         if not offers_before_send(assignment, self.rank):
             return
-        try:
-            offer = self.pulls.offer_for(assignment, self._publisher(), self.settings, self.rank)
-        except CkptEngineError as exc:
-            log.info("version %d is offered once its send ended: %s", assignment.version, exc)
-            return
-        self.offered_early.add(assignment.version)
-        self.report(assignment.version, "offered", offer=offer.model_dump())
+
+        def offer() -> None:
+            try:
+                offered = self.pulls.offer_for(assignment, self._publisher(), self.settings, self.rank)
+            except CkptEngineError as exc:
+                log.info("version %d is offered once its send ended: %s", assignment.version, exc)
+                return
+            self.offered_early.add(assignment.version)
+            self.report(assignment.version, "offered", offer=offered.model_dump())
+
+        thread = threading.Thread(target=offer, name=f"ckpt-offer-v{assignment.version}", daemon=True)
+        self._offering[assignment.version] = thread
+        thread.start()
 
     def _give_up(self, version: int, exc: TrainerGroupError) -> None:
         """The job's own group failed serving ``version``: it fails with that reason, told (bounded) before the
@@ -379,6 +388,9 @@ class TrainerAgent(Agent):
                 log.warning("version %d still in transfer: %s", current.version, exc)
 
     def _report_result(self, result: TransferResult, held: float, assignment: Assignment) -> None:
+        offering = self._offering.pop(result.version, None)
+        if offering is not None:
+            offering.join(_OFFER_JOIN_S)  # (its offer first: the send may end before it)
         if assignment.pullers and (result.ok or result.version in self.offered_early):
             # (before done: the daemon then waits for the pullers' reports)
             try:
