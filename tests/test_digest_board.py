@@ -37,7 +37,7 @@ def test_posted_digests_read_back_exactly_for_their_version_and_layout_only() ->
         read_board(_raw(board), 5, LAYOUT, 5)
 
 
-@pytest.mark.parametrize("damage", ["stamp", "payload", "count", "short"])
+@pytest.mark.parametrize("damage", ["stamp", "payload", "short", "cleared"])
 def test_a_torn_or_damaged_post_reads_as_not_posted(damage: str) -> None:
     board = _board()
     post_digests(board, 5, LAYOUT, DIGESTS)
@@ -46,11 +46,23 @@ def test_a_torn_or_damaged_post_reads_as_not_posted(damage: str) -> None:
         raw[0] ^= 1
     elif damage == "payload":
         raw[24 + 3] ^= 1  # (a digest half-written when it was read)
-    elif damage == "count":
-        raw[12:16] = struct.pack("<I", 1 << 30)  # (a count beyond the board)
+    elif damage == "cleared":
+        raw[:24] = bytes(24)  # (read while the next post was being written: cleared first)
     else:
         raw = raw[:20]
     assert read_board(bytes(raw), 5, LAYOUT, len(DIGESTS)) is None
+
+
+def test_a_post_of_this_version_bigger_than_its_board_is_refused_not_waited_on() -> None:
+    """(Found by the outside attack on the early offer: a count beyond the board read as "not yet", and the
+    puller waited out its deadline on a hostile owner.)"""
+    board = _board()
+    post_digests(board, 5, LAYOUT, DIGESTS)
+    raw = bytearray(_raw(board))
+    raw[12:16] = struct.pack("<I", 1 << 30)
+    with pytest.raises(ProtocolError, match="claims 1073741824 digests, more than it holds"):
+        read_board(bytes(raw), 5, LAYOUT, len(DIGESTS))
+    assert read_board(bytes(raw), 4, LAYOUT, len(DIGESTS)) is None  # (another version's: not ours to judge)
 
 
 def test_a_failure_is_read_as_an_error_with_its_reason_cut_to_size() -> None:

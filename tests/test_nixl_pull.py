@@ -244,14 +244,18 @@ def test_retired_memory_is_kept_for_two_more_failures_then_freed() -> None:
         endpoint.close()
 
 
-def test_an_owners_metadata_stays_the_same_once_its_buffers_are_registered() -> None:
-    """Pullers load an owner's metadata again whenever it changes (it lists what is registered): descriptors are
-    written into reused registered slots, so after the first versions nothing new is registered."""
+@pytest.mark.parametrize("keys", [1, 9])
+def test_an_owners_metadata_stays_the_same_once_its_buffers_are_registered(keys: int) -> None:
+    """Pullers load an owner's metadata again whenever it changes (it lists what is registered): descriptors and
+    boards are written into reused registered slots, so after the first versions nothing new is registered, also
+    for a sharded version's many pulled classes (a descriptor and a board each: found by the outside attack on
+    the early offer, where 9 classes outgrew the pool and changed the metadata every version)."""
     from ckpt_engine.device import detect_device
     from ckpt_engine.plan.layout import plan_layout
     from ckpt_engine.plan.tensors import specs_of
     from ckpt_engine.send.cache import VersionCache
     from ckpt_engine.send.own_digests import OwnDigests
+    from ckpt_engine.send.pull_offer import whole_plan
     from ckpt_engine.workers.pull_server import PullServer
 
     tensors = _model()
@@ -263,7 +267,10 @@ def test_an_owners_metadata_stays_the_same_once_its_buffers_are_registered() -> 
         for version in range(1, 7):
             cache.snapshot(version, layout, tensors, step=version)
             pulls.release(before=version)
-            offer = pulls.offer(cache, version, None, "xxh3-64", 60.0, OwnDigests())
+            with cache.lease(version) as cached:
+                plan = whole_plan(cached)
+            offer = pulls.offer(cache, version, None, "xxh3-64", 60.0, OwnDigests(),
+                                plans={("" if k == 0 else f"class-{k}"): plan for k in range(keys)})
             metadata.append(bytes(offer.sources[0].agent))
             for old in [v for v in cache.versions() if v < version - 1]:
                 cache.evict(old)
@@ -468,3 +475,51 @@ def test_an_offer_after_a_send_that_kept_no_digests_fails_at_once_saying_why() -
     finally:
         pulls.close()
         publisher.close()
+
+
+def test_a_released_offer_says_it_ended_and_nothing_of_it_touches_the_next_version() -> None:
+    """(Found by the outside attack on the early offer.) Releasing a version posts "ended" on its boards, the
+    last write they get: a failure reported late for it (another thread) writes nothing, and its memory cools
+    for one release before the next version may take it, so a puller still polling reads "ended", and the next
+    version's board and descriptor stay as posted."""
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.errors import ProtocolError
+    from ckpt_engine.plan.layout import plan_layout
+    from ckpt_engine.plan.tensors import specs_of
+    from ckpt_engine.send.cache import VersionCache
+    from ckpt_engine.send.own_digests import OwnDigests
+    from ckpt_engine.transport.digest_board import read_board
+    from ckpt_engine.workers.pull_server import PullServer
+
+    tensors = _model()
+    layout = plan_layout(specs_of(tensors), bucket_size=64 << 10)
+    cache = VersionCache(detect_device("cpu"), keep_versions=4)
+    pulls, own = PullServer(), OwnDigests()
+
+    def board_of(version: int, offered) -> list[int] | None:
+        return read_board(offered.boards[""].memory.numpy().tobytes(), version, layout.digest, len(layout.pieces))
+
+    try:
+        for version in (1, 2, 3):
+            cache.snapshot(version, layout, tensors, step=version)
+        own.expect(2)
+        pulls.offer(cache, 1, None, "xxh3-64", 600.0, own)
+        first = pulls._offered[1]  # (what a late PullServer.fail(1, ...) holds once it leaves the lock)
+        pulls.release(before=2)
+        with pytest.raises(ProtocolError, match="the version has ended"):
+            board_of(1, first)
+        pulls.offer(cache, 2, None, "xxh3-64", 600.0, own)
+        second = pulls._offered[2]
+        assert not {m.data_ptr() for m in first.memory} & {m.data_ptr() for m in second.memory}  # (cooling)
+        with cache.lease(2) as cached:
+            own.computed(2, "", layout.digest, _digests_of(cached))
+        posted = board_of(2, second)
+        first.fail("reported late")
+        with pytest.raises(ProtocolError, match="the version has ended"):
+            board_of(1, first)  # (unchanged: the late failure wrote nothing)
+        assert board_of(2, second) == posted is not None
+        pulls.release(before=3)
+        pulls.offer(cache, 3, None, "xxh3-64", 600.0, own)  # (version 1's memory has cooled: reused now)
+        assert {m.data_ptr() for m in first.memory} & {m.data_ptr() for m in pulls._offered[3].memory}
+    finally:
+        pulls.close()

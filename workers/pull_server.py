@@ -12,7 +12,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -30,7 +30,7 @@ from ckpt_engine.transport.nixl import NixlEndpoint
 
 log = logging.getLogger(__name__)
 _MIN_SLOT = 64 << 10
-_SLOTS_KEPT = 16  # (a sharded version has a descriptor per pulled class)
+_SLOTS_KEPT = 16  # at least (a sharded version's lead takes a descriptor and a board per pulled class)
 
 
 class PullServer:
@@ -41,7 +41,9 @@ class PullServer:
         # version -> (offered at, release by: time.monotonic(); its lease)
         self._leases: dict[int, tuple[float, float, contextlib.ExitStack]] = {}
         self._lock = threading.Lock()
-        self._free: list[torch.Tensor] = []  # descriptor slots no offered version holds (registered)
+        self._free: list[torch.Tensor] = []  # descriptor and board slots no offered version holds (registered)
+        self._cooling: list[torch.Tensor] = []  # the last released offer's: see _free_slots
+        self._peak = 0  # the most slots one offer took
         self._offered: dict[int, Offered] = {}  # by version, while leased: where its digests are posted
 
     def offer(self, cache: VersionCache, version: int, source_version: int | None, algo: DigestAlgo,
@@ -164,10 +166,16 @@ class PullServer:
                 return slot
         return torch.empty(max(_MIN_SLOT, 1 << (nbytes - 1).bit_length()), dtype=torch.uint8)
 
-    def _free_slot(self, slot: torch.Tensor) -> None:
+    def _free_slots(self, memory: Sequence[torch.Tensor]) -> None:
+        """``memory`` (a released offer's descriptors and boards) cools for one release: a puller of that version
+        still polling its board reads its last post (the version ended) rather than the next version's. Then it
+        is free for reuse; beyond what three offers as large as the largest yet need, it is forgotten."""
         with self._lock:
-            self._free.append(slot)
-            drop = sorted(self._free, key=torch.Tensor.numel)[:-_SLOTS_KEPT] if len(self._free) > _SLOTS_KEPT else []
+            self._free.extend(self._cooling)
+            self._cooling = list(memory)
+            self._peak = max(self._peak, len(memory))
+            kept = max(_SLOTS_KEPT, 3 * self._peak)
+            drop = sorted(self._free, key=torch.Tensor.numel)[:-kept] if len(self._free) > kept else []
             self._free = [t for t in self._free if all(t is not d for d in drop)]
             endpoint = self._endpoint
         for slot in drop:
@@ -176,14 +184,13 @@ class PullServer:
 
     def _close_offer(self, version: int, offered: Offered, own: OwnDigests) -> None:
         """A version released: a puller still at it is told it ended; its descriptors and boards go back to the
-        pool (no send posts on them any more)."""
+        pool once they have cooled (no send writes on them any more: see ``Board.close``)."""
         with self._lock:
             if self._offered.get(version) is offered:
                 del self._offered[version]
         own.forget(version)
-        offered.fail("the version has ended")  # (a straggling puller stops at once)
-        for memory in offered.memory:
-            self._free_slot(memory)
+        offered.close("the version has ended")  # (a straggling puller stops at once)
+        self._free_slots(offered.memory)
 
     @property
     def held(self) -> list[int]:

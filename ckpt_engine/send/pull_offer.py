@@ -45,12 +45,12 @@ from ckpt_engine.transport.nixl import NixlEndpoint, Region
 class Board:
     """Where this owner posts the digests of the pieces it holds of one descriptor's wire layout
     (transport/digest_board.py), once its send has computed them (send/own_digests.py). A failure posted first
-    stays."""
+    stays; once closed (its version released, its memory soon another's) nothing more is written to it."""
 
     def __init__(self, memory: torch.Tensor, version: int, plan: WirePlan, rank: int) -> None:
         self.memory, self.version, self.plan, self.rank = memory, version, plan, rank  # (memory: registered)
         self._lock = threading.Lock()
-        self._failed = False
+        self._failed = self._closed = False
         self.posted = False  # its digests, or a failure
 
     def post(self, digests: Sequence[int], layout_digest: str) -> None:
@@ -62,14 +62,21 @@ class Board:
                       f"not the {pieces} it offered of {self.plan.layout.digest[:12]}")
             return
         with self._lock:
-            if not self._failed:
+            if not (self._failed or self._closed):
                 post_digests(self.memory, self.version, self.plan.layout.digest, digests)
                 self.posted = True
 
     def fail(self, reason: str) -> None:
         with self._lock:
-            self._failed = self.posted = True
-            post_failure(self.memory, self.version, self.plan.layout.digest, reason)
+            if not self._closed:
+                self._failed = self.posted = True
+                post_failure(self.memory, self.version, self.plan.layout.digest, reason)
+
+    def close(self, reason: str) -> None:
+        """The last write: ``reason`` (a puller still polling stops), then nothing more."""
+        self.fail(reason)
+        with self._lock:
+            self._closed = True
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,10 @@ class Offered:
     def fail(self, reason: str) -> None:
         for board in self.boards.values():
             board.fail(reason)
+
+    def close(self, reason: str) -> None:
+        for board in self.boards.values():
+            board.close(reason)
 
 
 DescriptorInto = Callable[[int], torch.Tensor]
