@@ -37,7 +37,7 @@ def test_posted_digests_read_back_exactly_for_their_version_and_layout_only() ->
         read_board(_raw(board), 5, LAYOUT, 5)
 
 
-@pytest.mark.parametrize("damage", ["stamp", "payload", "short", "cleared"])
+@pytest.mark.parametrize("damage", ["stamp", "payload", "short", "cleared", "unstamped"])
 def test_a_torn_or_damaged_post_reads_as_not_posted(damage: str) -> None:
     board = _board()
     post_digests(board, 5, LAYOUT, DIGESTS)
@@ -48,6 +48,9 @@ def test_a_torn_or_damaged_post_reads_as_not_posted(damage: str) -> None:
         raw[24 + 3] ^= 1  # (a digest half-written when it was read)
     elif damage == "cleared":
         raw[:24] = bytes(24)  # (read while the next post was being written: cleared first)
+    elif damage == "unstamped":  # (its header half-written: no stamp yet, whatever its count says)
+        raw[:8] = bytes(8)
+        raw[12:16] = struct.pack("<I", 1 << 30)
     else:
         raw = raw[:20]
     assert read_board(bytes(raw), 5, LAYOUT, len(DIGESTS)) is None

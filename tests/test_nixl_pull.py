@@ -477,11 +477,11 @@ def test_an_offer_after_a_send_that_kept_no_digests_fails_at_once_saying_why() -
         publisher.close()
 
 
-def test_a_released_offer_says_it_ended_and_nothing_of_it_touches_the_next_version() -> None:
-    """(Found by the outside attack on the early offer.) Releasing a version posts "ended" on its boards, the
+def test_a_released_offer_says_it_ended_and_nothing_of_it_touches_the_next_versions() -> None:
+    """(Found by the outside attacks on the early offer.) Releasing a version posts "ended" on its boards, the
     last write they get: a failure reported late for it (another thread) writes nothing, and its memory cools
-    for one release before the next version may take it, so a puller still polling reads "ended", and the next
-    version's board and descriptor stay as posted."""
+    for two more releases before a later version may take it (offers released together cool together), so a
+    puller still polling reads "ended", and the next versions' boards and descriptors stay as posted."""
     from ckpt_engine.device import detect_device
     from ckpt_engine.errors import ProtocolError
     from ckpt_engine.plan.layout import plan_layout
@@ -493,33 +493,93 @@ def test_a_released_offer_says_it_ended_and_nothing_of_it_touches_the_next_versi
 
     tensors = _model()
     layout = plan_layout(specs_of(tensors), bucket_size=64 << 10)
-    cache = VersionCache(detect_device("cpu"), keep_versions=4)
+    cache = VersionCache(detect_device("cpu"), keep_versions=8)
     pulls, own = PullServer(), OwnDigests()
 
     def board_of(version: int, offered) -> list[int] | None:
         return read_board(offered.boards[""].memory.numpy().tobytes(), version, layout.digest, len(layout.pieces))
 
+    def memory(*offers) -> set[int]:
+        return {m.data_ptr() for offered in offers for m in offered.memory}
+
     try:
-        for version in (1, 2, 3):
+        for version in range(1, 7):
             cache.snapshot(version, layout, tensors, step=version)
-        own.expect(2)
+        own.expect(3)
         pulls.offer(cache, 1, None, "xxh3-64", 600.0, own)
-        first = pulls._offered[1]  # (what a late PullServer.fail(1, ...) holds once it leaves the lock)
-        pulls.release(before=2)
-        with pytest.raises(ProtocolError, match="the version has ended"):
-            board_of(1, first)
         pulls.offer(cache, 2, None, "xxh3-64", 600.0, own)
-        second = pulls._offered[2]
-        assert not {m.data_ptr() for m in first.memory} & {m.data_ptr() for m in second.memory}  # (cooling)
-        with cache.lease(2) as cached:
-            own.computed(2, "", layout.digest, _digests_of(cached))
-        posted = board_of(2, second)
+        first, second = pulls._offered[1], pulls._offered[2]  # (what a late fail(1, ...) holds past the lock)
+        pulls.release(before=3)  # (both at once, as a poll reply naming neither does)
+        for version, offered in ((1, first), (2, second)):
+            with pytest.raises(ProtocolError, match="the version has ended"):
+                board_of(version, offered)
+        pulls.offer(cache, 3, None, "xxh3-64", 600.0, own)
+        third = pulls._offered[3]
+        assert not memory(first, second) & memory(third)
+        with cache.lease(3) as cached:
+            own.computed(3, "", layout.digest, _digests_of(cached))
+        posted = board_of(3, third)
         first.fail("reported late")
         with pytest.raises(ProtocolError, match="the version has ended"):
             board_of(1, first)  # (unchanged: the late failure wrote nothing)
-        assert board_of(2, second) == posted is not None
-        pulls.release(before=3)
-        pulls.offer(cache, 3, None, "xxh3-64", 600.0, own)  # (version 1's memory has cooled: reused now)
-        assert {m.data_ptr() for m in first.memory} & {m.data_ptr() for m in pulls._offered[3].memory}
+        assert board_of(3, third) == posted is not None
+        reused = []
+        for version in (4, 5, 6):
+            pulls.release(before=version)
+            pulls.offer(cache, version, None, "xxh3-64", 600.0, own)
+            reused.append(bool(memory(first, second) & memory(pulls._offered[version])))
+        assert reused == [False, True, True]  # (cooled through the releases of 3 and 4: reused from 5 on)
     finally:
         pulls.close()
+
+
+def test_a_closed_pull_server_refuses_offers_and_starts_no_agent() -> None:
+    """(Found by the second outside attack: an offer after close started a new NIXL agent and held its lease.)"""
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.errors import CkptEngineError
+    from ckpt_engine.plan.layout import plan_layout
+    from ckpt_engine.plan.tensors import specs_of
+    from ckpt_engine.send.cache import VersionCache
+    from ckpt_engine.send.own_digests import OwnDigests
+    from ckpt_engine.workers.pull_server import PullServer
+
+    tensors = _model()
+    layout = plan_layout(specs_of(tensors), bucket_size=64 << 10)
+    cache = VersionCache(detect_device("cpu"), keep_versions=2)
+    cache.snapshot(1, layout, tensors, step=1)
+    pulls = PullServer()
+    pulls.close()
+    with pytest.raises(CkptEngineError, match="closed"):
+        pulls.offer(cache, 1, None, "xxh3-64", 600.0, OwnDigests())
+    assert pulls.held == [] and pulls._endpoint is None
+    cache.evict(1)  # (no lease left on it: released at once)
+    assert cache.bytes_held == 0
+
+
+def test_digests_of_another_history_are_never_posted_for_a_reused_version_id() -> None:
+    """(Found by the second outside attack.) After the daemon's history changes, version ids start again: the
+    digests the sends took under the old ids are forgotten with the cache, so a new version 1 offered before
+    its send gets its own digests, not the old version 1's."""
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.send.publisher import Publisher, Route
+    from ckpt_engine.transport.digest_board import read_board
+    from ckpt_engine.workers.pull_server import PullServer
+
+    publisher = Publisher(device=detect_device("cpu"), bucket_size=64 << 10, keep_versions=3)
+    pulls = PullServer()
+    alone = Route(None, {}, None)
+    try:
+        tensors = _model()
+        old = publisher.publish(1, tensors, route=lambda: alone, pulled=True).result(60)
+        publisher.forget()  # (what the agent does when it finds a new history)
+        tensors["w"].add_(1)
+        new = publisher.publish(1, tensors, route=lambda: alone, pulled=True)
+        pulls.offer(publisher.cache, 1, None, "xxh3-64", 60.0, publisher.own_digests)
+        sent = new.result(60)
+        _wait_until(lambda: pulls.posted(1), 30)
+        board = pulls._offered[1].boards[""]
+        posted = read_board(board.memory.numpy().tobytes(), 1, board.plan.layout.digest, len(board.plan.layout.pieces))
+        assert posted == sent.wire_digests != old.wire_digests
+    finally:
+        pulls.close()
+        publisher.close()

@@ -31,6 +31,7 @@ from ckpt_engine.transport.nixl import NixlEndpoint
 log = logging.getLogger(__name__)
 _MIN_SLOT = 64 << 10
 _SLOTS_KEPT = 16  # at least (a sharded version's lead takes a descriptor and a board per pulled class)
+_RELEASES_COOLING = 2  # releases a released offer's memory waits before reuse
 
 
 class PullServer:
@@ -42,8 +43,10 @@ class PullServer:
         self._leases: dict[int, tuple[float, float, contextlib.ExitStack]] = {}
         self._lock = threading.Lock()
         self._free: list[torch.Tensor] = []  # descriptor and board slots no offered version holds (registered)
-        self._cooling: list[torch.Tensor] = []  # the last released offer's: see _free_slots
+        self._released: list[torch.Tensor] = []  # memory of offers being released now: see _close_all
+        self._cooling: list[list[torch.Tensor]] = []  # the last releases' memory, oldest first: see _cool
         self._peak = 0  # the most slots one offer took
+        self._closed = False
         self._offered: dict[int, Offered] = {}  # by version, while leased: where its digests are posted
 
     def offer(self, cache: VersionCache, version: int, source_version: int | None, algo: DigestAlgo,
@@ -59,8 +62,8 @@ class PullServer:
             cached = kept
         else:
             cached = stack.enter_context(cache.lease(source_version if source_version is not None else version))
-        endpoint = self._endpoint_now()
         try:
+            endpoint = self._endpoint_now()
             offered = offer_version(endpoint, cached, plans or {"": whole_plan(cached)}, rank=rank, version=version,
                                     algo=algo, descriptor_into=self._slot)
         except BaseException:
@@ -68,12 +71,17 @@ class PullServer:
             raise
         stack.callback(self._close_offer, version, offered, own)  # (before the lease: runs first)
         with self._lock:
-            earlier = self._leases.pop(version, None)
-            now = time.monotonic()
-            self._leases[version] = (now, now + hold_s, stack)
-            self._offered[version] = offered
+            closed = self._closed
+            earlier = None if closed else self._leases.pop(version, None)
+            if not closed:
+                now = time.monotonic()
+                self._leases[version] = (now, now + hold_s, stack)
+                self._offered[version] = offered
+        if closed:  # (closed while this offer was made)
+            stack.close()
+            raise CkptEngineError(f"version {version}: the trainer's pull server closed while offering it")
         if earlier is not None:
-            earlier[2].close()
+            self._close_all([earlier[2]])
         for key, board in offered.boards.items():
             own.wanted(version, key, board)
         endpoint.serve_for(hold_s)  # (pullers may read it until then: the agent is driven at its busy rate)
@@ -140,18 +148,18 @@ class PullServer:
             stacks = [self._leases.pop(v)[2] for v in [v for v, (at, until, _) in self._leases.items()
                                                         if done(v, at, until)]]
             endpoint, idle = self._endpoint, not self._leases
-        for stack in stacks:
-            stack.close()
+        self._close_all(stacks)
         if endpoint is not None and idle:
             endpoint.serve_for(0.0)
 
     def close(self) -> None:
+        """Release every offer; an offer under way or asked for later is refused (no agent starts again)."""
         with self._lock:
+            self._closed = True
             stacks = [stack for _, _, stack in self._leases.values()]
             self._leases.clear()
             endpoint, self._endpoint = self._endpoint, None
-        for stack in stacks:
-            stack.close()
+        self._close_all(stacks)
         if endpoint is not None:
             endpoint.close()
 
@@ -166,14 +174,24 @@ class PullServer:
                 return slot
         return torch.empty(max(_MIN_SLOT, 1 << (nbytes - 1).bit_length()), dtype=torch.uint8)
 
-    def _free_slots(self, memory: Sequence[torch.Tensor]) -> None:
-        """``memory`` (a released offer's descriptors and boards) cools for one release: a puller of that version
-        still polling its board reads its last post (the version ended) rather than the next version's. Then it
-        is free for reuse; beyond what three offers as large as the largest yet need, it is forgotten."""
+    def _close_all(self, stacks: Sequence[contextlib.ExitStack]) -> None:
+        """Close released offers together: their memory cools as one group (see ``_cool``)."""
+        for stack in stacks:
+            stack.close()
         with self._lock:
-            self._free.extend(self._cooling)
-            self._cooling = list(memory)
-            self._peak = max(self._peak, len(memory))
+            released, self._released = self._released, []
+        if released:
+            self._cool(released)
+
+    def _cool(self, memory: Sequence[torch.Tensor]) -> None:
+        """A release's memory (its offers' descriptors and boards) cools for two more releases: a puller of
+        those versions still polling its board reads its last post (the version ended) rather than a later
+        version's. Then it is free for reuse; beyond what three offers as large as the largest yet need, it is
+        forgotten."""
+        with self._lock:
+            self._cooling.append(list(memory))
+            while len(self._cooling) > _RELEASES_COOLING:
+                self._free.extend(self._cooling.pop(0))
             kept = max(_SLOTS_KEPT, 3 * self._peak)
             drop = sorted(self._free, key=torch.Tensor.numel)[:-kept] if len(self._free) > kept else []
             self._free = [t for t in self._free if all(t is not d for d in drop)]
@@ -190,7 +208,9 @@ class PullServer:
                 del self._offered[version]
         own.forget(version)
         offered.close("the version has ended")  # (a straggling puller stops at once)
-        self._free_slots(offered.memory)
+        with self._lock:
+            self._peak = max(self._peak, len(offered.memory))
+            self._released.extend(offered.memory)
 
     @property
     def held(self) -> list[int]:
@@ -199,6 +219,8 @@ class PullServer:
 
     def _endpoint_now(self) -> NixlEndpoint:
         with self._lock:
+            if self._closed:
+                raise CkptEngineError("the trainer's pull server is closed")
             if self._endpoint is None:
                 self._endpoint = NixlEndpoint("trainer")
             return self._endpoint

@@ -58,6 +58,11 @@ class OwnDigests:
             else:
                 self._wanted[(version, key)] = sink
 
+    def clear(self) -> None:
+        """Forget every version (their ids belong to another history: the same id may come again)."""
+        with self._lock:
+            self._expected, self._computed, self._wanted = [], {}, {}
+
     def forget(self, version: int) -> None:
         """No more posts for ``version`` (its offer's memory is about to be reused)."""
         with self._lock:

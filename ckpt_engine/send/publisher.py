@@ -294,6 +294,7 @@ class Publisher:
         for version in self.cache.versions():
             self.cache.evict(version)
         self.manifests.clear()
+        self.own_digests.clear()
 
     def close(self) -> None:
         self.classes.close()

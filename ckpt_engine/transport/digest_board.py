@@ -59,8 +59,8 @@ def read_board(raw: bytes, version: int, layout_digest: str, pieces: int) -> lis
         return None
     stamp, state, count, posted = _HEAD.unpack_from(raw)
     size = 8 * count if state == _READY else count
-    if posted != version or state not in (_READY, _FAILED):
-        return None
+    if stamp == 0 or posted != version or state not in (_READY, _FAILED):
+        return None  # (a stamp of 0: cleared, the post being written)
     if _HEAD.size + size > len(raw):  # (this version's post, bigger than it can be: its owner is not ours)
         raise ProtocolError(f"version {version}: its owner's digest board claims {count} "
                             f"{'digests' if state == _READY else 'bytes of reason'}, more than it holds")
