@@ -303,15 +303,16 @@ def test_an_offer_posts_the_digests_its_send_takes_whether_made_before_or_after_
         tensors = _model()
         before = publisher.publish(1, tensors, route=lambda: alone, pulled=True)
         pulls.offer(publisher.cache, 1, None, "xxh3-64", 60.0, publisher.own_digests)  # (the send may run yet)
-        first = before.result(60)
+        assert before.result(60).ok
         _wait_until(lambda: pulls.posted(1), 30)
         with publisher.cache.lease(1) as cached:
-            assert posted(1) == first.wire_digests == _digests_of(cached)
+            assert posted(1) == _digests_of(cached)
         tensors["w"].add_(1)
-        second = publisher.publish(2, tensors, route=lambda: alone, pulled=True).result(60)
+        assert publisher.publish(2, tensors, route=lambda: alone, pulled=True).result(60).ok
         pulls.release(before=2)
         pulls.offer(publisher.cache, 2, None, "xxh3-64", 60.0, publisher.own_digests)
-        assert pulls.posted(2) and posted(2) == second.wire_digests != first.wire_digests
+        with publisher.cache.lease(2) as cached:
+            assert pulls.posted(2) and posted(2) == _digests_of(cached) != _digests_of(publisher.cache.get(1))
     finally:
         pulls.close()
         publisher.close()
@@ -570,16 +571,19 @@ def test_digests_of_another_history_are_never_posted_for_a_reused_version_id() -
     alone = Route(None, {}, None)
     try:
         tensors = _model()
-        old = publisher.publish(1, tensors, route=lambda: alone, pulled=True).result(60)
+        assert publisher.publish(1, tensors, route=lambda: alone, pulled=True).result(60).ok
+        with publisher.cache.lease(1) as cached:
+            old = _digests_of(cached)
         publisher.forget()  # (what the agent does when it finds a new history)
         tensors["w"].add_(1)
         new = publisher.publish(1, tensors, route=lambda: alone, pulled=True)
         pulls.offer(publisher.cache, 1, None, "xxh3-64", 60.0, publisher.own_digests)
-        sent = new.result(60)
+        assert new.result(60).ok
         _wait_until(lambda: pulls.posted(1), 30)
         board = pulls._offered[1].boards[""]
         posted = read_board(board.memory.numpy().tobytes(), 1, board.plan.layout.digest, len(board.plan.layout.pieces))
-        assert posted == sent.wire_digests != old.wire_digests
+        with publisher.cache.lease(1) as cached:
+            assert posted == _digests_of(cached) != old
     finally:
         pulls.close()
         publisher.close()

@@ -281,7 +281,6 @@ class Sender:
             result.version_digest = manifest.version_digest  # of the whole model, also for sparse versions
             if self.lead:
                 wire_digest = version_digest(self.digest_algo, layout.digest, digests)
-                result.wire_digests = list(digests)
                 result.wire_plan = WirePlan(layout, owners, dict(source.aliases), source.step,
                                             dict(source.header_extra))
                 trailer = encode(VersionTrailer(version=source.version, version_digest=wire_digest))

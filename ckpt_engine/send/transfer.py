@@ -56,9 +56,7 @@ class TransferResult:
     version_bytes: int = 0  # of the whole version on the wire (every owner's share), once all were sent
     # a sharded version: each class's outcome (key, ok, reason, version_digest of its pieces, bytes)
     classes: list[dict] = field(default_factory=list)
-    # the lead's per-piece digests of what it sent, in wire order (a pull offer of the same bytes reuses them)
-    wire_digests: list[int] = field(default_factory=list)
-    wire_plan: WirePlan | None = None  # the lead's: what those digests are of
+    wire_plan: WirePlan | None = None  # the lead's: what it put on the wire (a pull offer after it describes it)
 
     @property
     def committed_ranks(self) -> list[int]:
