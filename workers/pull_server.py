@@ -110,10 +110,12 @@ class PullServer:
         plans: Mapping[str, WirePlan] | None = None
         if assignment.classes:
             specs = {lane.key: lane.spec for lane in assignment.classes if lane.pullers}
-            with cache.lease(assignment.source_version or assignment.version) as cached:
-                plans = publisher.classes.wire_plans(cached, specs)
             if sent is not None and rank == 0:  # (what its send put on each class's wire: a sparse one's changes)
-                plans = {**plans, **{k: c.plan for k, c in _sent_classes(assignment, publisher, specs).items()}}
+                plans = {k: c.plan for k, c in _sent_classes(assignment, publisher, specs).items()}
+            else:
+                source = assignment.source_version if assignment.source_version is not None else assignment.version
+                with cache.lease(source) as cached:
+                    plans = publisher.classes.wire_plans(cached, specs)
         elif sent is not None and sent.wire_plan is not None:
             plans = {"": sent.wire_plan}
         offer = self.offer(cache, assignment.version, assignment.source_version, publisher.device.digest_algo,

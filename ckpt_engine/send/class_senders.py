@@ -127,15 +127,9 @@ class ClassSenders:
         return transfer
 
     def pulled(self, label: int) -> dict[str, PulledClass]:
-        """The classes of version ``label`` that its pullers may now read, by class key: each with its plan and
-        every piece's digest (on the lead owner; another owner has none)."""
+        """The classes of version ``label`` that its pullers may now read, by class key: each with what its send
+        put on the wire (on the lead owner; another owner has none)."""
         return {key: pulled for key, pulled in self._pullable.items() if pulled.version == label}
-
-    def piece_views(self, cached: CachedVersion, spec: ShardSpec) -> dict[str, torch.Tensor]:
-        """The pieces a class of ``spec`` takes of this rank's share ``cached``, by wire name: views of it."""
-        plan = self._plan_of(spec, cached.version_layout, cached.owners, cached.aliases)  # type: ignore[arg-type]
-        views = cached.views()  # with several owners, this rank's share
-        return {p.spec.name: cut_view(views[p.tensor], p.part) for p in plan.pieces if p.tensor in views}
 
     def wire_plans(self, cached: CachedVersion, specs: Mapping[str, ShardSpec]) -> dict[str, WirePlan]:
         """What the send of cached ``cached`` will put on each class's wire (by class key, from its spec), before
@@ -317,7 +311,8 @@ class ClassSenders:
         """Send the class's pieces, as views of this rank's cached tensors, on this thread. With
         ``sparse_base``, only those that changed since that version, by the class's digests of it."""
         plan = self._plan_of(lane.spec, cached.version_layout, cached.owners, cached.aliases)  # type: ignore[arg-type]
-        mine = self.piece_views(cached, lane.spec)
+        views = cached.views()  # with several owners, this rank's share
+        mine = {p.spec.name: cut_view(views[p.tensor], p.part) for p in plan.pieces if p.tensor in views}
         sender = self._sender(lane)
         if sparse_base is not None:
             source = PiecesChangesSource(label, cached.step, plan.aliases, plan.layout,
