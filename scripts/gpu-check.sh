@@ -9,7 +9,9 @@
 #    no venv, no root, nothing in site-packages;
 # 3. stages the package as pip would install it (server/ and workers/ become ckpt_engine.server / .workers);
 # 4. runs the GPU tests (tests/gpu), the GPU benchmark section (bench/gpu_bench.py) and the side by side with
-#    MoonshotAI's checkpoint-engine 0.4.2 (bench/anchor_bench.py; skipped, saying why, without its wheels);
+#    MoonshotAI's checkpoint-engine 0.4.2 (bench/anchor_bench.py; skipped, saying why, without its wheels), and
+#    the colocated NIXL pull beside our CUDA IPC path (bench/nixl_colocated.py; only where NIXL imports: its
+#    wheel comes from scripts/gpu-wheels.sh --nixl 13);
 # 5. writes OUTDIR/report.md and OUTDIR/report.json, next to the logs and raw results.
 #
 # Without CUDA it says so, collects the GPU tests (they skip) and exits 0 without running anything GPU-only.
@@ -20,8 +22,8 @@
 # --quick      the benchmark's smaller model sizes
 # --wheels DIR wheel folder (default $CKPT_WHEELS or .whl)
 # Environment: PYTHON (default python3), CKPT_GPU_SITE (install target, default $TMPDIR/ckpt-engine-gpu-site),
-#              CKPT_GPU_TEST_TIMEOUT / CKPT_GPU_BENCH_TIMEOUT / CKPT_GPU_ANCHOR_TIMEOUT (seconds, default
-#              300 / 220 / 300).
+#              CKPT_GPU_TEST_TIMEOUT / CKPT_GPU_BENCH_TIMEOUT / CKPT_GPU_ANCHOR_TIMEOUT / CKPT_GPU_NIXL_TIMEOUT
+#              (seconds, default 300 / 220 / 300 / 200).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
@@ -30,7 +32,7 @@ DRY=0
 QUICK=()
 WHEELS="${CKPT_WHEELS:-$ROOT/.whl}"
 OUT=""
-usage() { sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1; shift ;;
@@ -48,6 +50,7 @@ SITE="${CKPT_GPU_SITE:-${TMPDIR:-/tmp}/ckpt-engine-gpu-site}"
 TEST_TIMEOUT="${CKPT_GPU_TEST_TIMEOUT:-300}"
 BENCH_TIMEOUT="${CKPT_GPU_BENCH_TIMEOUT:-220}"
 ANCHOR_TIMEOUT="${CKPT_GPU_ANCHOR_TIMEOUT:-300}"
+NIXL_TIMEOUT="${CKPT_GPU_NIXL_TIMEOUT:-200}"
 COMMAND="scripts/gpu-check.sh${QUICK[*]:+ ${QUICK[*]}} $OUT"
 
 say() { echo "gpu-check: $*" >&2; }
@@ -105,6 +108,7 @@ bounded() {  # the command prefix that stops a step after $1 seconds (none witho
 read -r -a TESTS_LIMIT <<< "$(bounded "$TEST_TIMEOUT")"
 read -r -a BENCH_LIMIT <<< "$(bounded "$BENCH_TIMEOUT")"
 read -r -a ANCHOR_LIMIT <<< "$(bounded "$ANCHOR_TIMEOUT")"
+read -r -a NIXL_LIMIT <<< "$(bounded "$NIXL_TIMEOUT")"
 
 # Python runs from the scratch folder: with the repository root as the current directory, its ckpt_engine/
 # (without server/ and workers/) would come first on sys.path. pytest appends the root (--import-mode=append).
@@ -146,6 +150,25 @@ elif [ "$DRY" = 1 ]; then
     --json "$OUT/gpu-bench.json"
 else
   say "no CUDA device here: the GPU tests were collected and skipped, the GPU benchmark is not run"
+fi
+
+# 4b'. the colocated NIXL pull beside our CUDA IPC path: only with CUDA and NIXL (optional, like the side by side)
+NIXL_SIZE=(--mib 4096)
+[ ${#QUICK[@]} -gt 0 ] && NIXL_SIZE=(--mib 1024)
+NIXL_CMD=("${NIXL_LIMIT[@]}" "$PYTHON" -m ckpt_engine.bench.nixl_colocated "${NIXL_SIZE[@]}" --deadline-s "$NIXL_TIMEOUT"
+          --out "$OUT/nixl-colocated.md" --json "$OUT/nixl-colocated.json")
+if [ "$CUDA" = 1 ] && in_work "$PYTHON" -c "from ckpt_engine.transport.nixl import nixl_api; nixl_api()" 2>/dev/null
+then
+  say "the colocated NIXL pull (bench/nixl_colocated.py), at most ${NIXL_TIMEOUT}s"
+  set +e
+  in_work "${NIXL_CMD[@]}" 2>&1 | { if [ "$DRY" = 1 ]; then cat; else tee "$OUT/nixl-colocated.log"; fi; }
+  BENCH_ARGS+=(--nixl-rc "${PIPESTATUS[0]}")
+  set -e
+elif [ "$DRY" = 1 ]; then
+  say "with CUDA and NIXL (scripts/gpu-wheels.sh --nixl 13) the colocated NIXL pull would be:"
+  in_work "${NIXL_CMD[@]}"
+else
+  say "the colocated NIXL pull is skipped (it needs CUDA and NIXL: scripts/gpu-wheels.sh --nixl 13)"
 fi
 
 # 4c. side by side with MoonshotAI's checkpoint-engine: only with CUDA; it says itself when their package is missing

@@ -4,6 +4,8 @@
 
     gpu_check.py requirements [--anchor]       what a GPU check needs besides torch, one requirement a line
                                                (--anchor: also MoonshotAI's checkpoint-engine, for the side by side)
+    gpu_check.py requirements --nixl 13        the NIXL build for that CUDA major, alone (optional: the colocated
+                                               pull's bench)
     gpu_check.py anchor-deps --wheels DIR      what the anchor's wheel in DIR needs, without torch (pip download
                                                of the anchor itself would pull a CUDA torch build)
     gpu_check.py missing --wheels DIR          the wheels of DIR to install here: every requirement that is
@@ -11,6 +13,8 @@
     gpu_check.py closure --wheels DIR --python 3.12
                                                check that DIR holds a wheel for every requirement, transitively,
                                                for that Python on manylinux x86-64 (nothing installed counts)
+    gpu_check.py slim-nixl WHEEL               rewrite a NIXL wheel (nixl-cu12 / nixl-cu13) without what the nixl
+                                               transport never loads, to fit a GPU machine's carry (see NIXL_UNUSED)
     gpu_check.py stage DEST                    the package tree as pip would install it (pyproject's package-dir
                                                maps server/ and workers/ to ckpt_engine.server / .workers)
     gpu_check.py probe                         JSON: Python, torch, CUDA, GPUs (imports torch)
@@ -51,6 +55,9 @@ TEST_TOOLS = ("pytest", "pytest-timeout")
 # The anchor of the side by side (bench/anchor_bench.py); optional on the GPU machine: without its wheels the
 # rest of the check still runs and the report says the side by side was skipped.
 ANCHOR = ("checkpoint-engine==0.4.2",)
+# NIXL for the colocated pull (bench/nixl_colocated.py), also optional: fetched by gpu-wheels.sh --nixl only, as
+# its wheel is large. It needs torch and numpy, which the GPU machine has; nothing else is installed for it.
+NIXL_DISTRIBUTIONS = ("nixl-cu12", "nixl-cu13")
 NOT_FROM_WHEELS = ("torch",)  # the machine's own build is kept
 MANYLINUX_X86_64 = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64",
                     "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
@@ -80,6 +87,13 @@ def requirements() -> list[str]:
     tools = [r for r in project["optional-dependencies"]["test"]
              if canonicalize_name(Requirement(r).name) in {canonicalize_name(t) for t in TEST_TOOLS}]
     return deps + tools
+
+
+def nixl_requirement(cuda_major: str) -> str:
+    """NIXL for CUDA ``cuda_major``, at the version the project's ``nixl`` extra asks for (which names the
+    CUDA 12 build, the one that runs on the CPU too)."""
+    [extra] = _pyproject()["project"]["optional-dependencies"]["nixl"]
+    return f"nixl-cu{cuda_major}{Requirement(extra).specifier}"
 
 
 def anchor_plan(wheels: WheelDir) -> dict[str, Path]:
@@ -115,6 +129,56 @@ class WheelDir:
                              f"({'found: ' + ', '.join(have) if have else 'none at all'}); fetch them with "
                              "scripts/gpu-wheels.sh for this Python version")
         return max(found)[1]
+
+
+def nixl_plan(wheels: WheelDir) -> dict[str, Path]:
+    """The NIXL wheel of the folder to install here (none when NIXL imports already, or the folder has none)."""
+    if any(installed_version(name) is not None for name in NIXL_DISTRIBUTIONS):
+        return {}
+    for name in NIXL_DISTRIBUTIONS:
+        try:
+            return {name: wheels.best(Requirement(name))}
+        except CheckError:
+            continue
+    return {}
+
+
+# Parts of a NIXL wheel that the nixl transport never loads (it starts a UCX backend only): the expert-parallel
+# kernels built for several torch versions (two thirds of the wheel), the command-line tools, UCX's perftest
+# modules, and the plugins of other backends (storage, libfabric, GPUNetIO). The bundled shared libraries stay:
+# libnixl itself links some of them.
+NIXL_UNUSED_PREFIXES = ("nixl_ep_",)
+NIXL_UNUSED_PARTS = (".scripts/", "perftest")
+
+
+def nixl_part_unused(name: str) -> bool:
+    """Whether a NIXL wheel's member ``name`` is left out of the slimmed wheel (see NIXL_UNUSED_PREFIXES)."""
+    if name.startswith(NIXL_UNUSED_PREFIXES) or any(part in name for part in NIXL_UNUSED_PARTS):
+        return True
+    folder, _, leaf = name.rpartition("/")
+    plugin_folder = folder.endswith("/plugins") or folder.endswith(".libs/nixl")
+    return plugin_folder and leaf.startswith("libplugin_") and leaf != "libplugin_UCX.so"
+
+
+def slim_nixl(wheel: Path) -> tuple[int, int]:
+    """Rewrite ``wheel`` in place without its unused parts, its RECORD listing what is left; (bytes before,
+    after)."""
+    before = wheel.stat().st_size
+    staged = wheel.with_suffix(".slim")
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(staged, "w", zipfile.ZIP_DEFLATED) as out:
+        kept = [info for info in source.infolist() if not nixl_part_unused(info.filename)]
+        record = next((i for i in kept if i.filename.endswith(".dist-info/RECORD")), None)
+        if record is None:
+            raise CheckError(f"{wheel.name} has no RECORD: not a wheel")
+        names = {info.filename for info in kept}
+        for info in kept:
+            data = source.read(info)
+            if info is record:
+                lines = data.decode().splitlines()
+                data = "\n".join(line for line in lines if line.split(",")[0] in names).encode() + b"\n"
+            out.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+    staged.replace(wheel)
+    return before, wheel.stat().st_size
 
 
 def wheel_requires(path: Path) -> list[Any]:
@@ -288,6 +352,8 @@ def build_report(outdir: Path, args: argparse.Namespace) -> dict[str, Any]:
     anchor = json.loads(anchor_path.read_text()) if anchor_path.is_file() else None
     anchor_md_path = outdir / "anchor-bench.md"
     anchor_md = anchor_md_path.read_text() if anchor_md_path.is_file() else None
+    nixl_md_path = outdir / "nixl-colocated.md"
+    nixl_md = nixl_md_path.read_text() if nixl_md_path.is_file() else None
     gpu_result = (bench or {}).get("results", {}).get("gpu")
     targets = [t for t in (bench or {}).get("targets", []) if t["target"].startswith("GPU")]
     return {"generated_utc": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": env,
@@ -295,7 +361,8 @@ def build_report(outdir: Path, args: argparse.Namespace) -> dict[str, Any]:
             "cuda": bool(env.get("cuda_available")), "tests_rc": args.tests_rc, "bench_rc": args.bench_rc,
             "tests": tests, "bench": {"ran": bench is not None, "targets": targets, "result": gpu_result,
                                       "errors": (bench or {}).get("errors", {})},
-            "anchor": anchor, "anchor_md": anchor_md, "anchor_rc": args.anchor_rc, "note": args.note,
+            "anchor": anchor, "anchor_md": anchor_md, "anchor_rc": args.anchor_rc, "nixl_md": nixl_md,
+            "nixl_rc": args.nixl_rc, "note": args.note,
             "ok": args.tests_rc == 0 and (args.bench_rc in (0, None)) and bool(env.get("cuda_available"))}
 
 
@@ -340,9 +407,10 @@ def render_report(report: dict[str, Any]) -> str:
         lines += [""] + key_figures(bench["result"])
         lines += ["", "Every figure with its method: [gpu-bench.md](gpu-bench.md); raw samples: gpu-bench.json.", ""]
     lines += anchor_section(report)
+    lines += nixl_section(report)
     lines += ["Files: env.json (machine), gpu-tests.log / gpu-tests.xml (pytest), gpu-bench.log / gpu-bench.md / "
               "gpu-bench.json (benchmark), anchor-bench.log / anchor-bench.md / anchor-bench.json (side by side), "
-              "report.json (this report as data).", ""]
+              "nixl-colocated.log / .md / .json (the colocated NIXL pull), report.json (this report as data).", ""]
     return "\n".join(lines)
 
 
@@ -354,6 +422,17 @@ def anchor_section(report: dict[str, Any]) -> list[str]:
         return lines + [f"Not run ({why}).", ""]
     # The table as anchor_bench rendered it, without its own heading: this helper imports nothing of ours.
     body = [line for line in report["anchor_md"].splitlines() if not line.startswith("## ")]
+    return lines + body + [""]
+
+
+def nixl_section(report: dict[str, Any]) -> list[str]:
+    """The colocated NIXL pull beside our CUDA IPC path: its table, or why it did not run."""
+    lines = ["## The colocated NIXL pull (bench/nixl_colocated.py)", ""]
+    if report.get("nixl_md") is None:
+        why = ("no CUDA" if not report["cuda"] else "NIXL is not installed here (scripts/gpu-wheels.sh --nixl 13)"
+               if report.get("nixl_rc") is None else f"failed, exit code {report['nixl_rc']}; see nixl-colocated.log")
+        return lines + [f"Not run ({why}).", ""]
+    body = [line for line in report["nixl_md"].splitlines() if not line.startswith("## ")]
     return lines + body + [""]
 
 
@@ -399,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     reqs = sub.add_parser("requirements")
     reqs.add_argument("--anchor", action="store_true", help="also the side by side's anchor package")
+    reqs.add_argument("--nixl", choices=("12", "13"), default=None, help="NIXL alone, for this CUDA major")
     anchor_deps = sub.add_parser("anchor-deps")
     anchor_deps.add_argument("--wheels", type=Path, required=True)
     missing = sub.add_parser("missing")
@@ -407,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     closure.add_argument("--wheels", type=Path, required=True)
     closure.add_argument("--python", required=True, help="target Python version, e.g. 3.12")
     closure.add_argument("--platform", action="append", default=None, help="target platform tag (repeatable)")
+    slim = sub.add_parser("slim-nixl")
+    slim.add_argument("wheel", type=Path)
     stage_p = sub.add_parser("stage")
     stage_p.add_argument("dest", type=Path)
     sub.add_parser("probe")
@@ -416,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--tests-rc", type=int, default=None)
     report.add_argument("--bench-rc", type=int, default=None)
     report.add_argument("--anchor-rc", type=int, default=None)
+    report.add_argument("--nixl-rc", type=int, default=None)
     report.add_argument("--installed", nargs="*", default=[])
     report.add_argument("--note", default=None, help="why the run stopped early")
     args = parser.parse_args(argv)
@@ -427,7 +510,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.cmd == "requirements":
+    if args.cmd == "requirements" and args.nixl:
+        print(nixl_requirement(args.nixl))
+    elif args.cmd == "requirements":
         print("\n".join(requirements() + (list(ANCHOR) if args.anchor else [])))
     elif args.cmd == "anchor-deps":
         wheel = WheelDir(args.wheels, _tags.sys_tags()).best(Requirement(ANCHOR[0]))
@@ -441,7 +526,7 @@ def _run(args: argparse.Namespace) -> int:
                                  "(fetch one with scripts/gpu-wheels.sh on a machine with internet access)")
             return 0
         chosen = plan(requirements(), wheels)
-        for name, path in anchor_plan(wheels).items():
+        for name, path in [*anchor_plan(wheels).items(), *nixl_plan(wheels).items()]:
             chosen.setdefault(name, path)
         for path in chosen.values():
             print(path)
@@ -454,6 +539,10 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{name:<22} {path.name}")
         print(f"complete: {len(chosen)} wheels cover every requirement for CPython {args.python} "
               f"({platforms[0]} and older)", file=sys.stderr)
+    elif args.cmd == "slim-nixl":
+        before, after = slim_nixl(args.wheel)
+        print(f"gpu_check: {args.wheel.name} slimmed from {before / 2**20:.1f} MiB to {after / 2**20:.1f} MiB",
+              file=sys.stderr)
     elif args.cmd == "stage":
         print(f"gpu_check: staged {', '.join(stage(args.dest))} in {args.dest}", file=sys.stderr)
     elif args.cmd == "probe":
