@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckpt_engine.transport.nixl import UCX_ERROR_HANDLING_ENV, NixlUnavailable, ucx_error_handling
 from tests.procs import run_processes, start_processes
 
 _WAIT_S = 60.0
@@ -393,13 +394,15 @@ def test_a_sparse_version_pulls_only_its_changes_out_of_the_deltas_that_hold_the
     assert puller["got"] == owner["final"]  # version 1 with version 3's changes applied: version 3, exactly
 
 
-def test_a_stalled_owner_fails_the_pull_within_its_bound_and_serves_again_once_it_goes_on(tmp_path: Path) -> None:
-    """The owner is stopped (SIGSTOP) after its offer: the pull gives up at its deadline and loads nothing; once
-    the owner goes on, a pull of the same offer is exact. (Each puller reads the offer from a folder of its own:
-    a puller's ``done`` there would end the owner.)"""
+def test_a_stalled_owner_fails_the_pull_within_its_bound_and_serves_again_once_it_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over TCP (an owner on another host, without RDMA), the owner is stopped (SIGSTOP) after its offer: the
+    pull gives up at its deadline and loads nothing; once the owner goes on, a pull of the same offer is exact.
+    (Each puller reads the offer from a folder of its own: a puller's ``done`` there would end the owner.)"""
     import os
     import signal
 
+    monkeypatch.setenv("UCX_TLS", "tcp")  # (the processes this test starts inherit it)
     served, stalled, later = tmp_path / "served", tmp_path / "stalled", tmp_path / "later"
     for folder in (served, stalled, later):
         folder.mkdir()
@@ -587,3 +590,39 @@ def test_digests_of_another_history_are_never_posted_for_a_reused_version_id() -
     finally:
         pulls.close()
         publisher.close()
+
+
+def test_on_one_host_a_stalled_owners_offer_is_still_pulled_exactly(tmp_path: Path) -> None:
+    """On one host UCX reads the owner's memory one-sided (shared memory, cma; cuda_ipc on a GPU): a stopped
+    owner's offer is pulled and verified all the same. Its lease keeps the bytes until the pullers are done."""
+    import os
+    import signal
+
+    served, stalled = tmp_path / "served", tmp_path / "stalled"
+    for folder in (served, stalled):
+        folder.mkdir()
+    owner = start_processes([(_owner, (str(served), None, False))])
+    try:
+        (stalled / "offer.bin").write_bytes(_wait_for(served / "offer.bin"))
+        os.kill(owner.procs[0].pid, signal.SIGSTOP)
+        try:
+            [puller] = run_processes([(_puller, (str(stalled), 60.0))], timeout_s=180)
+        finally:
+            os.kill(owner.procs[0].pid, signal.SIGCONT)
+        assert puller["ok"], puller["reason"]
+        assert puller["got"] == _bytes_of(_model())
+    finally:
+        (served / "done").write_text("1")
+        owner.collect(60)
+
+
+@pytest.mark.parametrize(("value", "mode"), [(None, "none"), ("", "none"), ("none", "none"), ("peer", "peer"),
+                                             (" PEER ", "peer")])
+def test_the_ucx_error_handling_mode_comes_from_the_environment(value: str | None, mode: str) -> None:
+    environ = {} if value is None else {UCX_ERROR_HANDLING_ENV: value}
+    assert ucx_error_handling(environ) == mode
+
+
+def test_an_unknown_ucx_error_handling_mode_is_refused_saying_what_is_expected() -> None:
+    with pytest.raises(NixlUnavailable, match="expected one of none, peer"):
+        ucx_error_handling({UCX_ERROR_HANDLING_ENV: "thread"})

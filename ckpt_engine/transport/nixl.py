@@ -18,7 +18,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,13 @@ log = logging.getLogger(__name__)
 _MODULES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")
 _RETIRED_KEPT = 2
 INSTALL_HINT = "pip install nixl-cu12 (CPU and CUDA 12) or nixl-cu13 (CUDA 13)"
+# NIXL's UCX backend asks UCX for peer error handling by default. UCX then refuses every transport without a peer
+# failure handler: shared memory (posix, sysv) and cuda_ipc. On one host a READ then falls back to software
+# emulation over TCP loopback, owner-driven: 0.5 GB/s on an H200 where CUDA IPC moves 100 GB/s (docs/gpu-runs.md,
+# 2026-11-28). Our reads do not need UCX to notice a dead peer: every read has its deadline, and a failed one fails
+# its version only (tested with owners and pullers killed, over TCP too). "peer" restores NIXL's default.
+UCX_ERROR_HANDLING_ENV = "CKPT_NIXL_UCX_ERROR_HANDLING"
+UCX_ERROR_HANDLING_MODES = ("none", "peer")
 
 
 class NixlUnavailable(CkptEngineError):
@@ -39,6 +46,15 @@ class NixlUnavailable(CkptEngineError):
 
 class PullFailed(CkptEngineError):
     """A READ from an owner failed (it died, deregistered, or its transport broke)."""
+
+
+def ucx_error_handling(environ: Mapping[str, str] = os.environ) -> str:
+    """The UCX error handling mode NIXL's backend is created with: ``none`` unless the environment says."""
+    mode = environ.get(UCX_ERROR_HANDLING_ENV, "none").strip().lower() or "none"
+    if mode not in UCX_ERROR_HANDLING_MODES:
+        raise NixlUnavailable(f"{UCX_ERROR_HANDLING_ENV}={environ[UCX_ERROR_HANDLING_ENV]!r}: expected one of "
+                              f"{', '.join(UCX_ERROR_HANDLING_MODES)}")
+    return mode
 
 
 @dataclass(frozen=True)
@@ -83,7 +99,8 @@ class NixlEndpoint:
     """This process's NIXL agent. Thread-safe (the agent itself serializes its calls); registrations and remote
     agents are kept until :meth:`close`.
 
-    UCX over TCP or shared memory serves a READ only while the owner's side is driven. NIXL's own progress
+    UCX over TCP serves a READ only while the owner's side is driven (on one host, shared memory and cuda_ipc reads
+    are one-sided: see UCX_ERROR_HANDLING_ENV). NIXL's own progress
     thread does that by spinning a whole core, idle or not (nixl-cu12 1.5 runs it without a pause); a thread of
     ours drives the agent instead, every BUSY_PROGRESS_S while reads may come (``serve_for``) or are in flight,
     and every IDLE_PROGRESS_S otherwise: a few percent of a core."""
@@ -93,10 +110,13 @@ class NixlEndpoint:
     def __init__(self, role: str) -> None:
         api = nixl_api()
         self.name = f"ckpt-{role}-{os.getpid()}-{next(self._names)}-{uuid.uuid4().hex[:8]}"
+        mode = ucx_error_handling()
         try:
-            config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+            config = api.nixl_agent_config(enable_prog_thread=False, backends=[],
                                            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
             self._agent = api.nixl_agent(self.name, config)
+            self._agent.create_backend("UCX", {**self._agent.get_plugin_params("UCX"),
+                                               "ucx_error_handling_mode": mode})
         except Exception as exc:
             raise NixlUnavailable(f"NIXL's UCX agent did not start: {type(exc).__name__}: {exc}") from exc
         self._lock = threading.Lock()
