@@ -645,6 +645,14 @@ def gpu_check_section(gpu: dict | None, sections: list[str]) -> list[str]:
         "`--dry-run` checks torch and the wheel plan, then prints every command instead of running it.",
         "- `tests/gpu` is collected everywhere (CI included) and skips with a reason without CUDA; its multi-GPU "
         "tests skip with fewer than 2 GPUs.",
+        '- **The colocated NIXL pull** (`bench/nixl_colocated.py`, run by `gpu-check.sh` before the side by s'
+        "ide where NIXL imports, at most 200 s, `CKPT_GPU_NIXL_TIMEOUT`): NIXL's wheel is ~60 MB, so the kit "
+        "fetches it only when asked, `scripts/gpu-wheels.sh --nixl 13` (the GPU machine's CUDA major), slimme"
+        "d to ~23 MB (`gpu_check.py slim-nixl`: its expert-parallel kernels, tools and other backends' plugin"
+        "s left out). A rollout process on the trainer's GPU pulls each version (cached: from the pinned cach"
+        'e; bypass_cpu: from the device send slots) beside our same-host CUDA IPC path, interleaved in one ru'
+        'n; `tests/gpu/test_cuda_nixl.py` checks the pulled weights byte-exact. Without NIXL the report says '
+        'why it did not run.',
         "- **Side by side with MoonshotAI's checkpoint-engine** (`bench/anchor_bench.py`, run by `gpu-check.sh` "
         'after the benchmark, at most 300 s, `CKPT_GPU_ANCHOR_TIMEOUT`): `gpu-wheels.sh` also fetches '
         '`checkpoint-engine==0.4.2` and its dependencies (fastapi, pydantic, safetensors, pyzmq, uvicorn, loguru, '
