@@ -128,6 +128,47 @@ def test_a_delta_stores_only_changed_tensors_and_shares_the_rest(cache: VersionC
         second.bucket(0)
 
 
+def test_a_delta_that_fails_while_filling_gives_its_buffer_back(cache: VersionCache) -> None:
+    snapshot(cache, 1, big_model(0.0))
+
+    def broken(bucket):
+        raise RuntimeError("the device went away")
+
+    changed = plan_layout(specs_of({"t3": torch.zeros(64)}), bucket_size=1024)
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="went away"):
+            cache.snapshot_delta(2, 1, changed, broken)
+    assert cache.versions() == [1] and cache.allocations == 2  # one buffer for the deltas, reused each time
+    second = delta(cache, 2, 1, {"t3": torch.full((64,), -1.0)})  # the id is free again
+    assert second.tensor("t3").eq(-1.0).all() and cache.allocations == 2
+
+
+def test_a_version_id_being_filled_as_a_delta_is_refused_to_another_snapshot(cache: VersionCache) -> None:
+    import threading
+
+    snapshot(cache, 1, big_model(0.0))
+    changed = {"t3": torch.full((64,), -1.0)}
+    entered, go = threading.Event(), threading.Event()
+
+    def slow(bucket):
+        entered.set()
+        if not go.wait(60):
+            raise TimeoutError("the test never let the fill go on")
+        return changed
+
+    filling = threading.Thread(target=lambda: cache.snapshot_delta(
+        2, 1, plan_layout(specs_of(changed), bucket_size=1024), slow, step=2))
+    filling.start()
+    try:
+        assert entered.wait(60)
+        with pytest.raises(CacheError, match="version 2 is already cached"):
+            snapshot(cache, 2, big_model(5.0))
+    finally:
+        go.set()
+        filling.join(60)
+    assert cache.get(2).tensor("t3").eq(-1.0).all() and cache.get(2).tensor("t0").eq(0.0).all()
+
+
 def test_evicting_the_parent_keeps_shared_bytes_until_no_delta_uses_them(cache: VersionCache) -> None:
     whole = snapshot(cache, 1, big_model(0.0))
     delta(cache, 2, 1, {"t0": torch.full((64,), 5.0)})

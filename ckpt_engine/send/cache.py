@@ -295,7 +295,14 @@ class VersionCache:
                 self._check_new(version)
                 self._make_room(self._room - 1)  # the lease keeps the parent's bytes meanwhile
                 buffer = self._take_buffer(changed)
-            self._fill_delta(buffer, changed, tensors)
+                self._filling.add(version)  # (a snapshot of the same id meanwhile is refused)
+            try:
+                self._fill_delta(buffer, changed, tensors)
+            except BaseException:
+                with self._lock:
+                    self._filling.discard(version)
+                    self._pool.append(buffer)  # (nothing else reads it yet)
+                raise
             names = {s.name for s in changed.slots}
             shared = {name: view for name, view in base.views().items() if name not in names}
             buffers = (buffer, *_buffers_holding(base._buffers, shared.values()))
@@ -304,6 +311,7 @@ class VersionCache:
                                    _shared=shared, _buffers=buffers, version_layout=base.version_layout,
                                    owners=base.owners, wire=base.wire)
             with self._lock:
+                self._filling.discard(version)
                 self._hold(cached)
                 self._list(cached)
         return cached
