@@ -48,6 +48,7 @@ from ckpt_engine.bench.common import (
     rotated_rounds,
     run_processes,
     stats,
+    write_report,
 )
 
 ANCHOR = "checkpoint-engine==0.4.2"
@@ -455,13 +456,7 @@ def main(argv: list[str] | None = None) -> int:
             "timeout_s": ns.timeout_s}
     result = run(opts, lambda text: print(text, file=sys.stderr, flush=True))
     text = "\n".join(["## Side by side with MoonshotAI's checkpoint-engine", "", *render(result)])
-    print(text)
-    if ns.out:
-        with open(ns.out, "w") as f:
-            f.write(text)
-    if ns.json:
-        with open(ns.json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+    write_report(text, result, ns.out, ns.json)
     return 0
 
 

@@ -362,3 +362,16 @@ def paired_ratio(num: list[float], den: list[float]) -> dict[str, float] | None:
     value = statistics.median(num) / statistics.median(den)
     return {"value": value, "paired_min": min(per_round) if per_round else value,
             "paired_max": max(per_round) if per_round else value}
+
+
+def write_report(text: str, result: dict, out: str | None, json_path: str | None) -> None:
+    """A standalone bench's ending: its markdown on stdout and in ``out``, its raw results in ``json_path``."""
+    import json
+
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1, default=str)

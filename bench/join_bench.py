@@ -94,7 +94,7 @@ def first_after_over_rest(row: dict) -> float:
 
 
 def run(opts: dict, progress: Progress) -> dict:
-    from ckpt_engine.bench.netns_cluster import nixl_missing
+    from ckpt_engine.transport.nixl import nixl_missing
 
     why = nixl_missing()
     if why is not None:

@@ -43,9 +43,9 @@ from ckpt_engine.bench.netns_cluster import (
     group_at,
     llama_model,
     model_shapes,
-    nixl_missing,
     tp_spec,
 )
+from ckpt_engine.transport.nixl import nixl_missing
 
 
 # ---- the cluster ---------------------------------------------------------------------------------------------

@@ -18,17 +18,6 @@ SUBNET = "10.213.0"
 MiB = 1 << 20
 
 
-def nixl_missing() -> str | None:
-    """Why the pulled rows cannot run here (None: they can)."""
-    from ckpt_engine.transport.nixl import NixlUnavailable, nixl_api
-
-    try:
-        nixl_api()
-    except NixlUnavailable as exc:
-        return str(exc)
-    return None
-
-
 def cannot_run() -> str | None:
     if os.geteuid() != 0:
         return "network namespaces need root"

@@ -42,6 +42,7 @@ from ckpt_engine.bench.common import (
     rotated_rounds,
     run_processes,
     stats,
+    write_report,
 )
 
 VARIANTS = ("ipc_cached", "ipc_bypass", "nixl_cached", "nixl_bypass")
@@ -50,16 +51,6 @@ LABEL = {"ipc_cached": "same-host IPC, cached", "ipc_bypass": "same-host IPC, by
          "nixl_bypass": "NIXL pull, bypass_cpu (device send slots → device)"}
 COLS = 256  # bf16 rows of 512 bytes, as anchor_bench's model
 WAIT_S = 300.0
-
-
-def nixl_missing() -> str | None:
-    from ckpt_engine.transport.nixl import NixlUnavailable, nixl_api
-
-    try:
-        nixl_api()
-    except NixlUnavailable as exc:
-        return str(exc)
-    return None
 
 
 def _model(nbytes: int, count: int, device: Any) -> dict:
@@ -195,6 +186,8 @@ def _rollout(port: int, hub: str, args: dict) -> None:
 
 
 def run(opts: dict, progress: Progress) -> dict:
+    from ckpt_engine.transport.nixl import nixl_missing
+
     missing = nixl_missing()
     if missing:
         return {"skipped": missing}
@@ -256,13 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             "bucket_size": ns.bucket_size_mib * MiB, "timeout_s": ns.timeout_s, "deadline_s": ns.deadline_s}
     result = run(opts, lambda text: print(text, file=sys.stderr, flush=True))
     text = "\n".join(["## The colocated NIXL pull beside same-host IPC", "", *render(result)])
-    print(text)
-    if ns.out:
-        with open(ns.out, "w") as f:
-            f.write(text)
-    if ns.json:
-        with open(ns.json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+    write_report(text, result, ns.out, ns.json)
     return 0
 
 

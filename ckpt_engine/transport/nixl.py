@@ -48,6 +48,15 @@ class PullFailed(CkptEngineError):
     """A READ from an owner failed (it died, deregistered, or its transport broke)."""
 
 
+def nixl_missing() -> str | None:
+    """Why the nixl transport cannot run here (None: it can)."""
+    try:
+        nixl_api()
+    except NixlUnavailable as exc:
+        return str(exc)
+    return None
+
+
 def ucx_error_handling(environ: Mapping[str, str] = os.environ) -> str:
     """The UCX error handling mode NIXL's backend is created with: ``none`` unless the environment says."""
     mode = environ.get(UCX_ERROR_HANDLING_ENV, "none").strip().lower() or "none"

@@ -18,7 +18,7 @@ from ckpt_engine.receive.pulled import pull
 from ckpt_engine.send.publisher import Publisher, Route
 from ckpt_engine.server.decisions.assignments import pull_assignments
 from ckpt_engine.transport.messages import PullOffer
-from ckpt_engine.transport.nixl import NixlEndpoint, NixlUnavailable, nixl_api
+from ckpt_engine.transport.nixl import NixlEndpoint, nixl_missing
 from ckpt_engine.workers.pull_server import PullServer
 from tests.gpu.common import cuda, perturb, requires_cuda, state_hashes
 from tests.models import BUCKET_SIZE, AwkwardModel, load_into
@@ -26,14 +26,6 @@ from tests.procs import run_processes
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 VERSIONS = 6  # odd versions cached, even ones bypass_cpu
-
-
-def _nixl_missing() -> str | None:
-    try:
-        nixl_api()
-    except NixlUnavailable as exc:
-        return str(exc)
-    return None
 
 
 def _store(port: int, master: bool = False) -> dist.TCPStore:
@@ -91,7 +83,7 @@ def nixl_rollout(port: int) -> dict:
 
 
 def test_a_rollout_process_pulls_every_version_over_nixl_byte_exact() -> None:
-    missing = _nixl_missing()
+    missing = nixl_missing()
     if missing:
         pytest.skip(missing)
     master = _store(0, master=True)
