@@ -165,6 +165,18 @@ def slim_nixl(wheel: Path) -> tuple[int, int]:
     after)."""
     before = wheel.stat().st_size
     staged = wheel.with_suffix(".slim")
+    try:
+        _write_slim(wheel, staged)
+    except BaseException:
+        staged.unlink(missing_ok=True)  # (nothing half-written left beside the wheel)
+        raise
+    staged.replace(wheel)
+    return before, wheel.stat().st_size
+
+
+def _write_slim(wheel: Path, staged: Path) -> None:
+    if not wheel.name.startswith(tuple(n.replace("-", "_") + "-" for n in NIXL_DISTRIBUTIONS)):
+        raise CheckError(f"{wheel.name} is not a NIXL wheel ({', '.join(NIXL_DISTRIBUTIONS)})")
     with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(staged, "w", zipfile.ZIP_DEFLATED) as out:
         kept = [info for info in source.infolist() if not nixl_part_unused(info.filename)]
         record = next((i for i in kept if i.filename.endswith(".dist-info/RECORD")), None)
@@ -177,8 +189,6 @@ def slim_nixl(wheel: Path) -> tuple[int, int]:
                 lines = data.decode().splitlines()
                 data = "\n".join(line for line in lines if line.split(",")[0] in names).encode() + b"\n"
             out.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
-    staged.replace(wheel)
-    return before, wheel.stat().st_size
 
 
 def wheel_requires(path: Path) -> list[Any]:

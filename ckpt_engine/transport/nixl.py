@@ -272,7 +272,10 @@ class Read:
         backoff = Backoff(initial_s=0.0002, max_s=0.01)
         try:
             while True:
-                state = agent.check_xfer_state(self._handle)
+                try:
+                    state = agent.check_xfer_state(self._handle)
+                except Exception as exc:  # (e.g. nixlRemoteDisconnectError: the owner died mid-read, over TCP)
+                    raise PullFailed(f"a read from an owner failed: {type(exc).__name__}: {exc}") from exc
                 if state == "DONE":
                     return
                 if state == "ERR":
