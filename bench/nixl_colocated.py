@@ -125,7 +125,7 @@ def _trainer(results: Any, port: int, hub: str, args: dict) -> dict:
                                       pulled=True)
             pulls.release(before=version)
             if bypass:  # (offered once its send kept the slots: workers/pull_server.py offers_before_send)
-                sent = transfer.result(WAIT_S)
+                transfer.result(WAIT_S)
                 offer = pulls.offer(pulled.cache, version, None, device.digest_algo, args["timeout_s"],
                                     pulled.own_digests, kept=pulled.kept(version))
             else:

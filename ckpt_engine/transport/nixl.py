@@ -35,7 +35,8 @@ INSTALL_HINT = "pip install nixl-cu12 (CPU and CUDA 12) or nixl-cu13 (CUDA 13)"
 # failure handler: shared memory (posix, sysv) and cuda_ipc. On one host a READ then falls back to software
 # emulation over TCP loopback, owner-driven: 0.5 GB/s on an H200 where CUDA IPC moves 100 GB/s (docs/gpu-runs.md,
 # 2026-11-28). Our reads do not need UCX to notice a dead peer: every read has its deadline, and a failed one fails
-# its version only (tested with owners and pullers killed, over TCP too). "peer" restores NIXL's default.
+# its version only (tested with owners and pullers killed, over TCP too). One known exception, with "peer" too:
+# over TCP, an owner stopped mid-read aborts inside UCX if its puller dies meanwhile. "peer" restores NIXL's default.
 UCX_ERROR_HANDLING_ENV = "CKPT_NIXL_UCX_ERROR_HANDLING"
 UCX_ERROR_HANDLING_MODES = ("none", "peer")
 
@@ -109,10 +110,10 @@ class NixlEndpoint:
     agents are kept until :meth:`close`.
 
     UCX over TCP serves a READ only while the owner's side is driven (on one host, shared memory and cuda_ipc reads
-    are one-sided: see UCX_ERROR_HANDLING_ENV). NIXL's own progress
-    thread does that by spinning a whole core, idle or not (nixl-cu12 1.5 runs it without a pause); a thread of
-    ours drives the agent instead, every BUSY_PROGRESS_S while reads may come (``serve_for``) or are in flight,
-    and every IDLE_PROGRESS_S otherwise: a few percent of a core."""
+    are one-sided: see UCX_ERROR_HANDLING_ENV). NIXL's own progress thread does that by spinning a whole core, idle
+    or not (nixl-cu12 1.5 runs it without a pause); a thread of ours drives the agent instead, every
+    BUSY_PROGRESS_S while reads may come (``serve_for``) or are in flight, and every IDLE_PROGRESS_S otherwise: a
+    few percent of a core."""
 
     _names = itertools.count()
 
