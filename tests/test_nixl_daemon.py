@@ -311,6 +311,25 @@ def offer_fails(fail_version: int, agent, rank: int, version: int, workdir: str)
     return {}
 
 
+def stall_after_posting(stall_version: int, agent, rank: int, version: int, workdir: str) -> dict:
+    """(``owner_trainer``'s hook) From the version before ``stall_version`` on, rank 1 stalls right after it
+    posts its digests of ``stall_version`` for the pullers (``posted`` in ``workdir``), until ``go``."""
+    if rank != 1 or version != stall_version - 1:
+        return {}
+    from ckpt_engine.send import pull_offer
+
+    post = pull_offer.Board.post
+
+    def stalling(board, digests, layout_digest) -> None:
+        post(board, digests, layout_digest)
+        if board.version == stall_version:
+            Path(workdir, "posted").touch()
+            _wait_for(lambda: Path(workdir, "go").exists(), 180)
+
+    pull_offer.Board.post = stalling
+    return {}
+
+
 def _job(daemon, workdir: Path, flip_version: int = -1, hook=None, mode: str = "push"):
     """Two FSDP2 ranks pushing (``mode``: "push" cached, "bypass") at steps 3, 7 and 9, training the first
     layer at 5."""
@@ -499,6 +518,40 @@ def test_an_owner_rank_that_cannot_offer_fails_the_version_at_once_and_its_pulle
         [rx] = pullers.collect(120)
         assert daemon.stop() == 0
     assert [(version, ok) for version, ok, _, _ in rx["results"]] == [(first["id"], True), (third["id"], True)]
+
+
+def test_an_owner_that_stalls_after_posting_never_leaves_pullers_on_a_version_the_daemon_failed(
+        tmp_path: Path) -> None:
+    """Rank 1 stalls right after posting its digests of version 2 (outside attack, 2026-11-28: it used to post
+    before the owners' vote, so the lead waited in the vote until the version failed while the pullers had
+    already loaded it). An owner posts only once the owners voted that every one sent its share: whatever the
+    pullers load, the daemon commits, and the history says so."""
+    workdir, stop_file = tmp_path / "job", tmp_path / "rx-stop"
+    workdir.mkdir()
+    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", transport="nixl",
+                                       nixl_trust_receivers=True, bucket_size_mb=0.02))
+    pullers = start_processes([(llama_puller, (daemon.zmq, 5, str(stop_file), (str(workdir), -1)))])
+    job = None
+    try:
+        with daemon.client() as client:
+            _wait_for(lambda: len(client.get("/receivers").json()["agents"]) == 1)
+            job = _job(daemon, workdir, hook=functools.partial(stall_after_posting, 2))
+            _wait_for(lambda: (workdir / "posted").exists(), 120)
+            first, stalled = _first_ended(client, 2)  # (while rank 1 is stalled)
+            (workdir / "go").touch()
+            third = _first_ended(client, 3)[2]
+            (workdir / "stop").touch()
+            ranks = job.collect(120)
+    finally:
+        (workdir / "go").touch()
+        (workdir / "stop").touch()
+        stop_file.touch()
+        [rx] = pullers.collect(120)
+        assert daemon.stop() == 0
+    assert [v["status"] for v in (first, stalled, third)] == ["committed"] * 3, (stalled["reason"], stalled)
+    assert [(version, ok) for version, ok, _, _ in rx["results"]] == [
+        (first["id"], True), (stalled["id"], True), (third["id"], True)], rx["results"]
+    assert rx["state"] == ranks[0]["served"][third["id"]]
 
 
 def test_a_bypass_cpu_version_of_two_owner_ranks_is_pulled_from_their_send_slots(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 
 A send digests every bucket this rank owns as it goes (send/sender.py). A version its pullers read is offered
 as soon as it is cached, usually before that: the offer then asks for the digests (``wanted``) and they are
-posted the moment the send has them (``computed``); a version offered after its send finds them here. Either
+posted the moment the send has them (``computed``: with several owners, once they voted that every one sent
+its share); a version offered after its send finds them here. Either
 way they are taken once, by the send: a pull costs no digest pass of its own.
 """
 

@@ -83,8 +83,9 @@ class Sender:
         version has its own. ``seats``: the quorum rank each receiver of ``group`` is acknowledged under.
         With neither a group nor colocated receivers (every receiver pulls, or there is none), the sender
         still digests what it caches. ``digested``: called with (version, ``slots_key``, layout digest, this
-        rank's digests) once this rank's buckets of a version are digested, before the owners agree on them (its
-        pullers read them: send/own_digests.py)."""
+        rank's digests) once the owners agreed that every one sent its buckets of a version (its pullers read
+        them: send/own_digests.py). Never before: pullers load what every owner posted, and an owner that
+        posted and then stalled before the vote would leave them serving a version its trainer failed."""
         if owners_group is not None and ipc_peers:
             raise ConfigError("versions of several owners go on sync groups only (no colocated receivers)")
         self.owners_group = owners_group
@@ -268,13 +269,13 @@ class Sender:
                     for outlet in outlets:
                         outlet.begin(source.version, layout.digest, full, slim, proto)
             self._stage(source.version, "transferring")
-            digests = self._send_buckets(source, outlets, slots, timer, result, mine)
-            if self.digested is not None:
-                self.digested(source.version, self.slots_key, layout.digest, digests)
+            own = self._send_buckets(source, outlets, slots, timer, result, mine)
             if self.owners_group is not None:
                 voted[0] = True  # whatever the vote's outcome, this rank took part in it
             with timer.stage("control"):
-                digests = self.votes.sent(source, digests)
+                digests = self.votes.sent(source, own)
+            if self.digested is not None:  # (after the vote: see __init__)
+                self.digested(source.version, self.slots_key, layout.digest, own)
             result.version_bytes = layout.total_bytes  # every owner sent its buckets: the version's bytes went out
             self._stage(source.version, "verifying")
             manifest = source.manifest(source.version, self.digest_algo, digests)
