@@ -175,6 +175,42 @@ def test_after_a_failed_pull_the_next_version_is_pulled_whole(tmp_path: Path) ->
     assert puller["got"] == _bytes_of(_model())
 
 
+def _puller_of_two_jobs(first: str, second: str) -> dict:
+    """One receiver pulls from the first job's owner, which then ends, and from the second job's: which owners'
+    agents it holds after each."""
+    from ckpt_engine.codec import decode
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.receive.assembly import VersionAssembler
+    from ckpt_engine.receive.pulled import pull
+    from ckpt_engine.transport.messages import PullOffer
+    from ckpt_engine.transport.nixl import NixlEndpoint
+
+    assembler = VersionAssembler(detect_device("cpu"), lambda payload: None, staging="device")
+    endpoint = NixlEndpoint("receiver")
+    held, results = [], []
+    for folder in (first, second):
+        offer = decode(PullOffer, _wait_for(Path(folder, "offer.bin")))
+        result = pull(assembler, endpoint, offer, 30.0)
+        Path(folder, "done").write_text("1")
+        results.append((result.ok, result.reason))
+        held.append((sorted(set(endpoint._remotes.values())), endpoint.remote(offer.sources[0].agent)))
+    endpoint.close()
+    return {"results": results, "held": held}
+
+
+def test_a_puller_keeps_only_the_agents_of_the_owners_it_pulls_from_now(tmp_path: Path) -> None:
+    """Outside attack, 2026-11-28: a puller kept the NIXL agent of every trainer rank it ever read from, until
+    a read of a gone one failed. After each pull it holds only the offer's owners."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    *_, puller = run_processes([(_owner, (str(first), None, False)), (_owner, (str(second), None, False)),
+                                (_puller_of_two_jobs, (str(first), str(second)))], timeout_s=180)
+    assert puller["results"] == [(True, None), (True, None)], puller["results"]
+    (held_first, name_first), (held_second, name_second) = puller["held"]
+    assert held_first == [name_first] and held_second == [name_second] and name_first != name_second
+
+
 def _puller_after_a_failed_bucket(withdrawn: str, live: str) -> dict:
     """A pull that fails at a bucket read (the owner left after its descriptor was read), then one that works,
     with the same assembler."""
@@ -423,6 +459,45 @@ def test_a_stalled_owner_fails_the_pull_within_its_bound_and_serves_again_once_i
         assert again["got"] == _bytes_of(_model())
     finally:
         (served / "done").write_text("1")
+        owner.collect(60)
+
+
+def _puller_saying_when_it_reads(folder: str, timeout_s: float) -> dict:
+    """``_puller``, which says when its first read is on the wire (``reading`` in ``folder``)."""
+    from ckpt_engine.transport.nixl import NixlEndpoint
+
+    start_read = NixlEndpoint.start_read
+
+    def saying(self, *args, **kwargs):
+        read = start_read(self, *args, **kwargs)
+        Path(folder, "reading").touch()
+        return read
+
+    NixlEndpoint.start_read = saying  # type: ignore[method-assign]
+    return _puller(folder, timeout_s)
+
+
+def test_an_owner_killed_while_its_reads_are_in_flight_over_tcp_fails_the_pull_and_nothing_else(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside attack, 2026-11-28: over TCP, an owner killed mid-read made NIXL raise its own error
+    (nixlRemoteDisconnectError) out of the pull, past the pull's cleanup. The owner is stopped, the puller's
+    read goes out, the owner is killed: the pull fails, saying so, and the puller goes on."""
+    import os
+    import signal
+
+    monkeypatch.setenv("UCX_TLS", "tcp")  # (the processes this test starts inherit it)
+    owner = start_processes([(_owner, (str(tmp_path), None, False))])
+    _wait_for(tmp_path / "offer.bin")
+    os.kill(owner.procs[0].pid, signal.SIGSTOP)
+    puller = start_processes([(_puller_saying_when_it_reads, (str(tmp_path), 60.0))])
+    try:
+        _wait_for(tmp_path / "reading")
+    finally:
+        os.kill(owner.procs[0].pid, signal.SIGKILL)
+    [result] = puller.collect(180)
+    assert not result["ok"] and "pulling version 1" in result["reason"], result
+    assert result["got"] == {}
+    with pytest.raises(AssertionError, match="exit codes"):  # (the owner died of the test's SIGKILL)
         owner.collect(60)
 
 

@@ -245,6 +245,7 @@ def pull(assembler: VersionAssembler, endpoint: NixlEndpoint, offer: PullOffer, 
         assembler.buffers = StagingBuffers(assembler.device)
         return assembler.finish(incoming, f"pulling version {offer.version}: {exc}")
     feed.digests.close(failed=False)
+    endpoint.keep_remotes([source.agent for source in offer.sources])  # (owners of earlier jobs are gone)
     return assembler.conclude(incoming, trailer)
 
 

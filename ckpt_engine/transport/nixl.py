@@ -18,7 +18,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,6 +208,15 @@ class NixlEndpoint:
                 self._agent.remove_remote_agent(name)
             except Exception as exc:  # noqa: BLE001 - already gone
                 log.debug("removing remote agent %s: %s", name, exc)
+
+    def keep_remotes(self, kept: Collection[bytes]) -> None:
+        """Forget every owner but those ``kept`` describes (an offer's owners): a trainer rank that is gone is
+        never read again, and its agent is not kept until a read of it fails."""
+        with self._lock:
+            names = {self._remotes[m] for m in kept if m in self._remotes}
+            gone = [m for m, n in self._remotes.items() if n not in names]
+        for metadata in gone:
+            self.drop_remote(metadata)
 
     def start_read(self, remote: str, source: Region, pieces: Sequence[tuple[int, torch.Tensor]]) -> Read:
         """READ, for each (offset in ``source``, local uint8 view), the view's bytes from the owner into the view
