@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from ckpt_engine.bench.common import (
@@ -207,19 +209,31 @@ def summarize(opts: dict, trainer: dict) -> dict:
     variants = {v: {"seconds": stats(x), "gbps": gbps(trainer["bytes"], stats(x))} for v, x in seconds.items() if x}
     ratios = {f"{kind}_pull_over_ipc": paired_ratio(seconds[f"nixl_{kind}"], seconds[f"ipc_{kind}"])
               for kind in ("cached", "bypass")}
-    return {"name": f"{opts['mib']} MiB × {opts['tensors']:,}", "device": trainer["device"], "bytes": trainer["bytes"],
-            "variants": variants, "ratios": ratios, "copy_floor_s": trainer["copy_floor_s"],
+    return {"name": f"{opts['tensors']:,} tensors", "device": trainer["device"], "bytes": trainer["bytes"],
+            "variants": variants, "ratios": ratios, "copy_floor_s": trainer["copy_floor_s"], "ucx": ucx_settings(),
             "args": {k: opts[k] for k in ("bucket_size", "repeats", "warmup")}}
+
+
+def ucx_settings(environ: Mapping[str, str] = os.environ) -> dict:
+    """What decides UCX's transports for the pulls (inherited by both processes): NIXL's error handling mode
+    and the UCX variables set (UCX_TLS unset: UCX picks)."""
+    from ckpt_engine.transport.nixl import ucx_error_handling
+
+    return {"error_handling": ucx_error_handling(environ),
+            "env": {k: v for k, v in sorted(environ.items()) if k.startswith("UCX_")}}
 
 
 def render(result: dict) -> list[str]:
     if "skipped" in result:
         return [f"The colocated NIXL pull: not measured ({result['skipped']}).", ""]
     a = result["args"]
-    lines = [(f"{result['name']} ({mib(result['bytes'])}) on {result['device']}; bucket "
+    ucx = result.get("ucx") or {}
+    env = ", ".join(f"{k}={v}" for k, v in (ucx.get("env") or {}).items()) or "no UCX_ variable set"
+    lines = [(f"{mib(result['bytes'])} in {result['name']} on {result['device']}; bucket "
               f"{a['bucket_size'] / MiB:g} MiB; {a['repeats']} rounds after {a['warmup']} warm-up, variants "
               "interleaved, order rotated; median (min–max). One device copy of the same bytes: "
-              f"{result['copy_floor_s'] * 1e3:.2f} ms."), "",
+              f"{result['copy_floor_s'] * 1e3:.2f} ms. UCX: error handling {ucx.get('error_handling', '?')}, "
+              f"{env}."), "",
              "| Variant | Time s, median (min–max) | GB/s |", "|---|---:|---:|"]
     for v, e in result["variants"].items():
         lines.append(f"| {LABEL[v]} | {fmt_s(e['seconds'], 4)} | {e['gbps']['median']:.1f} |")

@@ -165,10 +165,10 @@ then
   BENCH_ARGS+=(--nixl-rc "${PIPESTATUS[0]}")
   set -e
 elif [ "$DRY" = 1 ]; then
-  say "with CUDA and NIXL (scripts/gpu-wheels.sh --nixl 13) the colocated NIXL pull would be:"
+  say "with CUDA and NIXL (scripts/gpu-wheels.sh --nixl 12 or 13: the CUDA major of the torch wheel) the colocated NIXL pull would be:"
   in_work "${NIXL_CMD[@]}"
 else
-  say "the colocated NIXL pull is skipped (it needs CUDA and NIXL: scripts/gpu-wheels.sh --nixl 13)"
+  say "the colocated NIXL pull is skipped (it needs CUDA and NIXL: scripts/gpu-wheels.sh --nixl 12 or 13, the CUDA major of the torch wheel)"
 fi
 
 # 4c. side by side with MoonshotAI's checkpoint-engine: only with CUDA; it says itself when their package is missing

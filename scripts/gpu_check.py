@@ -24,8 +24,10 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import email.parser
 import importlib.metadata
+import io
 import json
 import platform
 import shutil
@@ -186,9 +188,18 @@ def _write_slim(wheel: Path, staged: Path) -> None:
         for info in kept:
             data = source.read(info)
             if info is record:
-                lines = data.decode().splitlines()
-                data = "\n".join(line for line in lines if line.split(",")[0] in names).encode() + b"\n"
+                data = _record_of(data, names)
             out.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+
+
+def _record_of(record: bytes, names: set[str]) -> bytes:
+    """A wheel's RECORD (CSV: a name with a comma is quoted) keeping only the rows of ``names``."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    for row in csv.reader(io.StringIO(record.decode())):
+        if row and row[0] in names:
+            writer.writerow(row)
+    return out.getvalue().encode()
 
 
 def wheel_requires(path: Path) -> list[Any]:
@@ -439,8 +450,13 @@ def nixl_section(report: dict[str, Any]) -> list[str]:
     """The colocated NIXL pull beside our CUDA IPC path: its table, or why it did not run."""
     lines = ["## The colocated NIXL pull (bench/nixl_colocated.py)", ""]
     if report.get("nixl_md") is None:
-        why = ("no CUDA" if not report["cuda"] else "NIXL is not installed here (scripts/gpu-wheels.sh --nixl 13)"
-               if report.get("nixl_rc") is None else f"failed, exit code {report['nixl_rc']}; see nixl-colocated.log")
+        major = str(report.get("torch_cuda") or "").split(".")[0] or "N"
+        if not report["cuda"]:
+            why = "no CUDA"
+        elif report.get("nixl_rc") is None:
+            why = f"NIXL is not installed here (scripts/gpu-wheels.sh --nixl {major}, the CUDA major of this torch)"
+        else:
+            why = f"failed, exit code {report['nixl_rc']}; see nixl-colocated.log"
         return lines + [f"Not run ({why}).", ""]
     body = [line for line in report["nixl_md"].splitlines() if not line.startswith("## ")]
     return lines + body + [""]

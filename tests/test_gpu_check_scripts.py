@@ -199,3 +199,49 @@ def test_fill_parts_times_the_padding_views_also_where_the_fill_takes_one_memset
     fill_parts.main()
     first = json.loads(capsys.readouterr().out.splitlines()[0])
     assert first["padding_views"] > 0 and first["memset_spans"] >= 1
+
+
+def _nixl_wheel(folder: Path, name: str = "nixl_cu12") -> Path:
+    """A wheel laid out as nixl-cu12 1.5.1's (its folders, a plugin it needs and one it does not), with a
+    RECORD as pip writes it: CSV, a name holding a comma quoted."""
+    path = folder / f"{name}-1.5.1-cp311-cp311-manylinux_2_28_x86_64.whl"
+    members = {f"{name}/_api.py": b"api", f"{name}.libs/nixl/libplugin_UCX.so": b"ucx",
+               f"{name}.libs/nixl/libplugin_GDS.so": b"gds", "nixl_ep_cu12/kernels.so": b"ep" * 100,
+               f"{name}/odd,name.py": b"odd", f"{name}.scripts/nixlbench": b"tool"}
+    record = "".join(f'"{n}",sha256=x,{len(d)}\n' if "," in n else f"{n},sha256=x,{len(d)}\n"
+                     for n, d in members.items()) + f"{name}-1.5.1.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as archive:
+        for member, data in members.items():
+            archive.writestr(member, data)
+        archive.writestr(f"{name}-1.5.1.dist-info/RECORD", record)
+    return path
+
+
+def test_a_slimmed_nixl_wheel_keeps_what_the_transport_loads_and_its_record_lists_exactly_that(
+        tmp_path: Path) -> None:
+    import csv
+    import io
+
+    wheel = _nixl_wheel(tmp_path)
+    gpu_check.slim_nixl(wheel)
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        rows = list(csv.reader(io.StringIO(archive.read("nixl_cu12-1.5.1.dist-info/RECORD").decode())))
+    assert names == {"nixl_cu12/_api.py", "nixl_cu12.libs/nixl/libplugin_UCX.so", "nixl_cu12/odd,name.py",
+                     "nixl_cu12-1.5.1.dist-info/RECORD"}
+    assert {row[0] for row in rows} == names  # (the quoted name kept, as one name)
+    assert not list(tmp_path.glob("*.slim"))
+
+
+def test_slimming_refuses_a_wheel_that_is_not_nixl_and_leaves_it_untouched(tmp_path: Path) -> None:
+    wheel = _nixl_wheel(tmp_path, name="other_pkg")
+    before = wheel.read_bytes()
+    with pytest.raises(gpu_check.CheckError, match="not a NIXL wheel"):
+        gpu_check.slim_nixl(wheel)
+    assert wheel.read_bytes() == before and not list(tmp_path.glob("*.slim"))
+
+
+@pytest.mark.parametrize(("torch_cuda", "hint"), [("12.8", "--nixl 12"), ("13.0", "--nixl 13"), (None, "--nixl N")])
+def test_the_report_names_the_nixl_build_for_the_cuda_of_its_torch(torch_cuda: str | None, hint: str) -> None:
+    lines = gpu_check.nixl_section({"cuda": True, "torch_cuda": torch_cuda, "nixl_md": None})
+    assert hint in "\n".join(lines)
