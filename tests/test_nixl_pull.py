@@ -265,8 +265,9 @@ def test_a_receiver_staging_by_stream_is_told_why_and_keeps_nothing_registered(t
     assert puller["registered"] == 0 and puller["got"] == {}
 
 
-def test_retired_memory_is_kept_for_two_more_failures_then_freed() -> None:
-    """Found by the outside attack on issue 39: every failed pull kept its staging (a model's size) for good."""
+def test_retired_memory_no_read_writes_into_is_freed() -> None:
+    """Found by the outside attack on issue 39: every failed pull kept its staging (a model's size) for good.
+    Memory retired with no read in flight into it is deregistered (so freed) at once."""
     from ckpt_engine.transport.nixl import NixlEndpoint
 
     endpoint = NixlEndpoint("receiver")
@@ -275,10 +276,71 @@ def test_retired_memory_is_kept_for_two_more_failures_then_freed() -> None:
         for buffer in buffers:
             endpoint.register(buffer[:100])
             endpoint.retire([buffer[:100], buffer[200:300]])  # (two views of one storage)
-        held = {key[0] for key in endpoint._registered}
-        assert held == {b.data_ptr() for b in buffers[2:]}
+        _wait_until(lambda: not endpoint._registered and not endpoint._retired, _WAIT_S)
     finally:
         endpoint.close()
+
+
+def _puller_of_a_stalling_owner(folder: str) -> dict:
+    """Pulls the offer once (connected), then again while the owner is stopped (``stopped`` in ``folder``),
+    giving up at a short deadline; then, once the owner goes on (``continued``), waits for its reads given up
+    on to end. What its endpoint holds at each point."""
+    from ckpt_engine.codec import decode
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.receive.assembly import VersionAssembler
+    from ckpt_engine.receive.pulled import pull
+    from ckpt_engine.transport.messages import PullOffer
+    from ckpt_engine.transport.nixl import NixlEndpoint
+
+    offer = decode(PullOffer, _wait_for(Path(folder, "offer.bin")))
+    assembler = VersionAssembler(detect_device("cpu"), lambda payload: None, staging="device")
+    endpoint = NixlEndpoint("receiver")
+    first = pull(assembler, endpoint, offer, 60.0)
+    Path(folder, "pulled").touch()
+    _wait_for(Path(folder, "stopped"))
+    stalled = pull(assembler, endpoint, offer, 3.0)
+
+    def held() -> dict:
+        return {"in_flight": endpoint.in_flight, "retired": len(endpoint._retired),
+                "dropping": len(endpoint._dropping)}
+
+    given_up = held()
+    Path(folder, "gave-up").touch()
+    _wait_for(Path(folder, "continued"))
+    _wait_until(lambda: not endpoint.in_flight and not endpoint._retired and not endpoint._dropping, 120)
+    after = held()
+    Path(folder, "done").touch()
+    endpoint.close()
+    return {"first": (first.ok, first.reason), "stalled": (stalled.ok, stalled.reason), "given_up": given_up,
+            "after": after}
+
+
+def test_reads_given_up_on_keep_their_memory_and_owner_until_they_end_and_nobody_crashes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over TCP an owner stopped mid-read still writes its replies once it goes on, even after the puller gave
+    up and removed its agent (seen on nixl-cu12 1.5.1). So a read given up on keeps the memory it writes into,
+    and the owner's agent, until it ends; then both are let go, and puller and owner end cleanly (a puller that
+    exited with a transfer unreleased aborted in NIXL)."""
+    import os
+    import signal
+
+    monkeypatch.setenv("UCX_TLS", "tcp")  # (the processes this test starts inherit it)
+    owner = start_processes([(_owner, (str(tmp_path), None, False))])
+    puller = start_processes([(_puller_of_a_stalling_owner, (str(tmp_path),))])
+    try:
+        _wait_for(tmp_path / "pulled")
+        os.kill(owner.procs[0].pid, signal.SIGSTOP)
+        (tmp_path / "stopped").touch()
+        _wait_for(tmp_path / "gave-up")
+    finally:
+        os.kill(owner.procs[0].pid, signal.SIGCONT)
+        (tmp_path / "continued").touch()
+    [result] = puller.collect(240)
+    assert owner.collect(60) == ["served"]
+    assert result["first"] == (True, None) and not result["stalled"][0], result
+    assert result["given_up"]["in_flight"] > 0 and result["given_up"]["retired"] > 0, result
+    assert result["given_up"]["dropping"] == 1, result  # (the owner's agent: removed once its reads ended)
+    assert result["after"] == {"in_flight": 0, "retired": 0, "dropping": 0}
 
 
 @pytest.mark.parametrize("keys", [1, 9])

@@ -29,14 +29,17 @@ from ckpt_engine.retry import Backoff
 
 log = logging.getLogger(__name__)
 _MODULES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")
-_RETIRED_KEPT = 2
+# How often reads given up on are checked (see NixlEndpoint._reap), and how long close() waits for them.
+_REAP_S = 0.05
+CLOSE_DRAIN_S = 10.0
 INSTALL_HINT = "pip install nixl-cu12 (CPU and CUDA 12) or nixl-cu13 (CUDA 13)"
 # NIXL's UCX backend asks UCX for peer error handling by default. UCX then refuses every transport without a peer
 # failure handler: shared memory (posix, sysv) and cuda_ipc. On one host a READ then falls back to software
 # emulation over TCP loopback, owner-driven: 0.5 GB/s on an H200 where CUDA IPC moves 100 GB/s (docs/gpu-runs.md,
 # 2026-11-28). Our reads do not need UCX to notice a dead peer: every read has its deadline, and a failed one fails
-# its version only (tested with owners and pullers killed, over TCP too). One known exception, with "peer" too:
-# over TCP, an owner stopped mid-read aborts inside UCX if its puller dies meanwhile. "peer" restores NIXL's default.
+# its version only (tested with owners and pullers killed, over TCP too). One known exception, with "peer" too: over
+# TCP an owner stopped mid-read aborts inside UCX if its puller's process ends meanwhile (a UCX defect:
+# docs/architecture.md). "peer" restores NIXL's default.
 UCX_ERROR_HANDLING_ENV = "CKPT_NIXL_UCX_ERROR_HANDLING"
 UCX_ERROR_HANDLING_MODES = ("none", "peer")
 
@@ -107,7 +110,8 @@ _READ_BUSY_S = 2.0  # after a read starts (each read refreshes it)
 
 class NixlEndpoint:
     """This process's NIXL agent. Thread-safe (the agent itself serializes its calls); registrations and remote
-    agents are kept until :meth:`close`.
+    agents are kept until :meth:`close` or until their users let go of them. Memory a read given up on may
+    still write into, and the agent it reads from, are kept until that read ends (:meth:`retire`).
 
     UCX over TCP serves a READ only while the owner's side is driven (on one host, shared memory and cuda_ipc reads
     are one-sided: see UCX_ERROR_HANDLING_ENV). NIXL's own progress thread does that by spinning a whole core, idle
@@ -132,7 +136,9 @@ class NixlEndpoint:
         self._lock = threading.Lock()
         self._registered: dict[tuple[int, int], tuple[Region, Any, torch.Tensor]] = {}
         self._remotes: dict[bytes, str] = {}
-        self._retired: list[list[torch.Tensor]] = []  # see retire
+        self._reads: set[Read] = set()  # started and not yet released (see Read)
+        self._retired: list[torch.Tensor] = []  # see retire
+        self._dropping: set[str] = set()  # remote agents to remove once no read from them is in flight
         self._busy_until = 0.0  # time.monotonic() until which the agent is driven at the busy rate
         self._closing = threading.Event()
         self._driver = threading.Thread(target=self._progress, name="ckpt-nixl-progress", daemon=True)
@@ -143,11 +149,40 @@ class NixlEndpoint:
         self._busy_until = time.monotonic() + seconds
 
     def _progress(self) -> None:
+        reaped_at = time.monotonic()
         while not self._closing.wait(BUSY_PROGRESS_S if time.monotonic() < self._busy_until else IDLE_PROGRESS_S):
             try:
                 self._agent.get_new_notifs()  # (drives the UCX worker: connections, and the reads it serves)
             except Exception as exc:  # noqa: BLE001 - a later turn tries again; reads fail on their own
                 log.debug("driving the NIXL agent: %s", exc)
+            if time.monotonic() - reaped_at >= _REAP_S:
+                reaped_at = time.monotonic()
+                self._reap()
+
+    def _reap(self) -> None:
+        """Release the reads given up on that have ended, then remove the remote agents and deregister the
+        retired memory that no read in flight uses any more."""
+        with self._lock:
+            abandoned = [read for read in self._reads if read.abandoned]
+        for read in abandoned:
+            read.settle_if_ended()
+        with self._lock:
+            busy = {read.remote for read in self._reads}
+            written = {key for read in self._reads for key in read.writes}
+            names = [name for name in self._dropping if name not in busy]
+            self._dropping -= set(names)
+            freed = [t for t in self._retired if _key(t) not in written]
+            self._retired = [t for t in self._retired if _key(t) in written]
+        for tensor in freed:
+            self.forget(tensor)
+        for name in names:
+            self._remove_agent(name)
+
+    @property
+    def in_flight(self) -> int:
+        """Reads started and not yet released (given up on ones included)."""
+        with self._lock:
+            return len(self._reads)
 
     def metadata(self) -> bytes:
         """What a puller needs to reach this agent (NIXL's own bytes: opaque here)."""
@@ -168,9 +203,8 @@ class NixlEndpoint:
 
     def forget(self, tensor: torch.Tensor) -> None:
         """Deregister the storage under ``tensor`` (its owner frees it)."""
-        region = region_of(tensor)
         with self._lock:
-            entry = self._registered.pop((region.addr, region.nbytes), None)
+            entry = self._registered.pop(_key(tensor), None)
         if entry is not None:
             self._agent.deregister_memory(entry[1])
 
@@ -186,28 +220,39 @@ class NixlEndpoint:
                     raise PullFailed(f"an owner's NIXL metadata was refused: {type(exc).__name__}: {exc}") from exc
                 self._remotes = {m: n for m, n in self._remotes.items() if n != name}
                 self._remotes[metadata] = name
+                self._dropping.discard(name)  # (in use again)
             return name
 
     def retire(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Memory a failed read may still write into: kept registered, so alive, until two more failures have
-        been retired after it (by then the owner it read from was dropped, and its transfers with it)."""
+        """Memory its user is done with, though a read given up on may still write into it: every read into it
+        still in flight is given up on, and it stays registered, so alive, until none is (an owner that resumes
+        late still writes: over TCP its replies land even after its agent was removed)."""
+        keys = {_key(t) for t in tensors}
         with self._lock:
-            self._retired.append(list(tensors))
-            oldest = self._retired.pop(0) if len(self._retired) > _RETIRED_KEPT else []
-        for tensor in oldest:
-            self.forget(tensor)
+            self._retired += [t for t in tensors if _key(t) not in {_key(r) for r in self._retired}]
+            reads = [read for read in self._reads if read.writes & keys]
+        for read in reads:
+            read.abandon()
 
     def drop_remote(self, metadata: bytes) -> None:
-        """Forget an owner (it died or restarted): its next metadata is added afresh."""
+        """Forget an owner (it died, restarted or stalled): its next metadata is added afresh. Its agent is
+        removed once no read from it is in flight: NIXL then no longer says whether a read ended, and a late
+        one still writes."""
         with self._lock:
             name = self._remotes.pop(metadata, None)
-            if name is not None:
-                self._remotes = {m: n for m, n in self._remotes.items() if n != name}
-        if name is not None:
-            try:
-                self._agent.remove_remote_agent(name)
-            except Exception as exc:  # noqa: BLE001 - already gone
-                log.debug("removing remote agent %s: %s", name, exc)
+            if name is None:
+                return
+            self._remotes = {m: n for m, n in self._remotes.items() if n != name}
+            if any(read.remote == name for read in self._reads):
+                self._dropping.add(name)
+                return
+        self._remove_agent(name)
+
+    def _remove_agent(self, name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as exc:  # noqa: BLE001 - already gone
+            log.debug("removing remote agent %s: %s", name, exc)
 
     def keep_remotes(self, kept: Collection[bytes]) -> None:
         """Forget every owner but those ``kept`` describes (an offer's owners): a trainer rank that is gone is
@@ -228,7 +273,7 @@ class NixlEndpoint:
                 raise PullFailed(f"a read of {view.numel()} bytes at {offset} leaves the owner's region of "
                                  f"{source.nbytes} bytes")
         if not local:
-            return Read(self, None)
+            return Read(self, None, remote, [])
         mem = local[0][3]
         local_descs = self._agent.get_xfer_descs([(a, n, d) for a, n, d, _ in local], mem)
         remote_descs = self._agent.get_xfer_descs(far, source.mem)
@@ -241,24 +286,46 @@ class NixlEndpoint:
         if state == "ERR":
             self._agent.release_xfer_handle(handle)
             raise PullFailed(f"a read from {remote} failed as it started")
-        return Read(self, handle)
+        read = Read(self, handle, remote, [view for _, view in pieces if view.numel()])
+        with self._lock:
+            self._reads.add(read)
+        return read
 
-    def close(self) -> None:
+    def close(self, drain_s: float = CLOSE_DRAIN_S) -> None:
+        """Release everything, after waiting up to ``drain_s`` for reads still in flight (given up on: their
+        owner stopped answering) to end. One that has not is left to the process's exit, which NIXL may not
+        survive, and over TCP an owner that resumes after it may abort (a defect of UCX's software reads:
+        docs/workers.md)."""
+        deadline = time.monotonic() + drain_s
+        while self.in_flight and time.monotonic() < deadline:
+            self._abandon_all()
+            time.sleep(_REAP_S)
+        if self.in_flight:
+            log.warning("closing the NIXL agent with %d read(s) still in flight: their owners stopped answering",
+                        self.in_flight)
         self._closing.set()
         self._driver.join(timeout=5.0)
         with self._lock:
             entries, self._registered = list(self._registered.values()), {}
-            remotes, self._remotes = list(self._remotes.values()), {}
+            remotes = [*self._remotes.values(), *self._dropping]
+            self._remotes, self._dropping, self._retired = {}, set(), []
         for _, handle, _ in entries:
             try:
                 self._agent.deregister_memory(handle)
             except Exception as exc:  # noqa: BLE001 - closing: best effort
                 log.debug("deregistering: %s", exc)
-        for name in remotes:
-            try:
-                self._agent.remove_remote_agent(name)
-            except Exception as exc:  # noqa: BLE001
-                log.debug("removing remote agent %s: %s", name, exc)
+        for name in set(remotes):
+            self._remove_agent(name)
+
+    def _abandon_all(self) -> None:
+        with self._lock:
+            reads = list(self._reads)
+        for read in reads:
+            read.abandon()
+
+    def _settled(self, read: Read) -> None:
+        with self._lock:
+            self._reads.discard(read)
 
     def _kind(self, view: torch.Tensor) -> tuple[int, str]:
         region = region_of(view)
@@ -267,35 +334,72 @@ class NixlEndpoint:
         return region.device_id, region.mem
 
 
-class Read:
-    """One READ in flight."""
+def _key(tensor: torch.Tensor) -> tuple[int, int]:
+    """The storage under ``tensor``, as registrations are keyed."""
+    region = region_of(tensor)
+    return region.addr, region.nbytes
 
-    def __init__(self, endpoint: NixlEndpoint, handle: Any) -> None:
-        self._endpoint, self._handle = endpoint, handle
+
+class Read:
+    """One READ in flight, from agent ``remote`` into ``into`` (kept alive until it is released). A read is
+    released once it ended; one given up on (its wait timed out, or its user retired the memory it writes
+    into) is released by its endpoint when it ends, not before: NIXL cannot release a transfer in flight."""
+
+    def __init__(self, endpoint: NixlEndpoint, handle: Any, remote: str, into: list[torch.Tensor]) -> None:
+        self._endpoint, self._handle, self.remote, self._into = endpoint, handle, remote, into
+        self.writes = {_key(view) for view in into}
+        self.abandoned = False
+        self._lock = threading.Lock()
 
     def wait(self, timeout_s: float) -> None:
-        """Until the bytes are here; PullFailed if the owner failed it, SyncTimeoutError after ``timeout_s``."""
+        """Until the bytes are here; PullFailed if the owner failed it, SyncTimeoutError after ``timeout_s``
+        (the read is then given up on)."""
         if self._handle is None:
             return
-        agent = self._endpoint._agent
         deadline = time.monotonic() + timeout_s
         backoff = Backoff(initial_s=0.0002, max_s=0.01)
-        try:
-            while True:
-                try:
-                    state = agent.check_xfer_state(self._handle)
-                except Exception as exc:  # (e.g. nixlRemoteDisconnectError: the owner died mid-read, over TCP)
-                    raise PullFailed(f"a read from an owner failed: {type(exc).__name__}: {exc}") from exc
-                if state == "DONE":
-                    return
-                if state == "ERR":
-                    raise PullFailed("a read from an owner failed (it died, or deregistered what it served)")
-                if time.monotonic() >= deadline:
-                    raise SyncTimeoutError(f"a read from an owner did not finish within {timeout_s:.0f}s")
-                backoff.wait()
-        finally:
+        while True:
             try:
-                agent.release_xfer_handle(self._handle)
-            except Exception as exc:  # noqa: BLE001 - a transfer still in flight cannot be released: say so
-                log.warning("a NIXL transfer could not be released (%s); its handle is leaked", exc)
-            self._handle = None
+                state = self._endpoint._agent.check_xfer_state(self._handle)
+            except Exception as exc:  # (e.g. nixlRemoteDisconnectError: the owner died mid-read, over TCP)
+                self._settle()
+                raise PullFailed(f"a read from an owner failed: {type(exc).__name__}: {exc}") from exc
+            if state == "DONE":
+                self._settle()
+                return
+            if state == "ERR":
+                self._settle()
+                raise PullFailed("a read from an owner failed (it died, or deregistered what it served)")
+            if time.monotonic() >= deadline:
+                self.abandon()
+                raise SyncTimeoutError(f"a read from an owner did not finish within {timeout_s:.0f}s")
+            backoff.wait()
+
+    def abandon(self) -> None:
+        """Nobody waits for it any more: its endpoint releases it once it ends."""
+        self.abandoned = True
+
+    def settle_if_ended(self) -> None:
+        """(The endpoint's, for a read given up on) Release it if it ended, whichever way."""
+        with self._lock:
+            handle = self._handle
+        if handle is None:
+            return
+        try:
+            ended = self._endpoint._agent.check_xfer_state(handle) != "PROC"
+        except Exception:  # noqa: BLE001 - its owner died: the transfer is over
+            ended = True
+        if ended:
+            self._settle()
+
+    def _settle(self) -> None:
+        with self._lock:
+            handle, self._handle = self._handle, None
+        if handle is None:
+            return
+        try:
+            self._endpoint._agent.release_xfer_handle(handle)
+        except Exception as exc:  # noqa: BLE001 - an ended transfer NIXL will not release: nothing more to do
+            log.debug("releasing a NIXL transfer: %s", exc)
+        self._into = []
+        self._endpoint._settled(self)
