@@ -311,10 +311,12 @@ def offer_fails(fail_version: int, agent, rank: int, version: int, workdir: str)
     return {}
 
 
-def stall_after_posting(stall_version: int, agent, rank: int, version: int, workdir: str) -> dict:
-    """(``owner_trainer``'s hook) From the version before ``stall_version`` on, rank 1 stalls right after it
-    posts its digests of ``stall_version`` for the pullers (``posted`` in ``workdir``), until ``go``."""
-    if rank != 1 or version != stall_version - 1:
+def stall_after_posting(stall_version: int, stalling_rank: int, agent, rank: int, version: int,
+                        workdir: str) -> dict:
+    """(``owner_trainer``'s hook) From the version before ``stall_version`` on, rank ``stalling_rank`` stalls
+    right after it posts its digests of ``stall_version`` for the pullers (``posted`` in ``workdir``), until
+    ``go``."""
+    if rank != stalling_rank or version != stall_version - 1:
         return {}
     from ckpt_engine.send import pull_offer
 
@@ -330,13 +332,31 @@ def stall_after_posting(stall_version: int, agent, rank: int, version: int, work
     return {}
 
 
-def _job(daemon, workdir: Path, flip_version: int = -1, hook=None, mode: str = "push"):
-    """Two FSDP2 ranks pushing (``mode``: "push" cached, "bypass") at steps 3, 7 and 9, training the first
-    layer at 5."""
+def stall_before_reporting(stall_version: int, agent, rank: int, version: int, workdir: str) -> dict:
+    """(``owner_trainer``'s hook) The lead (rank 0) stalls before it reports ``stall_version`` done to the
+    daemon (``stalled`` in ``workdir``), until ``go``."""
+    if rank != 0 or version != stall_version - 1:
+        return {}
+    report = agent.report
+
+    def stalling(reported: int, event: str, **fields) -> None:
+        if reported == stall_version and event == "done":
+            Path(workdir, "stalled").touch()
+            _wait_for(lambda: Path(workdir, "go").exists(), 180)
+        report(reported, event, **fields)
+
+    agent.report = stalling
+    return {}
+
+
+def _job(daemon, workdir: Path, flip_version: int = -1, hook=None, mode: str = "push", versions: int = 3):
+    """Two FSDP2 ranks pushing (``mode``: "push" cached, "bypass") at steps 3, 7 and 9 (the first
+    ``versions`` of them), training the first layer at 5."""
     from tests.daemon_harness import free_port
     from tests.test_owners import owner_trainer
 
-    actions, port = {3: mode, 5: "train", 7: mode, 9: mode}, free_port()
+    actions = {step: mode for step in (3, 7, 9)[:versions]} | {5: "train"}
+    port = free_port()
     hook = hook or functools.partial(flip_in_share, flip_version)
     return start_processes([(owner_trainer, (rank, 2, port, daemon.zmq, str(workdir), actions, hook))
                             for rank in (0, 1)])
@@ -520,12 +540,14 @@ def test_an_owner_rank_that_cannot_offer_fails_the_version_at_once_and_its_pulle
     assert [(version, ok) for version, ok, _, _ in rx["results"]] == [(first["id"], True), (third["id"], True)]
 
 
+@pytest.mark.parametrize("stalling_rank", [1, 0])
 def test_an_owner_that_stalls_after_posting_never_leaves_pullers_on_a_version_the_daemon_failed(
-        tmp_path: Path) -> None:
-    """Rank 1 stalls right after posting its digests of version 2 (outside attack, 2026-11-28: it used to post
-    before the owners' vote, so the lead waited in the vote until the version failed while the pullers had
-    already loaded it). An owner posts only once the owners voted that every one sent its share: whatever the
-    pullers load, the daemon commits, and the history says so."""
+        tmp_path: Path, stalling_rank: int) -> None:
+    """An owner rank stalls right after posting its digests of version 2. Outside attacks, 2026-11-28/29:
+    rank 1 used to post before the owners' vote, and the lead before its report to the daemon, so the version
+    failed (the vote, or the daemon, waited for the stalled rank) while the pullers had already loaded it. An
+    owner posts only once the owners voted that every one sent its share, the lead only once the daemon has
+    its report: whatever the pullers load, the daemon commits, and the history says so."""
     workdir, stop_file = tmp_path / "job", tmp_path / "rx-stop"
     workdir.mkdir()
     daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", transport="nixl",
@@ -535,7 +557,7 @@ def test_an_owner_that_stalls_after_posting_never_leaves_pullers_on_a_version_th
     try:
         with daemon.client() as client:
             _wait_for(lambda: len(client.get("/receivers").json()["agents"]) == 1)
-            job = _job(daemon, workdir, hook=functools.partial(stall_after_posting, 2))
+            job = _job(daemon, workdir, hook=functools.partial(stall_after_posting, 2, stalling_rank))
             _wait_for(lambda: (workdir / "posted").exists(), 120)
             first, stalled = _first_ended(client, 2)  # (while rank 1 is stalled)
             (workdir / "go").touch()
@@ -552,6 +574,40 @@ def test_an_owner_that_stalls_after_posting_never_leaves_pullers_on_a_version_th
     assert [(version, ok) for version, ok, _, _ in rx["results"]] == [
         (first["id"], True), (stalled["id"], True), (third["id"], True)], rx["results"]
     assert rx["state"] == ranks[0]["served"][third["id"]]
+
+
+def test_a_lead_that_stalls_before_its_report_leaves_the_pullers_on_their_version(tmp_path: Path) -> None:
+    """The lead stalls before it reports version 2 done (outside attack, 2026-11-29: it had posted its digests
+    already, so pullers loaded a version the daemon then failed at its time limit). It posts only after its
+    report: the pullers give up at the version's deadline and keep version 1, and the history agrees."""
+    workdir, stop_file = tmp_path / "job", tmp_path / "rx-stop"
+    workdir.mkdir()
+    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", transport="nixl",
+                                       nixl_trust_receivers=True, bucket_size_mb=0.02))
+    pullers = start_processes([(llama_puller, (daemon.zmq, 5, str(stop_file), (str(workdir), -1)))])
+    job = None
+    try:
+        with daemon.client() as client:
+            _wait_for(lambda: len(client.get("/receivers").json()["agents"]) == 1)
+            # (two versions: a third one's push would wait for the stalled one, and the job's group with it)
+            job = _job(daemon, workdir, hook=functools.partial(stall_before_reporting, 2), versions=2)
+            _wait_for(lambda: (workdir / "stalled").exists(), 120)
+            first, stalled = _first_ended(client, 2)  # (the second at its time limit)
+            (workdir / "go").touch()
+            (workdir / "stop").touch()
+            ranks = job.collect(180)
+    finally:
+        (workdir / "go").touch()
+        (workdir / "stop").touch()
+        stop_file.touch()
+        [rx] = pullers.collect(120)
+        assert daemon.stop() == 0
+    assert [v["status"] for v in (first, stalled)] == ["committed", "failed"], stalled
+    [entry] = stalled["receivers"]
+    assert entry["ok"] is False and entry.get("serving_after") != stalled["id"], entry
+    results = {version: ok for version, ok, _, _ in rx["results"]}
+    assert results[first["id"]] is True and results[stalled["id"]] is False, rx["results"]
+    assert rx["state"] == ranks[0]["served"][max(v for v, ok in results.items() if ok)]
 
 
 def test_a_bypass_cpu_version_of_two_owner_ranks_is_pulled_from_their_send_slots(tmp_path: Path) -> None:

@@ -100,6 +100,14 @@ class PullServer:
             offered = self._offered.get(version)
         return offered is not None and all(board.posted for board in offered.boards.values())
 
+    def _digested(self, version: int, own: OwnDigests) -> bool:
+        """Whether this rank's digests of every board of offered ``version`` are known (posted, or held back
+        until the lead's report: send/own_digests.py), or a failure was posted."""
+        with self._lock:
+            offered = self._offered.get(version)
+        return offered is not None and all(board.posted or own.known(version, key)
+                                           for key, board in offered.boards.items())
+
     def offer_for(self, assignment: Assignment, publisher: Publisher, settings: RegisterReply | None, rank: int,
                   sent: TransferResult | None = None) -> PullOffer:
         """What trainer rank ``rank`` offers of ``assignment`` (a send with pullers), held for the version's
@@ -120,7 +128,7 @@ class PullServer:
             plans = {"": sent.wire_plan}
         offer = self.offer(cache, assignment.version, assignment.source_version, publisher.device.digest_algo,
                            hold_s, publisher.own_digests, rank=rank, plans=plans, kept=kept)
-        if sent is not None and not self.posted(assignment.version):  # (its send ended: no digest will come now)
+        if sent is not None and not self._digested(assignment.version, publisher.own_digests):  # (none will come)
             reason = f"version {assignment.version}: its send kept no digests of trainer rank {rank}'s pieces"
             self.fail(assignment.version, reason)
             raise CacheError(reason)

@@ -57,6 +57,7 @@ from ckpt_engine.workers.trainer_ranks import TrainerRanks
 
 log = logging.getLogger(__name__)
 TensorSource = Callable[[], NamedTensors]
+_REPORT_BOUND_S = 30.0  # how long the lead waits for the daemon to take a pulled version's report
 _REPORT_BEFORE_EXIT_S = 2.0  # a daemon that answers takes milliseconds; one that does not must not hold the exit
 _OFFER_JOIN_S = 60.0  # an offer registers memory and encodes a descriptor: a second or two the first time
 
@@ -134,6 +135,7 @@ class TrainerAgent(Agent):
         elif assignment.kind == "send" and assignment.source_version is not None and assignment.owners == 1:
             self.pulls.release(before=assignment.version)  # (one version in flight: the daemon is done with those)
             self.served.append(assignment.version)  # rank 0 holds the whole version: no other rank is needed
+            self._hold_lead_digests(assignment)
             self._track(assignment, lambda: self._publisher().publish(
                 assignment.version, source_version=assignment.source_version, route=lambda: self._route(assignment),
                 expected_digest=assignment.expected_digest, keep=assignment.keep, pulled=assignment.pullers > 0), 0.0)
@@ -211,6 +213,7 @@ class TrainerAgent(Agent):
         """This rank's part of a version, through the publisher's one entry: the buckets it owns it stores and
         sends, the others it helps gather (every rank calls this for the same versions, in order)."""
         ownership = Ownership(self.rank, assignment.owners, self.ranks.global_rank if self.world_size > 1 else None)
+        self._hold_lead_digests(assignment)
         if assignment.source_version is not None:  # a re-push: every owner sends its share from its cache
             return self._publisher().publish(assignment.version, source_version=assignment.source_version,
                                              route=lambda: self._route(assignment), ownership=ownership,
@@ -406,6 +409,25 @@ class TrainerAgent(Agent):
                                  f"{exc}")
             return
         self.report(result.version, "done", **fields, group_broken=self.group_broken)
+        if self.rank == 0 and assignment.pullers:
+            self._release_lead_digests(result.version)
+
+    def _hold_lead_digests(self, assignment: Assignment) -> None:
+        """The lead posts its digests of a pulled version only once the daemon has its report of it (see
+        ``_release_lead_digests``)."""
+        if self.rank == 0 and assignment.pullers:
+            self._publisher().own_digests.expect(assignment.version, hold=True)
+
+    def _release_lead_digests(self, version: int) -> None:
+        """Post the lead's digests of ``version`` once the daemon has taken its report of it. Pullers need
+        every owner's post, so a lead that stalls or dies before its report leaves them on the version they
+        hold, and the daemon fails the version it never heard of: never a version loaded that the daemon
+        fails. A report that does not get through fails the version for the pullers instead."""
+        bound = min(self.settings.version_timeout_s if self.settings else 60.0, _REPORT_BOUND_S)
+        if self.flush_reports(bound):
+            self._publisher().own_digests.release(version)
+        else:
+            self.pulls.fail(version, f"the daemon did not take the trainer's report within {bound:.0f}s")
 
     def _offer_after_send(self, assignment: Assignment, result: TransferResult) -> None:
         """A version offered before its send: its pullers are told if the send failed. Else it is offered now,

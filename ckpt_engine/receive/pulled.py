@@ -112,7 +112,20 @@ class PostedDigests:
             raise
 
     def of_bucket(self, index: int) -> list[int]:
-        owner = self.owners.of[index]
+        posted, start = self._posted_by(self.owners.of[index]), self.starts[index]
+        return posted[start : start + len(self.layout.buckets[index].slots)]
+
+    def trailer(self) -> VersionTrailer:
+        """What a push's trailer would say: the version digest of every piece's posted digest, in wire order.
+        The lead's post is needed too, whatever it holds: it posts once the daemon has its report of the
+        version (workers/trainer_agent.py), so nothing is loaded whose outcome the daemon cannot know."""
+        self._posted_by(0)
+        flat = [d for bucket in self.layout.buckets for d in self.of_bucket(bucket.index)]
+        return VersionTrailer(version=self.header.version,
+                              version_digest=version_digest(self.header.digest_algo, self.layout.digest, flat))
+
+    def _posted_by(self, owner: int) -> list[int]:
+        """What ``owner`` posted, read again (backing off) until it has posted, or the deadline."""
         delay = _FIRST_RETRY_S
         while (posted := self.posted[owner]) is None:
             self._finish_reads()
@@ -124,14 +137,7 @@ class PostedDigests:
             time.sleep(delay)
             delay = min(delay * 2, _LAST_RETRY_S)
             self._start_reads()
-        start = self.starts[index]
-        return posted[start : start + len(self.layout.buckets[index].slots)]
-
-    def trailer(self) -> VersionTrailer:
-        """What a push's trailer would say: the version digest of every piece's posted digest, in wire order."""
-        flat = [d for bucket in self.layout.buckets for d in self.of_bucket(bucket.index)]
-        return VersionTrailer(version=self.header.version,
-                              version_digest=version_digest(self.header.digest_algo, self.layout.digest, flat))
+        return posted
 
     def close(self, failed: bool) -> None:
         """Done with the boards: a failed pull's scratch may still be written (a read given up on)."""
@@ -238,7 +244,7 @@ def pull(assembler: VersionAssembler, endpoint: NixlEndpoint, offer: PullOffer, 
     except CkptEngineError as exc:
         _drop_remotes(endpoint, offer)  # (an owner that failed a read is reached afresh next time)
         # A read given up on may still land: the staging it read into is retired (kept registered, so alive,
-        # for two more failures) and the next version gets new staging.
+        # until every read into it ended) and the next version gets new staging.
         if feed is not None:
             endpoint.retire(feed.read_into)
             feed.digests.close(failed=True)

@@ -3,7 +3,9 @@
 A send digests every bucket this rank owns as it goes (send/sender.py). A version its pullers read is offered
 as soon as it is cached, usually before that: the offer then asks for the digests (``wanted``) and they are
 posted the moment the send has them (``computed``: with several owners, once they voted that every one sent
-its share); a version offered after its send finds them here. Either
+its share); a version offered after its send finds them here. The lead owner holds its own back until the
+daemon has its report of the version (``release``): pullers need every owner's post, the lead's included, so
+whatever they load is a version the daemon judges. Either
 way they are taken once, by the send: a pull costs no digest pass of its own.
 """
 
@@ -29,42 +31,64 @@ class OwnDigests:
     def __init__(self) -> None:
         self._lock = threading.Lock()  # (posts are made under it: forget() returns once none can come)
         self._expected: list[int] = []  # the latest versions with pullers, oldest first
+        self._held: set[int] = set()  # of those, the ones posted only once released (see expect)
         self._computed: dict[tuple[int, str], tuple[str, array]] = {}
         self._wanted: dict[tuple[int, str], DigestSink] = {}
 
-    def expect(self, version: int) -> None:
-        """``version`` has pullers: keep what its sends digest until it is offered."""
+    def expect(self, version: int, *, hold: bool = False) -> None:
+        """``version`` has pullers: keep what its sends digest until it is offered. ``hold``: post nothing of
+        it until :meth:`release` (the lead owner's, once the daemon has its report of the version: pullers
+        then never load a version whose outcome the daemon cannot know)."""
         with self._lock:
             if version not in self._expected:
                 self._expected = [*self._expected, version][-_VERSIONS_KEPT:]
+            if hold:
+                self._held.add(version)
             kept = set(self._expected)
+            self._held &= kept
             self._computed = {k: v for k, v in self._computed.items() if k[0] in kept}
 
     def computed(self, version: int, key: str, layout_digest: str, digests: Sequence[int]) -> None:
         """A send of ``version`` digested this rank's pieces of its wire layout (``layout_digest``), in order."""
         with self._lock:
+            if version in self._expected:  # (for a later offer of it, or its release)
+                self._computed[(version, key)] = (layout_digest, array("q", digests))
+            if version in self._held:
+                return
             sink = self._wanted.pop((version, key), None)
             if sink is not None:
                 sink.post(digests, layout_digest)
-            if version in self._expected:  # (for a later offer of it)
-                self._computed[(version, key)] = (layout_digest, array("q", digests))
 
     def wanted(self, version: int, key: str, sink: DigestSink) -> None:
-        """Post this rank's digests of ``version`` (``key``) to ``sink``: now if its send computed them, else
-        when it does."""
+        """Post this rank's digests of ``version`` (``key``) to ``sink``: now if its send computed them (and
+        the version is not held), else when it does (or is released)."""
         with self._lock:
             computed = self._computed.get((version, key))
-            if computed is not None:
+            if computed is not None and version not in self._held:
                 sink.post(computed[1].tolist(), computed[0])
             else:
                 self._wanted[(version, key)] = sink
 
+    def known(self, version: int, key: str) -> bool:
+        """Whether a send of ``version`` digested this rank's pieces of ``key`` (posted or held)."""
+        with self._lock:
+            return (version, key) in self._computed
+
+    def release(self, version: int) -> None:
+        """Post what is held of ``version`` to where it is wanted; later digests of it are posted at once."""
+        with self._lock:
+            self._held.discard(version)
+            for key in [k for k in self._wanted if k[0] == version and k in self._computed]:
+                layout_digest, digests = self._computed[key]
+                self._wanted.pop(key).post(digests.tolist(), layout_digest)
+
     def clear(self) -> None:
         """Forget every version (their ids belong to another history: the same id may come again)."""
         with self._lock:
-            self._expected, self._computed, self._wanted = [], {}, {}
+            self._expected, self._held, self._computed, self._wanted = [], set(), {}, {}
 
     def forget(self, version: int) -> None:
         """No more posts for ``version`` (its offer's memory is about to be reused)."""
         with self._lock:
             self._wanted = {k: v for k, v in self._wanted.items() if k[0] != version}
+            self._held.discard(version)
