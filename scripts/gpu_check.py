@@ -179,26 +179,35 @@ def slim_nixl(wheel: Path) -> tuple[int, int]:
 def _write_slim(wheel: Path, staged: Path) -> None:
     if not wheel.name.startswith(tuple(n.replace("-", "_") + "-" for n in NIXL_DISTRIBUTIONS)):
         raise CheckError(f"{wheel.name} is not a NIXL wheel ({', '.join(NIXL_DISTRIBUTIONS)})")
-    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(staged, "w", zipfile.ZIP_DEFLATED) as out:
-        kept = [info for info in source.infolist() if not nixl_part_unused(info.filename)]
-        record = next((i for i in kept if i.filename.endswith(".dist-info/RECORD")), None)
-        if record is None:
-            raise CheckError(f"{wheel.name} has no RECORD: not a wheel")
-        names = {info.filename for info in kept}
-        for info in kept:
-            data = source.read(info)
-            if info is record:
-                data = _record_of(data, names)
-            out.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+    try:
+        with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(staged, "w", zipfile.ZIP_DEFLATED) as out:
+            kept = [info for info in source.infolist() if not nixl_part_unused(info.filename)]
+            record = next((i for i in kept if i.filename.count("/") == 1
+                           and i.filename.endswith(".dist-info/RECORD")), None)
+            if record is None:
+                raise CheckError(f"{wheel.name} has no RECORD: not a wheel")
+            names = {info.filename for info in kept}
+            for info in kept:
+                data = source.read(info)
+                if info is record:
+                    data = _record_of(data, names, wheel.name)
+                out.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+    except (zipfile.BadZipFile, UnicodeDecodeError, csv.Error) as exc:
+        raise CheckError(f"{wheel.name} is not a wheel that can be slimmed: {type(exc).__name__}: {exc}") from exc
 
 
-def _record_of(record: bytes, names: set[str]) -> bytes:
-    """A wheel's RECORD (CSV: a name with a comma is quoted) keeping only the rows of ``names``."""
+def _record_of(record: bytes, names: set[str], wheel: str) -> bytes:
+    """A wheel's RECORD (CSV: a name with a comma is quoted) keeping only the rows of ``names``; a CheckError
+    unless it lists every one of them."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    for row in csv.reader(io.StringIO(record.decode())):
+    listed = set()
+    for row in csv.reader(io.StringIO(record.decode("utf-8-sig")), strict=True):
         if row and row[0] in names:
             writer.writerow(row)
+            listed.add(row[0])
+    if missing := sorted(names - listed):
+        raise CheckError(f"{wheel}: its RECORD does not list {len(missing)} of its files (e.g. {missing[0]})")
     return out.getvalue().encode()
 
 

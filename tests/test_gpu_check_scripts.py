@@ -245,3 +245,25 @@ def test_slimming_refuses_a_wheel_that_is_not_nixl_and_leaves_it_untouched(tmp_p
 def test_the_report_names_the_nixl_build_for_the_cuda_of_its_torch(torch_cuda: str | None, hint: str) -> None:
     lines = gpu_check.nixl_section({"cuda": True, "torch_cuda": torch_cuda, "nixl_md": None})
     assert hint in "\n".join(lines)
+
+
+@pytest.mark.parametrize("damage", ["unterminated quote", "not utf-8", "not a zip"])
+def test_slimming_refuses_a_wheel_whose_record_it_cannot_read_whole(tmp_path: Path, damage: str) -> None:
+    """Outside attack, 2026-11-29: an unterminated quote swallowed the rest of the RECORD (rows dropped, exit
+    0); invalid UTF-8 or a file that is not a zip ended in a traceback."""
+    wheel = _nixl_wheel(tmp_path)
+    if damage == "not a zip":
+        wheel.write_bytes(b"not a zip")
+    else:
+        with zipfile.ZipFile(wheel) as archive:
+            members = {name: archive.read(name) for name in archive.namelist()}
+        record = "nixl_cu12-1.5.1.dist-info/RECORD"
+        members[record] = (b'"nixl_cu12/_api.py,sha256=x,3\n' if damage == "unterminated quote" else b"\xff\xfe") \
+            + members[record]
+        with zipfile.ZipFile(wheel, "w") as archive:
+            for name, data in members.items():
+                archive.writestr(name, data)
+    before = wheel.read_bytes()
+    with pytest.raises(gpu_check.CheckError):
+        gpu_check.slim_nixl(wheel)
+    assert wheel.read_bytes() == before and not list(tmp_path.glob("*.slim"))
