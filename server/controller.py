@@ -149,7 +149,10 @@ class Controller:
             agent = self.agents.get(agent_id)
             return agent is None or bool(agent.pending)  # a vanished agent's poll is answered at once
 
-    def report(self, message: Report, roles: Set[str]) -> None:
+    def report(self, message: Report, roles: Set[str]) -> bool:
+        """Take an agent's report. True when it is the trainer's outcome of the version in flight and the
+        version is still in flight after it: its pullers may then load it (the lead posts its digests only
+        then: workers/trainer_agent.py)."""
         with self._lock:
             agent = self._agent(message.agent_id, message.session, roles)
             if message.event not in _EVENTS_OF[agent.role]:
@@ -179,6 +182,7 @@ class Controller:
             elif message.event not in ("evicted", "staged"):
                 log.info("ignoring %s report for version %d (not in flight)", message.event, message.version)
             self._changed.notify_all()
+            return current is not None and current.done is message and self.flights.current is current
 
     def unregister(self, agent_id: str, session: str, roles: Set[str]) -> None:
         """Remove an agent that leaves cleanly now, rather than after the heartbeat timeout."""

@@ -64,8 +64,7 @@ def _poll(controller: Controller, poll: Poll, roles: set[Role]) -> Poll:
 
 
 def _report(controller: Controller, message: Report, roles: set[Role]) -> dict:
-    controller.report(message, roles)
-    return {}
+    return {"taken": controller.report(message, roles)}
 
 
 def _unregister(controller: Controller, leaving: Unregister, roles: set[Role]) -> dict:

@@ -59,6 +59,40 @@ def trainer_proc(zmq: str, stop_file: str, folder: str | None = None) -> dict:
     return {"states": states, "held_at_end": held}
 
 
+def stopping_trainer(zmq: str, stop_file: str, folder: str, stop_version: int) -> dict:
+    """``trainer_proc``'s loop, whose process stops itself (SIGSTOP, heartbeats too) as it is about to report
+    ``stop_version`` done (``stopped`` in ``folder``), once its reports so far (the offer) got through."""
+    import signal
+
+    import torch
+
+    from ckpt_engine.workers.trainer_agent import TrainerAgent
+
+    model = AwkwardModel(seed=1)
+    agent = TrainerAgent(model, zmq, poll_wait_s=0.2).start()
+    report = agent.report
+
+    def stopping(version: int, event: str, **fields) -> None:
+        if version == stop_version and event == "done":
+            agent.flush_reports(30)
+            Path(folder, "stopped").touch()
+            os.kill(os.getpid(), signal.SIGSTOP)
+        report(version, event, **fields)
+
+    agent.report = stopping
+    step = 0
+    while not os.path.exists(stop_file):
+        step += 1
+        if agent.step(step) is not None:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1)
+        time.sleep(0.01)
+    agent.wait_idle(30)
+    agent.close()
+    return {}
+
+
 def receiver_proc(zmq: str, stop_file: str, seed: int, host_id: str | None, gate: tuple[str, int] | None = None,
                   transport: str | None = None) -> dict:
     """A rollout agent; ``gate`` (folder, version): before pulling that version it says so (``pulling``) and
@@ -608,6 +642,39 @@ def test_a_lead_that_stalls_before_its_report_leaves_the_pullers_on_their_versio
     results = {version: ok for version, ok, _, _ in rx["results"]}
     assert results[first["id"]] is True and results[stalled["id"]] is False, rx["results"]
     assert rx["state"] == ranks[0]["served"][max(v for v, ok in results.items() if ok)]
+
+
+def test_a_lead_the_daemon_dropped_before_its_report_tells_its_pullers_and_they_keep_theirs(tmp_path: Path) -> None:
+    """Outside attack, 2026-11-29: the trainer's process stops as it is about to report version 2 done; the
+    daemon drops it (silent past its heartbeat) and fails the version; then it goes on, and its report is
+    refused. It used to post its digests all the same (the report was "delivered"), so its puller loaded the
+    failed version. Only a report the daemon took with the version still in flight lets the pullers load."""
+    import signal
+
+    stop_file = tmp_path / "stop"
+    daemon = start_daemon(_nixl_config(tmp_path))
+    trainer = start_processes([(stopping_trainer, (daemon.zmq, str(stop_file), str(tmp_path), 2))])
+    receivers = start_processes([(receiver_proc, (daemon.zmq, str(stop_file), 7, "another-host"))])
+    try:
+        with daemon.client() as client:
+            _wait_for(lambda: len(client.get("/receivers").json()["agents"]) == 2)
+            first = sync_when_idle(client, {"step": 1})
+            assert client.post("/sync", json={"step": 2}).status_code == 202
+            _wait_for(lambda: (tmp_path / "stopped").exists(), 120)
+            failed = _wait_for(lambda: _ended(client.get("/versions/2").json()), 120)
+            os.kill(trainer.procs[0].pid, signal.SIGCONT)
+            late = _wait_for(lambda: [e for e in client.get("/versions/2").json()["receivers"]
+                                      if e.get("missing_report") is False], 120)  # (its outcome, if late)
+    finally:
+        os.kill(trainer.procs[0].pid, signal.SIGCONT)
+        stop_file.touch()
+        [rx] = receivers.collect(120)
+        trainer.collect(120)
+        assert daemon.stop() == 0
+    assert first["status"] == "committed" and failed["status"] == "failed", failed
+    assert [(e["ok"], e.get("serving_after")) for e in late] == [(False, first["id"])], late
+    assert [(version, ok) for version, ok, _ in rx["results"]] == [(first["id"], True), (2, False)], rx["results"]
+    assert "report of version 2 was refused" in rx["results"][1][2], rx["results"]
 
 
 def test_a_bypass_cpu_version_of_two_owner_ranks_is_pulled_from_their_send_slots(tmp_path: Path) -> None:

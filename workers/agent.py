@@ -24,7 +24,7 @@ from ckpt_engine.errors import CkptEngineError
 from ckpt_engine.retry import Backoff, FailureLog
 from ckpt_engine.transport.group import SyncGroup, open_store, owner_part
 from ckpt_engine.transport.same_host import host_identity
-from ckpt_engine.workers.reports import ReportOutbox
+from ckpt_engine.workers.reports import Answered, ReportOutbox
 from ckpt_engine.workers.threads import supervised
 
 if TYPE_CHECKING:
@@ -124,10 +124,11 @@ class Agent:
         self._close_groups()
         self._client.close()
 
-    def report(self, version: int, event: str, **fields: Any) -> None:
+    def report(self, version: int, event: str, answered: Answered | None = None, **fields: Any) -> None:
         """Tell the daemon about progress, without waiting: reports are delivered in order by a background
-        thread; one that cannot be delivered is logged, never raised."""
-        self._outbox.put(clip_reasons({**self._identity(), "version": version, "event": event, **fields}))
+        thread; one that cannot be delivered is logged, never raised. ``answered``: called with the daemon's
+        reply, or None if the report was given up on."""
+        self._outbox.put(clip_reasons({**self._identity(), "version": version, "event": event, **fields}), answered)
 
     def flush_reports(self, timeout_s: float) -> bool:
         """Wait until every queued report has been delivered (or given up on); False on timeout."""

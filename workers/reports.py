@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 # replies after which retrying the same request cannot help
 FINAL_ERRORS = {"bad request", "not found", "conflict", "forbidden", "unauthorized"}
 _OUTCOMES = ("done", "received", "applied")  # a version hangs until its time limit without these
+Answered = Callable[[dict[str, Any] | None], None]
 
 
 class ReportOutbox:
@@ -33,15 +34,17 @@ class ReportOutbox:
         self._client = client
         self._settings = settings
         self._stop = stop
-        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[dict[str, Any], Answered | None] | None] = queue.Queue()
         self._thread = supervised(self._loop, f"ckpt-{role}-report")
         self.failures = FailureLog(log, f"{role} agent: reporting to the daemon at {endpoint}")
 
     def start(self) -> None:
         self._thread.start()
 
-    def put(self, body: dict[str, Any]) -> None:
-        self._queue.put(body)
+    def put(self, body: dict[str, Any], answered: Answered | None = None) -> None:
+        """Queue ``body``; ``answered`` is called with the daemon's reply once it is delivered, or with None
+        once it is given up on (refused, dropped, or out of time)."""
+        self._queue.put((body, answered))
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued report has been delivered (or given up on); False on timeout."""
@@ -55,16 +58,21 @@ class ReportOutbox:
             self._thread.join(timeout_s)
 
     def _loop(self) -> None:
-        while (body := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            body, answered = item
+            reply = None
             try:
-                self._deliver(body)
+                reply = self._deliver(body)
             except Exception:  # one undeliverable report must not end the delivery of the others
                 log.exception("report %s of version %s could not be delivered", body.get("event"), body.get("version"))
             finally:
+                if answered is not None:
+                    answered(reply)
                 self._queue.task_done()
         self._queue.task_done()
 
-    def _deliver(self, body: dict[str, Any]) -> None:
+    def _deliver(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The daemon's reply; None if the report was given up on."""
         # An outcome lost on the way (connection cut, reply lost, daemon busy) would leave the version hanging
         # until its time limit: retry those, with backoff, for as long as the version may last.
         outcome = body["event"] in _OUTCOMES
@@ -80,23 +88,23 @@ class ReportOutbox:
         while True:
             if stale():
                 log.info("report %s of version %d dropped: registered again since", body["event"], body["version"])
-                return
+                return None
             try:
-                self._client.request("report", body, abandon=stale)
+                reply = self._client.request("report", body, abandon=stale)
                 self.failures.succeeded()
-                return
+                return reply if isinstance(reply, dict) else {}
             except RequestAbandoned:
                 continue
             except ControlReplyError as exc:
                 if exc.error in FINAL_ERRORS:  # the daemon answered: retrying the same report cannot help
                     log.warning("report %s of version %d refused: %s", body["event"], body["version"], exc)
-                    return
+                    return None
                 failure: CkptEngineError = exc
             except CkptEngineError as exc:
                 failure = exc
             if time.monotonic() >= deadline or self._client.closed:
                 log.warning("could not report %s of version %d: %s", body["event"], body["version"], failure)
-                return
+                return None
             self.failures.failed(failure)
             if backoff.wait(self._stop if not outcome else None):
-                return
+                return None

@@ -36,6 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -57,9 +58,28 @@ from ckpt_engine.workers.trainer_ranks import TrainerRanks
 
 log = logging.getLogger(__name__)
 TensorSource = Callable[[], NamedTensors]
-_REPORT_BOUND_S = 30.0  # how long the lead waits for the daemon to take a pulled version's report
+_REPORT_BOUND_S = 30.0  # beyond the version's time, how long the lead waits for the answer to a pulled one's report
 _REPORT_BEFORE_EXIT_S = 2.0  # a daemon that answers takes milliseconds; one that does not must not hold the exit
 _OFFER_JOIN_S = 60.0  # an offer registers memory and encodes a descriptor: a second or two the first time
+
+
+class _Reply:
+    """The daemon's reply to one report, once it is delivered (None: given up on)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.body: dict[str, Any] | None = None
+
+    def __call__(self, body: dict[str, Any] | None) -> None:
+        self.body = body
+        self._event.set()
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout_s: float) -> dict[str, Any] | None:
+        return self.body if self._event.wait(timeout_s) else None
 
 
 class TrainerAgent(Agent):
@@ -408,9 +428,10 @@ class TrainerAgent(Agent):
             self._report_failure(result.version, f"the trainer could not report the outcome: {type(exc).__name__}: "
                                  f"{exc}")
             return
-        self.report(result.version, "done", **fields, group_broken=self.group_broken)
-        if self.rank == 0 and assignment.pullers:
-            self._release_lead_digests(result.version)
+        reply = _Reply() if self.rank == 0 and assignment.pullers else None
+        self.report(result.version, "done", answered=reply, **fields, group_broken=self.group_broken)
+        if reply is not None:
+            self._release_lead_digests(result.version, reply)
 
     def _hold_lead_digests(self, assignment: Assignment) -> None:
         """The lead posts its digests of a pulled version only once the daemon has its report of it (see
@@ -418,16 +439,19 @@ class TrainerAgent(Agent):
         if self.rank == 0 and assignment.pullers:
             self._publisher().own_digests.expect(assignment.version, hold=True)
 
-    def _release_lead_digests(self, version: int) -> None:
-        """Post the lead's digests of ``version`` once the daemon has taken its report of it. Pullers need
-        every owner's post, so a lead that stalls or dies before its report leaves them on the version they
-        hold, and the daemon fails the version it never heard of: never a version loaded that the daemon
-        fails. A report that does not get through fails the version for the pullers instead."""
-        bound = min(self.settings.version_timeout_s if self.settings else 60.0, _REPORT_BOUND_S)
-        if self.flush_reports(bound):
+    def _release_lead_digests(self, version: int, reply: _Reply) -> None:
+        """Post the lead's digests of ``version`` once the daemon says it took the trainer's report of it with
+        the version still in flight. Pullers need every owner's post, so a lead that stalls or dies before
+        that leaves them on the version they hold, and the daemon fails a version nobody loaded. A report
+        refused, dropped (registered again since), taken too late or not answered fails it for the pullers."""
+        bound = (self.settings.version_timeout_s if self.settings else 600.0) + _REPORT_BOUND_S
+        answer = reply.wait(bound)
+        if answer is not None and answer.get("taken") is True:
             self._publisher().own_digests.release(version)
         else:
-            self.pulls.fail(version, f"the daemon did not take the trainer's report within {bound:.0f}s")
+            why = "was not answered" if not reply.done else "was refused or given up on" if answer is None \
+                else "came after the version ended"
+            self.pulls.fail(version, f"the trainer's report of version {version} {why}")
 
     def _offer_after_send(self, assignment: Assignment, result: TransferResult) -> None:
         """A version offered before its send: its pullers are told if the send failed. Else it is offered now,
