@@ -27,6 +27,7 @@ from ckpt_engine.send.pull_offer import Offered, offer_version, whole_plan
 from ckpt_engine.send.transfer import TransferResult, WirePlan
 from ckpt_engine.transport.messages import PullOffer
 from ckpt_engine.transport.nixl import NixlEndpoint
+from ckpt_engine.workers.reports import Reply
 
 log = logging.getLogger(__name__)
 _MIN_SLOT = 64 << 10
@@ -93,6 +94,20 @@ class PullServer:
             offered = self._offered.get(version)
         if offered is not None:
             offered.fail(reason)
+
+    def release_when_taken(self, version: int, reply: Reply, own: OwnDigests, bound_s: float) -> None:
+        """(The lead's) Post this rank's digests of ``version`` once ``reply``, the daemon's to the trainer's
+        report of it, says it was taken with the version still in flight. Pullers need every owner's post, so a
+        lead that stalls or dies before that leaves them on what they hold, and the daemon fails a version
+        nobody loaded. A report refused, dropped (registered again since), taken too late or not answered
+        within ``bound_s`` fails it for the pullers."""
+        answer = reply.wait(bound_s)
+        if answer is not None and answer.get("taken") is True:
+            own.release(version)
+            return
+        why = "was not answered" if not reply.done else "was refused or given up on" if answer is None \
+            else "came after the version ended"
+        self.fail(version, f"the trainer's report of version {version} {why}")
 
     def posted(self, version: int) -> bool:
         """Whether this rank has posted the digests of offered ``version`` (or its failure)."""

@@ -25,6 +25,25 @@ _OUTCOMES = ("done", "received", "applied")  # a version hangs until its time li
 Answered = Callable[[dict[str, Any] | None], None]
 
 
+class Reply:
+    """The daemon's reply to one report (an ``Answered``), once it is delivered; None: given up on."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.body: dict[str, Any] | None = None
+
+    def __call__(self, body: dict[str, Any] | None) -> None:
+        self.body = body
+        self._event.set()
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout_s: float) -> dict[str, Any] | None:
+        return self.body if self._event.wait(timeout_s) else None
+
+
 class ReportOutbox:
     """``settings()``: the agent's current registration (None before the first); ``stop``: set when the agent
     closes (a retried progress report gives up then; an outcome is still delivered within its bound)."""

@@ -36,7 +36,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -54,32 +53,14 @@ from ckpt_engine.workers.class_groups import ClassGroups, ClassGroupsKey
 from ckpt_engine.workers.fsdp import sharded_tensors_of
 from ckpt_engine.workers.loop_push import LoopPushes
 from ckpt_engine.workers.pull_server import PullServer, offers_before_send
+from ckpt_engine.workers.reports import Reply
 from ckpt_engine.workers.trainer_ranks import TrainerRanks
 
 log = logging.getLogger(__name__)
 TensorSource = Callable[[], NamedTensors]
-_REPORT_BOUND_S = 30.0  # beyond the version's time, how long the lead waits for the answer to a pulled one's report
+_REPORT_BOUND_S = 30.0  # beyond the version's time, how long the lead waits for the answer to its report
 _REPORT_BEFORE_EXIT_S = 2.0  # a daemon that answers takes milliseconds; one that does not must not hold the exit
 _OFFER_JOIN_S = 60.0  # an offer registers memory and encodes a descriptor: a second or two the first time
-
-
-class _Reply:
-    """The daemon's reply to one report, once it is delivered (None: given up on)."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self.body: dict[str, Any] | None = None
-
-    def __call__(self, body: dict[str, Any] | None) -> None:
-        self.body = body
-        self._event.set()
-
-    @property
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout_s: float) -> dict[str, Any] | None:
-        return self.body if self._event.wait(timeout_s) else None
 
 
 class TrainerAgent(Agent):
@@ -428,30 +409,17 @@ class TrainerAgent(Agent):
             self._report_failure(result.version, f"the trainer could not report the outcome: {type(exc).__name__}: "
                                  f"{exc}")
             return
-        reply = _Reply() if self.rank == 0 and assignment.pullers else None
+        reply = Reply() if self.rank == 0 and assignment.pullers else None
         self.report(result.version, "done", answered=reply, **fields, group_broken=self.group_broken)
-        if reply is not None:
-            self._release_lead_digests(result.version, reply)
+        if reply is not None:  # (the version's time, and then some: the report is retried that long)
+            bound = (self.settings.version_timeout_s if self.settings else 600.0) + _REPORT_BOUND_S
+            self.pulls.release_when_taken(result.version, reply, self._publisher().own_digests, bound)
 
     def _hold_lead_digests(self, assignment: Assignment) -> None:
-        """The lead posts its digests of a pulled version only once the daemon has its report of it (see
-        ``_release_lead_digests``)."""
+        """The lead posts its digests of a pulled version only once the daemon took its report of it
+        (``PullServer.release_when_taken``)."""
         if self.rank == 0 and assignment.pullers:
             self._publisher().own_digests.expect(assignment.version, hold=True)
-
-    def _release_lead_digests(self, version: int, reply: _Reply) -> None:
-        """Post the lead's digests of ``version`` once the daemon says it took the trainer's report of it with
-        the version still in flight. Pullers need every owner's post, so a lead that stalls or dies before
-        that leaves them on the version they hold, and the daemon fails a version nobody loaded. A report
-        refused, dropped (registered again since), taken too late or not answered fails it for the pullers."""
-        bound = (self.settings.version_timeout_s if self.settings else 600.0) + _REPORT_BOUND_S
-        answer = reply.wait(bound)
-        if answer is not None and answer.get("taken") is True:
-            self._publisher().own_digests.release(version)
-        else:
-            why = "was not answered" if not reply.done else "was refused or given up on" if answer is None \
-                else "came after the version ended"
-            self.pulls.fail(version, f"the trainer's report of version {version} {why}")
 
     def _offer_after_send(self, assignment: Assignment, result: TransferResult) -> None:
         """A version offered before its send: its pullers are told if the send failed. Else it is offered now,
