@@ -360,10 +360,12 @@ class Read:
         backoff = Backoff(initial_s=0.0002, max_s=0.01)
         while True:
             try:
-                state = self._endpoint._agent.check_xfer_state(self._handle)
+                state = self._state()
             except Exception as exc:  # (e.g. nixlRemoteDisconnectError: the owner died mid-read, over TCP)
                 self._settle()
                 raise PullFailed(f"a read from an owner failed: {type(exc).__name__}: {exc}") from exc
+            if state is None:
+                raise PullFailed("a read was given up on while it was waited for (its endpoint is closing)")
             if state == "DONE":
                 self._settle()
                 return
@@ -381,16 +383,18 @@ class Read:
 
     def settle_if_ended(self) -> None:
         """(The endpoint's, for a read given up on) Release it if it ended, whichever way."""
-        with self._lock:
-            handle = self._handle
-        if handle is None:
-            return
         try:
-            ended = self._endpoint._agent.check_xfer_state(handle) != "PROC"
+            ended = self._state() != "PROC"
         except Exception:  # noqa: BLE001 - its owner died: the transfer is over
             ended = True
         if ended:
             self._settle()
+
+    def _state(self) -> str | None:
+        """NIXL's state of the transfer; None once it is released. Under the read's lock: a handle is never
+        checked while another thread releases it (the endpoint's reaper, and a waiter while it closes)."""
+        with self._lock:
+            return None if self._handle is None else self._endpoint._agent.check_xfer_state(self._handle)
 
     def _settle(self) -> None:
         with self._lock:
