@@ -574,6 +574,34 @@ def test_an_owner_rank_that_cannot_offer_fails_the_version_at_once_and_its_pulle
     assert [(version, ok) for version, ok, _, _ in rx["results"]] == [(first["id"], True), (third["id"], True)]
 
 
+def _stalled_owner_run(tmp_path: Path, hook, stalled_file: str, versions: int) -> tuple[list[dict], list, dict]:
+    """Two FSDP2 owner ranks and one puller; ``hook`` stalls an owner at version 2 (``stalled_file`` in the
+    job's folder once it does) until ``go``, given once the first two versions ended. The ended versions,
+    the ranks' results, the puller's."""
+    workdir, stop_file = tmp_path / "job", tmp_path / "rx-stop"
+    workdir.mkdir()
+    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", transport="nixl",
+                                       nixl_trust_receivers=True, bucket_size_mb=0.02))
+    pullers = start_processes([(llama_puller, (daemon.zmq, 5, str(stop_file), (str(workdir), -1)))])
+    try:
+        with daemon.client() as client:
+            _wait_for(lambda: len(client.get("/receivers").json()["agents"]) == 1)
+            job = _job(daemon, workdir, hook=hook, versions=versions)
+            _wait_for(lambda: (workdir / stalled_file).exists(), 120)
+            _first_ended(client, 2)  # (while the owner is stalled)
+            (workdir / "go").touch()
+            ended = _first_ended(client, versions)
+            (workdir / "stop").touch()
+            ranks = job.collect(180)
+    finally:
+        (workdir / "go").touch()
+        (workdir / "stop").touch()
+        stop_file.touch()
+        [rx] = pullers.collect(120)
+        assert daemon.stop() == 0
+    return ended, ranks, rx
+
+
 @pytest.mark.parametrize("stalling_rank", [1, 0])
 def test_an_owner_that_stalls_after_posting_never_leaves_pullers_on_a_version_the_daemon_failed(
         tmp_path: Path, stalling_rank: int) -> None:
@@ -582,28 +610,8 @@ def test_an_owner_that_stalls_after_posting_never_leaves_pullers_on_a_version_th
     failed (the vote, or the daemon, waited for the stalled rank) while the pullers had already loaded it. An
     owner posts only once the owners voted that every one sent its share, the lead only once the daemon has
     its report: whatever the pullers load, the daemon commits, and the history says so."""
-    workdir, stop_file = tmp_path / "job", tmp_path / "rx-stop"
-    workdir.mkdir()
-    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", transport="nixl",
-                                       nixl_trust_receivers=True, bucket_size_mb=0.02))
-    pullers = start_processes([(llama_puller, (daemon.zmq, 5, str(stop_file), (str(workdir), -1)))])
-    job = None
-    try:
-        with daemon.client() as client:
-            _wait_for(lambda: len(client.get("/receivers").json()["agents"]) == 1)
-            job = _job(daemon, workdir, hook=functools.partial(stall_after_posting, 2, stalling_rank))
-            _wait_for(lambda: (workdir / "posted").exists(), 120)
-            first, stalled = _first_ended(client, 2)  # (while rank 1 is stalled)
-            (workdir / "go").touch()
-            third = _first_ended(client, 3)[2]
-            (workdir / "stop").touch()
-            ranks = job.collect(120)
-    finally:
-        (workdir / "go").touch()
-        (workdir / "stop").touch()
-        stop_file.touch()
-        [rx] = pullers.collect(120)
-        assert daemon.stop() == 0
+    (first, stalled, third), ranks, rx = _stalled_owner_run(
+        tmp_path, functools.partial(stall_after_posting, 2, stalling_rank), "posted", 3)
     assert [v["status"] for v in (first, stalled, third)] == ["committed"] * 3, (stalled["reason"], stalled)
     assert [(version, ok) for version, ok, _, _ in rx["results"]] == [
         (first["id"], True), (stalled["id"], True), (third["id"], True)], rx["results"]
@@ -613,29 +621,10 @@ def test_an_owner_that_stalls_after_posting_never_leaves_pullers_on_a_version_th
 def test_a_lead_that_stalls_before_its_report_leaves_the_pullers_on_their_version(tmp_path: Path) -> None:
     """The lead stalls before it reports version 2 done (outside attack, 2026-11-29: it had posted its digests
     already, so pullers loaded a version the daemon then failed at its time limit). It posts only after its
-    report: the pullers give up at the version's deadline and keep version 1, and the history agrees."""
-    workdir, stop_file = tmp_path / "job", tmp_path / "rx-stop"
-    workdir.mkdir()
-    daemon = start_daemon(write_config(tmp_path, ROOT / "deploy" / "engine.yaml", transport="nixl",
-                                       nixl_trust_receivers=True, bucket_size_mb=0.02))
-    pullers = start_processes([(llama_puller, (daemon.zmq, 5, str(stop_file), (str(workdir), -1)))])
-    job = None
-    try:
-        with daemon.client() as client:
-            _wait_for(lambda: len(client.get("/receivers").json()["agents"]) == 1)
-            # (two versions: a third one's push would wait for the stalled one, and the job's group with it)
-            job = _job(daemon, workdir, hook=functools.partial(stall_before_reporting, 2), versions=2)
-            _wait_for(lambda: (workdir / "stalled").exists(), 120)
-            first, stalled = _first_ended(client, 2)  # (the second at its time limit)
-            (workdir / "go").touch()
-            (workdir / "stop").touch()
-            ranks = job.collect(180)
-    finally:
-        (workdir / "go").touch()
-        (workdir / "stop").touch()
-        stop_file.touch()
-        [rx] = pullers.collect(120)
-        assert daemon.stop() == 0
+    report: the pullers give up at the version's deadline and keep version 1, and the history agrees.
+    (Two versions: a third one's push would wait for the stalled one, and the job's group with it.)"""
+    (first, stalled), ranks, rx = _stalled_owner_run(
+        tmp_path, functools.partial(stall_before_reporting, 2), "stalled", 2)
     assert [v["status"] for v in (first, stalled)] == ["committed", "failed"], stalled
     [entry] = stalled["receivers"]
     assert entry["ok"] is False and entry.get("serving_after") != stalled["id"], entry
