@@ -6,13 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckpt_engine.errors import CkptEngineError, LayoutError
+from ckpt_engine.errors import CkptEngineError, LayoutError, ProtocolError
 from ckpt_engine.plan.layout import plan_layout
 from ckpt_engine.plan.owners import Owners, plan_owners, share_of, single_owner
 from ckpt_engine.plan.pull_reads import bucket_reads
 from ckpt_engine.plan.shards import Slice, cut
 from ckpt_engine.plan.tensors import fill_bucket, specs_of
+from ckpt_engine.receive.pulled import reads_of
 from ckpt_engine.send.class_senders import _plan_class
+from ckpt_engine.transport.messages import LayoutMessage, PullDescriptor, VersionHeader
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -135,3 +137,38 @@ def test_a_piece_that_is_not_its_tensors_slice_is_refused_before_any_run_is_plan
     wrong_dtype = plan_layout([TensorSpec("w@1:0:3", "float16", (1 << 31, 3))], bucket_size=1 << 20)
     with pytest.raises(LayoutError, match="is not that slice"):
         bucket_reads(wrong_dtype, single_owner(wrong_dtype), whole)
+
+
+def _described(version: int, layout, whole, owners) -> PullDescriptor:
+    header = VersionHeader(version=version, mode="cached", digest_algo="xxh3-64", layout_digest=layout.digest)
+    return PullDescriptor(header=header, cut_from=LayoutMessage.of(whole),
+                          cut_from_owners=list(owners.of) if owners is not None else None)
+
+
+def test_a_pullers_read_plan_is_planned_once_for_the_versions_of_one_layout() -> None:
+    """A class's layout repeats from version to version: the puller plans its reads (one a row of each column
+    piece) once, not before every version's first read; another class, or another placement, is planned anew."""
+    tensors = _tensors()
+    whole = plan_layout(specs_of(tensors), bucket_size=16 << 10)
+    spec = {"cols": (Slice(1, 0, 20),), "big": (Slice(1, 0, 150),)}
+    plan = _plan_class(spec, whole, None, {}, 16 << 10, 8)
+    mine = single_owner(plan.layout)
+    first = reads_of(_described(1, plan.layout, whole, None), plan.layout, mine)
+    assert first == bucket_reads(plan.layout, mine, whole)
+    assert reads_of(_described(2, plan.layout, whole, None), plan.layout, mine) is first  # (not planned again)
+    other = _plan_class({"cols": (Slice(1, 20, 20),)}, whole, None, {}, 16 << 10, 8)
+    theirs = reads_of(_described(3, other.layout, whole, None), other.layout, single_owner(other.layout))
+    assert theirs == bucket_reads(other.layout, single_owner(other.layout), whole) != first
+    placed = _described(4, plan.layout, whole, None).model_copy(update={"cut_at": [[0, 0]] * len(whole.slots)})
+    assert reads_of(placed, plan.layout, mine) != first  # (every tensor read from offset 0: another plan)
+
+
+def test_a_descriptor_whose_pieces_cannot_be_read_is_refused_every_time() -> None:
+    tensors = _tensors()
+    whole = plan_layout(specs_of(tensors), bucket_size=16 << 10)
+    owners = plan_owners(whole, 2)
+    theirs = next(s.name for s in whole.slots if owners.of[s.bucket] == 1)
+    mine = plan_layout(specs_of({theirs: tensors[theirs]}), bucket_size=16 << 10)
+    for version in (1, 2):  # (a refused plan is not kept)
+        with pytest.raises(ProtocolError, match="cannot be read from its owners"):
+            reads_of(_described(version, mine, whole, owners), mine, single_owner(mine))

@@ -10,7 +10,9 @@ the load, the result) is the assembler's, as for every transport.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -28,6 +30,30 @@ from ckpt_engine.receive.payload import ReceiveResult
 from ckpt_engine.transport.digest_board import board_nbytes, read_board
 from ckpt_engine.transport.messages import PullDescriptor, PullOffer, PullRegion, VersionHeader, VersionTrailer
 from ckpt_engine.transport.nixl import NixlEndpoint, Read, Region
+
+_PLANS_KEPT = 8  # read plans of recent pulls (a puller of several classes or jobs keeps each one's)
+
+
+class _Plans:
+    """The read plans of the latest pulls, by what determines them (thread-safe)."""
+
+    def __init__(self, kept: int) -> None:
+        self._kept, self._lock, self._plans = kept, threading.Lock(), OrderedDict[tuple, Reads]()
+
+    def get(self, key: tuple) -> Reads | None:
+        with self._lock:
+            if key in self._plans:
+                self._plans.move_to_end(key)
+            return self._plans.get(key)
+
+    def put(self, key: tuple, reads: Reads) -> None:
+        with self._lock:
+            self._plans[key] = reads
+            while len(self._plans) > self._kept:
+                self._plans.popitem(last=False)
+
+
+_last_plans = _Plans(_PLANS_KEPT)
 
 # How soon a puller reads the lead's board again while its digests are not posted yet (doubling up to the last).
 _FIRST_RETRY_S = 0.001
@@ -169,16 +195,25 @@ class PostedDigests:
 
 def reads_of(described: PullDescriptor, layout: Layout, owners: Owners) -> Reads:
     """The reads that fill each bucket of ``layout`` (plan/pull_reads.py), from what the descriptor says the
-    owners' buffers hold; a ProtocolError where they cannot."""
+    owners' buffers hold; a ProtocolError where they cannot. The same plan as the last pull's is not planned
+    again: a class's layout repeats from version to version, and planning one read per row of each column
+    piece costs milliseconds before the first byte is asked for."""
     cut = described.cut_from
+    key = (layout.digest, owners, cut.digest if cut is not None else None,  # (a layout that matches its digest)
+           tuple(described.cut_from_owners or ()), tuple(map(tuple, described.cut_at or ())))
+    planned = _last_plans.get(key)
+    if planned is not None:
+        return planned
     try:
         whole = cut.to_layout() if cut is not None else None
         whole_owners = (Owners(owners.ranks, tuple(described.cut_from_owners))
                         if whole is not None and described.cut_from_owners is not None else None)
-        return bucket_reads(layout, owners, whole, whole_owners, described.cut_at)
+        planned = bucket_reads(layout, owners, whole, whole_owners, described.cut_at)
     except CkptEngineError as exc:
         raise ProtocolError(f"version {described.header.version}: its pieces cannot be read from its owners: "
                             f"{exc}") from exc
+    _last_plans.put(key, planned)
+    return planned
 
 
 def owners_of(header: VersionHeader, layout: Layout, sources: int) -> Owners:
