@@ -25,6 +25,8 @@ Sections (each in its own module, run in this order; ``--only`` / ``--skip`` pic
                     and full delivery pulled over NIXL (root only; skipped saying why elsewhere).
 - ``join``          (bench/join_bench.py): a receiver joining a running daemon, pushed vs pulled (NIXL): time
                     to its catch-up, and what its first regular version costs the others.
+- ``pull_pieces``   (bench/pull_pieces.py): the same bytes pulled over NIXL as one read or as 512 B - 32 KiB
+                    pieces (a column piece is read one row at a time): puller time and CPU, owner CPU.
 - ``digest``        (bench/digest_bench.py): the device digest's code (torch-block64, eager and compiled) on CPU
                     tensors, 256 MiB in 1, 100 and 4,000 tensors, beside a memcpy of the same bytes.
 - ``gpu``           (bench/gpu_bench.py): the CUDA data paths against their raw copies (snapshot, bypass fill,
@@ -61,6 +63,7 @@ from ckpt_engine.bench import (
     netns_bench,
     owners_bench,
     plots,
+    pull_pieces,
     receiver_memory,
     staging_bench,
     sync_bench,
@@ -104,6 +107,7 @@ SECTIONS: list[tuple[str, str, Any]] = [
     ("load", "Load: mixed reads while versions run", load_bench),
     ("netns", "Network-bound cluster: full vs sharded delivery, pushed vs pulled, on rate-limited links", netns_bench),
     ("join", "Elastic join: a receiver registering while the daemon runs, pushed vs pulled", join_bench),
+    ("pull_pieces", "Pulled pieces by size: one read a row of a column piece vs one read", pull_pieces),
     ("digest", "Device digest on the CPU (torch-block64)", digest_bench),
     ("gpu", "GPU data paths (CUDA)", gpu_bench),
 ]
