@@ -158,7 +158,7 @@ def render(result: dict, machine: dict) -> list[str]:
               "|---|---:|---:|---:|---:|"]
     for name, m in result["models"].items():
         lines.append(f"| {name} | {m['reads']:,} | {m['column_reads']:,} | {m['column_piece_bytes']:,} "
-                     f"| {estimated_cpu_s(result, m):.1f} |")
+                     f"| {estimated_cpu_s(result, m):.2f} |")
     return lines + [""]
 
 
