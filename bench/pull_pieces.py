@@ -32,13 +32,12 @@ def _owner(commands: Any, replies: Any, nbytes: int) -> None:
     import os
 
     os.environ["UCX_TLS"], os.environ["UCX_NET_DEVICES"] = "tcp", "lo"
-    import torch
 
     from ckpt_engine.transport.nixl import NixlEndpoint
 
     endpoint = NixlEndpoint("bench-owner")
     endpoint.serve_for(3600)
-    source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    source = _pattern(nbytes)
     region = endpoint.register(source)
     replies.put((endpoint.metadata(), region.addr, region.nbytes, region.mem, region.device_id))
     while commands.get(timeout=_DEADLINE_S) == "cpu":
@@ -46,11 +45,29 @@ def _owner(commands: Any, replies: Any, nbytes: int) -> None:
     endpoint.close()
 
 
-def _reads(piece: int, nbytes: int, into: Any) -> list[tuple[int, Any]]:
-    """``nbytes`` as pieces of ``piece`` bytes, every other one of the owner's (a column piece's rows), or one."""
+def _ranges(piece: int, nbytes: int) -> Any:
+    """``nbytes`` as pieces of ``piece`` bytes, every other one of the owner's (a column piece's rows), or one:
+    (offset in the owner's buffer, offset in the puller's, bytes) a row, as a puller's plan gives them."""
+    import torch
+
     if piece == 0:
-        return [(0, into[:nbytes])]
-    return [(2 * i * piece, into[i * piece : (i + 1) * piece]) for i in range(nbytes // piece)]
+        return torch.tensor([[0, 0, nbytes]], dtype=torch.int64)
+    at = torch.arange(nbytes // piece, dtype=torch.int64) * piece
+    return torch.stack([2 * at, at, torch.full_like(at, piece)], 1)
+
+
+def _pattern(nbytes: int) -> Any:
+    """The owner's bytes: position mod 251 (no piece reads like its neighbour)."""
+    import torch
+
+    return (torch.arange(nbytes, dtype=torch.int64) % 251).to(torch.uint8)
+
+
+def _expected(pattern: Any, piece: int, nbytes: int) -> Any:
+    """What the puller's buffer holds after reading :func:`_ranges` of the owner's ``pattern``."""
+    if piece == 0:
+        return pattern[:nbytes]
+    return pattern[: 2 * nbytes].view(-1, 2 * piece)[:, :piece].reshape(-1)
 
 
 def measure(mib: int, rounds: int, progress: Progress) -> dict:
@@ -74,17 +91,21 @@ def measure(mib: int, rounds: int, progress: Progress) -> dict:
         remote, region = endpoint.remote(meta), Region(addr, size, mem, device_id)
         into = torch.zeros(nbytes, dtype=torch.uint8)
         endpoint.register(into)
+        pattern = _pattern(2 * nbytes)
         samples: dict[int, dict[str, list[float]]] = {p: {"wall": [], "cpu": [], "owner_cpu": []}
                                                       for p in (0, *_PIECES)}
         for round_ in range(rounds + 1):  # the first: a warm-up
             order = [(0, *_PIECES)[(round_ + k) % (len(_PIECES) + 1)] for k in range(len(_PIECES) + 1)]
             for piece in order:
-                pieces = _reads(piece, nbytes, into)
+                into.zero_()
                 commands.put("cpu")
                 owner0 = replies.get(timeout=_DEADLINE_S)
                 t0, cpu0 = time.perf_counter(), time.process_time()
-                endpoint.start_read(remote, region, pieces).wait(_DEADLINE_S)
+                ranges = _ranges(piece, nbytes)  # (timed: a puller's feed makes its ranges per bucket too)
+                endpoint.start_read(remote, region, into, ranges).wait(_DEADLINE_S)
                 wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+                if not torch.equal(into, _expected(pattern, piece, nbytes)):
+                    raise RuntimeError(f"the bytes read as {piece or nbytes}-byte pieces are not the owner's")
                 commands.put("cpu")
                 owner_cpu = replies.get(timeout=_DEADLINE_S) - owner0
                 if round_:

@@ -281,6 +281,36 @@ def test_retired_memory_no_read_writes_into_is_freed() -> None:
         endpoint.close()
 
 
+def test_a_read_is_refused_before_it_starts_where_it_leaves_either_buffer_and_lands_exactly_where_it_fits() -> None:
+    """A puller's reads come as (owner offset, local offset, bytes) rows (one a row of a column piece): a row
+    outside the owner's offered region or outside the memory it reads into never reaches NIXL; empty rows are
+    skipped; the others land exactly (two agents of this process, over its shared memory)."""
+    from ckpt_engine.transport.nixl import NixlEndpoint, PullFailed
+
+    owner, puller = NixlEndpoint("owner"), NixlEndpoint("receiver")
+    try:
+        source = (torch.arange(4096) % 251).to(torch.uint8)
+        region = owner.register(source)
+        into = torch.zeros(2048, dtype=torch.uint8)
+        puller.register(into)
+        remote = puller.remote(owner.metadata())
+        window = into[512:1536]  # (a view: its own bounds, not its storage's)
+        for bad, what in (([[4000, 0, 200]], "owner's region"), ([[-1, 0, 8]], "owner's region"),
+                          ([[0, 1000, 100]], "1024 bytes it reads into"), ([[0, -8, 8]], "1024 bytes it reads into")):
+            with pytest.raises(PullFailed, match=what):
+                puller.start_read(remote, region, window, torch.tensor(bad, dtype=torch.int64))
+        assert puller.in_flight == 0
+        rows = torch.tensor([[100, 0, 16], [3000, 16, 0], [2048, 24, 1000]], dtype=torch.int64)
+        puller.start_read(remote, region, window, rows).wait(_WAIT_S)
+        assert torch.equal(window[:16], source[100:116]) and torch.equal(window[24:1024], source[2048:3048])
+        assert not window[16:24].any() and not into[:512].any() and not into[1536:].any()
+        puller.start_read(remote, region, into).wait(_WAIT_S)  # (no rows: all of it, from the region's start)
+        assert torch.equal(into, source[:2048])
+    finally:
+        puller.close()
+        owner.close()
+
+
 def _puller_of_a_stalling_owner(folder: str) -> dict:
     """Pulls the offer once (connected), then again while the owner is stopped (``stopped`` in ``folder``),
     giving up at a short deadline; then, once the owner goes on (``continued``), waits for its reads given up

@@ -22,7 +22,8 @@ def test_the_counted_reads_are_the_runs_a_puller_plans_for_the_netns_model(tp: i
     assert counted["reads"] == counted["column_reads"] + len(shapes) - len(column)
 
 
-def test_the_section_reads_the_same_bytes_whole_and_in_pieces() -> None:
+def test_the_section_reads_the_owners_bytes_whole_and_in_pieces() -> None:
+    """It measures real reads: every variant's bytes are checked against the owner's (it raises otherwise)."""
     from ckpt_engine.transport.nixl import nixl_missing
 
     if (why := nixl_missing()) is not None:
@@ -31,4 +32,13 @@ def test_the_section_reads_the_same_bytes_whole_and_in_pieces() -> None:
     rows = {r["piece"]: r for r in result["rows"]}
     assert rows[0]["reads"] == 1
     assert all(rows[p]["reads"] * p == 1 << 20 for p in pull_pieces._PIECES)
+    assert all(len(pull_pieces._ranges(p, 1 << 20)) == rows[p]["reads"] for p in pull_pieces._PIECES)
     assert all(len(r["samples"]["wall"]) == 1 for r in rows.values())
+
+
+def test_what_a_piece_read_must_land_is_every_other_piece_of_the_owners_bytes() -> None:
+    pattern = pull_pieces._pattern(64)
+    assert pull_pieces._expected(pattern, 0, 32).tolist() == list(range(32))
+    assert pull_pieces._expected(pattern, 8, 32).tolist() == [*range(0, 8), *range(16, 24), *range(32, 40),
+                                                               *range(48, 56)]
+    assert pull_pieces._ranges(8, 32).tolist() == [[0, 0, 8], [16, 8, 8], [32, 16, 8], [48, 24, 8]]

@@ -145,6 +145,10 @@ def _described(version: int, layout, whole, owners) -> PullDescriptor:
                           cut_from_owners=list(owners.of) if owners is not None else None)
 
 
+def _table(reads) -> list[list[tuple[int, ...]]]:
+    return [[tuple(row) for row in bucket.tolist()] for bucket in reads]
+
+
 def test_a_pullers_read_plan_is_planned_once_for_the_versions_of_one_layout() -> None:
     """A class's layout repeats from version to version: the puller plans its reads (one a row of each column
     piece) once, not before every version's first read; another class, or another placement, is planned anew."""
@@ -154,13 +158,34 @@ def test_a_pullers_read_plan_is_planned_once_for_the_versions_of_one_layout() ->
     plan = _plan_class(spec, whole, None, {}, 16 << 10, 8)
     mine = single_owner(plan.layout)
     first = reads_of(_described(1, plan.layout, whole, None), plan.layout, mine)
-    assert first == bucket_reads(plan.layout, mine, whole)
+    assert _table(first) == bucket_reads(plan.layout, mine, whole)
     assert reads_of(_described(2, plan.layout, whole, None), plan.layout, mine) is first  # (not planned again)
     other = _plan_class({"cols": (Slice(1, 20, 20),)}, whole, None, {}, 16 << 10, 8)
     theirs = reads_of(_described(3, other.layout, whole, None), other.layout, single_owner(other.layout))
-    assert theirs == bucket_reads(other.layout, single_owner(other.layout), whole) != first
-    placed = _described(4, plan.layout, whole, None).model_copy(update={"cut_at": [[0, 0]] * len(whole.slots)})
-    assert reads_of(placed, plan.layout, mine) != first  # (every tensor read from offset 0: another plan)
+    assert _table(theirs) == bucket_reads(other.layout, single_owner(other.layout), whole) != _table(first)
+    places = [[0, 0]] * len(whole.slots)  # (every tensor read from offset 0: another plan, a delta's, not kept)
+    placed = _described(4, plan.layout, whole, None).model_copy(update={"cut_at": places})
+    assert _table(reads_of(placed, plan.layout, mine)) == bucket_reads(plan.layout, mine, whole, None, places)
+    assert reads_of(placed, plan.layout, mine) is not reads_of(placed, plan.layout, mine)
+
+
+def test_a_descriptor_is_refused_or_taken_alike_whatever_was_pulled_before() -> None:
+    """The plans kept are found by what the descriptor holds, not by what it claims: a layout that does not
+    match its digest, or owners or places that fit nothing, are refused after a good pull of that digest too."""
+    tensors = _tensors()
+    whole = plan_layout(specs_of(tensors), bucket_size=16 << 10)
+    owners = plan_owners(whole, 2)
+    plan = _plan_class({"cols": (Slice(1, 0, 20),)}, whole, owners, {}, 16 << 10, 8)
+    class_owners = plan.owners or single_owner(plan.layout)
+    reads_of(_described(1, plan.layout, whole, owners), plan.layout, class_owners)  # (a good pull first)
+    good = _described(2, plan.layout, whole, owners)
+    assert good.cut_from is not None
+    renamed = good.cut_from.model_copy(update={"names": [f"x{n}" for n in good.cut_from.names]})  # (same digest)
+    for bad in (good.model_copy(update={"cut_from": renamed}), good.model_copy(update={"cut_from_owners": []}),
+                good.model_copy(update={"cut_at": []})):
+        for _ in range(2):
+            with pytest.raises(ProtocolError):
+                reads_of(bad, plan.layout, class_owners)
 
 
 def test_a_descriptor_whose_pieces_cannot_be_read_is_refused_every_time() -> None:

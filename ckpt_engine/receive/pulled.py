@@ -23,7 +23,7 @@ from ckpt_engine.errors import CkptEngineError, ProtocolError
 from ckpt_engine.plan.hashing import version_digest
 from ckpt_engine.plan.layout import Bucket, Layout
 from ckpt_engine.plan.owners import Owners, single_owner
-from ckpt_engine.plan.pull_reads import Reads, bucket_reads
+from ckpt_engine.plan.pull_reads import bucket_reads
 from ckpt_engine.receive.assembly import VersionAssembler
 from ckpt_engine.receive.buffers import StagingBuffers
 from ckpt_engine.receive.payload import ReceiveResult
@@ -31,22 +31,22 @@ from ckpt_engine.transport.digest_board import board_nbytes, read_board
 from ckpt_engine.transport.messages import PullDescriptor, PullOffer, PullRegion, VersionHeader, VersionTrailer
 from ckpt_engine.transport.nixl import NixlEndpoint, Read, Region
 
-_PLANS_KEPT = 2  # read plans kept: a puller pulls one class; a 70B class at TP 8 plans ~1.3M reads (~190 MB)
+_PLANS_KEPT = 2  # read plans kept: a puller pulls one class (a 70B class at TP 8: 1.3M reads, 42 MB)
 
 
 class _Plans:
-    """The read plans of the latest pulls, by what determines them (thread-safe)."""
+    """The read plans of the latest pulls, by what they are made of (thread-safe)."""
 
     def __init__(self, kept: int) -> None:
-        self._kept, self._lock, self._plans = kept, threading.Lock(), OrderedDict[tuple, Reads]()
+        self._kept, self._lock, self._plans = kept, threading.Lock(), OrderedDict[tuple, list[torch.Tensor]]()
 
-    def get(self, key: tuple) -> Reads | None:
+    def get(self, key: tuple) -> list[torch.Tensor] | None:
         with self._lock:
             if key in self._plans:
                 self._plans.move_to_end(key)
             return self._plans.get(key)
 
-    def put(self, key: tuple, reads: Reads) -> None:
+    def put(self, key: tuple, reads: list[torch.Tensor]) -> None:
         with self._lock:
             self._plans[key] = reads
             while len(self._plans) > self._kept:
@@ -81,14 +81,15 @@ class NixlFeed:
         owner = self.owners.of[bucket.index]
         source = self.offer.sources[owner]
         spans = [(source.region, source.offset), *((span.region, span.offset) for span in source.more)]
-        by_buffer: dict[int, list[tuple[int, torch.Tensor]]] = {}
-        for buffer, at, dst, count in self.reads[bucket.index]:
-            if buffer >= len(spans):
+        planned = self.reads[bucket.index]  # [buffer, offset in it, offset in the bucket, bytes] a row
+        reads = []
+        for buffer in planned[:, 0].unique().tolist():
+            if not 0 <= buffer < len(spans):
                 raise ProtocolError(f"version {self.described.header.version}: a read from owner rank {owner}'s "
                                     f"buffer {buffer}, of {len(spans)} offered")
-            by_buffer.setdefault(buffer, []).append((spans[buffer][1] + at, into[dst : dst + count]))
-        reads = [self.endpoint.start_read(self.remotes[owner], _region(spans[buffer][0]), pieces)
-                 for buffer, pieces in by_buffer.items()]  # (each bounded by its region: start_read checks)
+            ranges = planned[planned[:, 0] == buffer, 1:]
+            ranges[:, 0] += spans[buffer][1]  # (a copy: the plan is kept for the next version)
+            reads.append(self.endpoint.start_read(self.remotes[owner], _region(spans[buffer][0]), into, ranges))
 
         def wait() -> list[int]:
             for read in reads:
@@ -178,7 +179,7 @@ class PostedDigests:
         for owner, posted in enumerate(self.posted):
             if posted is None and owner not in self.reading:
                 self.reading[owner] = self.endpoint.start_read(self.remotes[owner], self.regions[owner],
-                                                               [(0, self.scratch[owner])])
+                                                               self.scratch[owner])
 
     def _finish_reads(self) -> None:
         """Wait for the board reads in flight and take what each posts (a ProtocolError if an owner failed)."""
@@ -193,26 +194,29 @@ class PostedDigests:
                                             self.layout.digest, self.held[owner])
 
 
-def reads_of(described: PullDescriptor, layout: Layout, owners: Owners) -> Reads:
+def reads_of(described: PullDescriptor, layout: Layout, owners: Owners) -> list[torch.Tensor]:
     """The reads that fill each bucket of ``layout`` (plan/pull_reads.py), from what the descriptor says the
-    owners' buffers hold; a ProtocolError where they cannot. The same plan as the last pull's is not planned
-    again: a class's layout repeats from version to version, and planning one read per row of each column
-    piece costs milliseconds before the first byte is asked for."""
-    cut = described.cut_from
-    key = (layout.digest, owners, cut.digest if cut is not None else None,  # (a layout that matches its digest)
-           tuple(described.cut_from_owners or ()), tuple(map(tuple, described.cut_at or ())))
+    owners' buffers hold, one int64 [n, 4] table a bucket (buffer, offset in it, offset in the bucket, bytes);
+    a ProtocolError where they cannot. A class's layout and placement repeat from version to version, and a
+    column piece is one read a row (1.3 million for a 70B class at TP 8: seconds to plan), so the plans of the
+    last versions are kept, by what they are made of; a delta's (its tensors placed anew each version) is not."""
+    key = (layout.digest, owners, xxhash.xxh3_128_hexdigest(
+        described.model_dump_json(include={"cut_from", "cut_from_owners", "cut_at"}).encode()))
     planned = _last_plans.get(key)
     if planned is not None:
         return planned
+    cut = described.cut_from
     try:
         whole = cut.to_layout() if cut is not None else None
         whole_owners = (Owners(owners.ranks, tuple(described.cut_from_owners))
                         if whole is not None and described.cut_from_owners is not None else None)
-        planned = bucket_reads(layout, owners, whole, whole_owners, described.cut_at)
+        reads = bucket_reads(layout, owners, whole, whole_owners, described.cut_at)
     except CkptEngineError as exc:
         raise ProtocolError(f"version {described.header.version}: its pieces cannot be read from its owners: "
                             f"{exc}") from exc
-    _last_plans.put(key, planned)
+    planned = [torch.tensor(bucket, dtype=torch.int64).reshape(-1, 4) for bucket in reads]  # (32 bytes a read)
+    if described.cut_at is None:
+        _last_plans.put(key, planned)
     return planned
 
 
@@ -239,7 +243,7 @@ def describe(endpoint: NixlEndpoint, offer: PullOffer, deadline: float) -> PullD
     scratch = torch.empty(where.nbytes, dtype=torch.uint8)
     endpoint.register(scratch)
     try:
-        endpoint.start_read(remote, _region(where.region), [(0, scratch)]).wait(
+        endpoint.start_read(remote, _region(where.region), scratch).wait(
             max(0.0, deadline - time.monotonic()))
     except CkptEngineError:
         endpoint.retire([scratch])  # (a late write may still land in it)

@@ -266,20 +266,26 @@ class NixlEndpoint:
         for metadata in gone:
             self.drop_remote(metadata)
 
-    def start_read(self, remote: str, source: Region, pieces: Sequence[tuple[int, torch.Tensor]]) -> Read:
-        """READ, for each (offset in ``source``, local uint8 view), the view's bytes from the owner into the view
-        (every view within memory registered here). Returns the transfer to wait on."""
-        local = [(view.data_ptr(), view.numel(), *self._kind(view)) for _, view in pieces if view.numel()]
-        far = [(source.addr + offset, view.numel(), source.device_id) for offset, view in pieces if view.numel()]
-        for offset, view in pieces:
-            if offset < 0 or offset + view.numel() > source.nbytes:
-                raise PullFailed(f"a read of {view.numel()} bytes at {offset} leaves the owner's region of "
-                                 f"{source.nbytes} bytes")
-        if not local:
+    def start_read(self, remote: str, source: Region, into: torch.Tensor,
+                   ranges: torch.Tensor | None = None) -> Read:
+        """READ into ``into`` (a uint8 tensor within memory registered here), for each row (byte offset in
+        ``source``, byte offset in ``into``, bytes) of ``ranges`` (int64 [n, 3]; default: all of ``into``, from
+        offset 0 of ``source``), those bytes from the owner. Returns the transfer to wait on. The ranges are
+        checked and handed to NIXL as arrays: a column piece is one range a row, a million for a 70B class."""
+        nbytes = into.numel() * into.element_size()
+        spans = torch.tensor([[0, 0, nbytes]], dtype=torch.int64) if ranges is None else ranges
+        spans = spans[spans[:, 2] > 0]
+        if bool(((spans[:, 0] < 0) | (spans[:, 0] + spans[:, 2] > source.nbytes)).any()):
+            raise PullFailed(f"a read leaves the owner's region of {source.nbytes} bytes")
+        if bool(((spans[:, 1] < 0) | (spans[:, 1] + spans[:, 2] > nbytes)).any()):
+            raise PullFailed(f"a read leaves the {nbytes} bytes it reads into")
+        if not len(spans):
             return Read(self, None, remote, [])
-        mem = local[0][3]
-        local_descs = self._agent.get_xfer_descs([(a, n, d) for a, n, d, _ in local], mem)
-        remote_descs = self._agent.get_xfer_descs(far, source.mem)
+        device_id, mem = self._kind(into)
+        local = torch.stack([spans[:, 1] + into.data_ptr(), spans[:, 2], torch.full_like(spans[:, 2], device_id)], 1)
+        far = torch.stack([spans[:, 0] + source.addr, spans[:, 2], torch.full_like(spans[:, 2], source.device_id)], 1)
+        local_descs = self._agent.get_xfer_descs(local.numpy().astype("uint64"), mem)
+        remote_descs = self._agent.get_xfer_descs(far.numpy().astype("uint64"), source.mem)
         try:
             self._busy_until = max(self._busy_until, time.monotonic() + _READ_BUSY_S)  # (this side too: TCP, shm)
             handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, remote)
@@ -289,7 +295,7 @@ class NixlEndpoint:
         if state == "ERR":
             self._agent.release_xfer_handle(handle)
             raise PullFailed(f"a read from {remote} failed as it started")
-        read = Read(self, handle, remote, [view for _, view in pieces if view.numel()])
+        read = Read(self, handle, remote, [into])
         with self._lock:
             self._reads.add(read)
         return read
