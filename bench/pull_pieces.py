@@ -71,10 +71,23 @@ def _expected(pattern: Any, piece: int, nbytes: int) -> Any:
 
 
 def measure(mib: int, rounds: int, progress: Progress) -> dict:
+    """Over TCP on loopback: this process's agent is made with UCX told so, and the environment is put back
+    after (a test process's later agents and children must not inherit it)."""
     import os
 
-    os.environ.setdefault("UCX_TLS", "tcp")
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    saved = {key: os.environ.get(key) for key in ("UCX_TLS", "UCX_NET_DEVICES")}
+    os.environ["UCX_TLS"], os.environ["UCX_NET_DEVICES"] = "tcp", "lo"
+    try:
+        return _measure(mib, rounds, progress)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _measure(mib: int, rounds: int, progress: Progress) -> dict:
     import torch
 
     from ckpt_engine.transport.nixl import NixlEndpoint, Region

@@ -285,7 +285,7 @@ def test_a_read_is_refused_before_it_starts_where_it_leaves_either_buffer_and_la
     """A puller's reads come as (owner offset, local offset, bytes) rows (one a row of a column piece): a row
     outside the owner's offered region or outside the memory it reads into never reaches NIXL; empty rows are
     skipped; the others land exactly (two agents of this process, over its shared memory)."""
-    from ckpt_engine.transport.nixl import NixlEndpoint, PullFailed
+    from ckpt_engine.transport.nixl import NixlEndpoint, PullFailed, Region
 
     owner, puller = NixlEndpoint("owner"), NixlEndpoint("receiver")
     try:
@@ -295,10 +295,22 @@ def test_a_read_is_refused_before_it_starts_where_it_leaves_either_buffer_and_la
         puller.register(into)
         remote = puller.remote(owner.metadata())
         window = into[512:1536]  # (a view: its own bounds, not its storage's)
+        top = (1 << 63) - 1  # (offset + bytes would wrap in int64: found by the second outside attack)
         for bad, what in (([[4000, 0, 200]], "owner's region"), ([[-1, 0, 8]], "owner's region"),
-                          ([[0, 1000, 100]], "1024 bytes it reads into"), ([[0, -8, 8]], "1024 bytes it reads into")):
+                          ([[0, 1000, 100]], "memory it reads into"), ([[0, -8, 8]], "memory it reads into"),
+                          ([[top - 5, top - 5, top - 5]], "owner's region"), ([[0, top - 5, 8]], "reads into"),
+                          ([[0, 0, -8]], "owner's region")):
             with pytest.raises(PullFailed, match=what):
                 puller.start_read(remote, region, window, torch.tensor(bad, dtype=torch.int64))
+        for odd in (torch.tensor([[0, 0, 8]], dtype=torch.int32), torch.tensor([[0.0, 0.0, 8.5]]),
+                    torch.tensor([[0, 100, 0, 16]]), torch.tensor([0, 0, 8])):
+            with pytest.raises(PullFailed, match="int64 rows of 3"):
+                puller.start_read(remote, region, window, odd)
+        with pytest.raises(PullFailed, match="contiguous"):
+            puller.start_read(remote, region, into[::2])
+        for addr in ((1 << 64) - 8, (1 << 63) - 8, -1):
+            with pytest.raises(PullFailed, match="not an address range"):
+                puller.start_read(remote, Region(addr, 16, region.mem, region.device_id), window)
         assert puller.in_flight == 0
         rows = torch.tensor([[100, 0, 16], [3000, 16, 0], [2048, 24, 1000]], dtype=torch.int64)
         puller.start_read(remote, region, window, rows).wait(_WAIT_S)

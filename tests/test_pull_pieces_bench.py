@@ -28,7 +28,11 @@ def test_the_section_reads_the_owners_bytes_whole_and_in_pieces() -> None:
 
     if (why := nixl_missing()) is not None:
         pytest.skip(why)
+    import os
+
+    before = {key: os.environ.get(key) for key in ("UCX_TLS", "UCX_NET_DEVICES")}
     result = pull_pieces.measure(1, 1, lambda _: None)
+    assert {key: os.environ.get(key) for key in before} == before  # (later tests' agents keep their transports)
     rows = {r["piece"]: r for r in result["rows"]}
     assert rows[0]["reads"] == 1
     assert all(rows[p]["reads"] * p == 1 << 20 for p in pull_pieces._PIECES)

@@ -188,6 +188,17 @@ def test_a_descriptor_is_refused_or_taken_alike_whatever_was_pulled_before() -> 
                 reads_of(bad, plan.layout, class_owners)
 
 
+def test_a_descriptor_placing_a_tensor_past_any_address_is_refused_as_such() -> None:
+    """Found by the second outside attack: msgpack carries offsets up to 2**64, which no int64 table holds."""
+    tensors = _tensors()
+    whole = plan_layout(specs_of(tensors), bucket_size=16 << 10)
+    plan = _plan_class({"cols": (Slice(1, 0, 20),)}, whole, None, {}, 16 << 10, 8)
+    places = [[0, 1 << 63]] * len(whole.slots)
+    hostile = _described(1, plan.layout, whole, None).model_copy(update={"cut_at": places})
+    with pytest.raises(ProtocolError, match="offset out of range"):
+        reads_of(hostile, plan.layout, single_owner(plan.layout))
+
+
 def test_a_descriptor_whose_pieces_cannot_be_read_is_refused_every_time() -> None:
     tensors = _tensors()
     whole = plan_layout(specs_of(tensors), bucket_size=16 << 10)

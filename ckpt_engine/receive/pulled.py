@@ -214,7 +214,11 @@ def reads_of(described: PullDescriptor, layout: Layout, owners: Owners) -> list[
     except CkptEngineError as exc:
         raise ProtocolError(f"version {described.header.version}: its pieces cannot be read from its owners: "
                             f"{exc}") from exc
-    planned = [torch.tensor(bucket, dtype=torch.int64).reshape(-1, 4) for bucket in reads]  # (32 bytes a read)
+    try:
+        planned = [torch.tensor(bucket, dtype=torch.int64).reshape(-1, 4) for bucket in reads]  # (32 B a read)
+    except (OverflowError, RuntimeError, ValueError) as exc:  # (an offset past int64, from a hostile owner)
+        raise ProtocolError(f"version {described.header.version}: its pieces cannot be read from its owners: "
+                            f"an offset out of range ({exc})") from exc
     if described.cut_at is None:
         _last_plans.put(key, planned)
     return planned

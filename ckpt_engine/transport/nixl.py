@@ -273,20 +273,25 @@ class NixlEndpoint:
         offset 0 of ``source``), those bytes from the owner. Returns the transfer to wait on. The ranges are
         checked and handed to NIXL as arrays: a column piece is one range a row, a million for a 70B class."""
         nbytes = into.numel() * into.element_size()
+        if not into.is_contiguous():
+            raise PullFailed("a read's local buffer must be contiguous (its bytes are read as one span)")
+        if source.addr < 0 or source.nbytes < 0 or source.addr + source.nbytes >= 1 << 63:  # (no process maps there)
+            raise PullFailed(f"an owner's region at {source.addr} of {source.nbytes} bytes is not an address range")
         spans = torch.tensor([[0, 0, nbytes]], dtype=torch.int64) if ranges is None else ranges
+        if spans.dtype != torch.int64 or spans.dim() != 2 or spans.shape[1] != 3:
+            raise PullFailed(f"a read's ranges are int64 rows of 3 (owner offset, local offset, bytes), not "
+                             f"{spans.dtype} {tuple(spans.shape)}")
+        _check_within(spans[:, 0], spans[:, 2], source.nbytes, "the owner's region")
+        _check_within(spans[:, 1], spans[:, 2], nbytes, "the memory it reads into")
         spans = spans[spans[:, 2] > 0]
-        if bool(((spans[:, 0] < 0) | (spans[:, 0] + spans[:, 2] > source.nbytes)).any()):
-            raise PullFailed(f"a read leaves the owner's region of {source.nbytes} bytes")
-        if bool(((spans[:, 1] < 0) | (spans[:, 1] + spans[:, 2] > nbytes)).any()):
-            raise PullFailed(f"a read leaves the {nbytes} bytes it reads into")
         if not len(spans):
             return Read(self, None, remote, [])
         device_id, mem = self._kind(into)
         local = torch.stack([spans[:, 1] + into.data_ptr(), spans[:, 2], torch.full_like(spans[:, 2], device_id)], 1)
         far = torch.stack([spans[:, 0] + source.addr, spans[:, 2], torch.full_like(spans[:, 2], source.device_id)], 1)
-        local_descs = self._agent.get_xfer_descs(local.numpy().astype("uint64"), mem)
-        remote_descs = self._agent.get_xfer_descs(far.numpy().astype("uint64"), source.mem)
         try:
+            local_descs = self._agent.get_xfer_descs(local.numpy().astype("uint64"), mem)
+            remote_descs = self._agent.get_xfer_descs(far.numpy().astype("uint64"), source.mem)
             self._busy_until = max(self._busy_until, time.monotonic() + _READ_BUSY_S)  # (this side too: TCP, shm)
             handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, remote)
             state = self._agent.transfer(handle)
@@ -341,6 +346,12 @@ class NixlEndpoint:
         if (region.addr, region.nbytes) not in self._registered:
             raise PullFailed("a read's local buffer is not registered with this process's NIXL agent")
         return region.device_id, region.mem
+
+
+def _check_within(offsets: torch.Tensor, counts: torch.Tensor, nbytes: int, what: str) -> None:
+    """Every (offset, count) lies in ``nbytes`` bytes; compared without adding them (int64 would wrap)."""
+    if bool(((offsets < 0) | (counts < 0) | (offsets > nbytes) | (counts > nbytes - offsets)).any()):
+        raise PullFailed(f"a read leaves {what} ({nbytes} bytes)")
 
 
 def _key(tensor: torch.Tensor) -> tuple[int, int]:
