@@ -606,6 +606,20 @@ def test_a_collective_that_fails_because_a_peer_died_names_that_peer() -> None:
     assert f"rank 2 (rollout worker 1, pid {procs[2].pid} on" in errors[0] and "is gone" in errors[0], errors
 
 
+@pytest.mark.parametrize(("stat", "alive"), [
+    (b"421 (python) S 1 421 421 0 -1 4194560 900 0 0 0 5 2 0 0 20 0 3 0", True),
+    (b"421 (python) R 1 421 421 0 -1 4194564 900 0 0 0 5 2 0 0 20 0 3 0", False),  # PF_EXITING: closing its sockets
+    (b"421 (python) Z 1 421 421 0 -1 4227140 900 0 0 0 5 2 0 0 20 0 1 0", False),  # dead, not reaped
+    (b"421 (a) b) (c) S 1 421 421 0 -1 4194560 900 0 0 0 5 2 0 0 20 0 3 0", True),  # ")" in its name
+])
+def test_a_member_is_gone_from_the_moment_it_starts_to_exit(stat: bytes, alive: bool) -> None:
+    """Found under load: a peer's collective failed (its sockets closed) while the killed member was still
+    exiting, not yet a zombie, so it was not named. The kernel marks a task exiting before it closes them."""
+    from ckpt_engine.transport.group import stat_says_alive
+
+    assert stat_says_alive(stat) is alive
+
+
 def test_a_failed_version_names_each_receiver_s_failure_once(tmp_path: Path) -> None:
     daemon = start_daemon(write_config(tmp_path))
     trainer, receiver = RawAgent(daemon, "trainer"), RawAgent(daemon, "receiver")

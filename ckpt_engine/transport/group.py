@@ -432,11 +432,11 @@ def gone_members(store: dist.Store, size: int, own_rank: int) -> list[str]:
 
 
 def _process_alive(pid: int) -> bool:
-    """Whether ``pid`` runs. A zombie, dead but not yet reaped by its parent, does not."""
+    """Whether ``pid`` runs: neither a zombie (dead, not yet reaped by its parent) nor exiting."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
+            return stat_says_alive(stat.read())
+    except (OSError, IndexError, ValueError):
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
@@ -444,6 +444,16 @@ def _process_alive(pid: int) -> bool:
         except PermissionError:
             return True
         return True
+
+
+_PF_EXITING = 0x4  # (linux/sched.h) set as a task starts to exit, before its sockets are closed
+
+
+def stat_says_alive(stat: bytes) -> bool:
+    """From a /proc/<pid>/stat line: not a zombie (dead, not yet reaped) nor exiting. Its peers see its sockets
+    close while it exits, before it is a zombie: a collective that failed then must already count it gone."""
+    fields = stat.rsplit(b")", 1)[1].split()
+    return fields[0] != b"Z" and not int(fields[6]) & _PF_EXITING
 
 
 def absent_members(store: dist.Store, size: int, backend: str = "gloo") -> list[GroupRank]:
