@@ -103,12 +103,17 @@ def test_tensors_placed_in_several_buffers_are_read_where_they_lie() -> None:
     assert all(torch.equal(a, b) for a, b in zip(got, _pushed(wire, changed), strict=True))
 
 
-def test_pieces_that_cannot_come_from_the_owners_are_refused() -> None:
+def _theirs_asked_of_rank_0():
+    """A version of 2 owners, and a layout of one tensor rank 1 owns (as if rank 0 were asked for it)."""
     tensors = _tensors()
     whole = plan_layout(specs_of(tensors), bucket_size=16 << 10)
     owners = plan_owners(whole, 2)
     theirs = next(s.name for s in whole.slots if owners.of[s.bucket] == 1)
-    mine = plan_layout(specs_of({theirs: tensors[theirs]}), bucket_size=16 << 10)
+    return tensors, whole, owners, plan_layout(specs_of({theirs: tensors[theirs]}), bucket_size=16 << 10)
+
+
+def test_pieces_that_cannot_come_from_the_owners_are_refused() -> None:
+    _, whole, owners, mine = _theirs_asked_of_rank_0()
     with pytest.raises(LayoutError, match="owner holds"):  # rank 1's tensor asked of rank 0
         bucket_reads(mine, single_owner(mine), whole, owners)
     stranger = plan_layout(specs_of({"nope": torch.zeros(3)}), bucket_size=16 << 10)
@@ -200,11 +205,7 @@ def test_a_descriptor_placing_a_tensor_past_any_address_is_refused_as_such() -> 
 
 
 def test_a_descriptor_whose_pieces_cannot_be_read_is_refused_every_time() -> None:
-    tensors = _tensors()
-    whole = plan_layout(specs_of(tensors), bucket_size=16 << 10)
-    owners = plan_owners(whole, 2)
-    theirs = next(s.name for s in whole.slots if owners.of[s.bucket] == 1)
-    mine = plan_layout(specs_of({theirs: tensors[theirs]}), bucket_size=16 << 10)
+    _, whole, owners, mine = _theirs_asked_of_rank_0()
     for version in (1, 2):  # (a refused plan is not kept)
         with pytest.raises(ProtocolError, match="cannot be read from its owners"):
             reads_of(_described(version, mine, whole, owners), mine, single_owner(mine))
