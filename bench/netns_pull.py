@@ -121,7 +121,7 @@ def run_owner(cfg: dict) -> dict:
             with pub.cache.lease(version) as cached:
                 plans = pub.classes.wire_plans(cached, {lane.key: lane.spec for lane in route.lanes})
         offer = pulls.offer(pub.cache, version, None, device.digest_algo, cfg["timeout_s"], pub.own_digests,
-                            rank=owner, plans=plans)
+                            rank=owner, plans=plans, pieces=pub.classes.kept)
         _publish_atomically(folder / f"offer-{version}-{owner}", encode(offer))
         offered = time.perf_counter()
         _wait_until(lambda v=version: pulls.posted(v), cfg["timeout_s"])

@@ -805,3 +805,66 @@ def test_the_ucx_error_handling_mode_comes_from_the_environment(value: str | Non
 def test_an_unknown_ucx_error_handling_mode_is_refused_saying_what_is_expected() -> None:
     with pytest.raises(NixlUnavailable, match="expected one of none, peer"):
         ucx_error_handling({UCX_ERROR_HANDLING_ENV: "thread"})
+
+
+_CLASS_SPEC = {"w": ((1, 0, 3),), "big": ((0, 0, 35_000),)}  # columns of w (one read a row without kept pieces)
+
+
+def _class_owner(folder: str, flip_kept: bool) -> dict:
+    """Publishes a sharded version of one pulled class (w's first 3 columns, big's first half) and offers it as
+    the trainer agent does, before its send keeps and digests the pieces; ``flip_kept``: then flips a byte of
+    the class's kept pieces once its digests are posted (what a puller reads differs from them)."""
+    from ckpt_engine.codec import encode
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.plan.shards import Slice, spec_key
+    from ckpt_engine.send.class_senders import Lane
+    from ckpt_engine.send.publisher import Publisher, Route
+    from ckpt_engine.workers.pull_server import PullServer
+
+    spec = {name: tuple(Slice(*s) for s in slices) for name, slices in _CLASS_SPEC.items()}
+    key = spec_key(spec)
+    publisher = Publisher(device=detect_device("cpu"), bucket_size=64 << 10, keep_versions=2)
+    pulls = PullServer()
+    route = Route(None, {}, None, (Lane(key, spec, None, (), pulls=True),))
+    transfer = publisher.publish(1, _model(), route=lambda: route, sharded=True, pulled=True)
+    with publisher.cache.lease(1) as cached:
+        plans = publisher.classes.wire_plans(cached, {key: spec})
+    offer = pulls.offer(publisher.cache, 1, None, "xxh3-64", 60.0, publisher.own_digests, plans=plans,
+                        pieces=publisher.classes.kept)
+    sent = transfer.result(60)
+    _wait_until(lambda: pulls.posted(1), 30)
+    kept = publisher.classes.kept._memory[key]
+    if flip_kept:
+        kept[0] ^= 1
+    Path(folder, "offer.tmp").write_bytes(encode(offer.model_copy(update={"classes": {},
+                                                                          "descriptor": offer.classes[key]})))
+    Path(folder, "offer.tmp").rename(Path(folder, "offer.bin"))
+    _wait_for(Path(folder, "done"))
+    pulls.close()
+    publisher.close()
+    return {"ok": sent.ok, "reason": sent.reason, "kept": kept.numel(), "named": list(offer.sources[0].kept)}
+
+
+def test_a_classs_column_pieces_are_pulled_from_what_its_send_kept_and_checked_like_the_rest(
+        tmp_path: Path) -> None:
+    """A pulled class's columns are read from the pieces its owner's send kept (one read each, not one a
+    row): exactly the class's slices and whole tensors; a byte flipped there after the digests were taken is named and nothing
+    is loaded."""
+    from ckpt_engine.plan.shards import Slice, cut
+
+    model = _model()
+    expected = {name: cut(t, Slice(*_CLASS_SPEC[name][0])) if name in _CLASS_SPEC else t for name, t in model.items()}
+    for flip in (False, True):
+        folder = tmp_path / str(flip)
+        folder.mkdir()
+        owner, puller = run_processes([(_class_owner, (str(folder), flip)), (_puller, (str(folder), 30.0))],
+                                      timeout_s=180)
+        assert owner["ok"], owner["reason"]
+        assert owner["named"] and owner["kept"] == expected["w"].numel() * 4  # (w's columns: big's are rows)
+        if flip:
+            assert not puller["ok"] and [name.split("@")[0] for name in puller["bad"]] == ["w"], puller
+            assert puller["got"] == {}
+        else:
+            assert puller["ok"], puller["reason"]
+            got = {name.split("@")[0]: value for name, value in puller["got"].items()}
+            assert got == _bytes_of(expected)

@@ -9,11 +9,12 @@ import torch
 from ckpt_engine.errors import CkptEngineError, LayoutError, ProtocolError
 from ckpt_engine.plan.layout import plan_layout
 from ckpt_engine.plan.owners import Owners, plan_owners, share_of, single_owner
-from ckpt_engine.plan.pull_reads import bucket_reads
+from ckpt_engine.plan.pull_reads import KEPT, bucket_reads, kept_nbytes, kept_spans, strided, whole_spans
 from ckpt_engine.plan.shards import Slice, cut
 from ckpt_engine.plan.tensors import fill_bucket, specs_of
 from ckpt_engine.receive.pulled import reads_of
 from ckpt_engine.send.class_senders import _plan_class
+from ckpt_engine.send.transfer import Kept
 from ckpt_engine.transport.messages import LayoutMessage, PullDescriptor, VersionHeader
 
 
@@ -85,6 +86,67 @@ def test_a_classs_pieces_are_cut_out_of_the_owners_full_tensors(ranks: int, spec
     assert all(torch.equal(a, b) for a, b in zip(got, _pushed(plan.layout, pieces), strict=True))
     read = sum(count for bucket in reads for *_, count in bucket)
     assert read == sum(p.nbytes for p in plan.pieces)  # exactly the pieces' bytes, nothing more
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("spec", [
+    {"rows": (Slice(0, 10, 10),), "cols": (Slice(1, 20, 20),), "cube": (Slice(2, 5, 5),), "big": (Slice(1, 0, 150),)},
+    {"cols": (Slice(1, 0, 7), Slice(1, 30, 10)), "cube": (Slice(1, 2, 3),), "big": (Slice(0, 60, 4),)},
+])
+def test_column_pieces_are_read_in_one_read_each_from_what_the_owners_send_kept(ranks: int, spec) -> None:
+    """The owners keep what ``kept_spans`` says of each bucket they send (send/transfer.py ``Kept``); the
+    pullers read those spans from there and the rest from the full tensors: the buckets a push would send,
+    exactly the pieces' bytes, and one read per piece (a chunk of one, past a bucket's end)."""
+    tensors = _tensors()
+    whole = plan_layout(specs_of(tensors), bucket_size=16 << 10)
+    owners = plan_owners(whole, ranks)
+    plan = _plan_class(spec, whole, owners if ranks > 1 else None, {}, 16 << 10, 8)
+    class_owners = plan.owners or single_owner(plan.layout)
+    pieces = {p.spec.name: cut(tensors[p.tensor], p.part) for p in plan.pieces}
+    pushed = _pushed(plan.layout, pieces)
+    spans = kept_spans(plan.layout, class_owners, whole)
+    kept = [Kept(torch.full((max(kept_nbytes(spans, class_owners, r), 1),), 7, dtype=torch.uint8), spans)
+            for r in range(class_owners.ranks)]
+    for bucket in plan.layout.buckets:  # (as each owner's send does with the buckets it sends)
+        kept[class_owners.of[bucket.index]].copy(bucket.index, pushed[bucket.index])
+    reads = bucket_reads(plan.layout, class_owners, whole, owners, kept=True)
+    sources = [{0: share, KEPT: kept[r].memory} for r, share in enumerate(_shares(whole, owners, tensors))]
+    got = _read(plan.layout, class_owners, reads, sources)  # type: ignore[arg-type]
+    assert all(torch.equal(a, b) for a, b in zip(got, pushed, strict=True))
+    assert sum(count for bucket in reads for *_, count in bucket) == sum(p.nbytes for p in plan.pieces)
+    shapes = {slot.name: slot.shape for slot in whole.slots}
+    for bucket, bucket_reads_ in zip(plan.layout.buckets, reads, strict=True):
+        columns = [s for s in bucket.slots
+                   if strided(shapes[plan.by_name[s.name].tensor], plan.by_name[s.name].part)]
+        assert sum(1 for read in bucket_reads_ if read[0] == KEPT) == len(columns)
+    assert any(spans), "the specs cut columns"
+
+
+@pytest.mark.parametrize(("shape", "part", "expected"), [
+    ((40, 24), None, False),
+    ((40, 24), Slice(0, 10, 10), False),  # rows
+    ((40, 24), Slice(1, 4, 8), True),  # columns
+    ((40, 24), Slice(1, 0, 24), False),  # every column: the rows back to back
+    ((1, 24), Slice(1, 4, 8), False),  # one row
+    ((4, 6, 10), Slice(1, 2, 3), True),
+    ((4, 6, 10), Slice(2, 0, 5), True),
+    ((1, 1, 10), Slice(2, 0, 5), False),
+    ((24,), Slice(0, 3, 5), False),
+])
+def test_a_piece_is_kept_where_it_is_more_than_one_run_of_its_tensor(shape, part, expected: bool) -> None:
+    assert strided(shape, part) is expected
+
+
+def test_a_bypass_cpu_send_keeps_every_bucket_where_its_owners_share_holds_it() -> None:
+    tensors = _tensors()
+    layout = plan_layout(specs_of(tensors), bucket_size=16 << 10)
+    owners = plan_owners(layout, 2)
+    spans = whole_spans(layout, owners)
+    kept = [Kept(torch.zeros(share_of(layout, owners, r).layout.total_bytes, dtype=torch.uint8), spans)
+            for r in range(2)]
+    for bucket, pushed in zip(layout.buckets, _pushed(layout, tensors), strict=True):
+        kept[owners.of[bucket.index]].copy(bucket.index, pushed)
+    assert all(torch.equal(k.memory, share) for k, share in zip(kept, _shares(layout, owners, tensors), strict=True))
 
 
 def test_tensors_placed_in_several_buffers_are_read_where_they_lie() -> None:

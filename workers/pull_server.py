@@ -21,9 +21,10 @@ from ckpt_engine.device import DigestAlgo
 from ckpt_engine.errors import CacheError, CkptEngineError
 from ckpt_engine.send.cache import CachedVersion, VersionCache
 from ckpt_engine.send.class_senders import PulledClass
+from ckpt_engine.send.kept_pieces import KeptPieces
 from ckpt_engine.send.own_digests import OwnDigests
 from ckpt_engine.send.publisher import Publisher
-from ckpt_engine.send.pull_offer import Offered, offer_version, whole_plan
+from ckpt_engine.send.pull_offer import Offered, offer_version, whole_layout, whole_plan
 from ckpt_engine.send.transfer import TransferResult, WirePlan
 from ckpt_engine.transport.messages import PullOffer
 from ckpt_engine.transport.nixl import NixlEndpoint
@@ -45,19 +46,22 @@ class PullServer:
         self._lock = threading.Lock()
         self._free: list[torch.Tensor] = []  # descriptor and board slots no offered version holds (registered)
         self._released: list[torch.Tensor] = []  # memory of offers being released now: see _close_all
-        self._cooling: list[list[torch.Tensor]] = []  # the last releases' memory, oldest first: see _cool
+        self._cooling: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # the last releases': see _cool
+        self._released_kept: list[torch.Tensor] = []  # kept pieces the offers being released now named
+        self._kept_now: tuple[torch.Tensor, ...] = ()  # the kept pieces the latest offer named
         self._peak = 0  # the most slots one offer took
         self._closed = False
         self._offered: dict[int, Offered] = {}  # by version, while leased: where its digests are posted
 
     def offer(self, cache: VersionCache, version: int, source_version: int | None, algo: DigestAlgo,
               hold_s: float, own: OwnDigests, *, rank: int = 0, plans: Mapping[str, WirePlan] | None = None,
-              kept: CachedVersion | None = None) -> PullOffer:
+              kept: CachedVersion | None = None, pieces: KeptPieces | None = None) -> PullOffer:
         """Owner rank ``rank``'s offer of ``version`` (a re-push: ``source_version``'s cached bytes under
         ``version``); its buffer is held for at most ``hold_s``. ``plans``: what goes on the wire, by board key
         (see ``offer_version``; default: the whole version). ``own``: where its sends leave the digests of this
         rank's pieces; each is posted for the pullers as soon as the send has it (now, if it already has).
-        ``kept``: a bypass_cpu version's share as its send kept it, offered in place of a cached one."""
+        ``kept``: a bypass_cpu version's share as its send kept it, offered in place of a cached one.
+        ``pieces``: where the sends of the classes in ``plans`` keep their column pieces, for their pullers."""
         stack = contextlib.ExitStack()
         if kept is not None:  # (bypass_cpu's send slots: held by the publisher until its next pulled version)
             cached = kept
@@ -65,8 +69,11 @@ class PullServer:
             cached = stack.enter_context(cache.lease(source_version if source_version is not None else version))
         try:
             endpoint = self._endpoint_now()
-            offered = offer_version(endpoint, cached, plans or {"": whole_plan(cached)}, rank=rank, version=version,
-                                    algo=algo, descriptor_into=self._slot)
+            plans = plans or {"": whole_plan(cached)}
+            classes = {key: plan for key, plan in plans.items() if key}
+            served = pieces.offered(classes, whole_layout(cached), rank) if pieces is not None and classes else {}
+            offered = offer_version(endpoint, cached, plans, rank=rank, version=version, algo=algo,
+                                    descriptor_into=self._slot, kept=served)
         except BaseException:
             stack.close()
             raise
@@ -78,6 +85,7 @@ class PullServer:
                 now = time.monotonic()
                 self._leases[version] = (now, now + hold_s, stack)
                 self._offered[version] = offered
+                self._kept_now = offered.served
         if closed:  # (closed while this offer was made)
             stack.close()
             raise CkptEngineError(f"version {version}: the trainer's pull server closed while offering it")
@@ -142,7 +150,8 @@ class PullServer:
         elif sent is not None and sent.wire_plan is not None:
             plans = {"": sent.wire_plan}
         offer = self.offer(cache, assignment.version, assignment.source_version, publisher.device.digest_algo,
-                           hold_s, publisher.own_digests, rank=rank, plans=plans, kept=kept)
+                           hold_s, publisher.own_digests, rank=rank, plans=plans, kept=kept,
+                           pieces=publisher.classes.kept)
         if sent is not None and not self._digested(assignment.version, publisher.own_digests):  # (none will come)
             reason = f"version {assignment.version}: its send kept no digests of trainer rank {rank}'s pieces"
             self.fail(assignment.version, reason)
@@ -205,21 +214,27 @@ class PullServer:
             stack.close()
         with self._lock:
             released, self._released = self._released, []
-        if released:
-            self._cool(released)
+            kept, self._released_kept = self._released_kept, []
+        if released or kept:
+            self._cool(released, kept)
 
-    def _cool(self, memory: Sequence[torch.Tensor]) -> None:
+    def _cool(self, memory: Sequence[torch.Tensor], kept: Sequence[torch.Tensor]) -> None:
         """A release's memory (its offers' descriptors and boards) cools for two more releases: a puller of
         those versions still polling its board reads its last post (the version ended) rather than a later
         version's. Then it is free for reuse; beyond what three offers as large as the largest yet need, it is
-        forgotten."""
+        forgotten. So are the kept pieces its offers named that no offer names now (a class no longer pulled,
+        or grown): a straggler's read of them ends before they are let go."""
         with self._lock:
-            self._cooling.append(list(memory))
+            self._cooling.append((list(memory), list(kept)))
+            unserved: list[torch.Tensor] = []
             while len(self._cooling) > _RELEASES_COOLING:
-                self._free.extend(self._cooling.pop(0))
-            kept = max(_SLOTS_KEPT, 3 * self._peak)
-            drop = sorted(self._free, key=torch.Tensor.numel)[:-kept] if len(self._free) > kept else []
+                free, served = self._cooling.pop(0)
+                self._free.extend(free)
+                unserved += [t for t in served if not self._names(t)]
+            slots = max(_SLOTS_KEPT, 3 * self._peak)
+            drop = sorted(self._free, key=torch.Tensor.numel)[:-slots] if len(self._free) > slots else []
             self._free = [t for t in self._free if all(t is not d for d in drop)]
+            drop += [t for i, t in enumerate(unserved) if all(t is not u for u in unserved[:i])]
             endpoint = self._endpoint
         for slot in drop:
             if endpoint is not None:
@@ -236,6 +251,12 @@ class PullServer:
         with self._lock:
             self._peak = max(self._peak, len(offered.memory))
             self._released.extend(offered.memory)
+            self._released_kept.extend(offered.served)
+
+    def _names(self, kept: torch.Tensor) -> bool:
+        """(Under the lock) Whether the latest offer or one still leased names ``kept`` pieces."""
+        named = [*self._kept_now, *(t for offered in self._offered.values() for t in offered.served)]
+        return any(t is kept for t in named)
 
     @property
     def held(self) -> list[int]:

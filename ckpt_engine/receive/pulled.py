@@ -23,7 +23,7 @@ from ckpt_engine.errors import CkptEngineError, ProtocolError
 from ckpt_engine.plan.hashing import version_digest
 from ckpt_engine.plan.layout import Bucket, Layout
 from ckpt_engine.plan.owners import Owners, single_owner
-from ckpt_engine.plan.pull_reads import bucket_reads
+from ckpt_engine.plan.pull_reads import KEPT, bucket_reads
 from ckpt_engine.receive.assembly import VersionAssembler
 from ckpt_engine.receive.buffers import StagingBuffers
 from ckpt_engine.receive.payload import ReceiveResult
@@ -68,7 +68,8 @@ class NixlFeed:
     def __init__(self, endpoint: NixlEndpoint, offer: PullOffer, described: PullDescriptor, layout: Layout,
                  deadline: float) -> None:
         self.owners = owners_of(described.header, layout, len(offer.sources))
-        self.reads = reads_of(described, layout, self.owners)
+        self.kept = kept_regions(offer, described)
+        self.reads = reads_of(described, layout, self.owners, kept=self.kept is not None)
         self.endpoint, self.offer, self.described, self.deadline = endpoint, offer, described, deadline
         self.parallel = 2 * self.owners.ranks
         self.remotes = [endpoint.remote(source.agent) for source in offer.sources]
@@ -84,17 +85,24 @@ class NixlFeed:
         planned = self.reads[bucket.index]  # [buffer, offset in it, offset in the bucket, bytes] a row
         reads = []
         for buffer in planned[:, 0].unique().tolist():
+            if buffer == KEPT:
+                continue
             if not 0 <= buffer < len(spans):
                 raise ProtocolError(f"version {self.described.header.version}: a read from owner rank {owner}'s "
                                     f"buffer {buffer}, of {len(spans)} offered")
             ranges = planned[planned[:, 0] == buffer, 1:]
             ranges[:, 0] += spans[buffer][1]  # (a copy: the plan is kept for the next version)
             reads.append(self.endpoint.start_read(self.remotes[owner], _region(spans[buffer][0]), into, ranges))
+        kept = planned[planned[:, 0] == KEPT, 1:]
 
         def wait() -> list[int]:
             for read in reads:
                 read.wait(max(0.0, self.deadline - time.monotonic()))
-            return self.digests.of_bucket(bucket.index)
+            digests = self.digests.of_bucket(bucket.index)
+            if len(kept):  # (whole once its owner posted: it keeps them before it digests its last bucket)
+                self.endpoint.start_read(self.remotes[owner], self.kept[owner], into, kept).wait(  # type: ignore[index]
+                    max(0.0, self.deadline - time.monotonic()))
+            return digests
 
         return wait
 
@@ -194,13 +202,23 @@ class PostedDigests:
                                             self.layout.digest, self.held[owner])
 
 
-def reads_of(described: PullDescriptor, layout: Layout, owners: Owners) -> list[torch.Tensor]:
+def kept_regions(offer: PullOffer, described: PullDescriptor) -> list[Region] | None:
+    """Where each owner keeps the column pieces of the class ``described`` (plan/pull_reads.py ``kept_spans``),
+    or None where not every owner keeps them (then each is read a row at a time from the cached tensor)."""
+    if not described.board or described.cut_from is None:
+        return None
+    regions = [source.kept.get(described.board) for source in offer.sources]
+    return [_region(region) for region in regions if region is not None] if all(regions) else None
+
+
+def reads_of(described: PullDescriptor, layout: Layout, owners: Owners, kept: bool = False) -> list[torch.Tensor]:
     """The reads that fill each bucket of ``layout`` (plan/pull_reads.py), from what the descriptor says the
-    owners' buffers hold, one int64 [n, 4] table a bucket (buffer, offset in it, offset in the bucket, bytes);
-    a ProtocolError where they cannot. A class's layout and placement repeat from version to version, and a
-    column piece is one read a row (1.3 million for a 70B class at TP 8: seconds to plan), so the plans of the
-    last versions are kept, by what they are made of; a delta's (its tensors placed anew each version) is not."""
-    key = (layout.digest, owners, xxhash.xxh3_128_hexdigest(
+    owners' buffers hold (``kept``: and the column pieces they keep), one int64 [n, 4] table a bucket (buffer,
+    offset in it, offset in the bucket, bytes); a ProtocolError where they cannot. A class's layout and
+    placement repeat from version to version, and without kept pieces a column piece is one read a row (1.3
+    million for a 70B class at TP 8: seconds to plan), so the plans of the last versions are kept, by what they
+    are made of; a delta's (its tensors placed anew each version) is not."""
+    key = (layout.digest, owners, kept, xxhash.xxh3_128_hexdigest(
         described.model_dump_json(include={"cut_from", "cut_from_owners", "cut_at"}).encode()))
     planned = _last_plans.get(key)
     if planned is not None:
@@ -210,7 +228,7 @@ def reads_of(described: PullDescriptor, layout: Layout, owners: Owners) -> list[
         whole = cut.to_layout() if cut is not None else None
         whole_owners = (Owners(owners.ranks, tuple(described.cut_from_owners))
                         if whole is not None and described.cut_from_owners is not None else None)
-        reads = bucket_reads(layout, owners, whole, whole_owners, described.cut_at)
+        reads = bucket_reads(layout, owners, whole, whole_owners, described.cut_at, kept=kept)
     except CkptEngineError as exc:
         raise ProtocolError(f"version {described.header.version}: its pieces cannot be read from its owners: "
                             f"{exc}") from exc

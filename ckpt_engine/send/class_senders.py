@@ -45,6 +45,7 @@ from ckpt_engine.plan.tensors import fill_bucket
 from ckpt_engine.ranks import GroupRank, QuorumRank
 from ckpt_engine.send.cache import CachedVersion, VersionCache
 from ckpt_engine.send.fanout import Assembler, GatheredWindow, Tensors, ready_at
+from ckpt_engine.send.kept_pieces import KeptPieces
 from ckpt_engine.send.owners_vote import OwnersVote
 from ckpt_engine.send.sender import Sender, Transfer, TransferResult
 from ckpt_engine.send.sources import PiecesChangesSource, StaleCopy, cached_digests, check_identity, evict_quietly
@@ -109,6 +110,7 @@ class ClassSenders:
         self._manifests: dict[str, dict[int, Manifest]] = {}
         self._identities: dict[int, Manifest] = {}  # the identities of recent versions, by version
         self._pullable: dict[str, PulledClass] = {}  # by class key: its latest send, for pullers (the lead's)
+        self.kept = KeptPieces(device)  # the column pieces of pulled classes, for their pullers
 
     def send(self, cache: VersionCache, version: int, lanes: Sequence[Lane], *, as_version: int | None = None,
              expected_digest: str | None = None, sparse_base: int | None = None) -> Transfer:
@@ -202,6 +204,7 @@ class ClassSenders:
         """Drop the senders of classes no longer sent, or of an earlier generation whose groups were closed with
         it, and the hub's slots of classes gone."""
         current = {lane.key: lane for lane in lanes}
+        self.kept.keep_only({lane.key for lane in lanes if lane.pulls})
         for key in [k for k, sender in self._senders.items() if not _serves(sender, current.get(k))]:
             del self._senders[key]
         if self.hub is not None:
@@ -314,13 +317,16 @@ class ClassSenders:
         views = cached.views()  # with several owners, this rank's share
         mine = {p.spec.name: cut_view(views[p.tensor], p.part) for p in plan.pieces if p.tensor in views}
         sender = self._sender(lane)
+        rank = lane.owners_group.rank if lane.owners_group is not None else 0
+        keep = self.kept.keep_for(lane.key, cached.version_layout, rank) if lane.pulls else None  # type: ignore[arg-type]
         if sparse_base is not None:
             source = PiecesChangesSource(label, cached.step, plan.aliases, plan.layout,
                                          plan.owners or single_owner(plan.layout), mine,
                                          sender.manifests.get(sparse_base), self.bucket_size, self.alignment)
+            source.keep = keep
             return sender.send_changes(source, inline=True)
         return sender.send_live(label, plan.layout, mine, aliases=plan.aliases, step=cached.step,
-                                check=False, owners=plan.owners, inline=True)
+                                check=False, owners=plan.owners, inline=True, keep=keep)
 
     def _start_live(self, lane: Lane, plan: _ClassPlan | ConfigError, window: GatheredWindow, label: int,
                     step: int | None) -> Transfer:

@@ -34,12 +34,14 @@ from ckpt_engine.plan.hashing import warm_up
 from ckpt_engine.plan.layout import DEFAULT_ALIGNMENT, Bucket, Layout, plan_layout
 from ckpt_engine.plan.modes import Mode, check_mode, check_sparse, overlaps_snapshot
 from ckpt_engine.plan.owners import Owners, Share, owners_by_group, plan_owners, share_of, single_owner
+from ckpt_engine.plan.pull_reads import whole_spans
 from ckpt_engine.plan.sparse import Manifest
 from ckpt_engine.plan.tensors import NamedTensors, specs_of
 from ckpt_engine.send.cache import CachedVersion, VersionCache
 from ckpt_engine.send.class_senders import ClassSenders, Lane
 from ckpt_engine.send.own_digests import OwnDigests
 from ckpt_engine.send.sender import Sender, Transfer, TransferResult, WireHook
+from ckpt_engine.send.transfer import KeepFor, Kept
 from ckpt_engine.transport.group import SyncGroup
 from ckpt_engine.transport.same_host import IpcHub
 
@@ -209,10 +211,10 @@ class Publisher:
                                               lambda index: cursor.through(index, mine.rank), _lanes(version, routed),
                                               aliases=named.aliases, step=step)
             if mode == "bypass_cpu":  # returns once every bucket of this rank has been read from the live tensors
-                keep = self._keep_for_pulls(version, share, layout, owners, named.aliases, step) if pulled else None
+                kept = self._keep_for_pulls(version, share, layout, owners, named.aliases, step) if pulled else None
                 live = self._sender(routed).send_live(version, layout, cursor.provider(mine.rank),
                                                       aliases=named.aliases, step=step, check=False, owners=owners,
-                                                      keep_into=keep)
+                                                      keep=kept)
                 live.params_released.wait()
                 live.gathered_bytes = cursor.gathered_bytes
                 return live
@@ -244,15 +246,16 @@ class Publisher:
         return kept
 
     def _keep_for_pulls(self, version: int, share: Share, layout: Layout, owners: Owners,
-                        aliases: Mapping[str, str], step: int | None) -> torch.Tensor:
-        """The device send slots a pulled bypass_cpu version is kept in: one buffer of this rank's share, reused
-        from version to version (so registered once), the version before it forgotten."""
+                        aliases: Mapping[str, str], step: int | None) -> KeepFor:
+        """What a pulled bypass_cpu version's send keeps: every bucket of this rank's share, in device send slots
+        (one buffer, reused from version to version, so registered once; the version before it forgotten)."""
         need = max(share.layout.total_bytes, 1)
         if self._pull_slots is None or self._pull_slots.numel() < need:
             self._pull_slots = comm_empty(need, self.device)
-        self._kept = CachedVersion(version, share.layout, step, dict(aliases), time.time(), 0.0, self._pull_slots,
+        slots = self._pull_slots
+        self._kept = CachedVersion(version, share.layout, step, dict(aliases), time.time(), 0.0, slots,
                                    version_layout=layout, owners=owners, wire=share.wire)
-        return self._pull_slots
+        return lambda sent, sent_owners: Kept(slots, whole_spans(sent, sent_owners))
 
     def abort_before_start(self, version: int, reason: str, route: Callable[[], Route] | None = None) -> None:
         """Tell receivers waiting for ``version`` that it will not come (e.g. its snapshot failed)."""

@@ -86,6 +86,8 @@ class Offered:
     memory: tuple[torch.Tensor, ...] = ()
     # where this owner posts its digests, by board key ("" the whole version's, else a pulled class's key)
     boards: Mapping[str, Board] = field(default_factory=dict)
+    # registered with the endpoint: where pulled classes keep their column pieces (send/kept_pieces.py)
+    served: tuple[torch.Tensor, ...] = ()
 
     def fail(self, reason: str) -> None:
         for board in self.boards.values():
@@ -101,7 +103,8 @@ DescriptorInto = Callable[[int], torch.Tensor]
 
 def offer_version(endpoint: NixlEndpoint, cached: CachedVersion, plans: Mapping[str, WirePlan], *, rank: int,
                   version: int | None = None, algo: DigestAlgo = "xxh3-64",
-                  descriptor_into: DescriptorInto | None = None) -> Offered:
+                  descriptor_into: DescriptorInto | None = None,
+                  kept: Mapping[str, torch.Tensor] | None = None) -> Offered:
     """Owner rank ``rank``'s offer of the share ``cached`` holds of its version (all of it, with one owner),
     labelled ``version`` (a re-push: the cached bytes of an older version under a new id; default: its own).
     ``plans``: what goes on the wire, by board key: the whole version (key "", e.g. a sparse version's changes)
@@ -109,7 +112,8 @@ def offer_version(endpoint: NixlEndpoint, cached: CachedVersion, plans: Mapping[
     each on a board of its own (``Board.post``). The lead (rank 0) also names a descriptor per plan.
     ``descriptor_into(n)``: registered memory of at least n bytes for a descriptor or a board (reused memory
     keeps the agent's metadata, which lists what is registered, the same from version to version; default: new
-    memory, registered here)."""
+    memory, registered here). ``kept``: where the sends of pulled classes (by class key) keep their column
+    pieces (send/kept_pieces.py), registered here and named in the offer."""
     label = cached.version if version is None else version
     memory: list[torch.Tensor] = []
     boards: dict[str, Board] = {}
@@ -127,10 +131,11 @@ def offer_version(endpoint: NixlEndpoint, cached: CachedVersion, plans: Mapping[
                                                    placement)
             memory.append(descriptor)
     # (the source last: its metadata lists what is registered, the descriptors and boards included)
-    source = _source(endpoint, cached, {key: _wire(endpoint.register(b.memory)) for key, b in boards.items()})
+    source = _source(endpoint, cached, {key: _wire(endpoint.register(b.memory)) for key, b in boards.items()},
+                     {key: _wire(_starting(endpoint, memory)) for key, memory in (kept or {}).items()})
     whole = described.pop("", None)
     return Offered(PullOffer(version=label, sources=[source], descriptor=whole, classes=described), tuple(memory),
-                   boards)
+                   boards, tuple((kept or {}).values()))
 
 
 def whole_plan(cached: CachedVersion) -> WirePlan:
@@ -183,6 +188,11 @@ def _cut_placement(cached: CachedVersion) -> _Placement:
     return _Placement(LayoutMessage.of(whole), None, at)
 
 
+def whole_layout(cached: CachedVersion) -> Layout:
+    """The layout of the full tensors ``cached`` is (a share of): what a class's pieces are cut from."""
+    return _whole_of(cached)[0]
+
+
 def _whole_of(cached: CachedVersion) -> tuple[Layout, Owners]:
     return cached.version_layout or cached.layout, cached.owners or single_owner(cached.layout)
 
@@ -211,20 +221,29 @@ def _describe(endpoint: NixlEndpoint, header: VersionHeader, board: str, descrip
 def _registered(endpoint: NixlEndpoint, nbytes: int, into: DescriptorInto | None) -> torch.Tensor:
     """Registered memory of at least ``nbytes``, starting its region (an offer names a region's start)."""
     memory = torch.empty(nbytes, dtype=torch.uint8) if into is None else into(nbytes)
-    if memory.data_ptr() != endpoint.register(memory).addr:
-        raise CacheError("a descriptor must start its registered memory")
+    _starting(endpoint, memory)
     return memory
+
+
+def _starting(endpoint: NixlEndpoint, memory: torch.Tensor) -> Region:
+    """``memory``'s region, registered; a CacheError unless it starts there (an offer names a region's start)."""
+    region = endpoint.register(memory)
+    if memory.data_ptr() != region.addr:
+        raise CacheError("a descriptor, board or kept pieces must start their registered memory")
+    return region
 
 
 def _wire(region: Region) -> PullRegion:
     return PullRegion(addr=region.addr, nbytes=region.nbytes, mem=region.mem, device_id=region.device_id)
 
 
-def _source(endpoint: NixlEndpoint, cached: CachedVersion, boards: Mapping[str, PullRegion]) -> PullSource:
+def _source(endpoint: NixlEndpoint, cached: CachedVersion, boards: Mapping[str, PullRegion],
+            kept: Mapping[str, PullRegion]) -> PullSource:
     """Every buffer ``cached`` reads, registered (pool buffers are reused: most are registered already)."""
     spans = []
     for buffer in cached.buffers:
         region = endpoint.register(buffer)
         spans.append(PullSpan(region=_wire(region), offset=buffer.data_ptr() - region.addr))
     return PullSource(agent=base64.b64encode(endpoint.metadata()),  # (its wire form)
-                      region=spans[0].region, offset=spans[0].offset, more=spans[1:], boards=dict(boards))
+                      region=spans[0].region, offset=spans[0].offset, more=spans[1:], boards=dict(boards),
+                      kept=dict(kept))

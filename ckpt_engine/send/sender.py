@@ -44,7 +44,7 @@ from ckpt_engine.send.sources import (
     evict_quietly,
     record_identity,
 )
-from ckpt_engine.send.transfer import Transfer, TransferResult, WirePlan
+from ckpt_engine.send.transfer import KeepFor, Kept, Transfer, TransferResult, WirePlan
 from ckpt_engine.transport.framing import Channel, Frame, FrameKind
 from ckpt_engine.transport.group import SyncGroup
 from ckpt_engine.transport.messages import (
@@ -158,18 +158,17 @@ class Sender:
 
     def send_live(self, version: int, layout: Layout, tensors: TensorsOrProvider, *,
                   aliases: Mapping[str, str] | None = None, step: int | None = None, check: bool = True,
-                  owners: Owners | None = None, inline: bool = False, keep_into: torch.Tensor | None = None
-                  ) -> Transfer:
+                  owners: Owners | None = None, inline: bool = False, keep: KeepFor | None = None) -> Transfer:
         """Send live tensors without a host copy. They are read until ``params_released`` is set. With
         ``owners``, only this rank's buckets are read, and ``tensors`` is asked for those alone, in order.
         ``check=False`` skips re-checking the tensors against the layout, for callers that planned it from them.
-        ``keep_into``: every bucket this rank sends is also kept there, back to back as its share lays them out
-        (its pullers read them after the send: the device send slots of a pulled bypass_cpu version)."""
+        ``keep``: what of the buckets this rank sends is also kept, and where (its pullers read it there: a
+        pulled bypass_cpu version's share, a pulled class's column pieces; send/transfer.py ``Kept``)."""
         if check and not callable(tensors):
             check_matches_layout(layout, tensors)
         transfer = Transfer(version, "bypass_cpu")
         source = LiveSource(version, layout, tensors, aliases or {}, step, transfer.params_released, owners)
-        source.keep_into = keep_into
+        source.keep = keep
         return self._start(source, transfer, contextlib.ExitStack(), inline)
 
     def _lease(self, hold: contextlib.ExitStack, cache: VersionCache, version: int, label: int) -> CachedVersion:
@@ -269,7 +268,8 @@ class Sender:
                     for outlet in outlets:
                         outlet.begin(source.version, layout.digest, full, slim, proto)
             self._stage(source.version, "transferring")
-            own = self._send_buckets(source, outlets, slots, timer, result, mine)
+            kept = source.keep(layout, owners) if source.keep is not None else None
+            own = self._send_buckets(source, outlets, slots, timer, result, mine, kept)
             if self.owners_group is not None:
                 voted[0] = True  # whatever the vote's outcome, this rank took part in it
             with timer.stage("control"):
@@ -359,11 +359,11 @@ class Sender:
         return full, encode(VersionHeader(**fields))
 
     def _send_buckets(self, source: Source, outlets: list[Outlet], slots: list[torch.Tensor], timer: _Timer,
-                      result: TransferResult, mine: tuple[int, ...]) -> list[int]:
-        """Send the buckets ``mine`` (indices in the version's layout, in order). Returns their digests, in order."""
+                      result: TransferResult, mine: tuple[int, ...], kept: Kept | None) -> list[int]:
+        """Send the buckets ``mine`` (indices in the version's layout, in order), keeping what ``kept`` says.
+        Returns their digests, in order."""
         layout = source.layout
         digests: list[int] = []
-        keep_into, kept = source.keep_into, 0
         if not mine:  # this owner has no bucket of the version: its source is not read at all
             source.all_filled()
         for position, k in enumerate(mine):
@@ -377,9 +377,8 @@ class Sender:
                     buf = source.bucket(k, slots[slot_index] if slots else None)
                 with timer.stage("digest"):
                     values = bucket_digests(bucket, buf, self.digest_algo, layout.digest).cpu()
-                if keep_into is not None:  # (the very bytes digested: pullers verify what they read against them)
-                    keep_into[kept : kept + bucket.nbytes].copy_(buf)
-                    kept += bucket.nbytes
+                if kept is not None:  # (the very bytes digested: pullers verify what they read against them)
+                    kept.copy(k, buf)
                 if self.wire_hook is not None:
                     buf = self.wire_hook(k, buf)
             except Exception as exc:  # noqa: BLE001 - anything that stops preparing a bucket aborts the version for all

@@ -21,6 +21,7 @@ from ckpt_engine.plan.sparse import Manifest, SparsePlan, manifest_of, plan_spar
 from ckpt_engine.plan.tensors import BucketTensors, TensorsOrProvider, fill_bucket, provider_of
 from ckpt_engine.send.cache import CachedVersion, VersionCache
 from ckpt_engine.send.filling import LiveReads, SnapshotFailed
+from ckpt_engine.send.transfer import KeepFor
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,8 @@ class Source(Protocol):
         """Whether bucket() must be given a send slot to fill; if not, it returns views of the source."""
 
     @property
-    def keep_into(self) -> torch.Tensor | None:
-        """Where the sent buckets are also kept, back to back, for pullers (None: nowhere; Sender.send_live)."""
+    def keep(self) -> KeepFor | None:
+        """What the send also keeps of its buckets for pullers (None: nothing; send/transfer.py ``Kept``)."""
 
     def prepare(self, algo: DigestAlgo, device: torch.device, rank: int) -> list[int]:
         """Work before the first bucket. Returns what this owner tells the others (see ``plan``)."""
@@ -86,7 +87,7 @@ class FullSource:
     """What every full source shares: there is nothing to prepare, and the wire digest is the version digest."""
 
     header_extra: dict = {}  # noqa: RUF012 - read only: spread into the header, never mutated
-    keep_into: torch.Tensor | None = None
+    keep: KeepFor | None = None
     skipped = 0
     skipped_bytes = 0
     base_version: int | None = None
@@ -243,7 +244,7 @@ class ChangesSource:
     ``plan``), what changed against ``base`` (a manifest the receivers hold), and the header that says so."""
 
     mode: Mode = "cached"
-    keep_into: torch.Tensor | None = None
+    keep: KeepFor | None = None
 
     def __init__(self, version: int, step: int | None, aliases: Mapping[str, str], layout: Layout, owners: Owners,
                  base: Manifest | None, bucket_size: int, alignment: int) -> None:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from ckpt_engine.errors import CkptEngineError, SyncTimeoutError
 from ckpt_engine.plan.layout import Layout
@@ -33,6 +35,25 @@ class WirePlan:
     aliases: Mapping[str, str]
     step: int | None
     extra: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Kept:
+    """Where a send also keeps bytes of the buckets it sends, for pullers that read them from there: ``spans``,
+    per bucket of its layout, (offset in the bucket, bytes, offset in ``memory``) (plan/pull_reads.py
+    ``kept_spans``: a class's column pieces; ``whole_spans``: every bucket of a bypass_cpu share)."""
+
+    memory: torch.Tensor
+    spans: Sequence[Sequence[tuple[int, int, int]]]
+
+    def copy(self, index: int, bucket: torch.Tensor) -> None:
+        """Keep bucket ``index``'s spans of ``bucket``, its bytes as they were digested."""
+        for offset, nbytes, at in self.spans[index]:
+            self.memory[at : at + nbytes].copy_(bucket[offset : offset + nbytes])
+
+
+# What a send keeps, from its layout and owners (a sparse send's are known only once it found its changes).
+KeepFor = Callable[[Layout, Owners], Kept]
 
 
 @dataclass

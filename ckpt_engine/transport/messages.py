@@ -166,6 +166,10 @@ class PullSource(_Message):
     # ``board`` key: "" for the whole version, else a pulled class's key): transport/digest_board.py
     boards: dict[Annotated[str, Field(max_length=64)], PullRegion] = Field(default_factory=dict,
                                                                           max_length=MAX_PULL_CLASSES)
+    # Where this owner keeps the column pieces of each pulled class (by class key), back to back from the
+    # region's start once it posted that class's digests: plan/pull_reads.py ``kept_spans``
+    kept: dict[Annotated[str, Field(max_length=64)], PullRegion] = Field(default_factory=dict,
+                                                                        max_length=MAX_PULL_CLASSES)
 
 
 class PullDescribed(_Message):
