@@ -848,8 +848,8 @@ def _class_owner(folder: str, flip_kept: bool) -> dict:
 def test_a_classs_column_pieces_are_pulled_from_what_its_send_kept_and_checked_like_the_rest(
         tmp_path: Path) -> None:
     """A pulled class's columns are read from the pieces its owner's send kept (one read each, not one a
-    row): exactly the class's slices and whole tensors; a byte flipped there after the digests were taken is named and nothing
-    is loaded."""
+    row): exactly the class's slices and whole tensors; a byte flipped there after the digests were taken is
+    named and nothing is loaded."""
     from ckpt_engine.plan.shards import Slice, cut
 
     model = _model()
