@@ -10,7 +10,15 @@ import torch
 
 from ckpt_engine.errors import CacheError, ProtocolError
 from ckpt_engine.send.own_digests import OwnDigests
-from ckpt_engine.transport.digest_board import REASON_BYTES, board_nbytes, clear, post_digests, post_failure, read_board
+from ckpt_engine.transport.digest_board import (
+    REASON_BYTES,
+    board_nbytes,
+    clear,
+    post_digests,
+    post_failure,
+    read_board,
+    read_post,
+)
 
 LAYOUT = "ab" * 8
 DIGESTS = [0, 1, -1, 2**63 - 1, -(2**63), 123456789]
@@ -89,11 +97,52 @@ def test_a_post_that_does_not_fit_or_is_not_int64_is_refused() -> None:
 
 
 class _Sink:
+    """What an offer's board gets: its final posts in ``got``, every post in ``all``."""
+
     def __init__(self) -> None:
         self.got: list[tuple[list[int], str]] = []
+        self.all: list[tuple[list[int], str, bool]] = []
 
-    def post(self, digests, layout_digest: str) -> None:
-        self.got.append((list(digests), layout_digest))
+    def post(self, digests, layout_digest: str, final: bool = True) -> None:
+        self.all.append((list(digests), layout_digest, final))
+        if final:
+            self.got.append((list(digests), layout_digest))
+
+
+def test_a_rank_posts_its_digests_as_computed_before_the_vote_and_final_after_it() -> None:
+    """Computed as soon as this rank's buckets are digested and kept (its pullers check and read what it
+    kept), final once the owners voted: for an offer made between or after the two; a lead's final
+    post is held back until released (its pullers see the computed one meanwhile)."""
+    own = OwnDigests()
+    own.expect(1)
+    own.expect(2, hold=True)
+    before, between, after, held = _Sink(), _Sink(), _Sink(), _Sink()
+    own.wanted(1, "", before)
+    own.computed(1, "", LAYOUT, [1, 2], final=False)
+    own.wanted(1, "", between)
+    assert before.all == between.all == [([1, 2], LAYOUT, False)] and not own.known(1, "")
+    own.computed(1, "", LAYOUT, [1, 2])
+    own.wanted(1, "", after)
+    assert before.all == [([1, 2], LAYOUT, False)]  # (a re-offer of the version replaced it)
+    assert between.all == [([1, 2], LAYOUT, False), ([1, 2], LAYOUT, True)]
+    assert after.all == [([1, 2], LAYOUT, True)] and own.known(1, "")
+    own.computed(1, "", LAYOUT, [1, 2], final=False)  # (late: nothing more is posted, the final one stays)
+    assert after.all == [([1, 2], LAYOUT, True)]
+    own.wanted(2, "", held)
+    own.computed(2, "", LAYOUT, [5], final=False)
+    own.computed(2, "", LAYOUT, [5])
+    assert held.got == [] and all(not final for *_, final in held.all) and own.known(2, "")
+    own.release(2)
+    assert held.got == [([5], LAYOUT)]
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_a_post_reads_back_as_computed_or_final(final: bool) -> None:
+    board = torch.zeros(board_nbytes(2), dtype=torch.uint8)
+    post_digests(board, 4, LAYOUT, [7, -8], final=final)
+    raw = board.numpy().tobytes()
+    assert read_post(raw, 4, LAYOUT, 2) == ([7, -8], final)
+    assert read_board(raw, 4, LAYOUT, 2) == ([7, -8] if final else None)
 
 
 def test_a_sends_digests_meet_an_offer_made_before_or_after_it() -> None:

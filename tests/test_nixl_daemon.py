@@ -348,17 +348,17 @@ def offer_fails(fail_version: int, agent, rank: int, version: int, workdir: str)
 def stall_after_posting(stall_version: int, stalling_rank: int, agent, rank: int, version: int,
                         workdir: str) -> dict:
     """(``owner_trainer``'s hook) From the version before ``stall_version`` on, rank ``stalling_rank`` stalls
-    right after it posts its digests of ``stall_version`` for the pullers (``posted`` in ``workdir``), until
-    ``go``."""
+    right after it posts its final digests of ``stall_version`` for the pullers (``posted`` in ``workdir``),
+    until ``go``."""
     if rank != stalling_rank or version != stall_version - 1:
         return {}
     from ckpt_engine.send import pull_offer
 
     post = pull_offer.Board.post
 
-    def stalling(board, digests, layout_digest) -> None:
-        post(board, digests, layout_digest)
-        if board.version == stall_version:
+    def stalling(board, digests, layout_digest, final: bool = True) -> None:
+        post(board, digests, layout_digest, final)
+        if board.version == stall_version and final:
             Path(workdir, "posted").touch()
             _wait_for(lambda: Path(workdir, "go").exists(), 180)
 

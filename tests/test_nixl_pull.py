@@ -716,6 +716,51 @@ def test_a_released_offer_says_it_ended_and_nothing_of_it_touches_the_next_versi
         pulls.close()
 
 
+def test_a_classs_kept_pieces_stay_registered_while_offered_and_are_let_go_once_no_offer_names_them() -> None:
+    """Kept pieces are reused from version to version (registered once); those of a class
+    no longer pulled stay registered while a straggler may read them (two more releases), then are let go."""
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.plan.shards import Slice, spec_key
+    from ckpt_engine.send.class_senders import Lane
+    from ckpt_engine.send.publisher import Publisher, Route
+    from ckpt_engine.transport.nixl import _key
+    from ckpt_engine.workers.pull_server import PullServer
+
+    publisher = Publisher(device=detect_device("cpu"), bucket_size=64 << 10, keep_versions=8)
+    pulls, tensors = PullServer(), _model()
+    kept = {}
+
+    def offer(version: int, spec: dict) -> None:
+        key = spec_key(spec)
+        route = Route(None, {}, None, (Lane(key, spec, None, (), pulls=True),))
+        assert publisher.publish(version, tensors, route=lambda: route, sharded=True, pulled=True).result(60).ok
+        pulls.release(before=version)
+        with publisher.cache.lease(version) as cached:
+            plans = publisher.classes.wire_plans(cached, {key: spec})
+        offered = pulls.offer(publisher.cache, version, None, "xxh3-64", 60.0, publisher.own_digests, plans=plans,
+                              pieces=publisher.classes.kept)
+        kept[version] = publisher.classes.kept._memory[key]
+        assert list(offered.sources[0].kept) == [key]
+
+    def registered(version: int) -> bool:
+        return _key(kept[version]) in pulls._endpoint._registered  # type: ignore[union-attr]
+
+    try:
+        first, second = {"w": (Slice(1, 0, 3),)}, {"w": (Slice(1, 3, 4),)}
+        offer(1, first)
+        offer(2, first)
+        assert kept[1] is kept[2]
+        held = []
+        for version in (3, 4, 5):
+            offer(version, second)
+            held.append(registered(1))
+            assert registered(version)
+        assert held == [True, True, False]  # (its last offer, 2, cooled through the releases of 3 and 4)
+    finally:
+        pulls.close()
+        publisher.close()
+
+
 def test_a_closed_pull_server_refuses_offers_and_starts_no_agent() -> None:
     """(Found by the second outside attack: an offer after close started a new NIXL agent and held its lease.)"""
     from ckpt_engine.device import detect_device

@@ -254,8 +254,9 @@ class PullServer:
             self._released_kept.extend(offered.served)
 
     def _names(self, kept: torch.Tensor) -> bool:
-        """(Under the lock) Whether the latest offer or one still leased names ``kept`` pieces."""
-        named = [*self._kept_now, *(t for offered in self._offered.values() for t in offered.served)]
+        """(Under the lock) Whether the latest offer, one still leased or one still cooling names ``kept``."""
+        named = [*self._kept_now, *(t for offered in self._offered.values() for t in offered.served),
+                 *(t for _, served in self._cooling for t in served)]
         return any(t is kept for t in named)
 
     @property

@@ -27,7 +27,7 @@ from ckpt_engine.plan.pull_reads import KEPT, bucket_reads
 from ckpt_engine.receive.assembly import VersionAssembler
 from ckpt_engine.receive.buffers import StagingBuffers
 from ckpt_engine.receive.payload import ReceiveResult
-from ckpt_engine.transport.digest_board import board_nbytes, read_board
+from ckpt_engine.transport.digest_board import board_nbytes, read_post
 from ckpt_engine.transport.messages import PullDescriptor, PullOffer, PullRegion, VersionHeader, VersionTrailer
 from ckpt_engine.transport.nixl import NixlEndpoint, Read, Region
 
@@ -114,10 +114,12 @@ class NixlFeed:
 
 
 class PostedDigests:
-    """The digests each owner posts on its board (transport/digest_board.py) of the pieces it holds. Every
-    owner's board is read once before any bucket (ahead of the buckets on each owner's link: enough when the
-    digests were posted first), then, for those not posted yet, all at once when a bucket of theirs lands,
-    again (backing off) until the version's deadline: behind a loaded link each read costs a queue's wait."""
+    """The digests each owner posts on its board (transport/digest_board.py) of the pieces it holds: as
+    computed (its buckets are checked against them, and what it kept is read), then as final (the version may
+    be loaded). Every owner's board is read once before any bucket (ahead of the buckets on each owner's link:
+    enough when the digests were posted first), then, for those not posted yet, all at once when a bucket of
+    theirs lands, again (backing off) until the version's deadline: behind a loaded link each read costs a
+    queue's wait."""
 
     def __init__(self, endpoint: NixlEndpoint, remotes: list[str], offer: PullOffer, described: PullDescriptor,
                  layout: Layout, owners: Owners, deadline: float) -> None:
@@ -135,7 +137,8 @@ class PostedDigests:
             self.starts.append(held[owners.of[bucket.index]])
             held[owners.of[bucket.index]] += len(bucket.slots)
         self.held = held
-        self.posted: list[list[int] | None] = [None] * owners.ranks
+        self.computed: list[list[int] | None] = [None] * owners.ranks
+        self.posted: list[list[int] | None] = [None] * owners.ranks  # (final)
         self.scratch = [torch.empty(board_nbytes(n), dtype=torch.uint8) for n in held]
         for scratch in self.scratch:
             endpoint.register(scratch)
@@ -147,28 +150,34 @@ class PostedDigests:
             raise
 
     def of_bucket(self, index: int) -> list[int]:
-        posted, start = self._posted_by(self.owners.of[index]), self.starts[index]
+        """The digests of bucket ``index``'s pieces, once its owner posted them (computed, at least): its owner
+        has kept its pieces by then."""
+        posted, start = self._posted_by(self.owners.of[index], self.computed), self.starts[index]
         return posted[start : start + len(self.layout.buckets[index].slots)]
 
     def trailer(self) -> VersionTrailer:
-        """What a push's trailer would say: the version digest of every piece's posted digest, in wire order.
-        The lead's post is needed too, whatever it holds: it posts once the daemon has its report of the
-        version (workers/trainer_agent.py), so nothing is loaded whose outcome the daemon cannot know."""
-        self._posted_by(0)
+        """What a push's trailer would say: the version digest of every piece's digest, in wire order, once
+        every owner posted them as final. The lead's post is needed too, whatever it holds: it posts once the
+        daemon has its report of the version (workers/trainer_agent.py), so nothing is loaded whose outcome
+        the daemon cannot know."""
+        for owner in range(self.owners.ranks):
+            self._posted_by(owner, self.posted)
         flat = [d for bucket in self.layout.buckets for d in self.of_bucket(bucket.index)]
         return VersionTrailer(version=self.header.version,
                               version_digest=version_digest(self.header.digest_algo, self.layout.digest, flat))
 
-    def _posted_by(self, owner: int) -> list[int]:
-        """What ``owner`` posted, read again (backing off) until it has posted, or the deadline."""
+    def _posted_by(self, owner: int, posts: list[list[int] | None]) -> list[int]:
+        """What ``owner`` posted in ``posts`` (computed or final), read again (backing off) until it has, or
+        the deadline."""
         delay = _FIRST_RETRY_S
-        while (posted := self.posted[owner]) is None:
+        while (posted := posts[owner]) is None:
             self._finish_reads()
-            if self.posted[owner] is not None:
+            if posts[owner] is not None:
                 continue
             if time.monotonic() + delay > self.deadline:
-                raise ProtocolError(f"version {self.header.version}: owner rank {owner} posted no digests before "
-                                    "the deadline")
+                what = "final " if posts is self.posted and self.computed[owner] is not None else ""
+                raise ProtocolError(f"version {self.header.version}: owner rank {owner} posted no {what}digests "
+                                    "before the deadline")
             time.sleep(delay)
             delay = min(delay * 2, _LAST_RETRY_S)
             self._start_reads()
@@ -183,7 +192,7 @@ class PostedDigests:
                 self.endpoint.forget(scratch)
 
     def _start_reads(self) -> None:
-        """Read every board whose digests are not posted yet (and not being read), all at once."""
+        """Read every board whose final digests are not posted yet (and not being read), all at once."""
         for owner, posted in enumerate(self.posted):
             if posted is None and owner not in self.reading:
                 self.reading[owner] = self.endpoint.start_read(self.remotes[owner], self.regions[owner],
@@ -198,8 +207,17 @@ class PostedDigests:
             except CkptEngineError:
                 self.reading.update({o: r for o, r in reading.items() if o > owner})  # (still in flight)
                 raise
-            self.posted[owner] = read_board(self.scratch[owner].numpy().tobytes(), self.header.version,
-                                            self.layout.digest, self.held[owner])
+            post = read_post(self.scratch[owner].numpy().tobytes(), self.header.version, self.layout.digest,
+                             self.held[owner])
+            if post is None:
+                continue
+            digests, final = post
+            if self.computed[owner] is not None and digests != self.computed[owner]:
+                raise ProtocolError(f"version {self.header.version}: owner rank {owner} posted other digests "
+                                    "than those its pieces were checked against")
+            self.computed[owner] = digests
+            if final:
+                self.posted[owner] = digests
 
 
 def kept_regions(offer: PullOffer, described: PullDescriptor) -> list[Region] | None:

@@ -2,8 +2,9 @@
 
 A send digests every bucket this rank owns as it goes (send/sender.py). A version its pullers read is offered
 as soon as it is cached, usually before that: the offer then asks for the digests (``wanted``) and they are
-posted the moment the send has them (``computed``: with several owners, once they voted that every one sent
-its share); a version offered after its send finds them here. The lead owner holds its own back until the
+posted the moment the send has them (``computed``): as computed once this rank's buckets are digested and
+kept, as final once the owners voted that every one sent its share (transport/digest_board.py); a version
+offered after its send finds them here. The lead owner holds its own back until the
 daemon has its report of the version (``release``): pullers need every owner's post, the lead's included, so
 whatever they load is a version the daemon judges. Either
 way they are taken once, by the send: a pull costs no digest pass of its own.
@@ -20,7 +21,7 @@ _VERSIONS_KEPT = 4  # pulled versions whose digests wait here for an offer (one 
 
 
 class DigestSink(Protocol):
-    def post(self, digests: Sequence[int], layout_digest: str) -> None: ...
+    def post(self, digests: Sequence[int], layout_digest: str, final: bool = True) -> None: ...
 
 
 class OwnDigests:
@@ -32,7 +33,7 @@ class OwnDigests:
         self._lock = threading.Lock()  # (posts are made under it: forget() returns once none can come)
         self._expected: list[int] = []  # the latest versions with pullers, oldest first
         self._held: set[int] = set()  # of those, the ones posted only once released (see expect)
-        self._computed: dict[tuple[int, str], tuple[str, array]] = {}
+        self._computed: dict[tuple[int, str], tuple[str, array, bool]] = {}  # (layout digest, digests, final)
         self._wanted: dict[tuple[int, str], DigestSink] = {}
 
     def expect(self, version: int, *, hold: bool = False) -> None:
@@ -48,38 +49,43 @@ class OwnDigests:
             self._held &= kept
             self._computed = {k: v for k, v in self._computed.items() if k[0] in kept}
 
-    def computed(self, version: int, key: str, layout_digest: str, digests: Sequence[int]) -> None:
-        """A send of ``version`` digested this rank's pieces of its wire layout (``layout_digest``), in order."""
+    def computed(self, version: int, key: str, layout_digest: str, digests: Sequence[int], final: bool = True) -> None:
+        """A send of ``version`` digested this rank's pieces of its wire layout (``layout_digest``), in order:
+        ``final`` once the owners voted, else as soon as this rank's are digested and kept."""
         with self._lock:
-            if version in self._expected:  # (for a later offer of it, or its release)
-                self._computed[(version, key)] = (layout_digest, array("q", digests))
-            if version in self._held:
-                return
-            sink = self._wanted.pop((version, key), None)
+            if version in self._expected and (final or (version, key) not in self._computed):
+                self._computed[(version, key)] = (layout_digest, array("q", digests), final)
+            if final and version not in self._held:
+                sink = self._wanted.pop((version, key), None)
+            else:
+                sink = self._wanted.get((version, key))
             if sink is not None:
-                sink.post(digests, layout_digest)
+                sink.post(digests, layout_digest, final and version not in self._held)
 
     def wanted(self, version: int, key: str, sink: DigestSink) -> None:
         """Post this rank's digests of ``version`` (``key``) to ``sink``: now if its send computed them (and
         the version is not held), else when it does (or is released)."""
         with self._lock:
             computed = self._computed.get((version, key))
-            if computed is not None and version not in self._held:
-                sink.post(computed[1].tolist(), computed[0])
-            else:
+            final = computed is not None and computed[2] and version not in self._held
+            if computed is not None:  # (held: as computed, until released)
+                sink.post(computed[1].tolist(), computed[0], final)
+            if not final:
                 self._wanted[(version, key)] = sink
 
     def known(self, version: int, key: str) -> bool:
-        """Whether a send of ``version`` digested this rank's pieces of ``key`` (posted or held)."""
+        """Whether a send of ``version`` digested this rank's pieces of ``key`` and the owners voted (posted or
+        held)."""
         with self._lock:
-            return (version, key) in self._computed
+            computed = self._computed.get((version, key))
+            return computed is not None and computed[2]
 
     def release(self, version: int) -> None:
         """Post what is held of ``version`` to where it is wanted; later digests of it are posted at once."""
         with self._lock:
             self._held.discard(version)
-            for key in [k for k in self._wanted if k[0] == version and k in self._computed]:
-                layout_digest, digests = self._computed[key]
+            for key in [k for k in self._wanted if k[0] == version and k in self._computed and self._computed[k][2]]:
+                layout_digest, digests, _ = self._computed[key]
                 self._wanted.pop(key).post(digests.tolist(), layout_digest)
 
     def clear(self) -> None:

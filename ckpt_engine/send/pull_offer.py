@@ -53,18 +53,19 @@ class Board:
         self._failed = self._closed = False
         self.posted = False  # its digests, or a failure
 
-    def post(self, digests: Sequence[int], layout_digest: str) -> None:
+    def post(self, digests: Sequence[int], layout_digest: str, final: bool = True) -> None:
         """Post ``digests``, this owner's of the pieces it holds of wire layout ``layout_digest``, in order (a
-        failure instead if they are not of what was offered)."""
+        failure instead if they are not of what was offered): ``final``, or only computed (its kept pieces are
+        whole; transport/digest_board.py). A computed post after the final one is dropped."""
         pieces = owned_pieces(self.plan, self.rank)
         if layout_digest != self.plan.layout.digest or len(digests) != pieces:
             self.fail(f"owner rank {self.rank}'s send digested {len(digests)} pieces of layout {layout_digest[:12]}, "
                       f"not the {pieces} it offered of {self.plan.layout.digest[:12]}")
             return
         with self._lock:
-            if not (self._failed or self._closed):
-                post_digests(self.memory, self.version, self.plan.layout.digest, digests)
-                self.posted = True
+            if not (self._failed or self._closed or self.posted):
+                post_digests(self.memory, self.version, self.plan.layout.digest, digests, final)
+                self.posted = final
 
     def fail(self, reason: str) -> None:
         with self._lock:

@@ -64,7 +64,7 @@ _MANIFESTS_KEPT = 8
 # Called with (bucket index, bucket bytes) after the digests are taken; returns the bytes to put on the wire.
 # Fault injection for tests and chaos runs: the source (cache or live tensors) is never modified by it.
 WireHook = Callable[[int, torch.Tensor], torch.Tensor]
-Digested = Callable[[int, str, str, list[int]], None]  # see Sender
+Digested = Callable[[int, str, str, list[int], bool], None]  # see Sender
 
 
 class Sender:
@@ -83,9 +83,10 @@ class Sender:
         version has its own. ``seats``: the quorum rank each receiver of ``group`` is acknowledged under.
         With neither a group nor colocated receivers (every receiver pulls, or there is none), the sender
         still digests what it caches. ``digested``: called with (version, ``slots_key``, layout digest, this
-        rank's digests) once the owners agreed that every one sent its buckets of a version (its pullers read
-        them: send/own_digests.py). Never before: pullers load what every owner posted, and an owner that
-        posted and then stalled before the vote would leave them serving a version its trainer failed."""
+        rank's digests, final) once this rank sent (and kept) its buckets of a version, then final once the
+        owners agreed that every one sent its buckets (its pullers read them: send/own_digests.py). Pullers
+        load only once every owner's final post is there: an owner that posted and then stalled before the vote
+        would leave them serving a version its trainer failed."""
         if owners_group is not None and ipc_peers:
             raise ConfigError("versions of several owners go on sync groups only (no colocated receivers)")
         self.owners_group = owners_group
@@ -270,12 +271,14 @@ class Sender:
             self._stage(source.version, "transferring")
             kept = source.keep(layout, owners) if source.keep is not None else None
             own = self._send_buckets(source, outlets, slots, timer, result, mine, kept)
+            if self.digested is not None:  # (its pullers may check bytes and read what it kept: not load)
+                self.digested(source.version, self.slots_key, layout.digest, own, False)
             if self.owners_group is not None:
                 voted[0] = True  # whatever the vote's outcome, this rank took part in it
             with timer.stage("control"):
                 digests = self.votes.sent(source, own)
             if self.digested is not None:  # (after the vote: see __init__)
-                self.digested(source.version, self.slots_key, layout.digest, own)
+                self.digested(source.version, self.slots_key, layout.digest, own, True)
             result.version_bytes = layout.total_bytes  # every owner sent its buckets: the version's bytes went out
             self._stage(source.version, "verifying")
             manifest = source.manifest(source.version, self.digest_algo, digests)

@@ -9,6 +9,12 @@ post of another version (the board's memory is reused) and a post read half-writ
 read as "not yet". The lead posts a failure instead when the version cannot be verified, so its pullers stop
 at once rather than at their deadline.
 
+An owner posts its digests twice: *computed* as soon as its send has digested (and kept) its pieces, then
+*final* once the owners voted that every one sent its share (and, the lead, once the daemon has its report).
+Pullers check bytes against the computed ones and read what the owner kept once they are posted; they load
+only once every owner's final post (the same digests) is there. With several owners the vote crosses links
+the pulls fill, so the final post can come long after the computed one.
+
     [stamp u64][state u32][count u32][version i64][payload: count digests (i64) | count bytes of the reason]
 """
 
@@ -23,7 +29,7 @@ import xxhash
 from ckpt_engine.errors import CacheError, ProtocolError
 
 _HEAD = struct.Struct("<QIIq")
-_READY, _FAILED = 1, 2
+_READY, _FAILED, _COMPUTED = 1, 2, 3
 REASON_BYTES = 1024  # a failure's reason is cut to this
 
 
@@ -37,13 +43,15 @@ def clear(board: torch.Tensor) -> None:
     board[: _HEAD.size].zero_()
 
 
-def post_digests(board: torch.Tensor, version: int, layout_digest: str, digests: Sequence[int]) -> None:
-    """Post every piece's digest, in wire order (int64 values, as the digests are computed)."""
+def post_digests(board: torch.Tensor, version: int, layout_digest: str, digests: Sequence[int],
+                 final: bool = True) -> None:
+    """Post every piece's digest, in wire order (int64 values, as the digests are computed): ``final``, or only
+    computed (see above)."""
     try:
         payload = struct.pack(f"<{len(digests)}q", *digests)
     except struct.error as exc:
         raise CacheError(f"version {version}: a digest is not an int64: {exc}") from None
-    _post(board, version, layout_digest, _READY, len(digests), payload)
+    _post(board, version, layout_digest, _READY if final else _COMPUTED, len(digests), payload)
 
 
 def post_failure(board: torch.Tensor, version: int, layout_digest: str, reason: str) -> None:
@@ -53,17 +61,24 @@ def post_failure(board: torch.Tensor, version: int, layout_digest: str, reason: 
 
 
 def read_board(raw: bytes, version: int, layout_digest: str, pieces: int) -> list[int] | None:
-    """The digests ``raw`` (a board as read) posts for ``version``; None if nothing valid is posted for it yet.
-    A ProtocolError if the owner posted that the version failed, or a digest count other than ``pieces``."""
+    """The digests ``raw`` (a board as read) posts for ``version`` as final; None if none are yet."""
+    post = read_post(raw, version, layout_digest, pieces)
+    return post[0] if post is not None and post[1] else None
+
+
+def read_post(raw: bytes, version: int, layout_digest: str, pieces: int) -> tuple[list[int], bool] | None:
+    """The digests ``raw`` (a board as read) posts for ``version``, and whether they are final; None if nothing
+    valid is posted for it yet. A ProtocolError if the owner posted that the version failed, or a digest count
+    other than ``pieces``."""
     if len(raw) < _HEAD.size:
         return None
     stamp, state, count, posted = _HEAD.unpack_from(raw)
-    size = 8 * count if state == _READY else count
-    if stamp == 0 or posted != version or state not in (_READY, _FAILED):
+    size = count if state == _FAILED else 8 * count
+    if stamp == 0 or posted != version or state not in (_READY, _FAILED, _COMPUTED):
         return None  # (a stamp of 0: cleared, the post being written)
     if _HEAD.size + size > len(raw):  # (this version's post, bigger than it can be: its owner is not ours)
         raise ProtocolError(f"version {version}: its owner's digest board claims {count} "
-                            f"{'digests' if state == _READY else 'bytes of reason'}, more than it holds")
+                            f"{'bytes of reason' if state == _FAILED else 'digests'}, more than it holds")
     if stamp != _stamp(raw[8 : _HEAD.size + size], layout_digest):
         return None
     payload = raw[_HEAD.size : _HEAD.size + size]
@@ -71,7 +86,7 @@ def read_board(raw: bytes, version: int, layout_digest: str, pieces: int) -> lis
         raise ProtocolError(f"version {version}: its owner gave up on it: {payload.decode('utf-8', 'replace')}")
     if count != pieces:
         raise ProtocolError(f"version {version}: its owner posted {count} digests for {pieces} pieces")
-    return list(struct.unpack(f"<{count}q", payload))
+    return list(struct.unpack(f"<{count}q", payload)), state == _READY
 
 
 def _post(board: torch.Tensor, version: int, layout_digest: str, state: int, count: int, payload: bytes) -> None:
