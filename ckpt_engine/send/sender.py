@@ -251,10 +251,14 @@ class Sender:
         result = TransferResult(source.version, source.mode, False, None, None, [], 0, 0, 0)
         outlets: list[Outlet] = []
         voted = [False]  # this rank has cast its after-sending vote (several owners: one per version)
+        # Only pullers, and a layout known alone: this owner digests and keeps its buckets before the ready vote,
+        # which crosses links the pulls fill (its pullers check and read them as soon as it posts them).
+        pulled_first = (self.owners_group is not None and self.group is None and not self.ipc_peers
+                        and source.plans_alone)
         try:
-            with timer.stage("digest"):
-                told = self.votes.ready(source, self.digest_algo, self.device.comm_device)
-                source.plan(told)
+            if not pulled_first:
+                with timer.stage("digest"):
+                    source.plan(self.votes.ready(source, self.digest_algo, self.device.comm_device))
             layout, owners = source.layout, source.owners
             mine = owners.buckets_of(self.rank)
             result.buckets, result.tensors = len(layout.buckets), layout.num_tensors
@@ -273,6 +277,9 @@ class Sender:
             own = self._send_buckets(source, outlets, slots, timer, result, mine, kept)
             if self.digested is not None:  # (its pullers may check bytes and read what it kept: not load)
                 self.digested(source.version, self.slots_key, layout.digest, own, False)
+            if pulled_first:
+                with timer.stage("control"):
+                    source.plan(self.votes.ready(source, self.digest_algo, self.device.comm_device))
             if self.owners_group is not None:
                 voted[0] = True  # whatever the vote's outcome, this rank took part in it
             with timer.stage("control"):

@@ -67,6 +67,11 @@ class Source(Protocol):
         """Whether bucket() must be given a send slot to fill; if not, it returns views of the source."""
 
     @property
+    def plans_alone(self) -> bool:
+        """Whether its layout is known before the owners' ready vote (a full version's; a sparse one's changes
+        are planned from what every owner told)."""
+
+    @property
     def keep(self) -> KeepFor | None:
         """What the send also keeps of its buckets for pullers (None: nothing; send/transfer.py ``Kept``)."""
 
@@ -88,6 +93,7 @@ class FullSource:
 
     header_extra: dict = {}  # noqa: RUF012 - read only: spread into the header, never mutated
     keep: KeepFor | None = None
+    plans_alone = True
     skipped = 0
     skipped_bytes = 0
     base_version: int | None = None
@@ -245,6 +251,7 @@ class ChangesSource:
 
     mode: Mode = "cached"
     keep: KeepFor | None = None
+    plans_alone = False
 
     def __init__(self, version: int, step: int | None, aliases: Mapping[str, str], layout: Layout, owners: Owners,
                  base: Manifest | None, bucket_size: int, alignment: int) -> None:
