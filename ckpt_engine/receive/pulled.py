@@ -63,7 +63,9 @@ _LAST_RETRY_S = 0.05
 class NixlFeed:
     """The assembler's Feed over an offer: each bucket read from its owner's share, every read bounded by the
     version's deadline. Two buckets of each owner may be on the wire at once. Each owner's digests are read from
-    its board when its first bucket lands (they may still be being computed: see :class:`PostedDigests`)."""
+    its board (they may still be being computed: see :class:`PostedDigests`), asked for behind each bucket's
+    reads. A class's column pieces are read from what their owner kept (``kept_spans``) once it posted its
+    digests: those of every bucket started then, at once."""
 
     def __init__(self, endpoint: NixlEndpoint, offer: PullOffer, described: PullDescriptor, layout: Layout,
                  deadline: float) -> None:
@@ -75,6 +77,8 @@ class NixlFeed:
         self.remotes = [endpoint.remote(source.agent) for source in offer.sources]
         self.digests = PostedDigests(endpoint, self.remotes, offer, described, layout, self.owners, deadline)
         self.read_into: list[torch.Tensor] = []  # what the reads write into (retired if the pull fails)
+        self.pending_kept: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # bucket -> (owner, into, ranges)
+        self.kept_reads: dict[int, Read] = {}  # by bucket
 
     def start(self, bucket: Bucket, into: torch.Tensor) -> Callable[[], list[int]] | None:
         self.endpoint.register(into)  # (the staging buffer's storage: registered once, reused by every version)
@@ -94,17 +98,29 @@ class NixlFeed:
             ranges[:, 0] += spans[buffer][1]  # (a copy: the plan is kept for the next version)
             reads.append(self.endpoint.start_read(self.remotes[owner], _region(spans[buffer][0]), into, ranges))
         kept = planned[planned[:, 0] == KEPT, 1:]
+        if len(kept):
+            self.pending_kept[bucket.index] = (owner, into, kept)
+        self.digests.ask(owner)  # (its reply comes behind these reads: then its post is likely known)
 
         def wait() -> list[int]:
             for read in reads:
                 read.wait(max(0.0, self.deadline - time.monotonic()))
             digests = self.digests.of_bucket(bucket.index)
-            if len(kept):  # (whole once its owner posted: it keeps them before it digests its last bucket)
-                self.endpoint.start_read(self.remotes[owner], self.kept[owner], into, kept).wait(  # type: ignore[index]
-                    max(0.0, self.deadline - time.monotonic()))
+            self._start_kept()
+            kept_read = self.kept_reads.pop(bucket.index, None)
+            if kept_read is not None:
+                kept_read.wait(max(0.0, self.deadline - time.monotonic()))
             return digests
 
         return wait
+
+    def _start_kept(self) -> None:
+        """Read the column pieces of every bucket started whose owner posted its digests (so kept them)."""
+        for index, (owner, into, ranges) in list(self.pending_kept.items()):
+            if self.digests.computed[owner] is not None:
+                del self.pending_kept[index]
+                self.kept_reads[index] = self.endpoint.start_read(self.remotes[owner], self.kept[owner],  # type: ignore[index]
+                                                                  into, ranges)
 
     def trailer(self) -> VersionTrailer:
         return self.digests.trailer()
@@ -117,9 +133,9 @@ class PostedDigests:
     """The digests each owner posts on its board (transport/digest_board.py) of the pieces it holds: as
     computed (its buckets are checked against them, and what it kept is read), then as final (the version may
     be loaded). Every owner's board is read once before any bucket (ahead of the buckets on each owner's link:
-    enough when the digests were posted first), then, for those not posted yet, all at once when a bucket of
-    theirs lands, again (backing off) until the version's deadline: behind a loaded link each read costs a
-    queue's wait."""
+    enough when the digests were posted first), then behind each bucket's reads until they are known (a read
+    waits behind those before it on the owner's link), then, waiting for a post, again (backing off) until the
+    version's deadline."""
 
     def __init__(self, endpoint: NixlEndpoint, remotes: list[str], offer: PullOffer, described: PullDescriptor,
                  layout: Layout, owners: Owners, deadline: float) -> None:
@@ -166,12 +182,21 @@ class PostedDigests:
         return VersionTrailer(version=self.header.version,
                               version_digest=version_digest(self.header.digest_algo, self.layout.digest, flat))
 
+    def ask(self, owner: int) -> None:
+        """Read ``owner``'s board again (unless its digests are known or a read of it is in flight), taking what
+        an ended read posts: without waiting."""
+        if self.posted[owner] is not None:
+            return
+        self._take(owner, block=False)
+        if self.computed[owner] is None and owner not in self.reading:
+            self._start_read(owner)
+
     def _posted_by(self, owner: int, posts: list[list[int] | None]) -> list[int]:
         """What ``owner`` posted in ``posts`` (computed or final), read again (backing off) until it has, or
         the deadline."""
         delay = _FIRST_RETRY_S
         while (posted := posts[owner]) is None:
-            self._finish_reads()
+            self._take(owner, block=True)
             if posts[owner] is not None:
                 continue
             if time.monotonic() + delay > self.deadline:
@@ -180,7 +205,7 @@ class PostedDigests:
                                     "before the deadline")
             time.sleep(delay)
             delay = min(delay * 2, _LAST_RETRY_S)
-            self._start_reads()
+            self._start_read(owner)
         return posted
 
     def close(self, failed: bool) -> None:
@@ -192,32 +217,34 @@ class PostedDigests:
                 self.endpoint.forget(scratch)
 
     def _start_reads(self) -> None:
-        """Read every board whose final digests are not posted yet (and not being read), all at once."""
-        for owner, posted in enumerate(self.posted):
-            if posted is None and owner not in self.reading:
-                self.reading[owner] = self.endpoint.start_read(self.remotes[owner], self.regions[owner],
-                                                               self.scratch[owner])
+        """Read every owner's board (all at once: behind a loaded link each read waits in its queue)."""
+        for owner in range(self.owners.ranks):
+            self._start_read(owner)
 
-    def _finish_reads(self) -> None:
-        """Wait for the board reads in flight and take what each posts (a ProtocolError if an owner failed)."""
-        reading, self.reading = self.reading, {}
-        for owner, read in reading.items():
-            try:
-                read.wait(max(0.0, self.deadline - time.monotonic()))
-            except CkptEngineError:
-                self.reading.update({o: r for o, r in reading.items() if o > owner})  # (still in flight)
-                raise
-            post = read_post(self.scratch[owner].numpy().tobytes(), self.header.version, self.layout.digest,
-                             self.held[owner])
-            if post is None:
-                continue
-            digests, final = post
-            if self.computed[owner] is not None and digests != self.computed[owner]:
-                raise ProtocolError(f"version {self.header.version}: owner rank {owner} posted other digests "
-                                    "than those its pieces were checked against")
-            self.computed[owner] = digests
-            if final:
-                self.posted[owner] = digests
+    def _start_read(self, owner: int) -> None:
+        if owner not in self.reading and self.posted[owner] is None:
+            self.reading[owner] = self.endpoint.start_read(self.remotes[owner], self.regions[owner],
+                                                           self.scratch[owner])
+
+    def _take(self, owner: int, block: bool) -> None:
+        """What ``owner``'s board read in flight posts, once it ended (``block``: waiting for it); a
+        ProtocolError if the owner failed the version, or posted other digests than before."""
+        read = self.reading.get(owner)
+        if read is None or not (block or read.ended()):
+            return
+        read.wait(max(0.0, self.deadline - time.monotonic()))  # (raises, still in flight, if it times out)
+        del self.reading[owner]
+        post = read_post(self.scratch[owner].numpy().tobytes(), self.header.version, self.layout.digest,
+                         self.held[owner])
+        if post is None:
+            return
+        digests, final = post
+        if self.computed[owner] is not None and digests != self.computed[owner]:
+            raise ProtocolError(f"version {self.header.version}: owner rank {owner} posted other digests than "
+                                "those its pieces were checked against")
+        self.computed[owner] = digests
+        if final:
+            self.posted[owner] = digests
 
 
 def kept_regions(offer: PullOffer, described: PullDescriptor) -> list[Region] | None:

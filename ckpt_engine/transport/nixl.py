@@ -397,6 +397,13 @@ class Read:
                 raise SyncTimeoutError(f"a read from an owner did not finish within {timeout_s:.0f}s")
             backoff.wait()
 
+    def ended(self) -> bool:
+        """Whether it ended, whichever way (a wait then returns or raises at once)."""
+        try:
+            return self._state() != "PROC"
+        except Exception:  # noqa: BLE001 - its owner died: the transfer is over
+            return True
+
     def abandon(self) -> None:
         """Nobody waits for it any more: its endpoint releases it once it ends."""
         self.abandoned = True
