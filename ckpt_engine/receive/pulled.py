@@ -101,10 +101,12 @@ class NixlFeed:
         if len(kept):
             self.pending_kept[bucket.index] = (owner, into, kept)
         self.digests.ask(owner)  # (its reply comes behind these reads: then its post is likely known)
+        self._start_kept()
 
         def wait() -> list[int]:
             for read in reads:
                 read.wait(max(0.0, self.deadline - time.monotonic()))
+            self._start_kept()
             digests = self.digests.of_bucket(bucket.index)
             self._start_kept()
             kept_read = self.kept_reads.pop(bucket.index, None)
@@ -115,7 +117,10 @@ class NixlFeed:
         return wait
 
     def _start_kept(self) -> None:
-        """Read the column pieces of every bucket started whose owner posted its digests (so kept them)."""
+        """Read the column pieces of every bucket started whose owner posted its digests (so kept them), as
+        soon as any read of its board says so: whichever bucket is waited for."""
+        for owner in {owner for owner, _, _ in self.pending_kept.values()}:
+            self.digests.ask(owner)
         for index, (owner, into, ranges) in list(self.pending_kept.items()):
             if self.digests.computed[owner] is not None:
                 del self.pending_kept[index]
