@@ -188,13 +188,11 @@ class PostedDigests:
                               version_digest=version_digest(self.header.digest_algo, self.layout.digest, flat))
 
     def ask(self, owner: int) -> None:
-        """Read ``owner``'s board again (unless its digests are known or a read of it is in flight), taking what
-        an ended read posts: without waiting."""
-        if self.posted[owner] is not None:
-            return
+        """Read ``owner``'s board again (unless its final digests are known or a read of it is in flight),
+        taking what an ended read posts: without waiting. (Asked behind each bucket's reads, the last read
+        brings the final post with the last bytes, where one is posted by then.)"""
         self._take(owner, block=False)
-        if self.computed[owner] is None and owner not in self.reading:
-            self._start_read(owner)
+        self._start_read(owner)
 
     def _posted_by(self, owner: int, posts: list[list[int] | None]) -> list[int]:
         """What ``owner`` posted in ``posts`` (computed or final), read again (backing off) until it has, or
