@@ -761,6 +761,29 @@ def test_a_classs_kept_pieces_stay_registered_while_offered_and_are_let_go_once_
         publisher.close()
 
 
+def test_cache_buffers_the_cache_lets_go_of_are_deregistered_once_cooled() -> None:
+    """(Outside attack, 2026-11-29: a model whose layout changed every version left every cache buffer it
+    ever offered registered, so allocated: one more a version.)"""
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.send.publisher import Publisher, Route
+    from ckpt_engine.workers.pull_server import PullServer
+
+    publisher = Publisher(device=detect_device("cpu"), bucket_size=64 << 10, keep_versions=2)
+    pulls, alone = PullServer(), Route(None, {}, None)
+    counts = []
+    try:
+        for version in range(1, 11):
+            tensors = {**_model(), "grows": torch.zeros(10_000 + 1_000 * version)}  # (a new layout each time)
+            assert publisher.publish(version, tensors, route=lambda: alone, pulled=True).result(60).ok
+            pulls.release(before=version)
+            pulls.offer(publisher.cache, version, None, "xxh3-64", 60.0, publisher.own_digests)
+            counts.append(len(pulls._endpoint._registered))  # type: ignore[union-attr]
+        assert counts[-1] == counts[-4], counts  # (flat once the first drops have cooled)
+    finally:
+        pulls.close()
+        publisher.close()
+
+
 def test_a_closed_pull_server_refuses_offers_and_starts_no_agent() -> None:
     """(Found by the second outside attack: an offer after close started a new NIXL agent and held its lease.)"""
     from ckpt_engine.device import detect_device
@@ -913,3 +936,49 @@ def test_a_classs_column_pieces_are_pulled_from_what_its_send_kept_and_checked_l
             assert puller["ok"], puller["reason"]
             got = {name.split("@")[0]: value for name, value in puller["got"].items()}
             assert got == _bytes_of(expected)
+
+
+def test_a_pull_loads_only_on_every_owners_final_post_and_only_of_the_digests_it_checked() -> None:
+    """Computed digests let a puller check its buckets (and read what the owner kept), never load: without the
+    final post the pull fails at its deadline, and a final post of other digests than those it checked
+    against fails it at once (two agents of this process)."""
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.errors import ProtocolError
+    from ckpt_engine.plan.layout import plan_layout
+    from ckpt_engine.plan.owners import single_owner
+    from ckpt_engine.plan.tensors import specs_of
+    from ckpt_engine.receive.pulled import PostedDigests, describe
+    from ckpt_engine.send.cache import VersionCache
+    from ckpt_engine.send.pull_offer import offer_version, whole_plan
+    from ckpt_engine.transport.nixl import NixlEndpoint
+
+    tensors = _model()
+    layout = plan_layout(specs_of(tensors), bucket_size=64 << 10)
+    cache = VersionCache(detect_device("cpu"), keep_versions=2)
+    cache.snapshot(1, layout, tensors, step=1)
+    owner, puller = NixlEndpoint("owner"), NixlEndpoint("receiver")
+    owner.serve_for(60.0)
+    try:
+        with cache.lease(1) as cached:
+            offered = offer_version(owner, cached, {"": whole_plan(cached)}, rank=0)
+            digests, board, offer = _digests_of(cached), offered.boards[""], offered.offer
+            board.post(digests, layout.digest, final=False)
+            first = len(layout.buckets[0].slots)
+
+            def posted(within_s: float) -> PostedDigests:
+                deadline = time.monotonic() + within_s
+                return PostedDigests(puller, [puller.remote(s.agent) for s in offer.sources], offer,
+                                     describe(puller, offer, deadline), layout, single_owner(layout), deadline)
+
+            unfinal = posted(2.0)
+            assert unfinal.of_bucket(0) == digests[:first]
+            with pytest.raises(ProtocolError, match="posted no final digests before the deadline"):
+                unfinal.trailer()
+            other = posted(30.0)
+            assert other.of_bucket(0) == digests[:first]
+            board.post([d ^ 1 for d in digests], layout.digest)  # (final, of other bytes)
+            with pytest.raises(ProtocolError, match="other digests than those its pieces were checked against"):
+                other.trailer()
+    finally:
+        puller.close()
+        owner.close()

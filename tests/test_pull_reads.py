@@ -122,6 +122,18 @@ def test_column_pieces_are_read_in_one_read_each_from_what_the_owners_send_kept(
     assert any(spans), "the specs cut columns"
 
 
+@pytest.mark.parametrize("kept", [False, True])
+def test_a_column_piece_past_its_tensors_end_is_refused_whether_or_not_its_owner_keeps_it(kept: bool) -> None:
+    """(Outside attack, 2026-11-29: with kept pieces the fit check, made while listing a piece's rows, was
+    skipped.)"""
+    from ckpt_engine.plan.layout import TensorSpec
+
+    whole = plan_layout([TensorSpec("cols", "float32", (20, 24))], bucket_size=16 << 10)
+    wire = plan_layout([TensorSpec("cols@1:20:10", "float32", (20, 10))], bucket_size=16 << 10)
+    with pytest.raises(CkptEngineError, match="does not fit"):  # (ProtocolError, from a puller's reads_of)
+        bucket_reads(wire, single_owner(wire), whole, single_owner(whole), kept=kept)
+
+
 @pytest.mark.parametrize(("shape", "part", "expected"), [
     ((40, 24), None, False),
     ((40, 24), Slice(0, 10, 10), False),  # rows

@@ -48,6 +48,8 @@ class PullServer:
         self._released: list[torch.Tensor] = []  # memory of offers being released now: see _close_all
         self._cooling: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # the last releases': see _cool
         self._released_kept: list[torch.Tensor] = []  # kept pieces the offers being released now named
+        self._dropped: list[torch.Tensor] = []  # cache buffers the cache let go of (registered: see _cool)
+        self._watched: list[VersionCache] = []  # the caches whose dropped buffers are deregistered
         self._kept_now: tuple[torch.Tensor, ...] = ()  # the kept pieces the latest offer named
         self._peak = 0  # the most slots one offer took
         self._closed = False
@@ -63,6 +65,7 @@ class PullServer:
         ``kept``: a bypass_cpu version's share as its send kept it, offered in place of a cached one.
         ``pieces``: where the sends of the classes in ``plans`` keep their column pieces, for their pullers."""
         stack = contextlib.ExitStack()
+        self._watch(cache)
         if kept is not None:  # (bypass_cpu's send slots: held by the publisher until its next pulled version)
             cached = kept
         else:
@@ -215,15 +218,17 @@ class PullServer:
         with self._lock:
             released, self._released = self._released, []
             kept, self._released_kept = self._released_kept, []
-        if released or kept:
-            self._cool(released, kept)
+            dropped, self._dropped = self._dropped, []
+        if released or kept or dropped:
+            self._cool(released, [*kept, *dropped])
 
     def _cool(self, memory: Sequence[torch.Tensor], kept: Sequence[torch.Tensor]) -> None:
         """A release's memory (its offers' descriptors and boards) cools for two more releases: a puller of
         those versions still polling its board reads its last post (the version ended) rather than a later
         version's. Then it is free for reuse; beyond what three offers as large as the largest yet need, it is
         forgotten. So are the kept pieces its offers named that no offer names now (a class no longer pulled,
-        or grown): a straggler's read of them ends before they are let go."""
+        or grown), and the cache buffers the cache let go of since: a straggler's read of them ends before they
+        are let go."""
         with self._lock:
             self._cooling.append((list(memory), list(kept)))
             unserved: list[torch.Tensor] = []
@@ -252,6 +257,19 @@ class PullServer:
             self._peak = max(self._peak, len(offered.memory))
             self._released.extend(offered.memory)
             self._released_kept.extend(offered.served)
+
+    def _watch(self, cache: VersionCache) -> None:
+        """Deregister the buffers ``cache`` lets go of (a delta's, a layout's gone), once cooled: registered,
+        they would stay allocated."""
+        with self._lock:
+            if all(watched is not cache for watched in self._watched):
+                self._watched.append(cache)
+                cache.on_drop.append(self._on_drop)
+
+    def _on_drop(self, buffer: torch.Tensor) -> None:
+        """(Called under the cache's lock: this server never takes the cache's lock under its own.)"""
+        with self._lock:
+            self._dropped.append(buffer)
 
     def _names(self, kept: torch.Tensor) -> bool:
         """(Under the lock) Whether the latest offer, one still leased or one still cooling names ``kept``."""

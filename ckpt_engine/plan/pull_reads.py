@@ -56,7 +56,9 @@ def bucket_reads(layout: Layout, owners: Owners, cut_from: Layout | None = None,
             if (slot.dtype, slot.shape) != (spec.dtype, cut_shape(spec.shape, part)):
                 raise LayoutError(f"piece {slot.name} ({slot.dtype} {slot.shape}) is not that slice of {name} "
                                   f"({spec.dtype} {spec.shape})")
-            if slot.offset in kept_offsets:
+            if slot.offset in kept_offsets:  # (one read, from the kept pieces: checked without its runs)
+                if part is not None and part.end > spec.shape[part.dim]:
+                    raise LayoutError(f"piece {slot.name}: slice {part} does not fit {name} {spec.shape}")
                 continue
             runs = piece_runs(spec.shape, itemsize(spec.dtype), part)
             mine += [(buffer, start + src, slot.offset + dst, count)

@@ -16,7 +16,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -196,6 +196,8 @@ class VersionCache:
         self._pinned: frozenset[int] = frozenset()
         self.allocations = 0
         self.bytes_allocated = 0
+        # Called with each buffer the cache lets go of (a pull server deregisters what it registered of it)
+        self.on_drop: list[Callable[[torch.Tensor], None]] = []
 
     def snapshot(
         self,
@@ -502,6 +504,8 @@ class VersionCache:
         segment = self._shared.pop(buffer.data_ptr(), None)
         if segment is not None:
             segment.close()
+        for dropped in self.on_drop:
+            dropped(buffer)
 
 
 def _buffers_holding(buffers: tuple[torch.Tensor, ...], views) -> list[torch.Tensor]:
