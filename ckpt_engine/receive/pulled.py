@@ -188,11 +188,14 @@ class PostedDigests:
                               version_digest=version_digest(self.header.digest_algo, self.layout.digest, flat))
 
     def ask(self, owner: int) -> None:
-        """Read ``owner``'s board again (unless its final digests are known or a read of it is in flight),
-        taking what an ended read posts: without waiting. (Asked behind each bucket's reads, the last read
-        brings the final post with the last bytes, where one is posted by then.)"""
+        """Read ``owner``'s board again (unless its computed digests are known or a read of it is in flight),
+        taking what an ended read posts: without waiting. (Asking until the final post is known too cost the
+        4-owner netns row ~10 % more puller CPU, and time: docs/performance-notes.md.)"""
+        if self.posted[owner] is not None:
+            return
         self._take(owner, block=False)
-        self._start_read(owner)
+        if self.computed[owner] is None:
+            self._start_read(owner)
 
     def _posted_by(self, owner: int, posts: list[list[int] | None]) -> list[int]:
         """What ``owner`` posted in ``posts`` (computed or final), read again (backing off) until it has, or
