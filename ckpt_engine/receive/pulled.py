@@ -27,9 +27,10 @@ from ckpt_engine.plan.pull_reads import KEPT, bucket_reads
 from ckpt_engine.receive.assembly import VersionAssembler
 from ckpt_engine.receive.buffers import StagingBuffers
 from ckpt_engine.receive.payload import ReceiveResult
+from ckpt_engine.retry import Backoff
 from ckpt_engine.transport.digest_board import board_nbytes, read_post
 from ckpt_engine.transport.messages import PullDescriptor, PullOffer, PullRegion, VersionHeader, VersionTrailer
-from ckpt_engine.transport.nixl import NixlEndpoint, Read, Region
+from ckpt_engine.transport.nixl import READ_POLL_MAX_S, NixlEndpoint, Read, Region
 
 _PLANS_KEPT = 2  # read plans kept: a puller pulls one class (a 70B class at TP 8: 1.3M reads, 42 MB)
 
@@ -105,7 +106,7 @@ class NixlFeed:
 
         def wait() -> list[int]:
             for read in reads:
-                read.wait(max(0.0, self.deadline - time.monotonic()))
+                self._await(read)
             self._start_kept()
             digests = self.digests.of_bucket(bucket.index)
             self._start_kept()
@@ -115,6 +116,15 @@ class NixlFeed:
             return digests
 
         return wait
+
+    def _await(self, read: Read) -> None:
+        """Wait for ``read``, meanwhile reading the kept pieces of each owner whose post a board read brings:
+        waiting on one owner's bytes must not leave another's link idle."""
+        backoff = Backoff(initial_s=0.0002, max_s=READ_POLL_MAX_S)
+        while self.pending_kept and not read.ended() and time.monotonic() < self.deadline:
+            self._start_kept()
+            backoff.wait()
+        read.wait(max(0.0, self.deadline - time.monotonic()))
 
     def _start_kept(self) -> None:
         """Read the column pieces of every bucket started whose owner posted its digests (so kept them), as

@@ -108,7 +108,7 @@ IDLE_PROGRESS_S = 0.002
 _READ_BUSY_S = 2.0  # after a read starts (each read refreshes it)
 # How often, at most, a waiter asks whether its read ended: each millisecond it sleeps past the end is a
 # millisecond the puller's next read (and, after the last, the version) waits.
-_READ_POLL_MAX_S = 0.002
+READ_POLL_MAX_S = 0.002
 
 
 class NixlEndpoint:
@@ -377,7 +377,7 @@ class Read:
         if self._handle is None:
             return
         deadline = time.monotonic() + timeout_s
-        backoff = Backoff(initial_s=0.0002, max_s=_READ_POLL_MAX_S)
+        backoff = Backoff(initial_s=0.0002, max_s=READ_POLL_MAX_S)
         while True:
             try:
                 state = self._state()
