@@ -717,8 +717,9 @@ def test_a_released_offer_says_it_ended_and_nothing_of_it_touches_the_next_versi
 
 
 def test_a_classs_kept_pieces_stay_registered_while_offered_and_are_let_go_once_no_offer_names_them() -> None:
-    """Kept pieces are reused from version to version (registered once); those of a class
-    no longer pulled stay registered while a straggler may read them (two more releases), then are let go."""
+    """Kept pieces are reused from version to version (registered once); those of a class no longer pulled
+    stay registered while a straggler may read them (two more releases, and the longest an offer is held:
+    outside attack, a stopped puller resumed after two quick releases crashed its owner), then are let go."""
     from ckpt_engine.device import detect_device
     from ckpt_engine.plan.shards import Slice, spec_key
     from ckpt_engine.send.class_senders import Lane
@@ -727,7 +728,7 @@ def test_a_classs_kept_pieces_stay_registered_while_offered_and_are_let_go_once_
     from ckpt_engine.workers.pull_server import PullServer
 
     publisher = Publisher(device=detect_device("cpu"), bucket_size=64 << 10, keep_versions=8)
-    pulls, tensors = PullServer(), _model()
+    pulls, tensors, hold_s = PullServer(), _model(), 1.0
     kept = {}
 
     def offer(version: int, spec: dict) -> None:
@@ -737,8 +738,8 @@ def test_a_classs_kept_pieces_stay_registered_while_offered_and_are_let_go_once_
         pulls.release(before=version)
         with publisher.cache.lease(version) as cached:
             plans = publisher.classes.wire_plans(cached, {key: spec})
-        offered = pulls.offer(publisher.cache, version, None, "xxh3-64", 60.0, publisher.own_digests, plans=plans,
-                              pieces=publisher.classes.kept)
+        offered = pulls.offer(publisher.cache, version, None, "xxh3-64", hold_s, publisher.own_digests,
+                              plans=plans, pieces=publisher.classes.kept)
         kept[version] = publisher.classes.kept._memory[key]
         assert list(offered.sources[0].kept) == [key]
 
@@ -755,7 +756,10 @@ def test_a_classs_kept_pieces_stay_registered_while_offered_and_are_let_go_once_
             offer(version, second)
             held.append(registered(1))
             assert registered(version)
-        assert held == [True, True, False]  # (its last offer, 2, cooled through the releases of 3 and 4)
+        assert held == [True, True, True]  # (its last offer, 2, cooled through the releases of 3 and 4 ...)
+        time.sleep(hold_s * 1.5)  # (... and the longest an offer is held has passed since)
+        pulls.release(before=6)
+        assert not registered(1) and registered(5)
     finally:
         pulls.close()
         publisher.close()
@@ -769,18 +773,20 @@ def test_cache_buffers_the_cache_lets_go_of_are_deregistered_once_cooled() -> No
     from ckpt_engine.workers.pull_server import PullServer
 
     publisher = Publisher(device=detect_device("cpu"), bucket_size=64 << 10, keep_versions=2)
-    pulls, alone = PullServer(), Route(None, {}, None)
+    pulls, alone, hold_s = PullServer(), Route(None, {}, None), 0.05
     counts = []
     try:
         for version in range(1, 11):
             tensors = {**_model(), "grows": torch.zeros(10_000 + 1_000 * version)}  # (a new layout each time)
             assert publisher.publish(version, tensors, route=lambda: alone, pulled=True).result(60).ok
+            time.sleep(hold_s * 2)  # (what dropped cooled longer than an offer is held)
             pulls.release(before=version)
-            pulls.offer(publisher.cache, version, None, "xxh3-64", 60.0, publisher.own_digests)
+            pulls.offer(publisher.cache, version, None, "xxh3-64", hold_s, publisher.own_digests)
             counts.append(len(pulls._endpoint._registered))  # type: ignore[union-attr]
         assert counts[-1] == counts[-4], counts  # (flat once the first drops have cooled)
     finally:
         pulls.close()
+        assert publisher.cache.on_drop == []  # (outside attack: a closed server held what the cache let go of)
         publisher.close()
 
 

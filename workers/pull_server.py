@@ -49,6 +49,8 @@ class PullServer:
         self._cooling: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # the last releases': see _cool
         self._released_kept: list[torch.Tensor] = []  # kept pieces the offers being released now named
         self._dropped: list[torch.Tensor] = []  # cache buffers the cache let go of (registered: see _cool)
+        self._retiring: list[tuple[float, torch.Tensor]] = []  # (forgotten from, registered memory): see _cool
+        self._hold_s = 0.0  # the longest an offer was held: a straggler's read ends within it
         self._watched: list[VersionCache] = []  # the caches whose dropped buffers are deregistered
         self._kept_now: tuple[torch.Tensor, ...] = ()  # the kept pieces the latest offer named
         self._peak = 0  # the most slots one offer took
@@ -87,6 +89,7 @@ class PullServer:
             if not closed:
                 now = time.monotonic()
                 self._leases[version] = (now, now + hold_s, stack)
+                self._hold_s = max(self._hold_s, hold_s)
                 self._offered[version] = offered
                 self._kept_now = offered.served
         if closed:  # (closed while this offer was made)
@@ -196,9 +199,14 @@ class PullServer:
             stacks = [stack for _, _, stack in self._leases.values()]
             self._leases.clear()
             endpoint, self._endpoint = self._endpoint, None
+            watched, self._watched = self._watched, []
+        for cache in watched:  # (outside attack: a closed server held every buffer its caches let go of)
+            cache.on_drop = [hook for hook in cache.on_drop if hook != self._on_drop]
         self._close_all(stacks)
+        with self._lock:
+            self._dropped, self._retiring, self._cooling, self._free = [], [], [], []
         if endpoint is not None:
-            endpoint.close()
+            endpoint.close()  # (its agent gone, nothing of its memory is read any more)
 
     def _slot(self, nbytes: int) -> torch.Tensor:
         """Registered memory for a descriptor, reused once its version is released: the agent's metadata then
@@ -219,18 +227,20 @@ class PullServer:
             released, self._released = self._released, []
             kept, self._released_kept = self._released_kept, []
             dropped, self._dropped = self._dropped, []
-        if released or kept or dropped:
-            self._cool(released, [*kept, *dropped])
+        self._cool(released, [*kept, *dropped])
 
     def _cool(self, memory: Sequence[torch.Tensor], kept: Sequence[torch.Tensor]) -> None:
         """A release's memory (its offers' descriptors and boards) cools for two more releases: a puller of
         those versions still polling its board reads its last post (the version ended) rather than a later
         version's. Then it is free for reuse; beyond what three offers as large as the largest yet need, it is
         forgotten. So are the kept pieces its offers named that no offer names now (a class no longer pulled,
-        or grown), and the cache buffers the cache let go of since: a straggler's read of them ends before they
-        are let go."""
+        or grown), and the cache buffers the cache let go of since. Forgotten memory is freed, and over TCP
+        UCX reads an owner's memory by its address: so it is forgotten only once a straggler's pull has ended
+        too, the longest an offer is held after it cooled (outside attack: a stopped puller resumed after two
+        quick releases and crashed its owner)."""
         with self._lock:
-            self._cooling.append((list(memory), list(kept)))
+            if memory or kept:
+                self._cooling.append((list(memory), list(kept)))
             unserved: list[torch.Tensor] = []
             while len(self._cooling) > _RELEASES_COOLING:
                 free, served = self._cooling.pop(0)
@@ -240,8 +250,12 @@ class PullServer:
             drop = sorted(self._free, key=torch.Tensor.numel)[:-slots] if len(self._free) > slots else []
             self._free = [t for t in self._free if all(t is not d for d in drop)]
             drop += [t for i, t in enumerate(unserved) if all(t is not u for u in unserved[:i])]
+            now = time.monotonic()
+            self._retiring += [(now + self._hold_s, t) for t in drop]
+            due = [t for at, t in self._retiring if at <= now and not self._names(t)]  # (named again: in use)
+            self._retiring = [(at, t) for at, t in self._retiring if at > now]
             endpoint = self._endpoint
-        for slot in drop:
+        for slot in due:
             if endpoint is not None:
                 endpoint.forget(slot)
 

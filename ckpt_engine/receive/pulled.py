@@ -122,15 +122,16 @@ class NixlFeed:
         waiting on one owner's bytes must not leave another's link idle."""
         backoff = Backoff(initial_s=0.0002, max_s=READ_POLL_MAX_S)
         while self.pending_kept and not read.ended() and time.monotonic() < self.deadline:
-            self._start_kept()
+            self._start_kept(ask=False)  # (no new board read: those go behind each bucket's reads)
             backoff.wait()
         read.wait(max(0.0, self.deadline - time.monotonic()))
 
-    def _start_kept(self) -> None:
+    def _start_kept(self, ask: bool = True) -> None:
         """Read the column pieces of every bucket started whose owner posted its digests (so kept them), as
-        soon as any read of its board says so: whichever bucket is waited for."""
+        soon as any read of its board says so: whichever bucket is waited for. ``ask``: read the boards of
+        those not known to have posted again (else only take the reads that ended)."""
         for owner in {owner for owner, _, _ in self.pending_kept.values()}:
-            self.digests.ask(owner)
+            self.digests.ask(owner, again=ask)
         for index, (owner, into, ranges) in list(self.pending_kept.items()):
             if self.digests.computed[owner] is not None:
                 del self.pending_kept[index]
@@ -197,14 +198,14 @@ class PostedDigests:
         return VersionTrailer(version=self.header.version,
                               version_digest=version_digest(self.header.digest_algo, self.layout.digest, flat))
 
-    def ask(self, owner: int) -> None:
+    def ask(self, owner: int, again: bool = True) -> None:
         """Read ``owner``'s board again (unless its computed digests are known or a read of it is in flight),
         taking what an ended read posts: without waiting. (Asking until the final post is known too cost the
         4-owner netns row ~10 % more puller CPU, and time: docs/performance-notes.md.)"""
         if self.posted[owner] is not None:
             return
         self._take(owner, block=False)
-        if self.computed[owner] is None:
+        if again and self.computed[owner] is None:
             self._start_read(owner)
 
     def _posted_by(self, owner: int, posts: list[list[int] | None]) -> list[int]:
