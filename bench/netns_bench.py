@@ -285,8 +285,10 @@ def render(result: dict, machine: dict | None = None) -> list[str]:
                     "bypass_cpu row: no cache, every class cut from the live tensors as each bucket is read "
                     "(send/fanout.py), the identity hashed on the way. Pulled rows (`transport: nixl`, "
                     "bench/netns_pull.py): every receiver reads the owners' cached shares over NIXL (UCX over TCP on "
-                    "its link) after their offers, each verifying every bucket (sharded: exactly its pieces, cut "
-                    "out of the owners' shares by the reads); their goal (≤ 1.00) is on ÷ the push row of the same "
+                    "its link) after their offers, each verifying every bucket (sharded: exactly its pieces, row "
+                    "ranges cut out of the owners' shares by the reads, column ranges read whole from what each "
+                    "owner's send kept of them: send/kept_pieces.py); their goal (≤ 1.00) is on ÷ the push row of "
+                    "the same "
                     "delivery (receivers, sharded or not, owners); the sharded pull from 4 owners ÷ the full push "
                     "from one owner has its own goal (≤ 0.1, see Targets).", ""]
 

@@ -6,7 +6,8 @@ Each owner (a trainer rank, on a link of its own) snapshots its share of each ve
 it as the trainer agent does (workers/pull_server.py: with several owners each offers its share and the lead the
 descriptors; sharded, one descriptor per class, whose digests its pieces' send computed). Every receiver joins
 the owners' offers as the daemon does (server/decisions/assignments.py), reads its descriptor, then its buckets
-(or, sharded, exactly its pieces, cut out of each owner's share) over NIXL (UCX over TCP on the node's
+(or, sharded, exactly its pieces: row ranges out of each owner's share, column ranges from what its send kept)
+over NIXL (UCX over TCP on the node's
 rate-limited link: ``UCX_TLS=tcp`` and the node's one veth, so that UCX's shared-memory transports, which would
 cross namespaces on one machine, are not used), verifies each and reports. The offers and the receivers'
 outcomes meet through files in a folder of the bench's own (the daemon's control plane carries them in
