@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ckpt_engine.device import detect_device
 from ckpt_engine.transport.group import (
+    EXCHANGE_WORDS,
     SyncGroup,
     _nccl_failures_cleanup_only,
     await_members,
@@ -65,15 +66,15 @@ def test_nccl_error_handling_override_is_scoped(monkeypatch, before: str | None)
     assert os.environ.get(name) == before
 
 
-def _pair(port: int, name: str, timeout_s: float) -> dict[int, SyncGroup]:
-    """A gloo sync group of 2 members, each on a thread of its own with its own store client, by rank."""
+def _pair(port: int, name: str, timeout_s: float, size: int = 2) -> dict[int, SyncGroup]:
+    """A gloo sync group of ``size`` members, each on a thread of its own with its own store client, by rank."""
     groups: dict[int, SyncGroup] = {}
 
     def member(rank: int) -> None:
         groups[rank] = SyncGroup(open_store("127.0.0.1", port, timeout_s=timeout_s), name=name, generation=0,
-                                 rank=rank, world_size=2, device=detect_device("cpu"), timeout_s=timeout_s)
+                                 rank=rank, world_size=size, device=detect_device("cpu"), timeout_s=timeout_s)
 
-    joining = [threading.Thread(target=member, args=(rank,)) for rank in (0, 1)]
+    joining = [threading.Thread(target=member, args=(rank,)) for rank in range(size)]
     for thread in joining:
         thread.start()
     for thread in joining:
@@ -98,6 +99,30 @@ def test_a_receiver_waiting_for_a_version_that_will_not_come_stops_at_once() -> 
     assert time.monotonic() - started < 30  # (not the 60 s limit)
     groups[0].ring()  # a version that began is seen through, whatever abandon() would say
     assert groups[1].await_ring(60, abandon) is None
+    for group in groups.values():
+        group.close()
+
+
+@pytest.mark.parametrize("lengths", [(0, 3, 1), (EXCHANGE_WORDS, 0, 2),
+                                     (EXCHANGE_WORDS + 1, 0, 2 * EXCHANGE_WORDS + 7)])
+def test_an_exchange_gives_every_member_every_members_values_whatever_their_lengths(lengths) -> None:
+    """An exchange carries lengths and the first values in one allgather, and the rest of longer ones in a
+    second that every member takes part in (they all know the lengths)."""
+    store = open_store("127.0.0.1", 0, is_master=True, timeout_s=20)
+    groups = _pair(store.port, "exchange", timeout_s=20, size=3)
+    sent = {rank: [(-1) ** i * (i + 1) * (2**62 // (n + 1)) for i in range(n)] for rank, n in enumerate(lengths)}
+    told: dict[int, list[list[int]]] = {}
+
+    def member(rank: int) -> None:
+        for round_ in range(2):  # (a second round on the same group: nothing of the first is left over)
+            told[rank] = groups[rank].exchange_ints(sent[rank], f"round {round_}", round_id=("t", round_))
+
+    threads = [threading.Thread(target=member, args=(rank,)) for rank in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert told == {rank: [sent[0], sent[1], sent[2]] for rank in range(3)}
     for group in groups.values():
         group.close()
 

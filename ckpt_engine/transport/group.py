@@ -29,6 +29,8 @@ from ckpt_engine.ranks import GroupRank
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _STORE_GRACE_S = 2.0  # how long past the store's own timeout a store call is given up on from outside
+# Values of an exchange's first allgather: an owners' vote of one version (a plan and a share's digests) fits
+EXCHANGE_WORDS = 512
 
 
 class MembersAbsent(SyncTimeoutError):
@@ -262,20 +264,31 @@ class SyncGroup:
         exchange names the ranks that never came (``MembersAbsent``)."""
         if round_id is not None:
             self._note_present(round_id)
-        device = self.device.comm_device
         try:
-            counts = self.allgather(torch.tensor([len(values)], dtype=torch.int64, device=device),
-                                    f"{what} (sizes)", timeout_s)
-            sizes = [int(c.item()) for c in counts]
-            padded = torch.zeros(max(max(sizes), 1), dtype=torch.int64)
-            padded[: len(values)] = torch.tensor(values, dtype=torch.int64)
-            gathered = self.allgather(padded.to(device), what, timeout_s)
+            return self._gather_ints(values, what, timeout_s)
         except CkptEngineError as exc:
             absent = self._absent_from(round_id) if round_id is not None else []
             if not absent:
                 raise
             raise MembersAbsent(f"{exc}; rank(s) {absent} never came to it", absent) from exc
-        return [g[:size].cpu().tolist() for g, size in zip(gathered, sizes)]
+
+    def _gather_ints(self, values: list[int], what: str, timeout_s: float | None) -> list[list[int]]:
+        """One allgather carries every rank's length and its first ``EXCHANGE_WORDS`` values; only when a rank
+        has more does a second carry the rest (each collective step waits behind whatever fills the links)."""
+        head = torch.zeros(1 + EXCHANGE_WORDS, dtype=torch.int64)
+        head[0] = len(values)
+        head[1 : 1 + min(len(values), EXCHANGE_WORDS)] = torch.tensor(values[:EXCHANGE_WORDS], dtype=torch.int64)
+        heads = [g.cpu() for g in self.allgather(head.to(self.device.comm_device), what, timeout_s)]
+        sizes = [int(h[0]) for h in heads]
+        told = [h[1 : 1 + min(size, EXCHANGE_WORDS)].tolist() for h, size in zip(heads, sizes, strict=True)]
+        longest = max(sizes)
+        if longest <= EXCHANGE_WORDS:
+            return told
+        tail = torch.zeros(longest - EXCHANGE_WORDS, dtype=torch.int64)
+        tail[: max(len(values) - EXCHANGE_WORDS, 0)] = torch.tensor(values[EXCHANGE_WORDS:], dtype=torch.int64)
+        tails = self.allgather(tail.to(self.device.comm_device), f"{what} (rest)", timeout_s)
+        return [first + t[: max(size - EXCHANGE_WORDS, 0)].cpu().tolist()
+                for first, t, size in zip(told, tails, sizes, strict=True)]
 
     def say(self, topic: str, text: str) -> None:
         """Leave ``text`` for the other members under ``topic``, best effort and bounded. E.g. why this rank
