@@ -14,6 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
@@ -31,6 +32,10 @@ from ckpt_engine.retry import Backoff
 from ckpt_engine.transport.digest_board import board_nbytes, read_post
 from ckpt_engine.transport.messages import PullDescriptor, PullOffer, PullRegion, VersionHeader, VersionTrailer
 from ckpt_engine.transport.nixl import READ_POLL_MAX_S, NixlEndpoint, Read, Region
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 _PLANS_KEPT = 2  # read plans kept: a puller pulls one class (a 70B class at TP 8: 1.3M reads, 42 MB)
 
@@ -59,6 +64,11 @@ _last_plans = _Plans(_PLANS_KEPT)
 # How soon a puller reads the lead's board again while its digests are not posted yet (doubling up to the last).
 _FIRST_RETRY_S = 0.001
 _LAST_RETRY_S = 0.05
+# A waiting puller reads the board of an owner whose post it needs this long after the last read ended, the
+# gap doubling up to _PACED_MAX_S: a 100k-piece board (800 KB) read every 2 ms cost 344 MiB/s of board bytes
+_PACED_S = 0.004
+_BOARD_READS = 2  # of one owner's board in flight at once (see PostedDigests)
+_PACED_MAX_S = 0.064
 
 
 class NixlFeed:
@@ -87,20 +97,17 @@ class NixlFeed:
         owner = self.owners.of[bucket.index]
         source = self.offer.sources[owner]
         spans = [(source.region, source.offset), *((span.region, span.offset) for span in source.more)]
-        planned = self.reads[bucket.index]  # [buffer, offset in it, offset in the bucket, bytes] a row
+        planned = self.reads[bucket.index].numpy()  # [buffer, offset in it, offset in the bucket, bytes] a row
         reads = []
-        for buffer in planned[:, 0].unique().tolist():
+        for buffer, ranges in _by_buffer(planned):
             if buffer == KEPT:
+                self.pending_kept[bucket.index] = (owner, into, ranges)
                 continue
             if not 0 <= buffer < len(spans):
                 raise ProtocolError(f"version {self.described.header.version}: a read from owner rank {owner}'s "
                                     f"buffer {buffer}, of {len(spans)} offered")
-            ranges = planned[planned[:, 0] == buffer, 1:]
-            ranges[:, 0] += spans[buffer][1]  # (a copy: the plan is kept for the next version)
-            reads.append(self.endpoint.start_read(self.remotes[owner], _region(spans[buffer][0]), into, ranges))
-        kept = planned[planned[:, 0] == KEPT, 1:]
-        if len(kept):
-            self.pending_kept[bucket.index] = (owner, into, kept)
+            region, at = spans[buffer]
+            reads.append(self.endpoint.start_read(self.remotes[owner], _region(region), into, ranges, at=at))
         self.digests.ask(owner)  # (its reply comes behind these reads: then its post is likely known)
         self._start_kept()
 
@@ -122,7 +129,9 @@ class NixlFeed:
         waiting on one owner's bytes must not leave another's link idle."""
         backoff = Backoff(initial_s=0.0002, max_s=READ_POLL_MAX_S)
         while self.pending_kept and not read.ended() and time.monotonic() < self.deadline:
-            self._start_kept(ask=False)  # (no new board read: those go behind each bucket's reads)
+            self._start_kept(ask=False)  # (besides those behind each bucket's reads, board reads are paced)
+            for owner in {owner for owner, _, _ in self.pending_kept.values()}:
+                self.digests.ask_paced(owner)
             backoff.wait()
         read.wait(max(0.0, self.deadline - time.monotonic()))
 
@@ -171,10 +180,14 @@ class PostedDigests:
         self.held = held
         self.computed: list[list[int] | None] = [None] * owners.ranks
         self.posted: list[list[int] | None] = [None] * owners.ranks  # (final)
-        self.scratch = [torch.empty(board_nbytes(n), dtype=torch.uint8) for n in held]
-        for scratch in self.scratch:
+        # Each owner's board may be read twice at once: a read asked behind a bucket's reads is not held back
+        # by one still in flight, whose reply waits behind other bytes on the link.
+        self.scratch = [[torch.empty(board_nbytes(n), dtype=torch.uint8) for _ in range(_BOARD_READS)]
+                        for n in held]
+        for scratch in self._all_scratch():
             endpoint.register(scratch)
-        self.reading: dict[int, Read] = {}
+        self.reading: dict[int, list[tuple[Read, torch.Tensor]]] = {owner: [] for owner in range(owners.ranks)}
+        self.paced = [(0.0, _PACED_S)] * owners.ranks  # (per owner: when it may be read again, the gap after)
         try:
             self._start_reads()
         except CkptEngineError:
@@ -192,6 +205,9 @@ class PostedDigests:
         every owner posted them as final. The lead's post is needed too, whatever it holds: it posts once the
         daemon has its report of the version (workers/trainer_agent.py), so nothing is loaded whose outcome
         the daemon cannot know."""
+        for owner in range(self.owners.ranks):  # (every owner's board at once, not one after another)
+            self._take(owner, block=False)
+            self._start_read(owner)
         for owner in range(self.owners.ranks):
             self._posted_by(owner, self.posted)
         flat = [d for bucket in self.layout.buckets for d in self.of_bucket(bucket.index)]
@@ -208,13 +224,26 @@ class PostedDigests:
         if again and self.computed[owner] is None:
             self._start_read(owner)
 
+    def ask_paced(self, owner: int) -> None:
+        """Read ``owner``'s board again while its computed post is unknown and no read of it is in flight, at
+        most every ``_PACED_S`` (doubling, per owner): a puller waiting on one owner's bytes learns another's
+        post in time to read what it kept, and a big board is not read again and again."""
+        if self.computed[owner] is not None or self.reading[owner]:
+            return
+        now = time.monotonic()
+        if now < self.paced[owner][0]:
+            return
+        gap = self.paced[owner][1]
+        self.paced[owner] = (now + gap, min(2 * gap, _PACED_MAX_S))
+        self._start_read(owner)
+
     def _posted_by(self, owner: int, posts: list[list[int] | None]) -> list[int]:
         """What ``owner`` posted in ``posts`` (computed or final), read again (backing off) until it has, or
         the deadline."""
         delay = _FIRST_RETRY_S
         while (posted := posts[owner]) is None:
-            self._take(owner, block=True)
-            if posts[owner] is not None:
+            if self.reading[owner]:  # (each read in flight first, the oldest first)
+                self._take(owner, block=True)
                 continue
             if time.monotonic() + delay > self.deadline:
                 what = "final " if posts is self.posted and self.computed[owner] is not None else ""
@@ -227,11 +256,14 @@ class PostedDigests:
 
     def close(self, failed: bool) -> None:
         """Done with the boards: a failed pull's scratch may still be written (a read given up on)."""
-        if failed or self.reading:
-            self.endpoint.retire(self.scratch)
+        if failed or any(self.reading.values()):
+            self.endpoint.retire(self._all_scratch())
         else:
-            for scratch in self.scratch:
+            for scratch in self._all_scratch():
                 self.endpoint.forget(scratch)
+
+    def _all_scratch(self) -> list[torch.Tensor]:
+        return [scratch for each in self.scratch for scratch in each]
 
     def _start_reads(self) -> None:
         """Read every owner's board (all at once: behind a loaded link each read waits in its queue)."""
@@ -239,19 +271,21 @@ class PostedDigests:
             self._start_read(owner)
 
     def _start_read(self, owner: int) -> None:
-        if owner not in self.reading and self.posted[owner] is None:
-            self.reading[owner] = self.endpoint.start_read(self.remotes[owner], self.regions[owner],
-                                                           self.scratch[owner])
+        reading = self.reading[owner]
+        if len(reading) < _BOARD_READS and self.posted[owner] is None:
+            free = next(s for s in self.scratch[owner] if all(s is not used for _, used in reading))
+            reading.append((self.endpoint.start_read(self.remotes[owner], self.regions[owner], free), free))
 
     def _take(self, owner: int, block: bool) -> None:
         """What ``owner``'s board read in flight posts, once it ended (``block``: waiting for it); a
         ProtocolError if the owner failed the version, or posted other digests than before."""
-        read = self.reading.get(owner)
-        if read is None or not (block or read.ended()):
+        reading = self.reading[owner]
+        if not reading or not (block or reading[0][0].ended()):  # (the oldest first: posts only advance)
             return
+        read, scratch = reading[0]
         read.wait(max(0.0, self.deadline - time.monotonic()))  # (raises, still in flight, if it times out)
-        del self.reading[owner]
-        post = read_post(self.scratch[owner].numpy().tobytes(), self.header.version, self.layout.digest,
+        del reading[0]
+        post = read_post(scratch.numpy().tobytes(), self.header.version, self.layout.digest,
                          self.held[owner])
         if post is None:
             return
@@ -262,6 +296,19 @@ class PostedDigests:
         self.computed[owner] = digests
         if final:
             self.posted[owner] = digests
+
+
+def _by_buffer(planned: npt.NDArray[np.int64]) -> list[tuple[int, torch.Tensor]]:
+    """A bucket's reads ([buffer, offset in it, offset in the bucket, bytes] rows) as each buffer's ranges
+    (int64 [n, 3]): numpy, since a bucket has few rows and a torch op costs microseconds each."""
+    import numpy as np  # (NIXL's own dependency: not imported with this module)
+
+    buffers = planned[:, 0]
+    first = int(buffers[0]) if len(buffers) else 0
+    if (buffers == first).all():  # (most buckets: everything out of one buffer)
+        return [(first, torch.from_numpy(np.ascontiguousarray(planned[:, 1:])))] if len(buffers) else []
+    return [(int(buffer), torch.from_numpy(np.ascontiguousarray(planned[buffers == buffer, 1:])))
+            for buffer in np.unique(buffers)]
 
 
 def kept_regions(offer: PullOffer, described: PullDescriptor) -> list[Region] | None:

@@ -20,12 +20,15 @@ import time
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ckpt_engine.errors import CkptEngineError, SyncTimeoutError
 from ckpt_engine.retry import Backoff
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 log = logging.getLogger(__name__)
 _MODULES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")
@@ -267,31 +270,41 @@ class NixlEndpoint:
             self.drop_remote(metadata)
 
     def start_read(self, remote: str, source: Region, into: torch.Tensor,
-                   ranges: torch.Tensor | None = None) -> Read:
+                   ranges: torch.Tensor | None = None, at: int = 0) -> Read:
         """READ into ``into`` (a uint8 tensor within memory registered here), for each row (byte offset in
-        ``source``, byte offset in ``into``, bytes) of ``ranges`` (int64 [n, 3]; default: all of ``into``, from
-        offset 0 of ``source``), those bytes from the owner. Returns the transfer to wait on. The ranges are
-        checked and handed to NIXL as arrays: a column piece is one range a row, a million for a 70B class."""
+        ``source`` after ``at``, byte offset in ``into``, bytes) of ``ranges`` (int64 [n, 3]; default: all of
+        ``into``, from ``at``), those bytes from the owner. Returns the transfer to wait on. The ranges are
+        checked and handed to NIXL as arrays (numpy: a bucket's few rows cost microseconds, not a torch op's
+        overhead each): a column piece is one range a row, a million for a 70B class."""
+        import numpy as np  # (NIXL's own dependency, so there wherever a read is: not imported with this module)
+
         nbytes = into.numel() * into.element_size()
         if not into.is_contiguous():
             raise PullFailed("a read's local buffer must be contiguous (its bytes are read as one span)")
         if source.addr < 0 or source.nbytes < 0 or source.addr + source.nbytes >= 1 << 63:  # (no process maps there)
             raise PullFailed(f"an owner's region at {source.addr} of {source.nbytes} bytes is not an address range")
-        spans = torch.tensor([[0, 0, nbytes]], dtype=torch.int64) if ranges is None else ranges
-        if spans.dtype != torch.int64 or spans.dim() != 2 or spans.shape[1] != 3:
+        if not 0 <= at <= source.nbytes:
+            raise PullFailed(f"a read {at} bytes into an owner's region of {source.nbytes} leaves it")
+        if ranges is None:
+            rows = np.array([[0, 0, nbytes]], dtype=np.int64)
+        elif ranges.dtype != torch.int64 or ranges.dim() != 2 or ranges.shape[1] != 3:
             raise PullFailed(f"a read's ranges are int64 rows of 3 (owner offset, local offset, bytes), not "
-                             f"{spans.dtype} {tuple(spans.shape)}")
-        _check_within(spans[:, 0], spans[:, 2], source.nbytes, "the owner's region")
-        _check_within(spans[:, 1], spans[:, 2], nbytes, "the memory it reads into")
-        spans = spans[spans[:, 2] > 0]
-        if not len(spans):
+                             f"{ranges.dtype} {tuple(ranges.shape)}")
+        else:
+            rows = ranges.numpy()
+        _check_within(rows[:, 0], rows[:, 2], source.nbytes - at, "the owner's region")
+        _check_within(rows[:, 1], rows[:, 2], nbytes, "the memory it reads into")
+        rows = rows[rows[:, 2] > 0]
+        if not len(rows):
             return Read(self, None, remote, [])
         device_id, mem = self._kind(into)
-        local = torch.stack([spans[:, 1] + into.data_ptr(), spans[:, 2], torch.full_like(spans[:, 2], device_id)], 1)
-        far = torch.stack([spans[:, 0] + source.addr, spans[:, 2], torch.full_like(spans[:, 2], source.device_id)], 1)
+        local = np.empty((len(rows), 3), dtype=np.uint64)  # (every value < 2**63: checked above)
+        local[:, 0], local[:, 1], local[:, 2] = rows[:, 1] + into.data_ptr(), rows[:, 2], device_id
+        far = np.empty((len(rows), 3), dtype=np.uint64)
+        far[:, 0], far[:, 1], far[:, 2] = rows[:, 0] + (source.addr + at), rows[:, 2], source.device_id
         try:
-            local_descs = self._agent.get_xfer_descs(local.numpy().astype("uint64"), mem)
-            remote_descs = self._agent.get_xfer_descs(far.numpy().astype("uint64"), source.mem)
+            local_descs = self._agent.get_xfer_descs(local, mem)
+            remote_descs = self._agent.get_xfer_descs(far, source.mem)
             self._busy_until = max(self._busy_until, time.monotonic() + _READ_BUSY_S)  # (this side too: TCP, shm)
             handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, remote)
             state = self._agent.transfer(handle)
@@ -348,7 +361,7 @@ class NixlEndpoint:
         return region.device_id, region.mem
 
 
-def _check_within(offsets: torch.Tensor, counts: torch.Tensor, nbytes: int, what: str) -> None:
+def _check_within(offsets: npt.NDArray[Any], counts: npt.NDArray[Any], nbytes: int, what: str) -> None:
     """Every (offset, count) lies in ``nbytes`` bytes; compared without adding them (int64 would wrap)."""
     if bool(((offsets < 0) | (counts < 0) | (offsets > nbytes) | (counts > nbytes - offsets)).any()):
         raise PullFailed(f"a read leaves {what} ({nbytes} bytes)")
