@@ -42,11 +42,11 @@ def _wait_for(path: Path, timeout_s: float = _WAIT_S) -> bytes:
     return path.read_bytes()
 
 
-def _wait_until(done: Any, timeout_s: float) -> None:
+def _wait_until(done: Any, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not done():
         if time.monotonic() > deadline:
-            raise TimeoutError("the owner's digests were never posted")
+            raise TimeoutError(f"{what} never came")
         time.sleep(0.001)
 
 
@@ -87,11 +87,34 @@ def _route(cfg: dict, store: tuple[str, int] | None, named: Any) -> tuple[Any, d
     return Route(None, {}, owners_group("g0")), ownership
 
 
+def _offering(pub: Any, pulls: Any, cfg: dict, route: Any, version: int, marks: dict[str, Any]) -> Any:
+    """What offers ``version`` (as the trainer agent: called by the publisher before its send starts), noting in
+    ``marks`` when it was cached, offered, or why it failed."""
+    from ckpt_engine.codec import encode
+
+    def offer() -> None:
+        marks["cached"] = time.perf_counter()
+        try:
+            pulls.release(before=version)
+            plans = None
+            if cfg["sharded"]:
+                with pub.cache.lease(version) as cached:
+                    plans = pub.classes.wire_plans(cached, {lane.key: lane.spec for lane in route.lanes})
+            offered = pulls.offer(pub.cache, version, None, pub.device.digest_algo, cfg["timeout_s"],
+                                  pub.own_digests, rank=cfg["owner"], plans=plans, pieces=pub.classes.kept)
+            _publish_atomically(Path(cfg["folder"]) / f"offer-{version}-{cfg['owner']}", encode(offered))
+        except BaseException as exc:
+            marks["failed"] = exc
+            raise
+        marks["offered"] = time.perf_counter()
+
+    return offer
+
+
 def run_owner(cfg: dict) -> dict:
     """An owner (a trainer rank): it caches its share of each version (every piece digested, for a sharded
     version class by class) and offers it, the lead with the descriptors."""
     _use_the_link()
-    from ckpt_engine.codec import encode
     from ckpt_engine.device import detect_device
     from ckpt_engine.send.publisher import Publisher
     from ckpt_engine.transport.group import open_store
@@ -114,18 +137,14 @@ def run_owner(cfg: dict) -> dict:
     for version in range(1, cfg["rounds"] + 2):  # the first is a warm-up
         named.tensors[next(iter(named.tensors))].add_(1.0)
         t0, cpu0 = time.perf_counter(), time.process_time()
-        transfer = pub.publish(version, named, route=lambda: route, **options)
-        cached_at = time.perf_counter()
-        pulls.release(before=version)
-        plans = None
-        if cfg["sharded"]:  # (as the trainer agent: offered before the send digests its pieces)
-            with pub.cache.lease(version) as cached:
-                plans = pub.classes.wire_plans(cached, {lane.key: lane.spec for lane in route.lanes})
-        offer = pulls.offer(pub.cache, version, None, device.digest_algo, cfg["timeout_s"], pub.own_digests,
-                            rank=owner, plans=plans, pieces=pub.classes.kept)
-        _publish_atomically(folder / f"offer-{version}-{owner}", encode(offer))
-        offered = time.perf_counter()
-        _wait_until(lambda v=version: pulls.posted(v), cfg["timeout_s"])
+        marks: dict[str, Any] = {}
+        offer = _offering(pub, pulls, cfg, route, version, marks)
+        transfer = pub.publish(version, named, route=lambda: route, before_send=offer, **options)
+        _wait_until(lambda m=marks: "offered" in m or "failed" in m, cfg["timeout_s"], f"version {version}'s offer")
+        if "failed" in marks:
+            raise RuntimeError(f"version {version} could not be offered: {marks['failed']!r}")
+        cached_at, offered = marks["cached"], marks["offered"]
+        _wait_until(lambda v=version: pulls.posted(v), cfg["timeout_s"], "the owner's digests")
         posted = time.perf_counter()
         result = transfer.result(timeout_s=cfg["timeout_s"])
         if not result.ok:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import platform
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -308,6 +309,10 @@ def test_a_read_is_refused_before_it_starts_where_it_leaves_either_buffer_and_la
                 puller.start_read(remote, region, window, odd)
         with pytest.raises(PullFailed, match="contiguous"):
             puller.start_read(remote, region, into[::2])
+        for at, rows in ((4097, None), (-1, None), (4000, torch.tensor([[0, 0, 200]])), (top, None),
+                         (2048, torch.tensor([[top - 5, 0, 8]]))):  # (``at``: where the owner's share starts)
+            with pytest.raises(PullFailed, match=r"owner's region|leaves it"):
+                puller.start_read(remote, region, window, rows, at=at)
         for addr in ((1 << 64) - 8, (1 << 63) - 8, -1):
             with pytest.raises(PullFailed, match="not an address range"):
                 puller.start_read(remote, Region(addr, 16, region.mem, region.device_id), window)
@@ -318,6 +323,8 @@ def test_a_read_is_refused_before_it_starts_where_it_leaves_either_buffer_and_la
         assert not window[16:24].any() and not into[:512].any() and not into[1536:].any()
         puller.start_read(remote, region, into).wait(_WAIT_S)  # (no rows: all of it, from the region's start)
         assert torch.equal(into, source[:2048])
+        puller.start_read(remote, region, window, torch.tensor([[8, 0, 1024]]), at=2040).wait(_WAIT_S)
+        assert torch.equal(window, source[2048:3072])
     finally:
         puller.close()
         owner.close()
@@ -454,6 +461,47 @@ def test_an_offer_posts_the_digests_its_send_takes_whether_made_before_or_after_
         pulls.offer(publisher.cache, 2, None, "xxh3-64", 60.0, publisher.own_digests)
         with publisher.cache.lease(2) as cached:
             assert pulls.posted(2) and posted(2) == _digests_of(cached) != _digests_of(publisher.cache.get(1))
+    finally:
+        pulls.close()
+        publisher.close()
+
+
+def test_a_version_offered_before_its_send_starts_is_offered_before_any_digest_and_its_send_goes_on_whatever_it_does(
+) -> None:
+    """``publish(before_send=...)``, as the trainer agent offers a version to its pullers: called on the send's
+    thread once the version is cached, before the send took any digest (an offer made beside the send waited
+    for the CPU behind it); what it raises is logged and the send goes on. Refused where no new cached version
+    is sent after it."""
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.errors import ConfigError
+    from ckpt_engine.send.publisher import Publisher, Route
+    from ckpt_engine.workers.pull_server import PullServer
+
+    publisher = Publisher(device=detect_device("cpu"), bucket_size=64 << 10, keep_versions=3)
+    pulls = PullServer()
+    alone = Route(None, {}, None)
+    seen: list[tuple[int, bool, str]] = []
+
+    def offer(version: int, fail: bool = False):
+        def before() -> None:
+            seen.append((version, publisher.own_digests.known(version, ""), threading.current_thread().name))
+            if fail:
+                raise RuntimeError("the daemon is gone")
+            pulls.offer(publisher.cache, version, None, "xxh3-64", 60.0, publisher.own_digests)
+        return before
+
+    try:
+        tensors = _model()
+        assert publisher.publish(1, tensors, route=lambda: alone, pulled=True, before_send=offer(1)).result(60).ok
+        _wait_until(lambda: pulls.posted(1), 30)
+        tensors["w"].add_(1)
+        assert publisher.publish(2, tensors, route=lambda: alone, pulled=True,
+                                 before_send=offer(2, fail=True)).result(60).ok
+        assert seen == [(1, False, "ckpt-send-v1"), (2, False, "ckpt-send-v2")]
+        for refused in ({"mode": "bypass_cpu"}, {"source_version": 1}):
+            with pytest.raises(ConfigError, match="only a new cached version"):
+                publisher.publish(3, None if "source_version" in refused else tensors, route=lambda: alone,
+                                  before_send=offer(3), **refused)
     finally:
         pulls.close()
         publisher.close()
@@ -985,6 +1033,49 @@ def test_a_pull_loads_only_on_every_owners_final_post_and_only_of_the_digests_it
             board.post([d ^ 1 for d in digests], layout.digest)  # (final, of other bytes)
             with pytest.raises(ProtocolError, match="other digests than those its pieces were checked against"):
                 other.trailer()
+    finally:
+        puller.close()
+        owner.close()
+
+
+def test_an_owners_board_is_read_at_most_twice_at_once_and_its_posts_are_taken_oldest_first() -> None:
+    """A board read asked behind a bucket's reads is not held back by one still in flight (each has a scratch
+    of its own, two at most); reads of the board before anything was posted never undo a post read after them,
+    and the final post is asked of every owner at once (two agents of this process)."""
+    from ckpt_engine.device import detect_device
+    from ckpt_engine.plan.hashing import version_digest
+    from ckpt_engine.plan.layout import plan_layout
+    from ckpt_engine.plan.owners import single_owner
+    from ckpt_engine.plan.tensors import specs_of
+    from ckpt_engine.receive.pulled import PostedDigests, describe
+    from ckpt_engine.send.cache import VersionCache
+    from ckpt_engine.send.pull_offer import offer_version, whole_plan
+    from ckpt_engine.transport.nixl import NixlEndpoint
+
+    tensors = _model()
+    layout = plan_layout(specs_of(tensors), bucket_size=64 << 10)
+    cache = VersionCache(detect_device("cpu"), keep_versions=2)
+    cache.snapshot(1, layout, tensors, step=1)
+    owner, puller = NixlEndpoint("owner"), NixlEndpoint("receiver")
+    owner.serve_for(60.0)
+    try:
+        with cache.lease(1) as cached:
+            offered = offer_version(owner, cached, {"": whole_plan(cached)}, rank=0)
+            digests, board, offer = _digests_of(cached), offered.boards[""], offered.offer
+            deadline = time.monotonic() + 30.0
+            posted = PostedDigests(puller, [puller.remote(s.agent) for s in offer.sources], offer,
+                                   describe(puller, offer, deadline), layout, single_owner(layout), deadline)
+            for _ in range(3):  # (nothing posted yet)
+                posted._start_read(0)
+            reading = posted.reading[0]
+            assert 1 <= len(reading) <= 2 and len({id(scratch) for _, scratch in reading}) == len(reading)
+            board.post(digests, layout.digest, final=False)
+            assert posted.of_bucket(0) == digests[: len(layout.buckets[0].slots)]
+            posted._start_read(0)  # (read after the post: it must not be undone by an older one)
+            board.post(digests, layout.digest)
+            assert posted.trailer().version_digest == version_digest("xxh3-64", layout.digest, digests)
+            assert posted.computed[0] == posted.posted[0] == digests
+            posted.close(failed=False)
     finally:
         puller.close()
         owner.close()

@@ -94,7 +94,7 @@ class TrainerAgent(Agent):
         self._pushes = LoopPushes()
         self.pulls = PullServer()  # the versions it offers receivers to pull (transport: nixl)
         self.offered_early: set[int] = set()  # offered before their send ended
-        self._offering: dict[int, threading.Thread] = {}  # versions being offered before their send ended
+        self._offering: dict[int, threading.Event] = {}  # versions offered before their send: set once offered
 
     def register_extra(self) -> dict:
         hub = self.publisher.hub if self.publisher is not None else None
@@ -210,7 +210,8 @@ class TrainerAgent(Agent):
                         stale.version, self._pending[-1].version)
         return self._pending.popleft()
 
-    def _publish(self, assignment: Assignment, step: int) -> Transfer:
+    def _publish(self, assignment: Assignment, step: int,
+                 before_send: Callable[[], None] | None = None) -> Transfer:
         """This rank's part of a version, through the publisher's one entry: the buckets it owns it stores and
         sends, the others it helps gather (every rank calls this for the same versions, in order)."""
         ownership = Ownership(self.rank, assignment.owners, self.ranks.global_rank if self.world_size > 1 else None)
@@ -226,7 +227,7 @@ class TrainerAgent(Agent):
             sparse=assignment.sparse, sparse_base=assignment.sparse_base,
             agree=self.ranks.all_reduce_max if self.world_size > 1 else None,
             route=lambda: self._route(assignment), ownership=ownership, keep=assignment.keep,
-            sharded=bool(assignment.classes), pulled=assignment.pullers > 0)
+            sharded=bool(assignment.classes), pulled=assignment.pullers > 0, before_send=before_send)
 
     def _owner_rank(self, assignment: Assignment) -> int | None:
         return self.rank  # a trainer rank sends (its own group; with several owners, also the owners' group)
@@ -308,12 +309,14 @@ class TrainerAgent(Agent):
             self.report(version, "snapshotting", step=step)
         self._wait_current(self.settings.version_timeout_s if self.settings else 600)  # one version at a time
         try:
-            transfer = self._publish(assignment, step)
+            transfer = self._publish(assignment, step, self._offer_before_send(assignment))
         except TrainerGroupError as exc:
+            self._offering.pop(version, None)  # (never offered: its send did not start)
             # No abort to the receivers: it waits in the owners' vote for the ranks that failed (they time out)
             self._give_up(version, exc)
             raise
         except Exception as exc:  # every failure ends the version with a reason in history
+            self._offering.pop(version, None)
             log.exception("version %d failed on the trainer", version)
             reason = f"{type(exc).__name__}: {exc}"
             self._report_failure(version, reason, exc)  # the report first: nothing waits on it
@@ -321,30 +324,31 @@ class TrainerAgent(Agent):
         else:
             self.gathered[version] = transfer.gathered_bytes
             held = time.perf_counter() - started
-            self._offer_before_send(assignment)
             self._track(assignment, lambda: transfer, held)
         self.held_seconds.append(time.perf_counter() - started)
 
-    def _offer_before_send(self, assignment: Assignment) -> None:
-        """Offer a version its pullers may read as soon as it is cached (``offers_before_send``), on a thread
-        of its own (the training loop goes on): they read while its send digests it, and each owner posts its
-        digests as its send takes them. Where it cannot be offered yet (e.g. its snapshot still fills the
-        cache), it is offered after its send (``_report_result`` waits for this thread first)."""
+    def _offer_before_send(self, assignment: Assignment) -> Callable[[], None] | None:
+        """What offers a version its pullers may read as soon as it is cached (``offers_before_send``), called
+        by the publisher before its send starts, off the training loop: they read while its send digests it, and
+        each owner posts its digests as its send takes them (offered beside the send, the offer waited for the
+        CPU behind the send's cutting and digesting). Where it cannot be offered yet, it is offered after its
+        send (``_report_result`` waits for this first)."""
         if not offers_before_send(assignment, self.rank):
-            return
+            return None
+        done = self._offering[assignment.version] = threading.Event()
 
         def offer() -> None:
             try:
                 offered = self.pulls.offer_for(assignment, self._publisher(), self.settings, self.rank)
             except CkptEngineError as exc:
                 log.info("version %d is offered once its send ended: %s", assignment.version, exc)
-                return
-            self.offered_early.add(assignment.version)
-            self.report(assignment.version, "offered", offer=offered.model_dump())
+            else:
+                self.offered_early.add(assignment.version)
+                self.report(assignment.version, "offered", offer=offered.model_dump())
+            finally:
+                done.set()
 
-        thread = threading.Thread(target=offer, name=f"ckpt-offer-v{assignment.version}", daemon=True)
-        self._offering[assignment.version] = thread
-        thread.start()
+        return offer
 
     def _give_up(self, version: int, exc: TrainerGroupError) -> None:
         """The job's own group failed serving ``version``: it fails with that reason, told (bounded) before the
@@ -394,7 +398,7 @@ class TrainerAgent(Agent):
     def _report_result(self, result: TransferResult, held: float, assignment: Assignment) -> None:
         offering = self._offering.pop(result.version, None)
         if offering is not None:
-            offering.join(_OFFER_JOIN_S)  # (its offer first: the send may end before it)
+            offering.wait(_OFFER_JOIN_S)  # (its offer first: a send that failed may end before it)
         if assignment.pullers and (result.ok or result.version in self.offered_early):
             # (before done: the daemon then waits for the pullers' reports)
             try:

@@ -143,7 +143,8 @@ class Publisher:
                 source_version: int | None = None, agree: Agree | None = None,
                 route: Callable[[], Route] | None = None, ownership: Ownership | None = None,
                 expected_digest: str | None = None, keep: Iterable[int] | None = None,
-                sharded: bool = False, pulled: bool = False) -> Transfer:
+                sharded: bool = False, pulled: bool = False,
+                before_send: Callable[[], None] | None = None) -> Transfer:
         """Start sending ``version``. The returned transfer's ``params_released`` says when the tensors are no
         longer read, so the training loop may go on; its ``result()`` says how the send ended.
 
@@ -160,6 +161,10 @@ class Publisher:
         - ``pulled``: receivers pull the version (transport nixl): what its send digests of this rank's pieces
           is kept for its offer (``own_digests``). Under bypass_cpu, each bucket this rank sends is then also
           kept in its device send slots (one buffer, reused) until the next version: ``kept``.
+        - ``before_send``: a new cached version's, called once it is cached, on its send's thread before the send
+          starts (where the send starts while the snapshot fills the cache: on a thread of its own once the
+          snapshot is done); what it raises is logged. E.g. offering the version to its pullers: an offer made
+          beside the send waits for the CPU behind the send's cutting and digesting, and the pullers with it.
         - ``sharded``: the route sends each class of receivers only its pieces (``Route.lanes``). They are cut
           from the cached version once the snapshot completes, or under bypass_cpu from this rank's buckets as
           they are gathered (send/fanout.py). With ``sparse_base``, each class gets the pieces that changed
@@ -175,6 +180,9 @@ class Publisher:
         other trainer ranks never wait in one."""
         check_version(version)
         check_sparse(check_mode(mode), sparse or sparse_base is not None)
+        if before_send is not None and (mode != "cached" or source_version is not None):
+            raise ConfigError(f"version {version}: only a new cached version is sent after a before_send call, "
+                              f"not a {'re-push' if source_version is not None else mode + ' one'}")
         if pulled:
             self.own_digests.expect(version)
         mine = ownership or Ownership()
@@ -222,7 +230,8 @@ class Publisher:
                                  owner_ranks=owners.ranks, gathers=named.gathers,
                                  host_wire=self.device.comm_device.type == "cpu",
                                  device_copy=self.device.kind != "cpu", wanted=self.overlap_snapshot):
-                return self._send_while_snapshotting(version, named, cursor, share, step, layout, owners, routed)
+                return self._send_while_snapshotting(version, named, cursor, share, step, layout, owners, routed,
+                                                     before_send)
             self._snapshot(version, named, cursor, share, delta, step, layout, owners)
         finally:
             cursor.drain()  # the other ranks wait in the remaining gathers, also after a failure part way
@@ -231,10 +240,12 @@ class Publisher:
         transfer.gathered_bytes = cursor.gathered_bytes
         if sparse_base is not None and not sharded:
             def send() -> Transfer:
+                _call(before_send, version)
                 return self._sender(routed).send_sparse(self.cache, version, sparse_base, inline=True,
                                                         bucket_size=self.bucket_size, alignment=self.alignment)
         else:
             def send() -> Transfer:
+                _call(before_send, version)
                 return self._send_cached(routed, version, sparse_base=sparse_base)
         return self._in_background(transfer, send)
 
@@ -337,7 +348,8 @@ class Publisher:
 
     def _send_while_snapshotting(self, version: int, named: NamedTensors, cursor: GatherCursor, share: Share,
                                  step: int | None, layout: Layout, owners: Owners,
-                                 route: Callable[[], Route | None] | None) -> Transfer:
+                                 route: Callable[[], Route | None] | None,
+                                 before_send: Callable[[], None] | None) -> Transfer:
         """Snapshot ``version`` into the cache on this thread while its send, started first, sends each bucket
         as soon as it is cached. Returns once the snapshot is done. A snapshot that fails part way fails the
         transfer, and the receivers are told at the first bucket it did not fill. Only a failure of the
@@ -365,6 +377,9 @@ class Publisher:
                       type(exc).__name__, exc)
         finally:
             transfer.params_released.set()
+        if before_send is not None:
+            threading.Thread(target=_call, args=(before_send, version), name=f"ckpt-before-send-v{version}",
+                             daemon=True).start()
         transfer.gathered_bytes = cursor.gathered_bytes
         return transfer
 
@@ -426,6 +441,15 @@ class Publisher:
 
         threading.Thread(target=run, name=f"ckpt-send-v{transfer.version}", daemon=True).start()
         return transfer
+
+
+def _call(before_send: Callable[[], None] | None, version: int) -> None:
+    if before_send is None:
+        return
+    try:
+        before_send()
+    except Exception:  # (the send goes on: what it was for is the caller's to say)
+        log.exception("version %d: what was to be done before its send failed", version)
 
 
 class GatherCursor:
