@@ -467,15 +467,19 @@ def test_an_offer_posts_the_digests_its_send_takes_whether_made_before_or_after_
 
 
 def test_a_version_offered_before_its_send_starts_is_offered_before_any_digest_and_its_send_goes_on_whatever_it_does(
-) -> None:
-    """``publish(before_send=...)``, as the trainer agent offers a version to its pullers: called on the send's
-    thread once the version is cached, before the send took any digest (an offer made beside the send waited
-    for the CPU behind it); what it raises is logged and the send goes on. Refused where no new cached version
-    is sent after it."""
+        monkeypatch) -> None:
+    """``publish(before_send=...)``, as the trainer agent offers a version to its pullers: called once the
+    version is cached and waited for before the send took any digest (an offer made beside the send waited for
+    the CPU behind it); what it raises is logged and the send goes on, as it does past the wait's bound when it
+    stalls. Refused where no new cached version is sent after it."""
     from ckpt_engine.device import detect_device
     from ckpt_engine.errors import ConfigError
+    from ckpt_engine.send import publisher as publishing
     from ckpt_engine.send.publisher import Publisher, Route
     from ckpt_engine.workers.pull_server import PullServer
+
+    monkeypatch.setattr(publishing, "BEFORE_SEND_WAIT_S", 1.0)
+    stalled = threading.Event()
 
     publisher = Publisher(device=detect_device("cpu"), bucket_size=64 << 10, keep_versions=3)
     pulls = PullServer()
@@ -497,11 +501,15 @@ def test_a_version_offered_before_its_send_starts_is_offered_before_any_digest_a
         tensors["w"].add_(1)
         assert publisher.publish(2, tensors, route=lambda: alone, pulled=True,
                                  before_send=offer(2, fail=True)).result(60).ok
-        assert seen == [(1, False, "ckpt-send-v1"), (2, False, "ckpt-send-v2")]
+        assert seen == [(1, False, "ckpt-before-send-v1"), (2, False, "ckpt-before-send-v2")]
+        tensors["w"].add_(1)
+        assert publisher.publish(3, tensors, route=lambda: alone, pulled=True,
+                                 before_send=lambda: stalled.wait(120)).result(60).ok  # (not 120 s)
+        stalled.set()
         for refused in ({"mode": "bypass_cpu"}, {"source_version": 1}):
             with pytest.raises(ConfigError, match="only a new cached version"):
-                publisher.publish(3, None if "source_version" in refused else tensors, route=lambda: alone,
-                                  before_send=offer(3), **refused)
+                publisher.publish(4, None if "source_version" in refused else tensors, route=lambda: alone,
+                                  before_send=offer(4), **refused)
     finally:
         pulls.close()
         publisher.close()

@@ -47,6 +47,9 @@ from ckpt_engine.transport.same_host import IpcHub
 
 log = logging.getLogger(__name__)
 MAX_VERSION = (1 << 53) - 1  # ids travel as JSON numbers and int64 frames: both hold them exactly
+# How long a send waits for what is done before it (publish's before_send: an offer to pullers, whose first one
+# registers the cache's memory with NIXL, a second or two); past it the send goes on beside it
+BEFORE_SEND_WAIT_S = 10.0
 
 # All-reduce (MAX) of this rank's change-agreement vector with the other trainer ranks', for sparse versions.
 # A single process passes None: its own vector is the answer.
@@ -161,9 +164,9 @@ class Publisher:
         - ``pulled``: receivers pull the version (transport nixl): what its send digests of this rank's pieces
           is kept for its offer (``own_digests``). Under bypass_cpu, each bucket this rank sends is then also
           kept in its device send slots (one buffer, reused) until the next version: ``kept``.
-        - ``before_send``: a new cached version's, called once it is cached, on its send's thread before the send
-          starts (where the send starts while the snapshot fills the cache: on a thread of its own once the
-          snapshot is done); what it raises is logged. E.g. offering the version to its pullers: an offer made
+        - ``before_send``: a new cached version's, called once it is cached and waited for before its send starts,
+          up to ``BEFORE_SEND_WAIT_S`` (where the send starts while the snapshot fills the cache: once the snapshot
+          is done, beside the send); what it raises is logged. E.g. offering the version to its pullers: an offer made
           beside the send waits for the CPU behind the send's cutting and digesting, and the pullers with it.
         - ``sharded``: the route sends each class of receivers only its pieces (``Route.lanes``). They are cut
           from the cached version once the snapshot completes, or under bypass_cpu from this rank's buckets as
@@ -377,9 +380,8 @@ class Publisher:
                       type(exc).__name__, exc)
         finally:
             transfer.params_released.set()
-        if before_send is not None:
-            threading.Thread(target=_call, args=(before_send, version), name=f"ckpt-before-send-v{version}",
-                             daemon=True).start()
+        if before_send is not None:  # (the send runs already: nothing waits for it)
+            _started(before_send, version)
         transfer.gathered_bytes = cursor.gathered_bytes
         return transfer
 
@@ -444,12 +446,28 @@ class Publisher:
 
 
 def _call(before_send: Callable[[], None] | None, version: int) -> None:
+    """Run ``before_send`` and wait for it up to ``BEFORE_SEND_WAIT_S``: one that stalls (e.g. a NIXL
+    registration that hangs) does not hold the send, nor a pushed receiver of the same version."""
     if before_send is None:
         return
-    try:
-        before_send()
-    except Exception:  # (the send goes on: what it was for is the caller's to say)
-        log.exception("version %d: what was to be done before its send failed", version)
+    thread = _started(before_send, version)
+    thread.join(BEFORE_SEND_WAIT_S)
+    if thread.is_alive():
+        log.warning("version %d: what was to be done before its send still runs after %.0f s; the send goes on",
+                    version, BEFORE_SEND_WAIT_S)
+
+
+def _started(before_send: Callable[[], None], version: int) -> threading.Thread:
+    """``before_send`` running on a thread of its own; what it raises is logged."""
+    def run() -> None:
+        try:
+            before_send()
+        except Exception:  # (the send goes on: what it was for is the caller's to say)
+            log.exception("version %d: what was to be done before its send failed", version)
+
+    thread = threading.Thread(target=run, name=f"ckpt-before-send-v{version}", daemon=True)
+    thread.start()
+    return thread
 
 
 class GatherCursor:
