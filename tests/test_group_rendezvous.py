@@ -8,11 +8,13 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from ckpt_engine.device import detect_device
 from ckpt_engine.transport.group import (
     EXCHANGE_WORDS,
+    MembersAbsent,
     SyncGroup,
     _nccl_failures_cleanup_only,
     await_members,
@@ -123,6 +125,70 @@ def test_an_exchange_gives_every_member_every_members_values_whatever_their_leng
     for thread in threads:
         thread.join(60)
     assert told == {rank: [sent[0], sent[1], sent[2]] for rank in range(3)}
+    for group in groups.values():
+        group.close()
+
+
+def test_a_rank_whose_values_are_not_int64_fails_before_any_step_and_the_others_name_it_within_the_bound() -> None:
+    """Found by the outside attack of the tenth session: a value past int64 found between an exchange's two
+    steps left that rank's group usable and out of step, so its next exchange paired with the others' second
+    step and every rank took wrong values. Every value is now converted first: the rank raises at once and its
+    group is broken; the others fail within the exchange's bound, naming it."""
+    store = open_store("127.0.0.1", 0, is_master=True, timeout_s=20)
+    groups = _pair(store.port, "int64", timeout_s=20, size=3)
+    values = {0: list(range(1025)), 1: [*range(600), 2**63, *range(424)], 2: list(range(1025))}
+    failed: dict[int, Exception] = {}
+
+    def member(rank: int) -> None:
+        try:
+            groups[rank].exchange_ints(values[rank], "vote", 3.0, round_id=("vote", 1))
+        except Exception as exc:  # noqa: BLE001 - what each rank saw is checked below
+            failed[rank] = exc
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=member, args=(rank,)) for rank in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert time.monotonic() - started < 3.0 + 15
+    assert "not int64" in str(failed[1]) and groups[1].broken
+    for rank in (0, 2):
+        assert isinstance(failed[rank], MembersAbsent) and failed[rank].absent == (1,), failed[rank]
+        assert groups[rank].broken
+    for group in groups.values():
+        group.close()
+
+
+def test_a_rank_that_stops_between_an_exchanges_two_steps_is_named_and_the_whole_exchange_keeps_its_bound() -> None:
+    """A rank that took part in the first step and never came to the second (it died or stalled there) is
+    named by the others, and both steps together wait no longer than the exchange's bound."""
+    store = open_store("127.0.0.1", 0, is_master=True, timeout_s=20)
+    groups = _pair(store.port, "rest", timeout_s=20, size=3)
+    failed: dict[int, Exception] = {}
+
+    def member(rank: int) -> None:
+        try:
+            groups[rank].exchange_ints(list(range(EXCHANGE_WORDS + 9)), "vote", 4.0, round_id=("vote", 1))
+        except Exception as exc:  # noqa: BLE001 - what each rank saw is checked below
+            failed[rank] = exc
+
+    def first_step_only() -> None:  # (rank 2: the first step as exchange_ints takes it, then nothing)
+        head = torch.zeros(1 + EXCHANGE_WORDS, dtype=torch.int64)
+        head[0] = EXCHANGE_WORDS + 9
+        groups[2]._exchange_step(head, "vote", time.monotonic() + 4.0, ("vote", 1))
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=member, args=(rank,)) for rank in (0, 1)]
+    threads.append(threading.Thread(target=first_step_only))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert time.monotonic() - started < 4.0 + 15
+    for rank in (0, 1):
+        assert isinstance(failed[rank], MembersAbsent) and failed[rank].absent == (2,), failed[rank]
+        assert "(rest)" in str(failed[rank])
     for group in groups.values():
         group.close()
 

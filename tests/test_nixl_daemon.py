@@ -383,6 +383,28 @@ def stall_before_reporting(stall_version: int, agent, rank: int, version: int, w
     return {}
 
 
+def offer_stalls(stall_version: int, agent, rank: int, version: int, workdir: str) -> dict:
+    """(``owner_trainer``'s hook) From the version before ``stall_version`` on, rank 1's offer of
+    ``stall_version`` stalls (``stalled`` in ``workdir``) until ``go``; what is done before a send and the
+    version's report wait for it 1 s (not ``BEFORE_SEND_WAIT_S``'s 10)."""
+    if rank != 1 or version != stall_version - 1:
+        return {}
+    from ckpt_engine.send import publisher
+
+    publisher.BEFORE_SEND_WAIT_S = 1.0
+    sys.modules[type(agent).__module__].BEFORE_SEND_WAIT_S = 1.0
+    offer_for = agent.pulls.offer_for
+
+    def stalling(assignment, *args, **kwargs):
+        if assignment.version == stall_version:
+            Path(workdir, "stalled").touch()
+            _wait_for(lambda: Path(workdir, "go").exists(), 180)
+        return offer_for(assignment, *args, **kwargs)
+
+    agent.pulls.offer_for = stalling
+    return {}
+
+
 def _job(daemon, workdir: Path, flip_version: int = -1, hook=None, mode: str = "push", versions: int = 3):
     """Two FSDP2 ranks pushing (``mode``: "push" cached, "bypass") at steps 3, 7 and 9 (the first
     ``versions`` of them), training the first layer at 5."""
@@ -572,6 +594,20 @@ def test_an_owner_rank_that_cannot_offer_fails_the_version_at_once_and_its_pulle
         [rx] = pullers.collect(120)
         assert daemon.stop() == 0
     assert [(version, ok) for version, ok, _, _ in rx["results"]] == [(first["id"], True), (third["id"], True)]
+
+
+def test_an_owner_whose_offer_stalls_fails_its_version_within_the_bound_and_its_late_offer_is_never_reported(
+        tmp_path: Path) -> None:
+    """Outside attack, tenth session: an offer made before the send is waited for a bounded time by the send,
+    and again by the version's report; one that stalls past both fails its version for its pullers (they keep
+    what they hold), and when it comes at last it is neither reported nor offered twice. The next version
+    commits."""
+    (first, stalled, third), ranks, rx = _stalled_owner_run(
+        tmp_path, functools.partial(offer_stalls, 2), "stalled", 3)
+    assert [v["status"] for v in (first, stalled, third)] == ["committed", "failed", "committed"], stalled
+    assert "did not finish within 1 s" in stalled["reason"], stalled["reason"]
+    assert [(version, ok) for version, ok, _, _ in rx["results"]] == [(first["id"], True), (third["id"], True)]
+    assert rx["state"] == ranks[0]["served"][third["id"]]
 
 
 def _stalled_owner_run(tmp_path: Path, hook, stalled_file: str, versions: int) -> tuple[list[dict], list, dict]:

@@ -310,8 +310,8 @@ def test_a_read_is_refused_before_it_starts_where_it_leaves_either_buffer_and_la
         with pytest.raises(PullFailed, match="contiguous"):
             puller.start_read(remote, region, into[::2])
         for at, rows in ((4097, None), (-1, None), (4000, torch.tensor([[0, 0, 200]])), (top, None),
-                         (2048, torch.tensor([[top - 5, 0, 8]]))):  # (``at``: where the owner's share starts)
-            with pytest.raises(PullFailed, match=r"owner's region|leaves it"):
+                         (2048, torch.tensor([[top - 5, 0, 8]])), (8.5, None)):  # (``at``: where the share starts)
+            with pytest.raises(PullFailed, match=r"owner's region|leaves it|a byte count"):
                 puller.start_read(remote, region, window, rows, at=at)
         for addr in ((1 << 64) - 8, (1 << 63) - 8, -1):
             with pytest.raises(PullFailed, match="not an address range"):

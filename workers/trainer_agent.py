@@ -45,7 +45,7 @@ from ckpt_engine.device import DeviceInfo
 from ckpt_engine.errors import CkptEngineError, ReceiversAbsent, TrainerGroupError, absent_receivers
 from ckpt_engine.plan.tensors import NamedTensors, NameMap
 from ckpt_engine.ranks import plain_seat
-from ckpt_engine.send.publisher import Ownership, Publisher, Route
+from ckpt_engine.send.publisher import BEFORE_SEND_WAIT_S, Ownership, Publisher, Route
 from ckpt_engine.send.sender import Transfer, TransferResult, WireHook
 from ckpt_engine.transport.group import MembersAbsent, SyncGroup, open_store, owner_part
 from ckpt_engine.workers.agent import Agent
@@ -60,7 +60,6 @@ log = logging.getLogger(__name__)
 TensorSource = Callable[[], NamedTensors]
 _REPORT_BOUND_S = 30.0  # beyond the version's time, how long the lead waits for the answer to its report
 _REPORT_BEFORE_EXIT_S = 2.0  # a daemon that answers takes milliseconds; one that does not must not hold the exit
-_OFFER_JOIN_S = 60.0  # an offer registers memory and encodes a descriptor: a second or two the first time
 
 
 class TrainerAgent(Agent):
@@ -95,6 +94,8 @@ class TrainerAgent(Agent):
         self.pulls = PullServer()  # the versions it offers receivers to pull (transport: nixl)
         self.offered_early: set[int] = set()  # offered before their send ended
         self._offering: dict[int, threading.Event] = {}  # versions offered before their send: set once offered
+        self._late_offers: set[int] = set()  # offered before their send, given up on once it ended (see below)
+        self._offers_lock = threading.Lock()
 
     def register_extra(self) -> dict:
         hub = self.publisher.hub if self.publisher is not None else None
@@ -338,13 +339,23 @@ class TrainerAgent(Agent):
         done = self._offering[assignment.version] = threading.Event()
 
         def offer() -> None:
+            version = assignment.version
             try:
                 offered = self.pulls.offer_for(assignment, self._publisher(), self.settings, self.rank)
             except CkptEngineError as exc:
-                log.info("version %d is offered once its send ended: %s", assignment.version, exc)
+                log.info("version %d is not offered before its send (%s): it is once its send ended, if that "
+                         "succeeds", version, exc)
             else:
-                self.offered_early.add(assignment.version)
-                self.report(assignment.version, "offered", offer=offered.model_dump())
+                with self._offers_lock:  # (reported before the send's report can see it done)
+                    late = version in self._late_offers
+                    if not late:
+                        self.offered_early.add(version)
+                        self.report(version, "offered", offer=offered.model_dump())
+                    done.set()
+                if late:  # its version was failed for its pullers meanwhile
+                    self.pulls.fail(version, "its offer came after its send had ended")
+                    with self._offers_lock:
+                        self._late_offers.discard(version)
             finally:
                 done.set()
 
@@ -397,8 +408,15 @@ class TrainerAgent(Agent):
 
     def _report_result(self, result: TransferResult, held: float, assignment: Assignment) -> None:
         offering = self._offering.pop(result.version, None)
-        if offering is not None:
-            offering.wait(_OFFER_JOIN_S)  # (its offer first: a send that failed may end before it)
+        if offering is not None and not offering.wait(BEFORE_SEND_WAIT_S):  # (its offer first: the send of a
+            with self._offers_lock:                                         # stalled one went on without it)
+                late = not offering.is_set()
+                if late:
+                    self._late_offers.add(result.version)
+            if late:
+                self._report_failure(result.version, f"its offer to its pullers did not finish within "
+                                     f"{BEFORE_SEND_WAIT_S:.0f} s of its send's end")
+                return
         if assignment.pullers and (result.ok or result.version in self.offered_early):
             # (before done: the daemon then waits for the pullers' reports)
             try:

@@ -20,7 +20,7 @@ import torch
 import xxhash
 
 from ckpt_engine.codec import decode
-from ckpt_engine.errors import CkptEngineError, ProtocolError
+from ckpt_engine.errors import CkptEngineError, ProtocolError, SyncTimeoutError
 from ckpt_engine.plan.hashing import version_digest
 from ckpt_engine.plan.layout import Bucket, Layout
 from ckpt_engine.plan.owners import Owners, single_owner
@@ -31,7 +31,7 @@ from ckpt_engine.receive.payload import ReceiveResult
 from ckpt_engine.retry import Backoff
 from ckpt_engine.transport.digest_board import board_nbytes, read_post
 from ckpt_engine.transport.messages import PullDescriptor, PullOffer, PullRegion, VersionHeader, VersionTrailer
-from ckpt_engine.transport.nixl import READ_POLL_MAX_S, NixlEndpoint, Read, Region
+from ckpt_engine.transport.nixl import READ_POLL_MAX_S, NixlEndpoint, PullFailed, Read, Region
 
 if TYPE_CHECKING:
     import numpy as np
@@ -64,11 +64,11 @@ _last_plans = _Plans(_PLANS_KEPT)
 # How soon a puller reads the lead's board again while its digests are not posted yet (doubling up to the last).
 _FIRST_RETRY_S = 0.001
 _LAST_RETRY_S = 0.05
-# A waiting puller reads the board of an owner whose post it needs this long after the last read ended, the
+# A waiting puller reads the board of an owner whose post it needs this long after it last did so, the
 # gap doubling up to _PACED_MAX_S: a 100k-piece board (800 KB) read every 2 ms cost 344 MiB/s of board bytes
 _PACED_S = 0.004
-_BOARD_READS = 2  # of one owner's board in flight at once (see PostedDigests)
 _PACED_MAX_S = 0.064
+_BOARD_READS = 2  # of one owner's board in flight at once (see PostedDigests)
 
 
 class NixlFeed:
@@ -108,7 +108,7 @@ class NixlFeed:
                                     f"buffer {buffer}, of {len(spans)} offered")
             region, at = spans[buffer]
             reads.append(self.endpoint.start_read(self.remotes[owner], _region(region), into, ranges, at=at))
-        self.digests.ask(owner)  # (its reply comes behind these reads: then its post is likely known)
+        self.digests.ask(owner, behind=True)  # (its reply comes behind these reads: its post likely known then)
         self._start_kept()
 
         def wait() -> list[int]:
@@ -214,14 +214,16 @@ class PostedDigests:
         return VersionTrailer(version=self.header.version,
                               version_digest=version_digest(self.header.digest_algo, self.layout.digest, flat))
 
-    def ask(self, owner: int, again: bool = True) -> None:
-        """Read ``owner``'s board again (unless its computed digests are known or a read of it is in flight),
-        taking what an ended read posts: without waiting. (Asking until the final post is known too cost the
-        4-owner netns row ~10 % more puller CPU, and time: docs/performance-notes.md.)"""
+    def ask(self, owner: int, again: bool = True, behind: bool = False) -> None:
+        """Take what an ended read of ``owner``'s board posts, without waiting; ``again``: read it again unless
+        its computed digests are known or a read of it is in flight (``behind`` a bucket's reads just started:
+        unless two are, one perhaps still on its way from before). So a bucket costs at most a read or two of
+        its owner's board. (Asking until the final post is known too cost the 4-owner netns row ~10 % more
+        puller CPU, and time: docs/performance-notes.md.)"""
         if self.posted[owner] is not None:
             return
         self._take(owner, block=False)
-        if again and self.computed[owner] is None:
+        if again and self.computed[owner] is None and len(self.reading[owner]) < (_BOARD_READS if behind else 1):
             self._start_read(owner)
 
     def ask_paced(self, owner: int) -> None:
@@ -283,7 +285,10 @@ class PostedDigests:
         if not reading or not (block or reading[0][0].ended()):  # (the oldest first: posts only advance)
             return
         read, scratch = reading[0]
-        read.wait(max(0.0, self.deadline - time.monotonic()))  # (raises, still in flight, if it times out)
+        try:
+            read.wait(max(0.0, self.deadline - time.monotonic()))  # (still in flight if it timed out)
+        except (PullFailed, SyncTimeoutError) as exc:
+            raise type(exc)(f"reading owner rank {owner}'s digest board: {exc}") from exc
         del reading[0]
         post = read_post(scratch.numpy().tobytes(), self.header.version, self.layout.digest,
                          self.held[owner])

@@ -166,7 +166,8 @@ class Publisher:
           kept in its device send slots (one buffer, reused) until the next version: ``kept``.
         - ``before_send``: a new cached version's, called once it is cached and waited for before its send starts,
           up to ``BEFORE_SEND_WAIT_S`` (where the send starts while the snapshot fills the cache: once the snapshot
-          is done, beside the send); what it raises is logged. E.g. offering the version to its pullers: an offer made
+          is done, beside the send, also if it failed part way: then it finds the version not cached); what it
+          raises is logged. E.g. offering the version to its pullers: an offer made
           beside the send waits for the CPU behind the send's cutting and digesting, and the pullers with it.
         - ``sharded``: the route sends each class of receivers only its pieces (``Route.lanes``). They are cut
           from the cached version once the snapshot completes, or under bypass_cpu from this rank's buckets as

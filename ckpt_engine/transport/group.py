@@ -260,35 +260,47 @@ class SyncGroup:
     def exchange_ints(self, values: list[int], what: str, timeout_s: float | None = None, *,
                       round_id: tuple[str, int] | None = None) -> list[list[int]]:
         """Every rank contributes a list of int64 values, of any length. Returns every rank's, in rank order.
-        ``round_id`` (kind, number): each rank notes in the store that it came to this round, so that a failed
-        exchange names the ranks that never came (``MembersAbsent``)."""
-        if round_id is not None:
-            self._note_present(round_id)
-        try:
-            return self._gather_ints(values, what, timeout_s)
-        except CkptEngineError as exc:
-            absent = self._absent_from(round_id) if round_id is not None else []
-            if not absent:
-                raise
-            raise MembersAbsent(f"{exc}; rank(s) {absent} never came to it", absent) from exc
-
-    def _gather_ints(self, values: list[int], what: str, timeout_s: float | None) -> list[list[int]]:
-        """One allgather carries every rank's length and its first ``EXCHANGE_WORDS`` values; only when a rank
-        has more does a second carry the rest (each collective step waits behind whatever fills the links)."""
+        One allgather carries every rank's length and its first ``EXCHANGE_WORDS`` values; only when a rank has
+        more does a second carry the rest (each collective step waits behind whatever fills the links). Both
+        together take at most ``timeout_s``. ``round_id`` (kind, number): each rank notes in the store that it
+        came to each step of this round, so that a failed exchange names the ranks that never came
+        (``MembersAbsent``)."""
+        try:  # (all of them before any step: a value past int64 found between the steps would leave the group
+            mine = torch.tensor(values, dtype=torch.int64).reshape(-1)  # out of step, pairing wrong collectives)
+        except (OverflowError, RuntimeError, TypeError, ValueError) as exc:
+            raise self._fail(f"{what}: this rank's values are not int64 ({exc}); the others wait for it in "
+                             "vain") from exc
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         head = torch.zeros(1 + EXCHANGE_WORDS, dtype=torch.int64)
-        head[0] = len(values)
-        head[1 : 1 + min(len(values), EXCHANGE_WORDS)] = torch.tensor(values[:EXCHANGE_WORDS], dtype=torch.int64)
-        heads = [g.cpu() for g in self.allgather(head.to(self.device.comm_device), what, timeout_s)]
+        head[0] = len(mine)
+        head[1 : 1 + min(len(mine), EXCHANGE_WORDS)] = mine[:EXCHANGE_WORDS]
+        heads = self._exchange_step(head, what, deadline, round_id)
         sizes = [int(h[0]) for h in heads]
         told = [h[1 : 1 + min(size, EXCHANGE_WORDS)].tolist() for h, size in zip(heads, sizes, strict=True)]
         longest = max(sizes)
         if longest <= EXCHANGE_WORDS:
             return told
         tail = torch.zeros(longest - EXCHANGE_WORDS, dtype=torch.int64)
-        tail[: max(len(values) - EXCHANGE_WORDS, 0)] = torch.tensor(values[EXCHANGE_WORDS:], dtype=torch.int64)
-        tails = self.allgather(tail.to(self.device.comm_device), f"{what} (rest)", timeout_s)
-        return [first + t[: max(size - EXCHANGE_WORDS, 0)].cpu().tolist()
+        tail[: max(len(mine) - EXCHANGE_WORDS, 0)] = mine[EXCHANGE_WORDS:]
+        rest = (f"{round_id[0]}/rest", round_id[1]) if round_id is not None else None
+        tails = self._exchange_step(tail, f"{what} (rest)", deadline, rest)
+        return [first + t[: max(size - EXCHANGE_WORDS, 0)].tolist()
                 for first, t, size in zip(told, tails, sizes, strict=True)]
+
+    def _exchange_step(self, tensor: torch.Tensor, what: str, deadline: float,
+                       round_id: tuple[str, int] | None) -> list[torch.Tensor]:
+        """One allgather of an exchange, on the host; a failed one names the ranks that never came to it."""
+        if round_id is not None:
+            self._note_present(round_id)
+        try:
+            gathered = self.allgather(tensor.to(self.device.comm_device), what,  # (a wait of 0 would be unbounded)
+                                      max(deadline - time.monotonic(), 0.01))
+        except CkptEngineError as exc:
+            absent = self._absent_from(round_id) if round_id is not None else []
+            if not absent:
+                raise
+            raise MembersAbsent(f"{exc}; rank(s) {absent} never came to it", absent) from exc
+        return [g.cpu() for g in gathered]
 
     def say(self, topic: str, text: str) -> None:
         """Leave ``text`` for the other members under ``topic``, best effort and bounded. E.g. why this rank

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
+import operator
 import os
 import threading
 import time
@@ -283,6 +284,10 @@ class NixlEndpoint:
             raise PullFailed("a read's local buffer must be contiguous (its bytes are read as one span)")
         if source.addr < 0 or source.nbytes < 0 or source.addr + source.nbytes >= 1 << 63:  # (no process maps there)
             raise PullFailed(f"an owner's region at {source.addr} of {source.nbytes} bytes is not an address range")
+        try:
+            at = operator.index(at)  # (a float would be rounded into an address)
+        except TypeError:
+            raise PullFailed(f"where a read starts in an owner's region is a byte count, not {at!r}") from None
         if not 0 <= at <= source.nbytes:
             raise PullFailed(f"a read {at} bytes into an owner's region of {source.nbytes} leaves it")
         if ranges is None:
