@@ -77,6 +77,10 @@ def stopping_trainer(zmq: str, stop_file: str, folder: str, stop_version: int) -
             agent.flush_reports(30)
             Path(folder, "stopped").touch()
             os.kill(os.getpid(), signal.SIGSTOP)
+            # Sent from this thread under load, the stop may take effect a few ms later (seen on this machine's
+            # kernel): the report waits until the test resumes the process, not only until the stop.
+            while not Path(folder, "resumed").exists():
+                time.sleep(0.01)
         report(version, event, **fields)
 
     agent.report = stopping
@@ -687,10 +691,12 @@ def test_a_lead_the_daemon_dropped_before_its_report_tells_its_pullers_and_they_
             assert client.post("/sync", json={"step": 2}).status_code == 202
             _wait_for(lambda: (tmp_path / "stopped").exists(), 120)
             failed = _wait_for(lambda: _ended(client.get("/versions/2").json()), 120)
+            (tmp_path / "resumed").touch()
             os.kill(trainer.procs[0].pid, signal.SIGCONT)
             late = _wait_for(lambda: [e for e in client.get("/versions/2").json()["receivers"]
                                       if e.get("missing_report") is False], 120)  # (its outcome, if late)
     finally:
+        (tmp_path / "resumed").touch()
         os.kill(trainer.procs[0].pid, signal.SIGCONT)
         stop_file.touch()
         [rx] = receivers.collect(120)
