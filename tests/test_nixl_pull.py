@@ -7,6 +7,7 @@ offer in production; here only the transport is under test)."""
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import sys
 import threading
@@ -1004,54 +1005,49 @@ def test_a_pull_loads_only_on_every_owners_final_post_and_only_of_the_digests_it
     """Computed digests let a puller check its buckets (and read what the owner kept), never load: without the
     final post the pull fails at its deadline, and a final post of other digests than those it checked
     against fails it at once (two agents of this process)."""
-    from ckpt_engine.device import detect_device
     from ckpt_engine.errors import ProtocolError
-    from ckpt_engine.plan.layout import plan_layout
-    from ckpt_engine.plan.owners import single_owner
-    from ckpt_engine.plan.tensors import specs_of
-    from ckpt_engine.receive.pulled import PostedDigests, describe
-    from ckpt_engine.send.cache import VersionCache
-    from ckpt_engine.send.pull_offer import offer_version, whole_plan
-    from ckpt_engine.transport.nixl import NixlEndpoint
 
-    tensors = _model()
-    layout = plan_layout(specs_of(tensors), bucket_size=64 << 10)
-    cache = VersionCache(detect_device("cpu"), keep_versions=2)
-    cache.snapshot(1, layout, tensors, step=1)
-    owner, puller = NixlEndpoint("owner"), NixlEndpoint("receiver")
-    owner.serve_for(60.0)
-    try:
-        with cache.lease(1) as cached:
-            offered = offer_version(owner, cached, {"": whole_plan(cached)}, rank=0)
-            digests, board, offer = _digests_of(cached), offered.boards[""], offered.offer
-            board.post(digests, layout.digest, final=False)
-            first = len(layout.buckets[0].slots)
-
-            def posted(within_s: float) -> PostedDigests:
-                deadline = time.monotonic() + within_s
-                return PostedDigests(puller, [puller.remote(s.agent) for s in offer.sources], offer,
-                                     describe(puller, offer, deadline), layout, single_owner(layout), deadline)
-
-            unfinal = posted(2.0)
-            assert unfinal.of_bucket(0) == digests[:first]
-            with pytest.raises(ProtocolError, match="posted no final digests before the deadline"):
-                unfinal.trailer()
-            other = posted(30.0)
-            assert other.of_bucket(0) == digests[:first]
-            board.post([d ^ 1 for d in digests], layout.digest)  # (final, of other bytes)
-            with pytest.raises(ProtocolError, match="other digests than those its pieces were checked against"):
-                other.trailer()
-    finally:
-        puller.close()
-        owner.close()
+    with _board_of_one_owner() as (layout, digests, board, posted):
+        board.post(digests, layout.digest, final=False)
+        first = len(layout.buckets[0].slots)
+        unfinal = posted(2.0)
+        assert unfinal.of_bucket(0) == digests[:first]
+        with pytest.raises(ProtocolError, match="posted no final digests before the deadline"):
+            unfinal.trailer()
+        other = posted(30.0)
+        assert other.of_bucket(0) == digests[:first]
+        board.post([d ^ 1 for d in digests], layout.digest)  # (final, of other bytes)
+        with pytest.raises(ProtocolError, match="other digests than those its pieces were checked against"):
+            other.trailer()
 
 
 def test_an_owners_board_is_read_at_most_twice_at_once_and_its_posts_are_taken_oldest_first() -> None:
     """A board read asked behind a bucket's reads is not held back by one still in flight (each has a scratch
     of its own, two at most); reads of the board before anything was posted never undo a post read after them,
     and the final post is asked of every owner at once (two agents of this process)."""
-    from ckpt_engine.device import detect_device
     from ckpt_engine.plan.hashing import version_digest
+
+    with _board_of_one_owner() as (layout, digests, board, posted_within):
+        posted = posted_within(30.0)
+        for _ in range(3):  # (nothing posted yet)
+            posted._start_read(0)
+        reading = posted.reading[0]
+        assert 1 <= len(reading) <= 2 and len({id(scratch) for _, scratch in reading}) == len(reading)
+        board.post(digests, layout.digest, final=False)
+        assert posted.of_bucket(0) == digests[: len(layout.buckets[0].slots)]
+        posted._start_read(0)  # (read after the post: it must not be undone by an older one)
+        board.post(digests, layout.digest)
+        assert posted.trailer().version_digest == version_digest("xxh3-64", layout.digest, digests)
+        assert posted.computed[0] == posted.posted[0] == digests
+        posted.close(failed=False)
+
+
+@contextlib.contextmanager
+def _board_of_one_owner():
+    """Version 1 of ``_model()`` cached and offered by an owner agent of this process and read by a puller agent
+    of it: its layout, its digests, the owner's board, and what makes the puller's ``PostedDigests`` of it
+    (given its time limit)."""
+    from ckpt_engine.device import detect_device
     from ckpt_engine.plan.layout import plan_layout
     from ckpt_engine.plan.owners import single_owner
     from ckpt_engine.plan.tensors import specs_of
@@ -1069,21 +1065,14 @@ def test_an_owners_board_is_read_at_most_twice_at_once_and_its_posts_are_taken_o
     try:
         with cache.lease(1) as cached:
             offered = offer_version(owner, cached, {"": whole_plan(cached)}, rank=0)
-            digests, board, offer = _digests_of(cached), offered.boards[""], offered.offer
-            deadline = time.monotonic() + 30.0
-            posted = PostedDigests(puller, [puller.remote(s.agent) for s in offer.sources], offer,
-                                   describe(puller, offer, deadline), layout, single_owner(layout), deadline)
-            for _ in range(3):  # (nothing posted yet)
-                posted._start_read(0)
-            reading = posted.reading[0]
-            assert 1 <= len(reading) <= 2 and len({id(scratch) for _, scratch in reading}) == len(reading)
-            board.post(digests, layout.digest, final=False)
-            assert posted.of_bucket(0) == digests[: len(layout.buckets[0].slots)]
-            posted._start_read(0)  # (read after the post: it must not be undone by an older one)
-            board.post(digests, layout.digest)
-            assert posted.trailer().version_digest == version_digest("xxh3-64", layout.digest, digests)
-            assert posted.computed[0] == posted.posted[0] == digests
-            posted.close(failed=False)
+            offer = offered.offer
+
+            def posted(within_s: float) -> PostedDigests:
+                deadline = time.monotonic() + within_s
+                return PostedDigests(puller, [puller.remote(s.agent) for s in offer.sources], offer,
+                                     describe(puller, offer, deadline), layout, single_owner(layout), deadline)
+
+            yield layout, _digests_of(cached), offered.boards[""], posted
     finally:
         puller.close()
         owner.close()

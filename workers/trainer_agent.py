@@ -50,6 +50,7 @@ from ckpt_engine.send.sender import Transfer, TransferResult, WireHook
 from ckpt_engine.transport.group import MembersAbsent, SyncGroup, open_store, owner_part
 from ckpt_engine.workers.agent import Agent
 from ckpt_engine.workers.class_groups import ClassGroups, ClassGroupsKey
+from ckpt_engine.workers.early_offers import EarlyOffers
 from ckpt_engine.workers.fsdp import sharded_tensors_of
 from ckpt_engine.workers.loop_push import LoopPushes
 from ckpt_engine.workers.pull_server import PullServer, offers_before_send
@@ -92,10 +93,7 @@ class TrainerAgent(Agent):
         self.served: list[int] = []  # versions this rank served (rank 0: sent), oldest first
         self._pushes = LoopPushes()
         self.pulls = PullServer()  # the versions it offers receivers to pull (transport: nixl)
-        self.offered_early: set[int] = set()  # offered before their send ended
-        self._offering: dict[int, threading.Event] = {}  # versions offered before their send: set once offered
-        self._late_offers: set[int] = set()  # offered before their send, given up on once it ended (see below)
-        self._offers_lock = threading.Lock()
+        self.early = EarlyOffers()  # versions offered before their send
 
     def register_extra(self) -> dict:
         hub = self.publisher.hub if self.publisher is not None else None
@@ -312,12 +310,12 @@ class TrainerAgent(Agent):
         try:
             transfer = self._publish(assignment, step, self._offer_before_send(assignment))
         except TrainerGroupError as exc:
-            self._offering.pop(version, None)  # (never offered: its send did not start)
+            self.early.forget(version)  # (never offered: its send did not start)
             # No abort to the receivers: it waits in the owners' vote for the ranks that failed (they time out)
             self._give_up(version, exc)
             raise
         except Exception as exc:  # every failure ends the version with a reason in history
-            self._offering.pop(version, None)
+            self.early.forget(version)
             log.exception("version %d failed on the trainer", version)
             reason = f"{type(exc).__name__}: {exc}"
             self._report_failure(version, reason, exc)  # the report first: nothing waits on it
@@ -336,30 +334,11 @@ class TrainerAgent(Agent):
         send (``_report_result`` waits for this first)."""
         if not offers_before_send(assignment, self.rank):
             return None
-        done = self._offering[assignment.version] = threading.Event()
-
-        def offer() -> None:
-            version = assignment.version
-            try:
-                offered = self.pulls.offer_for(assignment, self._publisher(), self.settings, self.rank)
-            except CkptEngineError as exc:
-                log.info("version %d is not offered before its send (%s): it is once its send ended, if that "
-                         "succeeds", version, exc)
-            else:
-                with self._offers_lock:  # (reported before the send's report can see it done)
-                    late = version in self._late_offers
-                    if not late:
-                        self.offered_early.add(version)
-                        self.report(version, "offered", offer=offered.model_dump())
-                    done.set()
-                if late:  # its version was failed for its pullers meanwhile
-                    self.pulls.fail(version, "its offer came after its send had ended")
-                    with self._offers_lock:
-                        self._late_offers.discard(version)
-            finally:
-                done.set()
-
-        return offer
+        version = assignment.version
+        return self.early.offering(
+            version, lambda: self.pulls.offer_for(assignment, self._publisher(), self.settings, self.rank),
+            lambda offered: self.report(version, "offered", offer=offered.model_dump()),
+            lambda why: self.pulls.fail(version, why))
 
     def _give_up(self, version: int, exc: TrainerGroupError) -> None:
         """The job's own group failed serving ``version``: it fails with that reason, told (bounded) before the
@@ -407,17 +386,11 @@ class TrainerAgent(Agent):
                 log.warning("version %d still in transfer: %s", current.version, exc)
 
     def _report_result(self, result: TransferResult, held: float, assignment: Assignment) -> None:
-        offering = self._offering.pop(result.version, None)
-        if offering is not None and not offering.wait(BEFORE_SEND_WAIT_S):  # (its offer first: the send of a
-            with self._offers_lock:                                         # stalled one went on without it)
-                late = not offering.is_set()
-                if late:
-                    self._late_offers.add(result.version)
-            if late:
-                self._report_failure(result.version, f"its offer to its pullers did not finish within "
-                                     f"{BEFORE_SEND_WAIT_S:.0f} s of its send's end")
-                return
-        if assignment.pullers and (result.ok or result.version in self.offered_early):
+        if not self.early.settled(result.version, BEFORE_SEND_WAIT_S):  # (its offer first)
+            self._report_failure(result.version, f"its offer to its pullers did not finish within "
+                                 f"{BEFORE_SEND_WAIT_S:.0f} s of its send's end")
+            return
+        if assignment.pullers and (result.ok or result.version in self.early.offered):
             # (before done: the daemon then waits for the pullers' reports)
             try:
                 self._offer_after_send(assignment, result)
@@ -446,8 +419,8 @@ class TrainerAgent(Agent):
     def _offer_after_send(self, assignment: Assignment, result: TransferResult) -> None:
         """A version offered before its send: its pullers are told if the send failed. Else it is offered now,
         with what its send put on the wire."""
-        if result.version in self.offered_early:
-            self.offered_early.discard(result.version)
+        if result.version in self.early.offered:
+            self.early.offered.discard(result.version)
             if not result.ok:
                 self.pulls.fail(result.version, result.reason or "its send failed")
             return
@@ -457,7 +430,7 @@ class TrainerAgent(Agent):
     def _report_failure(self, version: int, reason: str, exc: BaseException | None = None) -> None:
         """``exc``: what failed it; a sync group that did not form is said so, with whom it names absent. Its
         pullers, if it was offered, are told it failed."""
-        self.offered_early.discard(version)
+        self.early.offered.discard(version)
         self.pulls.fail(version, reason)
         publisher = self.publisher
         self.report(version, "done", ok=False, reason=reason,
